@@ -1,0 +1,28 @@
+# Reploy: the two commands of the README, plus their parts.
+#   make demo   set up this machine, then run a controlled session between the examples
+#   make test   set up this machine, then run the whole test suite
+PYTHON ?= python3
+DEMO_DIR ?= $(CURDIR)/.reploy-demo
+
+.PHONY: setup demo test test-unit bench clean-demo
+
+setup:
+	bash scripts/setup.sh
+
+demo: setup
+	$(PYTHON) reploy.py stage examples/controller/controller.blueprint.yaml --dir $(DEMO_DIR)/controller >&2
+	$(PYTHON) reploy.py build --dir $(DEMO_DIR)/controller >&2
+	$(PYTHON) reploy.py stage examples/workload/workload.blueprint.yaml --dir $(DEMO_DIR)/workload >&2
+	$(PYTHON) reploy.py build --dir $(DEMO_DIR)/workload >&2
+	$(PYTHON) reploy.py controlled-session run \
+	  --controller-dir $(DEMO_DIR)/controller --workload-dir $(DEMO_DIR)/workload \
+	  --output-dir $(DEMO_DIR)/artifacts -- run-controller
+
+test: setup
+	$(PYTHON) -m pytest -q tests
+
+test-unit:
+	$(PYTHON) -m pytest -q tests -m "not docker"
+
+clean-demo:
+	rm -rf $(DEMO_DIR)

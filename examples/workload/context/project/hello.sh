@@ -1,0 +1,2 @@
+#!/bin/sh
+echo "hello from $(hostname), running as $(id -u):$(id -g) in $(pwd)"
