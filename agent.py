@@ -1,0 +1,2400 @@
+#!/usr/bin/env python3
+"""agent.py: Reploy's data-plane agent. One session directory, one workload, one control socket.
+
+Role: runs inside each managed-session container (or directly on any Linux box) and owns exactly one session
+directory DIR. Its peers: `reploy.py serve` (the control plane) talks to it only through DIR/control.sock;
+supervisors observe DIR/events.jsonl; people and shell pipelines drive it with `python3 agent.py call DIR VERB`.
+
+Workloads:
+  shell  one PTY running /bin/sh (configurable); raw writes, typed messages, Ctrl-C-like interrupt, relaunch.
+  agent  a coding-agent CLI (Claude Code by default) run once per prompt through a bounded serial queue; its
+         stream-json is projected to plain text, UTF-8 normalised, secrets redacted, output capped.
+
+Everything the workload prints goes to DIR/output.log: append-only, addressed by byte offsets, kept across agent
+restarts and checkpoint/restore, bounded by a cap that ends it with a marker line instead of losing bytes.
+
+Stdlib only: this file is copied unchanged into images that have nothing but python3 (Debian bookworm, 3.11).
+The file reads top to bottom: constants, exceptions, types, pure cores (no I/O), I/O adapters, workloads, the
+serve loop, the `call` client, `main()`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import codecs
+import collections
+import dataclasses
+import enum
+import errno
+import fcntl
+import io
+import json
+import os
+import posixpath
+import re
+import selectors
+import shutil
+import signal
+import socket
+import stat
+import struct
+import subprocess
+import sys
+import tarfile
+import tempfile
+import termios
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Optional
+
+# ======================================================================================================================
+# Constants
+# ======================================================================================================================
+
+KIB = 1024
+MIB = 1024 * KIB
+
+SOCKET_NAME = "control.sock"  #: the control socket, DIR/control.sock
+LOG_NAME = "output.log"  #: the output log, DIR/output.log
+OUTBOX_NAME = "events.jsonl"  #: the lifecycle outbox, DIR/events.jsonl
+AGENT_STATE_NAME = "agent-state.json"  #: workload state that must survive restarts (the --continue flag)
+CHECKPOINT_PREFIX = "checkpoint-"  #: DIR/checkpoint-<id>.tar
+SOCKET_MODE = 0o600
+PRIVATE_DIR_MODE = 0o700
+
+# Control socket
+MAX_REQUEST_BYTES = 1 * MIB  #: one request line, newline excluded
+CLIENT_IDLE_TIMEOUT_S = 5.0  #: a client must send its request line (and take its response) within this
+HANDLER_TIMEOUT_S = 5.0  #: every request is answered within this, if need be with `timeout`
+MAX_ID_CHARS = 256
+RECV_BYTES = 64 * KIB
+MAX_ACCEPTS_PER_WAKEUP = 64  #: keeps one burst of clients from starving the PTY and pipes
+LISTEN_BACKLOG = 128
+CALL_TIMEOUT_S = HANDLER_TIMEOUT_S + 5.0  #: the `call` client outwaits the server's own bound
+
+# read
+MIN_READ_BYTES = 4  #: room for one whole UTF-8 code point
+DEFAULT_READ_BYTES = 64 * KIB
+MAX_READ_BYTES = 512 * KIB
+MAX_READ_WAIT_MS = 4000  #: a long-poll ends before HANDLER_TIMEOUT_S would
+
+# Queues (the agent's prompts and the shell's held messages share one bounded queue type)
+MAX_PROMPT_BYTES = 1 * MIB
+MAX_QUEUED_PROMPTS = 64
+MAX_QUEUED_BYTES = 8 * MIB
+
+# Shell workload
+SHELL_TERM = "xterm-256color"
+DEFAULT_COLUMNS = 80
+DEFAULT_ROWS = 24
+MAX_TERMINAL_SIDE = 65535
+PTY_READ_BYTES = 64 * KIB
+MAX_PTY_INPUT_BYTES = 4 * MIB  #: accepted for the PTY but not yet written to it
+SHELL_POLL_S = 0.05  #: how often the foreground process group is sampled (no event reports its change)
+SHELL_SETTLE_S = 0.05  #: the shell must look idle this long before a held message is typed
+DEFAULT_SHELL_LOG_CAP_BYTES = 64 * MIB
+
+# Agent workload
+DEFAULT_AGENT_ARGV = (
+    "claude", "{continue}", "{model}", "--permission-mode", "auto", "-p", "--output-format", "stream-json",
+    "--verbose", "--include-partial-messages", "--", "{prompt}",
+)
+PIPE_READ_BYTES = 64 * KIB
+MAX_STREAM_LINE_BYTES = 8 * MIB  #: a stream-json line longer than this is skipped with a marker
+DEFAULT_PER_RUN_CAP_BYTES = 16 * MIB
+DEFAULT_CUMULATIVE_CAP_BYTES = 256 * MIB
+DEFAULT_RUN_TIMEOUT_S = 3600.0
+KILL_GRACE_S = 2.0  #: SIGTERM, then SIGKILL after this
+PIPE_DRAIN_S = 2.0  #: after the command exits, its pipes get this long to reach EOF
+MIN_SECRET_CHARS = 4  #: shorter values would redact ordinary text
+REDACTED = "[REDACTED]"
+
+# Checkpoint / restore
+ARCHIVE_FORMAT = "reploy-agent-checkpoint"
+ARCHIVE_VERSION = 1
+ARCHIVE_MANIFEST = "reploy-checkpoint.json"
+ARCHIVE_LOG = "output.log"
+ARCHIVE_TREES = ("workspace", "home")
+MAX_MANIFEST_BYTES = 64 * KIB
+MAX_ARCHIVE_ENTRIES = 200_000
+MAX_ARCHIVE_BYTES = 8 * 1024 * MIB
+CHECKPOINT_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+COPY_CHUNK_BYTES = 1 * MIB
+
+
+# ======================================================================================================================
+# Exceptions, split by blame. Each carries the wire error code it becomes.
+# ======================================================================================================================
+
+
+class AgentError(Exception):
+    """Root of everything this file raises on purpose."""
+
+    code = "command_error"
+
+
+class RequestError(AgentError):
+    """The peer's fault: the request itself is wrong, whatever the session's state."""
+
+    code = "invalid_request"
+
+    def __init__(self, message: str, request_id: str = "") -> None:
+        super().__init__(message)
+        self.request_id = request_id
+
+
+class CommandError(AgentError):
+    """A valid request that the session's current state refuses, or that failed while carried out."""
+
+    code = "command_error"
+
+
+class UnavailableError(AgentError):
+    """Transient: the session cannot take this now (queue full, admission closed, restoring, stopping)."""
+
+    code = "server_unavailable"
+
+
+class HandlerTimeout(AgentError):
+    """The request could not be answered within HANDLER_TIMEOUT_S."""
+
+    code = "timeout"
+
+
+class ArchiveError(AgentError):
+    """A checkpoint archive is malformed or hostile; nothing was changed."""
+
+    code = "command_error"
+
+
+class StartupError(AgentError):
+    """The environment prevents serving: a live owner holds the socket, a path is unusable, a restore failed."""
+
+
+class UsageError(AgentError):
+    """Bad command-line arguments (exit 2)."""
+
+
+# ======================================================================================================================
+# Enums and frozen dataclasses
+# ======================================================================================================================
+
+
+class WorkloadKind(enum.Enum):
+    SHELL = "shell"
+    AGENT = "agent"
+
+
+class Method(enum.Enum):
+    MESSAGE = "message"
+    INTERRUPT = "interrupt"
+    RELAUNCH = "relaunch"
+    STATUS = "status"
+    READ = "read"
+    WRITE = "write"
+    RESIZE = "resize"
+    CHECKPOINT = "checkpoint"
+    RESTORE = "restore"
+
+
+class TurnState(enum.Enum):
+    IDLE = "idle"  # nothing running, nothing held
+    IN_PROGRESS = "in_progress"  # a shell job or an agent run is executing
+    WAITING = "waiting"  # nothing executing, but work is held or the workload cannot run (exited, restoring)
+
+
+class Delivery(enum.Enum):
+    DISPATCHED = "dispatched"
+    QUEUED = "queued"
+
+
+class Outcome(enum.Enum):
+    COMPLETED = "completed"
+    FAILED = "failed"
+    INTERRUPTED = "interrupted"
+
+
+class EventKind(enum.Enum):
+    SESSION_START = "session_start"
+    SESSION_END = "session_end"
+    TURN_START = "turn_start"
+    TURN_END = "turn_end"
+    RELAUNCH = "relaunch"
+    CHECKPOINT = "checkpoint"
+    RESTORE = "restore"
+
+
+@dataclasses.dataclass(frozen=True)
+class NoParams:
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class MessageParams:
+    text: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadParams:
+    offset_bytes: int
+    max_bytes: int
+    wait_ms: int
+
+
+@dataclasses.dataclass(frozen=True)
+class WriteParams:
+    data: bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class ResizeParams:
+    columns: int
+    rows: int
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointParams:
+    checkpoint_id: str
+
+
+@dataclasses.dataclass(frozen=True)
+class RestoreParams:
+    path: str
+
+
+Params = NoParams | MessageParams | ReadParams | WriteParams | ResizeParams | CheckpointParams | RestoreParams
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    request_id: str
+    method: Method
+    params: Params
+
+
+@dataclasses.dataclass(frozen=True)
+class LogSlice:
+    """What `read` answers: the bytes at [offset_bytes, next_offset_bytes) and the log's length."""
+
+    offset_bytes: int
+    data: bytes
+    next_offset_bytes: int
+    length_bytes: int
+    reset: bool  # the requested offset was past the end; next_offset_bytes is the current length
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    """The first member of a checkpoint archive: what it holds and for which workload."""
+
+    checkpoint_id: str
+    workload: WorkloadKind
+    log_bytes: int
+    continue_conversation: bool
+
+    def to_json(self) -> bytes:
+        return json.dumps({
+            "format": ARCHIVE_FORMAT, "version": ARCHIVE_VERSION, "id": self.checkpoint_id,
+            "workload": self.workload.value, "log_bytes": self.log_bytes, "continue": self.continue_conversation,
+        }).encode()
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentConfig:
+    """Everything `serve` was told; built once from the command line."""
+
+    session_dir: Path
+    workload: WorkloadKind
+    shell: str = "/bin/sh"
+    agent_argv: tuple[str, ...] = DEFAULT_AGENT_ARGV
+    model: Optional[str] = None
+    workspace: Optional[Path] = None  # default DIR/workspace
+    home: Optional[Path] = None  # default DIR/home
+    redact_env: tuple[str, ...] = ()
+    run_timeout_s: float = DEFAULT_RUN_TIMEOUT_S
+    per_run_cap_bytes: int = DEFAULT_PER_RUN_CAP_BYTES
+    cumulative_cap_bytes: int = DEFAULT_CUMULATIVE_CAP_BYTES
+    shell_log_cap_bytes: int = DEFAULT_SHELL_LOG_CAP_BYTES
+    restore_path: Optional[Path] = None
+    await_restore: bool = False
+
+    @property
+    def workspace_dir(self) -> Path:
+        return self.workspace or self.session_dir / "workspace"
+
+    @property
+    def home_dir(self) -> Path:
+        return self.home or self.session_dir / "home"
+
+    @property
+    def trees(self) -> dict[str, Path]:
+        """Archive tree name -> the directory it holds."""
+        return {"workspace": self.workspace_dir, "home": self.home_dir}
+
+    @property
+    def log_cap_bytes(self) -> int:
+        if self.workload is WorkloadKind.SHELL:
+            return self.shell_log_cap_bytes
+        return self.cumulative_cap_bytes
+
+
+# ======================================================================================================================
+# Pure core: the request codec (framing, one validating parser, response encoding)
+# ======================================================================================================================
+
+
+class RequestFramer:
+    """Collects the one request line of a connection: at most MAX_REQUEST_BYTES, newline-terminated, nothing after."""
+
+    def __init__(self, max_bytes: int = MAX_REQUEST_BYTES) -> None:
+        self._max_bytes = max_bytes
+        self._buffer = bytearray()
+
+    def feed(self, data: bytes) -> Optional[bytes]:
+        """Returns the line (without its newline) once complete, else None; RequestError when it cannot be one."""
+        scan_from = len(self._buffer)
+        self._buffer += data
+        newline = self._buffer.find(b"\n", scan_from)
+        if newline < 0:
+            if len(self._buffer) > self._max_bytes:
+                raise RequestError(f"request line exceeds {self._max_bytes} bytes")
+            return None
+        if newline > self._max_bytes:
+            raise RequestError(f"request line exceeds {self._max_bytes} bytes")
+        if newline + 1 != len(self._buffer):
+            raise RequestError("one request per connection: data follows the request line")
+        return bytes(self._buffer[:newline])
+
+    def eof(self) -> None:
+        """The client closed its side before a newline."""
+        if self._buffer:
+            raise RequestError("request line must end with a newline")
+        raise RequestError("empty request")
+
+
+class _FieldKind(enum.Enum):
+    TEXT = "text"  # non-empty string
+    INT = "int"
+    BASE64 = "base64"  # string of standard base64 -> bytes
+    CHECKPOINT_ID = "checkpoint_id"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Field:
+    wire_name: str
+    attr: str
+    kind: _FieldKind
+    default: Any = None  # None: required
+    low: int = 0
+    high: int = 0
+
+
+#: The parameters each method accepts: the one table the parser reads. Unknown fields are rejected.
+_PARAM_SCHEMAS: dict[Method, tuple[type, tuple[_Field, ...]]] = {
+    Method.MESSAGE: (MessageParams, (_Field("text", "text", _FieldKind.TEXT),)),
+    Method.INTERRUPT: (NoParams, ()),
+    Method.RELAUNCH: (NoParams, ()),
+    Method.STATUS: (NoParams, ()),
+    Method.READ: (ReadParams, (
+        _Field("offset", "offset_bytes", _FieldKind.INT, 0, 0, 2**63 - 1),
+        _Field("max_bytes", "max_bytes", _FieldKind.INT, DEFAULT_READ_BYTES, MIN_READ_BYTES, MAX_READ_BYTES),
+        _Field("wait_ms", "wait_ms", _FieldKind.INT, 0, 0, MAX_READ_WAIT_MS),
+    )),
+    Method.WRITE: (WriteParams, (_Field("data_b64", "data", _FieldKind.BASE64),)),
+    Method.RESIZE: (ResizeParams, (
+        _Field("columns", "columns", _FieldKind.INT, None, 1, MAX_TERMINAL_SIDE),
+        _Field("rows", "rows", _FieldKind.INT, None, 1, MAX_TERMINAL_SIDE),
+    )),
+    Method.CHECKPOINT: (CheckpointParams, (_Field("id", "checkpoint_id", _FieldKind.CHECKPOINT_ID),)),
+    Method.RESTORE: (RestoreParams, (_Field("path", "path", _FieldKind.TEXT),)),
+}
+
+
+def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [key for key, _ in pairs]
+    if len(set(keys)) != len(keys):
+        raise ValueError("duplicate key in JSON object")
+    return dict(pairs)
+
+
+def _convert_field(field: _Field, value: Any) -> Any:
+    """One parameter value, checked against its kind and range."""
+    where = f"params.{field.wire_name}"
+    if field.kind is _FieldKind.INT:
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise RequestError(f"{where} must be an integer")
+        if not field.low <= value <= field.high:
+            raise RequestError(f"{where} must be between {field.low} and {field.high}")
+        return value
+    if not isinstance(value, str):
+        raise RequestError(f"{where} must be a string")
+    if field.kind is _FieldKind.TEXT:
+        if not value:
+            raise RequestError(f"{where} must not be empty")
+        return value
+    if field.kind is _FieldKind.CHECKPOINT_ID:
+        if not CHECKPOINT_ID_RE.fullmatch(value):
+            raise RequestError(f"{where} must match {CHECKPOINT_ID_RE.pattern}")
+        return value
+    try:
+        return base64.b64decode(value, validate=True)
+    except ValueError as e:
+        raise RequestError(f"{where} is not valid base64") from e
+
+
+def _parse_params(method: Method, params: Any) -> Params:
+    if not isinstance(params, dict):
+        raise RequestError("params must be an object")
+    cls, fields = _PARAM_SCHEMAS[method]
+    unknown = sorted(set(params) - {field.wire_name for field in fields})
+    if unknown:
+        raise RequestError(f"unknown params for {method.value}: {', '.join(unknown)}")
+    values = {}
+    for field in fields:
+        if field.wire_name in params:
+            values[field.attr] = _convert_field(field, params[field.wire_name])
+        elif field.default is None:
+            raise RequestError(f"params.{field.wire_name} is required")
+        else:
+            values[field.attr] = field.default
+    return cls(**values)
+
+
+def parse_request(line: bytes) -> Request:
+    """Validates one request line into a Request. RequestError carries the id when one could be read."""
+    try:
+        document = json.loads(line.decode("utf-8"), object_pairs_hook=_reject_duplicate_keys)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise RequestError(f"request is not a JSON document: {e}") from e
+    if not isinstance(document, dict):
+        raise RequestError("request must be a JSON object")
+    request_id = document.get("id")
+    if not isinstance(request_id, str) or len(request_id) > MAX_ID_CHARS:
+        raise RequestError(f"id must be a string of at most {MAX_ID_CHARS} characters")
+    try:
+        unknown = sorted(set(document) - {"id", "method", "params"})
+        if unknown:
+            raise RequestError(f"unknown request fields: {', '.join(unknown)}")
+        method_name = document.get("method")
+        if not isinstance(method_name, str):
+            raise RequestError("method must be a string")
+        try:
+            method = Method(method_name)
+        except ValueError:
+            raise RequestError(f"unknown method {method_name!r}") from None
+        return Request(request_id, method, _parse_params(method, document.get("params", {})))
+    except RequestError as e:
+        raise RequestError(str(e), request_id) from e
+
+
+def _encode_line(document: dict[str, Any]) -> bytes:
+    return json.dumps(document, separators=(",", ":"), ensure_ascii=False).encode() + b"\n"
+
+
+def encode_result(request_id: str, method: Method, fields: dict[str, Any]) -> bytes:
+    """A success response: the result is tagged with the method it answers."""
+    return _encode_line({"id": request_id, "result": {"type": method.value, **fields}})
+
+
+def encode_error(request_id: str, code: str, message: str) -> bytes:
+    return _encode_line({"id": request_id, "error": {"code": code, "message": message}})
+
+
+# ======================================================================================================================
+# Pure core: text handling (UTF-8 boundaries, the normaliser, the redactor, the stream-json projector)
+# ======================================================================================================================
+
+
+def utf8_prefix(data: bytes, limit_bytes: int) -> bytes:
+    """The longest prefix of at most limit_bytes that does not end inside a UTF-8 code point."""
+    if len(data) <= limit_bytes:
+        return data
+    cut = limit_bytes
+    # A code point is at most 4 bytes, so at most 3 continuation bytes need backing over.
+    while cut > max(limit_bytes - 3, 0) and data[cut] & 0xC0 == 0x80:
+        cut -= 1
+    return data[:cut]
+
+
+def is_utf8_boundary(data: bytes, offset_bytes: int) -> bool:
+    return offset_bytes >= len(data) or data[offset_bytes] & 0xC0 != 0x80
+
+
+class Utf8Normaliser:
+    """Bytes in, valid text out: a code point split across reads is held, invalid bytes become U+FFFD."""
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, data: bytes) -> str:
+        return self._decoder.decode(data)
+
+    def finish(self) -> str:
+        return self._decoder.decode(b"", final=True)
+
+
+class Redactor:
+    """Replaces secret values with [REDACTED] in a text stream, also when a secret is split across feeds.
+
+    It holds back the longest tail that could still grow into a secret, so nothing it emits can later turn out to
+    have been the start of one. finish() releases (and redacts) what is held.
+    """
+
+    def __init__(self, secrets: Iterable[str]) -> None:
+        self._secrets = sorted({s for s in secrets if s}, key=len, reverse=True)
+        self._pattern = re.compile("|".join(map(re.escape, self._secrets))) if self._secrets else None
+        self._held = ""
+
+    def feed(self, text: str) -> str:
+        if self._pattern is None:
+            return text
+        buffer = self._held + text
+        out = []
+        position = 0
+        while (match := self._pattern.search(buffer, position)) is not None:
+            if self._could_grow(buffer[match.start():]):
+                break  # a longer secret may start here; decide when more text arrives
+            out.append(buffer[position:match.start()])
+            out.append(REDACTED)
+            position = match.end()
+        rest = buffer[position:]
+        hold = max((self._partial_suffix_len(rest, secret) for secret in self._secrets), default=0)
+        if (match := self._pattern.search(rest)) is not None:
+            hold = max(hold, len(rest) - match.start())
+        self._held = rest[len(rest) - hold:]
+        out.append(rest[:len(rest) - hold])
+        return "".join(out)
+
+    def finish(self) -> str:
+        held, self._held = self._held, ""
+        return self._pattern.sub(REDACTED, held) if self._pattern else held
+
+    def _could_grow(self, tail: str) -> bool:
+        return any(len(secret) > len(tail) and secret.startswith(tail) for secret in self._secrets)
+
+    @staticmethod
+    def _partial_suffix_len(text: str, secret: str) -> int:
+        """Length of the longest suffix of text that is a proper prefix of secret."""
+        first = secret[0]
+        start = max(len(text) - len(secret) + 1, 0)
+        while (index := text.find(first, start)) >= 0:
+            if secret.startswith(text[index:]):
+                return len(text) - index
+            start = index + 1
+        return 0
+
+
+class StreamJsonProjector:
+    """Claude Code stream-json stdout in, the text a person reads out.
+
+    Projected: the text of `content_block_start` text blocks and of `text_delta` deltas; a newline at
+    `message_stop` when the text so far does not end with one; a `result` text only when nothing else was
+    projected. Lines that are not JSON objects pass through as text. Other events are dropped.
+    """
+
+    def __init__(self, max_line_bytes: int = MAX_STREAM_LINE_BYTES) -> None:
+        self._max_line_bytes = max_line_bytes
+        self._buffer = bytearray()
+        self._skipping = False  # inside an over-long line, dropping bytes until its newline
+        self.projected_any = False
+        self._at_line_start = True
+
+    def feed(self, data: bytes) -> str:
+        out = []
+        self._buffer += data
+        while (newline := self._buffer.find(b"\n")) >= 0:
+            line = bytes(self._buffer[:newline])
+            del self._buffer[:newline + 1]
+            if self._skipping:
+                self._skipping = False
+            else:
+                out.append(self._project(line))
+        if len(self._buffer) > self._max_line_bytes:
+            self._buffer.clear()
+            if not self._skipping:
+                self._skipping = True
+                out.append(self._put(f"\n[reploy: skipped a stream-json line over {self._max_line_bytes} bytes]\n"))
+        return "".join(out)
+
+    def finish(self) -> str:
+        line = bytes(self._buffer)
+        self._buffer.clear()
+        return "" if self._skipping or not line else self._project(line)
+
+    def _project(self, line: bytes) -> str:
+        try:
+            document = json.loads(line)
+        except ValueError:  # includes UnicodeDecodeError: not JSON, so plain text
+            document = None
+        if not isinstance(document, dict):
+            return self._put(line.decode("utf-8", errors="replace") + "\n")
+        event = document.get("event") if document.get("type") == "stream_event" else document
+        if not isinstance(event, dict):
+            return ""
+        kind = event.get("type")
+        if kind == "content_block_start":
+            return self._put(_text_of(event.get("content_block"), "text", "text"))
+        if kind == "content_block_delta":
+            return self._put(_text_of(event.get("delta"), "text_delta", "text"))
+        if kind == "message_stop" and self.projected_any and not self._at_line_start:
+            return self._put("\n")
+        if kind == "result" and not self.projected_any:
+            text = document.get("result")
+            if isinstance(text, str) and text:
+                return self._put(text if text.endswith("\n") else text + "\n")
+        return ""
+
+    def _put(self, text: str) -> str:
+        if text:
+            self.projected_any = True
+            self._at_line_start = text.endswith("\n")
+        return text
+
+
+def _text_of(block: Any, block_type: str, key: str) -> str:
+    if isinstance(block, dict) and block.get("type") == block_type and isinstance(block.get(key), str):
+        return block[key]
+    return ""
+
+
+class TextPipe:
+    """One output stream of a run: bytes -> text (normalised or projected) -> redacted text."""
+
+    def __init__(self, decoder: Utf8Normaliser | StreamJsonProjector, redactor: Redactor) -> None:
+        self._decoder = decoder
+        self._redactor = redactor
+
+    def feed(self, data: bytes) -> str:
+        return self._redactor.feed(self._decoder.feed(data))
+
+    def finish(self) -> str:
+        return self._redactor.feed(self._decoder.finish()) + self._redactor.finish()
+
+
+# ======================================================================================================================
+# Pure core: the bounded queue, the command template
+# ======================================================================================================================
+
+
+class PromptQueue:
+    """FIFO of pending texts with three limits, each its own error: one item's size, the count, the total size."""
+
+    def __init__(self, max_item_bytes: int = MAX_PROMPT_BYTES, max_items: int = MAX_QUEUED_PROMPTS,
+                 max_total_bytes: int = MAX_QUEUED_BYTES) -> None:
+        self._max_item_bytes = max_item_bytes
+        self._max_items = max_items
+        self._max_total_bytes = max_total_bytes
+        self._items: collections.deque[str] = collections.deque()
+        self.total_bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def push(self, text: str) -> None:
+        size = len(text.encode())
+        if size > self._max_item_bytes:
+            raise RequestError(f"message is {size} bytes; the limit is {self._max_item_bytes}")
+        if len(self._items) >= self._max_items:
+            raise UnavailableError(f"queue is full: {self._max_items} messages are waiting")
+        if self.total_bytes + size > self._max_total_bytes:
+            raise UnavailableError(f"queue is full: queued messages would exceed {self._max_total_bytes} bytes")
+        self._items.append(text)
+        self.total_bytes += size
+
+    def pop(self) -> str:
+        text = self._items.popleft()
+        self.total_bytes -= len(text.encode())
+        return text
+
+
+def validate_command_template(argv: Iterable[str]) -> tuple[str, ...]:
+    """Checks an agent argv template: `{prompt}` exactly once; `{continue}` and `{model}` at most once each."""
+    argv = tuple(argv)
+    if not argv or not all(isinstance(arg, str) for arg in argv):
+        raise UsageError("the agent command must be a non-empty JSON array of strings")
+    for placeholder, allowed in (("{prompt}", (1,)), ("{continue}", (0, 1)), ("{model}", (0, 1))):
+        if argv.count(placeholder) not in allowed:
+            raise UsageError(f"the agent command must hold {placeholder} {'exactly' if allowed == (1,) else 'at most'}"
+                             " once, as a whole argument")
+    return argv
+
+
+def expand_command(template: tuple[str, ...], prompt: str, model: Optional[str], resume: bool) -> list[str]:
+    """`{continue}` becomes --continue or nothing, `{model}` becomes --model M or nothing, `{prompt}` the prompt."""
+    expansions = {
+        "{continue}": ["--continue"] if resume else [],
+        "{model}": ["--model", model] if model else [],
+        "{prompt}": [prompt],
+    }
+    return [part for arg in template for part in expansions.get(arg, [arg])]
+
+
+# ======================================================================================================================
+# Pure core: checkpoint archive rules (which members a restore accepts)
+# ======================================================================================================================
+
+
+def _archive_tree_of(name: str) -> Optional[str]:
+    top = name.split("/", 1)[0]
+    return top if top in ARCHIVE_TREES else None
+
+
+def check_member_name(name: str) -> None:
+    """Relative, normalised, no `..`, and one of the names an archive may hold."""
+    parts = name.split("/")
+    if name.startswith("/") or any(part in ("", ".", "..") for part in parts):
+        raise ArchiveError(f"unsafe member name {name!r}")
+    if name not in (ARCHIVE_MANIFEST, ARCHIVE_LOG) and _archive_tree_of(name) is None:
+        raise ArchiveError(f"unexpected member {name!r}")
+
+
+def symlink_stays_inside(name: str, target: str, symlinks: set[str]) -> bool:
+    """True when the link `name -> target` resolves, lexically, inside its own tree without passing another link.
+
+    Walking the target one component at a time and refusing any component that is itself a link makes the lexical
+    answer the real one: `..` can only climb through real directories of the archive.
+    """
+    if not target or target.startswith("/") or "\0" in target:
+        return False
+    parts = name.split("/")[:-1]
+    for component in target.split("/"):
+        if component in ("", "."):
+            continue
+        if component == "..":
+            if len(parts) <= 1:
+                return False  # would leave the tree root
+            parts.pop()
+            continue
+        parts.append(component)
+        if "/".join(parts) in symlinks:
+            return False
+    return True
+
+
+def check_archive_members(members: list[tarfile.TarInfo], max_entries: int = MAX_ARCHIVE_ENTRIES,
+                          max_bytes: int = MAX_ARCHIVE_BYTES) -> None:
+    """Every rule a restore enforces before it writes anything: names, types, links, counts and sizes."""
+    if len(members) > max_entries:
+        raise ArchiveError(f"archive has more than {max_entries} entries")
+    names: set[str] = set()
+    symlinks = {member.name for member in members if member.issym()}
+    total_bytes = 0
+    for member in members:
+        check_member_name(member.name)
+        if member.name in names:
+            raise ArchiveError(f"duplicate member {member.name!r}")
+        names.add(member.name)
+        is_tree_root = member.name in ARCHIVE_TREES
+        if member.name in (ARCHIVE_MANIFEST, ARCHIVE_LOG) and not member.isfile():
+            raise ArchiveError(f"{member.name} must be a regular file")
+        if not (member.isfile() or member.isdir() or (member.issym() and not is_tree_root)):
+            raise ArchiveError(f"member {member.name!r} is not a regular file, directory or symlink")
+        if member.issym() and not symlink_stays_inside(member.name, member.linkname, symlinks):
+            raise ArchiveError(f"symlink {member.name!r} -> {member.linkname!r} escapes its tree")
+        parents = member.name.split("/")[:-1]
+        if any("/".join(parents[:i]) in symlinks for i in range(1, len(parents) + 1)):
+            raise ArchiveError(f"member {member.name!r} lies below a symlink")
+        total_bytes += member.size if member.isfile() else 0
+        if total_bytes > max_bytes:
+            raise ArchiveError(f"archive content exceeds {max_bytes} bytes")
+    for required in (ARCHIVE_MANIFEST, ARCHIVE_LOG):
+        if required not in names:
+            raise ArchiveError(f"archive lacks {required}")
+
+
+def parse_manifest(data: bytes) -> Manifest:
+    try:
+        document = json.loads(data.decode("utf-8"), object_pairs_hook=_reject_duplicate_keys)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ArchiveError(f"manifest is not JSON: {e}") from e
+    expected = {"format", "version", "id", "workload", "log_bytes", "continue"}
+    if not isinstance(document, dict) or set(document) != expected:
+        raise ArchiveError(f"manifest must hold exactly {sorted(expected)}")
+    if document["format"] != ARCHIVE_FORMAT or document["version"] != ARCHIVE_VERSION:
+        raise ArchiveError(f"not a {ARCHIVE_FORMAT} v{ARCHIVE_VERSION} archive")
+    log_bytes, checkpoint_id = document["log_bytes"], document["id"]
+    if not isinstance(log_bytes, int) or isinstance(log_bytes, bool) or log_bytes < 0:
+        raise ArchiveError("manifest log_bytes must be a non-negative integer")
+    if not isinstance(checkpoint_id, str) or not CHECKPOINT_ID_RE.fullmatch(checkpoint_id):
+        raise ArchiveError("manifest id is invalid")
+    if not isinstance(document["continue"], bool):
+        raise ArchiveError("manifest continue must be a boolean")
+    try:
+        workload = WorkloadKind(document["workload"])
+    except ValueError:
+        raise ArchiveError("manifest workload is invalid") from None
+    return Manifest(checkpoint_id, workload, log_bytes, document["continue"])
+
+
+# ======================================================================================================================
+# I/O adapters: the output log, the outbox, the agent state file
+# ======================================================================================================================
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _write_file_atomically(path: Path, data: bytes) -> None:
+    temporary = path.with_name(f".{path.name}.tmp")
+    temporary.write_bytes(data)
+    os.replace(temporary, path)
+
+
+class OutputLog:
+    """DIR/output.log: append-only, byte-addressed, on disk, bounded by a cap that ends it with a marker.
+
+    Reads never consume. In text mode (the agent workload) everything appended is whole UTF-8, so every cursor
+    this log issues falls on a code-point boundary; reads end on one and refuse to start inside one.
+    """
+
+    def __init__(self, path: Path, cap_bytes: int, text: bool) -> None:
+        self.path = path
+        self.cap_bytes = cap_bytes
+        self.text = text
+        newline = "\n" if text else "\r\n"
+        self._cap_marker = (f"{newline}[reploy: output log reached its cap of {cap_bytes} bytes; "
+                            f"later output is discarded]{newline}").encode()
+        self._fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self.length_bytes = os.fstat(self._fd).st_size
+        tail = os.pread(self._fd, len(self._cap_marker), max(self.length_bytes - len(self._cap_marker), 0))
+        self.capped = tail == self._cap_marker
+        self._last_byte = tail[-1:]
+
+    def append(self, data: bytes) -> int:
+        """Appends what fits under the cap (whole code points); returns how many bytes of data were kept."""
+        if self.capped or not data:
+            return 0
+        room_bytes = self.cap_bytes - len(self._cap_marker) - self.length_bytes
+        kept = utf8_prefix(data, max(room_bytes, 0))
+        self.capped = len(kept) < len(data)
+        self._write(kept + self._cap_marker if self.capped else kept)
+        return len(kept)
+
+    def append_marker(self, text: str) -> None:
+        """A `[reploy: ...]` line of our own, starting on a fresh line."""
+        newline = "\n" if self.text else "\r\n"
+        lead = "" if self._last_byte in (b"", b"\n") else newline
+        self.append(f"{lead}[reploy: {text}]{newline}".encode())
+
+    def read(self, offset_bytes: int, max_bytes: int) -> LogSlice:
+        if offset_bytes > self.length_bytes:
+            return LogSlice(offset_bytes, b"", self.length_bytes, self.length_bytes, True)
+        data = os.pread(self._fd, max_bytes + 1, offset_bytes)
+        if self.text:
+            if not is_utf8_boundary(data, 0):
+                raise CommandError(f"offset {offset_bytes} is not on a UTF-8 boundary")
+            data = utf8_prefix(data, max_bytes)
+        else:
+            data = data[:max_bytes]
+        return LogSlice(offset_bytes, data, offset_bytes + len(data), self.length_bytes, False)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def _write(self, data: bytes) -> None:
+        _write_all(self._fd, data)
+        self.length_bytes += len(data)
+        self._last_byte = data[-1:]
+
+
+class Outbox:
+    """DIR/events.jsonl: lifecycle facts for supervisors, one JSON object per line, `seq` strictly increasing.
+
+    It keeps the invariant "every turn_start gets exactly one turn_end, every session_start one session_end": what a
+    crashed agent left open is closed by `reconcile()` at the next start.
+    """
+
+    def __init__(self, path: Path, clock: Callable[[], float] = time.time) -> None:
+        self._clock = clock
+        self._seq = 0
+        self._open_turns: set[int] = set()
+        self._session_open = False
+        ends_with_newline = True
+        if path.exists():
+            data = path.read_bytes()
+            ends_with_newline = data.endswith(b"\n") or not data
+            for line in data.splitlines():
+                self._replay(line)
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        if not ends_with_newline:
+            _write_all(self._fd, b"\n")  # a torn last line from a crash stays on its own line
+
+    def _replay(self, line: bytes) -> None:
+        try:
+            event = json.loads(line)
+            seq, kind = event["seq"], EventKind(event["type"])
+        except (ValueError, KeyError, TypeError):
+            return  # a torn line: not a fact
+        self._seq = max(self._seq, seq)
+        if kind is EventKind.TURN_START:
+            self._open_turns.add(seq)
+        elif kind is EventKind.TURN_END:
+            self._open_turns.discard(event.get("turn"))
+        elif kind in (EventKind.SESSION_START, EventKind.SESSION_END):
+            self._session_open = kind is EventKind.SESSION_START
+
+    def reconcile(self) -> None:
+        """Closes what a previous agent left open when it died."""
+        self.end_open_turns(Outcome.FAILED, "agent_died")
+        if self._session_open:
+            self.emit(EventKind.SESSION_END, reason="agent_died")
+
+    def emit(self, kind: EventKind, **fields: Any) -> int:
+        self._seq += 1
+        _write_all(self._fd, _encode_line({"seq": self._seq, "time": round(self._clock(), 3), "type": kind.value,
+                                           **fields}))
+        if kind in (EventKind.SESSION_START, EventKind.SESSION_END):
+            self._session_open = kind is EventKind.SESSION_START
+        return self._seq
+
+    def start_turn(self, **fields: Any) -> int:
+        """Returns the turn id: the seq of its turn_start."""
+        turn_id = self.emit(EventKind.TURN_START, **fields)
+        self._open_turns.add(turn_id)
+        return turn_id
+
+    def end_turn(self, turn_id: int, outcome: Outcome, **fields: Any) -> None:
+        if turn_id in self._open_turns:
+            self._open_turns.discard(turn_id)
+            self.emit(EventKind.TURN_END, turn=turn_id, outcome=outcome.value, **fields)
+
+    def end_open_turns(self, outcome: Outcome, reason: str) -> None:
+        for turn_id in sorted(self._open_turns):
+            self.end_turn(turn_id, outcome, reason=reason)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+class AgentState:
+    """DIR/agent-state.json: whether the agent command may be resumed with --continue (after a first success)."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        try:
+            self.resume = json.loads(path.read_bytes()).get("continue") is True
+        except (OSError, ValueError, AttributeError):
+            self.resume = False
+
+    def set_resume(self, resume: bool) -> None:
+        if resume != self.resume:
+            self.resume = resume
+            _write_file_atomically(self._path, json.dumps({"continue": resume}).encode())
+
+
+# ======================================================================================================================
+# I/O adapters: the control socket's ownership
+# ======================================================================================================================
+
+
+class OwnedSocket:
+    """The listening socket at DIR/control.sock, bound only after proving no live agent owns the path.
+
+    A socket file whose connect is refused is stale and taken over (if it is ours); one that answers, or that we
+    cannot probe, belongs to a live owner and makes us refuse to start; a non-socket file is never deleted. On
+    close the path is removed only if it is still the very file we bound.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.sock = self._bind()
+        st = os.lstat(path)
+        self._identity = (st.st_dev, st.st_ino)
+
+    def _bind(self) -> socket.socket:
+        for _ in range(2):  # a second pass covers a rival that took over the stale file between probe and bind
+            self._clear_stale()
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            old_umask = os.umask(0o177)  # the socket is born 0600: no window where others may connect
+            try:
+                sock.bind(str(self.path))
+            except OSError as e:
+                sock.close()
+                if e.errno == errno.EADDRINUSE:
+                    continue
+                raise StartupError(f"cannot bind {self.path}: {e.strerror}") from e
+            finally:
+                os.umask(old_umask)
+            os.chmod(self.path, SOCKET_MODE)
+            sock.listen(LISTEN_BACKLOG)
+            sock.setblocking(False)
+            return sock
+        raise StartupError(f"another agent is serving {self.path}")
+
+    def _clear_stale(self) -> None:
+        try:
+            st = os.lstat(self.path)
+        except FileNotFoundError:
+            return
+        if not stat.S_ISSOCK(st.st_mode):
+            raise StartupError(f"{self.path} exists and is not a socket; remove it if it is not needed")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(str(self.path))
+        except ConnectionRefusedError:
+            pass  # stale: nobody listens
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            raise StartupError(f"cannot probe {self.path} ({e.strerror}); refusing to take it over") from e
+        else:
+            raise StartupError(f"another agent is serving {self.path}")
+        finally:
+            probe.close()
+        if st.st_uid != os.getuid():
+            raise StartupError(f"stale socket {self.path} belongs to uid {st.st_uid}; not ours to remove")
+        os.unlink(self.path)
+
+    def close(self) -> None:
+        """Idempotent; unlinks the path only if it is still our socket."""
+        if self.sock.fileno() < 0:
+            return
+        self.sock.close()
+        try:
+            st = os.lstat(self.path)
+        except FileNotFoundError:
+            return
+        if (st.st_dev, st.st_ino) == self._identity:
+            os.unlink(self.path)
+
+
+# ======================================================================================================================
+# I/O adapters: process sessions
+# ======================================================================================================================
+
+
+def session_process_groups(session_id: int) -> set[int]:
+    """Every process group with a member in the given session (scanning /proc): jobs, grandchildren and all."""
+    groups = set()
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # the process went away while we looked
+        # After the command name: state ppid pgrp session ...
+        if int(fields[3]) == session_id:
+            groups.add(int(fields[2]))
+    return groups
+
+
+def signal_session(session_id: int, signum: int) -> None:
+    """Signals every process group of a session the workload leader created (start_new_session=True)."""
+    for group in session_process_groups(session_id) | {session_id}:
+        try:
+            os.killpg(group, signum)
+        except ProcessLookupError:
+            pass
+
+
+def _take_controlling_tty() -> None:
+    """Runs in the shell's child after setsid(): make its stdin, the PTY slave, the controlling terminal."""
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+
+# ======================================================================================================================
+# I/O adapters: checkpoint archives (write one, extract one safely, install it)
+# ======================================================================================================================
+
+
+def _walk_tree(root: Path, arcname: str) -> Iterator[tuple[str, Path, os.stat_result]]:
+    """(member name, path, lstat) for a directory tree, parents before children, not following links."""
+    yield arcname, root, os.lstat(root)
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        relative = Path(dirpath).relative_to(root)
+        for name in sorted(dirnames) + sorted(filenames):
+            path = Path(dirpath) / name
+            yield posixpath.join(arcname, *relative.parts, name), path, os.lstat(path)
+
+
+def write_archive(destination: Path, manifest: Manifest, log_path: Path, trees: dict[str, Path]) -> int:
+    """Writes one checkpoint tar: manifest, the first manifest.log_bytes of the log, the trees. Returns entries skipped.
+
+    Skipped are what a restore would refuse: sockets, FIFOs, devices and symlinks that leave their tree.
+    """
+    skipped = 0
+    with tarfile.open(destination, "w", format=tarfile.PAX_FORMAT) as archive:
+        _add_bytes(archive, ARCHIVE_MANIFEST, manifest.to_json())
+        info = tarfile.TarInfo(ARCHIVE_LOG)
+        info.size, info.mode, info.mtime = manifest.log_bytes, 0o600, int(time.time())
+        with open(log_path, "rb") as log_file:
+            archive.addfile(info, log_file)
+        for tree, root in trees.items():
+            entries = list(_walk_tree(root, tree)) if root.is_dir() else [(tree, None, None)]
+            symlinks = {name for name, _, st in entries if st is not None and stat.S_ISLNK(st.st_mode)}
+            for name, path, st in entries:
+                if path is None:
+                    info = tarfile.TarInfo(name)
+                    info.type, info.mode = tarfile.DIRTYPE, PRIVATE_DIR_MODE
+                    archive.addfile(info)
+                    continue
+                info = tarfile.TarInfo(name)
+                info.mode, info.mtime = stat.S_IMODE(st.st_mode), int(st.st_mtime)
+                if stat.S_ISDIR(st.st_mode):
+                    info.type = tarfile.DIRTYPE
+                    archive.addfile(info)
+                elif stat.S_ISREG(st.st_mode):
+                    info.size = st.st_size
+                    with open(path, "rb") as member_file:
+                        archive.addfile(info, member_file)
+                elif stat.S_ISLNK(st.st_mode) and symlink_stays_inside(name, os.readlink(path), symlinks):
+                    info.type, info.linkname = tarfile.SYMTYPE, os.readlink(path)
+                    archive.addfile(info)
+                else:
+                    skipped += 1
+    return skipped
+
+
+def _add_bytes(archive: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size, info.mode, info.mtime = len(data), 0o600, int(time.time())
+    archive.addfile(info, io.BytesIO(data))
+
+
+def extract_archive(archive_path: Path, staging: Path, workload: WorkloadKind,
+                    max_entries: int = MAX_ARCHIVE_ENTRIES, max_bytes: int = MAX_ARCHIVE_BYTES) -> Manifest:
+    """Validates every member, then extracts into the empty directory `staging`. Nothing outside it is written.
+
+    Regular files are created with O_EXCL|O_NOFOLLOW and symlinks last, and no member may lie below a symlink, so
+    no write can be redirected out of `staging`.
+    """
+    try:
+        with tarfile.open(archive_path, "r:") as archive:
+            members = archive.getmembers()
+            check_archive_members(members, max_entries, max_bytes)
+            by_name = {member.name: member for member in members}
+            if by_name[ARCHIVE_MANIFEST].size > MAX_MANIFEST_BYTES:
+                raise ArchiveError(f"manifest exceeds {MAX_MANIFEST_BYTES} bytes")
+            manifest = parse_manifest(_read_member(archive, by_name[ARCHIVE_MANIFEST]))
+            if manifest.workload is not workload:
+                raise ArchiveError(f"archive is for the {manifest.workload.value} workload, not {workload.value}")
+            if by_name[ARCHIVE_LOG].size != manifest.log_bytes:
+                raise ArchiveError("output.log size does not match the manifest")
+            for tree in ARCHIVE_TREES:
+                (staging / tree).mkdir(mode=PRIVATE_DIR_MODE)
+            for member in members:
+                _extract_member(archive, member, staging)
+            for member in members:
+                if member.issym():
+                    os.symlink(member.linkname, staging / member.name)
+            for member in reversed(members):  # children first, so a read-only parent does not block them
+                if member.isdir():
+                    os.chmod(staging / member.name, stat.S_IMODE(member.mode) | PRIVATE_DIR_MODE)
+            return manifest
+    except (tarfile.TarError, OSError, EOFError) as e:
+        raise ArchiveError(f"cannot extract {archive_path}: {e}") from e
+
+
+def _read_member(archive: tarfile.TarFile, member: tarfile.TarInfo) -> bytes:
+    source = archive.extractfile(member)
+    assert source is not None  # check_archive_members admitted regular files only here
+    return source.read(member.size)
+
+
+def _extract_member(archive: tarfile.TarFile, member: tarfile.TarInfo, staging: Path) -> None:
+    destination = staging / member.name
+    if member.isdir():
+        destination.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
+        return
+    if not member.isfile() or member.name == ARCHIVE_MANIFEST:
+        return
+    destination.parent.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
+    fd = os.open(destination, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "wb") as target:
+        source = archive.extractfile(member)
+        assert source is not None
+        shutil.copyfileobj(source, target, COPY_CHUNK_BYTES)
+    os.chmod(destination, stat.S_IMODE(member.mode) | 0o600)
+    os.utime(destination, (member.mtime, member.mtime))
+
+
+def _swap_tree(staged: Path, target: Path, trash: Path) -> None:
+    """Puts a restored tree in place: a rename swap when possible, else moving entries into an empty target.
+
+    The fallback covers targets that cannot be renamed: a mount point such as a container's tmpfs HOME.
+    """
+    try:
+        if target.exists():
+            os.rename(target, trash)
+        os.rename(staged, target)
+        return
+    except OSError as e:
+        if e.errno not in (errno.EXDEV, errno.EBUSY):
+            raise
+    if target.exists() and any(target.iterdir()):
+        raise ArchiveError(f"restore target {target} cannot be swapped and is not empty")
+    target.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
+    for entry in staged.iterdir():
+        shutil.move(str(entry), str(target / entry.name))
+
+
+# ======================================================================================================================
+# Workloads: what runs in the session. The serve loop owns them; they own their processes and file descriptors.
+# ======================================================================================================================
+
+
+class Reactor:
+    """The process's one selector: each file descriptor with the callback that handles its readiness."""
+
+    def __init__(self) -> None:
+        self.selector = selectors.DefaultSelector()
+
+    def watch(self, fd: int, events: int, callback: Callable[[int], None]) -> None:
+        try:
+            self.selector.modify(fd, events, callback)
+        except KeyError:
+            self.selector.register(fd, events, callback)
+
+    def unwatch(self, fd: int) -> None:
+        try:
+            self.selector.unregister(fd)
+        except KeyError:
+            pass
+
+    def poll(self, timeout_s: Optional[float]) -> None:
+        for key, mask in self.selector.select(timeout_s):
+            current = self.selector.get_map().get(key.fd)
+            if current is not None:  # an earlier callback of this batch may have unwatched it
+                current.data(mask & current.events)
+
+    def close(self) -> None:
+        self.selector.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkloadContext:
+    """What a workload may touch: its configuration, the reactor, the log, the outbox, the clock."""
+
+    config: AgentConfig
+    reactor: Reactor
+    log: OutputLog
+    outbox: Outbox
+    clock: Callable[[], float]
+
+
+class Workload:
+    """The interface the serve loop drives; both workloads hold their pending messages in one bounded queue."""
+
+    kind: WorkloadKind
+
+    def __init__(self, ctx: WorkloadContext) -> None:
+        self._ctx = ctx
+        self._queue = PromptQueue()
+        self._reaping: list[subprocess.Popen[bytes]] = []  # killed leaders not yet waited for
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._queue)
+
+    @property
+    def queue_bytes(self) -> int:
+        return self._queue.total_bytes
+
+    def _reap_killed(self) -> None:
+        self._reaping = [proc for proc in self._reaping if proc.poll() is None]
+
+    def start(self) -> None: ...
+    def stop(self) -> None: ...
+    def tick(self, now: float) -> None: ...
+    def next_deadline(self, now: float) -> Optional[float]: ...
+    def message(self, text: str, now: float) -> Delivery: ...
+    def interrupt(self, now: float) -> bool: ...
+    def relaunch(self, now: float) -> Optional[int]: ...
+    def drained(self) -> bool: ...
+    def turn_state(self) -> TurnState: ...
+    def pid(self) -> Optional[int]: ...
+    def status_fields(self) -> dict[str, Any]: ...
+
+
+class ShellWorkload(Workload):
+    """One PTY running the configured shell.
+
+    Busy means the PTY's foreground process group is not the shell's. Nothing reports a change of foreground group,
+    so tick() samples it every SHELL_POLL_S; that sampling also opens and closes turns. A message is typed as one
+    line only when the shell has looked idle, with its input consumed, for SHELL_SETTLE_S; otherwise it is held and
+    typed, in order, once that is true again, so a job that reads stdin never swallows a queued command.
+    """
+
+    kind = WorkloadKind.SHELL
+
+    def __init__(self, ctx: WorkloadContext) -> None:
+        super().__init__(ctx)
+        self.columns, self.rows = DEFAULT_COLUMNS, DEFAULT_ROWS
+        self._proc: Optional[subprocess.Popen[bytes]] = None
+        self._master = self._slave = -1  # we keep the slave open to measure the shell's unread input
+        self._input = bytearray()  # accepted for the PTY, not yet written
+        self._ready_since: Optional[float] = None
+        self._turn: Optional[int] = None
+        self._turn_interrupted = False
+        self.exit_code: Optional[int] = None
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self.exit_code is None
+
+    def start(self) -> None:
+        config = self._ctx.config
+        master, slave = os.openpty()
+        self._set_size(master)
+        env = dict(os.environ, TERM=SHELL_TERM, HOME=str(config.home_dir))
+        try:
+            proc = subprocess.Popen([config.shell], stdin=slave, stdout=slave, stderr=slave, env=env,
+                                    cwd=config.workspace_dir, start_new_session=True,
+                                    preexec_fn=_take_controlling_tty)
+        except OSError as e:
+            os.close(master)
+            os.close(slave)
+            raise CommandError(f"cannot start {config.shell}: {e}") from e
+        os.set_blocking(master, False)
+        self._proc, self._master, self._slave, self.exit_code = proc, master, slave, None
+        self._input.clear()
+        self._ctx.reactor.watch(master, selectors.EVENT_READ, self._on_master)
+
+    def stop(self) -> None:
+        self._kill("shutdown")
+        for proc in self._reaping:
+            proc.wait()
+        self._reaping.clear()
+        self._close_pty()
+
+    def relaunch(self, now: float) -> Optional[int]:
+        self._kill("relaunch")
+        self._close_pty()
+        self._ctx.log.append_marker("shell relaunched")
+        self.start()
+        self._ctx.outbox.emit(EventKind.RELAUNCH, workload=self.kind.value, pid=self.pid())
+        return self.pid()
+
+    def _kill(self, reason: str) -> None:
+        if self.running:
+            assert self._proc is not None
+            signal_session(self._proc.pid, signal.SIGKILL)
+            self._reaping.append(self._proc)
+            self.exit_code = -signal.SIGKILL
+            self._end_turn(Outcome.INTERRUPTED, reason)
+
+    def _close_pty(self) -> None:
+        for fd in (self._master, self._slave):
+            if fd >= 0:
+                self._ctx.reactor.unwatch(fd)
+                os.close(fd)
+        self._master = self._slave = -1
+
+    # ---- the loop's side
+
+    def tick(self, now: float) -> None:
+        self._reap_killed()
+        if self.running and self._proc is not None and self._proc.poll() is not None:
+            self._on_exit(self._proc.returncode)
+        job = self._foreground_job()
+        if job is not None and self._turn is None:
+            self._turn = self._ctx.outbox.start_turn(workload=self.kind.value)
+            self._turn_interrupted = False
+        elif job is None and self._turn is not None:
+            self._end_turn(Outcome.INTERRUPTED if self._turn_interrupted else Outcome.COMPLETED, None)
+        ready = self.running and job is None and not self._input and self._unread_input_bytes() == 0
+        if not ready:
+            self._ready_since = None
+        elif self._ready_since is None:
+            self._ready_since = now
+        if self._queue and self._settled(now):
+            self._type_line(self._queue.pop())
+
+    def next_deadline(self, now: float) -> Optional[float]:
+        return now + SHELL_POLL_S if self.running else None
+
+    def _on_exit(self, code: int) -> None:
+        assert self._proc is not None
+        while self._read_output():
+            pass  # what the shell printed last is part of the log
+        self.exit_code = code
+        signal_session(self._proc.pid, signal.SIGKILL)  # background jobs of the dead shell
+        self._end_turn(Outcome.FAILED, "shell_exited")
+        how = f"status {code}" if code >= 0 else f"signal {-code}"
+        self._ctx.log.append_marker(f"shell exited with {how}; relaunch starts a new one")
+
+    def _end_turn(self, outcome: Outcome, reason: Optional[str]) -> None:
+        if self._turn is not None:
+            self._ctx.outbox.end_turn(self._turn, outcome, reason=reason)
+            self._turn = None
+
+    def _on_master(self, mask: int) -> None:
+        if mask & selectors.EVENT_READ:
+            self._read_output()
+        if mask & selectors.EVENT_WRITE:
+            self._flush_input()
+
+    def _read_output(self) -> bool:
+        """One bounded read from the PTY into the log; False when nothing was there."""
+        try:
+            data = os.read(self._master, PTY_READ_BYTES)
+        except BlockingIOError:
+            return False
+        except OSError as e:
+            if e.errno != errno.EIO:  # EIO is the PTY's end of file
+                raise
+            data = b""
+        if not data:
+            self._ctx.reactor.unwatch(self._master)
+            return False
+        self._ctx.log.append(data)  # past the cap the bytes are read and dropped, so the shell never blocks
+        return True
+
+    def _flush_input(self) -> None:
+        try:
+            written = os.write(self._master, self._input) if self._input else 0
+        except BlockingIOError:
+            written = 0
+        del self._input[:written]
+        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if self._input else 0)
+        self._ctx.reactor.watch(self._master, events, self._on_master)
+
+    def _foreground_job(self) -> Optional[int]:
+        """The foreground process group when it is not the shell's, else None."""
+        if not self.running or self._proc is None:
+            return None
+        try:
+            group = os.tcgetpgrp(self._master)
+        except OSError:
+            return None
+        return None if group == self._proc.pid else group
+
+    def _unread_input_bytes(self) -> int:
+        return struct.unpack("i", fcntl.ioctl(self._slave, termios.FIONREAD, b"\0" * 4))[0]
+
+    def _settled(self, now: float) -> bool:
+        return self._ready_since is not None and now - self._ready_since >= SHELL_SETTLE_S
+
+    # ---- verbs
+
+    def message(self, text: str, now: float) -> Delivery:
+        if "\n" in text or "\r" in text:
+            raise RequestError("a shell message must be one line")
+        self._require_running()
+        if not self._queue and self._settled(now):
+            self._type_line(text)
+            return Delivery.DISPATCHED
+        self._queue.push(text)
+        return Delivery.QUEUED
+
+    def write(self, data: bytes) -> None:
+        self._require_running()
+        self._send_input(data)
+
+    def interrupt(self, now: float) -> bool:
+        job = self._foreground_job()
+        if job is None:
+            return False
+        try:
+            os.killpg(job, signal.SIGINT)
+        except ProcessLookupError:
+            return False
+        self._turn_interrupted = True
+        return True
+
+    def resize(self, columns: int, rows: int) -> None:
+        self.columns, self.rows = columns, rows
+        if self._master >= 0:
+            self._set_size(self._master)  # the kernel sends SIGWINCH to the foreground job
+
+    def _set_size(self, fd: int) -> None:
+        fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", self.rows, self.columns, 0, 0))
+
+    def _type_line(self, text: str) -> None:
+        self._send_input(text.encode() + b"\r")  # Enter, as a keyboard sends it
+        self._ready_since = None
+
+    def _send_input(self, data: bytes) -> None:
+        if len(self._input) + len(data) > MAX_PTY_INPUT_BYTES:
+            raise UnavailableError(f"terminal input buffer is full ({MAX_PTY_INPUT_BYTES} bytes unread)")
+        self._input += data
+        self._flush_input()
+
+    def _require_running(self) -> None:
+        if not self.running:
+            raise CommandError("the shell has exited; relaunch starts a new one")
+
+    # ---- status
+
+    def drained(self) -> bool:
+        return not self._queue and not self._input and self._foreground_job() is None
+
+    def turn_state(self) -> TurnState:
+        if self._foreground_job() is not None:
+            return TurnState.IN_PROGRESS
+        return TurnState.WAITING if self._queue or not self.running else TurnState.IDLE
+
+    def pid(self) -> Optional[int]:
+        return self._proc.pid if self.running and self._proc is not None else None
+
+    def status_fields(self) -> dict[str, Any]:
+        return {"running": self.running, "exit_code": self.exit_code, "columns": self.columns, "rows": self.rows}
+
+
+@dataclasses.dataclass
+class _Run:
+    """One execution of the agent command for one prompt."""
+
+    proc: subprocess.Popen[bytes]
+    turn_id: int
+    pipes: dict[int, TextPipe]  # open stdout/stderr fds -> their text pipeline
+    timeout_at: float
+    emitted_bytes: int = 0
+    capped: bool = False
+    stop_reason: Optional[str] = None  # set once we decide to end it: interrupted, timeout, relaunch, shutdown
+    kill_at: Optional[float] = None  # SIGKILL after SIGTERM's grace
+    drain_until: Optional[float] = None  # set when the command has exited: its pipes' last chance to reach EOF
+
+
+class AgentWorkload(Workload):
+    """A coding-agent CLI run once per prompt by one serial worker, its output projected into the log.
+
+    stdout is stream-json projected to text, stderr kept as text; both UTF-8 normalised and redacted before they
+    reach the log. A run ends when its command has exited and its pipes are drained; the whole process session is
+    killed then, so grandchildren never outlive their run.
+    """
+
+    kind = WorkloadKind.AGENT
+
+    def __init__(self, ctx: WorkloadContext) -> None:
+        super().__init__(ctx)
+        self._state = AgentState(ctx.config.session_dir / AGENT_STATE_NAME)
+        values = [os.environ.get(name, "") for name in ctx.config.redact_env]
+        self._secrets = tuple(value for value in values if len(value) >= MIN_SECRET_CHARS)
+        self._run: Optional[_Run] = None
+        self._stopping = False
+
+    def start(self) -> None:
+        pass  # nothing runs until a prompt arrives
+
+    def stop(self) -> None:
+        self._stopping = True
+        run = self._run
+        if run is not None:
+            run.stop_reason = run.stop_reason or "shutdown"
+            signal_session(run.proc.pid, signal.SIGKILL)
+            run.proc.wait()
+            self._finish(run)
+
+    # ---- verbs
+
+    def message(self, text: str, now: float) -> Delivery:
+        log = self._ctx.log
+        if log.capped:
+            raise CommandError(f"the cumulative output cap of {log.cap_bytes} bytes is reached; this session "
+                               "takes no more messages")
+        idle = self._run is None and not self._queue
+        self._queue.push(text)
+        self._start_next(now)
+        return Delivery.DISPATCHED if idle else Delivery.QUEUED
+
+    def interrupt(self, now: float) -> bool:
+        if self._run is None:
+            return False
+        self._stop_run("interrupted", now)
+        return True
+
+    def relaunch(self, now: float) -> Optional[int]:
+        """Ends the current run and forgets the conversation: the next prompt runs without --continue."""
+        if self._run is not None:
+            self._stop_run("relaunch", now)
+        self._state.set_resume(False)
+        self._ctx.log.append_marker("relaunched: the next prompt starts a new conversation")
+        self._ctx.outbox.emit(EventKind.RELAUNCH, workload=self.kind.value)
+        return None
+
+    # ---- the loop's side
+
+    def tick(self, now: float) -> None:
+        self._reap_killed()
+        run = self._run
+        if run is None:
+            return
+        if run.stop_reason is None and now >= run.timeout_at:
+            self._stop_run("timeout", now)
+        if run.kill_at is not None and now >= run.kill_at:
+            signal_session(run.proc.pid, signal.SIGKILL)
+            run.kill_at = None
+        if run.drain_until is None and run.proc.poll() is not None:
+            signal_session(run.proc.pid, signal.SIGKILL)  # leftovers that would hold the pipes open
+            run.drain_until = now + PIPE_DRAIN_S
+        if run.drain_until is not None and (not run.pipes or now >= run.drain_until):
+            self._finish(run)
+            self._start_next(now)
+
+    def next_deadline(self, now: float) -> Optional[float]:
+        run = self._run
+        if run is None:
+            return None
+        deadlines = [run.kill_at, run.drain_until, run.timeout_at if run.stop_reason is None else None]
+        return min((d for d in deadlines if d is not None), default=None)
+
+    def _start_next(self, now: float) -> None:
+        config = self._ctx.config
+        while self._run is None and self._queue and not self._stopping:
+            prompt = self._queue.pop()
+            turn_id = self._ctx.outbox.start_turn(workload=self.kind.value, prompt_bytes=len(prompt.encode()))
+            argv = expand_command(config.agent_argv, prompt, config.model, self._state.resume)
+            try:
+                proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, cwd=config.workspace_dir,
+                                        env=dict(os.environ, HOME=str(config.home_dir)), start_new_session=True)
+            except OSError as e:
+                self._ctx.log.append_marker(f"cannot start the agent command: {e}")
+                self._ctx.outbox.end_turn(turn_id, Outcome.FAILED, reason="spawn_failed")
+                continue
+            assert proc.stdout is not None and proc.stderr is not None
+            pipes = {
+                proc.stdout.fileno(): TextPipe(StreamJsonProjector(), Redactor(self._secrets)),
+                proc.stderr.fileno(): TextPipe(Utf8Normaliser(), Redactor(self._secrets)),
+            }
+            self._run = _Run(proc, turn_id, pipes, now + config.run_timeout_s)
+            for fd in pipes:
+                os.set_blocking(fd, False)
+                self._ctx.reactor.watch(fd, selectors.EVENT_READ, lambda mask, fd=fd: self._on_pipe(fd))
+
+    def _on_pipe(self, fd: int) -> None:
+        run = self._run
+        assert run is not None
+        try:
+            data = os.read(fd, PIPE_READ_BYTES)
+        except BlockingIOError:
+            return
+        if data:
+            self._emit(run, run.pipes[fd].feed(data))
+        else:
+            self._close_pipe(run, fd)
+
+    def _close_pipe(self, run: _Run, fd: int) -> None:
+        self._ctx.reactor.unwatch(fd)
+        self._emit(run, run.pipes.pop(fd).finish())
+
+    def _emit(self, run: _Run, text: str) -> None:
+        """Run output into the log, bounded by the per-run cap (the log itself enforces the cumulative one)."""
+        if not text or run.capped:
+            return
+        data = text.encode()
+        cap = self._ctx.config.per_run_cap_bytes
+        if run.emitted_bytes + len(data) > cap:
+            data = utf8_prefix(data, cap - run.emitted_bytes)
+            run.capped = True
+        run.emitted_bytes += len(data)
+        self._ctx.log.append(data)
+        if run.capped:
+            self._ctx.log.append_marker(f"this run reached the per-run output cap of {cap} bytes; "
+                                        "the rest of its output is discarded")
+
+    def _stop_run(self, reason: str, now: float) -> None:
+        run = self._run
+        if run is not None and run.stop_reason is None:
+            run.stop_reason = reason
+            signal_session(run.proc.pid, signal.SIGTERM)
+            run.kill_at = now + KILL_GRACE_S
+
+    def _finish(self, run: _Run) -> None:
+        for fd in list(run.pipes):
+            self._close_pipe(run, fd)
+        for pipe in (run.proc.stdout, run.proc.stderr):
+            if pipe is not None:
+                pipe.close()
+        code = run.proc.returncode
+        if run.stop_reason == "timeout":
+            outcome, note = Outcome.INTERRUPTED, f"interrupted: the run exceeded its {self._ctx.config.run_timeout_s:g} s timeout"
+        elif run.stop_reason is not None:
+            outcome, note = Outcome.INTERRUPTED, "interrupted"
+        elif code != 0:
+            outcome, note = Outcome.FAILED, f"the agent command exited with status {code}"
+        else:
+            outcome, note = Outcome.COMPLETED, None
+            self._state.set_resume(True)
+        if note:
+            self._ctx.log.append_marker(note)
+        self._ctx.outbox.end_turn(run.turn_id, outcome, exit_code=code, reason=run.stop_reason)
+        self._run = None
+
+    # ---- status
+
+    def drained(self) -> bool:
+        return self._run is None and not self._queue
+
+    def turn_state(self) -> TurnState:
+        if self._run is not None:
+            return TurnState.IN_PROGRESS
+        return TurnState.WAITING if self._queue else TurnState.IDLE
+
+    def pid(self) -> Optional[int]:
+        return self._run.proc.pid if self._run is not None else None
+
+    def status_fields(self) -> dict[str, Any]:
+        return {"continue": self._state.resume}
+
+
+# ======================================================================================================================
+# The serve loop: one selector for the PTY or pipes, the listening socket, the clients and a signal wakeup fd
+# ======================================================================================================================
+
+
+class BackgroundJob:
+    """Work that would stall the loop (writing or extracting an archive) runs on a thread; the loop takes the result.
+
+    The thread only computes into paths nobody else uses, then writes a 0 byte to the loop's wakeup fd. All state
+    changes happen on the loop. A result nobody wants any more (its request timed out) goes to `discard`.
+    """
+
+    def __init__(self, work: Callable[[], Any], discard: Callable[[Any], None], wakeup_fd: int) -> None:
+        self.result: Any = None
+        self.error: Optional[BaseException] = None
+        self.finished = False
+        self.abandoned = False
+        self.discard = discard
+        self._thread = threading.Thread(target=self._run, args=(work, wakeup_fd), daemon=True)
+        self._thread.start()
+
+    def _run(self, work: Callable[[], Any], wakeup_fd: int) -> None:
+        try:
+            self.result = work()
+        except BaseException as e:  # any failure belongs to the request that waits for it; the loop reports it
+            self.error = e
+        self.finished = True
+        try:
+            os.write(wakeup_fd, b"\0")
+        except OSError:
+            pass  # the wakeup buffer is full, so the loop is awake anyway
+
+    def join(self, timeout_s: float) -> None:
+        self._thread.join(timeout_s)
+
+
+class Connection:
+    """One client: one request line in, one response line out, then closed."""
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self.sock = sock
+        self.framer = RequestFramer()
+        self.deadline = deadline  # for the request line, then the handler bound, then the response write
+        self.request: Optional[Request] = None
+        self.pending: Optional[PendingRequest] = None
+        self.outgoing = b""
+
+
+class PendingRequest:
+    """A request the loop answers later: resolve() is asked after every pass until it returns result fields."""
+
+    wake_at: Optional[float] = None  # a time resolve() must be asked at even if nothing happens
+
+    def resolve(self, now: float) -> Optional[dict[str, Any]]:
+        raise NotImplementedError
+
+    def abandon(self) -> str:
+        """The handler bound passed: undo what must be undone and say why for the timeout error."""
+        return f"no answer within {HANDLER_TIMEOUT_S:g} s"
+
+
+class _LongPollRead(PendingRequest):
+    def __init__(self, server: AgentServer, params: ReadParams, now: float) -> None:
+        self._server = server
+        self._params = params
+        self.wake_at = now + params.wait_ms / 1000
+
+    def resolve(self, now: float) -> Optional[dict[str, Any]]:
+        if self._server.log.length_bytes > self._params.offset_bytes or now >= self.wake_at:
+            return self._server.read_result(self._params)
+        return None
+
+
+class _Checkpoint(PendingRequest):
+    """Admission closed; wait for the workload to drain; write the archive on a thread; publish it atomically."""
+
+    def __init__(self, server: AgentServer, workload: Workload, params: CheckpointParams) -> None:
+        self._server = server
+        self._workload = workload
+        self._id = params.checkpoint_id
+        config = server.config
+        self._destination = config.session_dir / f"{CHECKPOINT_PREFIX}{self._id}.tar"
+        self._temporary = config.session_dir / f".{CHECKPOINT_PREFIX}{self._id}.tar.tmp"
+        self._manifest: Optional[Manifest] = None
+        self._job: Optional[BackgroundJob] = None
+        server.admission_open = False
+
+    def resolve(self, now: float) -> Optional[dict[str, Any]]:
+        server = self._server
+        if self._job is None:
+            if not self._workload.drained():
+                return None
+            resume = isinstance(self._workload, AgentWorkload) and self._workload.status_fields()["continue"]
+            manifest = Manifest(self._id, self._workload.kind, server.log.length_bytes, resume)
+            log_path, trees, temporary = server.log.path, server.config.trees, self._temporary
+            self._manifest = manifest
+            self._job = server.start_job(lambda: write_archive(temporary, manifest, log_path, trees),
+                                         lambda _: temporary.unlink(missing_ok=True))
+            return None
+        if not self._job.finished:
+            return None
+        server.job = None
+        if self._job.error is not None:
+            self._temporary.unlink(missing_ok=True)
+            server.admission_open = True
+            raise CommandError(f"checkpoint failed: {self._job.error}")
+        assert self._manifest is not None
+        os.replace(self._temporary, self._destination)
+        server.outbox.emit(EventKind.CHECKPOINT, id=self._id, path=str(self._destination),
+                           log_bytes=self._manifest.log_bytes)
+        # Admission stays closed: work accepted now would be missing from the archive.
+        return {"id": self._id, "path": str(self._destination), "bytes": self._destination.stat().st_size,
+                "log_bytes": self._manifest.log_bytes, "skipped_entries": self._job.result}
+
+    def abandon(self) -> str:
+        self._server.admission_open = True
+        if self._job is None:
+            return f"checkpoint: the workload did not drain within {HANDLER_TIMEOUT_S:g} s; interrupt it and retry"
+        self._job.abandoned = True
+        return f"checkpoint: the archive was not written within {HANDLER_TIMEOUT_S:g} s"
+
+
+class _Restore(PendingRequest):
+    """Extract on a thread into a private staging dir; install and start the workload on the loop."""
+
+    def __init__(self, server: AgentServer, archive_path: Path) -> None:
+        self._server = server
+        config = server.config
+        self._job = server.start_job(lambda: stage_restore(config, archive_path),
+                                     lambda staged: shutil.rmtree(staged[0], ignore_errors=True))
+
+    def resolve(self, now: float) -> Optional[dict[str, Any]]:
+        if not self._job.finished:
+            return None
+        self._server.job = None
+        if self._job.error is not None:
+            if isinstance(self._job.error, AgentError):
+                raise self._job.error
+            raise CommandError(f"restore failed: {self._job.error}")
+        staging, manifest = self._job.result
+        install_restore(self._server.config, staging, manifest)
+        self._server.start_session(restored=manifest)
+        return {"id": manifest.checkpoint_id, "log_bytes": manifest.log_bytes}
+
+    def abandon(self) -> str:
+        self._job.abandoned = True
+        return f"restore: the archive was not extracted within {HANDLER_TIMEOUT_S:g} s; nothing was changed"
+
+
+def stage_restore(config: AgentConfig, archive_path: Path) -> tuple[Path, Manifest]:
+    """Validates and extracts an archive into a fresh private dir under the session dir. Changes nothing else."""
+    staging = Path(tempfile.mkdtemp(prefix=".restore-", dir=config.session_dir))
+    try:
+        (staging / "new").mkdir(mode=PRIVATE_DIR_MODE)
+        return staging, extract_archive(archive_path, staging / "new", config.workload)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def install_restore(config: AgentConfig, staging: Path, manifest: Manifest) -> None:
+    """Swaps the staged trees, log and agent state into place, then removes the staging dir and the old trees."""
+    extracted = staging / "new"
+    try:
+        for tree, target in config.trees.items():
+            _swap_tree(extracted / tree, target, staging / f"old-{tree}")
+        os.replace(extracted / ARCHIVE_LOG, config.session_dir / LOG_NAME)
+        AgentState(config.session_dir / AGENT_STATE_NAME).set_resume(manifest.continue_conversation)
+    except OSError as e:
+        raise CommandError(f"cannot install the restored state: {e}") from e
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+class AgentServer:
+    """Owns the session: socket, log, outbox, workload, clients. `run_once()` is one pass of the loop.
+
+    Each pass, in order: wait for readiness or the nearest deadline; run the ready callbacks (PTY or pipes into the
+    log, clients' request bytes, signals); let the workload advance (reap, sample, start queued work); answer
+    pending requests whose condition now holds, or time them out; drop clients past their deadline.
+    """
+
+    def __init__(self, config: AgentConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self._clock = clock
+        self._reactor = Reactor()
+        self._connections: set[Connection] = set()
+        self._workload: Optional[Workload] = None
+        self.job: Optional[BackgroundJob] = None
+        self.admission_open = False
+        self._stopping = False
+        self._stop_reason = "signal"
+        self._wakeup_read, self._wakeup_write = socket.socketpair()
+        for end in (self._wakeup_read, self._wakeup_write):
+            end.setblocking(False)
+        self._listener = OwnedSocket(config.session_dir / SOCKET_NAME)
+        try:
+            self.outbox = Outbox(config.session_dir / OUTBOX_NAME)
+            self.outbox.reconcile()
+            if config.restore_path is not None:
+                staging, manifest = stage_restore(config, config.restore_path)
+                install_restore(config, staging, manifest)
+            self.log = self._open_log()
+        except BaseException:
+            self._listener.close()
+            raise
+        self._handlers: dict[Method, Callable[[Any, float], dict[str, Any] | PendingRequest]] = {
+            Method.MESSAGE: self._message, Method.INTERRUPT: self._interrupt, Method.RELAUNCH: self._relaunch,
+            Method.STATUS: self._status, Method.READ: self._read, Method.WRITE: self._write,
+            Method.RESIZE: self._resize, Method.CHECKPOINT: self._checkpoint, Method.RESTORE: self._restore,
+        }
+        self._reactor.watch(self._listener.sock.fileno(), selectors.EVENT_READ, self._on_listener)
+        self._reactor.watch(self._wakeup_read.fileno(), selectors.EVENT_READ, self._on_wakeup)
+        if config.restore_path is not None:
+            self.start_session(restored=manifest)
+        elif not config.await_restore:
+            self.start_session(restored=None)
+
+    def _open_log(self) -> OutputLog:
+        return OutputLog(self.config.session_dir / LOG_NAME, self.config.log_cap_bytes,
+                         text=self.config.workload is WorkloadKind.AGENT)
+
+    def start_session(self, restored: Optional[Manifest]) -> None:
+        """Starts the workload; a log that already holds bytes gets a marker saying why they are there."""
+        if restored is not None:
+            self.log.close()
+            self.log = self._open_log()
+            self.outbox.emit(EventKind.RESTORE, id=restored.checkpoint_id, log_bytes=restored.log_bytes)
+        if self.log.length_bytes:
+            self.log.append_marker(f"restored from checkpoint {restored.checkpoint_id}" if restored
+                                   else "agent restarted; earlier output is kept above")
+        ctx = WorkloadContext(self.config, self._reactor, self.log, self.outbox, self._clock)
+        workload = ShellWorkload(ctx) if self.config.workload is WorkloadKind.SHELL else AgentWorkload(ctx)
+        workload.start()
+        self._workload = workload
+        self.admission_open = True
+        self.outbox.emit(EventKind.SESSION_START, workload=workload.kind.value, agent_pid=os.getpid(),
+                         log_bytes=self.log.length_bytes)
+
+    # ---- the loop
+
+    def run(self) -> int:
+        """Serves until SIGTERM, SIGINT or SIGHUP; then shuts down cleanly. Returns the exit code."""
+        with self._signals():
+            while not self._stopping:
+                self.run_once()
+        return 0
+
+    def run_once(self) -> None:
+        now = self._clock()
+        wake_at = self._next_wake(now)
+        self._reactor.poll(None if wake_at is None else max(wake_at - now, 0.0))
+        now = self._clock()
+        if self._workload is not None:
+            self._workload.tick(now)
+        if self.job is not None and self.job.finished and self.job.abandoned:
+            self.job.discard(self.job.result)
+            self.job = None
+        for conn in list(self._connections):
+            self._serve(conn, now)
+
+    def _next_wake(self, now: float) -> Optional[float]:
+        times = [conn.deadline for conn in self._connections]
+        times += [conn.pending.wake_at for conn in self._connections if conn.pending and conn.pending.wake_at]
+        if self._workload is not None:
+            times.append(self._workload.next_deadline(now))
+        return min((t for t in times if t is not None), default=None)
+
+    def _signals(self) -> "_SignalWakeup":
+        return _SignalWakeup(self._wakeup_write.fileno(), (signal.SIGTERM, signal.SIGINT, signal.SIGHUP,
+                                                            signal.SIGCHLD))
+
+    def _on_wakeup(self, mask: int) -> None:
+        try:
+            data = self._wakeup_read.recv(RECV_BYTES)
+        except BlockingIOError:
+            return
+        # Signal numbers from the wakeup fd; 0 is a finished BackgroundJob; SIGCHLD needs only the pass itself.
+        if any(number in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP) for number in data):
+            self._stopping = True
+
+    def start_job(self, work: Callable[[], Any], discard: Callable[[Any], None]) -> BackgroundJob:
+        if self.job is not None:
+            raise UnavailableError("a checkpoint or restore is still in progress")
+        self.job = BackgroundJob(work, discard, self._wakeup_write.fileno())
+        return self.job
+
+    def close(self) -> None:
+        """Clean shutdown: pending requests answered, workload killed, session end recorded, socket removed."""
+        for conn in list(self._connections):
+            if conn.pending is not None and conn.request is not None:
+                conn.outgoing = encode_error(conn.request.request_id, UnavailableError.code, "the agent is stopping")
+                try:
+                    conn.sock.send(conn.outgoing)
+                except OSError:
+                    pass
+            self._close(conn)
+        if self.job is not None:
+            self.job.join(HANDLER_TIMEOUT_S)
+            if self.job.finished:
+                self.job.discard(self.job.result)
+        if self._workload is not None:
+            self._workload.stop()
+            self.outbox.end_open_turns(Outcome.INTERRUPTED, "shutdown")
+            self.outbox.emit(EventKind.SESSION_END, reason=self._stop_reason)
+        self._listener.close()
+        self.log.close()
+        self.outbox.close()
+        self._reactor.close()
+        self._wakeup_read.close()
+        self._wakeup_write.close()
+
+    # ---- clients
+
+    def _on_listener(self, mask: int) -> None:
+        for _ in range(MAX_ACCEPTS_PER_WAKEUP):
+            try:
+                sock, _ = self._listener.sock.accept()
+            except BlockingIOError:
+                return
+            sock.setblocking(False)
+            conn = Connection(sock, self._clock() + CLIENT_IDLE_TIMEOUT_S)
+            self._connections.add(conn)
+            self._reactor.watch(sock.fileno(), selectors.EVENT_READ, lambda mask, c=conn: self._on_client(c, mask))
+
+    def _on_client(self, conn: Connection, mask: int) -> None:
+        if mask & selectors.EVENT_WRITE:
+            self._send(conn)
+            return
+        try:
+            data = conn.sock.recv(RECV_BYTES)
+        except BlockingIOError:
+            return
+        except OSError:
+            self._close(conn)
+            return
+        try:
+            line = conn.framer.feed(data) if data else conn.framer.eof()
+        except RequestError as e:
+            self._respond(conn, encode_error(e.request_id, e.code, str(e)))
+            return
+        if line is not None:
+            self.handle_line(conn, line)
+
+    def handle_line(self, conn: Connection, line: bytes) -> None:
+        """The protocol core's entry: one request line in; the connection gets its response now or later."""
+        now = self._clock()
+        self._reactor.unwatch(conn.sock.fileno())
+        conn.deadline = now + HANDLER_TIMEOUT_S
+        try:
+            conn.request = parse_request(line)
+        except RequestError as e:
+            self._respond(conn, encode_error(e.request_id, e.code, str(e)))
+            return
+        request = conn.request
+        self._settle(conn, lambda: self._handlers[request.method](request.params, now))
+
+    def _serve(self, conn: Connection, now: float) -> None:
+        pending = conn.pending
+        if pending is not None:
+            self._settle(conn, lambda: pending.resolve(now))
+            if conn.pending is not None and now >= conn.deadline and conn.request is not None:
+                self._respond(conn, encode_error(conn.request.request_id, HandlerTimeout.code, pending.abandon()))
+        elif now >= conn.deadline:
+            self._close(conn)  # silent, or not reading its response
+
+    def _settle(self, conn: Connection, step: Callable[[], dict[str, Any] | PendingRequest | None]) -> None:
+        """Runs a handler step; answers with its result or error, or parks the request when it must wait."""
+        assert conn.request is not None
+        request = conn.request
+        try:
+            outcome = step()
+        except AgentError as e:
+            self._respond(conn, encode_error(request.request_id, e.code, str(e)))
+            return
+        except Exception as e:  # a bug in one handler must not end the session for every client; report it
+            traceback.print_exc(file=sys.stderr)
+            self._respond(conn, encode_error(request.request_id, CommandError.code, f"internal error: {e!r}"))
+            return
+        if isinstance(outcome, PendingRequest):
+            conn.pending = outcome
+        elif outcome is not None:
+            self._respond(conn, encode_result(request.request_id, request.method, outcome))
+
+    def _respond(self, conn: Connection, response: bytes) -> None:
+        conn.pending = None
+        conn.outgoing = response
+        conn.deadline = self._clock() + CLIENT_IDLE_TIMEOUT_S
+        self._send(conn)
+
+    def _send(self, conn: Connection) -> None:
+        try:
+            sent = conn.sock.send(conn.outgoing)
+        except BlockingIOError:
+            sent = 0
+        except OSError:
+            self._close(conn)
+            return
+        conn.outgoing = conn.outgoing[sent:]
+        if conn.outgoing:
+            self._reactor.watch(conn.sock.fileno(), selectors.EVENT_WRITE, lambda mask: self._on_client(conn, mask))
+        else:
+            self._close(conn)
+
+    def _close(self, conn: Connection) -> None:
+        self._reactor.unwatch(conn.sock.fileno())
+        conn.sock.close()
+        self._connections.discard(conn)
+
+    # ---- verbs
+
+    def _workload_or_unavailable(self) -> Workload:
+        if self._workload is None:
+            raise UnavailableError("the agent is waiting for a restore")
+        return self._workload
+
+    def _admitting(self) -> Workload:
+        workload = self._workload_or_unavailable()
+        if not self.admission_open:
+            raise UnavailableError("admission is closed by a checkpoint; restore the checkpoint in a new agent")
+        return workload
+
+    def _shell(self, method: Method) -> ShellWorkload:
+        workload = self._workload_or_unavailable()
+        if not isinstance(workload, ShellWorkload):
+            raise CommandError(f"{method.value} is only for the shell workload")
+        return workload
+
+    def _message(self, params: MessageParams, now: float) -> dict[str, Any]:
+        workload = self._admitting()
+        delivery = workload.message(params.text, now)
+        return {"delivery": delivery.value, "queue_depth": workload.queue_depth}
+
+    def _interrupt(self, params: NoParams, now: float) -> dict[str, Any]:
+        return {"cancelled": self._workload_or_unavailable().interrupt(now)}
+
+    def _relaunch(self, params: NoParams, now: float) -> dict[str, Any]:
+        return {"pid": self._admitting().relaunch(now)}
+
+    def _status(self, params: NoParams, now: float) -> dict[str, Any]:
+        workload = self._workload
+        fields = {
+            "workload": self.config.workload.value,
+            "turn_state": (workload.turn_state() if workload else TurnState.WAITING).value,
+            "pid": workload.pid() if workload else None,
+            "queue_depth": workload.queue_depth if workload else 0,
+            "queue_bytes": workload.queue_bytes if workload else 0,
+            "log_bytes": self.log.length_bytes,
+            "log_capped": self.log.capped,
+            "admission_open": self.admission_open,
+            "awaiting_restore": workload is None,
+        }
+        return {**fields, **(workload.status_fields() if workload else {})}
+
+    def _read(self, params: ReadParams, now: float) -> dict[str, Any] | PendingRequest:
+        if params.wait_ms and params.offset_bytes == self.log.length_bytes:
+            return _LongPollRead(self, params, now)
+        return self.read_result(params)
+
+    def read_result(self, params: ReadParams) -> dict[str, Any]:
+        piece = self.log.read(params.offset_bytes, params.max_bytes)
+        fields: dict[str, Any] = {"offset": piece.offset_bytes, "next_offset": piece.next_offset_bytes,
+                                  "length": piece.length_bytes, "reset": piece.reset}
+        if self.log.text:
+            fields["text"] = piece.data.decode("utf-8")
+        else:
+            fields["data_b64"] = base64.b64encode(piece.data).decode("ascii")
+        return fields
+
+    def _write(self, params: WriteParams, now: float) -> dict[str, Any]:
+        shell = self._shell(Method.WRITE)
+        self._admitting()
+        shell.write(params.data)
+        return {"bytes": len(params.data)}
+
+    def _resize(self, params: ResizeParams, now: float) -> dict[str, Any]:
+        self._shell(Method.RESIZE).resize(params.columns, params.rows)
+        return {"columns": params.columns, "rows": params.rows}
+
+    def _checkpoint(self, params: CheckpointParams, now: float) -> PendingRequest:
+        workload = self._admitting()
+        if self.job is not None:
+            raise UnavailableError("a checkpoint or restore is still in progress")
+        return _Checkpoint(self, workload, params)
+
+    def _restore(self, params: RestoreParams, now: float) -> PendingRequest:
+        if self._workload is not None:
+            raise CommandError("restore needs a fresh agent started with --await-restore")
+        path = Path(params.path)
+        return _Restore(self, path if path.is_absolute() else self.config.session_dir / path)
+
+
+class _SignalWakeup:
+    """Routes signals into the loop: Python-level no-op handlers plus set_wakeup_fd, restored on exit."""
+
+    def __init__(self, wakeup_fd: int, signals: tuple[int, ...]) -> None:
+        self._wakeup_fd = wakeup_fd
+        self._signals = signals
+        self._previous: dict[int, Any] = {}
+        self._previous_fd = -1
+
+    def __enter__(self) -> "_SignalWakeup":
+        self._previous_fd = signal.set_wakeup_fd(self._wakeup_fd, warn_on_full_buffer=False)
+        for number in self._signals:
+            self._previous[number] = signal.signal(number, _note_signal)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
+        signal.set_wakeup_fd(self._previous_fd)
+
+
+def _note_signal(signum: int, frame: object) -> None:
+    """Does nothing: the wakeup fd already carried the signal number to the loop, which acts on it."""
+
+
+# ======================================================================================================================
+# The `call` client: one request, one JSON document on stdout
+# ======================================================================================================================
+
+
+def call(session_dir: Path, method: str, params: dict[str, Any], timeout_s: float = CALL_TIMEOUT_S) -> dict[str, Any]:
+    """Sends one request to DIR/control.sock and returns the response document (or a synthetic error one)."""
+    request_id = f"call-{os.getpid()}"
+    line = _encode_line({"id": request_id, "method": method, "params": params})
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(timeout_s)
+            sock.connect(str(session_dir / SOCKET_NAME))
+            sock.sendall(line)
+            response = bytearray()
+            while not response.endswith(b"\n"):
+                chunk = sock.recv(RECV_BYTES)
+                if not chunk:
+                    break
+                response += chunk
+        return json.loads(response)
+    except (OSError, ValueError) as e:
+        return {"id": request_id, "error": {"code": UnavailableError.code,
+                                            "message": f"no response from {session_dir / SOCKET_NAME}: {e}"}}
+
+
+# ======================================================================================================================
+# Command line
+# ======================================================================================================================
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError("must be a positive integer")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError("must be a positive number")
+    return value
+
+
+def _json_argv(text: str) -> tuple[str, ...]:
+    try:
+        return validate_command_template(json.loads(text))
+    except (ValueError, TypeError, UsageError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="agent.py", description="Reploy's data-plane agent (stdlib only).")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="run a session's workload and serve DIR/control.sock")
+    serve.add_argument("--session-dir", required=True, type=Path)
+    serve.add_argument("--workload", required=True, choices=[kind.value for kind in WorkloadKind])
+    serve.add_argument("--shell", default="/bin/sh", help="shell workload: the program on the PTY")
+    serve.add_argument("--agent-command", type=_json_argv, default=DEFAULT_AGENT_ARGV,
+                       help='agent workload: JSON argv template with "{prompt}", optional "{continue}", "{model}"')
+    serve.add_argument("--model", help="agent workload: fills {model} as --model M")
+    serve.add_argument("--workspace", type=Path, help="the workload's working directory (default DIR/workspace)")
+    serve.add_argument("--home", type=Path, help="the workload's HOME (default DIR/home)")
+    serve.add_argument("--redact-env", action="append", default=[], metavar="NAME",
+                       help="agent workload: redact this environment variable's value from the output (repeatable)")
+    serve.add_argument("--run-timeout", type=_positive_float, default=DEFAULT_RUN_TIMEOUT_S, metavar="SECONDS")
+    serve.add_argument("--per-run-cap-bytes", type=_positive_int, default=DEFAULT_PER_RUN_CAP_BYTES)
+    serve.add_argument("--cumulative-cap-bytes", type=_positive_int, default=DEFAULT_CUMULATIVE_CAP_BYTES)
+    serve.add_argument("--shell-log-cap-bytes", type=_positive_int, default=DEFAULT_SHELL_LOG_CAP_BYTES)
+    restore = serve.add_mutually_exclusive_group()
+    restore.add_argument("--restore", type=Path, metavar="ARCHIVE", help="restore this checkpoint, then serve")
+    restore.add_argument("--await-restore", action="store_true",
+                         help="serve without a workload until a `restore` request installs a checkpoint")
+    client = commands.add_parser("call", help="send one request to DIR/control.sock; print the JSON response")
+    client.add_argument("session_dir", type=Path, metavar="DIR")
+    client.add_argument("verb", choices=[method.value for method in Method])
+    client.add_argument("params", nargs="?", default="{}", help="JSON object of params (default {})")
+    return parser
+
+
+def _config_from(args: argparse.Namespace) -> AgentConfig:
+    session_dir = args.session_dir.absolute()
+    config = AgentConfig(
+        session_dir=session_dir, workload=WorkloadKind(args.workload), shell=args.shell,
+        agent_argv=args.agent_command, model=args.model,
+        workspace=args.workspace.absolute() if args.workspace else None,
+        home=args.home.absolute() if args.home else None, redact_env=tuple(args.redact_env),
+        run_timeout_s=args.run_timeout, per_run_cap_bytes=args.per_run_cap_bytes,
+        cumulative_cap_bytes=args.cumulative_cap_bytes, shell_log_cap_bytes=args.shell_log_cap_bytes,
+        restore_path=args.restore.absolute() if args.restore else None, await_restore=args.await_restore,
+    )
+    for name, tree in config.trees.items():
+        if session_dir.resolve().is_relative_to(tree.resolve()):
+            raise UsageError(f"the {name} directory {tree} must not contain the session directory")
+    if len(str(session_dir / SOCKET_NAME).encode()) > 107:
+        raise UsageError(f"{session_dir / SOCKET_NAME} is longer than a unix socket path may be (107 bytes)")
+    return config
+
+
+def serve(config: AgentConfig) -> int:
+    """`agent.py serve`: prepare the session dir, serve until a signal, shut down cleanly."""
+    for directory in (config.session_dir, config.workspace_dir, config.home_dir):
+        directory.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
+    server = AgentServer(config)
+    try:
+        print(f"agent.py: serving {config.session_dir / SOCKET_NAME} ({config.workload.value} workload, "
+              f"pid {os.getpid()})", file=sys.stderr)
+        return server.run()
+    finally:
+        server.close()
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "call":
+        try:
+            params = json.loads(args.params)
+        except ValueError as e:
+            print(f"agent.py call: params are not JSON: {e}", file=sys.stderr)
+            return 2
+        if not isinstance(params, dict):
+            print("agent.py call: params must be a JSON object", file=sys.stderr)
+            return 2
+        response = call(args.session_dir, args.verb, params)
+        print(json.dumps(response))
+        return 0 if "result" in response else 1
+    try:
+        return serve(_config_from(args))
+    except UsageError as e:
+        print(f"agent.py serve: {e}", file=sys.stderr)
+        return 2
+    except AgentError as e:
+        print(f"agent.py serve: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
