@@ -96,6 +96,7 @@ MAX_PTY_INPUT_BYTES = 4 * MIB  #: accepted for the PTY but not yet written to it
 SHELL_POLL_S = 0.05  #: how often the foreground process group is sampled (no event reports its change)
 SHELL_SETTLE_S = 0.05  #: the shell must look idle this long before a held message is typed
 DEFAULT_SHELL_LOG_CAP_BYTES = 64 * MIB
+MIN_LOG_CAP_BYTES = 1 * KIB  #: room for the cap marker line and some output
 
 # Agent workload
 DEFAULT_AGENT_ARGV = (
@@ -2351,6 +2352,8 @@ def _config_from(args: argparse.Namespace) -> AgentConfig:
         cumulative_cap_bytes=args.cumulative_cap_bytes, shell_log_cap_bytes=args.shell_log_cap_bytes,
         restore_path=args.restore.absolute() if args.restore else None, await_restore=args.await_restore,
     )
+    if config.log_cap_bytes < MIN_LOG_CAP_BYTES:
+        raise UsageError(f"the output log cap must be at least {MIN_LOG_CAP_BYTES} bytes")
     for name, tree in config.trees.items():
         if session_dir.resolve().is_relative_to(tree.resolve()):
             raise UsageError(f"the {name} directory {tree} must not contain the session directory")

@@ -1,0 +1,117 @@
+#!/usr/bin/env python3
+"""A stand-in for the Claude Code CLI in agent.py's tests: it speaks stream-json and never calls a model.
+
+Invoked like the real one (`[--continue] [--model M] ... -- PROMPT`); the prompt names a scenario and its argument:
+
+  say TEXT          one assistant message, TEXT split into several text_delta events, then a result
+  args              says its own argv as JSON (so tests see --continue and --model)
+  stderr TEXT       TEXT on stderr, then a short message on stdout
+  plain TEXT        TEXT as a non-JSON stdout line
+  result TEXT       only a result event
+  secret            the value of FAKE_SECRET, split across two deltas and two writes, and on stderr in two writes
+  utf8              "é€😀" on stderr with every code point split across writes, then one invalid byte
+  big N             N bytes of "x" as deltas
+  fail              a diagnostic on stderr, exit status 3
+  hang              one delta, then waits forever
+  grandchild FILE   starts a grandchild that sleeps forever, writes its pid to FILE, then waits forever
+  write FILE TEXT   writes TEXT into FILE (relative to the workspace), says done
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+
+def emit(document: dict) -> None:
+    sys.stdout.write(json.dumps(document) + "\n")
+    sys.stdout.flush()
+
+
+def stream(event: dict) -> None:
+    emit({"type": "stream_event", "event": event})
+
+
+def say(*pieces: str) -> None:
+    stream({"type": "message_start", "message": {"role": "assistant"}})
+    stream({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}})
+    for piece in pieces:
+        stream({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": piece}})
+    stream({"type": "content_block_stop", "index": 0})
+    stream({"type": "message_stop"})
+
+
+def write_raw(stream_file, data: bytes) -> None:
+    stream_file.buffer.write(data)
+    stream_file.buffer.flush()
+    time.sleep(0.05)  # the fake's own pacing, so the agent is likely to see separate reads
+
+
+def wait_forever() -> None:
+    while True:
+        time.sleep(3600)
+
+
+def main() -> int:
+    argv = sys.argv[1:]
+    prompt = argv[argv.index("--") + 1]
+    scenario, _, argument = prompt.partition(" ")
+    emit({"type": "system", "subtype": "init", "session_id": "fake"})
+    if scenario == "say":
+        third = max(len(argument) // 3, 1)
+        say(argument[:third], argument[third:2 * third], argument[2 * third:])
+    elif scenario == "args":
+        say(json.dumps(argv))
+    elif scenario == "stderr":
+        sys.stderr.write(argument + "\n")
+        sys.stderr.flush()
+        say("after stderr")
+    elif scenario == "plain":
+        print(argument, flush=True)
+    elif scenario == "result":
+        emit({"type": "result", "subtype": "success", "is_error": False, "result": argument})
+        return 0
+    elif scenario == "secret":
+        secret = os.environ["FAKE_SECRET"]
+        half = len(secret) // 2
+        say("token=" + secret[:half], secret[half:] + " end")
+        write_raw(sys.stderr, ("err:" + secret[:half]).encode())
+        write_raw(sys.stderr, (secret[half:] + "\n").encode())
+    elif scenario == "utf8":
+        for char in "é€😀":
+            data = char.encode()
+            write_raw(sys.stderr, data[:1])
+            write_raw(sys.stderr, data[1:])
+        write_raw(sys.stderr, b"\xff\n")
+    elif scenario == "big":
+        total = int(argument)
+        chunk = 1000
+        say(*["x" * min(chunk, total - start) for start in range(0, total, chunk)])
+    elif scenario == "fail":
+        sys.stderr.write("fake: something broke\n")
+        return 3
+    elif scenario == "hang":
+        say("working")
+        wait_forever()
+    elif scenario == "grandchild":
+        child = subprocess.Popen(["sleep", "1000"])
+        with open(argument + ".tmp", "w") as f:
+            f.write(str(child.pid))
+        os.rename(argument + ".tmp", argument)
+        say("spawned")
+        wait_forever()
+    elif scenario == "write":
+        name, _, text = argument.partition(" ")
+        with open(name, "w") as f:
+            f.write(text)
+        say("done")
+    else:
+        sys.stderr.write(f"fake: unknown scenario {scenario!r}\n")
+        return 2
+    emit({"type": "result", "subtype": "success", "is_error": False, "result": "final result text"})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

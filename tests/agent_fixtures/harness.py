@@ -1,0 +1,205 @@
+"""Runs real `agent.py serve` processes for tests and cleans up everything they started.
+
+Synchronisation is by real conditions with deadlines: the socket answering, `status` fields, long-poll `read`.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import agent  # noqa: E402  (the module under test lives at the repository root)
+
+AGENT_PY = ROOT / "agent.py"
+FAKE_CLAUDE = Path(__file__).with_name("fake_claude.py")
+FAKE_AGENT_ARGV = json.dumps([sys.executable, str(FAKE_CLAUDE), "{continue}", "{model}", "--", "{prompt}"])
+DEADLINE_S = 15.0
+
+
+def wait_until(condition: Callable[[], Any], what: str, timeout_s: float = DEADLINE_S) -> Any:
+    """Polls a real condition until it holds; fails the test with `what` when the deadline passes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def pid_gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+class AgentProcess:
+    """One `agent.py serve` child, with helpers for calling its socket and reading its log."""
+
+    def __init__(self, session_dir: Path, args: list[str], env: Optional[dict[str, str]] = None) -> None:
+        self.session_dir = session_dir
+        self.args = args
+        self.stderr_path = session_dir.parent / f"{session_dir.name}.stderr"
+        with open(self.stderr_path, "ab") as stderr:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(AGENT_PY), "serve", "--session-dir", str(session_dir), *args],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr,
+                env={**os.environ, **(env or {})}, start_new_session=True)
+        self._descendants: list[psutil.Process] = []
+
+    @property
+    def stderr(self) -> str:
+        return self.stderr_path.read_text()
+
+    def wait_ready(self) -> "AgentProcess":
+        def answers() -> bool:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"agent exited with {self.proc.returncode}: {self.stderr}")
+            return "result" in self.call("status")
+        wait_until(answers, "the agent to answer status")
+        return self
+
+    def call(self, method: str, **params: Any) -> dict[str, Any]:
+        return agent.call(self.session_dir, method, params)
+
+    def result(self, method: str, **params: Any) -> dict[str, Any]:
+        response = self.call(method, **params)
+        assert "result" in response, response
+        assert response["result"]["type"] == method
+        return response["result"]
+
+    def error(self, method: str, **params: Any) -> dict[str, Any]:
+        response = self.call(method, **params)
+        assert "error" in response, response
+        return response["error"]
+
+    def status(self) -> dict[str, Any]:
+        return self.result("status")
+
+    def read_bytes(self, offset: int = 0) -> bytes:
+        """Everything in the log from offset, as raw bytes."""
+        out = bytearray()
+        while True:
+            piece = self.result("read", offset=offset + len(out), max_bytes=agent.MAX_READ_BYTES)
+            data = piece_bytes(piece)
+            if not data:
+                return bytes(out)
+            out += data
+
+    def read_until(self, needle: bytes, timeout_s: float = DEADLINE_S) -> bytes:
+        """Long-polls the log from 0 until it contains needle; returns everything read."""
+        deadline = time.monotonic() + timeout_s
+        out = bytearray()
+        while needle not in out:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{needle!r} never appeared; log so far: {bytes(out)!r}")
+            piece = self.result("read", offset=len(out), max_bytes=agent.MAX_READ_BYTES, wait_ms=1000)
+            out += piece_bytes(piece)
+        return bytes(out)
+
+    def events(self) -> list[dict[str, Any]]:
+        path = self.session_dir / agent.OUTBOX_NAME
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def wait_status(self, predicate: Callable[[dict[str, Any]], bool], what: str) -> dict[str, Any]:
+        return wait_until(lambda: (lambda s: s if predicate(s) else None)(self.status()), what)
+
+    def _remember_descendants(self) -> None:
+        try:
+            self._descendants += psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            pass
+
+    def stop(self, timeout_s: float = DEADLINE_S) -> int:
+        """SIGTERM and wait: the agent's own clean shutdown. Returns its exit code."""
+        self._remember_descendants()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout_s)
+
+    def crash(self) -> None:
+        """SIGKILL the agent and everything it started, as a container's death would."""
+        self._remember_descendants()
+        self.proc.kill()
+        self.proc.wait()
+        self._kill_descendants()
+
+    def cleanup(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.stop()
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._kill_descendants()
+
+    def _kill_descendants(self) -> None:
+        for process in self._descendants:
+            try:
+                process.kill()
+            except psutil.NoSuchProcess:
+                pass
+
+
+def piece_bytes(piece: dict[str, Any]) -> bytes:
+    """The bytes of a read result, whichever workload answered."""
+    if "text" in piece:
+        return piece["text"].encode()
+    return base64.b64decode(piece["data_b64"])
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    """A short temp dir: unix socket paths must stay under 108 bytes, and tmp_path can be longer."""
+    path = Path(tempfile.mkdtemp(prefix="ra-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def start_agent(short_dir: Path) -> Iterator[Callable[..., AgentProcess]]:
+    """start_agent(*args, name="s", env=None, ready=True) -> a running agent; all are cleaned up at teardown."""
+    started: list[AgentProcess] = []
+
+    def start(*args: str, name: str = "s", env: Optional[dict[str, str]] = None, ready: bool = True) -> AgentProcess:
+        process = AgentProcess(short_dir / name, list(args), env)
+        started.append(process)
+        return process.wait_ready() if ready else process
+
+    yield start
+    for process in started:
+        process.cleanup()
+
+
+def raw_exchange(session_dir: Path, payload: bytes, shutdown_write: bool = False,
+                 timeout_s: float = DEADLINE_S) -> bytes:
+    """Sends raw bytes to the control socket and returns everything received until the server closes."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout_s)
+        sock.connect(str(session_dir / agent.SOCKET_NAME))
+        sock.sendall(payload)
+        if shutdown_write:
+            sock.shutdown(socket.SHUT_WR)
+        received = bytearray()
+        while chunk := sock.recv(65536):
+            received += chunk
+        return bytes(received)

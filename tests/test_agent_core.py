@@ -1,0 +1,535 @@
+"""agent.py's pure cores, without processes: codec, text handling, queue, command template, archive rules."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import re
+import tarfile
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from agent_fixtures.harness import agent
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Framing
+
+
+def test_framer_returns_the_line_once_the_newline_arrives():
+    framer = agent.RequestFramer()
+    assert framer.feed(b'{"id":') is None
+    assert framer.feed(b'"1"}\n') == b'{"id":"1"}'
+
+
+def test_framer_accepts_exactly_the_limit_and_rejects_one_more():
+    assert agent.RequestFramer(max_bytes=4).feed(b"abcd\n") == b"abcd"
+    with pytest.raises(agent.RequestError, match="exceeds 4 bytes"):
+        agent.RequestFramer(max_bytes=4).feed(b"abcde\n")
+
+
+def test_framer_rejects_an_over_long_line_before_its_newline():
+    framer = agent.RequestFramer(max_bytes=4)
+    assert framer.feed(b"abcd") is None
+    with pytest.raises(agent.RequestError, match="exceeds"):
+        framer.feed(b"e")
+
+
+def test_framer_rejects_data_after_the_line():
+    with pytest.raises(agent.RequestError, match="one request per connection"):
+        agent.RequestFramer().feed(b"{}\n{}")
+
+
+@pytest.mark.parametrize("data, message", [(b"", "empty request"), (b"{}", "must end with a newline")])
+def test_framer_eof_before_newline_is_an_error(data, message):
+    framer = agent.RequestFramer()
+    framer.feed(data)
+    with pytest.raises(agent.RequestError, match=message):
+        framer.eof()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The request parser
+
+
+def parse(document) -> agent.Request:
+    return agent.parse_request(json.dumps(document).encode())
+
+
+@pytest.mark.parametrize("method, params, expected", [
+    ("message", {"text": "hi"}, agent.MessageParams("hi")),
+    ("interrupt", {}, agent.NoParams()),
+    ("relaunch", {}, agent.NoParams()),
+    ("status", {}, agent.NoParams()),
+    ("read", {}, agent.ReadParams(0, agent.DEFAULT_READ_BYTES, 0)),
+    ("read", {"offset": 7, "max_bytes": 4, "wait_ms": agent.MAX_READ_WAIT_MS}, agent.ReadParams(7, 4, 4000)),
+    ("write", {"data_b64": base64.b64encode(b"\x00\xff").decode()}, agent.WriteParams(b"\x00\xff")),
+    ("resize", {"columns": 1, "rows": 65535}, agent.ResizeParams(1, 65535)),
+    ("checkpoint", {"id": "snap-1.a_b"}, agent.CheckpointParams("snap-1.a_b")),
+    ("restore", {"path": "x.tar"}, agent.RestoreParams("x.tar")),
+])
+def test_every_method_parses_into_its_params(method, params, expected):
+    request = parse({"id": "7", "method": method, "params": params})
+    assert request == agent.Request("7", agent.Method(method), expected)
+
+
+def test_params_may_be_omitted():
+    assert parse({"id": "1", "method": "status"}).params == agent.NoParams()
+
+
+@pytest.mark.parametrize("line", [b"not json", b"\xff\xfe", b"[1]", b'{"method":"status"}', b'{"id":5}',
+                                  b'{"id":"' + b"x" * 300 + b'"}'])
+def test_requests_without_a_readable_id_answer_with_an_empty_id(line):
+    with pytest.raises(agent.RequestError) as caught:
+        agent.parse_request(line)
+    assert caught.value.request_id == ""
+    assert caught.value.code == "invalid_request"
+
+
+@pytest.mark.parametrize("document, message", [
+    ({"id": "9", "method": "status", "extra": 1}, "unknown request fields: extra"),
+    ({"id": "9", "method": "launch"}, "unknown method 'launch'"),
+    ({"id": "9", "method": 3}, "method must be a string"),
+    ({"id": "9", "method": "status", "params": []}, "params must be an object"),
+    ({"id": "9", "method": "status", "params": {"x": 1}}, "unknown params for status: x"),
+    ({"id": "9", "method": "message", "params": {}}, "params.text is required"),
+    ({"id": "9", "method": "message", "params": {"text": ""}}, "params.text must not be empty"),
+    ({"id": "9", "method": "message", "params": {"text": 5}}, "params.text must be a string"),
+    ({"id": "9", "method": "read", "params": {"offset": True}}, "params.offset must be an integer"),
+    ({"id": "9", "method": "read", "params": {"offset": -1}}, "params.offset must be between"),
+    ({"id": "9", "method": "read", "params": {"max_bytes": 3}}, "params.max_bytes must be between"),
+    ({"id": "9", "method": "read", "params": {"max_bytes": agent.MAX_READ_BYTES + 1}}, "max_bytes must be between"),
+    ({"id": "9", "method": "read", "params": {"wait_ms": agent.MAX_READ_WAIT_MS + 1}}, "wait_ms must be between"),
+    ({"id": "9", "method": "write", "params": {"data_b64": "***"}}, "not valid base64"),
+    ({"id": "9", "method": "resize", "params": {"columns": 0, "rows": 5}}, "columns must be between"),
+    ({"id": "9", "method": "resize", "params": {"columns": 80}}, "params.rows is required"),
+    ({"id": "9", "method": "checkpoint", "params": {"id": "../x"}}, "params.id must match"),
+    ({"id": "9", "method": "checkpoint", "params": {"id": ".hidden"}}, "params.id must match"),
+])
+def test_malformed_requests_with_an_id_echo_it(document, message):
+    with pytest.raises(agent.RequestError, match=re.escape(message)) as caught:
+        parse(document)
+    assert caught.value.request_id == "9"
+
+
+def test_duplicate_keys_are_rejected():
+    with pytest.raises(agent.RequestError, match="duplicate key"):
+        agent.parse_request(b'{"id":"1","method":"status","method":"read"}')
+
+
+def test_responses_are_one_line_with_a_type_tagged_result_or_an_error():
+    result = agent.encode_result("a", agent.Method.STATUS, {"pid": 3})
+    error = agent.encode_error("b", "timeout", "slow")
+    assert result.endswith(b"\n") and result.count(b"\n") == 1
+    assert json.loads(result) == {"id": "a", "result": {"type": "status", "pid": 3}}
+    assert json.loads(error) == {"id": "b", "error": {"code": "timeout", "message": "slow"}}
+
+
+@pytest.mark.parametrize("error, code", [
+    (agent.RequestError("x"), "invalid_request"), (agent.CommandError("x"), "command_error"),
+    (agent.HandlerTimeout("x"), "timeout"), (agent.UnavailableError("x"), "server_unavailable"),
+    (agent.ArchiveError("x"), "command_error"),
+])
+def test_each_exception_carries_its_wire_code(error, code):
+    assert error.code == code
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# UTF-8 boundaries and the normaliser
+
+SAMPLE = "aé€😀b\u00ff\U0001f600z"
+
+
+def test_utf8_prefix_is_the_longest_whole_code_point_prefix_for_every_limit():
+    data = SAMPLE.encode()
+    for limit in range(len(data) + 2):
+        prefix = agent.utf8_prefix(data, limit)
+        prefix.decode("utf-8")  # whole code points only
+        assert len(prefix) <= limit and data.startswith(prefix)
+        longer = data[:len(prefix) + 1]
+        assert len(prefix) == len(data) or len(longer) > limit or not _decodes(data[:limit])
+
+
+def _decodes(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        return False
+
+
+def test_normaliser_gives_the_same_text_for_every_split_point():
+    data = SAMPLE.encode() + b"\xff\xc3"
+    expected = data.decode("utf-8", errors="replace")
+    for split in range(len(data) + 1):
+        normaliser = agent.Utf8Normaliser()
+        text = normaliser.feed(data[:split]) + normaliser.feed(data[split:]) + normaliser.finish()
+        assert text == expected
+
+
+def test_normaliser_holds_a_split_code_point_until_it_is_complete():
+    normaliser = agent.Utf8Normaliser()
+    assert normaliser.feed("€".encode()[:2]) == ""
+    assert normaliser.feed("€".encode()[2:]) == "€"
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.binary(max_size=12), max_size=8))
+def test_normaliser_matches_whole_decoding_for_any_chunking(chunks):
+    normaliser = agent.Utf8Normaliser()
+    text = "".join(normaliser.feed(chunk) for chunk in chunks) + normaliser.finish()
+    assert text == b"".join(chunks).decode("utf-8", errors="replace")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The redactor
+
+
+def redact_in_chunks(secrets, chunks) -> str:
+    redactor = agent.Redactor(secrets)
+    return "".join(redactor.feed(chunk) for chunk in chunks) + redactor.finish()
+
+
+def test_redactor_replaces_a_secret_split_across_every_position():
+    text = "key=hunter22 and hunter22!"
+    for split in range(len(text) + 1):
+        assert redact_in_chunks(["hunter22"], [text[:split], text[split:]]) == "key=[REDACTED] and [REDACTED]!"
+
+
+def test_redactor_prefers_the_longer_secret_that_starts_at_the_same_place():
+    assert redact_in_chunks(["abc", "abcdef"], ["xxabc", "def yy"]) == "xx[REDACTED] yy"
+    assert redact_in_chunks(["abc", "abcdef"], ["xxabc", "dex"]) == "xx[REDACTED]dex"
+
+
+def test_redactor_emits_nothing_that_could_still_become_a_secret():
+    redactor = agent.Redactor(["secret"])
+    assert redactor.feed("a sec") == "a "
+    assert redactor.feed("ond") == "second"
+
+
+def test_redactor_without_secrets_passes_text_through_at_once():
+    assert agent.Redactor([]).feed("abc") == "abc"
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.text(alphabet="ab", min_size=1, max_size=4), min_size=1, max_size=3),
+       st.text(alphabet="abc", max_size=30), st.lists(st.integers(0, 30), max_size=5))
+def test_redactor_matches_whole_text_substitution_for_any_chunking(secrets, text, cuts):
+    ordered = sorted(set(secrets), key=len, reverse=True)
+    expected = re.sub("|".join(map(re.escape, ordered)), agent.REDACTED, text)
+    bounds = sorted({0, len(text), *[min(cut, len(text)) for cut in cuts]})
+    chunks = [text[a:b] for a, b in zip(bounds, bounds[1:])]
+    assert redact_in_chunks(secrets, chunks) == expected
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The stream-json projector
+
+
+def events(*items) -> bytes:
+    return b"".join(json.dumps(item).encode() + b"\n" for item in items)
+
+
+def stream_event(event) -> dict:
+    return {"type": "stream_event", "event": event}
+
+
+BLOCK_START = stream_event({"type": "content_block_start", "content_block": {"type": "text", "text": "Hi"}})
+DELTA = stream_event({"type": "content_block_delta", "delta": {"type": "text_delta", "text": " there"}})
+MESSAGE_STOP = stream_event({"type": "message_stop"})
+RESULT = {"type": "result", "result": "the result"}
+
+
+def project(data: bytes, chunk: int = 0) -> str:
+    projector = agent.StreamJsonProjector()
+    pieces = [data[i:i + chunk] for i in range(0, len(data), chunk)] if chunk else [data]
+    return "".join(projector.feed(piece) for piece in pieces) + projector.finish()
+
+
+def test_projector_takes_block_starts_and_deltas_and_ends_the_message_with_a_newline():
+    assert project(events(BLOCK_START, DELTA, MESSAGE_STOP, RESULT)) == "Hi there\n"
+
+
+def test_projector_adds_no_newline_when_the_text_already_ends_with_one():
+    delta = stream_event({"type": "content_block_delta", "delta": {"type": "text_delta", "text": "x\n"}})
+    assert project(events(delta, MESSAGE_STOP)) == "x\n"
+
+
+def test_projector_uses_the_result_only_when_nothing_else_was_projected():
+    assert project(events({"type": "system"}, MESSAGE_STOP, RESULT)) == "the result\n"
+
+
+def test_projector_passes_non_json_lines_through_and_replaces_invalid_utf8():
+    assert project(b"plain line\n\xffbad\n[1,2]\n") == "plain line\n\ufffdbad\n[1,2]\n"
+
+
+def test_projector_drops_other_events_and_non_text_blocks():
+    tool = stream_event({"type": "content_block_start", "content_block": {"type": "tool_use", "name": "x"}})
+    thinking = stream_event({"type": "content_block_delta", "delta": {"type": "thinking_delta", "text": "hmm"}})
+    assert project(events(tool, thinking, {"type": "assistant", "message": {}})) == ""
+
+
+def test_projector_accepts_unwrapped_events():
+    assert project(events({"type": "content_block_delta", "delta": {"type": "text_delta", "text": "raw"}})) == "raw"
+
+
+def test_projector_output_does_not_depend_on_how_stdout_was_split():
+    data = events(BLOCK_START, DELTA, MESSAGE_STOP) + "é€ plain\n".encode() + events(RESULT) + b"tail"
+    whole = project(data)
+    assert whole == "Hi there\né€ plain\ntail\n"
+    for chunk in range(1, 12):
+        assert project(data, chunk) == whole
+
+
+def test_projector_skips_an_over_long_line_with_one_marker():
+    projector = agent.StreamJsonProjector(max_line_bytes=8)
+    out = projector.feed(b"0123456789") + projector.feed(b"abcdef") + projector.feed(b"\nok\n")
+    assert out == "\n[reploy: skipped a stream-json line over 8 bytes]\nok\n"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The queue and the command template
+
+
+def test_queue_is_fifo_and_counts_bytes():
+    queue = agent.PromptQueue()
+    queue.push("é")
+    queue.push("b")
+    assert (len(queue), queue.total_bytes) == (2, 3)
+    assert queue.pop() == "é" and queue.total_bytes == 1
+
+
+def test_queue_limits_are_each_their_own_error():
+    with pytest.raises(agent.RequestError, match="message is 5 bytes; the limit is 4"):
+        agent.PromptQueue(max_item_bytes=4).push("abcde")
+    counted = agent.PromptQueue(max_items=2)
+    counted.push("a")
+    counted.push("b")
+    with pytest.raises(agent.UnavailableError, match="2 messages are waiting"):
+        counted.push("c")
+    sized = agent.PromptQueue(max_total_bytes=5)
+    sized.push("abc")
+    with pytest.raises(agent.UnavailableError, match="would exceed 5 bytes"):
+        sized.push("abc")
+    sized.push("ab")
+    assert sized.total_bytes == 5
+
+
+def test_default_command_matches_the_claude_code_invocation():
+    argv = agent.expand_command(agent.DEFAULT_AGENT_ARGV, "do it", None, False)
+    assert argv == ["claude", "--permission-mode", "auto", "-p", "--output-format", "stream-json", "--verbose",
+                    "--include-partial-messages", "--", "do it"]
+    resumed = agent.expand_command(agent.DEFAULT_AGENT_ARGV, "-x", "opus", True)
+    assert resumed[:4] == ["claude", "--continue", "--model", "opus"] and resumed[-2:] == ["--", "-x"]
+
+
+@pytest.mark.parametrize("template", [[], ["claude"], ["c", "{prompt}", "{prompt}"], ["c", "{model}", "{model}",
+                                                                                    "{prompt}"], ["c", 3]])
+def test_bad_command_templates_are_usage_errors(template):
+    with pytest.raises(agent.UsageError):
+        agent.validate_command_template(template)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The output log (a file, no processes)
+
+
+def test_log_reads_never_consume_and_offsets_past_the_end_reset(tmp_path):
+    log = agent.OutputLog(tmp_path / "log", 1000, text=False)
+    log.append(b"hello ")
+    log.append(b"world")
+    assert log.read(0, 100).data == log.read(0, 100).data == b"hello world"
+    piece = log.read(6, 3)
+    assert (piece.data, piece.next_offset_bytes, piece.length_bytes, piece.reset) == (b"wor", 9, 11, False)
+    assert log.read(11, 10) == agent.LogSlice(11, b"", 11, 11, False)
+    assert log.read(50, 10) == agent.LogSlice(50, b"", 11, 11, True)
+
+
+def test_log_survives_reopening_with_the_same_bytes_at_the_same_offsets(tmp_path):
+    log = agent.OutputLog(tmp_path / "log", 1000, text=True)
+    log.append("one €\n".encode())
+    log.close()
+    again = agent.OutputLog(tmp_path / "log", 1000, text=True)
+    assert again.length_bytes == 8 and again.read(0, 100).data == "one €\n".encode()
+    again.append(b"two")
+    assert again.read(8, 100).data == b"two"
+
+
+def test_log_cap_ends_the_log_with_a_marker_and_stops_growing(tmp_path):
+    log = agent.OutputLog(tmp_path / "log", 200, text=False)
+    assert log.append(b"a" * 40) == 40
+    kept = log.append(b"b" * 200)
+    assert log.capped and kept < 200
+    content = log.read(0, 1000).data
+    assert content.startswith(b"a" * 40 + b"b" * kept)
+    assert content.endswith(b"[reploy: output log reached its cap of 200 bytes; later output is discarded]\r\n")
+    assert log.length_bytes == 200
+    assert log.append(b"more") == 0 and log.read(0, 1000).data == content
+    log.close()
+    assert agent.OutputLog(tmp_path / "log", 200, text=False).capped
+
+
+def test_text_log_cuts_on_code_points_when_capped_and_when_read(tmp_path):
+    log = agent.OutputLog(tmp_path / "log", 200, text=True)
+    log.append(("€" * 100).encode())
+    content = log.read(0, agent.MAX_READ_BYTES).data
+    content.decode("utf-8")  # the cap cut between code points
+    assert log.read(0, 4).data == "€".encode()
+    with pytest.raises(agent.CommandError, match="not on a UTF-8 boundary"):
+        log.read(1, 10)
+
+
+def test_log_markers_start_on_a_fresh_line(tmp_path):
+    log = agent.OutputLog(tmp_path / "log", 1000, text=True)
+    log.append_marker("first")
+    log.append(b"partial")
+    log.append_marker("second")
+    assert log.read(0, 1000).data == b"[reploy: first]\npartial\n[reploy: second]\n"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The outbox
+
+
+def read_events(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_outbox_seq_is_monotonic_across_reopening(tmp_path):
+    path = tmp_path / "events.jsonl"
+    outbox = agent.Outbox(path)
+    outbox.emit(agent.EventKind.SESSION_START)
+    outbox.close()
+    agent.Outbox(path).emit(agent.EventKind.SESSION_END, reason="signal")
+    assert [event["seq"] for event in read_events(path)] == [1, 2]
+
+
+def test_outbox_reconcile_closes_what_a_dead_agent_left_open(tmp_path):
+    path = tmp_path / "events.jsonl"
+    outbox = agent.Outbox(path)
+    outbox.emit(agent.EventKind.SESSION_START)
+    finished = outbox.start_turn()
+    outbox.end_turn(finished, agent.Outcome.COMPLETED)
+    open_turn = outbox.start_turn()
+    outbox.close()
+    with open(path, "ab") as f:
+        f.write(b'{"seq": 99, "ty')  # torn by the crash
+    again = agent.Outbox(path)
+    again.reconcile()
+    again.reconcile()  # idempotent: nothing is closed twice
+    events_ = [json.loads(line) for line in path.read_text().splitlines() if not line.startswith('{"seq": 99')]
+    ends = [event for event in events_ if event["type"] == "turn_end"]
+    assert [(end["turn"], end["outcome"]) for end in ends] == [(finished, "completed"), (open_turn, "failed")]
+    assert events_[-1]["type"] == "session_end" and events_[-1]["reason"] == "agent_died"
+    assert [event["seq"] for event in events_] == sorted({event["seq"] for event in events_})
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Archive rules
+
+
+def member(name, kind=tarfile.REGTYPE, size=0, linkname=""):
+    info = tarfile.TarInfo(name)
+    info.type, info.size, info.linkname = kind, size, linkname
+    return info
+
+
+BASE = [member(agent.ARCHIVE_MANIFEST, size=10), member(agent.ARCHIVE_LOG, size=5), member("workspace", tarfile.DIRTYPE)]
+
+
+def test_a_plain_archive_passes():
+    agent.check_archive_members(BASE + [member("workspace/a", size=3), member("home", tarfile.DIRTYPE),
+                                        member("workspace/l", tarfile.SYMTYPE, linkname="a")])
+
+
+@pytest.mark.parametrize("extra, message", [
+    ([member("/etc/passwd")], "unsafe member name"),
+    ([member("workspace/../../x")], "unsafe member name"),
+    ([member("workspace/./x")], "unsafe member name"),
+    ([member("elsewhere/x")], "unexpected member"),
+    ([member("workspace/a"), member("workspace/a")], "duplicate member"),
+    ([member("workspace/h", tarfile.LNKTYPE, linkname="workspace/a")], "not a regular file, directory or symlink"),
+    ([member("workspace/dev", tarfile.CHRTYPE)], "not a regular file, directory or symlink"),
+    ([member("workspace/fifo", tarfile.FIFOTYPE)], "not a regular file, directory or symlink"),
+    ([member("workspace/l", tarfile.SYMTYPE, linkname="/etc")], "escapes its tree"),
+    ([member("workspace/l", tarfile.SYMTYPE, linkname="../home")], "escapes its tree"),
+    ([member("workspace/d/l", tarfile.SYMTYPE, linkname="../../x")], "escapes its tree"),
+    ([member("workspace/up", tarfile.SYMTYPE, linkname="."), member("workspace/l", tarfile.SYMTYPE,
+                                                                    linkname="up/..")], "escapes its tree"),
+    ([member("workspace/l", tarfile.SYMTYPE, linkname="d"), member("workspace/l/x")], "lies below a symlink"),
+    ([member("home", tarfile.SYMTYPE, linkname="workspace")], "not a regular file, directory or symlink"),
+])
+def test_hostile_members_are_refused(extra, message):
+    with pytest.raises(agent.ArchiveError, match=message):
+        agent.check_archive_members(BASE + extra)
+
+
+def test_archive_limits_on_entries_and_bytes():
+    with pytest.raises(agent.ArchiveError, match="more than 3 entries"):
+        agent.check_archive_members(BASE + [member("workspace/x")], max_entries=3)
+    with pytest.raises(agent.ArchiveError, match="exceeds 20 bytes"):
+        agent.check_archive_members(BASE + [member("workspace/x", size=6)], max_bytes=20)
+
+
+@pytest.mark.parametrize("missing", [agent.ARCHIVE_MANIFEST, agent.ARCHIVE_LOG])
+def test_archive_must_hold_manifest_and_log(missing):
+    with pytest.raises(agent.ArchiveError, match=f"lacks {missing}"):
+        agent.check_archive_members([m for m in BASE if m.name != missing])
+
+
+@pytest.mark.parametrize("document, message", [
+    ({}, "must hold exactly"),
+    ({"format": "x", "version": 1, "id": "a", "workload": "shell", "log_bytes": 0, "continue": False}, "not a"),
+    ({"format": agent.ARCHIVE_FORMAT, "version": 1, "id": "a", "workload": "vm", "log_bytes": 0, "continue": False},
+     "workload is invalid"),
+    ({"format": agent.ARCHIVE_FORMAT, "version": 1, "id": "a", "workload": "shell", "log_bytes": -1,
+      "continue": False}, "log_bytes"),
+    ({"format": agent.ARCHIVE_FORMAT, "version": 1, "id": "/x", "workload": "shell", "log_bytes": 0,
+      "continue": False}, "id is invalid"),
+])
+def test_bad_manifests_are_refused(document, message):
+    with pytest.raises(agent.ArchiveError, match=message):
+        agent.parse_manifest(json.dumps(document).encode())
+
+
+def test_manifest_round_trips():
+    manifest = agent.Manifest("snap", agent.WorkloadKind.AGENT, 12, True)
+    assert agent.parse_manifest(manifest.to_json()) == manifest
+
+
+def test_archive_written_then_extracted_keeps_files_links_and_log_prefix(tmp_path):
+    workspace, home = tmp_path / "ws", tmp_path / "home"
+    (workspace / "sub").mkdir(parents=True)
+    home.mkdir()
+    (workspace / "sub" / "f.txt").write_text("content")
+    (workspace / "link").symlink_to("sub/f.txt")
+    (workspace / "outside").symlink_to("/etc/passwd")  # would escape: left out, and counted
+    log_path = tmp_path / "log"
+    log_path.write_bytes(b"0123456789")
+    manifest = agent.Manifest("snap", agent.WorkloadKind.SHELL, 4, False)
+    archive = tmp_path / "a.tar"
+    skipped = agent.write_archive(archive, manifest, log_path, {"workspace": workspace, "home": home})
+    assert skipped == 1
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    assert agent.extract_archive(archive, staging, agent.WorkloadKind.SHELL) == manifest
+    assert (staging / "output.log").read_bytes() == b"0123"
+    assert (staging / "workspace" / "link").read_text() == "content"
+    assert not (staging / "workspace" / "outside").exists()
+    with pytest.raises(agent.ArchiveError, match="for the shell workload"):
+        (tmp_path / "again").mkdir()
+        agent.extract_archive(archive, tmp_path / "again", agent.WorkloadKind.AGENT)
+
+
+def test_a_truncated_archive_is_an_archive_error(tmp_path):
+    bad = tmp_path / "bad.tar"
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as archive:
+        info = tarfile.TarInfo(agent.ARCHIVE_LOG)
+        info.size = 5000
+        archive.addfile(info, io.BytesIO(b"x" * 5000))
+    bad.write_bytes(buffer.getvalue()[:1024])
+    (tmp_path / "s").mkdir()
+    with pytest.raises(agent.ArchiveError):
+        agent.extract_archive(bad, tmp_path / "s", agent.WorkloadKind.SHELL)
