@@ -1325,8 +1325,9 @@ class ShellWorkload(Workload):
 
     Busy means the PTY's foreground process group is not the shell's. Nothing reports a change of foreground group,
     so tick() samples it every SHELL_POLL_S; that sampling also opens and closes turns. A message is typed as one
-    line only when the shell has looked idle, with its input consumed, for SHELL_SETTLE_S; otherwise it is held and
-    typed, in order, once that is true again, so a job that reads stdin never swallows a queued command.
+    line only when the shell is idle and has consumed our earlier input at least SHELL_SETTLE_S ago (a shell forks
+    its job just after reading the line, and until then it still looks idle); otherwise it is held and typed, in
+    order, once that is true again, so a job that reads stdin never swallows a queued command.
     """
 
     kind = WorkloadKind.SHELL
@@ -1337,7 +1338,7 @@ class ShellWorkload(Workload):
         self._proc: Optional[subprocess.Popen[bytes]] = None
         self._master = self._slave = -1  # we keep the slave open to measure the shell's unread input
         self._input = bytearray()  # accepted for the PTY, not yet written
-        self._ready_since: Optional[float] = None
+        self._input_consumed_at: Optional[float] = -SHELL_SETTLE_S  # None while our input is unread
         self._turn: Optional[int] = None
         self._turn_interrupted = False
         self.exit_code: Optional[int] = None
@@ -1406,12 +1407,9 @@ class ShellWorkload(Workload):
             self._turn_interrupted = False
         elif job is None and self._turn is not None:
             self._end_turn(Outcome.INTERRUPTED if self._turn_interrupted else Outcome.COMPLETED, None)
-        ready = self.running and job is None and not self._input and self._unread_input_bytes() == 0
-        if not ready:
-            self._ready_since = None
-        elif self._ready_since is None:
-            self._ready_since = now
-        if self._queue and self._settled(now):
+        if self._input_consumed_at is None and self.running and not self._input and self._unread_input_bytes() == 0:
+            self._input_consumed_at = now
+        if self._queue and self._ready(now):
             self._type_line(self._queue.pop())
 
     def next_deadline(self, now: float) -> Optional[float]:
@@ -1476,8 +1474,11 @@ class ShellWorkload(Workload):
     def _unread_input_bytes(self) -> int:
         return struct.unpack("i", fcntl.ioctl(self._slave, termios.FIONREAD, b"\0" * 4))[0]
 
-    def _settled(self, now: float) -> bool:
-        return self._ready_since is not None and now - self._ready_since >= SHELL_SETTLE_S
+    def _ready(self, now: float) -> bool:
+        """Idle, and our last input consumed long enough ago that a job it started would be in the foreground."""
+        consumed_at = self._input_consumed_at
+        return (consumed_at is not None and now - consumed_at >= SHELL_SETTLE_S
+                and self._foreground_job() is None and self.running)
 
     # ---- verbs
 
@@ -1485,7 +1486,7 @@ class ShellWorkload(Workload):
         if "\n" in text or "\r" in text:
             raise RequestError("a shell message must be one line")
         self._require_running()
-        if not self._queue and self._settled(now):
+        if not self._queue and self._ready(now):
             self._type_line(text)
             return Delivery.DISPATCHED
         self._queue.push(text)
@@ -1516,12 +1517,12 @@ class ShellWorkload(Workload):
 
     def _type_line(self, text: str) -> None:
         self._send_input(text.encode() + b"\r")  # Enter, as a keyboard sends it
-        self._ready_since = None
 
     def _send_input(self, data: bytes) -> None:
         if len(self._input) + len(data) > MAX_PTY_INPUT_BYTES:
             raise UnavailableError(f"terminal input buffer is full ({MAX_PTY_INPUT_BYTES} bytes unread)")
         self._input += data
+        self._input_consumed_at = None
         self._flush_input()
 
     def _require_running(self) -> None:
