@@ -1,0 +1,200 @@
+"""The agent workload, driven through a real agent process by the fake stream-json CLI (no model is called)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from agent_fixtures.harness import (FAKE_AGENT_ARGV, agent, pid_gone, short_dir, start_agent,  # noqa: F401
+                                    wait_until)
+
+SECRET = "sk-fake-0123456789abcdef"
+
+
+@pytest.fixture
+def start_fake(start_agent):
+    def start(*args, **kwargs):
+        return start_agent("--workload", "agent", "--agent-command", FAKE_AGENT_ARGV, *args, **kwargs)
+    return start
+
+
+@pytest.fixture
+def fake(start_fake):
+    return start_fake()
+
+
+def run_prompt(fake, prompt, until: bytes) -> str:
+    """Sends one prompt, waits for `until` in the log and for the worker to go idle; returns the log text."""
+    assert fake.result("message", text=prompt)["delivery"] in ("dispatched", "queued")
+    fake.read_until(until)
+    fake.wait_status(lambda s: s["turn_state"] == "idle", "the run to finish")
+    return fake.read_bytes().decode()
+
+
+def turn_ends(fake):
+    return [event for event in fake.events() if event["type"] == "turn_end"]
+
+
+def test_deltas_are_projected_and_the_result_is_not_repeated(fake):
+    assert fake.status()["turn_state"] == "idle" and fake.status()["pid"] is None
+    reply = fake.result("message", text="say hello from the fake")
+    assert reply == {"type": "message", "delivery": "dispatched", "queue_depth": 0}
+    text = run_prompt(fake, "say second", b"second\n")
+    assert text == "hello from the fake\nsecond\n"
+    assert [end["outcome"] for end in turn_ends(fake)] == ["completed", "completed"]
+
+
+def test_read_answers_text_on_code_point_boundaries(fake):
+    run_prompt(fake, "say aé€😀z", "😀z\n".encode())
+    piece = fake.result("read", offset=0, max_bytes=4)
+    assert piece["text"] == "aé" and piece["next_offset"] == 3
+    assert fake.result("read", offset=3, max_bytes=4)["text"] == "€"
+    assert fake.error("read", offset=4)["code"] == "command_error"  # inside €
+
+
+def test_continue_only_after_a_first_success_and_persisted(start_fake, short_dir):
+    fake = start_fake("--model", "opus-x")
+    first = json.loads(run_prompt(fake, "args", b"]\n").splitlines()[0])
+    assert "--continue" not in first and first[:2] == ["--model", "opus-x"]
+    assert fake.status()["continue"] is True
+    fake.stop()
+    restarted = start_fake("--model", "opus-x")
+    text = run_prompt(restarted, "args", b'["--continue"')
+    assert json.loads(text.splitlines()[-1])[:3] == ["--continue", "--model", "opus-x"]
+
+
+def test_a_failed_first_run_does_not_enable_continue(fake):
+    text = run_prompt(fake, "fail", b"exited with status 3]")
+    assert "fake: something broke\n" in text
+    assert fake.status()["continue"] is False
+    assert turn_ends(fake)[-1]["outcome"] == "failed" and turn_ends(fake)[-1]["exit_code"] == 3
+
+
+def test_stderr_is_kept_and_plain_lines_pass_through(fake):
+    text = run_prompt(fake, "stderr diagnostics here", b"after stderr\n")
+    assert "diagnostics here\n" in text
+    text = run_prompt(fake, "plain not json at all", b"not json at all\n")
+    assert text.endswith("not json at all\n")
+
+
+def test_result_text_is_used_when_nothing_else_was_projected(fake):
+    assert run_prompt(fake, "result only the result", b"only the result\n") == "only the result\n"
+
+
+def test_split_code_points_are_held_and_invalid_bytes_replaced(fake):
+    text = run_prompt(fake, "utf8", "\ufffd\n".encode())
+    assert "é€😀\ufffd\n" in text
+
+
+def test_secrets_are_redacted_even_when_split(start_fake):
+    fake = start_fake("--redact-env", "FAKE_SECRET", env={"FAKE_SECRET": SECRET})
+    text = run_prompt(fake, "secret", b"err:[REDACTED]\n")
+    assert SECRET not in text and SECRET[:8] not in text
+    assert "token=[REDACTED] end" in text and "err:[REDACTED]\n" in text
+
+
+def test_per_run_cap_marks_the_run_and_the_next_run_starts_fresh(start_fake):
+    fake = start_fake("--per-run-cap-bytes", "2500")
+    text = run_prompt(fake, "big 6000", b"the rest of its output is discarded]\n")
+    assert text.count("x") == 2500
+    text = run_prompt(fake, "say next one", b"next one\n")
+    assert text.endswith("next one\n")
+
+
+def test_cumulative_cap_ends_the_log_and_refuses_new_messages(start_fake):
+    fake = start_fake("--cumulative-cap-bytes", "3000")
+    text = run_prompt(fake, "big 5000", b"later output is discarded]\n")
+    status = fake.status()
+    assert status["log_capped"] is True and status["log_bytes"] == 3000 == len(text.encode())
+    error = fake.error("message", text="say more")
+    assert error["code"] == "command_error" and "cumulative output cap of 3000 bytes" in error["message"]
+
+
+def test_queue_limits_and_interrupt_then_the_next_prompt_runs(fake):
+    fake.result("message", text="hang")
+    fake.read_until(b"working")
+    status = fake.status()
+    assert status["turn_state"] == "in_progress" and status["pid"] is not None
+    for n in range(agent.MAX_QUEUED_PROMPTS):
+        assert fake.result("message", text=f"say queued {n}")["delivery"] == "queued"
+    full = fake.error("message", text="say one too many")
+    assert full == {"code": "server_unavailable", "message": "queue is full: 64 messages are waiting"}
+    assert fake.status()["queue_depth"] == 64
+    run_pid = status["pid"]
+    assert fake.result("interrupt") == {"type": "interrupt", "cancelled": True}
+    text = fake.read_until(b"queued 0\n").decode()
+    assert "working\n[reploy: interrupted]\n" in text
+    assert pid_gone(run_pid)
+    assert turn_ends(fake)[0]["outcome"] == "interrupted"
+
+
+def test_queued_bytes_limit_is_its_own_error(fake):
+    fake.result("message", text="hang")
+    fake.read_until(b"working")
+    prompt = "say " + "p" * (1000 * 1024 - 4)
+    accepted = 0
+    while "result" in (reply := fake.call("message", text=prompt)):
+        accepted += 1
+    assert accepted == agent.MAX_QUEUED_BYTES // len(prompt)
+    assert reply["error"]["code"] == "server_unavailable"
+    assert "would exceed 8388608 bytes" in reply["error"]["message"]
+    assert fake.status()["queue_bytes"] == accepted * len(prompt)
+
+
+def test_interrupt_kills_grandchildren(fake, short_dir):
+    pid_file = short_dir / "grandchild.pid"
+    fake.result("message", text=f"grandchild {pid_file}")
+    fake.read_until(b"spawned")
+    grandchild = int(wait_until(lambda: pid_file.exists() and pid_file.read_text(), "the grandchild pid"))
+    assert not pid_gone(grandchild)
+    assert fake.result("interrupt")["cancelled"] is True
+    wait_until(lambda: pid_gone(grandchild), "the grandchild to die")
+    fake.read_until(b"[reploy: interrupted]\n")
+    assert fake.result("interrupt")["cancelled"] is False
+
+
+def test_run_timeout_kills_the_run_with_an_interrupted_marker(start_fake):
+    fake = start_fake("--run-timeout", "0.5")
+    text = run_prompt(fake, "hang", b"the run exceeded its 0.5 s timeout]\n")
+    assert "working\n[reploy: interrupted: the run exceeded its 0.5 s timeout]\n" in text
+    end = turn_ends(fake)[-1]
+    assert end["outcome"] == "interrupted" and end["reason"] == "timeout"
+
+
+def test_a_missing_agent_command_fails_the_turn_and_the_session_goes_on(start_agent):
+    missing = json.dumps(["/nonexistent/claude", "{prompt}"])
+    fake = start_agent("--workload", "agent", "--agent-command", missing)
+    fake.result("message", text="anything")
+    fake.read_until(b"[reploy: cannot start the agent command:")
+    assert turn_ends(fake)[-1]["reason"] == "spawn_failed"
+    assert fake.status()["turn_state"] == "idle"
+
+
+def test_relaunch_forgets_the_conversation(fake):
+    run_prompt(fake, "say one", b"one\n")
+    assert fake.status()["continue"] is True
+    assert fake.result("relaunch") == {"type": "relaunch", "pid": None}
+    assert fake.status()["continue"] is False
+    fake.read_until(b"[reploy: relaunched: the next prompt starts a new conversation]\n")
+    first = fake.read_bytes()
+    text = run_prompt(fake, "args", b'"args"]\n')
+    assert "--continue" not in text[len(first):]
+
+
+def test_shell_verbs_are_refused_for_the_agent_workload(fake):
+    assert fake.error("write", data_b64="eA==") == {"code": "command_error",
+                                                    "message": "write is only for the shell workload"}
+    assert fake.error("resize", columns=10, rows=10)["code"] == "command_error"
+
+
+def test_turns_pair_up_in_the_outbox(fake):
+    run_prompt(fake, "say a", b"a\n")
+    run_prompt(fake, "fail", b"status 3]")
+    events = fake.events()
+    starts = [e for e in events if e["type"] == "turn_start"]
+    ends = turn_ends(fake)
+    assert [s["seq"] for s in starts] == [e["turn"] for e in ends]
+    assert [e["outcome"] for e in ends] == ["completed", "failed"]
+    assert all(s["prompt_bytes"] > 0 for s in starts)
