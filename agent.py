@@ -1546,6 +1546,17 @@ class ShellWorkload(Workload):
         return {"running": self.running, "exit_code": self.exit_code, "columns": self.columns, "rows": self.rows}
 
 
+def _secret_values(names: Iterable[str]) -> Iterator[str]:
+    """The values to redact; unset or too-short ones are skipped with a note on stderr."""
+    for name in names:
+        value = os.environ.get(name, "")
+        if len(value) >= MIN_SECRET_CHARS:
+            yield value
+        else:
+            print(f"agent.py: not redacting {name}: unset or shorter than {MIN_SECRET_CHARS} characters",
+                  file=sys.stderr)
+
+
 @dataclasses.dataclass
 class _Run:
     """One execution of the agent command for one prompt."""
@@ -1574,8 +1585,7 @@ class AgentWorkload(Workload):
     def __init__(self, ctx: WorkloadContext) -> None:
         super().__init__(ctx)
         self._state = AgentState(ctx.config.session_dir / AGENT_STATE_NAME)
-        values = [os.environ.get(name, "") for name in ctx.config.redact_env]
-        self._secrets = tuple(value for value in values if len(value) >= MIN_SECRET_CHARS)
+        self._secrets = tuple(_secret_values(ctx.config.redact_env))
         self._run: Optional[_Run] = None
         self._stopping = False
 
@@ -1832,6 +1842,13 @@ class _Checkpoint(PendingRequest):
         server.admission_open = False
 
     def resolve(self, now: float) -> Optional[dict[str, Any]]:
+        try:
+            return self._advance()
+        except BaseException:
+            self._server.admission_open = True  # a failed checkpoint must not leave the session closed
+            raise
+
+    def _advance(self) -> Optional[dict[str, Any]]:
         server = self._server
         if self._job is None:
             if not self._workload.drained():
@@ -1848,7 +1865,6 @@ class _Checkpoint(PendingRequest):
         server.job = None
         if self._job.error is not None:
             self._temporary.unlink(missing_ok=True)
-            server.admission_open = True
             raise CommandError(f"checkpoint failed: {self._job.error}")
         assert self._manifest is not None
         os.replace(self._temporary, self._destination)
