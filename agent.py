@@ -1277,13 +1277,12 @@ class Reactor:
 
 @dataclasses.dataclass(frozen=True)
 class WorkloadContext:
-    """What a workload may touch: its configuration, the reactor, the log, the outbox, the clock."""
+    """What a workload may touch: its configuration, the reactor, the log, the outbox."""
 
     config: AgentConfig
     reactor: Reactor
     log: OutputLog
     outbox: Outbox
-    clock: Callable[[], float]
 
 
 class Workload:
@@ -1294,7 +1293,6 @@ class Workload:
     def __init__(self, ctx: WorkloadContext) -> None:
         self._ctx = ctx
         self._queue = PromptQueue()
-        self._reaping: list[subprocess.Popen[bytes]] = []  # killed leaders not yet waited for
 
     @property
     def queue_depth(self) -> int:
@@ -1303,9 +1301,6 @@ class Workload:
     @property
     def queue_bytes(self) -> int:
         return self._queue.total_bytes
-
-    def _reap_killed(self) -> None:
-        self._reaping = [proc for proc in self._reaping if proc.poll() is None]
 
     def start(self) -> None: ...
     def stop(self) -> None: ...
@@ -1342,6 +1337,7 @@ class ShellWorkload(Workload):
         self._turn: Optional[int] = None
         self._turn_interrupted = False
         self.exit_code: Optional[int] = None
+        self._reaping: list[subprocess.Popen[bytes]] = []  # killed shells not yet waited for
 
     @property
     def running(self) -> bool:
@@ -1398,7 +1394,7 @@ class ShellWorkload(Workload):
     # ---- the loop's side
 
     def tick(self, now: float) -> None:
-        self._reap_killed()
+        self._reaping = [proc for proc in self._reaping if proc.poll() is None]
         if self.running and self._proc is not None and self._proc.poll() is not None:
             self._on_exit(self._proc.returncode)
         job = self._foreground_job()
@@ -1631,7 +1627,6 @@ class AgentWorkload(Workload):
     # ---- the loop's side
 
     def tick(self, now: float) -> None:
-        self._reap_killed()
         run = self._run
         if run is None:
             return
@@ -1771,7 +1766,7 @@ class BackgroundJob:
         self.error: Optional[BaseException] = None
         self.finished = False
         self.abandoned = False
-        self.discard = discard
+        self._discard = discard
         self._thread = threading.Thread(target=self._run, args=(work, wakeup_fd), daemon=True)
         self._thread.start()
 
@@ -1788,6 +1783,11 @@ class BackgroundJob:
 
     def join(self, timeout_s: float) -> None:
         self._thread.join(timeout_s)
+
+    def discard(self) -> None:
+        """Cleans up a result nobody will use (a failed job left nothing to clean)."""
+        if self.finished and self.error is None:
+            self._discard(self.result)
 
 
 class Connection:
@@ -1950,33 +1950,31 @@ class AgentServer:
         self._workload: Optional[Workload] = None
         self.job: Optional[BackgroundJob] = None
         self.admission_open = False
-        self._stopping = False
-        self._stop_reason = "signal"
+        self._stop_reason = ""  # the signal that ended serving; empty while serving
         self._wakeup_read, self._wakeup_write = socket.socketpair()
         for end in (self._wakeup_read, self._wakeup_write):
             end.setblocking(False)
-        self._listener = OwnedSocket(config.session_dir / SOCKET_NAME)
-        try:
-            self.outbox = Outbox(config.session_dir / OUTBOX_NAME)
-            self.outbox.reconcile()
-            if config.restore_path is not None:
-                staging, manifest = stage_restore(config, config.restore_path)
-                install_restore(config, staging, manifest)
-            self.log = self._open_log()
-        except BaseException:
-            self._listener.close()
-            raise
         self._handlers: dict[Method, Callable[[Any, float], dict[str, Any] | PendingRequest]] = {
             Method.MESSAGE: self._message, Method.INTERRUPT: self._interrupt, Method.RELAUNCH: self._relaunch,
             Method.STATUS: self._status, Method.READ: self._read, Method.WRITE: self._write,
             Method.RESIZE: self._resize, Method.CHECKPOINT: self._checkpoint, Method.RESTORE: self._restore,
         }
+        self._listener = OwnedSocket(config.session_dir / SOCKET_NAME)
+        try:
+            self.outbox = Outbox(config.session_dir / OUTBOX_NAME)
+            self.outbox.reconcile()
+            restored = None
+            if config.restore_path is not None:
+                staging, restored = stage_restore(config, config.restore_path)
+                install_restore(config, staging, restored)
+            self.log = self._open_log()
+            if restored is not None or not config.await_restore:
+                self.start_session(restored)
+        except BaseException:
+            self._listener.close()
+            raise
         self._reactor.watch(self._listener.sock.fileno(), selectors.EVENT_READ, self._on_listener)
         self._reactor.watch(self._wakeup_read.fileno(), selectors.EVENT_READ, self._on_wakeup)
-        if config.restore_path is not None:
-            self.start_session(restored=manifest)
-        elif not config.await_restore:
-            self.start_session(restored=None)
 
     def _open_log(self) -> OutputLog:
         return OutputLog(self.config.session_dir / LOG_NAME, self.config.log_cap_bytes,
@@ -1991,7 +1989,7 @@ class AgentServer:
         if self.log.length_bytes:
             self.log.append_marker(f"restored from checkpoint {restored.checkpoint_id}" if restored
                                    else "agent restarted; earlier output is kept above")
-        ctx = WorkloadContext(self.config, self._reactor, self.log, self.outbox, self._clock)
+        ctx = WorkloadContext(self.config, self._reactor, self.log, self.outbox)
         workload = ShellWorkload(ctx) if self.config.workload is WorkloadKind.SHELL else AgentWorkload(ctx)
         workload.start()
         self._workload = workload
@@ -2004,7 +2002,7 @@ class AgentServer:
     def run(self) -> int:
         """Serves until SIGTERM, SIGINT or SIGHUP; then shuts down cleanly. Returns the exit code."""
         with self._signals():
-            while not self._stopping:
+            while not self._stop_reason:
                 self.run_once()
         return 0
 
@@ -2016,7 +2014,7 @@ class AgentServer:
         if self._workload is not None:
             self._workload.tick(now)
         if self.job is not None and self.job.finished and self.job.abandoned:
-            self.job.discard(self.job.result)
+            self.job.discard()
             self.job = None
         for conn in list(self._connections):
             self._serve(conn, now)
@@ -2038,8 +2036,9 @@ class AgentServer:
         except BlockingIOError:
             return
         # Signal numbers from the wakeup fd; 0 is a finished BackgroundJob; SIGCHLD needs only the pass itself.
-        if any(number in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP) for number in data):
-            self._stopping = True
+        for number in data:
+            if number in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                self._stop_reason = signal.Signals(number).name
 
     def start_job(self, work: Callable[[], Any], discard: Callable[[Any], None]) -> BackgroundJob:
         if self.job is not None:
@@ -2059,12 +2058,11 @@ class AgentServer:
             self._close(conn)
         if self.job is not None:
             self.job.join(HANDLER_TIMEOUT_S)
-            if self.job.finished:
-                self.job.discard(self.job.result)
+            self.job.discard()
         if self._workload is not None:
             self._workload.stop()
             self.outbox.end_open_turns(Outcome.INTERRUPTED, "shutdown")
-            self.outbox.emit(EventKind.SESSION_END, reason=self._stop_reason)
+            self.outbox.emit(EventKind.SESSION_END, reason=self._stop_reason or "stopped")
         self._listener.close()
         self.log.close()
         self.outbox.close()

@@ -154,7 +154,7 @@ def test_sigterm_shuts_down_cleanly(shell, short_dir):
     assert pid_gone(shell_pid)
     kinds = [event["type"] for event in shell.events()]
     assert kinds[0] == "session_start" and kinds[-1] == "session_end"
-    assert shell.events()[-1]["reason"] == "signal"
+    assert shell.events()[-1]["reason"] == "SIGTERM"
 
 
 def test_a_restarted_agent_serves_the_same_bytes_at_the_same_offsets(start_agent):
