@@ -249,17 +249,20 @@ class Blueprint:
         return best, argv[len(best.trigger):]
 
 
-def _field(obj: Any, path: str, kind: type, required: bool = True, default: Any = None) -> Any:
-    """Look up a dotted path in parsed YAML, checking its type; errors name the field."""
+def _field(obj: Any, path: str, kind: type, required: bool = True, default: Any = None,
+           parent: str = "") -> Any:
+    """Look up a dotted path in parsed YAML (below `parent`), checking its type; errors name
+    the whole field."""
+    name = f"{parent}.{path}" if parent else path
     current = obj
     for part in path.split("."):
         if not isinstance(current, dict) or part not in current:
             if required:
-                raise BlueprintError(f"{path}: required field is missing")
+                raise BlueprintError(f"{name}: required field is missing")
             return default
         current = current[part]
     if kind is int and isinstance(current, bool) or not isinstance(current, kind):
-        raise BlueprintError(f"{path}: must be {kind.__name__}, got {type(current).__name__}")
+        raise BlueprintError(f"{name}: must be {kind.__name__}, got {type(current).__name__}")
     return current
 
 
@@ -333,7 +336,7 @@ def _parse_commands(doc: Any) -> dict[str, Command]:
         if not isinstance(spec, dict):
             raise BlueprintError(f"{path}: must be a mapping")
         _only_keys(spec, path, {"executable", "native_command", "trigger"})
-        executable = _field(spec, "executable", str, True)
+        executable = _field(spec, "executable", str, parent=path)
         native = spec.get("native_command", False)
         if not isinstance(native, bool):
             raise BlueprintError(f"{path}.native_command: must be true or false")
@@ -370,15 +373,15 @@ def _parse_endpoints(doc: Any) -> dict[str, EndpointDecl]:
         if not isinstance(service, str) or not _NAME.match(service) or not isinstance(spec, dict):
             raise BlueprintError(f"{path}: must be a named mapping")
         _only_keys(spec, path, {"endpoints"})
-        for endpoint_id, decl in _field(spec, "endpoints", dict, False, {}).items():
+        for endpoint_id, decl in _field(spec, "endpoints", dict, False, {}, parent=path).items():
             epath = f"{path}.endpoints.{endpoint_id}"
             if not isinstance(endpoint_id, str) or not _ENDPOINT_ID.match(endpoint_id):
                 raise BlueprintError(f"{epath}: endpoint ids are lowercase words")
             if not isinstance(decl, dict):
                 raise BlueprintError(f"{epath}: must be a mapping with scheme and port")
             _only_keys(decl, epath, {"scheme", "port"})
-            scheme = _field(decl, "scheme", str)
-            port = _field(decl, "port", int)
+            scheme = _field(decl, "scheme", str, parent=epath)
+            port = _field(decl, "port", int, parent=epath)
             if scheme not in ENDPOINT_SCHEMES:
                 raise BlueprintError(f"{epath}.scheme: one of {', '.join(ENDPOINT_SCHEMES)}")
             if not 1 <= port <= 65535:

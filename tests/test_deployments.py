@@ -1,0 +1,73 @@
+"""Deployments on the real engine: builds, generations, the derived controller image."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import reploy
+from conftest import ROOT, run_reploy, stage_and_build
+
+pytestmark = pytest.mark.docker
+
+
+def test_builds_record_generations_atomically(docker_engine: Any, tmp_path: Path) -> None:
+    first = stage_and_build(ROOT / "examples/workload/workload.blueprint.yaml", tmp_path / "w")
+    proc = run_reploy("build", "--dir", str(tmp_path / "w"))
+    second = json.loads(proc.stdout)
+    assert proc.returncode == 0 and second["ok"] is True
+    assert first["generation"]["number"] == 1 and second["generation"]["number"] == 2
+    assert first["deployment_id"] == second["deployment_id"]
+    state = json.loads((tmp_path / "w/.reploy/state.json").read_text())
+    assert state["current_generation"] == second["generation"]
+    assert [p.name for p in (tmp_path / "w/.reploy").iterdir()] == ["state.json"]  # no temp files
+    image = docker_engine.images.get(second["generation"]["image_id"])
+    assert image.labels[reploy.LABEL_DEPLOYMENT] == second["deployment_id"]
+    assert second["generation"]["reference"] in image.tags
+
+
+def test_build_failure_keeps_the_current_generation(docker_engine: Any, tmp_path: Path) -> None:
+    stage_and_build(ROOT / "examples/workload/workload.blueprint.yaml", tmp_path / "w")
+    before = (tmp_path / "w/.reploy/state.json").read_text()
+    (tmp_path / "w/context/Dockerfile").write_text("FROM reploy-base/busybox:1\nRUN exit 3\n")
+    proc = run_reploy("build", "--dir", str(tmp_path / "w"))
+    assert proc.returncode == 1 and json.loads(proc.stdout)["ok"] is False
+    assert (tmp_path / "w/.reploy/state.json").read_text() == before
+
+
+def test_derived_controller_image_is_cached_and_adds_one_layer(docker_engine: Any,
+                                                               deployments: dict[str, Path]) -> None:
+    backend = reploy.DockerBackend()
+    controller = reploy.load_deployment(deployments["controller"])
+    base_id = controller.current.image_id
+    first = reploy.ensure_controller_image(backend, base_id, controller.blueprint.runtime)
+    second = reploy.ensure_controller_image(backend, base_id, controller.blueprint.runtime)
+    assert first == second
+    derived = docker_engine.images.get(first)
+    base = docker_engine.images.get(base_id)
+    assert derived.attrs["RootFS"]["Layers"][:-1] == base.attrs["RootFS"]["Layers"]
+    assert derived.labels[reploy.LABEL_DERIVED_BASE] == base_id
+
+
+def test_controller_without_python_is_refused_clearly(docker_engine: Any,
+                                                      deployments: dict[str, Path],
+                                                      tmp_path: Path) -> None:
+    source = tmp_path / "src"
+    shutil.copytree(ROOT / "examples/controller", source)
+    (source / "context/Dockerfile").write_text("FROM reploy-base/busybox:1\n")
+    stage_and_build(source / "controller.blueprint.yaml", tmp_path / "c")
+    proc = run_reploy("controlled-session", "run", "--controller-dir", str(tmp_path / "c"),
+                      "--workload-dir", str(deployments["workload"]), "--", "run-controller")
+    result = json.loads(proc.stdout)
+    assert proc.returncode == 1 and result["ok"] is False
+    assert "must provide python3" in result["error"]
+    assert result["session_result"]["cause"] == "startup-failure"
+    assert not any(t.startswith("reploy/controller-derived") for image in
+                   docker_engine.images.list() for t in image.tags
+                   if image.labels.get(reploy.LABEL_DERIVED_BASE) ==
+                   json.loads((tmp_path / "c/.reploy/state.json").read_text())[
+                       "current_generation"]["image_id"])
