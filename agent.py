@@ -555,26 +555,26 @@ class Redactor:
         buffer = self._held + text
         out = []
         position = 0
-        while (match := self._pattern.search(buffer, position)) is not None:
-            if self._could_grow(buffer[match.start():]):
-                break  # a longer secret may start here; decide when more text arrives
+        while True:
+            # From decided_end on, the text may still become (a longer) secret; a match starting before it is final.
+            decided_end = len(buffer) - self._undecided_len(buffer[position:])
+            match = self._pattern.search(buffer, position)
+            if match is None or match.start() >= decided_end:
+                break
             out.append(buffer[position:match.start()])
             out.append(REDACTED)
             position = match.end()
-        rest = buffer[position:]
-        hold = max((self._partial_suffix_len(rest, secret) for secret in self._secrets), default=0)
-        if (match := self._pattern.search(rest)) is not None:
-            hold = max(hold, len(rest) - match.start())
-        self._held = rest[len(rest) - hold:]
-        out.append(rest[:len(rest) - hold])
+        out.append(buffer[position:decided_end])
+        self._held = buffer[decided_end:]
         return "".join(out)
 
     def finish(self) -> str:
         held, self._held = self._held, ""
         return self._pattern.sub(REDACTED, held) if self._pattern else held
 
-    def _could_grow(self, tail: str) -> bool:
-        return any(len(secret) > len(tail) and secret.startswith(tail) for secret in self._secrets)
+    def _undecided_len(self, text: str) -> int:
+        """Length of the longest suffix of text that is a proper prefix of some secret."""
+        return max(self._partial_suffix_len(text, secret) for secret in self._secrets)
 
     @staticmethod
     def _partial_suffix_len(text: str, secret: str) -> int:

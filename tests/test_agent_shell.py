@@ -131,7 +131,7 @@ def test_long_poll_read_returns_when_new_bytes_arrive(shell):
     assert base64.b64decode(woke["data_b64"]).startswith(b"x")
 
 
-def test_write_and_resize_are_shell_only_and_restore_needs_a_fresh_agent(shell):
+def test_restore_needs_a_fresh_agent(shell):
     assert shell.error("restore", path="x.tar")["code"] == "command_error"
 
 
