@@ -35,23 +35,26 @@ import signal
 import socket
 import stat
 import struct
+import subprocess
 import sys
 import tarfile
 import tempfile
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 import docker
 import docker.errors
+import psutil
 import requests.exceptions
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import reploy_session_client as wire  # noqa: E402  (the shared codec; see the docstring)
+import reploy_watchdog  # noqa: E402  (the cleanup role; the host reuses its reconciliation)
 from reploy_session_client import (  # noqa: E402
     Cause, FrameKind, RecoveryAction, SessionResult, Status,
 )
@@ -61,6 +64,7 @@ from reploy_session_client import (  # noqa: E402
 # ============================================================================================
 
 CLIENT_SOURCE = Path(wire.__file__).resolve()
+WATCHDOG_SOURCE = Path(reploy_watchdog.__file__).resolve()
 #: Where the client lands in the derived controller image.
 CLIENT_INSTALL_PATH = "/usr/local/bin/reploy-session-client"
 #: The container-side HOME of both roles: a private tmpfs owned by the runtime uid:gid.
@@ -86,7 +90,7 @@ CONTROLLER_LOG_TAIL_BYTES = 64 * 1024
 #: Output frames queued toward the controller before we stop reading the PTY.
 CHANNEL_BULK_HIGH_WATER_BYTES = 4 * wire.TERMINAL_CHUNK_BYTES
 
-LABEL_RUN = "io.reploy.session.live-run"
+LABEL_RUN = reploy_watchdog.LABEL_RUN
 LABEL_ROLE = "io.reploy.session.role"
 LABEL_DEPLOYMENT = "io.reploy.deployment"
 LABEL_GENERATION = "io.reploy.generation"
@@ -95,6 +99,7 @@ LABEL_CLIENT_DIGEST = "io.reploy.derived.client-digest"
 
 STATE_SCHEMA = "reploy-deployment-state-v1"
 STAGE_SCHEMA = "reploy-stage-result-v1"
+CLEANUP_SCHEMA = "reploy-cleanup-result-v1"
 BUILD_SCHEMA = "reploy-build-result-v1"
 STATE_DIRNAME = ".reploy"
 BLUEPRINT_NAME = "blueprint.yaml"
@@ -723,9 +728,18 @@ class DockerBackend:
         def observe() -> None:
             try:
                 reply = api.wait(container_id, timeout=None)
+                # An exit caused by someone else removing the container is not the workload's
+                # own exit: the session lost sight of it.
+                try:
+                    state = api.inspect_container(container_id)["State"]
+                except docker.errors.NotFound:
+                    state = {"Status": "removed"}
+                if state.get("Status") in ("removing", "removed") or state.get("Dead"):
+                    raise BackendError(f"the {tag} container was removed behind the session")
                 report(tag, int(reply["StatusCode"]))
             except Exception as e:  # noqa: BLE001 - any failure here means observation is lost
-                report(tag, BackendError(f"waiting on {tag}: {e}"))
+                report(tag, e if isinstance(e, BackendError) else
+                       BackendError(f"waiting on {tag}: {e}"))
             finally:
                 api.close()
 
@@ -737,29 +751,6 @@ class DockerBackend:
 # ============================================================================================
 # Deployments: stage and build
 # ============================================================================================
-
-
-def atomic_write_json(path: Path, obj: dict[str, Any], mode: int = 0o644) -> None:
-    """Write JSON so a reader sees the old file or the new one, never a torn one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=2, sort_keys=True)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 def load_blueprint_file(path: Path) -> tuple[Blueprint, bytes]:
@@ -860,7 +851,7 @@ def stage(blueprint_path: Path, directory: Path) -> dict[str, Any]:
         shutil.copy2(private_env, directory / PRIVATE_ENV_NAME)
         os.chmod(directory / PRIVATE_ENV_NAME, 0o600)
     state["staged_blueprint_digest"] = hashlib.sha256(raw).hexdigest()
-    atomic_write_json(state_path(directory), state)
+    reploy_watchdog.atomic_write_json(state_path(directory), state, mode=0o644)
     return {"schema": STAGE_SCHEMA, "ok": True, "error": None, "dir": str(directory),
             "deployment_id": state["deployment_id"], "name": blueprint.name,
             "blueprint_digest": state["staged_blueprint_digest"],
@@ -881,7 +872,7 @@ def build(directory: Path, backend: DockerBackend) -> dict[str, Any]:
     generation = Generation(number, image_id, reference, deployment.blueprint_digest, time.time())
     state = json.loads(state_path(deployment.dir).read_text())
     state["current_generation"] = generation.__dict__
-    atomic_write_json(state_path(deployment.dir), state)
+    reploy_watchdog.atomic_write_json(state_path(deployment.dir), state, mode=0o644)
     return {"schema": BUILD_SCHEMA, "ok": True, "error": None, "dir": str(deployment.dir),
             "deployment_id": deployment.deployment_id, "generation": generation.__dict__}
 
@@ -1048,9 +1039,70 @@ class Owned:
     """What this run created and must remove, in every outcome."""
 
     containers: dict[str, str] = field(default_factory=dict)  # role -> container id
+    labels: dict[str, dict[str, str]] = field(default_factory=dict)  # resource id -> labels
     network_id: Optional[str] = None
     channel_dir: Optional[Path] = None
     output_staging_dir: Optional[Path] = None
+
+
+class Watchdog:
+    """The host's end of reploy_watchdog.py.
+
+    Armed before anything of the session exists; the manifest is rewritten (atomically) each
+    time the session acquires something, so a host killed at any point leaves a true record.
+    Disarmed only after the host's own cleanup.
+    """
+
+    def __init__(self, run_id: str, workload_dir: Path) -> None:
+        self.manifest_path = reploy_watchdog.manifest_path_for(str(workload_dir), run_id)
+        self.manifest = reploy_watchdog.Manifest(
+            run_id=run_id, host=reploy_watchdog.process_identity(), watchdog="",
+            containers={}, networks={}, paths=(),
+            receipt_path=str(reploy_watchdog.receipt_path_for(str(workload_dir), run_id)))
+        self.process: Optional[subprocess.Popen[bytes]] = None
+        self.pipe_write_fd: Optional[int] = None
+
+    def arm(self) -> None:
+        self.record(self.manifest)
+        read_fd, self.pipe_write_fd = os.pipe()
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, str(WATCHDOG_SOURCE), "--manifest", str(self.manifest_path),
+                 "--liveness-fd", str(read_fd), "--host", self.manifest.host],
+                pass_fds=(read_fd,), start_new_session=True, stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        finally:
+            os.close(read_fd)
+        self.record(replace(self.manifest, watchdog=reploy_watchdog.process_identity(
+            psutil.Process(self.process.pid))))
+
+    def record(self, manifest: reploy_watchdog.Manifest) -> None:
+        self.manifest = manifest
+        reploy_watchdog.atomic_write_json(self.manifest_path, manifest.to_json())
+
+    def record_owned(self, owned: Owned) -> None:
+        self.record(replace(
+            self.manifest,
+            containers={cid: owned.labels[cid] for cid in owned.containers.values()},
+            networks={owned.network_id: owned.labels[owned.network_id]}
+            if owned.network_id else {},
+            paths=tuple(str(p) for p in (owned.channel_dir, owned.output_staging_dir) if p)))
+
+    def disarm(self) -> None:
+        """Our own cleanup is done: tell the watchdog to go quietly, then forget the run."""
+        if self.pipe_write_fd is not None:
+            with contextlib.suppress(OSError):
+                os.write(self.pipe_write_fd, reploy_watchdog.DISARM_BYTE)
+            os.close(self.pipe_write_fd)
+            self.pipe_write_fd = None
+        if self.process is not None:
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        with contextlib.suppress(FileNotFoundError):
+            self.manifest_path.unlink()
 
 
 class ControlledSession:
@@ -1071,6 +1123,7 @@ class ControlledSession:
         self.machine = LifecycleMachine()
         self.result = RunResult()
         self.owned = Owned()
+        self.watchdog = Watchdog(plan.run_id, plan.workload.dir)
         self.notifier = Notifier()
         self.selector = selectors.DefaultSelector()
         self.selector.register(self.notifier.read_fd, selectors.EVENT_READ, "notice")
@@ -1138,35 +1191,52 @@ class ControlledSession:
         controller_runtime = plan.controller.blueprint.runtime
         controller_image = ensure_controller_image(
             backend, plan.controller.current.image_id, controller_runtime)  # type: ignore[union-attr]
+        self.watchdog.arm()  # before anything the session owns exists
         self.open_channel(controller_runtime)
+        self.watchdog.record_owned(self.owned)
         mounts = [Mount(str(self.owned.channel_dir), CHANNEL_MOUNT, read_only=True)]
         environment = {
             "HOME": CONTAINER_HOME,
             wire.SESSION_SOCKET_ENV: f"{CHANNEL_MOUNT}/{CHANNEL_SOCKET_NAME}",
         }
         mounts_env = self.prepare_outputs(controller_runtime)
+        self.watchdog.record_owned(self.owned)
         for mount, (name, value) in mounts_env:
             mounts.append(mount)
             environment[name] = value
         network = None
         if plan.endpoints:
             network = f"reploy-{plan.run_id}"
-            self.owned.network_id = backend.create_network(network, self.labels("network"))
-        self.owned.containers["workload"] = backend.create(ContainerSpec(
+            labels = self.labels("network")
+            self.owned.network_id = backend.create_network(network, labels)
+            self.owned.labels[self.owned.network_id] = labels
+            self.watchdog.record_owned(self.owned)
+        self.acquire_container(ContainerSpec(
             role="workload", image_id=plan.workload.current.image_id,  # type: ignore[union-attr]
             command=(WORKLOAD_SHELL,), runtime=plan.workload.blueprint.runtime,
             environment={"HOME": CONTAINER_HOME, "TERM": WORKLOAD_TERM},
             labels=self.labels("workload"), network=network, network_aliases=("workload",),
             tty=True, hostname="workload"))
-        self.owned.containers["controller"] = backend.create(ContainerSpec(
+        self.acquire_container(ContainerSpec(
             role="controller", image_id=controller_image, command=plan.controller_argv,
             runtime=controller_runtime, environment=environment,
             labels=self.labels("controller"), network=network, mounts=tuple(mounts),
             hostname="controller", init=True))
 
+    def acquire_container(self, spec: ContainerSpec) -> None:
+        container_id = self.backend.create(spec)
+        self.owned.containers[spec.role] = container_id
+        self.owned.labels[container_id] = spec.labels
+        self.watchdog.record_owned(self.owned)
+
     def labels(self, role: str) -> dict[str, str]:
+        """Every session container and network says whose it is, for the watchdog and for
+        reconciliation after a crash that took the watchdog too."""
         deployment = self.plan.controller if role == "controller" else self.plan.workload
-        labels = {LABEL_RUN: self.plan.run_id, LABEL_ROLE: role}
+        labels = {LABEL_RUN: self.plan.run_id, LABEL_ROLE: role,
+                  reploy_watchdog.LABEL_HOST: self.watchdog.manifest.host,
+                  reploy_watchdog.LABEL_WATCHDOG: self.watchdog.manifest.watchdog,
+                  reploy_watchdog.LABEL_WORKLOAD_DIR: str(self.plan.workload.dir)}
         if role != "network":
             labels[LABEL_DEPLOYMENT] = deployment.deployment_id
             labels[LABEL_GENERATION] = str(deployment.current.number)  # type: ignore[union-attr]
@@ -1646,6 +1716,10 @@ class ControlledSession:
             failed("cleanup", "; ".join(failures)) if failures else succeeded())
         self.result.delivery_tail_recovery_action = (
             RecoveryAction.RECONCILE if failures else RecoveryAction.NONE)
+        if failures:
+            log("cleanup left something behind; `reploy.py controlled-session cleanup` "
+                "reconciles it")
+        self.watchdog.disarm()
         self.notifier.close()
         self.selector.close()
 
@@ -1677,6 +1751,23 @@ class ControlledSession:
                 "controller_output", "failed", reason="controller output publication failed")
 
 
+def reconcile(backend: DockerBackend, workload_dirs: list[Path]) -> list[dict[str, Any]]:
+    """Clean up after sessions whose host and watchdog both died; every reploy operation that
+    touches Docker does this first, so such leftovers never accumulate."""
+    manifests = tuple(path for directory in workload_dirs for path in sorted(
+        (directory.resolve() / STATE_DIRNAME / "watchdog").glob("*.json")))
+    try:
+        receipts = reploy_watchdog.reconcile_orphans(backend.client, manifests)
+    except (docker.errors.DockerException, OSError, ValueError) as e:
+        raise BackendError(f"reconcile orphaned sessions: {e}") from e
+    for receipt in receipts:
+        removed = receipt["removed"]
+        log(f"reconciled crashed run {receipt['run_id']}: removed "
+            f"{len(removed['containers'])} container(s), {len(removed['networks'])} network(s), "
+            f"{len(removed['paths'])} path(s)")
+    return receipts
+
+
 def run_controlled_session(options: RunOptions) -> tuple[RunResult, Optional[int]]:
     """Admission, then the session. Returns the result and the signal that cancelled it."""
     with wire.SignalWakeup((signal.SIGINT, signal.SIGTERM)) as wakeup:
@@ -1686,6 +1777,7 @@ def run_controlled_session(options: RunOptions) -> tuple[RunResult, Optional[int
             return RunResult(error=f"admission rejected: {e}"), None
         try:
             backend = DockerBackend()
+            reconcile(backend, [plan.workload.dir, plan.controller.dir])
         except BackendError as e:
             return RunResult(error=f"admission rejected: {e}"), None
         session = ControlledSession(options, plan, backend, wakeup)
@@ -1715,6 +1807,10 @@ def build_parser() -> ArgumentParser:
     p_session = commands.add_parser("controlled-session", help="controlled sessions")
     session_commands = p_session.add_subparsers(dest="action", required=True,
                                                 parser_class=ArgumentParser)
+    cleanup = session_commands.add_parser(
+        "cleanup", help="remove what crashed sessions left behind (host and watchdog both dead)")
+    cleanup.add_argument("--workload-dir", type=Path, action="append", default=[],
+                         help="also check this deployment's manifests (repeatable)")
     run = session_commands.add_parser(
         "run", usage="reploy controlled-session run --controller-dir DIR --workload-dir DIR "
         "[options] -- CONTROLLER_COMMAND [ARG ...]")
@@ -1775,26 +1871,32 @@ def main(argv: Optional[list[str]] = None) -> int:
         argv, command = argv[:cut], argv[cut + 1:]
     try:
         args = build_parser().parse_args(argv)
-        if args.command == "controlled-session":
+        if getattr(args, "action", None) == "run":
             options = parse_run_options(args, command)
         elif command:
-            raise UsageError(f"{args.command} takes no arguments after --")
+            raise UsageError("only controlled-session run takes arguments after --")
     except UsageError as e:
         print(f"reploy: usage error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    if args.command == "controlled-session":
+    if getattr(args, "action", None) == "run":
         result, signum = run_controlled_session(options)
         sys.stdout.buffer.write(result.encode())
         sys.stdout.buffer.flush()
         if signum is not None:
             return EXIT_FOR_SIGNAL[signum]
         return EXIT_OK if result.ok else EXIT_FAILED
-    schema = STAGE_SCHEMA if args.command == "stage" else BUILD_SCHEMA
+    schema = {"stage": STAGE_SCHEMA, "build": BUILD_SCHEMA}.get(args.command, CLEANUP_SCHEMA)
     try:
         if args.command == "stage":
             emit(stage(args.blueprint, args.dir))
+        elif args.command == "build":
+            backend = DockerBackend()
+            reconcile(backend, [args.dir])
+            emit(build(args.dir, backend))
         else:
-            emit(build(args.dir, DockerBackend()))
+            receipts = reconcile(DockerBackend(), args.workload_dir)
+            emit({"schema": CLEANUP_SCHEMA, "ok": all(r["cleanup_succeeded"] for r in receipts),
+                  "error": None, "receipts": receipts})
     except ReployError as e:
         print(f"reploy: {args.command}: {e}", file=sys.stderr)
         emit({"schema": schema, "ok": False, "error": str(e)})
