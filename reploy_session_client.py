@@ -126,10 +126,16 @@ def parse_strict_object(data: bytes) -> dict[str, Any]:
         obj, end = _STRICT_DECODER.raw_decode(text)
     except json.JSONDecodeError as e:
         raise ProtocolError("invalid_request", f"malformed JSON: {e.msg} at {e.pos}") from e
+    except (ValueError, RecursionError) as e:  # an integer past int()'s digit limit; deep nesting
+        raise ProtocolError("invalid_request", f"malformed JSON: {e}") from e
     if end != len(text):
         raise ProtocolError("invalid_request", "trailing data after the JSON object")
     if not isinstance(obj, dict):
         raise ProtocolError("invalid_request", "a message must be a JSON object")
+    try:
+        encode_compact(obj)  # a lone surrogate escape (\ud800) decodes but can never be written
+    except UnicodeEncodeError as e:
+        raise ProtocolError("invalid_request", "a string holds a lone surrogate escape") from e
     return obj
 
 
@@ -233,7 +239,7 @@ class Status:
             raise ProtocolError("invalid_request", f"a {family} status must be an object with kind")
         kind = obj["kind"]
         kinds = STATUS_FAMILIES[family]
-        if kind not in kinds:
+        if not isinstance(kind, str) or kind not in kinds:
             raise ProtocolError("invalid_request", f"unknown {family} status kind {kind!r}")
         expected = set(kinds[kind]) | {"kind"}
         if set(obj) != expected:
@@ -587,6 +593,9 @@ def decode_message(line: bytes, direction: Direction) -> Message:
     missing = required - present
     if missing:
         raise ProtocolError("invalid_request", f"missing field(s) {sorted(missing)} in {kind}")
+    nulls = sorted(name for name in present - required if obj[name] is None)
+    if nulls:
+        raise ProtocolError("invalid_request", f"absent optional field(s) {nulls} sent as null")
     values = {
         name: _FIELD_PARSERS.get(f"{kind}.{name}", lambda v: v)(obj[name])
         for name in expected
