@@ -1745,8 +1745,13 @@ class AgentWorkload(Workload):
     def pid(self) -> Optional[int]:
         return self._run.proc.pid if self._run is not None else None
 
+    @property
+    def resume(self) -> bool:
+        """Whether the next run gets --continue."""
+        return self._state.resume
+
     def status_fields(self) -> dict[str, Any]:
-        return {"continue": self._state.resume}
+        return {"continue": self.resume}
 
 
 # ======================================================================================================================
@@ -1853,7 +1858,7 @@ class _Checkpoint(PendingRequest):
         if self._job is None:
             if not self._workload.drained():
                 return None
-            resume = isinstance(self._workload, AgentWorkload) and self._workload.status_fields()["continue"]
+            resume = isinstance(self._workload, AgentWorkload) and self._workload.resume
             manifest = Manifest(self._id, self._workload.kind, server.log.length_bytes, resume)
             log_path, trees, temporary = server.log.path, server.config.trees, self._temporary
             self._manifest = manifest
