@@ -1111,8 +1111,8 @@ def _take_controlling_tty() -> None:
 
 
 def _walk_tree(root: Path, arcname: str) -> Iterator[tuple[str, Path, os.stat_result]]:
-    """(member name, path, lstat) for a directory tree, parents before children, not following links."""
-    yield arcname, root, os.lstat(root)
+    """(member name, path, lstat) for a directory tree, parents before children, following only the root's link."""
+    yield arcname, root, os.stat(root)
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames.sort()
         relative = Path(dirpath).relative_to(root)
