@@ -638,8 +638,8 @@ class BrokerRules:
         kind = event.TYPE
         seen = self.seen
         allowed = {
-            "broker-ready": not seen,
-            "opened": seen == {"broker-ready"},
+            "broker-ready": "broker-ready" not in seen,
+            "opened": "broker-ready" in seen and "opened" not in seen,
             "ready": "opened" in seen and not seen & {"ready", "terminating", "terminated"},
             "workload-exit": "ready" in seen and not seen & {"workload-exit", "terminated"},
             "terminating": "ready" in seen and not seen & {"terminating", "terminated"},
@@ -653,8 +653,10 @@ class BrokerRules:
         if not allowed:
             raise ProtocolError("host_protocol_error", f"host event {kind} out of lifecycle order")
         if kind == "terminating" and isinstance(event, Terminating):
-            if event.cause is Cause.WORKLOAD_EXIT and "workload-exit" not in seen:
-                raise ProtocolError("host_protocol_error", "workload-exit must precede terminating")
+            # workload-exit precedes terminating exactly when it is the cause.
+            if (event.cause is Cause.WORKLOAD_EXIT) != ("workload-exit" in seen):
+                raise ProtocolError("host_protocol_error",
+                                    "workload-exit precedes terminating only as its cause")
         seen.add(kind)
 
     # -- requests from the controller -------------------------------------------------------
