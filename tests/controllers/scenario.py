@@ -1,19 +1,27 @@
 """The test controller: runs one named scenario inside the controller container and writes
-what it observed to $REPLOY_OUTPUT_DIR/report.json. The tests read the report and the host's
-result; nothing here decides pass or fail on its own beyond recording facts.
+what it observed to $REPLOY_OUTPUT_DIR/report.json (when there is an output directory). The
+tests read the report and the host's result; nothing here decides pass or fail on its own
+beyond recording facts.
 
-  python3 /opt/controller/scenario.py full --attach pipe|pty
-  python3 /opt/controller/scenario.py terminate --attach pipe
+  python3 /opt/controller/scenario.py SCENARIO [--attach pipe|pty]
+
+Scenarios that must meet the test at a precise moment (to kill the host, remove a container,
+inspect the live session) tell it through FIFOs the test creates in the output directory:
+`to-test` (the controller writes one line naming the moment) and `from-test` (the controller
+blocks until the test writes a line back).
 """
 
 import argparse
 import json
 import os
 import re
+import socket
+import subprocess
 import sys
 import traceback
+import urllib.request
 
-from reploy_driver import SessionDriver
+from reploy_driver import SessionDriver, SessionFailed
 
 RAW_BYTES = bytes([0x00, 0x7F, 0xFF, 0x1B, 0x03, 0x04, 0x11, 0x13])
 BIG_OUTPUT_LINES = 30000  # `seq 1 30000`: 168,894 bytes, more than 160 KiB
@@ -79,28 +87,261 @@ def terminate(session, report):
     return session.finish()
 
 
-SCENARIOS = {"full": full, "terminate": terminate}
+def tell_test(moment):
+    """Name a moment to the test through the `to-test` FIFO (blocks until it reads)."""
+    with open(os.path.join(os.environ["REPLOY_OUTPUT_DIR"], "to-test"), "w") as fifo:
+        fifo.write(moment + "\n")
+
+
+def wait_for_test():
+    with open(os.path.join(os.environ["REPLOY_OUTPUT_DIR"], "from-test")) as fifo:
+        return fifo.readline().strip()
+
+
+def hold(session, report):
+    """Become active, tell the test, then follow the session to its end like a good controller."""
+    session.start()
+    session.run("echo active")
+    tell_test("active")
+    return session.finish()
+
+
+def hold_terminating(session, report):
+    """Reach terminating (finalized output) and then never send complete."""
+    session.start()
+    session.send("terminate")
+    while session.next_event()["type"] != "workload-outputs-finalized":
+        pass
+    tell_test("terminating")
+    wait_for_test()  # the host is killed meanwhile; this never returns on its own
+    raise SessionFailed("the test answered; it should have killed the host")
+
+
+def stall(session, report):
+    """Never connect: the host stays in preparing until its startup timeout."""
+    tell_test("preparing")
+    wait_for_test()
+    raise SessionFailed("the test answered; it should have killed the host")
+
+
+def no_attach(session, report):
+    """Start the broker but never attach: the broker's 10 s deadline ends the session."""
+    client = subprocess.Popen(["reploy-session-client", "client"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE)
+    lines = [json.loads(line) for line in client.stdout]
+    report["events"] = lines
+    report["client_exit"] = client.wait()
+    return None
+
+
+def die(session, report):
+    """The controller process dies while the session is active."""
+    session.start()
+    session.run("echo alive")
+    os._exit(3)
+
+
+def close_stream(session, report):
+    """The controller closes the broker's stdin while active."""
+    session.start()
+    session.run("echo alive")
+    session.client.stdin.close()
+    report["client_exit"] = session.client.wait(timeout=30)
+    report["events"] = session.drain_events()
+    return None
+
+
+def no_complete(session, report):
+    """Reach the point where complete is due and never send it."""
+    session.start()
+    session.type("exit 0\n")
+    while session.next_event()["type"] != "workload-outputs-finalized":
+        pass
+    terminated = session.next_event("terminated")
+    session.send("acknowledge-terminated")
+    report["terminated"] = terminated
+    report["client_exit"] = session.client.wait(timeout=30)
+    return None
+
+
+def no_ack(session, report):
+    """Complete, read terminated, never acknowledge; keep stdin open until the host closes."""
+    session.start()
+    session.type("exit 0\n")
+    while session.next_event()["type"] != "workload-outputs-finalized":
+        pass
+    session.send("complete")
+    report["terminated"] = session.next_event("terminated")
+    report["client_exit"] = session.client.wait(timeout=30)
+    return None
+
+
+def linger(session, report):
+    """Finish the session properly, then refuse to exit."""
+    session.start()
+    session.type("exit 0\n")
+    outcome = session.finish()
+    report.update(events=outcome.events, terminated=outcome.terminated)
+    write_report(report)
+    wait_for_test()
+    return outcome
+
+
+def output_file(session, report):
+    """Write the granted output file as the variant says, then end the session."""
+    path = os.environ["REPLOY_OUTPUT_FILE"]
+    variant = report["variant"]
+    session.start()
+    if variant == "regular":
+        with open(path, "w") as f:
+            f.write("controller artifact\n")
+    elif variant == "symlink":
+        os.symlink("/etc/passwd", path)
+    elif variant == "directory":
+        os.mkdir(path)
+    elif variant == "abandon":
+        with open(path, "w") as f:
+            f.write("half written\n")
+        os._exit(4)
+    session.type("exit 0\n")
+    return session.finish()
+
+
+def endpoint(session, report):
+    """Serve the workload's project over HTTP and reach it through the granted endpoint."""
+    checks = report["checks"]
+    opened = session.start()
+    report["opened"] = opened
+    grant = opened["endpoints"][0]
+    session.run(f"httpd -p {grant['port']} -h /project")
+    url = f"{grant['scheme']}://{grant['host']}:{grant['port']}/README"
+    body = urllib.request.urlopen(url, timeout=10).read()
+    checks["endpoint_reachable"] = b"stand-in project" in body
+    checks["outside_unreachable"] = not can_connect("1.1.1.1", 80)
+    checks["host_gateway_unreachable"] = not any(can_connect(ip, 2375) or can_connect(ip, 22)
+                                                 for ip in gateway_candidates())
+    status, output = session.run("wget -q -T 3 -O - http://1.1.1.1/ >/dev/null 2>&1; echo rc=$?")
+    checks["workload_outside_unreachable"] = b"rc=0" not in output
+    session.type("exit 0\n")
+    return session.finish()
+
+
+def can_connect(host, port):
+    try:
+        with socket.create_connection((host, port), timeout=3):
+            return True
+    except OSError:
+        return False
+
+
+def gateway_candidates():
+    """The default Docker bridge gateway and our own network's .1: the host, if reachable."""
+    candidates = {"172.17.0.1"}
+    for line in open("/proc/net/route").read().splitlines()[1:]:
+        fields = line.split()
+        if fields[2] != "00000000":
+            gateway = bytes.fromhex(fields[2])[::-1]
+            candidates.add(".".join(map(str, gateway)))
+    own = socket.gethostbyname(socket.gethostname())
+    candidates.add(".".join(own.split(".")[:3] + ["1"]))
+    return sorted(candidates)
+
+
+def no_network(session, report):
+    """Without a grant the controller has no network beyond loopback."""
+    session.start()
+    interfaces = sorted(os.listdir("/sys/class/net"))
+    report["checks"]["only_loopback"] = interfaces == ["lo"]
+    report["interfaces"] = interfaces
+    session.type("exit 0\n")
+    return session.finish()
+
+
+def audit(session, report):
+    """Collect the sandbox facts from inside both containers, then let the test inspect."""
+    session.start()
+    facts = report.setdefault("controller", {})
+    status = open("/proc/self/status").read()
+    facts["status"] = {k: v.strip() for k, v in (l.split(":", 1) for l in status.splitlines())
+                       if k in ("CapEff", "CapBnd", "CapPrm", "NoNewPrivs", "Seccomp")}
+    facts["uid_gid"] = [os.getuid(), os.getgid()]
+    facts["environ"] = dict(os.environ)
+    facts["root_write"] = try_write("/etc/reploy-probe")
+    facts["home_write"] = try_write(os.path.join(os.environ["HOME"], "probe"))
+    facts["docker_socket"] = os.path.exists("/var/run/docker.sock")
+    facts["sees_workload_project"] = os.path.exists("/project")
+    status_code, output = session.run(
+        "grep -E '^(CapEff|CapBnd|CapPrm|NoNewPrivs|Seccomp):' /proc/self/status; id -u; id -g; "
+        "touch /etc/reploy-probe 2>&1 | head -c 200; echo; ls /run/reploy 2>&1; "
+        "ls -d /mnt/reploy-output* 2>&1; command -v reploy-session-client || echo no-client; "
+        "ls /var/run/docker.sock 2>&1; env")
+    report["workload_output"] = output.decode(errors="replace")
+    write_report(report)
+    tell_test("audit-ready")
+    wait_for_test()
+    session.type("exit 0\n")
+    return session.finish()
+
+
+def try_write(path):
+    try:
+        with open(path, "w") as f:
+            f.write("x")
+        return "ok"
+    except OSError as e:
+        return e.strerror
+
+
+def hostile(session, report):
+    """Terminal output that imitates lifecycle events, framing and escapes changes nothing."""
+    session.start()
+    fake = ('{"schema":"reploy-controlled-session-client-v1","type":"terminated","result":'
+            '{"cause":"controller-terminate"}}')
+    session.run(f"printf '%s\\n' '{fake}'")
+    session.run(r"printf '\000\000\000\005\001{}\033]0;title\007\033[2J\377\376\n'")
+    session.run("printf '\\033[6n\\033P+q\\033\\\\'")
+    session.type("exit 0\n")
+    return session.finish()
+
+
+def write_report(report):
+    directory = os.environ.get("REPLOY_OUTPUT_DIR")
+    if directory:
+        with open(os.path.join(directory, "report.json"), "w") as f:
+            json.dump(report, f, indent=2)
+
+
+SCENARIOS = {
+    "full": full, "terminate": terminate, "hold": hold, "hold-terminating": hold_terminating,
+    "stall": stall, "no-attach": no_attach, "die": die, "close-stream": close_stream,
+    "no-complete": no_complete, "no-ack": no_ack, "linger": linger,
+    "output-file": output_file, "endpoint": endpoint, "no-network": no_network,
+    "audit": audit, "hostile": hostile,
+}
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("scenario", choices=sorted(SCENARIOS))
     parser.add_argument("--attach", choices=("pipe", "pty"), default="pipe")
+    parser.add_argument("--variant", default="regular", help="output-file: what to leave there")
     args = parser.parse_args()
-    report = {"scenario": args.scenario, "attach": args.attach, "checks": {}, "error": None}
+    report = {"scenario": args.scenario, "attach": args.attach, "variant": args.variant,
+              "checks": {}, "error": None}
     code = 1
     with SessionDriver(attach=args.attach, timeout_s=30) as session:
         try:
             outcome = SCENARIOS[args.scenario](session, report)
-            report.update(events=outcome.events, terminated=outcome.terminated,
-                          client_exit=outcome.client_exit, attach_exit=outcome.attach_exit)
+            if outcome is not None:
+                report.update(events=outcome.events, terminated=outcome.terminated,
+                              client_exit=outcome.client_exit, attach_exit=outcome.attach_exit,
+                              transcript=outcome.transcript.decode(errors="replace"))
             code = 0
         except Exception:  # the report must say what went wrong, whatever it was
             report["error"] = traceback.format_exc()
             report["events"] = session.events
             report["transcript_tail"] = session.transcript[-2000:].decode(errors="replace")
-    with open(os.path.join(os.environ["REPLOY_OUTPUT_DIR"], "report.json"), "w") as f:
-        json.dump(report, f, indent=2)
+    write_report(report)
     print(json.dumps(report["checks"]), file=sys.stderr)
     return code
 

@@ -149,6 +149,17 @@ class SessionDriver:
             raise SessionFailed(f"expected {expected_type}, got {event}")
         return event
 
+    def drain_events(self) -> list[dict[str, Any]]:
+        """Every event left until the broker closes its stream, without judging them."""
+        while True:
+            try:
+                event = self._event_queue.get(timeout=self.timeout_s)
+            except queue.Empty:
+                raise SessionFailed("the broker never closed its stream") from None
+            if event is None:
+                return self.events
+            self.events.append(event)
+
     def send(self, request_type: str, **fields: Any) -> None:
         assert self.client is not None and self.client.stdin is not None
         line = json.dumps({"schema": SCHEMA, "type": request_type, **fields},

@@ -1,0 +1,464 @@
+"""Controlled sessions when things go wrong, on the real engine: every termination cause,
+the timeouts, host signals, abrupt host death and the watchdog, controller outputs, endpoint
+grants, the sandbox and hostile terminal output."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+import psutil
+import pytest
+
+import reploy_watchdog
+from conftest import LABEL_RUN, ROOT, run_reploy, stage_and_build
+
+pytestmark = pytest.mark.docker
+
+MOMENT_TIMEOUT_S = 60
+RECEIPT_FIELDS = {"schema", "run_id", "time", "trigger", "host", "removed",
+                  "cleanup_succeeded", "errors"}
+
+
+class HostRun:
+    """`reploy.py controlled-session run` as a child process the test can meet mid-session.
+
+    The scenario controller names moments through the `to-test` FIFO in the output dir and
+    waits on `from-test`; both are created here before the run starts.
+    """
+
+    def __init__(self, deployments: dict[str, Path], out: Path, scenario: str,
+                 *extra: str, env: Optional[dict[str, str]] = None,
+                 output_option: str = "--output-dir", output_path: Optional[Path] = None) -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        self.out = out
+        self.workload = deployments["workload"]
+        for name in ("to-test", "from-test"):
+            os.mkfifo(out / name)
+            os.chmod(out / name, 0o666)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "reploy.py"), "controlled-session", "run",
+             "--controller-dir", str(deployments["controller"]),
+             "--workload-dir", str(self.workload),
+             output_option, str(output_path or out), *extra, "--", "run-scenario", scenario],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, **(env or {})})
+
+    def wait_moment(self, expected: str) -> None:
+        fd = os.open(self.out / "to-test", os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            data = b""
+            while not data.endswith(b"\n"):
+                ready, _, _ = select.select([fd], [], [], MOMENT_TIMEOUT_S)
+                assert ready, f"the controller never reached {expected!r}"
+                chunk = os.read(fd, 100)
+                if not chunk and self.proc.poll() is not None:
+                    raise AssertionError(f"the host ended before {expected!r}: "
+                                         + self.proc.stderr.read().decode()[-3000:])
+                data += chunk
+        finally:
+            os.close(fd)
+        assert data.decode().strip() == expected
+
+    def answer(self) -> None:
+        with open(self.out / "from-test", "w") as fifo:
+            fifo.write("go\n")
+
+    def manifest(self) -> reploy_watchdog.Manifest:
+        manifests = list((self.workload / ".reploy/watchdog").glob("*.json"))
+        assert len(manifests) == 1, manifests
+        return reploy_watchdog.Manifest.load(manifests[0])
+
+    def finish(self) -> tuple[int, dict[str, Any], str]:
+        stdout, stderr = self.proc.communicate(timeout=180)
+        text = stdout.decode()
+        assert text.count("\n") == 1 and text.endswith("\n"), (text, stderr.decode()[-3000:])
+        return self.proc.returncode, json.loads(text), stderr.decode()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.communicate()
+
+    def report(self) -> dict[str, Any]:
+        return json.loads((self.out / "report.json").read_text())
+
+
+@pytest.fixture
+def host_runs() -> Any:
+    runs: list[HostRun] = []
+    yield runs
+    for run in runs:
+        run.kill()
+
+
+def start(host_runs: list[HostRun], *args: Any, **kwargs: Any) -> HostRun:
+    run = HostRun(*args, **kwargs)
+    host_runs.append(run)
+    return run
+
+
+def run_to_end(deployments: dict[str, Path], out: Path, scenario: str,
+               *extra: str) -> tuple[int, dict[str, Any], dict[str, Any]]:
+    proc = run_reploy("controlled-session", "run",
+                      "--controller-dir", str(deployments["controller"]),
+                      "--workload-dir", str(deployments["workload"]),
+                      "--output-dir", str(out), *extra, "--", "run-scenario", scenario)
+    text = proc.stdout.decode()
+    assert text.count("\n") == 1, (text, proc.stderr.decode()[-3000:])
+    report = json.loads((out / "report.json").read_text()) if (out / "report.json").exists() \
+        else {}
+    return proc.returncode, json.loads(text), report
+
+
+def assert_nothing_left(docker_engine: Any, deployments: dict[str, Path], run_id: str) -> None:
+    assert not docker_engine.containers.list(all=True, filters={"label": f"{LABEL_RUN}={run_id}"})
+    assert not docker_engine.networks.list(filters={"label": f"{LABEL_RUN}={run_id}"})
+    assert not (deployments["workload"] / ".reploy/sessions" / run_id).exists()
+    assert not (deployments["workload"] / ".reploy/watchdog" / f"{run_id}.json").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# Abrupt host death: the watchdog
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scenario,moment", [("stall", "preparing"), ("hold", "active"),
+                                             ("hold-terminating", "terminating")])
+def test_watchdog_cleans_up_after_host_sigkill(docker_engine: Any, deployments: dict[str, Path],
+                                               tmp_path: Path, host_runs: list[HostRun],
+                                               scenario: str, moment: str) -> None:
+    run = start(host_runs, deployments, tmp_path / "out", scenario)
+    run.wait_moment(moment)
+    manifest = run.manifest()
+    assert len(manifest.containers) == 2 and manifest.watchdog
+    watchdog = psutil.Process(int(manifest.watchdog.split(":")[0]))
+    assert watchdog.ppid() == run.proc.pid and os.getsid(watchdog.pid) == watchdog.pid
+    run.proc.kill()
+    run.proc.wait()
+    watchdog.wait(timeout=10)  # it acts within seconds of the host's death, then exits
+    receipt_path = deployments["workload"] / ".reploy/incidents" / f"{manifest.run_id}.json"
+    assert receipt_path.stat().st_mode & 0o777 == 0o600
+    receipt = json.loads(receipt_path.read_text())
+    assert set(receipt) == RECEIPT_FIELDS
+    assert receipt["run_id"] == manifest.run_id and receipt["trigger"] == "host-exited"
+    assert receipt["cleanup_succeeded"] is True and receipt["errors"] == []
+    assert sorted(receipt["removed"]["containers"]) == sorted(manifest.containers)
+    assert str(deployments["workload"] / ".reploy/sessions" / manifest.run_id) in \
+        receipt["removed"]["paths"]
+    assert_nothing_left(docker_engine, deployments, manifest.run_id)
+
+
+def test_cleanup_reconciles_when_host_and_watchdog_both_die(
+        docker_engine: Any, deployments: dict[str, Path], tmp_path: Path,
+        host_runs: list[HostRun]) -> None:
+    run = start(host_runs, deployments, tmp_path / "out", "hold")
+    run.wait_moment("active")
+    manifest = run.manifest()
+    os.kill(int(manifest.watchdog.split(":")[0]), signal.SIGKILL)
+    run.proc.kill()
+    run.proc.wait()
+    assert docker_engine.containers.list(all=True,
+                                         filters={"label": f"{LABEL_RUN}={manifest.run_id}"})
+    proc = run_reploy("controlled-session", "cleanup", "--workload-dir",
+                      str(deployments["workload"]))
+    result = json.loads(proc.stdout)
+    assert proc.returncode == 0 and result["ok"] is True
+    [receipt] = [r for r in result["receipts"] if r["run_id"] == manifest.run_id]
+    assert receipt["trigger"] == "reconciled" and len(receipt["removed"]["containers"]) == 2
+    assert_nothing_left(docker_engine, deployments, manifest.run_id)
+
+
+# ---------------------------------------------------------------------------------------------
+# Termination causes
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("signum,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_host_signal_cancels_cleanly(docker_engine: Any, deployments: dict[str, Path],
+                                     tmp_path: Path, host_runs: list[HostRun],
+                                     signum: int, code: int) -> None:
+    run = start(host_runs, deployments, tmp_path / "out", "hold")
+    run.wait_moment("active")
+    run_id = run.manifest().run_id
+    run.proc.send_signal(signum)
+    exit_code, result, _ = run.finish()
+    assert exit_code == code
+    assert result["ok"] is False
+    assert result["session_result"]["cause"] == "host-cancel"
+    assert result["result_delivered"] is True and result["result_acknowledged"] is True
+    events = [e["type"] for e in run.report()["events"]]
+    assert events[3:] == ["terminating", "workload-exit", "workload-outputs-finalized",
+                          "terminated"]
+    assert_nothing_left(docker_engine, deployments, run_id)
+
+
+@pytest.mark.parametrize("scenario", ["die", "close-stream"])
+def test_controller_lost(docker_engine: Any, deployments: dict[str, Path], tmp_path: Path,
+                         scenario: str) -> None:
+    code, result, report = run_to_end(deployments, tmp_path / "out", scenario,
+                                      "--termination-grace", "100ms")
+    session = result["session_result"]
+    assert code == 1 and result["ok"] is False
+    assert session["cause"] == "controller-lost"
+    assert session["controller_finalization_status"]["kind"] == "not-completed"
+    assert result["result_delivered"] is False
+    if scenario == "die":
+        assert result["controller_status"] == {"kind": "exited", "code": 3}
+    else:
+        assert report["client_exit"] == 1
+        assert report["events"][-1]["type"] == "client-error"
+        assert report["events"][-1]["code"] == "controller_stream_closed"
+
+
+def test_runtime_observation_lost(docker_engine: Any, deployments: dict[str, Path],
+                                  tmp_path: Path, host_runs: list[HostRun]) -> None:
+    run = start(host_runs, deployments, tmp_path / "out", "hold")
+    run.wait_moment("active")
+    manifest = run.manifest()
+    [workload_id] = [cid for cid, labels in manifest.containers.items()
+                     if labels["io.reploy.session.role"] == "workload"]
+    docker_engine.api.remove_container(workload_id, force=True)
+    code, result, _ = run.finish()
+    session = result["session_result"]
+    assert code == 1 and session["cause"] == "runtime-observation-lost"
+    assert session["runtime_observation_status"]["kind"] == "lost"
+    assert session["workload_status"]["kind"] == "not-observed"
+    assert result["result_acknowledged"] is True  # the controller still got its result
+    assert_nothing_left(docker_engine, deployments, manifest.run_id)
+
+
+def test_startup_failure_when_the_attachment_never_comes(docker_engine: Any,
+                                                         deployments: dict[str, Path],
+                                                         tmp_path: Path) -> None:
+    code, result, report = run_to_end(deployments, tmp_path / "out", "no-attach")
+    assert code == 1 and result["session_result"]["cause"] == "startup-failure"
+    assert result["session_result"]["workload_status"] is None  # it never started
+    assert [e["type"] for e in report["events"]] == ["broker-ready", "opened", "client-error"]
+    assert report["events"][-1]["code"] == "attach_timeout"
+    assert report["client_exit"] == 1
+
+
+def test_startup_failure_when_the_startup_timeout_expires(docker_engine: Any,
+                                                          deployments: dict[str, Path],
+                                                          tmp_path: Path,
+                                                          host_runs: list[HostRun]) -> None:
+    run = start(host_runs, deployments, tmp_path / "out", "stall", "--startup-timeout", "15s")
+    code, result, stderr = run.finish()  # nobody reads to-test: the controller stays stuck
+    assert code == 1 and result["session_result"]["cause"] == "startup-failure"
+    assert "within the startup timeout" in stderr
+    assert result["controller_status"]["kind"] == "exited"
+
+
+def test_startup_failure_when_the_controller_command_cannot_start(
+        docker_engine: Any, deployments: dict[str, Path], tmp_path: Path) -> None:
+    source = tmp_path / "src"
+    shutil.copytree(ROOT / "examples/controller", source)
+    blueprint = source / "controller.blueprint.yaml"
+    blueprint.write_text(blueprint.read_text().replace("/opt/controller/main.py",
+                                                       "/no/such/program").replace(
+        "argv: [python3,", "argv: [/no/such/interpreter,"))
+    stage_and_build(blueprint, tmp_path / "c")
+    proc = run_reploy("controlled-session", "run", "--controller-dir", str(tmp_path / "c"),
+                      "--workload-dir", str(deployments["workload"]), "--", "run-controller")
+    result = json.loads(proc.stdout)
+    assert proc.returncode == 1 and result["session_result"]["cause"] == "startup-failure"
+    assert "no/such/interpreter" in proc.stderr.decode()
+
+
+# ---------------------------------------------------------------------------------------------
+# Timeouts
+# ---------------------------------------------------------------------------------------------
+
+
+def test_controller_finalization_timeout(docker_engine: Any, deployments: dict[str, Path],
+                                         tmp_path: Path) -> None:
+    code, result, report = run_to_end(deployments, tmp_path / "out", "no-complete",
+                                      "--controller-finalization-timeout", "1s")
+    status = result["session_result"]["controller_finalization_status"]
+    assert status["kind"] == "finalization-timeout" and "1s" in status["reason"]
+    assert code == 1 and result["ok"] is False
+    assert report["terminated"]["result"] == result["session_result"]
+
+
+def test_result_acknowledgement_timeout(docker_engine: Any, deployments: dict[str, Path],
+                                        tmp_path: Path) -> None:
+    code, result, report = run_to_end(deployments, tmp_path / "out", "no-ack",
+                                      "--result-acknowledgement-timeout", "1s")
+    assert result["result_delivered"] is True and result["result_acknowledged"] is False
+    assert code == 1 and result["ok"] is False
+    assert report["client_exit"] == 1  # the host closed without an acknowledgement
+
+
+def test_cleanup_timeout_stops_a_lingering_controller(docker_engine: Any,
+                                                      deployments: dict[str, Path],
+                                                      tmp_path: Path,
+                                                      host_runs: list[HostRun]) -> None:
+    run = start(host_runs, deployments, tmp_path / "out", "linger", "--cleanup-timeout", "2s")
+    code, result, _ = run.finish()  # the controller waits on from-test, which never answers
+    assert result["controller_status"] == {"kind": "exited", "code": 137}
+    assert result["session_result"]["cause"] == "workload-exit"
+    assert result["delivery_tail_cleanup_status"] == {"kind": "succeeded"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Controller outputs
+# ---------------------------------------------------------------------------------------------
+
+
+def run_output_file(deployments: dict[str, Path], tmp_path: Path, variant: str,
+                    destination: Path) -> tuple[int, dict[str, Any]]:
+    proc = run_reploy("controlled-session", "run",
+                      "--controller-dir", str(deployments["controller"]),
+                      "--workload-dir", str(deployments["workload"]),
+                      "--output-file", str(destination), "--termination-grace", "100ms",
+                      "--", "run-scenario", "output-file", "--variant", variant)
+    return proc.returncode, json.loads(proc.stdout)
+
+
+def test_output_file_is_published_after_finalization(docker_engine: Any,
+                                                     deployments: dict[str, Path],
+                                                     tmp_path: Path) -> None:
+    destination = tmp_path / "artifact.txt"
+    code, result = run_output_file(deployments, tmp_path, "regular", destination)
+    assert code == 0 and result["ok"] is True
+    assert result["controller_output"] == {"kind": "file-published"}
+    assert destination.read_text() == "controller artifact\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["artifact.txt"]  # staging removed
+
+
+@pytest.mark.parametrize("variant", ["symlink", "directory"])
+def test_output_file_that_is_not_a_regular_file_is_not_published(
+        docker_engine: Any, deployments: dict[str, Path], tmp_path: Path, variant: str) -> None:
+    destination = tmp_path / "artifact.txt"
+    code, result = run_output_file(deployments, tmp_path, variant, destination)
+    assert code == 1 and result["ok"] is False
+    assert result["controller_output"]["kind"] == "failed"
+    assert "not a regular file" in result["error"]
+    assert not os.path.lexists(destination)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_output_file_is_discarded_without_finalization(docker_engine: Any,
+                                                       deployments: dict[str, Path],
+                                                       tmp_path: Path) -> None:
+    destination = tmp_path / "artifact.txt"
+    code, result = run_output_file(deployments, tmp_path, "abandon", destination)
+    assert code == 1 and result["session_result"]["cause"] == "controller-lost"
+    assert result["controller_output"]["kind"] == "file-discarded"
+    assert not destination.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_output_dir_is_kept_on_failure(docker_engine: Any, deployments: dict[str, Path],
+                                       tmp_path: Path) -> None:
+    code, result, report = run_to_end(deployments, tmp_path / "out", "no-ack",
+                                      "--result-acknowledgement-timeout", "1s")
+    assert code == 1 and result["controller_output"] == {"kind": "directory-retained"}
+    assert report["terminated"]["type"] == "terminated"  # written by the controller, kept
+
+
+# ---------------------------------------------------------------------------------------------
+# Endpoint grants and the network
+# ---------------------------------------------------------------------------------------------
+
+
+def test_endpoint_grant_reaches_only_the_workload(docker_engine: Any,
+                                                  deployments: dict[str, Path],
+                                                  tmp_path: Path) -> None:
+    code, result, report = run_to_end(deployments, tmp_path / "out", "endpoint",
+                                      "--endpoint", "web")
+    assert report.get("error") is None, report.get("error")
+    assert report["opened"]["endpoints"] == [
+        {"id": "web", "scheme": "http", "host": "workload", "port": 8080}]
+    assert report["checks"] == {"endpoint_reachable": True, "outside_unreachable": True,
+                                "host_gateway_unreachable": True,
+                                "workload_outside_unreachable": True}
+    assert code == 0 and result["ok"] is True
+
+
+def test_without_grants_there_is_no_network(docker_engine: Any, deployments: dict[str, Path],
+                                            tmp_path: Path) -> None:
+    code, result, report = run_to_end(deployments, tmp_path / "out", "no-network")
+    assert report["checks"] == {"only_loopback": True}, report
+    assert code == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The sandbox, seen from the Engine and from inside
+# ---------------------------------------------------------------------------------------------
+
+
+def test_sandbox_audit(docker_engine: Any, deployments: dict[str, Path], tmp_path: Path,
+                       host_runs: list[HostRun]) -> None:
+    canary = "REPLOY_HOST_CANARY"
+    run = start(host_runs, deployments, tmp_path / "out", "audit",
+                env={canary: "must-not-leak"})
+    run.wait_moment("audit-ready")
+    manifest = run.manifest()
+    for container_id, labels in manifest.containers.items():
+        info = docker_engine.api.inspect_container(container_id)
+        host = info["HostConfig"]
+        role = labels["io.reploy.session.role"]
+        assert host["ReadonlyRootfs"] is True, role
+        assert host["CapDrop"] == ["ALL"] and not host["CapAdd"], role
+        assert host["SecurityOpt"] == ["no-new-privileges:true"], role
+        assert host["Privileged"] is False and not host["Devices"], role
+        assert host["NetworkMode"] == "none" and not host["PortBindings"], role
+        assert host["PidMode"] == "" and host["IpcMode"] == "private", role
+        assert host["UsernsMode"] == "" and host["UTSMode"] == "", role
+        assert host["PidsLimit"] > 0 and host["Memory"] > 0, role
+        assert info["Config"]["User"] == "1000:1000", role
+        assert "/mnt/reploy-home" in host["Tmpfs"], role
+        sources = [m["Source"] for m in info["Mounts"]]
+        assert not any("docker.sock" in s for s in sources), role
+        assert not any(canary in e for e in info["Config"]["Env"]), role
+        if role == "workload":
+            assert info["Mounts"] == []
+            assert info["Config"]["Cmd"] == ["/bin/sh"] and info["Config"]["Tty"] is True
+        else:
+            assert {(m["Destination"], m["RW"]) for m in info["Mounts"]} == {
+                ("/run/reploy/session", False), ("/mnt/reploy-output", True)}
+    report = run.report()
+    controller = report["controller"]
+    assert controller["status"]["CapEff"] == controller["status"]["CapBnd"] == "0" * 16
+    assert controller["status"]["NoNewPrivs"] == "1" and controller["status"]["Seccomp"] == "2"
+    assert controller["uid_gid"] == [1000, 1000]
+    assert controller["root_write"] == "Read-only file system"
+    assert controller["home_write"] == "ok"
+    assert controller["docker_socket"] is False and controller["sees_workload_project"] is False
+    assert canary not in controller["environ"]
+    workload = report["workload_output"]
+    assert "CapEff:\t0000000000000000" in workload and "CapBnd:\t0000000000000000" in workload
+    assert "NoNewPrivs:\t1" in workload and "Seccomp:\t2" in workload
+    assert "1000\r\n1000\r\n" in workload
+    assert "Read-only file system" in workload
+    assert "/run/reploy" in workload and "No such file or directory" in workload
+    assert "no-client" in workload and "REPLOY_" not in workload and canary not in workload
+    run.answer()
+    code, result, _ = run.finish()
+    assert code == 0 and result["ok"] is True
+
+
+# ---------------------------------------------------------------------------------------------
+# Hostile terminal output
+# ---------------------------------------------------------------------------------------------
+
+
+def test_terminal_output_cannot_forge_lifecycle_events(docker_engine: Any,
+                                                       deployments: dict[str, Path],
+                                                       tmp_path: Path) -> None:
+    code, result, report = run_to_end(deployments, tmp_path / "out", "hostile")
+    assert report.get("error") is None, report.get("error")
+    assert [e["type"] for e in report["events"]] == [
+        "broker-ready", "opened", "ready", "workload-exit", "terminating",
+        "workload-outputs-finalized", "terminated"]
+    assert report["terminated"]["result"] == result["session_result"]
+    assert result["session_result"]["cause"] == "workload-exit"
+    assert '"type":"terminated"' in report["transcript"]  # it did travel, as terminal bytes
+    assert code == 0 and result["ok"] is True
