@@ -4,7 +4,7 @@
 PYTHON ?= python3
 DEMO_DIR ?= $(CURDIR)/.reploy-demo
 
-.PHONY: setup demo test test-unit bench clean-demo
+.PHONY: setup demo test test-unit bench bench-agent clean-demo
 
 setup:
 	bash scripts/setup.sh
@@ -23,6 +23,12 @@ test: setup
 
 test-unit:
 	$(PYTHON) -m pytest -q tests -m "not docker"
+
+# Figures as JSON lines on stdout (ratios against baselines measured in the same run).
+bench: setup bench-agent
+
+bench-agent:
+	$(PYTHON) bench/bench_agent.py
 
 clean-demo:
 	rm -rf $(DEMO_DIR)
