@@ -67,6 +67,8 @@ OPERATIONS = ("input", "resize", "terminate", "complete")
 SESSION_SOCKET_ENV = "REPLOY_SESSION_SOCKET"
 #: Prefix of the broker's private directory under $HOME.
 BROKER_DIR_PREFIX = "reploy-controlled-session-"
+#: How long an exiting broker may spend delivering frames it already queued for the host.
+EXIT_FLUSH_DEADLINE_S = 2.0
 
 # ============================================================================================
 # Exceptions, split by who is at fault
@@ -1011,6 +1013,10 @@ class Broker:
             _unlink_quietly(self.socket_path)
 
     def cleanup(self) -> None:
+        try:  # a request validated before a fatal line was consumed: it still reaches the host
+            self.host.drain_blocking(time.monotonic() + EXIT_FLUSH_DEADLINE_S)
+        except OSError:
+            pass  # the host is gone; there is nobody left to deliver to
         if self.listener is not None:
             self.listener.close()
             self.listener = None
