@@ -2,7 +2,12 @@
 
 Docker tests are marked `docker`. Without an engine they skip, unless REPLOY_REQUIRE_DOCKER=1
 (CI), where a missing engine is a failure. Every Docker test is followed by a check that no
-container or network labelled as a Reploy session resource is left behind.
+container or network labelled as a Reploy session resource is left behind by it.
+
+"Left behind by it" means: labelled resources that did not exist when the test started and
+that belong to this pytest run (a controlled session's workload-dir label lies under this run's
+base temp dir; resources without that label count too). So parallel runs on one machine (as
+during development) neither fail nor sweep each other; in CI nothing else runs anyway.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 LABEL_RUN = "io.reploy.session.live-run"
+LABEL_WORKLOAD_DIR = "io.reploy.session.workload-dir"
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -40,35 +46,43 @@ def _engine() -> Any:
         pytest.skip(f"no Docker engine: {e}")
 
 
-def labelled_leftovers(client: Any) -> list[str]:
-    names = [f"container {c.short_id} {c.labels.get(LABEL_RUN)}"
-             for c in client.containers.list(all=True, filters={"label": LABEL_RUN})]
-    names += [f"network {n.name}" for n in client.networks.list(filters={"label": LABEL_RUN})]
-    return names
+def labelled(client: Any) -> dict[str, Any]:
+    """Every labelled session resource, by id."""
+    found: dict[str, Any] = {c.id: c for c in client.containers.list(
+        all=True, filters={"label": LABEL_RUN})}
+    found.update({n.id: n for n in client.networks.list(filters={"label": LABEL_RUN})})
+    return found
+
+
+def ours(resource: Any, basetemp: Path) -> bool:
+    workload_dir = (resource.attrs.get("Config", {}).get("Labels") or resource.attrs.get(
+        "Labels") or {}).get(LABEL_WORKLOAD_DIR)
+    return workload_dir is None or workload_dir.startswith(str(basetemp))
 
 
 @pytest.fixture(scope="session")
 def docker_client() -> Any:
+    import reploy_watchdog
+
     client = _engine()
-    # Sweep what an earlier, killed run may have left, so this run starts clean.
-    for container in client.containers.list(all=True, filters={"label": LABEL_RUN}):
-        container.remove(force=True)
-    for network in client.networks.list(filters={"label": LABEL_RUN}):
-        network.remove()
+    # Sweep what earlier, killed runs left (their host and watchdog are gone), so this run
+    # starts clean; live sessions of other runs are not touched.
+    reploy_watchdog.reconcile_orphans(client)
     yield client
     client.close()
 
 
 @pytest.fixture
-def docker_engine(docker_client: Any) -> Any:
-    """A Docker test's engine; afterwards, nothing labelled may remain."""
+def docker_engine(docker_client: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A Docker test's engine; afterwards, nothing the test created may remain."""
+    before = set(labelled(docker_client))
     yield docker_client
-    left = labelled_leftovers(docker_client)
-    for container in docker_client.containers.list(all=True, filters={"label": LABEL_RUN}):
-        container.remove(force=True)
-    for network in docker_client.networks.list(filters={"label": LABEL_RUN}):
-        network.remove()
-    assert not left, f"session resources left behind: {left}"
+    basetemp = tmp_path_factory.getbasetemp()
+    left = [resource for rid, resource in labelled(docker_client).items()
+            if rid not in before and ours(resource, basetemp)]
+    for resource in left:
+        resource.remove(force=True) if hasattr(resource, "image") else resource.remove()
+    assert not left, f"session resources left behind: {[r.name for r in left]}"
 
 
 def run_reploy(*args: str, timeout: float = 180, **kwargs: Any) -> subprocess.CompletedProcess:
