@@ -4,6 +4,8 @@
 Role: runs inside each managed-session container (or directly on any Linux box) and owns exactly one session
 directory DIR. Its peers: `reploy.py serve` (the control plane) talks to it only through DIR/control.sock;
 supervisors observe DIR/events.jsonl; people and shell pipelines drive it with `python3 agent.py call DIR VERB`.
+Opt-in, `--listen HOST:PORT` serves the same protocol over TCP, for a trusted controller behind a private endpoint
+grant (a controlled-session workload); nothing listens on the network unless asked.
 
 Workloads:
   shell  one PTY running /bin/sh (configurable); raw writes, typed messages, Ctrl-C-like interrupt, relaunch.
@@ -321,6 +323,7 @@ class AgentConfig:
     shell_log_cap_bytes: int = DEFAULT_SHELL_LOG_CAP_BYTES
     restore_path: Optional[Path] = None
     await_restore: bool = False
+    listen: Optional[tuple[str, int]] = None  # --listen HOST:PORT: also serve the protocol over TCP
 
     @property
     def workspace_dir(self) -> Path:
@@ -1067,6 +1070,49 @@ class OwnedSocket:
             return
         if (st.st_dev, st.st_ino) == self._identity:
             os.unlink(self.path)
+
+
+class TcpListener:
+    """The opt-in TCP listener (`--listen HOST:PORT`): the same protocol, one request per connection.
+
+    It has no authentication of its own: whoever reaches the port drives the session. It exists for a workload whose
+    only peer is a trusted controller behind a private endpoint grant; the unix socket stays the default.
+    """
+
+    def __init__(self, host: str, port: int) -> None:
+        try:
+            family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                                 flags=socket.AI_PASSIVE)[0]
+        except socket.gaierror as e:
+            raise StartupError(f"cannot resolve the --listen host {host!r}: {e.strerror}") from e
+        self.sock = socket.socket(family, kind, proto)
+        try:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self.sock.bind(address)
+            self.sock.listen(LISTEN_BACKLOG)
+        except OSError as e:
+            self.sock.close()
+            raise StartupError(f"cannot listen on {format_listen_address(host, port)}: {e.strerror}") from e
+        self.sock.setblocking(False)
+        self.address = format_listen_address(*self.sock.getsockname()[:2])
+
+    def close(self) -> None:
+        """Idempotent."""
+        self.sock.close()
+
+
+def parse_listen_address(text: str) -> tuple[str, int]:
+    """`HOST:PORT` (an IPv6 host in brackets, `[::]:7000`) -> (host, port); port 0 picks a free one."""
+    host, sep, port_text = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port_text.isdigit() or int(port_text) > 65535:
+        raise UsageError(f"--listen wants HOST:PORT with a port in 0..65535, not {text!r}")
+    return host, int(port_text)
+
+
+def format_listen_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 # ======================================================================================================================
@@ -1965,7 +2011,10 @@ class AgentServer:
             Method.RESIZE: self._resize, Method.CHECKPOINT: self._checkpoint, Method.RESTORE: self._restore,
         }
         self._listener = OwnedSocket(config.session_dir / SOCKET_NAME)
+        self.tcp_listener: Optional[TcpListener] = None
         try:
+            if config.listen is not None:
+                self.tcp_listener = TcpListener(*config.listen)
             self.outbox = Outbox(config.session_dir / OUTBOX_NAME)
             self.outbox.reconcile()
             restored = None
@@ -1977,8 +2026,14 @@ class AgentServer:
                 self.start_session(restored)
         except BaseException:
             self._listener.close()
+            if self.tcp_listener is not None:
+                self.tcp_listener.close()
             raise
-        self._reactor.watch(self._listener.sock.fileno(), selectors.EVENT_READ, self._on_listener)
+        # The transports are thin: each listener only accepts; every connection meets the same protocol core.
+        listeners = [self._listener.sock] + ([self.tcp_listener.sock] if self.tcp_listener is not None else [])
+        for listener in listeners:
+            self._reactor.watch(listener.fileno(), selectors.EVENT_READ,
+                                lambda mask, sock=listener: self._on_listener(sock, mask))
         self._reactor.watch(self._wakeup_read.fileno(), selectors.EVENT_READ, self._on_wakeup)
 
     def _open_log(self) -> OutputLog:
@@ -2069,6 +2124,8 @@ class AgentServer:
             self.outbox.end_open_turns(Outcome.INTERRUPTED, "shutdown")
             self.outbox.emit(EventKind.SESSION_END, reason=self._stop_reason or "stopped")
         self._listener.close()
+        if self.tcp_listener is not None:
+            self.tcp_listener.close()
         self.log.close()
         self.outbox.close()
         self._reactor.close()
@@ -2077,11 +2134,11 @@ class AgentServer:
 
     # ---- clients
 
-    def _on_listener(self, mask: int) -> None:
+    def _on_listener(self, listener: socket.socket, mask: int) -> None:
         for _ in range(MAX_ACCEPTS_PER_WAKEUP):
             try:
-                sock, _ = self._listener.sock.accept()
-            except BlockingIOError:
+                sock, _ = listener.accept()
+            except (BlockingIOError, ConnectionAbortedError):
                 return
             sock.setblocking(False)
             conn = Connection(sock, self._clock() + CLIENT_IDLE_TIMEOUT_S)
@@ -2354,6 +2411,9 @@ def _parser() -> argparse.ArgumentParser:
     restore.add_argument("--restore", type=Path, metavar="ARCHIVE", help="restore this checkpoint, then serve")
     restore.add_argument("--await-restore", action="store_true",
                          help="serve without a workload until a `restore` request installs a checkpoint")
+    serve.add_argument("--listen", metavar="HOST:PORT",
+                       help="also serve the protocol over TCP (no authentication: only behind a private endpoint "
+                            "grant); port 0 picks a free one")
     client = commands.add_parser("call", help="send one request to DIR/control.sock; print the JSON response")
     client.add_argument("session_dir", type=Path, metavar="DIR")
     client.add_argument("verb", choices=[method.value for method in Method])
@@ -2371,6 +2431,7 @@ def _config_from(args: argparse.Namespace) -> AgentConfig:
         run_timeout_s=args.run_timeout, per_run_cap_bytes=args.per_run_cap_bytes,
         cumulative_cap_bytes=args.cumulative_cap_bytes, shell_log_cap_bytes=args.shell_log_cap_bytes,
         restore_path=args.restore.absolute() if args.restore else None, await_restore=args.await_restore,
+        listen=parse_listen_address(args.listen) if args.listen is not None else None,
     )
     if config.log_cap_bytes < MIN_LOG_CAP_BYTES:
         raise UsageError(f"the output log cap must be at least {MIN_LOG_CAP_BYTES} bytes")
@@ -2388,7 +2449,8 @@ def serve(config: AgentConfig) -> int:
         directory.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
     server = AgentServer(config)
     try:
-        print(f"agent.py: serving {config.session_dir / SOCKET_NAME} ({config.workload.value} workload, "
+        tcp = f" and tcp {server.tcp_listener.address}" if server.tcp_listener is not None else ""
+        print(f"agent.py: serving {config.session_dir / SOCKET_NAME}{tcp} ({config.workload.value} workload, "
               f"pid {os.getpid()})", file=sys.stderr)
         return server.run()
     finally:
