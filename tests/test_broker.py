@@ -1,0 +1,539 @@
+"""The broker (`client` mode) over real unix sockets and pipes, with the real attach; no Docker.
+
+The test plays the host on one end of a socketpair, speaking the private framing, and the
+controller on the broker's stdin/stdout pipes. Broker.run() runs in a thread.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import select
+import shutil
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Iterator, Optional
+
+import pytest
+
+from reploy_session_client import (
+    ATTACH_DEADLINE_S, DATA_WINDOW_BYTES, SESSION_SOCKET_ENV, AcknowledgeTerminated, Broker,
+    BrokerReady, Cause, ClientError, Complete, DataWindow, Diagnostic, Direction, Frame,
+    FrameKind, Message, Opened, Ready, RecoveryAction, Resize, SessionResult, Status, Terminate,
+    Terminated, Terminating, WorkloadExit, WorkloadOutputsFinalized, chunks, decode_message,
+)
+from test_attach import CLIENT, AttachProcess
+from test_framing import WAIT_S, FramePeer
+
+OPENED = Opened(operations=("input", "resize", "terminate", "complete"), endpoints=(),
+                columns=80, rows=24, output_finalization_timeout_milliseconds=30000)
+EXIT_0 = WorkloadExit(status=Status.of("process", "exited", code=0))
+DRAINED = WorkloadOutputsFinalized(status="drained")
+FINAL_RESULT = SessionResult(
+    cause=Cause.WORKLOAD_EXIT, workload_status=Status.of("process", "exited", code=0),
+    workload_output_finalization_status=Status.of("output_finalization", "drained"),
+    runtime_observation_status=Status.of("runtime_observation", "maintained"),
+    controller_finalization_status=Status.of("controller_finalization", "completed"),
+    cleanup_status=Status.of("cleanup", "succeeded"), recovery_action=RecoveryAction.NONE)
+#: The events after ready, up to outputs-finalized, of a session that ends by workload exit.
+TO_FINALIZED = [EXIT_0, Terminating(cause=Cause.WORKLOAD_EXIT), DRAINED]
+
+
+class BrokerHarness:
+    """A Broker in a thread, with the test as its host (a socketpair) and its controller (pipes)."""
+
+    def __init__(self, attach_deadline_s: float = ATTACH_DEADLINE_S) -> None:
+        self.home = tempfile.mkdtemp(prefix="rb-")  # unix socket paths must stay short
+        host_end, broker_end = socket.socketpair()
+        self.host = FramePeer(host_end)
+        self.stdin_r, self.stdin_w = os.pipe()
+        self.stdout_r, self.stdout_w = os.pipe()
+        self.open_fds = {self.stdin_r, self.stdin_w, self.stdout_r, self.stdout_w}
+        self.stdout_buffer = b""
+        self.output_window = DataWindow()  # the host's room for OUTPUT frames
+        self.attachments: list[FramePeer] = []
+        self.processes: list[AttachProcess] = []
+        self.broker = Broker(broker_end, self.home, self.stdin_r, self.stdout_w,
+                             attach_deadline_s=attach_deadline_s)
+        self.exit_code: Optional[int] = None
+        self.crash: Optional[BaseException] = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.exit_code = self.broker.run()
+        except BaseException as e:  # noqa: BLE001 - reported by finish(), not lost in a thread
+            self.crash = e
+
+    # -- the controller's side: stdin and stdout ----------------------------------------------
+
+    def next_line(self) -> bytes:
+        deadline = time.monotonic() + WAIT_S
+        while b"\n" not in self.stdout_buffer:
+            remaining = deadline - time.monotonic()
+            assert remaining > 0 and select.select([self.stdout_r], [], [], remaining)[0], (
+                "the broker wrote no line in time")
+            data = os.read(self.stdout_r, 1 << 16)
+            assert data, "the broker's stdout ended"
+            self.stdout_buffer += data
+        line, _, self.stdout_buffer = self.stdout_buffer.partition(b"\n")
+        return line + b"\n"
+
+    def next_event(self) -> Message:
+        return decode_message(self.next_line(), Direction.EVENT)
+
+    def write(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self.stdin_w, view):]
+
+    def close_stdin(self) -> None:
+        self._close_fd(self.stdin_w)
+
+    def broker_ready(self) -> str:
+        event = self.next_event()
+        assert isinstance(event, BrokerReady)
+        return event.terminal_socket
+
+    # -- the host's side ----------------------------------------------------------------------
+
+    def host_frame(self) -> Frame:
+        """The next frame from the broker; CREDIT frames refill the output window on the way."""
+        while True:
+            frame = self.host.next_frame()
+            if frame.kind is not FrameKind.CREDIT:
+                return frame
+            self.output_window.grant(frame)
+
+    def send_events(self, *events: Message) -> None:
+        """Host events reach the controller in order, byte for byte."""
+        for event in events:
+            self.host.send_event(event)
+        for event in events:
+            assert self.next_line() == event.encode()
+
+    def send_output(self, data: bytes) -> None:
+        """Terminal bytes in OUTPUT frames, never more than the broker's credit allows."""
+        for piece in chunks(data):
+            self.await_credit(len(piece))
+            self.output_window.take(len(piece))
+            self.host.send(FrameKind.OUTPUT, piece)
+
+    def await_credit(self, count_bytes: int) -> None:
+        while self.output_window.available_bytes < count_bytes:
+            frame = self.host.next_frame()
+            assert frame.kind is FrameKind.CREDIT, f"{frame.kind.name} while awaiting credit"
+            self.output_window.grant(frame)
+
+    def receive_input(self, count_bytes: int) -> bytes:
+        """INPUT bytes the broker forwards, each credited back as the host does."""
+        data = b""
+        while len(data) < count_bytes:
+            frame = self.host_frame()
+            assert frame.kind is FrameKind.INPUT, frame
+            self.host.send_json(FrameKind.CREDIT, {"bytes": len(frame.payload)})
+            data += frame.payload
+        return data
+
+    def expect_request(self, request: Message) -> None:
+        frame = self.host_frame()
+        assert (frame.kind, frame.payload) == (FrameKind.REQUEST, request.encode()[:-1])
+
+    def expect_attached(self) -> None:
+        frame = self.host_frame()
+        assert (frame.kind, frame.payload) == (FrameKind.ATTACHED, b"{}")
+
+    # -- attachments ------------------------------------------------------------------------
+
+    def attach_raw(self, path: str) -> FramePeer:
+        """A test-driven attachment speaking the framing directly."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(path)
+        self.attachments.append(FramePeer(sock))
+        self.expect_attached()
+        return self.attachments[-1]
+
+    def attach_process(self, path: str) -> AttachProcess:
+        """The real `attach --socket PATH`, in pipe mode."""
+        self.processes.append(AttachProcess(path))
+        self.expect_attached()
+        return self.processes[-1]
+
+    def up_to_ready(self) -> FramePeer:
+        """broker-ready, a raw attachment, opened, ready."""
+        attachment = self.attach_raw(self.broker_ready())
+        self.send_events(OPENED, Ready())
+        return attachment
+
+    # -- the end ----------------------------------------------------------------------------
+
+    def finish(self) -> int:
+        """Wait for run() to return; its exit code."""
+        self.thread.join(WAIT_S)
+        assert not self.thread.is_alive(), "the broker did not exit"
+        assert self.crash is None, f"the broker crashed: {self.crash!r}"
+        assert self.exit_code is not None
+        return self.exit_code
+
+    def rest_of_stdout(self) -> bytes:
+        self.finish()
+        self._close_fd(self.stdout_w)
+        while data := os.read(self.stdout_r, 1 << 16):
+            self.stdout_buffer += data
+        rest, self.stdout_buffer = self.stdout_buffer, b""
+        return rest
+
+    def expect_fatal(self, code: str) -> list[Frame]:
+        """A client-error with this code, exit 1, the host channel closed; what the host got."""
+        event = self.next_event()
+        assert isinstance(event, ClientError) and event.code == code, event
+        assert self.finish() == 1
+        frames = self.host.read_until_eof()
+        assert not os.path.exists(self.broker.dir)
+        return [f for f in frames if f.kind is not FrameKind.CREDIT]
+
+    def _close_fd(self, fd: int) -> None:
+        if fd in self.open_fds:
+            self.open_fds.discard(fd)
+            os.close(fd)
+
+    def close(self) -> None:
+        self.host.close()  # the broker ends on host EOF if it has not yet
+        self.close_stdin()
+        self.thread.join(WAIT_S)
+        for process in self.processes:
+            process.close()
+        for attachment in self.attachments:
+            attachment.close()
+        for fd in list(self.open_fds):
+            self._close_fd(fd)
+        shutil.rmtree(self.home)
+        assert not self.thread.is_alive(), "the broker did not exit"
+
+
+@pytest.fixture
+def harness() -> Iterator[BrokerHarness]:
+    harness = BrokerHarness()
+    yield harness
+    harness.close()
+
+
+# --------------------------------------------------------------------------------------------
+# The whole session
+# --------------------------------------------------------------------------------------------
+
+
+def test_full_session_through_the_real_attach(harness: BrokerHarness) -> None:
+    path = harness.broker_ready()
+    directory = os.path.dirname(path)
+    assert re.fullmatch(re.escape(harness.home) + r"/reploy-controlled-session-[0-9a-f]{32}"
+                        r"/terminal\.sock", path)
+    assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
+    mode = os.stat(path).st_mode
+    assert stat.S_ISSOCK(mode) and stat.S_IMODE(mode) == 0o600
+
+    attach = harness.attach_process(path)
+    harness.send_events(OPENED, Ready(),
+                        Diagnostic(code="future_code", message="café 端末 \u001b[0m \"q\""))
+
+    # Output in order, including more than one window's worth: it needs credit round trips.
+    small = b"$ ls\r\n\x1b[1mbold\x1b[0m\r\n"
+    big = bytes(n % 253 for n in range(DATA_WINDOW_BYTES * 5 // 2 + 17))
+    harness.send_output(small)
+    assert attach.wait_output(len(small)) == small
+    harness.send_output(big)
+
+    typed = b"echo typed\r\x03\x04"
+    attach.write(typed)
+    assert harness.receive_input(len(typed)) == typed
+
+    harness.send_events(*TO_FINALIZED[:2])
+    harness.host.send_json(FrameKind.OUTPUT_END, {"status": "drained"})
+    harness.send_events(TO_FINALIZED[2])
+    assert attach.finish() == 0
+    assert attach.output == small + big
+
+    harness.write(Complete().encode())
+    harness.expect_request(Complete())
+    harness.send_events(Terminated(result=FINAL_RESULT))
+    harness.write(AcknowledgeTerminated().encode())
+    harness.expect_request(AcknowledgeTerminated())
+    harness.host.close()
+
+    assert harness.finish() == 0
+    assert harness.rest_of_stdout() == b""  # nothing after terminated, no client-error
+    assert not os.path.exists(directory)
+
+
+def test_startup_failure_is_acknowledged_without_complete(harness: BrokerHarness) -> None:
+    harness.attach_raw(harness.broker_ready())
+    failed = SessionResult(
+        cause=Cause.STARTUP_FAILURE, workload_status=None,
+        workload_output_finalization_status=None, runtime_observation_status=None,
+        controller_finalization_status=None, cleanup_status=Status.of("cleanup", "succeeded"),
+        recovery_action=RecoveryAction.NONE)
+    harness.send_events(OPENED, Terminated(result=failed))
+    harness.write(AcknowledgeTerminated().encode())
+    harness.expect_request(AcknowledgeTerminated())
+    harness.host.close()
+    assert harness.finish() == 0
+
+
+def test_stdin_may_close_after_the_acknowledgement(harness: BrokerHarness) -> None:
+    harness.up_to_ready()
+    harness.send_events(*TO_FINALIZED)
+    harness.write(Complete().encode())
+    harness.expect_request(Complete())  # stdin and the host are separate streams: wait
+    harness.send_events(Terminated(result=FINAL_RESULT))
+    harness.write(AcknowledgeTerminated().encode())
+    harness.close_stdin()
+    harness.expect_request(AcknowledgeTerminated())
+    harness.host.close()
+    assert harness.finish() == 0
+
+
+# --------------------------------------------------------------------------------------------
+# The attachment
+# --------------------------------------------------------------------------------------------
+
+
+def test_no_attachment_within_the_deadline_is_attach_timeout() -> None:
+    harness = BrokerHarness(attach_deadline_s=0.3)
+    try:
+        path = harness.broker_ready()
+        assert harness.expect_fatal("attach_timeout") == []  # never ATTACHED
+        assert not os.path.exists(path)
+    finally:
+        harness.close()
+
+
+def test_only_one_attachment_is_accepted(harness: BrokerHarness) -> None:
+    path = harness.broker_ready()
+    first = harness.attach_raw(path)
+    second = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    with second, pytest.raises((FileNotFoundError, ConnectionRefusedError)):
+        second.connect(path)
+    harness.send_output(b"still the first")
+    frame = first.next_frame()
+    assert (frame.kind, frame.payload) == (FrameKind.OUTPUT, b"still the first")
+
+
+def test_attachment_resize_is_forwarded_only_while_active(harness: BrokerHarness) -> None:
+    attachment = harness.attach_raw(harness.broker_ready())
+    # Before ready the command line's size wins: this resize is dropped.
+    attachment.send_json(FrameKind.RESIZE, {"columns": 10, "rows": 10})
+    attachment.send(FrameKind.INPUT, b"m")
+    frame = harness.host_frame()  # the broker read past the early resize
+    assert (frame.kind, frame.payload) == (FrameKind.INPUT, b"m")
+    harness.send_events(OPENED, Ready())
+    attachment.send_json(FrameKind.RESIZE, {"columns": 0, "rows": 10})  # invalid: ignored
+    attachment.send_json(FrameKind.RESIZE, {"columns": 132, "rows": 43})
+    harness.expect_request(Resize(columns=132, rows=43))
+    harness.send_events(Terminating(cause=Cause.HOST_CANCEL))
+    attachment.send_json(FrameKind.RESIZE, {"columns": 90, "rows": 20})  # terminating: dropped
+    harness.write(Terminate().encode())  # ignored as well
+    harness.send_events(DRAINED)
+    harness.write(Complete().encode())
+    harness.expect_request(Complete())  # nothing else came in between
+
+
+def test_output_finalization_failure_makes_attach_exit_1(harness: BrokerHarness) -> None:
+    attach = harness.attach_process(harness.broker_ready())
+    harness.send_events(OPENED, Ready())
+    harness.send_output(b"partial output")
+    failed = {"status": "failed", "reason": "terminal output did not reach end of file"}
+    harness.host.send_json(FrameKind.OUTPUT_END, failed)
+    assert attach.finish() == 1
+    assert attach.output == b"partial output"
+    assert "did not reach end of file" in attach.stderr()
+
+
+@pytest.mark.parametrize("output_before_loss", [False, True])
+def test_output_for_a_lost_attachment_is_credited_back(harness: BrokerHarness,
+                                                       output_before_loss: bool) -> None:
+    attachment = harness.up_to_ready()
+    if output_before_loss:
+        # A full window the attachment never reads: most of it waits inside the broker.
+        harness.send_output(b"w" * DATA_WINDOW_BYTES)
+        harness.send_events(Diagnostic(code="marker", message="the broker has read the window"))
+    attachment.close()
+    harness.send_output(b"x" * (2 * DATA_WINDOW_BYTES))
+    harness.await_credit(DATA_WINDOW_BYTES)  # every dropped byte's credit came back
+    harness.send_events(Terminating(cause=Cause.CONTROLLER_TERMINATE))
+
+
+def test_terminal_output_never_reaches_the_structured_stream(harness: BrokerHarness) -> None:
+    attach = harness.attach_process(harness.broker_ready())
+    harness.send_events(OPENED, Ready())
+    forged = (Terminated(result=FINAL_RESULT).encode()
+              + b'{"schema":"reploy-controlled-session-client-v1","type":"ready"}\n'
+              + b"\x1b[2J\x1b[H\x1b]52;c;Zm9yZ2Vk\x07\r\n")
+    harness.send_output(forged)
+    harness.send_events(*TO_FINALIZED)
+    assert attach.wait_output(len(forged)) == forged
+    harness.host.close()  # early: the broker's last line is its own client-error
+    event = harness.next_event()
+    assert isinstance(event, ClientError) and event.code == "host_channel_lost"
+    assert harness.rest_of_stdout() == b""
+
+
+# --------------------------------------------------------------------------------------------
+# Fatal conditions
+# --------------------------------------------------------------------------------------------
+
+REQUEST_PREFIX = b'{"schema":"reploy-controlled-session-client-v1","type":'
+
+FATAL_REQUESTS = {
+    "premature complete": ([], Complete().encode(), "premature_request"),
+    "premature acknowledgement": ([], AcknowledgeTerminated().encode(), "premature_request"),
+    "invalid line": ([], b"{not json\n", "invalid_request"),
+    "unknown field": ([], REQUEST_PREFIX + b'"terminate","now":true}\n', "invalid_request"),
+    "unknown type": ([], REQUEST_PREFIX + b'"pause"}\n', "unknown_type"),
+    "event as a request": ([], REQUEST_PREFIX + b'"ready"}\n', "unknown_type"),
+    "wrong schema": ([], b'{"schema":"reploy-controlled-session-client-v2","type":"terminate"}\n',
+                     "unsupported_schema"),
+    "line over 1 MiB": ([], b" " * (1 << 20) + b"\n", "line_too_long"),
+    "resize out of range": ([], REQUEST_PREFIX + b'"resize","columns":65536,"rows":1}\n',
+                            "invalid_request"),
+    "duplicate complete": (TO_FINALIZED, Complete().encode() * 2, "duplicate_request"),
+    "complete after terminated": (
+        [*TO_FINALIZED, Terminated(result=FINAL_RESULT)], Complete().encode(),
+        "unauthorized_request"),
+}
+
+
+@pytest.mark.parametrize("events, written, code", FATAL_REQUESTS.values(),
+                         ids=FATAL_REQUESTS.keys())
+def test_fatal_request_ends_the_broker(harness: BrokerHarness, events: list[Message],
+                                       written: bytes, code: str) -> None:
+    harness.up_to_ready()
+    harness.send_events(*events)
+    harness.write(written)
+    frames = harness.expect_fatal(code)
+    forwarded = [f.payload for f in frames if f.kind is FrameKind.REQUEST]
+    assert forwarded == ([b'{"schema":"reploy-controlled-session-client-v1","type":"complete"}']
+                         if code == "duplicate_request" else [])
+
+
+def test_duplicate_acknowledgement_is_fatal_after_the_first_is_forwarded(
+        harness: BrokerHarness) -> None:
+    harness.up_to_ready()
+    harness.send_events(*TO_FINALIZED)
+    harness.write(Complete().encode())
+    harness.expect_request(Complete())
+    harness.send_events(Terminated(result=FINAL_RESULT))
+    harness.write(AcknowledgeTerminated().encode() * 2)
+    frames = harness.expect_fatal("duplicate_request")
+    assert [(f.kind, f.payload) for f in frames] == [
+        (FrameKind.REQUEST, AcknowledgeTerminated().encode()[:-1])]
+
+
+def test_request_line_cut_off_by_the_end_of_stdin(harness: BrokerHarness) -> None:
+    harness.up_to_ready()
+    harness.write(Terminate().encode()[:-1])
+    harness.close_stdin()
+    harness.expect_fatal("invalid_request")
+
+
+def test_repeated_terminate_is_forwarded_once(harness: BrokerHarness) -> None:
+    harness.up_to_ready()
+    harness.write(Terminate().encode() * 3 + Resize(columns=100, rows=30).encode())
+    harness.expect_request(Terminate())
+    harness.expect_request(Resize(columns=100, rows=30))  # the repeats were dropped
+
+
+def test_host_closing_early_is_host_channel_lost(harness: BrokerHarness) -> None:
+    harness.up_to_ready()
+    harness.host.close()
+    event = harness.next_event()
+    assert isinstance(event, ClientError) and event.code == "host_channel_lost"
+    assert harness.finish() == 1
+
+
+def test_host_closing_after_terminated_but_before_the_ack_is_host_channel_lost(
+        harness: BrokerHarness) -> None:
+    harness.up_to_ready()
+    harness.send_events(*TO_FINALIZED, Terminated(result=FINAL_RESULT))
+    harness.host.close()
+    event = harness.next_event()
+    assert isinstance(event, ClientError) and event.code == "host_channel_lost"
+    assert harness.finish() == 1
+
+
+def test_stdin_closing_before_the_acknowledgement_is_fatal(harness: BrokerHarness) -> None:
+    harness.up_to_ready()
+    harness.send_events(*TO_FINALIZED, Terminated(result=FINAL_RESULT))
+    harness.close_stdin()
+    harness.expect_fatal("controller_stream_closed")
+
+
+def test_host_event_out_of_order_is_fatal(harness: BrokerHarness) -> None:
+    harness.up_to_ready()
+    harness.host.send_event(DRAINED)  # before terminating
+    harness.expect_fatal("host_protocol_error")
+
+
+def test_malformed_frame_from_the_host_is_fatal(harness: BrokerHarness) -> None:
+    harness.up_to_ready()
+    harness.host.send(FrameKind.REQUEST, Terminate().encode()[:-1])  # the host never sends these
+    harness.expect_fatal("channel_protocol_error")
+
+
+# --------------------------------------------------------------------------------------------
+# The `client` command itself
+# --------------------------------------------------------------------------------------------
+
+
+def run_client_command(env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(CLIENT), "client"], env=env,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def read_event(process: subprocess.Popen) -> Message:
+    assert select.select([process.stdout], [], [], WAIT_S)[0], "the client wrote nothing"
+    return decode_message(process.stdout.readline(), Direction.EVENT)
+
+
+@pytest.mark.parametrize("socket_env, code", [
+    (None, "no_session"), ("/nonexistent/channel.sock", "host_unavailable")])
+def test_client_command_without_a_host(socket_env: Optional[str], code: str) -> None:
+    env = {"PATH": os.environ.get("PATH", ""), "HOME": "/nonexistent"}
+    if socket_env is not None:
+        env[SESSION_SOCKET_ENV] = socket_env
+    process = run_client_command(env)
+    stdout, _ = process.communicate(timeout=WAIT_S)
+    event = decode_message(stdout, Direction.EVENT)
+    assert isinstance(event, ClientError) and event.code == code
+    assert process.returncode == 1
+
+
+def test_client_command_connects_to_the_host_socket() -> None:
+    home = tempfile.mkdtemp(prefix="rb-")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(os.path.join(home, "channel.sock"))
+    listener.listen(1)
+    process = run_client_command({"PATH": os.environ.get("PATH", ""), "HOME": home,
+                                  SESSION_SOCKET_ENV: os.path.join(home, "channel.sock")})
+    try:
+        assert select.select([listener], [], [], WAIT_S)[0], "the client did not connect"
+        host = FramePeer(listener.accept()[0])
+        first = read_event(process)
+        assert isinstance(first, BrokerReady) and first.terminal_socket.startswith(home + "/")
+        host.close()  # before opened: the client reports the lost channel and exits
+        second = read_event(process)
+        assert isinstance(second, ClientError) and second.code == "host_channel_lost"
+        assert process.communicate(timeout=WAIT_S)[0] == b""
+        assert process.returncode == 1
+        assert os.listdir(home) == ["channel.sock"]  # the broker's directory is gone
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.communicate(timeout=WAIT_S)
+        listener.close()
+        shutil.rmtree(home)
