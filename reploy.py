@@ -4,6 +4,8 @@
   reploy stage BLUEPRINT --dir DIR           validate a blueprint, make DIR a staging deployment
   reploy build --dir DIR                     build its image, record the new current generation
   reploy controlled-session run ... -- CMD   run one controlled session, print one JSON result
+  reploy serve --workload-dir DIR ...        managed sessions: REST API, SSE and web UI on one port
+  reploy session ACTION ...                  one call to that API, one JSON document
 
 Peers:
   * the Docker Engine, through the Docker SDK (never the docker CLI);
@@ -20,9 +22,11 @@ lifecycle machine, the run result), Docker adapters, deployments, the controlled
 from __future__ import annotations
 
 import argparse
+import base64
 import contextlib
 import enum
 import hashlib
+import http.server
 import io
 import json
 import os
@@ -33,6 +37,7 @@ import selectors
 import shutil
 import signal
 import socket
+import sqlite3
 import stat
 import struct
 import subprocess
@@ -41,6 +46,7 @@ import tarfile
 import tempfile
 import threading
 import time
+import urllib.parse
 import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -708,6 +714,32 @@ class DockerBackend:
     def remove_container(self, container_id: str) -> None:
         with contextlib.suppress(docker.errors.NotFound):
             self.api.remove_container(container_id, force=True, v=True)
+
+    @_docker_call("list containers")
+    def list_containers(self, labels: list[str]) -> list[dict[str, Any]]:
+        return self.api.containers(all=True, filters={"label": labels})
+
+    @_docker_call("inspect container")
+    def container_state(self, container_id: str) -> Optional[dict[str, Any]]:
+        """The container's State, or None when it no longer exists."""
+        try:
+            return self.api.inspect_container(container_id)["State"]
+        except docker.errors.NotFound:
+            return None
+
+    @_docker_call("pause container")
+    def pause(self, container_id: str) -> None:
+        self.api.pause(container_id)
+
+    @_docker_call("unpause container")
+    def unpause(self, container_id: str) -> None:
+        """Idempotent: a container that is not paused, or gone, is left as it is."""
+        try:
+            self.api.unpause(container_id)
+        except docker.errors.APIError as e:
+            if e.status_code not in (404, 409, 500) or (
+                    e.status_code == 500 and "not paused" not in str(e)):
+                raise
 
     @_docker_call("create network")
     def create_network(self, name: str, labels: dict[str, str]) -> str:
@@ -1785,6 +1817,1615 @@ def run_controlled_session(options: RunOptions) -> tuple[RunResult, Optional[int
 
 
 # ============================================================================================
+# Managed sessions: constants and errors
+# ============================================================================================
+#
+# `reploy serve` is the control plane of seed 002 on one Docker host. Each session is one
+# container from a workload deployment's current generation, running agent.py (docs/agent.md)
+# with the session directory bind-mounted; the control plane talks to the agent only through
+# DIR/control.sock, and keeps every session record in SQLite under --state-dir so that several
+# `serve` processes can share one state dir without ever acting twice on one session.
+#
+# Reading order: the state machine (pure), the store (SQLite with compare-and-swap and
+# leases), request bodies and the SSE encoder (pure), the Docker orchestration, the HTTP
+# adapter, then `serve` and the `session` client in the CLI section.
+
+SERVE_SCHEMA = "reploy-serve-v1"
+API_PREFIX = "/api/v1"
+WEB_DIR = Path(__file__).resolve().parent / "web"
+AGENT_SOURCE = Path(__file__).resolve().parent / "agent.py"
+#: Where agent.py (read-only) and the session directory (read-write) appear in a container.
+AGENT_MOUNT = "/opt/reploy/agent.py"
+SESSION_MOUNT = "/mnt/reploy-session"
+MANAGED_ROLE = "managed"
+#: Names the state dir whose sessions a container belongs to, so each `serve` sweeps only its own.
+LABEL_STATE_DIR = "io.reploy.serve.state-dir"
+SOCKET_NAME = "control.sock"
+OUTPUT_LOG_NAME = "output.log"
+
+DEFAULT_LISTEN = "127.0.0.1:8080"
+DEFAULT_IDLE_AFTER_MS = 15 * 60_000
+DEFAULT_SNAPSHOT_AFTER_MS = 60 * 60_000
+DEFAULT_SSE_KEEPALIVE_MS = 15_000
+DEFAULT_MAX_SESSIONS = 64
+DEFAULT_MIN_FREE_MIB = 64
+#: A lease outlives any one lifecycle step; long waits renew it.
+LEASE_TTL_S = 60.0
+#: How long an access waits for another operation's lease before answering 409.
+LEASE_WAIT_S = 45.0
+LEASE_POLL_S = 0.025
+#: From container start to the agent answering `status`.
+AGENT_READY_TIMEOUT_S = 30.0
+AGENT_READY_POLL_S = 0.02
+#: The agent bounds every request at 5 s (docs/agent.md); we outwait it.
+AGENT_CALL_TIMEOUT_S = 10.0
+AGENT_MAX_RESPONSE_BYTES = 4 * 1024 * 1024
+#: JSON bodies: the wire bound and how long a client may take to send one.
+MAX_BODY_BYTES = 8 * 1024 * 1024
+BODY_READ_TIMEOUT_S = 30.0
+#: A prompt or one write, decoded (the agent's own prompt bound).
+MAX_PAYLOAD_BYTES = 1024 * 1024
+MAX_READ_BYTES = 512 * 1024
+DEFAULT_READ_BYTES = 64 * 1024
+MAX_READ_WAIT_MS = 4000
+#: One SSE output event carries at most this many payload bytes.
+SSE_CHUNK_BYTES = 64 * 1024
+#: How often an SSE stream looks at the output log's length.
+SSE_POLL_S = 0.02
+#: The session JSON's lifecycle facts refresh at most this often in a stream.
+SSE_STATE_CHECK_S = 1.0
+_SESSION_ID = re.compile(r"^[0-9a-f]{16}$")
+_SESSION_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9 ._-]{0,63}$")
+#: Seed 002's model identifiers (an optional leading ~ for moving aliases).
+_MODEL = re.compile(r"^(~[A-Za-z0-9][A-Za-z0-9._:/-]{0,126}|[A-Za-z0-9][A-Za-z0-9._:/-]{0,127})$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class ServeError(ReployError):
+    """A managed-session request that failed; `status` is its HTTP status, the message its
+    {"error": ...} text. Subclasses split the blame the way seed 002's error mapping does."""
+
+    status = 500
+
+
+class BadRequest(ServeError):
+    """Malformed: not JSON, unknown fields, wrong types, trailing data."""
+
+    status = 400
+
+
+class SessionNotFound(ServeError):
+    status = 404
+
+
+class SessionConflict(ServeError):
+    """The session's state refuses this now (busy with another operation, or a lost race)."""
+
+    status = 409
+
+
+class PayloadTooLarge(ServeError):
+    status = 413
+
+
+class Unprocessable(ServeError):
+    """Well-formed, but a value is out of range or does not fit the session."""
+
+    status = 422
+
+
+class TooManyRequests(ServeError):
+    """A bounded queue is full, or the session limit is reached."""
+
+    status = 429
+
+
+class ServiceUnavailable(ServeError):
+    """Docker or the agent cannot serve this right now."""
+
+    status = 503
+
+
+class InsufficientStorage(ServeError):
+    status = 507
+
+
+# ============================================================================================
+# Managed sessions: the state machine (pure)
+# ============================================================================================
+
+
+class SessionState(enum.Enum):
+    CREATING = "creating"
+    ACTIVE = "active"
+    IDLE = "idle"
+    SNAPSHOTTING = "snapshotting"
+    SNAPSHOT = "snapshot"
+    RESTORING = "restoring"
+    DELETING = "deleting"
+
+
+class SessionEvent(enum.Enum):
+    STARTED = "started"  # the agent answers in a fresh container
+    PAUSED = "paused"  # docker pause: processes kept, CPU returned
+    RESUMED = "resumed"  # docker unpause
+    CHECKPOINT = "checkpoint"  # about to ask the agent for an archive
+    CHECKPOINTED = "checkpointed"  # archive on disk, container removed
+    RESTORE = "restore"  # about to start a container that restores the archive
+    RELAUNCHED = "relaunched"  # the container was lost; a fresh one serves the same session dir
+    ROLLBACK = "rollback"  # the operation failed, or its `serve` died: undo it
+    DELETE = "delete"
+
+
+#: Theory of operation. The stable states are active, idle and snapshot; a session leaves one
+#: only under its lease, by a compare-and-swap on the record's version, and every long step
+#: has its own transitional state recorded *before* the step starts. So a `serve` that dies at
+#: any point leaves a record that says what was under way, and whoever next holds the lease
+#: finishes or undoes it (SessionManager.recover): creating rolls back to nothing (the client
+#: never got an answer), snapshotting rolls forward when the archive exists and back to active
+#: when it does not, restoring rolls back to snapshot (the archive is kept until restored),
+#: and deleting always rolls forward.
+SESSION_TRANSITIONS: dict[tuple[SessionState, SessionEvent], SessionState] = {
+    (SessionState.CREATING, SessionEvent.STARTED): SessionState.ACTIVE,
+    (SessionState.CREATING, SessionEvent.ROLLBACK): SessionState.DELETING,
+    (SessionState.ACTIVE, SessionEvent.PAUSED): SessionState.IDLE,
+    (SessionState.IDLE, SessionEvent.RESUMED): SessionState.ACTIVE,
+    (SessionState.ACTIVE, SessionEvent.CHECKPOINT): SessionState.SNAPSHOTTING,
+    (SessionState.IDLE, SessionEvent.CHECKPOINT): SessionState.SNAPSHOTTING,
+    (SessionState.SNAPSHOTTING, SessionEvent.CHECKPOINTED): SessionState.SNAPSHOT,
+    (SessionState.SNAPSHOTTING, SessionEvent.ROLLBACK): SessionState.ACTIVE,
+    (SessionState.SNAPSHOT, SessionEvent.RESTORE): SessionState.RESTORING,
+    (SessionState.RESTORING, SessionEvent.STARTED): SessionState.ACTIVE,
+    (SessionState.RESTORING, SessionEvent.ROLLBACK): SessionState.SNAPSHOT,
+    (SessionState.ACTIVE, SessionEvent.RELAUNCHED): SessionState.ACTIVE,
+    (SessionState.IDLE, SessionEvent.RELAUNCHED): SessionState.ACTIVE,
+    (SessionState.ACTIVE, SessionEvent.DELETE): SessionState.DELETING,
+    (SessionState.IDLE, SessionEvent.DELETE): SessionState.DELETING,
+    (SessionState.SNAPSHOT, SessionEvent.DELETE): SessionState.DELETING,
+    (SessionState.DELETING, SessionEvent.DELETE): SessionState.DELETING,
+}
+STABLE_STATES = frozenset({SessionState.ACTIVE, SessionState.IDLE, SessionState.SNAPSHOT})
+
+
+class IllegalTransition(SessionConflict):
+    """The table has no edge for this (state, event)."""
+
+
+def next_session_state(state: SessionState, event: SessionEvent) -> SessionState:
+    try:
+        return SESSION_TRANSITIONS[(state, event)]
+    except KeyError:
+        raise IllegalTransition(f"a session in state {state.value} cannot take {event.value}") from None
+
+
+@dataclass(frozen=True)
+class SessionSpec:
+    """What a session is, fixed at creation: the workload and the exact image and sandbox."""
+
+    workload: str  # "shell" | "agent"
+    model: Optional[str]
+    deployment: str
+    deployment_id: str
+    image_id: str
+    generation: int
+    runtime: Runtime
+
+    def to_json(self) -> str:
+        doc = {k: v for k, v in self.__dict__.items() if k != "runtime"}
+        doc["runtime"] = {**self.runtime.__dict__, "writable_paths": list(self.runtime.writable_paths)}
+        return json.dumps(doc, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "SessionSpec":
+        doc = json.loads(text)
+        runtime = doc.pop("runtime")
+        runtime["writable_paths"] = tuple(runtime["writable_paths"])
+        return cls(runtime=Runtime(**runtime), **doc)
+
+
+@dataclass(frozen=True)
+class SessionRecord:
+    """One row of the store. `version` grows by one with every change (compare-and-swap)."""
+
+    id: str
+    name: str
+    spec: SessionSpec
+    state: SessionState
+    version: int
+    created_at: float
+    last_access: float
+    state_since: float
+    container_id: Optional[str] = None
+    archive: Optional[str] = None  # checkpoint file name inside the session dir
+    snapshot_bytes: Optional[int] = None
+    lease_owner: Optional[str] = None
+    lease_expires: float = 0.0
+
+
+def apply_session_event(record: SessionRecord, event: SessionEvent, now: float,
+                        **changes: Any) -> SessionRecord:
+    """The record after `event`: new state, version + 1, plus field changes. Pure; the store
+    writes it only if the stored version is still `record.version`."""
+    state = next_session_state(record.state, event)
+    return replace(record, state=state, version=record.version + 1,
+                   state_since=now if state is not record.state else record.state_since, **changes)
+
+
+def lease_is_stale(owner: Optional[str], expires: float, now: float, host: str) -> bool:
+    """A lease can be taken when nobody holds it, it expired, or its holder (a process on this
+    host, named by reploy_watchdog.process_identity) is gone."""
+    if owner is None or expires <= now:
+        return True
+    owner_host, _, rest = owner.partition("/")
+    identity = rest.rpartition("/")[0]
+    return owner_host == host and not reploy_watchdog.identity_alive(identity)
+
+
+# ============================================================================================
+# Managed sessions: the store (SQLite, compare-and-swap, leases)
+# ============================================================================================
+
+_STORE_SCHEMA_VERSION = 1
+_STORE_DDL = """
+CREATE TABLE IF NOT EXISTS sessions (
+    id TEXT PRIMARY KEY,
+    name TEXT NOT NULL,
+    spec TEXT NOT NULL,
+    state TEXT NOT NULL,
+    version INTEGER NOT NULL,
+    created_at REAL NOT NULL,
+    last_access REAL NOT NULL,
+    state_since REAL NOT NULL,
+    container_id TEXT,
+    archive TEXT,
+    snapshot_bytes INTEGER,
+    lease_owner TEXT,
+    lease_expires REAL NOT NULL DEFAULT 0
+)"""
+_RECORD_COLUMNS = ("id", "name", "spec", "state", "version", "created_at", "last_access",
+                   "state_since", "container_id", "archive", "snapshot_bytes", "lease_owner",
+                   "lease_expires")
+
+
+class SessionStore:
+    """Session records in `STATE_DIR/sessions.db`, safe across threads and processes.
+
+    Every write is one SQL statement whose WHERE clause is the whole precondition, so SQLite's
+    own locking makes it atomic: `save` is a compare-and-swap on `version` fenced by the lease
+    owner, `acquire` takes a lease only from nobody, from an expiry, or from the exact stale
+    holder it saw, and `touch` refreshes last access only for an active session nobody holds.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._local = threading.local()
+        with self._db() as db:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute(_STORE_DDL)
+            db.execute(f"PRAGMA user_version={_STORE_SCHEMA_VERSION}")
+
+    @contextlib.contextmanager
+    def _db(self) -> Iterator[sqlite3.Connection]:
+        db = getattr(self._local, "db", None)
+        if db is None:
+            db = sqlite3.connect(str(self.path), timeout=30, isolation_level=None,
+                                 check_same_thread=True)
+            db.execute("PRAGMA synchronous=NORMAL")
+            db.execute("PRAGMA busy_timeout=30000")
+            self._local.db = db
+        try:
+            yield db
+        except sqlite3.Error as e:
+            raise ServiceUnavailable(f"session store {self.path}: {e}") from e
+
+    @staticmethod
+    def _record(row: tuple[Any, ...]) -> SessionRecord:
+        values = dict(zip(_RECORD_COLUMNS, row))
+        values["spec"] = SessionSpec.from_json(values["spec"])
+        values["state"] = SessionState(values["state"])
+        return SessionRecord(**values)
+
+    def insert(self, record: SessionRecord) -> None:
+        values = {**record.__dict__, "spec": record.spec.to_json(), "state": record.state.value}
+        with self._db() as db:
+            db.execute(f"INSERT INTO sessions ({', '.join(_RECORD_COLUMNS)}) VALUES "
+                       f"({', '.join('?' * len(_RECORD_COLUMNS))})",
+                       [values[c] for c in _RECORD_COLUMNS])
+
+    def get(self, session_id: str) -> Optional[SessionRecord]:
+        with self._db() as db:
+            row = db.execute(f"SELECT {', '.join(_RECORD_COLUMNS)} FROM sessions WHERE id = ?",
+                             (session_id,)).fetchone()
+        return self._record(row) if row else None
+
+    def list(self) -> list[SessionRecord]:
+        with self._db() as db:
+            rows = db.execute(f"SELECT {', '.join(_RECORD_COLUMNS)} FROM sessions "
+                              "ORDER BY created_at, id").fetchall()
+        return [self._record(row) for row in rows]
+
+    def count(self) -> int:
+        with self._db() as db:
+            return int(db.execute("SELECT COUNT(*) FROM sessions").fetchone()[0])
+
+    def save(self, old: SessionRecord, new: SessionRecord, owner: str, now: float) -> SessionRecord:
+        """Compare-and-swap: write `new` only if the row is still `old.version` and `owner`
+        still holds a live lease on it."""
+        with self._db() as db:
+            cursor = db.execute(
+                "UPDATE sessions SET state = ?, version = ?, last_access = ?, state_since = ?, "
+                "container_id = ?, archive = ?, snapshot_bytes = ? "
+                "WHERE id = ? AND version = ? AND lease_owner = ? AND lease_expires > ?",
+                (new.state.value, new.version, new.last_access, new.state_since,
+                 new.container_id, new.archive, new.snapshot_bytes,
+                 old.id, old.version, owner, now))
+        if cursor.rowcount != 1:
+            raise SessionConflict(f"session {old.id} changed under us (lost its lease or version)")
+        return replace(new, lease_owner=owner)
+
+    def acquire(self, record: SessionRecord, owner: str, now: float) -> bool:
+        """Take the lease from nobody, from an expired holder, or from exactly the stale holder
+        `record` shows (the caller checked that holder is dead)."""
+        with self._db() as db:
+            cursor = db.execute(
+                "UPDATE sessions SET lease_owner = ?, lease_expires = ? WHERE id = ? AND "
+                "(lease_owner IS NULL OR lease_expires <= ? OR lease_owner = ?)",
+                (owner, now + LEASE_TTL_S, record.id, now, record.lease_owner))
+        return cursor.rowcount == 1
+
+    def renew(self, session_id: str, owner: str, now: float) -> None:
+        with self._db() as db:
+            cursor = db.execute("UPDATE sessions SET lease_expires = ? WHERE id = ? AND "
+                                "lease_owner = ?", (now + LEASE_TTL_S, session_id, owner))
+        if cursor.rowcount != 1:
+            raise SessionConflict(f"session {session_id}: our lease was taken")
+
+    def release(self, session_id: str, owner: str) -> None:
+        with self._db() as db:
+            db.execute("UPDATE sessions SET lease_owner = NULL, lease_expires = 0 "
+                       "WHERE id = ? AND lease_owner = ?", (session_id, owner))
+
+    def touch(self, session_id: str, now: float) -> bool:
+        """Record an access to an active session nobody is operating on. False: slow path."""
+        with self._db() as db:
+            cursor = db.execute(
+                "UPDATE sessions SET last_access = ? WHERE id = ? AND state = ? AND "
+                "(lease_owner IS NULL OR lease_expires <= ?)",
+                (now, session_id, SessionState.ACTIVE.value, now))
+        return cursor.rowcount == 1
+
+    def delete(self, session_id: str, owner: str) -> None:
+        with self._db() as db:
+            db.execute("DELETE FROM sessions WHERE id = ? AND lease_owner = ?", (session_id, owner))
+
+    def close(self) -> None:
+        db = getattr(self._local, "db", None)
+        if db is not None:
+            db.close()
+            self._local.db = None
+
+
+# ============================================================================================
+# Managed sessions: request bodies and responses (pure)
+# ============================================================================================
+
+
+@dataclass(frozen=True)
+class FieldRule:
+    """One JSON body field: its type, whether it is required, and what values fit."""
+
+    kind: type
+    required: bool = False
+    minimum: Optional[int] = None
+    maximum: Optional[int] = None
+    pattern: Optional[re.Pattern[str]] = None
+    choices: tuple[str, ...] = ()
+
+
+#: Request bodies by operation. Unknown fields, wrong types and missing fields are 400; a value
+#: of the right type that does not fit is 422.
+BODY_RULES: dict[str, dict[str, FieldRule]] = {
+    "create": {"name": FieldRule(str, True, pattern=_SESSION_NAME),
+               "workload": FieldRule(str, True, choices=("shell", "agent")),
+               "model": FieldRule(str, pattern=_MODEL),
+               "deployment": FieldRule(str, pattern=_NAME)},
+    "read": {"offset": FieldRule(int, minimum=0, maximum=2**62),
+             "maxBytes": FieldRule(int, minimum=4, maximum=MAX_READ_BYTES),
+             "waitMs": FieldRule(int, minimum=0, maximum=MAX_READ_WAIT_MS)},
+    "write": {"dataBase64": FieldRule(str, True)},
+    "message": {"text": FieldRule(str, True)},
+    "resize": {"columns": FieldRule(int, True, minimum=1, maximum=65535),
+               "rows": FieldRule(int, True, minimum=1, maximum=65535)},
+    "empty": {},
+}
+
+
+def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) != len(keys):
+        raise BadRequest("duplicate field in JSON object")
+    return dict(pairs)
+
+
+def _reject_constant(name: str) -> Any:
+    raise BadRequest(f"{name} is not JSON")
+
+
+def parse_body(raw: bytes, rules: dict[str, FieldRule]) -> dict[str, Any]:
+    """Strict JSON object -> validated fields. An empty body is {}."""
+    if len(raw) > MAX_BODY_BYTES:
+        raise PayloadTooLarge(f"the body exceeds {MAX_BODY_BYTES} bytes")
+    if not raw.strip():
+        doc: Any = {}
+    else:
+        try:
+            doc = json.loads(raw.decode("utf-8"), object_pairs_hook=_reject_duplicates,
+                             parse_constant=_reject_constant)
+        except UnicodeDecodeError:
+            raise BadRequest("the body is not UTF-8") from None
+        except json.JSONDecodeError as e:
+            raise BadRequest(f"the body is not one JSON value: {e.msg} at {e.pos}") from None
+    if not isinstance(doc, dict):
+        raise BadRequest("the body must be a JSON object")
+    unknown = sorted(set(doc) - set(rules))
+    if unknown:
+        raise BadRequest(f"unknown field(s): {', '.join(unknown)}")
+    for name, rule in rules.items():
+        if name not in doc:
+            if rule.required:
+                raise BadRequest(f"{name}: required")
+            continue
+        value = doc[name]
+        if isinstance(value, bool) or not isinstance(value, rule.kind):
+            raise BadRequest(f"{name}: must be {'an integer' if rule.kind is int else 'a string'}")
+        if rule.minimum is not None and value < rule.minimum or (
+                rule.maximum is not None and value > rule.maximum):
+            raise Unprocessable(f"{name}: must be from {rule.minimum} to {rule.maximum}")
+        if rule.pattern is not None and not rule.pattern.match(value):
+            raise Unprocessable(f"{name}: {value[:80]!r} is not allowed")
+        if rule.choices and value not in rule.choices:
+            raise Unprocessable(f"{name}: must be one of {', '.join(rule.choices)}")
+    return doc
+
+
+def decode_payload(text: str, what: str) -> bytes:
+    """Base64 from a body, bounded after decoding."""
+    try:
+        data = base64.b64decode(text, validate=True)
+    except ValueError:
+        raise BadRequest(f"{what}: not base64") from None
+    if len(data) > MAX_PAYLOAD_BYTES:
+        raise PayloadTooLarge(f"{what}: more than {MAX_PAYLOAD_BYTES} bytes")
+    return data
+
+
+def session_json(record: SessionRecord, idle_after_s: float, snapshot_after_s: float) -> dict[str, Any]:
+    """A session as the API shows it. Nothing secret is in a record, so nothing leaks here."""
+    spec = record.spec
+    idle_at = snapshot_at = None
+    if record.state is SessionState.ACTIVE:
+        idle_at = record.last_access + idle_after_s
+    if record.state in (SessionState.ACTIVE, SessionState.IDLE):
+        snapshot_at = record.last_access + snapshot_after_s
+    return {"id": record.id, "name": record.name, "workload": spec.workload, "model": spec.model,
+            "deployment": spec.deployment, "generation": spec.generation,
+            "state": record.state.value, "version": record.version,
+            "createdAt": record.created_at, "lastAccess": record.last_access,
+            "stateSince": record.state_since, "idleAt": idle_at, "snapshotAt": snapshot_at,
+            "snapshotBytes": record.snapshot_bytes}
+
+
+def utf8_complete_prefix(data: bytes) -> bytes:
+    """The longest prefix of `data` that does not end inside a UTF-8 code point."""
+    for back in range(1, min(4, len(data)) + 1):
+        byte = data[-back]
+        if byte < 0x80:
+            return data
+        if byte >= 0xC0:  # a lead byte: is its sequence complete?
+            need = 2 if byte < 0xE0 else 3 if byte < 0xF0 else 4
+            return data if back >= need else data[:-back]
+    return data
+
+
+# ============================================================================================
+# Managed sessions: the SSE encoder (pure)
+# ============================================================================================
+
+SSE_KEEPALIVE = b": keepalive\n\n"
+
+
+def sse_output(offset_bytes: int, payload: bytes) -> bytes:
+    """One `output` event: id = the next offset; the payload decodes to exactly
+    nextOffset - offset bytes."""
+    next_offset = offset_bytes + len(payload)
+    data = wire.encode_compact({"offset": offset_bytes,
+                                "payloadBase64": base64.b64encode(payload).decode("ascii"),
+                                "nextOffset": next_offset}).decode()
+    return f"id: {next_offset}\nevent: output\ndata: {data}\n\n".encode()
+
+
+def sse_reset(length_bytes: int) -> bytes:
+    """The cursor is ahead of the log: read again from 0 (POST /read) and reconnect."""
+    return f"id: {length_bytes}\nevent: reset\ndata: {{\"nextOffset\":{length_bytes}}}\n\n".encode()
+
+
+def sse_cursor(last_event_id: Optional[str], query_offset: Optional[str]) -> int:
+    """Where a stream starts: Last-Event-ID (a reconnect) wins over ?offset=; default 0."""
+    for source, text in (("Last-Event-ID", last_event_id), ("offset", query_offset)):
+        if text is None or text == "":
+            continue
+        if not re.fullmatch(r"\d{1,18}", text):
+            raise BadRequest(f"{source}: not a byte offset")
+        return int(text)
+    return 0
+
+
+# ============================================================================================
+# Managed sessions: the agent's control socket (client side)
+# ============================================================================================
+
+
+class AgentCallError(ReployError):
+    """The agent answered with an error (docs/agent.md codes), or did not answer at all
+    (`transport` is then True and the code is server_unavailable)."""
+
+    def __init__(self, code: str, message: str, transport: bool = False) -> None:
+        super().__init__(message)
+        self.code = code
+        self.transport = transport
+
+
+def agent_call(session_dir: Path, method: str, params: dict[str, Any],
+               timeout_s: float = AGENT_CALL_TIMEOUT_S) -> dict[str, Any]:
+    """One request on DIR/control.sock; the result, or AgentCallError. The socket is reached
+    through /proc/self/fd so a deep state dir cannot exceed sun_path's 108 bytes."""
+    line = wire.encode_compact({"id": "serve", "method": method, "params": params}) + b"\n"
+    response = bytearray()
+    try:
+        dir_fd = os.open(session_dir, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                sock.settimeout(timeout_s)
+                sock.connect(f"/proc/self/fd/{dir_fd}/{SOCKET_NAME}")
+                sock.sendall(line)
+                while not response.endswith(b"\n") and len(response) < AGENT_MAX_RESPONSE_BYTES:
+                    chunk = sock.recv(256 * 1024)
+                    if not chunk:
+                        break
+                    response += chunk
+        finally:
+            os.close(dir_fd)
+        doc = json.loads(response)
+    except (OSError, ValueError) as e:
+        raise AgentCallError("server_unavailable", f"the session agent does not answer: {e}",
+                             transport=True) from e
+    if "error" in doc:
+        error = doc["error"]
+        raise AgentCallError(str(error.get("code")), str(error.get("message")))
+    return doc["result"]
+
+
+def serve_error_for(error: AgentCallError) -> ServeError:
+    """The agent's blame-split codes, as HTTP statuses."""
+    message = f"agent: {error}"
+    if error.code == "invalid_request" or "UTF-8 boundary" in str(error):
+        return Unprocessable(message)
+    if error.code == "command_error":
+        return SessionConflict(message)
+    if error.code == "server_unavailable" and "is full" in str(error):
+        return TooManyRequests(message)
+    return ServiceUnavailable(message)
+
+
+def _camel_keys(result: dict[str, Any]) -> dict[str, Any]:
+    return {re.sub(r"_([a-z])", lambda m: m.group(1).upper(), k): v
+            for k, v in result.items() if k != "type"}
+
+
+# ============================================================================================
+# Managed sessions: Docker orchestration
+# ============================================================================================
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """Everything `reploy serve` was told, checked once."""
+
+    state_dir: Path
+    workload_dirs: tuple[Path, ...]
+    idle_after_s: float = DEFAULT_IDLE_AFTER_MS / 1000
+    snapshot_after_s: float = DEFAULT_SNAPSHOT_AFTER_MS / 1000
+    agent_command: Optional[tuple[str, ...]] = None
+    agent_env: tuple[str, ...] = ()  # names only: values are read from our environment at launch
+    extra_mounts: tuple[Mount, ...] = ()
+    default_model: Optional[str] = None
+    models: tuple[str, ...] = ()
+    sse_keepalive_s: float = DEFAULT_SSE_KEEPALIVE_MS / 1000
+    max_sessions: int = DEFAULT_MAX_SESSIONS
+    min_free_bytes: int = DEFAULT_MIN_FREE_MIB * 1024 * 1024
+
+    @property
+    def sessions_dir(self) -> Path:
+        return self.state_dir / "sessions"
+
+    def session_dir(self, session_id: str) -> Path:
+        return self.sessions_dir / session_id
+
+    @property
+    def reap_interval_s(self) -> float:
+        return max(0.2, min(self.idle_after_s / 4, 5.0))
+
+
+class Lease:
+    """This process's hold on one session: every change goes through `apply` (a transition)
+    or `update` (same state), each a compare-and-swap fenced by the lease."""
+
+    def __init__(self, manager: "SessionManager", record: SessionRecord, owner: str) -> None:
+        self.manager = manager
+        self.record = record
+        self.owner = owner
+
+    def apply(self, event: SessionEvent, **changes: Any) -> SessionRecord:
+        now = self.manager.clock()
+        self.record = self.manager.store.save(
+            self.record, apply_session_event(self.record, event, now, **changes), self.owner, now)
+        return self.record
+
+    def update(self, **changes: Any) -> SessionRecord:
+        now = self.manager.clock()
+        new = replace(self.record, version=self.record.version + 1, **changes)
+        self.record = self.manager.store.save(self.record, new, self.owner, now)
+        return self.record
+
+    def renew(self) -> None:
+        self.manager.store.renew(self.record.id, self.owner, self.manager.clock())
+
+
+class SessionManager:
+    """The control plane's orchestration: one container per session, the lifecycle under
+    leases, recovery of what a dead `serve` left, and the reaper. The HTTP adapter and the
+    tests call it; it never sees HTTP. The clock and the Docker backend are seams."""
+
+    def __init__(self, config: ServeConfig, backend: DockerBackend,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.config = config
+        self.backend = backend
+        self.clock = clock
+        config.sessions_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(config.state_dir, 0o700)
+        self.store = SessionStore(config.state_dir / "sessions.db")
+        self.host = socket.gethostname()
+        self.identity = reploy_watchdog.process_identity()
+        self.stopping = threading.Event()
+
+    # -- leases -----------------------------------------------------------------------------
+
+    def _owner(self) -> str:
+        return f"{self.host}/{self.identity}/{secrets.token_hex(4)}"
+
+    def record(self, session_id: str) -> SessionRecord:
+        record = self.store.get(session_id) if _SESSION_ID.match(session_id) else None
+        if record is None:
+            raise SessionNotFound(f"no session {session_id}")
+        return record
+
+    @contextlib.contextmanager
+    def leased(self, session_id: str, wait_s: float = LEASE_WAIT_S) -> Iterator[Lease]:
+        """Hold the session's lease (waiting up to wait_s for another holder), finishing or
+        undoing first whatever a dead holder left under way."""
+        owner = self._owner()
+        deadline = time.monotonic() + wait_s
+        while True:
+            record = self.record(session_id)
+            now = self.clock()
+            if lease_is_stale(record.lease_owner, record.lease_expires, now, self.host) and (
+                    self.store.acquire(record, owner, now)):
+                break
+            if time.monotonic() >= deadline or self.stopping.is_set():
+                raise SessionConflict(f"session {session_id} is busy ({record.state.value})")
+            self.stopping.wait(LEASE_POLL_S)
+        try:
+            lease = Lease(self, self.record(session_id), owner)
+            if lease.record.state not in STABLE_STATES:
+                self.recover(lease)
+            yield lease
+        finally:
+            self.store.release(session_id, owner)
+
+    def recover(self, lease: Lease) -> None:
+        """Finish or undo the step a dead `serve` left under way (see SESSION_TRANSITIONS)."""
+        record = lease.record
+        log(f"serve: recovering session {record.id} left {record.state.value}")
+        if record.state is SessionState.CREATING:
+            lease.apply(SessionEvent.ROLLBACK)
+            self._finish_delete(lease)
+        elif record.state is SessionState.SNAPSHOTTING:
+            self._finish_snapshot(lease)
+        elif record.state is SessionState.RESTORING:
+            self._remove_containers(record.id)
+            lease.apply(SessionEvent.ROLLBACK, container_id=None)
+        elif record.state is SessionState.DELETING:
+            self._finish_delete(lease)
+        if self.store.get(record.id) is None:
+            raise SessionNotFound(f"no session {record.id}")
+
+    # -- Docker -----------------------------------------------------------------------------
+
+    def _containers(self, session_id: Optional[str] = None) -> list[tuple[str, str]]:
+        """(container id, session id) of this state dir's session containers."""
+        labels = [f"{LABEL_STATE_DIR}={self.config.state_dir}", f"{LABEL_ROLE}={MANAGED_ROLE}"]
+        if session_id:
+            labels.append(f"{LABEL_RUN}={session_id}")
+        return [(c["Id"], (c.get("Labels") or {}).get(LABEL_RUN, ""))
+                for c in self.backend.list_containers(labels)]
+
+    def _remove_containers(self, session_id: str, keep: Optional[str] = None) -> None:
+        for container_id, _ in self._containers(session_id):
+            if container_id != keep:
+                self.backend.unpause(container_id)
+                self.backend.remove_container(container_id)
+
+    def _container_spec(self, record: SessionRecord, archive: Optional[str]) -> ContainerSpec:
+        spec, config = record.spec, self.config
+        command = ["python3", AGENT_MOUNT, "serve", "--session-dir", SESSION_MOUNT,
+                   "--workload", spec.workload, "--home", CONTAINER_HOME]
+        environment = {"HOME": CONTAINER_HOME, "LANG": "C.UTF-8"}
+        if spec.workload == "agent":
+            if config.agent_command:
+                command += ["--agent-command", json.dumps(list(config.agent_command))]
+            if spec.model:
+                command += ["--model", spec.model]
+            for name in config.agent_env:
+                command += ["--redact-env", name]
+                environment[name] = os.environ.get(name, "")
+        if archive:
+            command += ["--restore", f"{SESSION_MOUNT}/{archive}"]
+        mounts = (Mount(str(AGENT_SOURCE), AGENT_MOUNT, read_only=True),
+                  Mount(str(config.session_dir(record.id)), SESSION_MOUNT, read_only=False),
+                  *config.extra_mounts)
+        labels = {LABEL_RUN: record.id, LABEL_ROLE: MANAGED_ROLE,
+                  LABEL_STATE_DIR: str(config.state_dir),
+                  LABEL_DEPLOYMENT: spec.deployment_id, LABEL_GENERATION: str(spec.generation)}
+        return ContainerSpec(role=MANAGED_ROLE, image_id=spec.image_id, command=tuple(command),
+                             runtime=spec.runtime, environment=environment, labels=labels,
+                             network=None, mounts=mounts, hostname="session", init=True)
+
+    def _launch(self, lease: Lease, archive: Optional[str]) -> None:
+        """Create and start the session's container, record it, and wait for its agent."""
+        container_id = self.backend.create(self._container_spec(lease.record, archive))
+        lease.update(container_id=container_id)
+        self.backend.start(container_id)
+        session_dir = self.config.session_dir(lease.record.id)
+        deadline = time.monotonic() + AGENT_READY_TIMEOUT_S
+        next_check = time.monotonic()
+        while True:
+            try:
+                agent_call(session_dir, "status", {}, timeout_s=AGENT_CALL_TIMEOUT_S)
+                return
+            except AgentCallError as e:
+                if not e.transport:
+                    raise ServiceUnavailable(f"the session agent refused to start: {e}") from e
+            now = time.monotonic()
+            if now >= next_check:
+                lease.renew()
+                state = self.backend.container_state(container_id)
+                if state is None or state.get("Status") == "exited":
+                    tail = self.backend.log_tail(container_id).decode(errors="replace").strip()
+                    raise ServiceUnavailable(
+                        "the session container exited before its agent answered (the image "
+                        f"needs python3): {tail[-2000:] or 'no output'}")
+                next_check = now + 0.5
+            if now >= deadline:
+                raise ServiceUnavailable(f"the session agent did not answer within "
+                                         f"{AGENT_READY_TIMEOUT_S:.0f} s")
+            self.stopping.wait(AGENT_READY_POLL_S)
+
+    def _require_free_space(self) -> None:
+        free = shutil.disk_usage(self.config.state_dir).free
+        if free < self.config.min_free_bytes:
+            raise InsufficientStorage(f"only {free // (1024 * 1024)} MiB free under the state dir")
+
+    def _deployment(self, name: Optional[str]) -> Deployment:
+        found = []
+        for directory in self.config.workload_dirs:
+            try:
+                found.append(load_deployment(directory))
+            except (DeploymentError, BlueprintError) as e:
+                raise ServiceUnavailable(f"workload deployment {directory}: {e}") from e
+        chosen = next((d for d in found if name is None or d.blueprint.name == name), None)
+        if chosen is None:
+            raise Unprocessable(f"deployment: {name!r} is not served here "
+                                f"({', '.join(d.blueprint.name for d in found)})")
+        if chosen.current is None:
+            raise ServiceUnavailable(f"the deployment {chosen.blueprint.name} is not built")
+        if chosen.has_private_env:
+            raise ServiceUnavailable(f"the deployment {chosen.blueprint.name} configures a "
+                                     "private environment; managed sessions do not support it")
+        return chosen
+
+    def deployment_names(self) -> list[str]:
+        names = []
+        for directory in self.config.workload_dirs:
+            with contextlib.suppress(ReployError):
+                names.append(load_deployment(directory).blueprint.name)
+        return names
+
+    # -- the lifecycle ----------------------------------------------------------------------
+
+    def create(self, name: str, workload: str, model: Optional[str],
+               deployment_name: Optional[str]) -> SessionRecord:
+        if workload == "shell" and model is not None:
+            raise Unprocessable("model: only agent sessions have a model")
+        if self.store.count() >= self.config.max_sessions:
+            raise TooManyRequests(f"this server holds at most {self.config.max_sessions} sessions")
+        self._require_free_space()
+        deployment = self._deployment(deployment_name)
+        assert deployment.current is not None
+        if not self.backend.image_exists(deployment.current.image_id):
+            raise ServiceUnavailable(f"the image of {deployment.blueprint.name} is gone")
+        spec = SessionSpec(
+            workload=workload,
+            model=(model or self.config.default_model) if workload == "agent" else None,
+            deployment=deployment.blueprint.name, deployment_id=deployment.deployment_id,
+            image_id=deployment.current.image_id, generation=deployment.current.number,
+            runtime=deployment.blueprint.runtime)
+        now, owner = self.clock(), self._owner()
+        record = SessionRecord(id=secrets.token_hex(8), name=name, spec=spec,
+                               state=SessionState.CREATING, version=1, created_at=now,
+                               last_access=now, state_since=now, lease_owner=owner,
+                               lease_expires=now + LEASE_TTL_S)
+        self.store.insert(record)  # first, so a crash leaves a record that recovery rolls back
+        lease = Lease(self, record, owner)
+        try:
+            session_dir = self.config.session_dir(record.id)
+            session_dir.mkdir(mode=0o700)
+            os.chown(session_dir, spec.runtime.uid, spec.runtime.gid)
+            self._launch(lease, archive=None)
+            return lease.apply(SessionEvent.STARTED)
+        except BaseException:
+            with contextlib.suppress(ReployError, OSError):  # else recovery finishes the undo
+                lease.apply(SessionEvent.ROLLBACK)
+                self._finish_delete(lease)
+            raise
+        finally:
+            self.store.release(record.id, owner)
+
+    def _finish_delete(self, lease: Lease) -> None:
+        session_id = lease.record.id
+        self._remove_containers(session_id)
+        try:
+            shutil.rmtree(self.config.session_dir(session_id))
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise ServiceUnavailable(f"remove the session directory: {e}") from e
+        self.store.delete(session_id, lease.owner)
+
+    def delete(self, session_id: str) -> None:
+        with self.leased(session_id) as lease:
+            lease.apply(SessionEvent.DELETE)
+            self._finish_delete(lease)
+
+    def _pause(self, lease: Lease) -> SessionRecord:
+        container_id = lease.record.container_id
+        if container_id is None:
+            raise SessionConflict("the session has no container")
+        self.backend.pause(container_id)
+        try:
+            return lease.apply(SessionEvent.PAUSED)
+        except ReployError:
+            self.backend.unpause(container_id)
+            raise
+
+    def _resume(self, lease: Lease) -> SessionRecord:
+        if lease.record.container_id:
+            self.backend.unpause(lease.record.container_id)
+        return lease.apply(SessionEvent.RESUMED, last_access=self.clock())
+
+    def snapshot(self, session_id: str) -> SessionRecord:
+        with self.leased(session_id) as lease:
+            if lease.record.state is SessionState.SNAPSHOT:
+                return lease.record
+            self._require_free_space()
+            lease.apply(SessionEvent.CHECKPOINT, archive=f"checkpoint-v{lease.record.version + 1}.tar")
+            return self._finish_snapshot(lease)
+
+    def _finish_snapshot(self, lease: Lease) -> SessionRecord:
+        """Snapshotting, from wherever it stands: ask for the archive unless it exists, then
+        remove the container. Without an archive the session goes back to active."""
+        record = lease.record
+        assert record.archive is not None
+        session_dir = self.config.session_dir(record.id)
+        archive = session_dir / record.archive
+        failure: Optional[ServeError] = None
+        if not archive.exists() and record.container_id:
+            try:
+                self.backend.unpause(record.container_id)
+                checkpoint_id = record.archive[len("checkpoint-"):-len(".tar")]
+                agent_call(session_dir, "checkpoint", {"id": checkpoint_id})
+            except AgentCallError as e:
+                failure = (SessionConflict("the session is busy (work did not drain within the "
+                                           "agent's bound); interrupt it and retry")
+                           if e.code == "timeout" else serve_error_for(e))
+            except BackendError as e:
+                failure = ServiceUnavailable(str(e))
+        if not archive.exists():
+            lease.apply(SessionEvent.ROLLBACK, archive=None)
+            raise failure or ServiceUnavailable("the session's container is gone; nothing to snapshot")
+        self._remove_containers(record.id)
+        for old in session_dir.glob("checkpoint-*.tar"):
+            if old.name != record.archive:
+                old.unlink()
+        return lease.apply(SessionEvent.CHECKPOINTED, container_id=None,
+                           snapshot_bytes=archive.stat().st_size)
+
+    def _restore(self, lease: Lease) -> SessionRecord:
+        archive = lease.record.archive
+        lease.apply(SessionEvent.RESTORE)
+        try:
+            self._remove_containers(lease.record.id)
+            self._launch(lease, archive=archive)
+        except BaseException:
+            with contextlib.suppress(ReployError):  # else recovery finishes the undo
+                self._remove_containers(lease.record.id)
+                lease.apply(SessionEvent.ROLLBACK, container_id=None)
+            raise
+        record = lease.apply(SessionEvent.STARTED, archive=None, snapshot_bytes=None,
+                             last_access=self.clock())
+        if archive:  # the session dir holds the restored state now
+            with contextlib.suppress(OSError):
+                (self.config.session_dir(record.id) / archive).unlink()
+        return record
+
+    def _relaunch_if_lost(self, session_id: str) -> bool:
+        """After an agent gave no answer: resume a session the reaper paused meanwhile, or
+        start a fresh container for one whose container is gone (the log and workspace live
+        in the session dir). True when the caller should try again."""
+        with self.leased(session_id) as lease:
+            record = lease.record
+            if record.state is SessionState.IDLE:
+                self._resume(lease)
+                return True
+            if record.state is not SessionState.ACTIVE:
+                return True
+            state = self.backend.container_state(record.container_id) if record.container_id else None
+            if state is not None and state.get("Running") and not state.get("Paused"):
+                return False
+            log(f"serve: session {session_id}: its container is gone; starting a fresh one")
+            self._remove_containers(session_id)
+            self._launch(lease, archive=None)
+            lease.apply(SessionEvent.RELAUNCHED, last_access=self.clock())
+            return True
+
+    # -- access -----------------------------------------------------------------------------
+
+    def access(self, session_id: str) -> SessionRecord:
+        """An access (read, write, message, switch, ...): an idle session is resumed and a
+        snapshot restored, then last access is recorded."""
+        while True:
+            if _SESSION_ID.match(session_id) and self.store.touch(session_id, self.clock()):
+                return self.record(session_id)
+            with self.leased(session_id) as lease:
+                if lease.record.state is SessionState.IDLE:
+                    return self._resume(lease)
+                if lease.record.state is SessionState.SNAPSHOT:
+                    return self._restore(lease)
+                if lease.record.state is SessionState.ACTIVE:
+                    return lease.update(last_access=self.clock())
+
+    def call(self, session_id: str, method: str, params: dict[str, Any],
+             workloads: tuple[str, ...] = ("shell", "agent")) -> dict[str, Any]:
+        """An access, then one agent request."""
+        record = self.record(session_id)
+        if record.spec.workload not in workloads:
+            raise Unprocessable(f"{method} is for {' and '.join(workloads)} sessions")
+        self.access(session_id)
+        session_dir = self.config.session_dir(session_id)
+        try:
+            return agent_call(session_dir, method, params)
+        except AgentCallError as e:
+            if not (e.transport and self._relaunch_if_lost(session_id)):
+                raise serve_error_for(e) from e
+        try:
+            return agent_call(session_dir, method, params)
+        except AgentCallError as e:
+            raise serve_error_for(e) from e
+
+    def status(self, session_id: str) -> dict[str, Any]:
+        """Passive: asks an active session's agent, never resumes or restores one."""
+        record = self.record(session_id)
+        agent_status = None
+        if record.state is SessionState.ACTIVE:
+            with contextlib.suppress(AgentCallError):
+                agent_status = _camel_keys(agent_call(
+                    self.config.session_dir(session_id), "status", {}))
+        return {"session": self.session_json(record), "agent": agent_status}
+
+    def session_json(self, record: SessionRecord) -> dict[str, Any]:
+        return session_json(record, self.config.idle_after_s, self.config.snapshot_after_s)
+
+    def follow_output(self, record: SessionRecord, cursor: int,
+                      send: Callable[[bytes], None]) -> None:
+        """The SSE stream: tail the session's output log from `cursor` until the client goes,
+        the session is deleted, or the cursor is ahead (reset). Passive: it reads the log file
+        in the session dir, so it never resumes, restores or touches the session."""
+        session_dir = self.config.session_dir(record.id)
+        path = session_dir / OUTPUT_LOG_NAME
+        text = record.spec.workload == "agent"
+        last_sent = time.monotonic()
+        while not self.stopping.is_set():
+            try:
+                with open(path, "rb") as log_file:
+                    length = os.fstat(log_file.fileno()).st_size
+                    data = b""
+                    if length > cursor:
+                        log_file.seek(cursor)
+                        data = log_file.read(min(length - cursor, SSE_CHUNK_BYTES))
+            except FileNotFoundError:
+                if not session_dir.is_dir():
+                    return  # deleted
+                length, data = 0, b""
+            if cursor > length:
+                send(sse_reset(length))
+                return
+            if text:  # every cursor we issue for agent text is a code-point boundary
+                data = utf8_complete_prefix(data)
+            if data:
+                send(sse_output(cursor, data))
+                cursor += len(data)
+                last_sent = time.monotonic()
+                continue
+            if time.monotonic() - last_sent >= self.config.sse_keepalive_s:
+                send(SSE_KEEPALIVE)
+                last_sent = time.monotonic()
+            self.stopping.wait(SSE_POLL_S)
+
+    # -- reconciliation and the reaper ------------------------------------------------------
+
+    def reconcile(self) -> None:
+        """Remove containers no record owns, and finish or undo what dead holders left. Safe
+        beside other live `serve` processes: live leases are never touched."""
+        containers = self._containers()  # before the records: see create()'s ordering
+        records = {r.id: r for r in self.store.list()}
+        now = self.clock()
+        for container_id, session_id in containers:
+            if session_id not in records:
+                log(f"serve: removing container {container_id[:12]} of unknown session {session_id}")
+                self.backend.unpause(container_id)
+                self.backend.remove_container(container_id)
+        for record in records.values():
+            if not lease_is_stale(record.lease_owner, record.lease_expires, now, self.host):
+                continue
+            strays = [cid for cid, sid in containers if sid == record.id and cid != record.container_id]
+            if record.state in STABLE_STATES and not strays:
+                continue
+            with contextlib.suppress(ServeError), self.leased(record.id, wait_s=0) as lease:
+                self._remove_containers(record.id, keep=lease.record.container_id)
+
+    def reap_once(self) -> None:
+        """Apply the idle policy once: active -> idle after idle_after, -> snapshot after
+        snapshot_after, both since last access, re-checked under the lease."""
+        config = self.config
+        for record in self.store.list():
+            if self.stopping.is_set():
+                return
+            if record.state not in (SessionState.ACTIVE, SessionState.IDLE):
+                continue
+            quiet = self.clock() - record.last_access
+            if quiet < config.idle_after_s and quiet < config.snapshot_after_s:
+                continue
+            try:
+                with self.leased(record.id, wait_s=0) as lease:
+                    record = lease.record
+                    quiet = self.clock() - record.last_access
+                    if record.state in (SessionState.ACTIVE, SessionState.IDLE) and (
+                            quiet >= config.snapshot_after_s):
+                        self._require_free_space()
+                        lease.apply(SessionEvent.CHECKPOINT,
+                                    archive=f"checkpoint-v{record.version + 1}.tar")
+                        self._finish_snapshot(lease)
+                    elif record.state is SessionState.ACTIVE and quiet >= config.idle_after_s:
+                        self._pause(lease)
+            except (ServeError, BackendError) as e:
+                log(f"serve: reaper: session {record.id}: {e}")
+
+    def run_reaper(self) -> None:
+        while not self.stopping.wait(self.config.reap_interval_s):
+            try:
+                self.reconcile()
+                self.reap_once()
+            except (ReployError, OSError) as e:
+                log(f"serve: reaper: {e}")
+
+    def close(self) -> None:
+        self.stopping.set()
+        self.store.close()
+
+
+# ============================================================================================
+# Managed sessions: the HTTP adapter (REST, SSE, the web UI's files)
+# ============================================================================================
+
+#: (method, path template under /api/v1, handler). web/openapi.json documents exactly these.
+API_ROUTES: tuple[tuple[str, str, str], ...] = (
+    ("GET", "/config", "get_config"),
+    ("POST", "/sessions", "create_session"),
+    ("GET", "/sessions", "list_sessions"),
+    ("GET", "/sessions/{id}", "get_session"),
+    ("DELETE", "/sessions/{id}", "delete_session"),
+    ("POST", "/sessions/{id}/read", "read"),
+    ("POST", "/sessions/{id}/write", "write"),
+    ("GET", "/sessions/{id}/stream", "stream"),
+    ("POST", "/sessions/{id}/switch", "switch"),
+    ("POST", "/sessions/{id}/snapshot", "snapshot"),
+    ("POST", "/sessions/{id}/message", "message"),
+    ("POST", "/sessions/{id}/interrupt", "interrupt"),
+    ("POST", "/sessions/{id}/relaunch", "relaunch"),
+    ("POST", "/sessions/{id}/resize", "resize"),
+    ("GET", "/sessions/{id}/status", "status"),
+)
+STATIC_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
+                ".css": "text/css; charset=utf-8", ".json": "application/json",
+                ".svg": "image/svg+xml", "": "text/plain; charset=utf-8"}
+CONTENT_SECURITY_POLICY = ("default-src 'self'; style-src 'self' 'unsafe-inline'; "
+                           "img-src 'self' data:; object-src 'none'; frame-ancestors 'none'")
+
+
+class MethodNotAllowed(ServeError):
+    status = 405
+
+    def __init__(self, message: str, allowed: tuple[str, ...]) -> None:
+        super().__init__(message)
+        self.allowed = allowed
+
+
+def match_route(method: str, path: str) -> tuple[str, Optional[str]]:
+    """(handler name, session id) for an API path below /api/v1. Pure."""
+    parts = path.strip("/").split("/")
+    session_id = None
+    if len(parts) >= 2 and parts[0] == "sessions":
+        session_id, parts[1] = parts[1], "{id}"
+        if not _SESSION_ID.match(session_id):
+            raise SessionNotFound(f"no session {session_id}")
+    template = "/" + "/".join(parts)
+    handlers = {m: h for m, t, h in API_ROUTES if t == template}
+    if not handlers:
+        raise SessionNotFound(f"no such API path: {path}")
+    if method not in handlers:
+        raise MethodNotAllowed(f"{method} is not allowed here (allowed: {', '.join(handlers)})",
+                               tuple(handlers))
+    return handlers[method], session_id
+
+
+def load_static(web_dir: Path) -> dict[str, tuple[str, bytes]]:
+    """The web UI's files, read once: URL path -> (content type, bytes). Serving only what is
+    in this map means no request path ever reaches the file system."""
+    files: dict[str, tuple[str, bytes]] = {}
+    if web_dir.is_dir():
+        for path in sorted(web_dir.rglob("*")):
+            if path.is_file() and not path.name.startswith("."):
+                url = "/" + path.relative_to(web_dir).as_posix()
+                files[url] = (STATIC_TYPES.get(path.suffix, "application/octet-stream"),
+                              path.read_bytes())
+    if "/index.html" in files:
+        files["/"] = files["/index.html"]
+    return files
+
+
+class ServeHTTPServer(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, address: tuple[str, int], manager: SessionManager,
+                 static: dict[str, tuple[str, bytes]]) -> None:
+        super().__init__(address, ApiHandler)
+        self.manager = manager
+        self.static = static
+
+
+class ApiHandler(http.server.BaseHTTPRequestHandler):
+    """Thin: parse, call the SessionManager, encode. Every failure is {"error": "..."}."""
+
+    server: ServeHTTPServer
+    protocol_version = "HTTP/1.1"
+    server_version = "reploy"
+    timeout = BODY_READ_TIMEOUT_S  # a client that stalls mid-request is dropped
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base's name
+        pass  # request lines would only repeat what the client knows; errors are logged
+
+    def do_GET(self) -> None:
+        self.dispatch("GET")
+
+    def do_POST(self) -> None:
+        self.dispatch("POST")
+
+    def do_DELETE(self) -> None:
+        self.dispatch("DELETE")
+
+    def do_PUT(self) -> None:
+        self.dispatch("PUT")
+
+    def do_PATCH(self) -> None:
+        self.dispatch("PATCH")
+
+    @property
+    def manager(self) -> SessionManager:
+        return self.server.manager
+
+    def dispatch(self, method: str) -> None:
+        path, _, query = self.path.partition("?")
+        try:
+            body = self.read_body()
+            if path != API_PREFIX and not path.startswith(API_PREFIX + "/"):
+                self.serve_static(method, path)
+                return
+            handler, session_id = match_route(method, path[len(API_PREFIX):])
+            result = getattr(self, "api_" + handler)(session_id, body, query)
+            if result is not None:
+                self.send_json(*result)
+        except MethodNotAllowed as e:
+            self.send_json(e.status, {"error": str(e)}, {"Allow": ", ".join(e.allowed)})
+        except ServeError as e:
+            self.send_json(e.status, {"error": str(e)})
+        except BackendError as e:
+            self.send_json(503, {"error": str(e)})
+        except (BrokenPipeError, ConnectionResetError, socket.timeout):
+            self.close_connection = True
+        except Exception as e:  # noqa: BLE001 - a bug answers 500 and keeps the server up
+            log(f"serve: internal error on {method} {path}: {e!r}")
+            self.send_json(500, {"error": "internal error"})
+
+    def read_body(self) -> bytes:
+        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+            self.close_connection = True
+            raise BadRequest("chunked bodies are not accepted; send Content-Length")
+        text = self.headers.get("Content-Length", "0")
+        if not text.isdigit():
+            self.close_connection = True
+            raise BadRequest("Content-Length is not a number")
+        length = int(text)
+        if length > MAX_BODY_BYTES:
+            self.close_connection = True
+            raise PayloadTooLarge(f"the body exceeds {MAX_BODY_BYTES} bytes")
+        return self.rfile.read(length) if length else b""
+
+    def send_json(self, status: int, document: dict[str, Any],
+                  headers: Optional[dict[str, str]] = None) -> None:
+        data = wire.encode_compact(document)
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.send_header("Cache-Control", "no-store")
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
+        self.end_headers()
+        self.wfile.write(data)
+
+    def serve_static(self, method: str, path: str) -> None:
+        if path == "/api/v1/openapi.json":
+            path = "/openapi.json"
+        entry = self.server.static.get(path)
+        if entry is None or method != "GET":
+            self.send_json(404, {"error": f"not found: {path}"})
+            return
+        content_type, data = entry
+        self.send_response(200)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(data)))
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Content-Security-Policy", CONTENT_SECURITY_POLICY)
+        self.send_header("X-Content-Type-Options", "nosniff")
+        self.end_headers()
+        self.wfile.write(data)
+
+    # -- API handlers: (session id, raw body, query) -> (status, document) -----------------
+
+    def api_get_config(self, _sid: None, body: bytes, _query: str) -> tuple[int, dict[str, Any]]:
+        parse_body(body, BODY_RULES["empty"])
+        config = self.manager.config
+        return 200, {"workloads": ["shell", "agent"],
+                     "deployments": self.manager.deployment_names(),
+                     "agent": {"defaultModel": config.default_model or "platform-default",
+                               "models": list(config.models)},
+                     "idleAfterSeconds": config.idle_after_s,
+                     "snapshotAfterSeconds": config.snapshot_after_s,
+                     "limits": {"maxBodyBytes": MAX_BODY_BYTES,
+                                "maxPayloadBytes": MAX_PAYLOAD_BYTES,
+                                "maxReadBytes": MAX_READ_BYTES}}
+
+    def api_create_session(self, _sid: None, body: bytes, _query: str) -> tuple[int, dict[str, Any]]:
+        fields = parse_body(body, BODY_RULES["create"])
+        record = self.manager.create(fields["name"], fields["workload"], fields.get("model"),
+                                     fields.get("deployment"))
+        return 201, self.manager.session_json(record)
+
+    def api_list_sessions(self, _sid: None, body: bytes, _query: str) -> tuple[int, dict[str, Any]]:
+        return 200, {"sessions": [self.manager.session_json(r) for r in self.manager.store.list()],
+                     "now": self.manager.clock()}
+
+    def api_get_session(self, sid: str, body: bytes, _query: str) -> tuple[int, dict[str, Any]]:
+        return 200, self.manager.session_json(self.manager.record(sid))
+
+    def api_delete_session(self, sid: str, body: bytes, _query: str) -> tuple[int, dict[str, Any]]:
+        self.manager.delete(sid)
+        return 200, {"id": sid, "deleted": True}
+
+    def api_switch(self, sid: str, body: bytes, _query: str) -> tuple[int, dict[str, Any]]:
+        parse_body(body, BODY_RULES["empty"])
+        return 200, self.manager.session_json(self.manager.access(sid))
+
+    def api_snapshot(self, sid: str, body: bytes, _query: str) -> tuple[int, dict[str, Any]]:
+        parse_body(body, BODY_RULES["empty"])
+        return 200, self.manager.session_json(self.manager.snapshot(sid))
+
+    def api_read(self, sid: str, body: bytes, _query: str) -> tuple[int, dict[str, Any]]:
+        fields = parse_body(body, BODY_RULES["read"])
+        result = self.manager.call(sid, "read", {
+            "offset": fields.get("offset", 0), "max_bytes": fields.get("maxBytes", DEFAULT_READ_BYTES),
+            "wait_ms": fields.get("waitMs", 0)})
+        if "text" in result:
+            payload = result["text"].encode()
+        else:
+            payload = base64.b64decode(result["data_b64"])
+        document = {"offset": result["offset"], "nextOffset": result["next_offset"],
+                    "length": result["length"], "reset": result["reset"],
+                    "payloadBase64": base64.b64encode(payload).decode("ascii")}
+        if "text" in result:
+            document["text"] = result["text"]
+        return 200, document
+
+    def api_write(self, sid: str, body: bytes, _query: str) -> tuple[int, dict[str, Any]]:
+        fields = parse_body(body, BODY_RULES["write"])
+        data = decode_payload(fields["dataBase64"], "dataBase64")
+        result = self.manager.call(sid, "write", {"data_b64": base64.b64encode(data).decode()},
+                                   workloads=("shell",))
+        return 200, _camel_keys(result)
+
+    def api_message(self, sid: str, body: bytes, _query: str) -> tuple[int, dict[str, Any]]:
+        fields = parse_body(body, BODY_RULES["message"])
+        if len(fields["text"].encode("utf-8", "surrogatepass")) > MAX_PAYLOAD_BYTES:
+            raise PayloadTooLarge(f"text: more than {MAX_PAYLOAD_BYTES} bytes")
+        return 200, _camel_keys(self.manager.call(sid, "message", {"text": fields["text"]}))
+
+    def api_interrupt(self, sid: str, body: bytes, _query: str) -> tuple[int, dict[str, Any]]:
+        parse_body(body, BODY_RULES["empty"])
+        return 200, _camel_keys(self.manager.call(sid, "interrupt", {}))
+
+    def api_relaunch(self, sid: str, body: bytes, _query: str) -> tuple[int, dict[str, Any]]:
+        parse_body(body, BODY_RULES["empty"])
+        return 200, _camel_keys(self.manager.call(sid, "relaunch", {}))
+
+    def api_resize(self, sid: str, body: bytes, _query: str) -> tuple[int, dict[str, Any]]:
+        fields = parse_body(body, BODY_RULES["resize"])
+        return 200, _camel_keys(self.manager.call(sid, "resize", fields, workloads=("shell",)))
+
+    def api_status(self, sid: str, body: bytes, _query: str) -> tuple[int, dict[str, Any]]:
+        return 200, self.manager.status(sid)
+
+    def api_stream(self, sid: str, body: bytes, query: str) -> None:
+        params = urllib.parse.parse_qs(query)
+        cursor = sse_cursor(self.headers.get("Last-Event-ID"), (params.get("offset") or [None])[-1])
+        record = self.manager.record(sid)
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-store")
+        self.send_header("Connection", "close")
+        self.send_header("X-Accel-Buffering", "no")
+        self.end_headers()
+        self.close_connection = True
+
+        def send(data: bytes) -> None:
+            self.wfile.write(data)
+            self.wfile.flush()
+
+        send(b"retry: 1000\n\n")
+        self.manager.follow_output(record, cursor, send)
+
+
+# ============================================================================================
+# Managed sessions: `reploy serve` and the `reploy session` client
+# ============================================================================================
+
+
+def _parse_listen(text: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise UsageError(f"--listen: {text!r} is not HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+def serve_config_from(args: argparse.Namespace) -> ServeConfig:
+    durations = {}
+    for flag in ("idle_after", "snapshot_after", "sse_keepalive"):
+        try:
+            durations[flag] = parse_duration_ms(getattr(args, flag)) / 1000
+        except ValueError as e:
+            raise UsageError(f"--{flag.replace('_', '-')}: {e}") from None
+        if durations[flag] < 0.1:
+            raise UsageError(f"--{flag.replace('_', '-')}: at least 100ms")
+    command = None
+    if args.agent_command is not None:
+        try:
+            command = json.loads(args.agent_command)
+        except ValueError as e:
+            raise UsageError(f"--agent-command: not JSON: {e}") from None
+        if not (isinstance(command, list) and command and all(isinstance(a, str) for a in command)
+                and command.count("{prompt}") == 1):
+            raise UsageError('--agent-command: a JSON array of strings with "{prompt}" once')
+        command = tuple(command)
+    for name in args.agent_env:
+        if not _ENV_NAME.match(name):
+            raise UsageError(f"--agent-env: {name!r} is not a variable name")
+        if name not in os.environ:
+            raise UsageError(f"--agent-env: {name} is not set in this environment")
+    mounts = []
+    for text in args.mount:
+        host, _, target = text.partition(":")
+        if not Path(host).exists() or not target.startswith("/") or target.rstrip("/") in (
+                "", SESSION_MOUNT, CONTAINER_HOME) or target.startswith("/opt/reploy"):
+            raise UsageError(f"--mount: {text!r} must be EXISTING_HOST_PATH:/container/path")
+        mounts.append(Mount(str(Path(host).resolve()), target, read_only=True))
+    models: tuple[str, ...] = ()
+    if args.models:
+        try:
+            models = tuple(json.loads(args.models))
+        except (ValueError, TypeError) as e:
+            raise UsageError(f"--models: {e}") from None
+        if len(set(models)) != len(models) or not all(
+                isinstance(m, str) and _MODEL.match(m) for m in models):
+            raise UsageError("--models: a JSON array of unique model names")
+    if args.default_model is not None and not _MODEL.match(args.default_model):
+        raise UsageError("--default-model: not a model name")
+    state_dir = args.state_dir.absolute()
+    return ServeConfig(
+        state_dir=state_dir, workload_dirs=tuple(d.absolute() for d in args.workload_dir),
+        idle_after_s=durations["idle_after"], snapshot_after_s=durations["snapshot_after"],
+        agent_command=command, agent_env=tuple(args.agent_env), extra_mounts=tuple(mounts),
+        default_model=args.default_model, models=models,
+        sse_keepalive_s=durations["sse_keepalive"], max_sessions=args.max_sessions,
+        min_free_bytes=args.min_free_mib * 1024 * 1024)
+
+
+def run_serve(config: ServeConfig, listen: tuple[str, int]) -> int:
+    """`reploy serve`: API and UI on one port until SIGTERM or SIGINT. Sessions outlive it."""
+    try:
+        config.state_dir.mkdir(parents=True, exist_ok=True)
+        backend = DockerBackend()
+        backend.require_sandbox_support()
+        manager = SessionManager(config, backend)
+        manager.reconcile()
+        server = ServeHTTPServer(listen, manager, load_static(WEB_DIR))
+    except (ReployError, OSError) as e:
+        print(f"reploy: serve: {e}", file=sys.stderr)
+        emit({"schema": SERVE_SCHEMA, "ok": False, "error": str(e)})
+        return EXIT_FAILED
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    bound_host, bound_port = server.server_address[:2]
+    url = f"http://{bound_host}:{bound_port}"
+    emit({"schema": SERVE_SCHEMA, "ok": True, "error": None, "url": url,
+          "state_dir": str(config.state_dir), "pid": os.getpid()})
+    log(f"serving the API and UI on {url}")
+    threads = [threading.Thread(target=server.serve_forever, name="http", daemon=True),
+               threading.Thread(target=manager.run_reaper, name="reaper", daemon=True)]
+    for thread in threads:
+        thread.start()
+    while not stop.wait(1.0):
+        pass
+    manager.stopping.set()
+    server.shutdown()
+    server.server_close()
+    threads[1].join(timeout=AGENT_CALL_TIMEOUT_S + 5)
+    manager.close()
+    return EXIT_OK
+
+
+def client_request(args: argparse.Namespace) -> tuple[str, str, Optional[dict[str, Any]]]:
+    """(method, path under /api/v1, body) for one `reploy session` action. Pure."""
+    action, sid = args.session_action, getattr(args, "id", None)
+    if action == "create":
+        body: dict[str, Any] = {"name": args.name, "workload": args.workload}
+        for key in ("model", "deployment"):
+            if getattr(args, key) is not None:
+                body[key] = getattr(args, key)
+        return "POST", "/sessions", body
+    if action == "list":
+        return "GET", "/sessions", None
+    if action in ("get", "delete"):
+        return ("GET" if action == "get" else "DELETE"), f"/sessions/{sid}", None
+    if action == "status":
+        return "GET", f"/sessions/{sid}/status", None
+    if action == "read":
+        body = {"offset": args.offset, "maxBytes": args.max_bytes, "waitMs": args.wait_ms}
+        return "POST", f"/sessions/{sid}/read", body
+    if action == "write":
+        data = sys.stdin.buffer.read() if args.data == "-" else args.data.encode()
+        return "POST", f"/sessions/{sid}/write", {"dataBase64": base64.b64encode(data).decode()}
+    if action == "message":
+        return "POST", f"/sessions/{sid}/message", {"text": args.text}
+    return "POST", f"/sessions/{sid}/{action}", {}
+
+
+def run_session_client(args: argparse.Namespace) -> int:
+    """`reploy session ACTION`: one API call, its JSON document on stdout; exit 1 on an error
+    status (the document then carries `error` and `status`)."""
+    import urllib.error
+    import urllib.request
+
+    method, path, body = client_request(args)
+    server = (args.server or os.environ.get("REPLOY_SERVER") or f"http://{DEFAULT_LISTEN}")
+    url = server.rstrip("/") + API_PREFIX + path
+    data = wire.encode_compact(body) if body is not None else None
+    request = urllib.request.Request(url, data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            emit(json.loads(response.read()))
+            return EXIT_OK
+    except urllib.error.HTTPError as e:
+        try:
+            document = json.loads(e.read())
+        except ValueError:
+            document = {"error": e.reason}
+        emit({**document, "status": e.code})
+    except (urllib.error.URLError, OSError) as e:
+        emit({"error": f"no answer from {server}: {getattr(e, 'reason', e)}", "status": None})
+    return EXIT_FAILED
+
+
+def add_serve_parsers(commands: Any) -> None:
+    serve = commands.add_parser("serve", help="serve managed sessions: REST API, SSE and web UI")
+    serve.add_argument("--listen", default=DEFAULT_LISTEN, metavar="HOST:PORT")
+    serve.add_argument("--state-dir", type=Path, default=Path(".reploy-serve"))
+    serve.add_argument("--workload-dir", type=Path, action="append", required=True,
+                       help="a staged, built deployment whose image has python3 (repeatable)")
+    serve.add_argument("--idle-after", default=format_duration(DEFAULT_IDLE_AFTER_MS),
+                       metavar="DURATION")
+    serve.add_argument("--snapshot-after", default=format_duration(DEFAULT_SNAPSHOT_AFTER_MS),
+                       metavar="DURATION")
+    serve.add_argument("--agent-command", metavar="JSON",
+                       help='agent workload argv template, e.g. ["claude", ..., "{prompt}"]')
+    serve.add_argument("--agent-env", action="append", default=[], metavar="NAME",
+                       help="pass this variable to agent sessions and redact its value (repeatable)")
+    serve.add_argument("--mount", action="append", default=[], metavar="HOST:CONTAINER",
+                       help="bind-mount a host path read-only into every session (repeatable)")
+    serve.add_argument("--default-model")
+    serve.add_argument("--models", metavar="JSON", help="the UI's model catalog, a JSON array")
+    serve.add_argument("--sse-keepalive", default=format_duration(DEFAULT_SSE_KEEPALIVE_MS),
+                       metavar="DURATION")
+    serve.add_argument("--max-sessions", type=int, default=DEFAULT_MAX_SESSIONS)
+    serve.add_argument("--min-free-mib", type=int, default=DEFAULT_MIN_FREE_MIB)
+
+    session = commands.add_parser("session", help="managed sessions through a serve's API")
+    actions = session.add_subparsers(dest="session_action", required=True,
+                                     parser_class=ArgumentParser)
+    common = ArgumentParser(add_help=False)
+    common.add_argument("--server", metavar="URL",
+                        help=f"default $REPLOY_SERVER or http://{DEFAULT_LISTEN}")
+    create = actions.add_parser("create", parents=[common])
+    create.add_argument("--name", required=True)
+    create.add_argument("--workload", choices=("shell", "agent"), default="shell")
+    create.add_argument("--model")
+    create.add_argument("--deployment")
+    actions.add_parser("list", parents=[common])
+    for name in ("get", "status", "interrupt", "relaunch", "switch", "snapshot", "delete"):
+        actions.add_parser(name, parents=[common]).add_argument("id")
+    read = actions.add_parser("read", parents=[common])
+    read.add_argument("id")
+    read.add_argument("--offset", type=int, default=0)
+    read.add_argument("--max-bytes", type=int, default=DEFAULT_READ_BYTES)
+    read.add_argument("--wait-ms", type=int, default=0)
+    write = actions.add_parser("write", parents=[common])
+    write.add_argument("id")
+    write.add_argument("data", help="the bytes to type (UTF-8); - reads them from stdin")
+    message = actions.add_parser("message", parents=[common])
+    message.add_argument("id")
+    message.add_argument("text")
+
+
+# ============================================================================================
 # CLI
 # ============================================================================================
 
@@ -1825,6 +3466,7 @@ def build_parser() -> ArgumentParser:
     for option in TIMEOUT_OPTIONS:
         run.add_argument(option.flag, default=format_duration(option.default_ms),
                          metavar="DURATION")
+    add_serve_parsers(commands)
     return parser
 
 
@@ -1873,6 +3515,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         args = build_parser().parse_args(argv)
         if getattr(args, "action", None) == "run":
             options = parse_run_options(args, command)
+        elif args.command == "serve" and not command:
+            serve_config, listen = serve_config_from(args), _parse_listen(args.listen)
         elif command:
             raise UsageError("only controlled-session run takes arguments after --")
     except UsageError as e:
@@ -1885,6 +3529,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         if signum is not None:
             return EXIT_FOR_SIGNAL[signum]
         return EXIT_OK if result.ok else EXIT_FAILED
+    if args.command == "serve":
+        return run_serve(serve_config, listen)
+    if args.command == "session":
+        return run_session_client(args)
     schema = {"stage": STAGE_SCHEMA, "build": BUILD_SCHEMA}.get(args.command, CLEANUP_SCHEMA)
     try:
         if args.command == "stage":
