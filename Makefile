@@ -25,7 +25,9 @@ test-unit:
 	$(PYTHON) -m pytest -q tests -m "not docker"
 
 # Figures as JSON lines on stdout (ratios against baselines measured in the same run).
-bench: setup bench-agent
+bench: setup
+	$(PYTHON) bench/bench_agent.py
+	$(PYTHON) bench/bench_sessions.py
 
 bench-agent:
 	$(PYTHON) bench/bench_agent.py

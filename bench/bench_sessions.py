@@ -1,0 +1,505 @@
+#!/usr/bin/env python3
+"""Benchmarks controlled sessions end to end; prints one JSON line per figure.
+
+Each line: name, unit, n, p50, p90, p99, baseline, ratio (p50 / baseline). Every baseline is
+measured in this same run, on this same machine, interleaved with the figure it belongs to:
+absolute times drift on a shared machine, ratios hold. A short table goes to stderr at the
+end. bench/README.md says what each figure means.
+
+  python3 bench/bench_sessions.py
+
+The sessions run a bench controller (bench/controller, staged with the example driver
+library) against the example busybox workload, through `python3 reploy.py controlled-session
+run` exactly as a user runs it. The controller records what only it can see (when it read
+`ready`, how fast `attach` delivers) in its output directory. Baselines do the same engine work
+with the Docker SDK and nothing else, with containers built from reploy.ContainerSpec so the
+sandbox flags are identical.
+
+The role files are copied into a private directory first, so the whole run measures one
+version of them even while someone edits the tree.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import importlib
+import itertools
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable, Iterator
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+CONTROLLER_SOURCE = ROOT / "bench/controller"
+DRIVER_SOURCE = ROOT / "examples/controller/context/reploy_driver.py"
+WORKLOAD_BLUEPRINT = ROOT / "examples/workload/workload.blueprint.yaml"
+ROLE_FILES = ("reploy.py", "reploy_session_client.py", "reploy_watchdog.py")
+sys.path[:0] = [str(CONTROLLER_SOURCE / "context"), str(DRIVER_SOURCE.parent)]
+
+import bench_controller  # noqa: E402  (its Probe measures the direct-attach baselines)
+
+MIB = bench_controller.MIB
+#: Sessions (and SDK baselines) timed for ready and teardown.
+READY_RUNS = 10
+#: Sessions timed right after their derived controller image was removed.
+UNCACHED_RUNS = 3
+THROUGHPUT_ROUNDS = 3
+THROUGHPUT_BYTES = 64 * MIB
+ECHO_KEYSTROKES = 300
+#: Concurrent live sessions for the memory figures.
+DENSITY_SESSIONS = (1, 5, 10)
+#: Hard bound on one session or baseline process; far above what any takes.
+PROCESS_TIMEOUT_S = 180.0
+#: How long concurrent sessions may take to all become live.
+HOLD_DEADLINE_S = 120.0
+#: How often to look for a file another process writes (never part of a timed interval).
+POLL_INTERVAL_S = 0.005
+#: Carried by every container the baselines create, and what they are removed by.
+BASELINE_LABEL = "io.reploy.bench.baseline"
+#: Bytes of a failing process's stderr repeated in the error.
+STDERR_TAIL_BYTES = 2000
+
+
+class BenchFailed(Exception):
+    """A session or a baseline did not do what the measurement needs."""
+
+
+# ============================================================================================
+# Figures
+# ============================================================================================
+
+
+def percentiles(samples: list[float]) -> tuple[float, float, float]:
+    """p50, p90, p99; a single sample is all three."""
+    if len(samples) == 1:
+        return samples[0], samples[0], samples[0]
+    cuts = statistics.quantiles(samples, n=100, method="inclusive")
+    return cuts[49], cuts[89], cuts[98]
+
+
+def figure(name: str, unit: str, samples: list[float], baseline: list[float]) -> dict[str, Any]:
+    """One figure, printed as a JSON line at once so a failing later figure loses nothing."""
+    p50, p90, p99 = percentiles(samples)
+    base = percentiles(baseline)[0]
+    line = {"name": name, "unit": unit, "n": len(samples), "p50": round(p50, 4),
+            "p90": round(p90, 4), "p99": round(p99, 4), "baseline": round(base, 4),
+            "ratio": round(p50 / base, 3)}
+    print(json.dumps(line), flush=True)
+    return line
+
+
+def print_table(lines: list[dict[str, Any]]) -> None:
+    header = f"{'figure':<30} {'unit':<11} {'n':>4} {'p50':>10} {'p99':>10} {'baseline':>10} {'ratio':>7}"
+    rows = [f"{f['name']:<30} {f['unit']:<11} {f['n']:>4} {f['p50']:>10.2f} {f['p99']:>10.2f} "
+            f"{f['baseline']:>10.2f} {f['ratio']:>7.2f}" for f in lines]
+    print("\n".join([header, *rows]), file=sys.stderr)
+
+
+def log(message: str) -> None:
+    print(f"bench_sessions: {message}", file=sys.stderr, flush=True)
+
+
+# ============================================================================================
+# The engine work both arms share: the workload container as the session makes it
+# ============================================================================================
+
+
+def load_reploy(roles_dir: Path) -> ModuleType:
+    sys.path.insert(0, str(roles_dir))
+    return importlib.import_module("reploy")
+
+
+def workload_spec(reploy: ModuleType, deployment: Any, labels: dict[str, str]) -> Any:
+    """The workload container exactly as ControlledSession.prepare specifies it."""
+    return reploy.ContainerSpec(
+        role="workload", image_id=deployment.current.image_id, command=(reploy.WORKLOAD_SHELL,),
+        runtime=deployment.blueprint.runtime,
+        environment={"HOME": reploy.CONTAINER_HOME, "TERM": reploy.WORKLOAD_TERM},
+        labels=labels, network=None, network_aliases=("workload",), tty=True,
+        hostname="workload")
+
+
+def create_owned(backend: Any, spec: Any, owned: contextlib.ExitStack) -> str:
+    container_id = backend.create(spec)
+    owned.callback(backend.remove_container, container_id)
+    return container_id
+
+
+def start_attached(backend: Any, container_id: str, owned: contextlib.ExitStack,
+                   columns: int, rows: int) -> socket.socket:
+    """Attach before start and resize after, as the host does; a blocking PTY socket."""
+    pty = backend.attach_pty(container_id)
+    owned.callback(pty.close)
+    backend.start(container_id)
+    backend.resize(container_id, columns, rows)
+    pty.setblocking(True)
+    return pty
+
+
+# ============================================================================================
+# The SDK baseline for ready and teardown (run as its own process, like the host)
+# ============================================================================================
+
+
+def await_file(path: Path, deadline_s: float) -> dict[str, Any]:
+    deadline = time.monotonic() + deadline_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise BenchFailed(f"{path.name} never appeared")
+        time.sleep(POLL_INTERVAL_S)
+    return json.loads(path.read_text())
+
+
+def sdk_session(reploy: ModuleType, options: Any) -> dict[str, Any]:
+    """The same two containers, images and sandbox flags as the session, created, started and
+    attached with the engine calls the host makes, then ended by `exit` and removed. Ready is
+    when both the workload runs attached and the controller's program runs."""
+    plan = reploy.admit(options)
+    backend = reploy.DockerBackend()
+    runtime = plan.controller.blueprint.runtime
+    controller_image = reploy.ensure_controller_image(
+        backend, plan.controller.current.image_id, runtime)
+    os.chown(options.output_dir, runtime.uid, runtime.gid)
+    labels = {BASELINE_LABEL: plan.run_id}
+    with contextlib.ExitStack() as owned:
+        workload_id = create_owned(backend, workload_spec(reploy, plan.workload, labels), owned)
+        controller_id = create_owned(backend, reploy.ContainerSpec(
+            role="controller", image_id=controller_image, command=plan.controller_argv,
+            runtime=runtime, labels=labels, network=None, hostname="controller", init=True,
+            environment={"HOME": reploy.CONTAINER_HOME,
+                         "REPLOY_OUTPUT_DIR": reploy.OUTPUT_DIR_MOUNT},
+            mounts=(reploy.Mount(str(options.output_dir.resolve()), reploy.OUTPUT_DIR_MOUNT,
+                                 False),)), owned)
+        backend.start(controller_id)
+        pty = start_attached(backend, workload_id, owned, options.columns, options.rows)
+        workload_ready_at = time.time()
+        controller = await_file(options.output_dir / bench_controller.REPORT_NAME,
+                                PROCESS_TIMEOUT_S)
+        rss_bytes = psutil.Process().memory_info().rss
+        exit_typed_at = time.time()
+        pty.sendall(b"exit 0\n")
+        backend.api.wait(workload_id, timeout=PROCESS_TIMEOUT_S)
+    return {"ready_at": max(workload_ready_at, controller["started_at"]),
+            "exit_typed_at": exit_typed_at, "rss_bytes": rss_bytes}
+
+
+def baseline_main(argv: list[str]) -> int:
+    """`bench_sessions.py baseline ROLES_DIR RUN_OPTIONS -- COMMAND`: the options a session
+    would get, parsed by reploy's own CLI parser."""
+    reploy = load_reploy(Path(argv[0]))
+    cut = argv.index("--")
+    args = reploy.build_parser().parse_args(["controlled-session", "run", *argv[1:cut]])
+    print(json.dumps(sdk_session(reploy, reploy.parse_run_options(args, argv[cut + 1:]))))
+    return 0
+
+
+# ============================================================================================
+# Timed processes: session hosts and baseline children
+# ============================================================================================
+
+
+@dataclass(frozen=True)
+class Run:
+    """One timed process and what it (or its controller) reported."""
+
+    started_at: float  # time.time() just before the process was started
+    ended_at: float  # time.time() just after it exited
+    report: dict[str, Any]
+
+    @property
+    def ready_ms(self) -> float:
+        return (self.report["ready_at"] - self.started_at) * 1000
+
+    @property
+    def teardown_ms(self) -> float:
+        return (self.ended_at - self.report["exit_typed_at"]) * 1000
+
+
+@dataclass
+class Pending:
+    """A started process, and how to read its report once it exits."""
+
+    started_at: float
+    proc: subprocess.Popen[bytes]
+    read_report: Callable[[bytes], dict[str, Any]]
+
+    def conclude(self) -> Run:
+        stdout, stderr = self.proc.communicate(timeout=PROCESS_TIMEOUT_S)
+        ended_at = time.time()
+        try:
+            report = self.read_report(stdout)
+        except (BenchFailed, OSError, ValueError, KeyError) as e:
+            raise BenchFailed(f"{' '.join(self.proc.args[1:4])} (exit {self.proc.returncode}): "
+                              f"{e}\n{stderr[-STDERR_TAIL_BYTES:].decode(errors='replace')}") from e
+        return Run(self.started_at, ended_at, report)
+
+
+def launch(argv: list[str], read_report: Callable[[bytes], dict[str, Any]]) -> Pending:
+    started_at = time.time()
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    return Pending(started_at, proc, read_report)
+
+
+@dataclass
+class Bench:
+    """The run's private directory, its copy of the role files and its two deployments."""
+
+    work: Path
+    reploy: ModuleType
+    backend: Any
+    controller_dir: Path
+    workload_dir: Path
+    numbers: Iterator[int]
+
+    @property
+    def roles_dir(self) -> Path:
+        return self.work / "roles"
+
+    def output_dir(self) -> Path:
+        path = self.work / "outputs" / str(next(self.numbers))
+        path.mkdir(parents=True)
+        return path
+
+    def run_options(self, output_dir: Path, mode: list[str]) -> list[str]:
+        return ["--controller-dir", str(self.controller_dir),
+                "--workload-dir", str(self.workload_dir), "--output-dir", str(output_dir),
+                "--", "run-bench", *mode]
+
+    def start_session(self, *mode: str, output_dir: Path | None = None) -> Pending:
+        """`python3 reploy.py controlled-session run … -- run-bench MODE`, as a user runs it."""
+        output_dir = output_dir or self.output_dir()
+        return launch([sys.executable, str(self.roles_dir / "reploy.py"), "controlled-session",
+                       "run", *self.run_options(output_dir, list(mode))],
+                      lambda stdout: session_report(stdout, output_dir))
+
+    def session(self, *mode: str) -> Run:
+        return self.start_session(*mode).conclude()
+
+    def baseline(self) -> Run:
+        output_dir = self.output_dir()
+        return launch([sys.executable, __file__, "baseline", str(self.roles_dir),
+                       *self.run_options(output_dir, ["baseline"])], json.loads).conclude()
+
+
+def session_report(stdout: bytes, output_dir: Path) -> dict[str, Any]:
+    """The controller's report, once the host's result says the session went right."""
+    result = json.loads(stdout)
+    if not result.get("ok"):
+        raise BenchFailed(f"the session failed: {stdout.decode(errors='replace')}")
+    return json.loads((output_dir / bench_controller.REPORT_NAME).read_text())
+
+
+# ============================================================================================
+# Setting up and cleaning up
+# ============================================================================================
+
+
+def reploy_cli(roles_dir: Path, *args: str) -> None:
+    proc = subprocess.run([sys.executable, str(roles_dir / "reploy.py"), *args],
+                          capture_output=True, timeout=PROCESS_TIMEOUT_S)
+    if proc.returncode != 0:
+        raise BenchFailed(f"reploy {args[0]}: {proc.stderr.decode(errors='replace')}")
+
+
+def stage_and_build(roles_dir: Path, blueprint: Path, directory: Path) -> Path:
+    reploy_cli(roles_dir, "stage", str(blueprint), "--dir", str(directory))
+    reploy_cli(roles_dir, "build", "--dir", str(directory))
+    return directory
+
+
+def prepare(work: Path) -> Bench:
+    """Copy the role files, then stage and build the bench controller and the workload."""
+    roles_dir = work / "roles"
+    roles_dir.mkdir()
+    for name in ROLE_FILES:
+        shutil.copy2(ROOT / name, roles_dir / name)
+    source = work / "controller-source"
+    shutil.copytree(CONTROLLER_SOURCE, source)
+    shutil.copy2(DRIVER_SOURCE, source / "context")
+    reploy = load_reploy(roles_dir)
+    return Bench(
+        work=work, reploy=reploy, backend=reploy.DockerBackend(),
+        controller_dir=stage_and_build(roles_dir, source / "bench.blueprint.yaml",
+                                       work / "controller"),
+        workload_dir=stage_and_build(roles_dir, WORKLOAD_BLUEPRINT, work / "workload"),
+        numbers=itertools.count())
+
+
+def sweep(bench: Bench) -> list[str]:
+    """Remove whatever the run's sessions or baselines left, and name it: there should be
+    nothing, since hosts and baselines clean up after themselves."""
+    workload_dir = bench.reploy.load_deployment(bench.workload_dir).dir
+    filters = [{"label": BASELINE_LABEL},
+               {"label": f"{bench.reploy.reploy_watchdog.LABEL_WORKLOAD_DIR}={workload_dir}"}]
+    left = []
+    for container_filter in filters:
+        for container in bench.backend.client.containers.list(all=True, filters=container_filter):
+            left.append(f"container {container.short_id} {container.labels}")
+            container.remove(force=True)
+    return left
+
+
+# ============================================================================================
+# The measurements
+# ============================================================================================
+
+
+def ready_and_teardown(bench: Bench) -> tuple[list[Run], list[Run]]:
+    """Sessions and SDK baselines, alternated so drift on the machine hits both alike."""
+    sessions, baselines = [], []
+    for _ in range(READY_RUNS):
+        sessions.append(bench.session("session"))
+        baselines.append(bench.baseline())
+    return sessions, baselines
+
+
+def uncached_ready_ms(bench: Bench) -> list[float]:
+    """Ready of the first session after the derived controller image is gone, as after a new
+    controller build: the host builds the image and probes it for python3 while starting."""
+    controller = bench.reploy.load_deployment(bench.controller_dir)
+    samples = []
+    for _ in range(UNCACHED_RUNS):
+        reference = bench.reploy.ensure_controller_image(
+            bench.backend, controller.current.image_id, controller.blueprint.runtime)
+        bench.backend.remove_image(reference)
+        samples.append(bench.session("session").ready_ms)
+    return samples
+
+
+def direct_stream(bench: Bench) -> dict[str, Any]:
+    """The stream figures' baseline: the same Probe on the workload container's own attach
+    stream, read here with the SDK, no session in between."""
+    workload = bench.reploy.load_deployment(bench.workload_dir)
+    with contextlib.ExitStack() as owned:
+        container_id = create_owned(
+            bench.backend, workload_spec(bench.reploy, workload, {BASELINE_LABEL: "direct"}),
+            owned)
+        pty = start_attached(bench.backend, container_id, owned,
+                             bench.reploy.DEFAULT_COLUMNS, bench.reploy.DEFAULT_ROWS)
+        probe = bench_controller.Probe(pty.sendall, pty.fileno())
+        return {"throughput_mib_s": [probe.throughput(THROUGHPUT_BYTES)
+                                     for _ in range(THROUGHPUT_ROUNDS)],
+                "echo_ms": probe.echo_round_trips(ECHO_KEYSTROKES)}
+
+
+def host_rss_mib(pid: int) -> float:
+    """RSS of a session's host process and its watchdog (the host's only child)."""
+    host = psutil.Process(pid)
+    processes = [host, *host.children(recursive=True)]
+    return sum(process.memory_info().rss for process in processes) / MIB
+
+
+def release(pending: Pending, output_dir: Path) -> None:
+    """Tell a holding controller to end its session; a host whose controller is not holding
+    (it failed on the way) is cancelled instead, which cleans up just the same."""
+    try:
+        fd = os.open(output_dir / bench_controller.RELEASE_FIFO_NAME,
+                     os.O_WRONLY | os.O_NONBLOCK)
+    except OSError as e:
+        if e.errno != errno.ENXIO:
+            raise
+        pending.proc.terminate()
+        return
+    with os.fdopen(fd, "w") as fifo:
+        fifo.write("go\n")
+
+
+def density_mib(bench: Bench, count: int) -> list[float]:
+    """Host-side MiB per session while `count` sessions are live at once."""
+    held: list[tuple[Pending, Path]] = []
+    try:
+        for _ in range(count):
+            output_dir = bench.output_dir()
+            fifo = output_dir / bench_controller.RELEASE_FIFO_NAME
+            os.mkfifo(fifo)
+            os.chmod(fifo, 0o666)  # the controller's runtime user reads it
+            held.append((bench.start_session("hold", output_dir=output_dir), output_dir))
+        for _, output_dir in held:
+            await_file(output_dir / bench_controller.HELD_NAME, HOLD_DEADLINE_S)
+        return [host_rss_mib(pending.proc.pid) for pending, _ in held]
+    finally:
+        for pending, output_dir in held:
+            release(pending, output_dir)
+        conclude_all([pending for pending, _ in held])
+
+
+def conclude_all(pending: list[Pending]) -> None:
+    """Wait for every process before reporting the first failure, so none outlives the bench."""
+    failures = []
+    for one in pending:
+        try:
+            one.conclude()
+        except BenchFailed as e:
+            failures.append(e)
+    if failures:
+        raise failures[0]
+
+
+def measure(bench: Bench) -> list[dict[str, Any]]:
+    log("warm-up session (builds the derived controller image)")
+    bench.session("session")
+    log(f"ready and teardown: {READY_RUNS} sessions and {READY_RUNS} SDK baselines")
+    sessions, baselines = ready_and_teardown(bench)
+    cached = [run.ready_ms for run in sessions]
+    figures = [
+        figure("session_ready", "ms", cached, [run.ready_ms for run in baselines]),
+        figure("session_teardown", "ms", [run.teardown_ms for run in sessions],
+               [run.teardown_ms for run in baselines]),
+    ]
+    log(f"ready without a cached derived controller image: {UNCACHED_RUNS} sessions")
+    figures.append(figure("session_ready_uncached", "ms", uncached_ready_ms(bench), cached))
+    log(f"throughput ({THROUGHPUT_ROUNDS} x {THROUGHPUT_BYTES // MIB} MiB) and echo "
+        f"({ECHO_KEYSTROKES} keystrokes): one session, then a direct attach")
+    stream = bench.session("stream", str(THROUGHPUT_ROUNDS), str(THROUGHPUT_BYTES),
+                           str(ECHO_KEYSTROKES)).report
+    direct = direct_stream(bench)
+    figures += [
+        figure("terminal_throughput", "MiB/s", stream["throughput_mib_s"],
+               direct["throughput_mib_s"]),
+        figure("keystroke_echo", "ms", stream["echo_ms"], direct["echo_ms"]),
+    ]
+    sdk_rss_mib = [run.report["rss_bytes"] / MIB for run in baselines]
+    for count in DENSITY_SESSIONS:
+        log(f"host memory with {count} live session(s)")
+        figures.append(figure(f"host_rss_per_session_{count}", "MiB", density_mib(bench, count),
+                              sdk_rss_mib))
+    # SSE fan-out figures (DESIGN.md, Performance) join here once `reploy serve` exists.
+    return figures
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["baseline"]:
+        return baseline_main(argv[1:])
+    work = Path(tempfile.mkdtemp(prefix="reploy-bench-"))
+    try:
+        bench = prepare(work)
+        try:
+            figures = measure(bench)
+        finally:
+            left = sweep(bench)
+        if left:
+            raise BenchFailed(f"left behind (now removed): {left}")
+    except BenchFailed as e:
+        log(f"failed: {e}")
+        return 1
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print_table(figures)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
