@@ -2163,14 +2163,15 @@ class SessionStore:
             raise SessionConflict(f"session {old.id} changed under us (lost its lease or version)")
         return replace(new, lease_owner=owner)
 
-    def acquire(self, record: SessionRecord, owner: str, now: float) -> bool:
-        """Take the lease from nobody, from an expired holder, or from exactly the stale holder
-        `record` shows (the caller checked that holder is dead)."""
+    def acquire(self, session_id: str, owner: str, now: float,
+                stale_owner: Optional[str] = None) -> bool:
+        """Take the lease from nobody, from an expired holder, or from exactly `stale_owner`
+        (a holder the caller found dead: see lease_is_stale)."""
         with self._db() as db:
             cursor = db.execute(
                 "UPDATE sessions SET lease_owner = ?, lease_expires = ? WHERE id = ? AND "
                 "(lease_owner IS NULL OR lease_expires <= ? OR lease_owner = ?)",
-                (owner, now + LEASE_TTL_S, record.id, now, record.lease_owner))
+                (owner, now + LEASE_TTL_S, session_id, now, stale_owner))
         return cursor.rowcount == 1
 
     def renew(self, session_id: str, owner: str, now: float) -> None:
@@ -2519,7 +2520,7 @@ class SessionManager:
             record = self.record(session_id)
             now = self.clock()
             if lease_is_stale(record.lease_owner, record.lease_expires, now, self.host) and (
-                    self.store.acquire(record, owner, now)):
+                    self.store.acquire(session_id, owner, now, stale_owner=record.lease_owner)):
                 break
             if time.monotonic() >= deadline or self.stopping.is_set():
                 raise SessionConflict(f"session {session_id} is busy ({record.state.value})")
@@ -3057,7 +3058,8 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
         path, _, query = self.path.partition("?")
         try:
             body = self.read_body()
-            if path != API_PREFIX and not path.startswith(API_PREFIX + "/"):
+            if path == API_PREFIX + "/openapi.json" or (
+                    path != API_PREFIX and not path.startswith(API_PREFIX + "/")):
                 self.serve_static(method, path)
                 return
             handler, session_id = match_route(method, path[len(API_PREFIX):])

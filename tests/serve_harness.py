@@ -1,0 +1,242 @@
+"""Runs real `reploy.py serve` processes for the managed-session tests, and talks to them.
+
+Synchronisation is by real conditions with deadlines (`wait_until`), never by sleeping.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.parse
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = ROOT / "tests" / "agent_fixtures"
+#: The fake Claude CLI (tests/agent_fixtures/fake_claude.py), mounted read-only at /opt/fake.
+FAKE_AGENT_COMMAND = json.dumps(["python3", "/opt/fake/fake_claude.py", "{continue}", "{model}",
+                                 "--", "{prompt}"])
+DEADLINE_S = 30.0
+LABEL_STATE_DIR = "io.reploy.serve.state-dir"
+
+
+def wait_until(condition: Callable[[], Any], what: str, timeout_s: float = DEADLINE_S) -> Any:
+    """Polls a real condition until it holds; fails with `what` when the deadline passes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+class Api:
+    """A minimal JSON client of one serve's /api/v1."""
+
+    def __init__(self, url: str) -> None:
+        parsed = urllib.parse.urlsplit(url)
+        self.host, self.port = parsed.hostname or "127.0.0.1", parsed.port or 80
+        self.url = url
+
+    def raw(self, method: str, path: str, body: Optional[bytes] = None,
+            headers: Optional[dict[str, str]] = None, timeout: float = 60) -> tuple[int, bytes]:
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+        try:
+            conn.request(method, path, body=body, headers=headers or {})
+            response = conn.getresponse()
+            return response.status, response.read()
+        finally:
+            conn.close()
+
+    def call(self, method: str, path: str, body: Any = None, expect: int = 200) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        status, raw = self.raw(method, "/api/v1" + path, data,
+                               {"Content-Type": "application/json"} if data else {})
+        document = json.loads(raw)
+        assert status == expect, f"{method} {path}: {status} {document}"
+        return document
+
+    def create(self, name: str = "t", workload: str = "shell", **extra: Any) -> dict[str, Any]:
+        return self.call("POST", "/sessions", {"name": name, "workload": workload, **extra}, 201)
+
+    def get(self, sid: str) -> dict[str, Any]:
+        return self.call("GET", f"/sessions/{sid}")
+
+    def read_all(self, sid: str, offset: int = 0) -> bytes:
+        import base64
+
+        out = b""
+        while True:
+            page = self.call("POST", f"/sessions/{sid}/read", {"offset": offset, "maxBytes": 524288})
+            out += base64.b64decode(page["payloadBase64"])
+            offset = page["nextOffset"]
+            if offset >= page["length"]:
+                return out
+
+    def wait_output(self, sid: str, needle: bytes, timeout_s: float = DEADLINE_S) -> bytes:
+        return wait_until(lambda: (lambda out: out if needle in out else None)(self.read_all(sid)),
+                          f"{needle!r} in session {sid}'s output", timeout_s)
+
+    def write(self, sid: str, data: bytes) -> None:
+        import base64
+
+        self.call("POST", f"/sessions/{sid}/write", {"dataBase64": base64.b64encode(data).decode()})
+
+    def delete_all(self) -> None:
+        for session in self.call("GET", "/sessions")["sessions"]:
+            self.call("DELETE", f"/sessions/{session['id']}")
+
+
+class ServeProcess:
+    """One `python3 reploy.py serve` child on a loopback port."""
+
+    def __init__(self, state_dir: Path, workload_dir: Path, *extra: str,
+                 env: Optional[dict[str, str]] = None) -> None:
+        self.state_dir = state_dir
+        self.stderr_path = state_dir.parent / f"serve-{os.getpid()}-{time.monotonic_ns()}.stderr"
+        self.args = [sys.executable, str(ROOT / "reploy.py"), "serve", "--listen", "127.0.0.1:0",
+                     "--state-dir", str(state_dir), "--workload-dir", str(workload_dir),
+                     "--mount", f"{FIXTURES}:/opt/fake", "--agent-command", FAKE_AGENT_COMMAND,
+                     *extra]
+        with open(self.stderr_path, "ab") as stderr:
+            self.proc = subprocess.Popen(self.args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                         stderr=stderr, env={**os.environ, **(env or {})})
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            self.proc.wait(timeout=30)
+            raise AssertionError(f"serve did not start: {self.stderr}")
+        self.ready = json.loads(line)
+        assert self.ready["ok"], self.ready
+        self.api = Api(self.ready["url"])
+
+    @property
+    def stderr(self) -> str:
+        return self.stderr_path.read_text(errors="replace")
+
+    def kill(self) -> None:
+        """SIGKILL: the crash case."""
+        self.proc.kill()
+        self.proc.wait(timeout=30)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc.stdout:
+            self.proc.stdout.close()
+        return self.proc.returncode
+
+
+def session_containers(client: Any, state_dir: Path, session_id: Optional[str] = None) -> list[Any]:
+    labels = [f"{LABEL_STATE_DIR}={state_dir}"]
+    if session_id:
+        labels.append(f"io.reploy.session.live-run={session_id}")
+    return client.containers.list(all=True, filters={"label": labels})
+
+
+@pytest.fixture(scope="session")
+def managed_workload(docker_client: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """examples/managed (python3 + busybox top/vi), staged and built once."""
+    from conftest import stage_and_build
+
+    directory = tmp_path_factory.mktemp("managed") / "workload"
+    stage_and_build(ROOT / "examples/managed/managed.blueprint.yaml", directory)
+    return directory
+
+
+@pytest.fixture
+def serve_factory(docker_engine: Any, managed_workload: Path) -> Iterator[Callable[..., ServeProcess]]:
+    """Starts serve processes (a fresh state dir unless given); afterwards deletes every session
+    through the API of a live one, stops them all and removes the state dirs. The docker_engine
+    check then asserts no container is left."""
+    started: list[ServeProcess] = []
+    temp_dirs: list[Path] = []
+
+    def start(*extra: str, state_dir: Optional[Path] = None, env: Optional[dict[str, str]] = None) -> ServeProcess:
+        if state_dir is None:
+            # Short, so the host-side socket paths stay readable in failures.
+            state_dir = Path(tempfile.mkdtemp(prefix="rs-")) / "state"
+            temp_dirs.append(state_dir.parent)
+        process = ServeProcess(state_dir, managed_workload, *extra, env=env)
+        started.append(process)
+        return process
+
+    yield start
+    live = [p for p in started if p.proc.poll() is None]
+    try:
+        for state_dir in {p.state_dir for p in started}:
+            server = next((p for p in live if p.state_dir == state_dir), None)
+            if server is None:  # every serve on this state dir was killed: start one to clean up
+                server = start(state_dir=state_dir)
+                live.append(server)
+            server.api.delete_all()
+    finally:
+        for process in started:
+            process.stop()
+        for directory in temp_dirs:
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+def sse_events(api: Api, sid: str, offset: Optional[int] = None, last_event_id: Optional[str] = None,
+               until: Callable[[list[dict[str, Any]]], bool] = lambda events: False,
+               timeout_s: float = DEADLINE_S) -> list[dict[str, Any]]:
+    """Reads one SSE connection until `until(events)` holds or the server ends it. Comments
+    are returned as {"comment": text}."""
+    conn = http.client.HTTPConnection(api.host, api.port, timeout=timeout_s)
+    path = f"/api/v1/sessions/{sid}/stream" + (f"?offset={offset}" if offset is not None else "")
+    conn.request("GET", path, headers={"Last-Event-ID": last_event_id} if last_event_id else {})
+    response = conn.getresponse()
+    assert response.status == 200, response.read()
+    assert response.getheader("Content-Type") == "text/event-stream"
+    events: list[dict[str, Any]] = []
+    current: dict[str, Any] = {}
+    try:
+        while not until(events):
+            line = response.fp.readline()
+            if not line:
+                break
+            text = line.decode().rstrip("\n")
+            if text == "":
+                if current:
+                    events.append(current)
+                current = {}
+            elif text.startswith(":"):
+                events.append({"comment": text[1:].strip()})
+            else:
+                key, _, value = text.partition(": ")
+                current[key] = json.loads(value) if key == "data" else value
+    finally:
+        conn.close()
+    return events
+
+
+def in_thread(target: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
+    """Runs target on a thread; the list receives its result or exception."""
+    box: list[Any] = []
+
+    def run() -> None:
+        try:
+            box.append(target())
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            box.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, box

@@ -1,0 +1,319 @@
+"""The pure cores of `reploy serve`: the session state machine, the store's compare-and-swap
+and leases (real SQLite, no Docker), request bodies, the SSE encoder, routes and the OpenAPI
+document, the `session` client's requests."""
+
+from __future__ import annotations
+
+import base64
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import reploy  # noqa: E402
+from reploy import SessionEvent as E, SessionState as S  # noqa: E402
+
+# -- the state machine ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("state", "event", "after"), [
+    (S.CREATING, E.STARTED, S.ACTIVE),
+    (S.CREATING, E.ROLLBACK, S.DELETING),
+    (S.ACTIVE, E.PAUSED, S.IDLE),
+    (S.IDLE, E.RESUMED, S.ACTIVE),
+    (S.ACTIVE, E.CHECKPOINT, S.SNAPSHOTTING),
+    (S.IDLE, E.CHECKPOINT, S.SNAPSHOTTING),
+    (S.SNAPSHOTTING, E.CHECKPOINTED, S.SNAPSHOT),
+    (S.SNAPSHOTTING, E.ROLLBACK, S.ACTIVE),
+    (S.SNAPSHOT, E.RESTORE, S.RESTORING),
+    (S.RESTORING, E.STARTED, S.ACTIVE),
+    (S.RESTORING, E.ROLLBACK, S.SNAPSHOT),
+    (S.ACTIVE, E.RELAUNCHED, S.ACTIVE),
+    (S.IDLE, E.RELAUNCHED, S.ACTIVE),
+    (S.ACTIVE, E.DELETE, S.DELETING),
+    (S.IDLE, E.DELETE, S.DELETING),
+    (S.SNAPSHOT, E.DELETE, S.DELETING),
+    (S.DELETING, E.DELETE, S.DELETING),
+])
+def test_every_edge_of_the_table(state: S, event: E, after: S) -> None:
+    assert reploy.next_session_state(state, event) is after
+
+
+def test_everything_else_is_illegal_and_a_conflict() -> None:
+    legal = set(reploy.SESSION_TRANSITIONS)
+    assert len(legal) == 17
+    for state in S:
+        for event in E:
+            if (state, event) not in legal:
+                with pytest.raises(reploy.IllegalTransition) as info:
+                    reploy.next_session_state(state, event)
+                assert info.value.status == 409
+
+
+def test_every_transitional_state_has_a_way_out() -> None:
+    """Recovery needs an edge out of each transitional state that does not need the step that
+    was under way (ROLLBACK, or DELETE for deleting)."""
+    for state in set(S) - reploy.STABLE_STATES:
+        assert any((state, event) in reploy.SESSION_TRANSITIONS
+                   for event in (E.ROLLBACK, E.CHECKPOINTED, E.DELETE))
+
+
+def _record(**overrides: object) -> reploy.SessionRecord:
+    spec = reploy.SessionSpec(workload="shell", model=None, deployment="d", deployment_id="x",
+                              image_id="sha256:1", generation=1,
+                              runtime=reploy.Runtime(1000, 1000, ("/tmp",), 256, 128))
+    values = dict(id="0123456789abcdef", name="n", spec=spec, state=S.ACTIVE, version=1,
+                  created_at=1.0, last_access=1.0, state_since=1.0)
+    values.update(overrides)
+    return reploy.SessionRecord(**values)  # type: ignore[arg-type]
+
+
+def test_apply_bumps_the_version_and_dates_state_changes_only() -> None:
+    record = _record()
+    idle = reploy.apply_session_event(record, E.PAUSED, now=5.0)
+    assert (idle.state, idle.version, idle.state_since) == (S.IDLE, 2, 5.0)
+    again = reploy.apply_session_event(record, E.RELAUNCHED, now=7.0, container_id="c")
+    assert (again.state_since, again.container_id, again.version) == (1.0, "c", 2)
+
+
+def test_spec_round_trips_through_json() -> None:
+    spec = _record().spec
+    assert reploy.SessionSpec.from_json(spec.to_json()) == spec
+
+
+def test_lease_staleness() -> None:
+    import reploy_watchdog
+
+    me = f"h/{reploy_watchdog.process_identity()}/abcd"
+    assert reploy.lease_is_stale(None, 0, now=10, host="h")
+    assert reploy.lease_is_stale(me, expires=5, now=10, host="h")  # expired
+    assert not reploy.lease_is_stale(me, expires=50, now=10, host="h")  # live holder
+    dead = "h/999999999:1.0/abcd"
+    assert reploy.lease_is_stale(dead, expires=50, now=10, host="h")  # holder's process is gone
+    assert not reploy.lease_is_stale(dead, expires=50, now=10, host="other")  # cannot tell: wait
+
+
+# -- the store ------------------------------------------------------------------------------
+
+
+def test_store_compare_and_swap_is_fenced_by_version_and_lease(tmp_path: Path) -> None:
+    one, two = reploy.SessionStore(tmp_path / "s.db"), reploy.SessionStore(tmp_path / "s.db")
+    record = _record()
+    one.insert(record)
+    assert one.acquire(record.id, "owner-a", now=10)
+    assert not two.acquire(record.id, "owner-b", now=10)  # held
+    assert two.acquire(record.id, "owner-b", now=10, stale_owner="someone-else") is False
+    saved = one.save(record, reploy.apply_session_event(record, E.PAUSED, 10), "owner-a", now=10)
+    assert two.get(record.id).state is S.IDLE and saved.version == 2
+    with pytest.raises(reploy.SessionConflict):  # stale version
+        one.save(record, reploy.apply_session_event(record, E.PAUSED, 10), "owner-a", now=10)
+    with pytest.raises(reploy.SessionConflict):  # not the lease holder
+        two.save(saved, reploy.apply_session_event(saved, E.RESUMED, 10), "owner-b", now=10)
+    with pytest.raises(reploy.SessionConflict):  # the lease expired
+        one.save(saved, reploy.apply_session_event(saved, E.RESUMED, 10), "owner-a",
+                 now=10 + reploy.LEASE_TTL_S + 1)
+    assert two.acquire(record.id, "owner-b", now=10 + reploy.LEASE_TTL_S + 1)  # expiry
+    assert one.acquire(record.id, "owner-c", now=11, stale_owner="owner-b")  # a dead holder
+
+
+def test_touch_only_refreshes_an_active_session_nobody_holds(tmp_path: Path) -> None:
+    store = reploy.SessionStore(tmp_path / "s.db")
+    store.insert(_record())
+    store.insert(_record(id="fedcba9876543210", state=S.IDLE))
+    assert store.touch("0123456789abcdef", now=20)
+    assert store.get("0123456789abcdef").last_access == 20
+    assert not store.touch("fedcba9876543210", now=20)  # idle: the slow path resumes it
+    assert store.acquire("0123456789abcdef", "owner", now=21)
+    assert not store.touch("0123456789abcdef", now=22)  # held: wait for the holder
+    store.release("0123456789abcdef", "owner")
+    assert store.touch("0123456789abcdef", now=23)
+
+
+def test_exactly_one_of_many_racing_acquirers_wins(tmp_path: Path) -> None:
+    reploy.SessionStore(tmp_path / "s.db").insert(_record())
+    barrier = threading.Barrier(16)
+    wins: list[str] = []
+
+    def contend(name: str) -> None:
+        store = reploy.SessionStore(tmp_path / "s.db")
+        barrier.wait()
+        if store.acquire("0123456789abcdef", name, now=100):
+            wins.append(name)
+
+    threads = [threading.Thread(target=contend, args=(f"o{i}",)) for i in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(wins) == 1
+
+
+def test_delete_is_fenced_by_the_lease(tmp_path: Path) -> None:
+    store = reploy.SessionStore(tmp_path / "s.db")
+    record = _record()
+    store.insert(record)
+    store.acquire(record.id, "a", now=1)
+    store.delete(record.id, "b")
+    assert store.get(record.id) is not None
+    store.delete(record.id, "a")
+    assert store.get(record.id) is None
+
+
+# -- request bodies ---------------------------------------------------------------------------
+
+CREATE = reploy.BODY_RULES["create"]
+
+
+@pytest.mark.parametrize(("raw", "error"), [
+    (b"[]", reploy.BadRequest),
+    (b"{", reploy.BadRequest),
+    (b'{"name": "a", "workload": "shell"} {}', reploy.BadRequest),  # trailing data
+    (b'{"name": "a", "workload": "shell", "extra": 1}', reploy.BadRequest),
+    (b'{"name": "a", "name": "b", "workload": "shell"}', reploy.BadRequest),
+    (b'{"name": 1, "workload": "shell"}', reploy.BadRequest),
+    (b'{"workload": "shell"}', reploy.BadRequest),
+    (b'{"name": "a", "workload": "shell", "model": NaN}', reploy.BadRequest),
+    (b'\xff', reploy.BadRequest),
+    (b'{"name": "a", "workload": "vm"}', reploy.Unprocessable),
+    (b'{"name": "../x", "workload": "shell"}', reploy.Unprocessable),
+    (b'{"name": "a", "workload": "agent", "model": "bad model"}', reploy.Unprocessable),
+])
+def test_create_bodies_are_strict(raw: bytes, error: type) -> None:
+    with pytest.raises(error):
+        reploy.parse_body(raw, CREATE)
+
+
+def test_valid_bodies_and_ranges() -> None:
+    assert reploy.parse_body(b'{"name": "a b", "workload": "agent", "model": "~anthropic/x"}',
+                             CREATE)["model"] == "~anthropic/x"
+    assert reploy.parse_body(b"", reploy.BODY_RULES["empty"]) == {}
+    rules = reploy.BODY_RULES["resize"]
+    with pytest.raises(reploy.BadRequest):
+        reploy.parse_body(b'{"columns": true, "rows": 2}', rules)  # a bool is not an int
+    with pytest.raises(reploy.Unprocessable):
+        reploy.parse_body(b'{"columns": 0, "rows": 2}', rules)
+    with pytest.raises(reploy.PayloadTooLarge):
+        reploy.parse_body(b" " * (reploy.MAX_BODY_BYTES + 1), rules)
+
+
+def test_payloads_are_base64_and_bounded() -> None:
+    assert reploy.decode_payload(base64.b64encode(b"ls\r").decode(), "d") == b"ls\r"
+    with pytest.raises(reploy.BadRequest):
+        reploy.decode_payload("not base64!", "d")
+    with pytest.raises(reploy.PayloadTooLarge):
+        reploy.decode_payload(base64.b64encode(b"x" * (reploy.MAX_PAYLOAD_BYTES + 1)).decode(), "d")
+
+
+def test_session_json_has_no_secret_and_counts_down_from_last_access() -> None:
+    doc = reploy.session_json(_record(last_access=100.0), idle_after_s=10, snapshot_after_s=60)
+    assert (doc["idleAt"], doc["snapshotAt"]) == (110.0, 160.0)
+    doc = reploy.session_json(_record(state=S.SNAPSHOT), 10, 60)
+    assert doc["idleAt"] is None and doc["snapshotAt"] is None
+    schema = json.loads((ROOT / "web/openapi.json").read_text())["components"]["schemas"]["Session"]
+    assert set(doc) == set(schema["required"]) == set(schema["properties"])
+
+
+# -- SSE --------------------------------------------------------------------------------------
+
+
+def test_output_events_carry_exact_byte_ranges() -> None:
+    event = reploy.sse_output(10, b"\x1b[31mred\xe2\x82")
+    lines = event.decode().split("\n")
+    assert lines[0] == "id: 20" and lines[1] == "event: output" and event.endswith(b"\n\n")
+    data = json.loads(lines[2][len("data: "):])
+    assert data["offset"] == 10 and data["nextOffset"] == 20
+    assert len(base64.b64decode(data["payloadBase64"])) == data["nextOffset"] - data["offset"]
+
+
+def test_reset_event_and_cursor_precedence() -> None:
+    assert reploy.sse_reset(7) == b'id: 7\nevent: reset\ndata: {"nextOffset":7}\n\n'
+    assert reploy.sse_cursor(None, None) == 0
+    assert reploy.sse_cursor(None, "5") == 5
+    assert reploy.sse_cursor("9", "5") == 9  # Last-Event-ID wins
+    with pytest.raises(reploy.BadRequest):
+        reploy.sse_cursor("-1", None)
+    with pytest.raises(reploy.BadRequest):
+        reploy.sse_cursor(None, "x")
+
+
+@pytest.mark.parametrize(("data", "kept"), [
+    (b"abc", 3), (b"ab\xc3", 2), (b"ab\xc3\xa9", 4), (b"\xe2\x82", 0), (b"\xe2\x82\xac", 3),
+    (b"x\xf0\x9f\x98", 1), (b"x\xf0\x9f\x98\x80", 5), (b"", 0),
+])
+def test_agent_chunks_end_on_code_point_boundaries(data: bytes, kept: int) -> None:
+    assert reploy.utf8_complete_prefix(data) == data[:kept]
+
+
+# -- routes and the OpenAPI document ----------------------------------------------------------
+
+
+def test_routes_match_and_refuse() -> None:
+    assert reploy.match_route("GET", "/sessions") == ("list_sessions", None)
+    assert reploy.match_route("POST", "/sessions/0123456789abcdef/read") == ("read", "0123456789abcdef")
+    with pytest.raises(reploy.SessionNotFound):
+        reploy.match_route("GET", "/sessions/NOT-AN-ID")
+    with pytest.raises(reploy.SessionNotFound):
+        reploy.match_route("GET", "/nothing")
+    with pytest.raises(reploy.MethodNotAllowed) as info:
+        reploy.match_route("PUT", "/sessions")
+    assert set(info.value.allowed) == {"GET", "POST"}
+
+
+def test_openapi_documents_exactly_the_routes() -> None:
+    spec = json.loads((ROOT / "web/openapi.json").read_text())
+    documented = {(method.upper(), path) for path, item in spec["paths"].items() for method in item}
+    served = {(method, path) for method, path, _ in reploy.API_ROUTES}
+    assert documented == served
+    for name, rules in (("CreateSession", "create"), ("ReadRequest", "read"),
+                        ("WriteRequest", "write"), ("MessageRequest", "message"),
+                        ("ResizeRequest", "resize")):
+        schema = spec["components"]["schemas"][name]
+        assert set(schema["properties"]) == set(reploy.BODY_RULES[rules])
+        assert set(schema.get("required", [])) == {k for k, r in reploy.BODY_RULES[rules].items()
+                                                   if r.required}
+
+
+# -- the `session` client and `serve` usage ---------------------------------------------------
+
+
+def test_client_requests() -> None:
+    args = SimpleNamespace(session_action="create", name="n", workload="agent", model="m",
+                           deployment=None)
+    assert reploy.client_request(args) == ("POST", "/sessions",
+                                           {"name": "n", "workload": "agent", "model": "m"})
+    args = SimpleNamespace(session_action="read", id="x", offset=3, max_bytes=10, wait_ms=0)
+    assert reploy.client_request(args) == ("POST", "/sessions/x/read",
+                                           {"offset": 3, "maxBytes": 10, "waitMs": 0})
+    assert reploy.client_request(SimpleNamespace(session_action="delete", id="x"))[:2] == (
+        "DELETE", "/sessions/x")
+    assert reploy.client_request(SimpleNamespace(session_action="snapshot", id="x")) == (
+        "POST", "/sessions/x/snapshot", {})
+
+
+@pytest.mark.parametrize("extra", [
+    ["--idle-after", "soon"],
+    ["--agent-command", '["claude"]'],
+    ["--agent-env", "REPLOY_SURELY_UNSET_VARIABLE"],
+    ["--mount", "/nonexistent:/x"],
+    ["--listen", "nowhere"],
+    ["--models", '["a", "a"]'],
+])
+def test_serve_usage_errors_exit_2_with_nothing_on_stdout(extra: list[str], tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "reploy.py"), "serve", "--state-dir",
+                           str(tmp_path), "--workload-dir", str(tmp_path), *extra],
+                          capture_output=True, timeout=60)
+    assert proc.returncode == 2 and proc.stdout == b"", proc.stderr
+
+
+def test_session_client_without_a_server_prints_one_error_document() -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "reploy.py"), "session", "list",
+                           "--server", "http://127.0.0.1:9"], capture_output=True, timeout=60)
+    assert proc.returncode == 1
+    assert "error" in json.loads(proc.stdout)

@@ -1,0 +1,406 @@
+// Reploy's session UI: a small single-page app over /api/v1 (see openapi.json). No build step.
+// Screens: sessions list (#/), new session (#/new), workspace (#/s/<id>): a terminal for shell
+// sessions, a prompt and live transcript for agent sessions, and a restore screen for
+// snapshotted ones. Output arrives over the passive SSE stream; opening a workspace is an
+// explicit access (POST /switch), which resumes an idle session.
+"use strict";
+
+const API = "/api/v1";
+const POLL_MS = 2000;
+
+// ---- helpers --------------------------------------------------------------------------------
+
+class ApiError extends Error {
+  constructor(message, status) { super(message); this.status = status; }
+}
+
+async function api(method, path, body) {
+  const init = { method, headers: {} };
+  if (body !== undefined) {
+    init.headers["Content-Type"] = "application/json";
+    init.body = JSON.stringify(body);
+  }
+  const response = await fetch(API + path, init);
+  let doc = {};
+  try { doc = await response.json(); } catch (_) { doc = { error: response.statusText }; }
+  if (!response.ok) throw new ApiError(doc.error || response.statusText, response.status);
+  return doc;
+}
+
+function h(tag, attrs = {}, ...children) {
+  const node = document.createElement(tag);
+  for (const [key, value] of Object.entries(attrs)) {
+    if (key.startsWith("on")) node.addEventListener(key.slice(2), value);
+    else if (value !== undefined && value !== null && value !== false) node.setAttribute(key, value === true ? "" : value);
+  }
+  for (const child of children.flat()) {
+    if (child !== null && child !== undefined) node.append(child instanceof Node ? child : String(child));
+  }
+  return node;
+}
+
+function bytesToBase64(bytes) {
+  let text = "";
+  for (let i = 0; i < bytes.length; i += 0x8000) text += String.fromCharCode(...bytes.subarray(i, i + 0x8000));
+  return btoa(text);
+}
+
+function base64ToBytes(b64) {
+  const text = atob(b64);
+  const bytes = new Uint8Array(text.length);
+  for (let i = 0; i < text.length; i++) bytes[i] = text.charCodeAt(i);
+  return bytes;
+}
+
+function ago(seconds) {
+  seconds = Math.max(0, Math.round(seconds));
+  if (seconds < 60) return `${seconds}s ago`;
+  if (seconds < 3600) return `${Math.floor(seconds / 60)}m ago`;
+  return `${Math.floor(seconds / 3600)}h ago`;
+}
+
+function clock(seconds) {
+  seconds = Math.max(0, Math.round(seconds));
+  const m = Math.floor(seconds / 60), s = seconds % 60;
+  return m >= 60 ? `${Math.floor(m / 60)}h${String(m % 60).padStart(2, "0")}m` : `${m}:${String(s).padStart(2, "0")}`;
+}
+
+function badge(state) { return h("span", { class: `badge ${state}`, "data-test": "state" }, state); }
+
+// ---- router ---------------------------------------------------------------------------------
+
+const view = document.getElementById("view");
+let teardown = null;
+
+function show(...nodes) { view.replaceChildren(...nodes); }
+
+function route() {
+  if (teardown) { teardown(); teardown = null; }
+  const hash = location.hash || "#/";
+  const session = hash.match(/^#\/s\/([0-9a-f]{16})$/);
+  for (const link of document.querySelectorAll("[data-nav]")) {
+    link.classList.toggle("current", link.dataset.nav === (hash === "#/new" ? "new" : session ? "" : "sessions"));
+  }
+  if (hash === "#/new") newSessionScreen();
+  else if (session) workspaceScreen(session[1]);
+  else sessionsScreen();
+}
+
+window.addEventListener("hashchange", route);
+
+// ---- sessions list --------------------------------------------------------------------------
+
+function sessionsScreen() {
+  const body = h("tbody");
+  const error = h("div", { class: "error" });
+  let skew = 0, sessions = [], stopped = false;
+  const confirming = new Set();
+
+  function countdown(s) {
+    const now = Date.now() / 1000 + skew;
+    if (s.state === "active" && s.idleAt) return `idle in ${clock(s.idleAt - now)}`;
+    if (s.state === "idle" && s.snapshotAt) return `snapshot in ${clock(s.snapshotAt - now)}`;
+    return "—";
+  }
+
+  function draw() {
+    const now = Date.now() / 1000 + skew;
+    if (!sessions.length) {
+      body.replaceChildren(h("tr", {}, h("td", { colspan: 7, class: "empty" }, "No sessions yet. ", h("a", { href: "#/new" }, "Create one."))));
+      return;
+    }
+    body.replaceChildren(...sessions.map((s) => {
+      const del = confirming.has(s.id)
+        ? [h("button", { class: "danger confirm", "data-test": "confirm-delete", onclick: () => remove(s.id) }, "Confirm delete"),
+           h("button", { onclick: () => { confirming.delete(s.id); draw(); } }, "Cancel")]
+        : [h("button", { class: "danger", "data-test": "delete", onclick: () => { confirming.add(s.id); draw(); } }, "Delete")];
+      return h("tr", { "data-session": s.id },
+        h("td", {}, h("a", { href: `#/s/${s.id}`, "data-test": "open" }, s.name)),
+        h("td", {}, s.workload + (s.model ? ` · ${s.model}` : "")),
+        h("td", {}, badge(s.state)),
+        h("td", { class: "muted" }, s.deployment),
+        h("td", { class: "muted" }, ago(now - s.lastAccess)),
+        h("td", { class: "muted", "data-test": "countdown" }, countdown(s)),
+        h("td", { class: "actions" }, ...del));
+    }));
+  }
+
+  async function refresh() {
+    try {
+      const doc = await api("GET", "/sessions");
+      skew = doc.now - Date.now() / 1000;
+      sessions = doc.sessions;
+      error.textContent = "";
+    } catch (e) { error.textContent = e.message; }
+    if (!stopped) draw();
+  }
+
+  async function remove(id) {
+    confirming.delete(id);
+    try { await api("DELETE", `/sessions/${id}`); } catch (e) { error.textContent = e.message; }
+    refresh();
+  }
+
+  show(h("div", { class: "toolbar" }, h("h1", {}, "Sessions"), h("span", { class: "spacer" }),
+         h("a", { class: "button", href: "#/new" }, "New session")),
+       error,
+       h("table", { "data-test": "sessions" },
+         h("thead", {}, h("tr", {}, ...["Name", "Workload", "State", "Deployment", "Last access", "Idle countdown", ""].map((t) => h("th", {}, t)))),
+         body));
+  refresh();
+  const poll = setInterval(refresh, POLL_MS);
+  const tick = setInterval(draw, 1000);
+  teardown = () => { stopped = true; clearInterval(poll); clearInterval(tick); };
+}
+
+// ---- new session ----------------------------------------------------------------------------
+
+async function newSessionScreen() {
+  const error = h("div", { class: "error", "data-test": "error" });
+  const name = h("input", { name: "name", required: true, maxlength: 64, placeholder: "my-session", "data-test": "name" });
+  const workload = h("select", { name: "workload", "data-test": "workload" },
+                     h("option", { value: "shell" }, "shell"), h("option", { value: "agent" }, "agent"));
+  const models = h("datalist", { id: "models" });
+  const model = h("input", { name: "model", list: "models", placeholder: "platform default", "data-test": "model" });
+  const modelField = h("label", { hidden: true }, "Model", model, models);
+  const deployment = h("select", { name: "deployment", "data-test": "deployment" });
+  const submit = h("button", { class: "primary", type: "submit", "data-test": "create" }, "Create session");
+  workload.addEventListener("change", () => { modelField.hidden = workload.value !== "agent"; });
+
+  const form = h("form", { class: "form", onsubmit: async (event) => {
+    event.preventDefault();
+    submit.disabled = true;
+    error.textContent = "";
+    const body = { name: name.value.trim(), workload: workload.value };
+    if (workload.value === "agent" && model.value.trim()) body.model = model.value.trim();
+    if (deployment.value) body.deployment = deployment.value;
+    try {
+      submit.textContent = "Starting…";
+      const session = await api("POST", "/sessions", body);
+      location.hash = `#/s/${session.id}`;
+    } catch (e) {
+      error.textContent = e.message;
+      submit.disabled = false;
+      submit.textContent = "Create session";
+    }
+  } },
+    h("label", {}, "Name", name), h("label", {}, "Workload", workload), modelField,
+    h("label", {}, "Deployment", deployment), submit, error);
+  show(h("h1", {}, "New session"), form);
+  try {
+    const config = await api("GET", "/config");
+    deployment.replaceChildren(...config.deployments.map((d) => h("option", { value: d }, d)));
+    models.replaceChildren(...config.agent.models.map((m) => h("option", { value: m })));
+    model.placeholder = `${config.agent.defaultModel} (platform default)`;
+  } catch (e) { error.textContent = e.message; }
+}
+
+// ---- workspace ------------------------------------------------------------------------------
+
+async function workspaceScreen(id) {
+  let closed = false;
+  const cleanups = [];
+  teardown = () => { closed = true; cleanups.forEach((f) => f()); };
+  let session;
+  try {
+    session = await api("GET", `/sessions/${id}`);
+  } catch (e) {
+    show(h("h1", {}, "Session"), h("div", { class: "error" }, e.message), h("a", { href: "#/" }, "Back to sessions"));
+    return;
+  }
+  if (closed) return;
+  if (session.state === "snapshot") return restoreScreen(session);
+  if (session.state !== "active" && session.state !== "idle") {
+    show(h("h1", {}, session.name), h("p", { class: "muted" }, `The session is ${session.state}…`));
+    const again = setTimeout(() => { if (!closed) route(); }, 500);
+    cleanups.push(() => clearTimeout(again));
+    return;
+  }
+  try {
+    session = await api("POST", `/sessions/${id}/switch`, {}); // an access: resumes an idle session
+  } catch (e) {
+    show(h("h1", {}, session.name), h("div", { class: "error" }, e.message));
+    return;
+  }
+  if (closed) return;
+
+  const state = badge(session.state);
+  const status = h("div", { class: "statusline", "data-test": "statusline" });
+  const snapshot = h("button", { "data-test": "snapshot", onclick: async () => {
+    snapshot.disabled = true;
+    try { await api("POST", `/sessions/${id}/snapshot`, {}); route(); }
+    catch (e) { status.textContent = e.message; snapshot.disabled = false; }
+  } }, "Snapshot");
+  const toolbar = h("div", { class: "toolbar" }, h("h1", {}, session.name), state,
+                    h("span", { class: "muted" }, `${session.workload}${session.model ? " · " + session.model : ""} · ${session.deployment}`),
+                    h("span", { class: "spacer" }), snapshot);
+
+  // The session's state, polled passively: a snapshot taken meanwhile routes to restore.
+  const poll = setInterval(async () => {
+    try {
+      const current = await api("GET", `/sessions/${id}`);
+      state.className = `badge ${current.state}`;
+      state.textContent = current.state;
+      if (current.state === "snapshot") route();
+    } catch (e) { if (e.status === 404) location.hash = "#/"; }
+  }, POLL_MS);
+  cleanups.push(() => clearInterval(poll));
+
+  const onOutput = session.workload === "shell" ? shellView(id, toolbar, status, cleanups) : agentView(id, toolbar, status, cleanups);
+  follow(id, onOutput, status, cleanups, () => closed);
+}
+
+// Follows the SSE stream; on `reset` it re-reads the log from 0 and reconnects; on a transport
+// failure it reconnects only while the session is active or idle.
+function follow(id, sink, status, cleanups, isClosed) {
+  let source = null, cursor = 0, retry = null;
+  const open = () => {
+    source = new EventSource(`${API}/sessions/${id}/stream?offset=${cursor}`);
+    source.addEventListener("output", (event) => {
+      const chunk = JSON.parse(event.data);
+      if (chunk.offset !== cursor) return; // overlap after a reconnect: already shown
+      sink.write(base64ToBytes(chunk.payloadBase64));
+      cursor = chunk.nextOffset;
+    });
+    source.addEventListener("reset", async () => {
+      source.close();
+      sink.reset();
+      cursor = 0;
+      try {
+        for (;;) {
+          const page = await api("POST", `/sessions/${id}/read`, { offset: cursor, maxBytes: 524288 });
+          sink.write(base64ToBytes(page.payloadBase64));
+          cursor = page.nextOffset;
+          if (cursor >= page.length) break;
+        }
+      } catch (e) { status.textContent = e.message; }
+      if (!isClosed()) open();
+    });
+    source.onerror = async () => {
+      source.close();
+      if (isClosed()) return;
+      try {
+        const current = await api("GET", `/sessions/${id}`);
+        if (current.state === "snapshot") { route(); return; }
+      } catch (e) { if (e.status === 404) { location.hash = "#/"; return; } }
+      retry = setTimeout(() => { if (!isClosed()) open(); }, 1000);
+    };
+  };
+  open();
+  cleanups.push(() => { if (source) source.close(); clearTimeout(retry); });
+}
+
+function shellView(id, toolbar, status, cleanups) {
+  const frame = h("div", { class: "terminal-frame", "data-test": "terminal" });
+  show(toolbar, frame, status);
+  const term = new Terminal({ cursorBlink: true, fontSize: 14, fontFamily: "DejaVu Sans Mono, monospace",
+                              scrollback: 5000, theme: { background: "#000000" } });
+  term.open(frame);
+  window.reployTerminal = term; // for tests and the console
+
+  // Keystrokes in order: one write in flight, the rest batched behind it.
+  const encoder = new TextEncoder();
+  let pending = [], sending = false;
+  const flush = async () => {
+    if (sending || !pending.length) return;
+    sending = true;
+    const data = pending.join("");
+    pending = [];
+    try {
+      await api("POST", `/sessions/${id}/write`, { dataBase64: bytesToBase64(encoder.encode(data)) });
+      status.textContent = "";
+    } catch (e) { status.textContent = `write failed: ${e.message}`; }
+    sending = false;
+    flush();
+  };
+  term.onData((data) => { pending.push(data); flush(); });
+
+  // Fit the terminal to its frame and tell the PTY.
+  let size = "";
+  const fit = () => {
+    const cell = term._core && term._core._renderService && term._core._renderService.dimensions.css.cell;
+    if (!cell || !cell.width || !cell.height) return;
+    const columns = Math.max(2, Math.floor((frame.clientWidth - 12) / cell.width));
+    const rows = Math.max(2, Math.floor((frame.clientHeight - 12) / cell.height));
+    if (`${columns}x${rows}` === size) return;
+    size = `${columns}x${rows}`;
+    term.resize(columns, rows);
+    api("POST", `/sessions/${id}/resize`, { columns, rows }).catch((e) => { status.textContent = e.message; });
+  };
+  const observer = new ResizeObserver(() => fit());
+  observer.observe(frame);
+  requestAnimationFrame(fit);
+  term.focus();
+  cleanups.push(() => { observer.disconnect(); term.dispose(); delete window.reployTerminal; });
+  return { write: (bytes) => term.write(bytes), reset: () => term.reset() };
+}
+
+function agentView(id, toolbar, status, cleanups) {
+  const transcript = h("pre", { class: "transcript", "data-test": "transcript" });
+  const prompt = h("textarea", { placeholder: "Ask the agent… (Ctrl+Enter sends)", "data-test": "prompt" });
+  const queue = h("span", { class: "muted", "data-test": "queue" }, "");
+  const send = h("button", { class: "primary", "data-test": "send", onclick: () => submit() }, "Send");
+  const interrupt = h("button", { class: "danger", "data-test": "interrupt", onclick: async () => {
+    try { const r = await api("POST", `/sessions/${id}/interrupt`, {}); status.textContent = r.cancelled ? "interrupted" : "nothing to interrupt"; }
+    catch (e) { status.textContent = e.message; }
+  } }, "Interrupt");
+  show(toolbar, h("div", { class: "agent" }, transcript,
+       h("div", { class: "prompt" }, prompt, h("div", { class: "buttons" }, send, interrupt)), queue), status);
+
+  async function submit() {
+    const text = prompt.value;
+    if (!text.trim()) return;
+    send.disabled = true;
+    try {
+      const r = await api("POST", `/sessions/${id}/message`, { text });
+      prompt.value = "";
+      status.textContent = r.delivery === "queued" ? `queued (${r.queueDepth} waiting)` : "sent";
+    } catch (e) { status.textContent = e.message; }
+    send.disabled = false;
+  }
+  prompt.addEventListener("keydown", (event) => {
+    if (event.key === "Enter" && (event.ctrlKey || event.metaKey)) { event.preventDefault(); submit(); }
+  });
+
+  // Queue state, passively (status never resumes a session).
+  const poll = setInterval(async () => {
+    try {
+      const { agent } = await api("GET", `/sessions/${id}/status`);
+      queue.textContent = agent ? `turn: ${agent.turnState} · queued: ${agent.queueDepth}` : "";
+    } catch (_) { /* the state poll reports errors */ }
+  }, 1000);
+  cleanups.push(() => clearInterval(poll));
+
+  let decoder = new TextDecoder();
+  return {
+    write: (bytes) => {
+      const atBottom = transcript.scrollTop + transcript.clientHeight >= transcript.scrollHeight - 4;
+      transcript.append(decoder.decode(bytes, { stream: true }));
+      if (atBottom) transcript.scrollTop = transcript.scrollHeight;
+    },
+    reset: () => { decoder = new TextDecoder(); transcript.textContent = ""; },
+  };
+}
+
+// ---- restore --------------------------------------------------------------------------------
+
+function restoreScreen(session) {
+  const error = h("div", { class: "error" });
+  const button = h("button", { class: "primary", "data-test": "restore", onclick: async () => {
+    button.disabled = true;
+    button.textContent = "Restoring…";
+    try { await api("POST", `/sessions/${session.id}/switch`, {}); route(); }
+    catch (e) { error.textContent = e.message; button.disabled = false; button.textContent = "Restore"; }
+  } }, "Restore");
+  const size = session.snapshotBytes ? `${Math.ceil(session.snapshotBytes / 1024)} KiB archive` : "archive";
+  show(h("div", { class: "toolbar" }, h("h1", {}, session.name), badge(session.state)),
+       h("div", { class: "restore", "data-test": "restore-screen" },
+         h("p", {}, `This ${session.workload} session was snapshotted ${ago(Date.now() / 1000 - session.stateSince)} (${size}). ` +
+                    "Its container was removed; its output and workspace are kept."),
+         h("p", { class: "muted" }, session.workload === "shell"
+           ? "Restoring starts a fresh shell in a new container; the earlier output stays above it."
+           : "Restoring starts a new container; the conversation continues where it stopped."),
+         h("div", {}, button), error));
+}
+
+route();
