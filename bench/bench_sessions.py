@@ -28,7 +28,6 @@ import itertools
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -46,9 +45,12 @@ CONTROLLER_SOURCE = ROOT / "bench/controller"
 DRIVER_SOURCE = ROOT / "examples/controller/context/reploy_driver.py"
 WORKLOAD_BLUEPRINT = ROOT / "examples/workload/workload.blueprint.yaml"
 ROLE_FILES = ("reploy.py", "reploy_session_client.py", "reploy_watchdog.py")
-sys.path[:0] = [str(CONTROLLER_SOURCE / "context"), str(DRIVER_SOURCE.parent)]
+SDK_BASELINE = CONTROLLER_SOURCE / "sdk_baseline.py"
+sys.path[:0] = [str(CONTROLLER_SOURCE), str(CONTROLLER_SOURCE / "context"),
+                str(DRIVER_SOURCE.parent)]
 
 import bench_controller  # noqa: E402  (its Probe measures the direct-attach baselines)
+import sdk_baseline  # noqa: E402  (the SDK baseline's engine calls, for the direct attach too)
 
 MIB = bench_controller.MIB
 #: Sessions (and SDK baselines) timed for ready and teardown.
@@ -64,8 +66,6 @@ DENSITY_SESSIONS = (1, 5, 10)
 PROCESS_TIMEOUT_S = 180.0
 #: How long concurrent sessions may take to all become live.
 HOLD_DEADLINE_S = 120.0
-#: How often to look for a file another process writes (never part of a timed interval).
-POLL_INTERVAL_S = 0.005
 #: Carried by every container the baselines create, and what they are removed by.
 BASELINE_LABEL = "io.reploy.bench.baseline"
 #: Bytes of a failing process's stderr repeated in the error.
@@ -101,7 +101,8 @@ def figure(name: str, unit: str, samples: list[float], baseline: list[float]) ->
 
 
 def print_table(lines: list[dict[str, Any]]) -> None:
-    header = f"{'figure':<30} {'unit':<11} {'n':>4} {'p50':>10} {'p99':>10} {'baseline':>10} {'ratio':>7}"
+    header = (f"{'figure':<30} {'unit':<11} {'n':>4} {'p50':>10} {'p99':>10} {'baseline':>10} "
+              f"{'ratio':>7}")
     rows = [f"{f['name']:<30} {f['unit']:<11} {f['n']:>4} {f['p50']:>10.2f} {f['p99']:>10.2f} "
             f"{f['baseline']:>10.2f} {f['ratio']:>7.2f}" for f in lines]
     print("\n".join([header, *rows]), file=sys.stderr)
@@ -112,7 +113,7 @@ def log(message: str) -> None:
 
 
 # ============================================================================================
-# The engine work both arms share: the workload container as the session makes it
+# The baselines' containers: reploy's own ContainerSpec, labelled for the bench
 # ============================================================================================
 
 
@@ -131,78 +132,18 @@ def workload_spec(reploy: ModuleType, deployment: Any, labels: dict[str, str]) -
         hostname="workload")
 
 
-def create_owned(backend: Any, spec: Any, owned: contextlib.ExitStack) -> str:
-    container_id = backend.create(spec)
-    owned.callback(backend.remove_container, container_id)
-    return container_id
-
-
-def start_attached(backend: Any, container_id: str, owned: contextlib.ExitStack,
-                   columns: int, rows: int) -> socket.socket:
-    """Attach before start and resize after, as the host does; a blocking PTY socket."""
-    pty = backend.attach_pty(container_id)
-    owned.callback(pty.close)
-    backend.start(container_id)
-    backend.resize(container_id, columns, rows)
-    pty.setblocking(True)
-    return pty
-
-
-# ============================================================================================
-# The SDK baseline for ready and teardown (run as its own process, like the host)
-# ============================================================================================
-
-
-def await_file(path: Path, deadline_s: float) -> dict[str, Any]:
-    deadline = time.monotonic() + deadline_s
-    while not path.exists():
-        if time.monotonic() > deadline:
-            raise BenchFailed(f"{path.name} never appeared")
-        time.sleep(POLL_INTERVAL_S)
-    return json.loads(path.read_text())
-
-
-def sdk_session(reploy: ModuleType, options: Any) -> dict[str, Any]:
-    """The same two containers, images and sandbox flags as the session, created, started and
-    attached with the engine calls the host makes, then ended by `exit` and removed. Ready is
-    when both the workload runs attached and the controller's program runs."""
-    plan = reploy.admit(options)
-    backend = reploy.DockerBackend()
+def controller_spec(reploy: ModuleType, backend: Any, plan: Any, output_dir: Path,
+                    labels: dict[str, str]) -> Any:
+    """The controller container as ControlledSession.prepare specifies it, less the session
+    channel it has no use for: the derived image, the output directory, init."""
     runtime = plan.controller.blueprint.runtime
-    controller_image = reploy.ensure_controller_image(
-        backend, plan.controller.current.image_id, runtime)
-    os.chown(options.output_dir, runtime.uid, runtime.gid)
-    labels = {BASELINE_LABEL: plan.run_id}
-    with contextlib.ExitStack() as owned:
-        workload_id = create_owned(backend, workload_spec(reploy, plan.workload, labels), owned)
-        controller_id = create_owned(backend, reploy.ContainerSpec(
-            role="controller", image_id=controller_image, command=plan.controller_argv,
-            runtime=runtime, labels=labels, network=None, hostname="controller", init=True,
-            environment={"HOME": reploy.CONTAINER_HOME,
-                         "REPLOY_OUTPUT_DIR": reploy.OUTPUT_DIR_MOUNT},
-            mounts=(reploy.Mount(str(options.output_dir.resolve()), reploy.OUTPUT_DIR_MOUNT,
-                                 False),)), owned)
-        backend.start(controller_id)
-        pty = start_attached(backend, workload_id, owned, options.columns, options.rows)
-        workload_ready_at = time.time()
-        controller = await_file(options.output_dir / bench_controller.REPORT_NAME,
-                                PROCESS_TIMEOUT_S)
-        rss_bytes = psutil.Process().memory_info().rss
-        exit_typed_at = time.time()
-        pty.sendall(b"exit 0\n")
-        backend.api.wait(workload_id, timeout=PROCESS_TIMEOUT_S)
-    return {"ready_at": max(workload_ready_at, controller["started_at"]),
-            "exit_typed_at": exit_typed_at, "rss_bytes": rss_bytes}
-
-
-def baseline_main(argv: list[str]) -> int:
-    """`bench_sessions.py baseline ROLES_DIR RUN_OPTIONS -- COMMAND`: the options a session
-    would get, parsed by reploy's own CLI parser."""
-    reploy = load_reploy(Path(argv[0]))
-    cut = argv.index("--")
-    args = reploy.build_parser().parse_args(["controlled-session", "run", *argv[1:cut]])
-    print(json.dumps(sdk_session(reploy, reploy.parse_run_options(args, argv[cut + 1:]))))
-    return 0
+    return reploy.ContainerSpec(
+        role="controller", runtime=runtime, command=plan.controller_argv,
+        image_id=reploy.ensure_controller_image(backend, plan.controller.current.image_id,
+                                                runtime),
+        environment={"HOME": reploy.CONTAINER_HOME, "REPLOY_OUTPUT_DIR": reploy.OUTPUT_DIR_MOUNT},
+        labels=labels, network=None, hostname="controller", init=True,
+        mounts=(reploy.Mount(str(output_dir), reploy.OUTPUT_DIR_MOUNT, False),))
 
 
 # ============================================================================================
@@ -273,25 +214,43 @@ class Bench:
         path.mkdir(parents=True)
         return path
 
-    def run_options(self, output_dir: Path, mode: list[str]) -> list[str]:
+    def cli_options(self, output_dir: Path) -> list[str]:
         return ["--controller-dir", str(self.controller_dir),
-                "--workload-dir", str(self.workload_dir), "--output-dir", str(output_dir),
-                "--", "run-bench", *mode]
+                "--workload-dir", str(self.workload_dir), "--output-dir", str(output_dir)]
 
     def start_session(self, *mode: str, output_dir: Path | None = None) -> Pending:
         """`python3 reploy.py controlled-session run … -- run-bench MODE`, as a user runs it."""
         output_dir = output_dir or self.output_dir()
         return launch([sys.executable, str(self.roles_dir / "reploy.py"), "controlled-session",
-                       "run", *self.run_options(output_dir, list(mode))],
+                       "run", *self.cli_options(output_dir), "--", "run-bench", *mode],
                       lambda stdout: session_report(stdout, output_dir))
 
     def session(self, *mode: str) -> Run:
         return self.start_session(*mode).conclude()
 
     def baseline(self) -> Run:
+        """One SDK baseline process, timed like a session's host."""
         output_dir = self.output_dir()
-        return launch([sys.executable, __file__, "baseline", str(self.roles_dir),
-                       *self.run_options(output_dir, ["baseline"])], json.loads).conclude()
+        spec_path = output_dir.with_suffix(".json")
+        spec_path.write_text(json.dumps(self.baseline_spec(output_dir)))
+        return launch([sys.executable, str(SDK_BASELINE), str(spec_path)], json.loads).conclude()
+
+    def baseline_spec(self, output_dir: Path) -> dict[str, Any]:
+        """What sdk_baseline.py creates: the session's two containers, planned by reploy's own
+        admission from the options a session gets, as Engine API arguments."""
+        reploy, api = self.reploy, self.backend.api
+        args = reploy.build_parser().parse_args(
+            ["controlled-session", "run", *self.cli_options(output_dir)])
+        options = reploy.parse_run_options(args, ["run-bench", "baseline"])
+        plan = reploy.admit(options)
+        runtime = plan.controller.blueprint.runtime
+        os.chown(output_dir, runtime.uid, runtime.gid)  # as the host does for --output-dir
+        labels = {BASELINE_LABEL: plan.run_id}
+        return {"workload": workload_spec(reploy, plan.workload, labels).create_kwargs(api),
+                "controller": controller_spec(reploy, self.backend, plan, output_dir,
+                                              labels).create_kwargs(api),
+                "columns": options.columns, "rows": options.rows,
+                "controller_report": str(output_dir / bench_controller.REPORT_NAME)}
 
 
 def session_report(stdout: bytes, output_dir: Path) -> dict[str, Any]:
@@ -383,12 +342,12 @@ def direct_stream(bench: Bench) -> dict[str, Any]:
     """The stream figures' baseline: the same Probe on the workload container's own attach
     stream, read here with the SDK, no session in between."""
     workload = bench.reploy.load_deployment(bench.workload_dir)
+    spec = workload_spec(bench.reploy, workload, {BASELINE_LABEL: "direct"})
+    api = bench.backend.api
     with contextlib.ExitStack() as owned:
-        container_id = create_owned(
-            bench.backend, workload_spec(bench.reploy, workload, {BASELINE_LABEL: "direct"}),
-            owned)
-        pty = start_attached(bench.backend, container_id, owned,
-                             bench.reploy.DEFAULT_COLUMNS, bench.reploy.DEFAULT_ROWS)
+        container_id = sdk_baseline.create_owned(api, spec.create_kwargs(api), owned)
+        pty = sdk_baseline.start_attached(api, container_id, owned,
+                                          bench.reploy.DEFAULT_COLUMNS, bench.reploy.DEFAULT_ROWS)
         probe = bench_controller.Probe(pty.sendall, pty.fileno())
         return {"throughput_mib_s": [probe.throughput(THROUGHPUT_BYTES)
                                      for _ in range(THROUGHPUT_ROUNDS)],
@@ -428,7 +387,7 @@ def density_mib(bench: Bench, count: int) -> list[float]:
             os.chmod(fifo, 0o666)  # the controller's runtime user reads it
             held.append((bench.start_session("hold", output_dir=output_dir), output_dir))
         for _, output_dir in held:
-            await_file(output_dir / bench_controller.HELD_NAME, HOLD_DEADLINE_S)
+            sdk_baseline.await_report(output_dir / bench_controller.HELD_NAME, HOLD_DEADLINE_S)
         return [host_rss_mib(pending.proc.pid) for pending, _ in held]
     finally:
         for pending, output_dir in held:
@@ -442,7 +401,7 @@ def conclude_all(pending: list[Pending]) -> None:
     for one in pending:
         try:
             one.conclude()
-        except BenchFailed as e:
+        except (BenchFailed, TimeoutError) as e:
             failures.append(e)
     if failures:
         raise failures[0]
@@ -481,8 +440,6 @@ def measure(bench: Bench) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str]) -> int:
-    if argv[:1] == ["baseline"]:
-        return baseline_main(argv[1:])
     work = Path(tempfile.mkdtemp(prefix="reploy-bench-"))
     try:
         bench = prepare(work)
@@ -492,7 +449,7 @@ def main(argv: list[str]) -> int:
             left = sweep(bench)
         if left:
             raise BenchFailed(f"left behind (now removed): {left}")
-    except BenchFailed as e:
+    except (BenchFailed, TimeoutError) as e:
         log(f"failed: {e}")
         return 1
     finally:
