@@ -8,7 +8,8 @@ TTY, so util-linux `script` gives asciinema one, as in the seed's OmegaFlow exam
 
     script --quiet --return --echo never --command \\
       "asciinema rec --quiet --overwrite --cols 120 --rows 40 \\
-         --command 'reploy-session-client attach --socket SOCKET' $REPLOY_OUTPUT_DIR/session.cast" /dev/null
+         --command 'reploy-session-client attach --socket SOCKET' \\
+         $REPLOY_OUTPUT_DIR/session.cast" /dev/null
 
 The controller types into script's stdin and reads the terminal back from script's stdout, so what
 it drives is exactly what asciinema records. Command completion is read from the shell prompt,
@@ -21,7 +22,6 @@ Terminal output is workload data: it is matched, never trusted for lifecycle fac
 import argparse
 import json
 import os
-import re
 import shlex
 import subprocess
 import sys
@@ -134,6 +134,10 @@ def main(argv: list[str]) -> int:
             seen = {event["type"] for event in session.events}
             if "ready" not in seen:
                 print(f"record: the session never became ready: {e}", file=sys.stderr)
+                if session.events and session.events[-1]["type"] == "terminated":
+                    # Startup failed: terminated came before ready. Acknowledge, no complete.
+                    session.send("acknowledge-terminated")
+                    session.drain_events()
                 return 1
             # Keep what was recorded: end the session properly and report the failure.
             print(f"record: {e}; terminating the session", file=sys.stderr)

@@ -61,8 +61,8 @@ def escape_evidence(data: bytes | str) -> str:
     """Untrusted bytes as short, printable ASCII: anything else becomes a backslash escape, so
     no terminal escape sequence or control character survives into a report."""
     text = data.decode("utf-8", "backslashreplace") if isinstance(data, bytes) else data
-    escaped = "".join(c if " " <= c <= "~" and c != "\\" else c.encode("unicode_escape").decode("ascii")
-                      for c in text)
+    escaped = "".join(c if " " <= c <= "~" and c != "\\"
+                      else c.encode("unicode_escape").decode("ascii") for c in text)
     return escaped if len(escaped) <= MAX_EVIDENCE_CHARS else escaped[:MAX_EVIDENCE_CHARS] + "..."
 
 
@@ -164,7 +164,8 @@ def check_isolation(session: SessionDriver) -> dict[str, Any]:
     # HOME is counted too, as the control: the count minus one is the REPLOY_ variables.
     _, output = session.run("printf '@@%s@@\\n' env; env | grep -c -e '^REPLOY_' -e '^HOME='")
     counted = output.partition(b"@@env@@\r\n")[2].split()
-    facts["reploy_environment_variables"] = int(counted[0]) - 1 if counted else None
+    with_home = int(counted[0]) if counted and counted[0].isdigit() else 0
+    facts["reploy_environment_variables"] = with_home - 1 if with_home >= 1 else None
     facts["workload_isolated"] = (facts["output_mount_visible"] is False
                                   and facts["findings_files_found"] == []
                                   and facts["reploy_environment_variables"] == 0)
@@ -197,6 +198,8 @@ def main() -> int:
             write_json(os.path.join(output_dir, "findings.json"), {
                 "target": target.url(""), "findings": [asdict(f) for f in findings],
                 "probes": target.probes})
+            if all("error" in probe for probe in target.probes):
+                raise SessionFailed(f"the target never answered at {target.url('/')}")
             for finding in findings:
                 print(f"inspect: [{finding.severity}] {finding.id}: {finding.title} "
                       f"({escape_evidence(finding.url)})", file=sys.stderr)
@@ -207,6 +210,10 @@ def main() -> int:
             error = str(e)
             print(f"inspect: {escape_evidence(error)}", file=sys.stderr)
             if "ready" not in {event["type"] for event in session.events}:
+                if session.events and session.events[-1]["type"] == "terminated":
+                    # Startup failed: terminated came before ready. Acknowledge, no complete.
+                    session.send("acknowledge-terminated")
+                    session.drain_events()
                 return 1  # nothing to end: the session never started
             session.send("terminate")
         try:
