@@ -72,8 +72,8 @@ class AgentClient:
 
     def result(self, method: str, **params: Any) -> dict[str, Any]:
         response = self.call(method, **params)
-        if "result" not in response:
-            raise SessionFailed(f"{method} failed: {response.get('error')}")
+        if not isinstance(response.get("result"), dict):
+            raise SessionFailed(f"{method} failed: {response.get('error')!r:.300}")
         return response["result"]
 
     def read_all(self) -> str:
@@ -163,7 +163,7 @@ def main() -> int:
             status, output = session.run(f"printf '@@%s@@\\n' notes; cat {WORKSPACE}/NOTES.md")
             notes = output.partition(b"@@notes@@\r\n")[2]
             report["notes_md"] = notes.decode(errors="replace").strip() if status == 0 else None
-        except (SessionFailed, OSError) as e:
+        except (SessionFailed, OSError, KeyError, TypeError) as e:  # a malformed answer included
             report["error"] = f"{type(e).__name__}: {e}"
             agent_output = ""
             print(f"drive-agent: {report['error']}", file=sys.stderr)
