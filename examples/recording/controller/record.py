@@ -47,14 +47,17 @@ class RecordingSession(SessionDriver):
     """A SessionDriver whose attachment runs inside asciinema, under `script` for a PTY.
 
     `before_complete` runs right before `complete` is sent, whichever way the session ended, so
-    the artifacts are final when the host is told they are.
+    the artifacts are final when the host is told they are; `store_terminated` gets the
+    `terminated` event before it is acknowledged.
     """
 
     def __init__(self, cast_path: str, columns: int, rows: int,
-                 before_complete: Callable[[], None]) -> None:
+                 before_complete: Callable[[], None],
+                 store_terminated: Callable[[dict[str, Any]], None]) -> None:
         super().__init__(attach="pipe", columns=columns, rows=rows)
         self.cast_path = cast_path
         self._before_complete = before_complete
+        self._store_terminated = store_terminated
 
     def _start_attach(self, socket_path: str) -> None:
         # The socket path comes from the decoded broker-ready event and is quoted, never parsed
@@ -75,6 +78,8 @@ class RecordingSession(SessionDriver):
     def send(self, request_type: str, **fields: Any) -> None:
         if request_type == "complete":
             self._before_complete()
+        elif request_type == "acknowledge-terminated":
+            self._store_terminated(self.events[-1])
         super().send(request_type, **fields)
 
 
@@ -114,8 +119,12 @@ def main(argv: list[str]) -> int:
         with open(os.path.join(output_dir, REPORT_NAME), "w") as f:
             json.dump(report, f, indent=2)
 
+    def store_terminated(terminated: dict[str, Any]) -> None:
+        with open(os.path.join(output_dir, TERMINATED_NAME), "w") as f:
+            json.dump(terminated, f, indent=2)
+
     session = RecordingSession(os.path.join(output_dir, CAST_NAME), args.columns, args.rows,
-                               before_complete=write_report)
+                               before_complete=write_report, store_terminated=store_terminated)
     with session:
         try:
             opened = session.start()
@@ -148,8 +157,6 @@ def main(argv: list[str]) -> int:
         except SessionFailed as e:
             print(f"record: the session did not end cleanly: {e}", file=sys.stderr)
             return 1
-    with open(os.path.join(output_dir, TERMINATED_NAME), "w") as f:
-        json.dump(outcome.terminated, f, indent=2)
     print(f"record: {CAST_NAME}, {REPORT_NAME} and {TERMINATED_NAME} are in the output directory",
           file=sys.stderr)
     clean = outcome.client_exit == 0 and report["error"] is None
