@@ -751,33 +751,44 @@ class DockerBackend:
         with contextlib.suppress(docker.errors.NotFound):
             self.api.remove_network(network_id)
 
-    def wait_in_thread(self, container_id: str, report: Callable[[str, Any], None],
-                       tag: str) -> threading.Thread:
-        """Observe the container's exit without blocking the loop; report (tag, code | error)."""
+    def in_thread(self, tag: str, call: Callable[[docker.APIClient], Any],
+                  report: Callable[[str, Any], None]) -> threading.Thread:
+        """Run a blocking Engine call off the loop, on its own connection; report (tag, value),
+        the value being the call's result or a BackendError."""
         api = docker.APIClient(version=self.api.api_version, timeout=None,
                                **docker.utils.kwargs_from_env())
 
-        def observe() -> None:
+        def run() -> None:
             try:
-                reply = api.wait(container_id, timeout=None)
-                # An exit caused by someone else removing the container is not the workload's
-                # own exit: the session lost sight of it.
-                try:
-                    state = api.inspect_container(container_id)["State"]
-                except docker.errors.NotFound:
-                    state = {"Status": "removed"}
-                if state.get("Status") in ("removing", "removed") or state.get("Dead"):
-                    raise BackendError(f"the {tag} container was removed behind the session")
-                report(tag, int(reply["StatusCode"]))
-            except Exception as e:  # noqa: BLE001 - any failure here means observation is lost
-                report(tag, e if isinstance(e, BackendError) else
-                       BackendError(f"waiting on {tag}: {e}"))
+                report(tag, call(api))
+            except BackendError as e:
+                report(tag, e)
+            except Exception as e:  # noqa: BLE001 - any failure is reported, never lost
+                report(tag, BackendError(f"{tag}: {e}"))
             finally:
                 api.close()
 
-        thread = threading.Thread(target=observe, name=f"wait-{tag}", daemon=True)
+        thread = threading.Thread(target=run, name=tag, daemon=True)
         thread.start()
         return thread
+
+    def wait_in_thread(self, container_id: str, report: Callable[[str, Any], None],
+                       tag: str) -> threading.Thread:
+        """Observe the container's exit without blocking the loop; report (tag, code | error)."""
+
+        def observe(api: docker.APIClient) -> int:
+            reply = api.wait(container_id, timeout=None)
+            # An exit caused by someone else removing the container is not the container's
+            # own exit: the session lost sight of it.
+            try:
+                state = api.inspect_container(container_id)["State"]
+            except docker.errors.NotFound:
+                state = {"Status": "removed"}
+            if state.get("Status") in ("removing", "removed") or state.get("Dead"):
+                raise BackendError(f"the {tag} container was removed behind the session")
+            return int(reply["StatusCode"])
+
+        return self.in_thread(tag, observe, report)
 
 
 # ============================================================================================
@@ -1120,8 +1131,9 @@ class Watchdog:
             if owned.network_id else {},
             paths=tuple(str(p) for p in (owned.channel_dir, owned.output_staging_dir) if p)))
 
-    def disarm(self) -> None:
-        """Our own cleanup is done: tell the watchdog to go quietly, then forget the run."""
+    def disarm(self, keep_manifest: bool = False) -> None:
+        """Our own cleanup is done: tell the watchdog to go quietly, then forget the run
+        (unless something remains: then the manifest stays for reconciliation)."""
         if self.pipe_write_fd is not None:
             with contextlib.suppress(OSError):
                 os.write(self.pipe_write_fd, reploy_watchdog.DISARM_BYTE)
@@ -1133,8 +1145,9 @@ class Watchdog:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
-        with contextlib.suppress(FileNotFoundError):
-            self.manifest_path.unlink()
+        if not keep_manifest:
+            with contextlib.suppress(FileNotFoundError):
+                self.manifest_path.unlink()
 
 
 class ControlledSession:
@@ -1431,6 +1444,8 @@ class ControlledSession:
                     self.latch(Cause.CONTROLLER_LOST, "the controller container exited")
                 elif self.machine.phase is Phase.PREPARING:
                     self.latch(Cause.STARTUP_FAILURE, "the controller exited during startup")
+            elif tag == "kill" and isinstance(value, Exception):
+                log(f"could not kill the workload: {value}")
 
     def announce_workload_exit(self) -> None:
         """workload-exit precedes terminating when it is the cause; otherwise it follows."""
@@ -1574,13 +1589,11 @@ class ControlledSession:
             self.announce_workload_exit()  # an exit seen before terminating went out
         self.stop_workload()
         output_status = self.finalize_output(output_deadline)
+        self.await_workload_exit()
         controller_finalization = None
         if machine.reached_ready:
             controller_finalization = self.await_complete()
-        if self.pty is not None:
-            self.watch_pty(0)
-            self.pty.close()
-            self.pty = None
+        self.close_pty()
         workload_cleanup = self.remove_containers(("workload",))
         observation = Status.of("runtime_observation", "maintained")
         if self.observation_lost:
@@ -1606,23 +1619,39 @@ class ControlledSession:
         self.deliver_result(session_result)
 
     def stop_workload(self) -> None:
-        """SIGTERM, the termination grace, then SIGKILL. A never-started workload is skipped."""
-        if not self.workload_started or self.workload_exit is not None or self.observation_lost:
+        """SIGTERM, the termination grace, then SIGKILL. A never-started workload is skipped.
+
+        SIGKILL is sent from a thread: the Engine answers it only once the container has
+        exited, and the exit can wait for us to read the PTY stream, so the loop must go on.
+        """
+        if not self.workload_started or self.workload_gone():
             return
         workload_id = self.owned.containers["workload"]
         grace_s = self.options.timeout_s("--termination-grace")
         try:
             self.backend.kill(workload_id, "SIGTERM")
-            if self.wait_until(self.workload_gone, time.monotonic() + grace_s, stop_on_latch=False):
-                return
-            log(f"workload still running after the {format_duration(int(grace_s * 1000))} grace; "
-                "sending SIGKILL")
-            self.backend.kill(workload_id, "SIGKILL")
         except BackendError as e:
             log(f"could not signal the workload: {e}")
-        self.wait_until(self.workload_gone,
-                        time.monotonic() + self.options.timeout_s("--cleanup-timeout"),
-                        stop_on_latch=False)
+        if self.wait_until(self.workload_gone, time.monotonic() + grace_s, stop_on_latch=False):
+            return
+        log(f"workload still running after the {format_duration(int(grace_s * 1000))} grace; "
+            "sending SIGKILL")
+        self.backend.in_thread("kill", lambda api: api.kill(workload_id, signal="SIGKILL"),
+                               self.notifier.report)
+
+    def await_workload_exit(self) -> None:
+        """After output finalization (which may have had to abandon the PTY stream so the
+        Engine could finish the exit), give the exit the cleanup timeout to be observed."""
+        if self.workload_started:
+            self.wait_until(self.workload_gone,
+                            time.monotonic() + self.options.timeout_s("--cleanup-timeout"),
+                            stop_on_latch=False)
+
+    def close_pty(self) -> None:
+        if self.pty is not None:
+            self.watch_pty(0)
+            self.pty.close()
+            self.pty = None
 
     def workload_gone(self) -> bool:
         return self.workload_exit is not None or self.observation_lost is not None
@@ -1631,9 +1660,13 @@ class ControlledSession:
         """Drain the PTY to EOF within the host-owned deadline; report drained or failed."""
         if self.pty is None:
             return None
-        drained = self.wait_until(
-            lambda: self.pty_eof and (self.channel is None or not self.channel.wants_write),
+        # The exit is awaited too (it follows EOF closely), so workload-exit normally precedes
+        # workload-outputs-finalized; EOF alone decides whether the output drained.
+        self.wait_until(
+            lambda: self.pty_eof and self.workload_gone() and (
+                self.channel is None or not self.channel.wants_write),
             deadline, stop_on_latch=False)
+        drained = self.pty_eof and (self.channel is None or not self.channel.wants_write)
         if drained and self.channel is None and self.machine.reached_ready:
             drained = False
             reason = "the controller channel was lost before terminal output was delivered"
@@ -1645,6 +1678,8 @@ class ControlledSession:
         else:
             reason = "terminal output could not be delivered to the controller in time"
         status = {"status": "drained"} if drained else {"status": "failed", "reason": reason}
+        if not drained:
+            self.close_pty()  # abandon what is left, so the Engine can finish the exit
         self.send_frame(wire.encode_json_frame(FrameKind.OUTPUT_END, status), urgent=False)
         if self.machine.reached_ready:
             self.send_event(wire.WorkloadOutputsFinalized(**status))
@@ -1735,23 +1770,26 @@ class ControlledSession:
             except BackendError as e:
                 failures.append(str(e))
         self.publish_output()
-        for path in (self.owned.channel_dir, self.owned.output_staging_dir):
-            if path is not None:
-                try:
+        for attribute in ("channel_dir", "output_staging_dir"):
+            path = getattr(self.owned, attribute)
+            try:
+                if path is not None:
                     shutil.rmtree(path)
-                except FileNotFoundError:
-                    pass
-                except OSError as e:
-                    failures.append(f"remove {path}: {e}")
-        self.owned.channel_dir = self.owned.output_staging_dir = None
+                setattr(self.owned, attribute, None)
+            except FileNotFoundError:
+                setattr(self.owned, attribute, None)
+            except OSError as e:
+                failures.append(f"remove {path}: {e}")
         self.result.delivery_tail_cleanup_status = (
             failed("cleanup", "; ".join(failures)) if failures else succeeded())
         self.result.delivery_tail_recovery_action = (
             RecoveryAction.RECONCILE if failures else RecoveryAction.NONE)
         if failures:
-            log("cleanup left something behind; `reploy.py controlled-session cleanup` "
-                "reconciles it")
-        self.watchdog.disarm()
+            # Keep a true manifest of what remains, for `controlled-session cleanup`.
+            self.watchdog.record_owned(self.owned)
+            log("cleanup left something behind; `reploy.py controlled-session cleanup "
+                f"--workload-dir {self.plan.workload.dir}` reconciles it")
+        self.watchdog.disarm(keep_manifest=bool(failures))
         self.notifier.close()
         self.selector.close()
 

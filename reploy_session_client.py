@@ -1126,6 +1126,8 @@ class Broker:
         try:
             self.host.flush()
         except OSError as e:
+            if self.rules.acknowledged:
+                raise BrokerExit(0) from e  # the host closed after our acknowledgement: clean
             raise BrokerExit(1, ClientError(
                 code="host_channel_lost", message=f"host channel write failed: {e}")) from e
 

@@ -307,6 +307,57 @@ def test_cleanup_timeout_stops_a_lingering_controller(docker_engine: Any,
     assert result["delivery_tail_cleanup_status"] == {"kind": "succeeded"}
 
 
+def test_output_finalization_fails_at_its_deadline(docker_engine: Any,
+                                                   deployments: dict[str, Path],
+                                                   tmp_path: Path) -> None:
+    """The attachment stops reading during a flood: the 30 s drain deadline (counted from the
+    start of termination) expires, the failure is reported, and it is never a success."""
+    # The grace lets the endless writer fill every buffer between the PTY and the stopped
+    # attachment before SIGKILL, so the PTY's end of file stays out of the host's reach.
+    code, result, report = run_to_end(deployments, tmp_path / "out", "stall-output",
+                                      "--termination-grace", "10s")
+    assert report.get("error") is None, report.get("error")
+    status = result["session_result"]["workload_output_finalization_status"]
+    assert status["kind"] == "failed" and "30 s" in status["reason"]
+    assert report["finalized"]["status"] == "failed" and report["finalized"]["reason"]
+    assert result["session_result"]["cause"] == "controller-terminate"
+    assert result["result_acknowledged"] is True
+    assert report["attach_exit"] == 1  # the attachment learns the output is incomplete
+    types = [e["type"] for e in report["events"]]
+    assert types.index("terminating") < types.index("workload-outputs-finalized")
+    assert types.index("workload-exit") > types.index("terminating")
+    assert code == 1 and result["ok"] is False
+
+
+def test_cleanup_failure_is_a_fact_and_can_be_reconciled(docker_engine: Any,
+                                                         deployments: dict[str, Path],
+                                                         tmp_path: Path,
+                                                         host_runs: list[HostRun]) -> None:
+    """A path the host cannot remove (an immutable file in the channel dir) makes the delivery
+    tail fail with a reason and a recovery action; `controlled-session cleanup` finishes."""
+    run = start(host_runs, deployments, tmp_path / "out", "hold-then-exit")
+    run.wait_moment("active")
+    manifest = run.manifest()
+    pin = deployments["workload"] / ".reploy/sessions" / manifest.run_id / "pinned"
+    pin.write_text("x")
+    subprocess.run(["chattr", "+i", str(pin)], check=True)
+    run.answer()
+    try:
+        code, result, _ = run.finish()
+    finally:
+        subprocess.run(["chattr", "-i", str(pin)], check=True)
+    assert code == 1 and result["ok"] is False
+    assert result["session_result"]["cause"] == "workload-exit"
+    assert result["delivery_tail_cleanup_status"]["kind"] == "failed"
+    assert "pinned" in result["delivery_tail_cleanup_status"]["reason"]
+    assert result["delivery_tail_recovery_action"] == "reconcile-by-label"
+    proc = run_reploy("controlled-session", "cleanup", "--workload-dir",
+                      str(deployments["workload"]))
+    [receipt] = json.loads(proc.stdout)["receipts"]
+    assert receipt["run_id"] == manifest.run_id and receipt["cleanup_succeeded"] is True
+    assert_nothing_left(docker_engine, deployments, manifest.run_id)
+
+
 # ---------------------------------------------------------------------------------------------
 # Controller outputs
 # ---------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -103,6 +104,16 @@ def hold(session, report):
     session.start()
     session.run("echo active")
     tell_test("active")
+    return session.finish()
+
+
+def hold_then_exit(session, report):
+    """Become active, wait for the test's go, then end by the workload's own exit."""
+    session.start()
+    session.run("echo active")
+    tell_test("active")
+    wait_for_test()
+    session.type("exit 0\n")
     return session.finish()
 
 
@@ -304,6 +315,32 @@ def hostile(session, report):
     return session.finish()
 
 
+def stall_output(session, report):
+    """Stop the attachment while the workload floods its terminal, then terminate: the host
+    cannot drain the PTY, and output finalization must fail at its deadline."""
+    session.timeout_s = 90  # the host's grace plus its 30 s drain deadline come first
+    session.start()
+    session.type("yes flood\n")  # endless: it fills every buffer while we are stopped
+    session.expect(rb"(flood\r\n){100}")
+    os.kill(session.attach.pid, signal.SIGSTOP)
+    session.send("terminate")
+    finalized = None
+    while finalized is None:
+        event = session.next_event()
+        if event["type"] == "workload-outputs-finalized":
+            finalized = event
+    session.send("complete")
+    terminated = session.next_event()
+    while terminated["type"] != "terminated":  # the exit can follow the abandoned drain
+        terminated = session.next_event()
+    session.send("acknowledge-terminated")
+    os.kill(session.attach.pid, signal.SIGCONT)
+    report.update(terminated=terminated, finalized=finalized,
+                  attach_exit=session.attach.wait(timeout=60),
+                  client_exit=session.client.wait(timeout=60), events=session.events)
+    return None
+
+
 def write_report(report):
     directory = os.environ.get("REPLOY_OUTPUT_DIR")
     if directory:
@@ -312,11 +349,11 @@ def write_report(report):
 
 
 SCENARIOS = {
-    "full": full, "terminate": terminate, "hold": hold, "hold-terminating": hold_terminating,
+    "full": full, "terminate": terminate, "hold": hold, "hold-then-exit": hold_then_exit, "hold-terminating": hold_terminating,
     "stall": stall, "no-attach": no_attach, "die": die, "close-stream": close_stream,
     "no-complete": no_complete, "no-ack": no_ack, "linger": linger,
     "output-file": output_file, "endpoint": endpoint, "no-network": no_network,
-    "audit": audit, "hostile": hostile,
+    "audit": audit, "hostile": hostile, "stall-output": stall_output,
 }
 
 
