@@ -457,15 +457,22 @@ class Terminating(Message):
 
 
 @dataclass(frozen=True)
-class Diagnostic(Message):
-    TYPE = "diagnostic"
-    DIRECTION = Direction.EVENT
+class CodedEvent(Message):
+    """An open machine code plus a human message (diagnostic, client-error). Consumers must
+    treat an unknown well-formed code as a generic one."""
+
     code: str
     message: str
 
     def __post_init__(self) -> None:
         _check_string("code", self.code)
         _check_string("message", self.message)
+
+
+@dataclass(frozen=True)
+class Diagnostic(CodedEvent):
+    TYPE = "diagnostic"
+    DIRECTION = Direction.EVENT
 
 
 @dataclass(frozen=True)
@@ -491,15 +498,9 @@ class Terminated(Message):
 
 
 @dataclass(frozen=True)
-class ClientError(Message):
+class ClientError(CodedEvent):
     TYPE = "client-error"
     DIRECTION = Direction.EVENT
-    code: str
-    message: str
-
-    def __post_init__(self) -> None:
-        _check_string("code", self.code)
-        _check_string("message", self.message)
 
 
 # --- requests -------------------------------------------------------------------------------
