@@ -29,7 +29,7 @@ import termios
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 SCHEMA = "reploy-controlled-session-client-v1"
 CLIENT = "reploy-session-client"
@@ -50,10 +50,14 @@ class Outcome:
 
 class SessionDriver:
     def __init__(self, attach: str = "pipe", columns: int = 80, rows: int = 24,
-                 timeout_s: float = 60.0) -> None:
+                 timeout_s: float = 60.0,
+                 wrap_attach: Optional[Callable[[list[str]], list[str]]] = None) -> None:
+        """`wrap_attach` turns the attach argv into the command to run (pipe mode), e.g. to
+        run it inside a recorder under a PTY wrapper."""
         if attach not in ("pipe", "pty"):
             raise ValueError("attach is 'pipe' or 'pty'")
         self.attach_mode = attach
+        self.wrap_attach = wrap_attach
         self.columns, self.rows = columns, rows
         self.timeout_s = timeout_s
         self.events: list[dict[str, Any]] = []
@@ -96,6 +100,8 @@ class SessionDriver:
 
     def _start_attach(self, socket_path: str) -> None:
         argv = [CLIENT, "attach", "--socket", socket_path]
+        if self.wrap_attach is not None:
+            argv = self.wrap_attach(argv)
         if self.attach_mode == "pipe":
             self.attach = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
             assert self.attach.stdin is not None and self.attach.stdout is not None

@@ -23,9 +23,7 @@ import argparse
 import json
 import os
 import shlex
-import subprocess
 import sys
-import threading
 from typing import Any, Callable
 
 from reploy_driver import CLIENT, SessionDriver, SessionFailed
@@ -54,26 +52,21 @@ class RecordingSession(SessionDriver):
     def __init__(self, cast_path: str, columns: int, rows: int,
                  before_complete: Callable[[], None],
                  store_terminated: Callable[[dict[str, Any]], None]) -> None:
-        super().__init__(attach="pipe", columns=columns, rows=rows)
+        super().__init__(attach="pipe", columns=columns, rows=rows,
+                         wrap_attach=self.under_recorder)
         self.cast_path = cast_path
         self._before_complete = before_complete
         self._store_terminated = store_terminated
 
-    def _start_attach(self, socket_path: str) -> None:
-        # The socket path comes from the decoded broker-ready event and is quoted, never parsed
-        # out of terminal output.
-        attach = shlex.join([CLIENT, "attach", "--socket", socket_path])
+    def under_recorder(self, attach_argv: list[str]) -> list[str]:
+        """asciinema records the attachment; `script` gives it the PTY it needs. The socket
+        path comes from the decoded broker-ready event and is quoted, never parsed out of
+        terminal output."""
         record = shlex.join(["asciinema", "rec", "--quiet", "--overwrite",
                              "--cols", str(self.columns), "--rows", str(self.rows),
-                             "--command", attach, self.cast_path])
-        self.attach = subprocess.Popen(
-            ["script", "--quiet", "--return", "--echo", "never", "--command", record, "/dev/null"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            env={**os.environ, "TERM": "xterm-256color"})
-        self._terminal_fd = os.dup(self.attach.stdin.fileno())
-        self.attach.stdin.close()
-        threading.Thread(target=self._read_output, args=(self.attach.stdout.fileno(),),
-                         daemon=True).start()
+                             "--command", shlex.join(attach_argv), self.cast_path])
+        return ["script", "--quiet", "--return", "--echo", "never", "--command", record,
+                "/dev/null"]
 
     def send(self, request_type: str, **fields: Any) -> None:
         if request_type == "complete":
@@ -104,6 +97,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--columns", type=int, default=120)
     parser.add_argument("--rows", type=int, default=40)
     args = parser.parse_args(argv)
+    os.environ.setdefault("TERM", "xterm-256color")  # the recorder and its PTY want a TERM
     output_dir = os.environ.get("REPLOY_OUTPUT_DIR")
     if not output_dir:
         print("record: run the session with --output-dir; the cast needs somewhere to go",
