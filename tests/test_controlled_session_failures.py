@@ -217,6 +217,20 @@ def test_controller_lost(docker_engine: Any, deployments: dict[str, Path], tmp_p
         assert report["events"][-1]["code"] == "controller_stream_closed"
 
 
+def test_workload_exit_with_non_zero_code(docker_engine: Any, deployments: dict[str, Path],
+                                         tmp_path: Path) -> None:
+    code, result, report = run_to_end(deployments, tmp_path / "out", "exit-code")
+    session = result["session_result"]
+    assert session["cause"] == "workload-exit"
+    assert session["workload_status"] == {"kind": "exited", "code": 3}
+    assert report["events"][3] == {"schema": "reploy-controlled-session-client-v1",
+                                   "type": "workload-exit",
+                                   "status": {"kind": "exited", "code": 3}}
+    # Everything else succeeded, but a failing workload is not a successful session.
+    assert result["result_acknowledged"] is True and result["controller_status"]["code"] == 0
+    assert code == 1 and result["ok"] is False
+
+
 def test_runtime_observation_lost(docker_engine: Any, deployments: dict[str, Path],
                                   tmp_path: Path, host_runs: list[HostRun]) -> None:
     run = start(host_runs, deployments, tmp_path / "out", "hold")
@@ -483,6 +497,11 @@ def test_sandbox_audit(docker_engine: Any, deployments: dict[str, Path], tmp_pat
     assert controller["root_write"] == "Read-only file system"
     assert controller["home_write"] == "ok"
     assert controller["docker_socket"] is False and controller["sees_workload_project"] is False
+    assert controller["channel_mount_listing"] == []  # the socket path is gone after the claim
+    assert controller["channel_mount_write"] == "Read-only file system"
+    channel_dir = deployments["workload"] / ".reploy/sessions" / manifest.run_id
+    info = channel_dir.stat()
+    assert (info.st_mode & 0o777, info.st_uid, info.st_gid) == (0o700, 1000, 1000)
     assert canary not in controller["environ"]
     workload = report["workload_output"]
     assert "CapEff:\t0000000000000000" in workload and "CapBnd:\t0000000000000000" in workload

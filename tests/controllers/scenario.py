@@ -117,6 +117,13 @@ def hold_then_exit(session, report):
     return session.finish()
 
 
+def exit_code(session, report):
+    """The workload's shell exits with a non-zero status."""
+    session.start()
+    session.type("exit 3\n")
+    return session.finish()
+
+
 def hold_terminating(session, report):
     """Reach terminating (finalized output) and then never send complete."""
     session.start()
@@ -281,6 +288,8 @@ def audit(session, report):
     facts["home_write"] = try_write(os.path.join(os.environ["HOME"], "probe"))
     facts["docker_socket"] = os.path.exists("/var/run/docker.sock")
     facts["sees_workload_project"] = os.path.exists("/project")
+    facts["channel_mount_listing"] = os.listdir("/run/reploy/session")  # unlinked once claimed
+    facts["channel_mount_write"] = try_write("/run/reploy/session/probe")
     status_code, output = session.run(
         "grep -E '^(CapEff|CapBnd|CapPrm|NoNewPrivs|Seccomp):' /proc/self/status; id -u; id -g; "
         "touch /etc/reploy-probe 2>&1 | head -c 200; echo; ls /run/reploy 2>&1; "
@@ -353,7 +362,7 @@ SCENARIOS = {
     "stall": stall, "no-attach": no_attach, "die": die, "close-stream": close_stream,
     "no-complete": no_complete, "no-ack": no_ack, "linger": linger,
     "output-file": output_file, "endpoint": endpoint, "no-network": no_network,
-    "audit": audit, "hostile": hostile, "stall-output": stall_output,
+    "audit": audit, "hostile": hostile, "stall-output": stall_output, "exit-code": exit_code,
 }
 
 
