@@ -26,7 +26,7 @@ import shlex
 import sys
 from typing import Any, Callable
 
-from reploy_driver import CLIENT, SessionDriver, SessionFailed
+from reploy_driver import SessionDriver, SessionFailed
 
 #: Typed first: the prompt becomes "[STATUS] rec$ " in green. The typed text holds `\033`
 #: spelt out, so only the prompt the shell prints matches PROMPT_RE.
