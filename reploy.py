@@ -1207,6 +1207,8 @@ class ControlledSession:
                 self.result.error = f"plan rejected: {e}"
                 self.latch(Cause.STARTUP_FAILURE, str(e))
             except (StartupFailure, BackendError, OSError) as e:
+                if self.machine.cause in (None, Cause.STARTUP_FAILURE):
+                    self.result.error = f"startup failed: {e}"
                 self.latch(Cause.STARTUP_FAILURE, str(e))
             self.terminate()
         except Exception as e:  # noqa: BLE001 - a bug must still clean up and report
@@ -1363,12 +1365,18 @@ class ControlledSession:
         self.send_event(wire.Ready())
 
     def startup_shortfall(self, what: str) -> str:
-        if self.machine.cause is not None:
-            return f"{what} before termination began ({self.machine.cause.value})"
+        """Why startup stopped short, in the words most useful to the user."""
+        if self.controller_exit is not None:
+            last_line = ""
+            with contextlib.suppress(BackendError):
+                lines = self.backend.log_tail(self.owned.containers["controller"]).splitlines()
+                last_line = lines[-1].decode(errors="replace")[:300] if lines else ""
+            return (f"{what}: the controller exited with code {self.controller_exit}"
+                    + (f" ({last_line})" if last_line else ""))
         if self.channel_lost:
             return f"{what}: {self.channel_lost}"
-        if self.controller_exit is not None:
-            return f"{what}: the controller exited with code {self.controller_exit}"
+        if self.machine.cause is not None:
+            return f"{what} before termination began ({self.machine.cause.value})"
         return f"{what} within the startup timeout"
 
     # -- the loop ---------------------------------------------------------------------------

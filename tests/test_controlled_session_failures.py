@@ -254,6 +254,7 @@ def test_startup_failure_when_the_attachment_never_comes(docker_engine: Any,
     code, result, report = run_to_end(deployments, tmp_path / "out", "no-attach")
     assert code == 1 and result["session_result"]["cause"] == "startup-failure"
     assert result["session_result"]["workload_status"] is None  # it never started
+    assert "no terminal attachment connected" in result["error"]
     assert [e["type"] for e in report["events"]] == ["broker-ready", "opened", "client-error"]
     assert report["events"][-1]["code"] == "attach_timeout"
     assert report["client_exit"] == 1
@@ -283,7 +284,8 @@ def test_startup_failure_when_the_controller_command_cannot_start(
                       "--workload-dir", str(deployments["workload"]), "--", "run-controller")
     result = json.loads(proc.stdout)
     assert proc.returncode == 1 and result["session_result"]["cause"] == "startup-failure"
-    assert "no/such/interpreter" in proc.stderr.decode()
+    assert "no/such/interpreter" in result["error"] and result["error"].startswith(
+        "startup failed: ")
 
 
 # ---------------------------------------------------------------------------------------------
