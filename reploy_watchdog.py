@@ -35,9 +35,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-import docker
-import docker.errors
 import psutil
+
+# The Docker SDK is imported only when there is something to clean up: a watchdog spends its
+# life waiting, and the SDK would double its memory for nothing (see cleanup()).
 
 # ============================================================================================
 # Constants
@@ -166,6 +167,7 @@ def channel_dir_for(workload_dir: str, run_id: str) -> Path:
 
 def remove_owned(manifest: Manifest, client: Any) -> CleanupReport:
     """Remove what the manifest names and anything else labelled with its run; verify."""
+    import docker.errors
     report = CleanupReport()
     api = client.api
     wanted = {LABEL_RUN: manifest.run_id}
@@ -219,6 +221,8 @@ def remove_owned(manifest: Manifest, client: Any) -> CleanupReport:
 
 def reconcile_manifest(manifest_path: Path, trigger: str) -> dict[str, Any]:
     """Act on one manifest: clean up, write the receipt, drop the manifest. Returns the receipt."""
+    import docker
+
     manifest = Manifest.load(manifest_path)
     client = docker.from_env(timeout=DOCKER_TIMEOUT_S)
     try:
@@ -325,4 +329,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # everything is cleaned up in main(); skip the interpreter's slow teardown
