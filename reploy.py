@@ -2587,7 +2587,8 @@ class SessionManager:
             lease.apply(SessionEvent.ROLLBACK)
             self._finish_delete(lease)
         elif record.state is SessionState.SNAPSHOTTING:
-            self._finish_snapshot(lease)
+            with contextlib.suppress(ServeError):  # no archive: rolled back to active
+                self._finish_snapshot(lease, ask=False)
         elif record.state is SessionState.RESTORING:
             self._remove_containers(record.id)
             lease.apply(SessionEvent.ROLLBACK, container_id=None)
@@ -2777,9 +2778,10 @@ class SessionManager:
             lease.apply(SessionEvent.CHECKPOINT, archive=f"checkpoint-v{lease.record.version + 1}.tar")
             return self._finish_snapshot(lease)
 
-    def _finish_snapshot(self, lease: Lease) -> SessionRecord:
-        """Snapshotting, from wherever it stands: ask for the archive unless it exists, then
-        remove the container. Without an archive the session goes back to active."""
+    def _finish_snapshot(self, lease: Lease, ask: bool = True) -> SessionRecord:
+        """Snapshotting, from wherever it stands. A checkpoint already in flight (one a dead
+        `serve` asked for) is awaited first; then, if `ask`, we ask for one. With the archive
+        the container is removed; without it the session goes back to active and this raises."""
         record = lease.record
         assert record.archive is not None
         session_dir = self.config.session_dir(record.id)
@@ -2788,8 +2790,10 @@ class SessionManager:
         if not archive.exists() and record.container_id:
             try:
                 self.backend.unpause(record.container_id)
-                checkpoint_id = record.archive[len("checkpoint-"):-len(".tar")]
-                agent_call(session_dir, "checkpoint", {"id": checkpoint_id})
+                self._await_checkpoint_in_flight(lease, archive)
+                if ask and not archive.exists():
+                    checkpoint_id = record.archive[len("checkpoint-"):-len(".tar")]
+                    agent_call(session_dir, "checkpoint", {"id": checkpoint_id})
             except AgentCallError as e:
                 failure = (SessionConflict("the session is busy (work did not drain within the "
                                            "agent's bound); interrupt it and retry")
@@ -2805,6 +2809,17 @@ class SessionManager:
                 old.unlink()
         return lease.apply(SessionEvent.CHECKPOINTED, container_id=None,
                            snapshot_bytes=archive.stat().st_size)
+
+    def _await_checkpoint_in_flight(self, lease: Lease, archive: Path) -> None:
+        """While the agent's admission is closed and no archive exists, a checkpoint is still
+        draining; it ends (archive written, or admission reopened) within the agent's bound."""
+        session_dir = self.config.session_dir(lease.record.id)
+        deadline = time.monotonic() + AGENT_CALL_TIMEOUT_S
+        while not archive.exists() and time.monotonic() < deadline:
+            if agent_call(session_dir, "status", {})["admission_open"]:
+                return
+            lease.renew()
+            self.stopping.wait(AGENT_READY_POLL_S)
 
     def _restore(self, lease: Lease) -> SessionRecord:
         archive = lease.record.archive
