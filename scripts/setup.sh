@@ -17,6 +17,7 @@ apt_packages_missing() {
   command -v dockerd >/dev/null 2>&1 || missing+=(docker.io)
   command -v debootstrap >/dev/null 2>&1 || missing+=(debootstrap)
   [ -x /bin/busybox ] || missing+=(busybox-static)
+  command -v chromium >/dev/null 2>&1 || missing+=(chromium)  # the web UI's browser tests
   printf '%s\n' "${missing[@]}"
 }
 

@@ -1,0 +1,162 @@
+"""The web UI in headless Chromium against a real `serve` with real containers: every screen,
+a shell session typed into through xterm.js (colours, full-screen tools, resize), an agent
+session streaming, snapshot and restore. Screenshots land in test-artifacts/serve-ui/.
+
+Skips without chromium only when REPLOY_REQUIRE_DOCKER is unset; in CI it must run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pytest
+
+from cdp import Browser, find_chromium
+from serve_harness import (  # noqa: F401  (fixtures)
+    ROOT, ServeProcess, managed_workload, serve_factory, session_containers, wait_until,
+)
+
+pytestmark = pytest.mark.docker
+ARTIFACTS = ROOT / "test-artifacts" / "serve-ui"
+SCREEN_TEXT = """(() => { const b = window.reployTerminal && window.reployTerminal.buffer.active;
+  if (!b) return ""; const lines = [];
+  for (let i = 0; i < b.length; i++) lines.push(b.getLine(i).translateToString(true));
+  return lines.join("\\n"); })()"""
+
+
+@pytest.fixture
+def browser() -> Iterator[Browser]:
+    executable = find_chromium()
+    if executable is None:
+        if os.environ.get("REPLOY_REQUIRE_DOCKER") == "1":
+            pytest.fail("REPLOY_REQUIRE_DOCKER=1 but chromium is not installed (scripts/setup.sh)")
+        pytest.skip("chromium is not installed")
+    instance = Browser(executable)
+    yield instance
+    instance.close()
+
+
+def click(browser: Browser, selector: str) -> None:
+    browser.wait_for(f"!!document.querySelector({json.dumps(selector)})", selector)
+    browser.evaluate(f"document.querySelector({json.dumps(selector)}).click()")
+
+
+def fill(browser: Browser, selector: str, value: str) -> None:
+    browser.wait_for(f"!!document.querySelector({json.dumps(selector)})", selector)
+    browser.evaluate(f"""(() => {{ const e = document.querySelector({json.dumps(selector)});
+        e.value = {json.dumps(value)}; e.dispatchEvent(new Event("change")); }})()""")
+
+
+def screen_has(browser: Browser, text: str, what: str) -> None:
+    browser.wait_for(f"({SCREEN_TEXT}).includes({json.dumps(text)})", what)
+
+
+def type_line(browser: Browser, line: str) -> None:
+    browser.evaluate("window.reployTerminal.focus()")
+    browser.type(line)
+    browser.enter()
+
+
+def create_in_ui(browser: Browser, url: str, name: str, workload: str) -> str:
+    browser.navigate(url + "/#/new")
+    fill(browser, "[data-test=name]", name)
+    fill(browser, "[data-test=workload]", workload)
+    browser.wait_for("document.querySelector('[data-test=deployment]').options.length > 0", "deployments")
+    click(browser, "[data-test=create]")
+    return browser.wait_for("(location.hash.match(/^#\\/s\\/([0-9a-f]{16})$/) || [])[1]", "the workspace")
+
+
+def test_every_screen_in_chromium(serve_factory: Callable[..., ServeProcess], docker_engine: Any,
+                                  browser: Browser) -> None:
+    server = serve_factory("--models", '["model-a", "model-b"]')
+    url = server.ready["url"]
+
+    browser.navigate(url + "/")
+    browser.wait_for("document.querySelector('.empty') !== null", "the empty sessions list")
+    browser.screenshot(ARTIFACTS / "1-sessions-empty.png")
+
+    # New session -> shell workspace with a real terminal.
+    browser.navigate(url + "/#/new")
+    fill(browser, "[data-test=name]", "ui-shell")
+    browser.wait_for("document.querySelector('[data-test=deployment]').options.length > 0", "deployments")
+    browser.screenshot(ARTIFACTS / "2-new-session.png")
+    shell = create_in_ui(browser, url, "ui-shell", "shell")
+    browser.wait_for("!!window.reployTerminal", "the terminal")
+    screen_has(browser, "$ ", "the first prompt")
+    type_line(browser, "echo typed-$((6*7))")
+    screen_has(browser, "typed-42", "the command's output")
+    # Colours reach xterm.js as SGR attributes (red = palette 1).
+    type_line(browser, r"printf '\033[31mRED\033[0m\n'")
+    assert browser.wait_for("""(() => { const b = window.reployTerminal.buffer.active;
+        for (let i = 0; i < b.length; i++) { const l = b.getLine(i), t = l.translateToString(true);
+          if (t === "RED") return "fg=" + l.getCell(0).getFgColor(); } return null; })()""",
+                            "the coloured line") == "fg=1"
+    # The PTY has the terminal's size (fit + resize through the API).
+    size = browser.evaluate("[window.reployTerminal.cols, window.reployTerminal.rows]")
+    status = server.api.call("GET", f"/sessions/{shell}/status")["agent"]
+    assert [status["columns"], status["rows"]] == size and size != [80, 24]
+    # A full-screen program draws with cursor movement; q quits it.
+    type_line(browser, "top")
+    screen_has(browser, "PID", "top's process table")
+    browser.screenshot(ARTIFACTS / "3-shell-top.png")
+    browser.type("q")
+    type_line(browser, "vi /tmp/note")
+    screen_has(browser, "/tmp/note", "vi's status line")
+    browser.type("ihello from vi")
+    screen_has(browser, "hello from vi", "the text typed into vi")
+    browser.screenshot(ARTIFACTS / "4-shell-vi.png")
+    browser.key("Escape", "Escape", 27, "\x1b")
+    # Like a person, wait for command mode: ESC and ':' in one read would be an escape sequence.
+    screen_has(browser, "- /tmp/note", "vi's command mode")
+    browser.type(":wq")
+    browser.enter()
+    # Again like a person: type the next command once vi has gone (the shell is idle).
+    wait_until(lambda: server.api.call("GET", f"/sessions/{shell}/status")["agent"]["turnState"]
+               == "idle", "vi to exit")
+    type_line(browser, "cat /tmp/note")
+    screen_has(browser, "\nhello from vi", "the file vi wrote")
+    browser.screenshot(ARTIFACTS / "5-shell-workspace.png")
+
+    # Snapshot -> restore screen -> restore: the old output is back and typing goes on.
+    click(browser, "[data-test=snapshot]")
+    browser.wait_for("!!document.querySelector('[data-test=restore-screen]')", "the restore screen")
+    assert not session_containers(docker_engine, server.state_dir, shell)
+    browser.screenshot(ARTIFACTS / "6-restore.png")
+    click(browser, "[data-test=restore]")
+    screen_has(browser, "restored from checkpoint", "the restored session")
+    screen_has(browser, "\nhello from vi", "output from before the snapshot")
+    type_line(browser, "echo after-$((2+3))")
+    screen_has(browser, "after-5", "typing after the restore")
+    browser.screenshot(ARTIFACTS / "7-shell-restored.png")
+
+    # An agent session: prompt, live stream, queue state.
+    agent = create_in_ui(browser, url, "ui-agent", "agent")
+    fill(browser, "[data-test=prompt]", "say streamed from the fake CLI")
+    click(browser, "[data-test=send]")
+    browser.wait_for("document.querySelector('[data-test=transcript]').textContent"
+                     ".includes('streamed from the fake CLI')", "the streamed answer")
+    browser.wait_for("document.querySelector('[data-test=queue]').textContent.includes('turn: idle')",
+                     "the queue state")
+    fill(browser, "[data-test=prompt]", "hang")
+    click(browser, "[data-test=send]")
+    browser.wait_for("document.querySelector('[data-test=queue]').textContent.includes('in_progress')",
+                     "the run in progress")
+    click(browser, "[data-test=interrupt]")
+    browser.wait_for("document.querySelector('[data-test=transcript]').textContent"
+                     ".includes('[reploy: interrupted]')", "the interrupt marker")
+    browser.screenshot(ARTIFACTS / "8-agent.png")
+
+    # The list shows both; delete asks for confirmation first.
+    browser.navigate(url + "/#/")
+    browser.wait_for("document.querySelectorAll('tr[data-session]').length === 2", "two sessions")
+    browser.wait_for("document.querySelector('[data-test=countdown]').textContent.startsWith('idle in')",
+                     "the idle countdown")
+    browser.screenshot(ARTIFACTS / "9-sessions.png")
+    click(browser, f"tr[data-session='{agent}'] [data-test=delete]")
+    assert len(server.api.call("GET", "/sessions")["sessions"]) == 2  # not before confirming
+    click(browser, f"tr[data-session='{agent}'] [data-test=confirm-delete]")
+    browser.wait_for("document.querySelectorAll('tr[data-session]').length === 1", "the deletion")
+    assert [s["id"] for s in server.api.call("GET", "/sessions")["sessions"]] == [shell]
