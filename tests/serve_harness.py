@@ -21,6 +21,8 @@ from typing import Any, Callable, Iterator, Optional
 
 import pytest
 
+from agent_fixtures import harness as agent_harness
+
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "agent_fixtures"
 #: The fake Claude CLI (tests/agent_fixtures/fake_claude.py), mounted read-only at /opt/fake.
@@ -31,15 +33,8 @@ LABEL_STATE_DIR = "io.reploy.serve.state-dir"
 
 
 def wait_until(condition: Callable[[], Any], what: str, timeout_s: float = DEADLINE_S) -> Any:
-    """Polls a real condition until it holds; fails with `what` when the deadline passes."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
+    """agent_fixtures.harness.wait_until, with the longer deadline containers need."""
+    return agent_harness.wait_until(condition, what, timeout_s)
 
 
 class Api:
@@ -88,6 +83,13 @@ class Api:
     def wait_output(self, sid: str, needle: bytes, timeout_s: float = DEADLINE_S) -> bytes:
         return wait_until(lambda: (lambda out: out if needle in out else None)(self.read_all(sid)),
                           f"{needle!r} in session {sid}'s output", timeout_s)
+
+    def shell_ran(self, name: str, command: str, until: bytes) -> tuple[str, bytes]:
+        """A new shell session that ran `command`: its id and its output up to `until`."""
+        sid = self.create(name)["id"]
+        self.wait_output(sid, b"$ ")
+        self.call("POST", f"/sessions/{sid}/message", {"text": command})
+        return sid, self.wait_output(sid, until)
 
     def write(self, sid: str, data: bytes) -> None:
         import base64

@@ -87,10 +87,7 @@ def test_snapshot_and_restore_keep_output_and_cursors(serve_factory: Callable[..
                                                       docker_engine: Any) -> None:
     server = serve_factory()
     api = server.api
-    sid = api.create("snap")["id"]
-    api.wait_output(sid, b"$ ")
-    api.call("POST", f"/sessions/{sid}/message", {"text": "echo kept > kept.txt; echo before"})
-    before = api.wait_output(sid, b"before\r\n$ ")
+    sid, before = api.shell_ran("snap", "echo kept > kept.txt; echo before", b"before\r\n$ ")
     snapped = api.call("POST", f"/sessions/{sid}/snapshot", {})
     assert snapped["state"] == "snapshot" and snapped["snapshotBytes"] > 0
     assert not session_containers(docker_engine, server.state_dir, sid)
@@ -149,10 +146,7 @@ def test_many_stream_clients_and_resume(serve_factory: Callable[..., ServeProces
                                         docker_engine: Any) -> None:
     server = serve_factory()
     api = server.api
-    sid = api.create("fanout")["id"]
-    api.wait_output(sid, b"$ ")
-    api.call("POST", f"/sessions/{sid}/message", {"text": "seq 1 3000 | tr -d '\\n'; echo END"})
-    full = api.wait_output(sid, b"END\r\n")
+    sid, full = api.shell_ran("fanout", "seq 1 3000 | tr -d '\\n'; echo END", b"END\r\n$ ")
 
     def collected(events: list[dict[str, Any]]) -> bytes:
         return b"".join(base64.b64decode(e["data"]["payloadBase64"])
@@ -171,9 +165,10 @@ def test_many_stream_clients_and_resume(serve_factory: Callable[..., ServeProces
     assert first["data"]["offset"] == 3
     assert first["data"]["nextOffset"] - first["data"]["offset"] <= 64 * 1024
     # A cursor ahead of the log: reset with the length, then the stream ends.
-    events = sse_events(api, sid, offset=len(full) + 1000)
+    length = len(api.read_all(sid))  # the shell is quiet by now: its prompt came after END
+    events = sse_events(api, sid, offset=length + 1000)
     reset = [e for e in events if e.get("event")]
-    assert reset == [{"id": str(len(full)), "event": "reset", "data": {"nextOffset": len(full)}}]
+    assert reset == [{"id": str(length), "event": "reset", "data": {"nextOffset": length}}]
 
 
 def test_error_mapping(serve_factory: Callable[..., ServeProcess], docker_engine: Any,

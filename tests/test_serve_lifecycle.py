@@ -33,9 +33,7 @@ def test_reaper_idles_then_snapshots_and_access_restores(
         serve_factory: Callable[..., ServeProcess], docker_engine: Any) -> None:
     server = serve_factory("--idle-after", "1s", "--snapshot-after", "4s")
     api = server.api
-    sid = api.create("reaped")["id"]
-    api.call("POST", f"/sessions/{sid}/message", {"text": "echo first"})
-    first = api.wait_output(sid, b"first\r\n$ ")
+    sid, first = api.shell_ran("reaped", "echo first", b"first\r\n$ ")
     shell_pid = api.call("GET", f"/sessions/{sid}/status")["agent"]["pid"]
     wait_until(lambda: api.get(sid)["state"] == "idle", "the reaper to idle the session")
     assert paused(docker_engine, server, sid)
@@ -98,9 +96,7 @@ def test_serve_killed_during_create_leaves_nothing(serve_factory: Callable[..., 
 def test_serve_killed_during_restore_rolls_back(serve_factory: Callable[..., ServeProcess],
                                                 docker_engine: Any) -> None:
     server = serve_factory()
-    sid = server.api.create("restore-crash")["id"]
-    server.api.call("POST", f"/sessions/{sid}/message", {"text": "echo survived"})
-    before = server.api.wait_output(sid, b"survived\r\n$ ")
+    sid, before = server.api.shell_ran("restore-crash", "echo survived", b"survived\r\n$ ")
     server.api.call("POST", f"/sessions/{sid}/snapshot", {})
     in_thread(lambda: server.api.call("POST", f"/sessions/{sid}/switch", {}))
     wait_until(lambda: session_containers(docker_engine, server.state_dir, sid), "the new container")
