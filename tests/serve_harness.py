@@ -153,11 +153,34 @@ def session_containers(client: Any, state_dir: Path, session_id: Optional[str] =
     return client.containers.list(all=True, filters={"label": labels})
 
 
+STATE_DIR_PREFIX = "rs-"
+
+
+def sweep_killed_runs(client: Any) -> None:
+    """Remove the session containers and state dirs of test runs that were killed before their
+    teardown: a harness state dir (tempdir/rs-*/state) that no live `serve` process uses."""
+    import psutil
+
+    in_use = set()
+    for process in psutil.process_iter(["cmdline"]):
+        cmdline = process.info["cmdline"] or []
+        if "serve" in cmdline and "--state-dir" in cmdline:
+            in_use.add(cmdline[cmdline.index("--state-dir") + 1])
+    prefix = str(Path(tempfile.gettempdir()) / STATE_DIR_PREFIX)
+    for container in client.containers.list(all=True, filters={"label": LABEL_STATE_DIR}):
+        state_dir = container.labels[LABEL_STATE_DIR]
+        if state_dir.startswith(prefix) and state_dir not in in_use:
+            container.remove(force=True)
+            shutil.rmtree(Path(state_dir).parent, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def managed_workload(docker_client: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """examples/managed (python3 + busybox top/vi), staged and built once."""
+    """examples/managed (python3 + busybox top/vi), staged and built once; first, what killed
+    runs left is swept."""
     from conftest import stage_and_build
 
+    sweep_killed_runs(docker_client)
     directory = tmp_path_factory.mktemp("managed") / "workload"
     stage_and_build(ROOT / "examples/managed/managed.blueprint.yaml", directory)
     return directory
@@ -174,7 +197,7 @@ def serve_factory(docker_engine: Any, managed_workload: Path) -> Iterator[Callab
     def start(*extra: str, state_dir: Optional[Path] = None, env: Optional[dict[str, str]] = None) -> ServeProcess:
         if state_dir is None:
             # Short, so the host-side socket paths stay readable in failures.
-            state_dir = Path(tempfile.mkdtemp(prefix="rs-")) / "state"
+            state_dir = Path(tempfile.mkdtemp(prefix=STATE_DIR_PREFIX)) / "state"
             temp_dirs.append(state_dir.parent)
         process = ServeProcess(state_dir, managed_workload, *extra, env=env)
         started.append(process)
