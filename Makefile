@@ -28,6 +28,7 @@ test-unit:
 bench: setup
 	$(PYTHON) bench/bench_agent.py
 	$(PYTHON) bench/bench_sessions.py
+	$(PYTHON) bench/bench_serve.py
 
 bench-agent:
 	$(PYTHON) bench/bench_agent.py

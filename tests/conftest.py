@@ -46,18 +46,31 @@ def _engine() -> Any:
         pytest.skip(f"no Docker engine: {e}")
 
 
-def labelled(client: Any) -> dict[str, Any]:
-    """Every labelled session resource, by id."""
-    found: dict[str, Any] = {c.id: c for c in client.containers.list(
-        all=True, filters={"label": LABEL_RUN})}
-    found.update({n.id: n for n in client.networks.list(filters={"label": LABEL_RUN})})
+def labelled(client: Any) -> dict[str, tuple[str, dict[str, str]]]:
+    """Every labelled session resource: id -> (kind, labels). One listing call per kind, so a
+    resource removed meanwhile cannot make the listing itself fail."""
+    found = {c["Id"]: ("container", c.get("Labels") or {})
+             for c in client.api.containers(all=True, filters={"label": LABEL_RUN})}
+    found.update({n["Id"]: ("network", n.get("Labels") or {})
+                  for n in client.api.networks(filters={"label": LABEL_RUN})})
     return found
 
 
-def ours(resource: Any, basetemp: Path) -> bool:
-    workload_dir = (resource.attrs.get("Config", {}).get("Labels") or resource.attrs.get(
-        "Labels") or {}).get(LABEL_WORKLOAD_DIR)
+def ours(labels: dict[str, str], basetemp: Path) -> bool:
+    workload_dir = labels.get(LABEL_WORKLOAD_DIR)
     return workload_dir is None or workload_dir.startswith(str(basetemp))
+
+
+def remove_resource(client: Any, resource_id: str, kind: str) -> None:
+    import docker.errors
+
+    try:
+        if kind == "container":
+            client.api.remove_container(resource_id, force=True)
+        else:
+            client.api.remove_network(resource_id)
+    except docker.errors.NotFound:
+        pass
 
 
 @pytest.fixture(scope="session")
@@ -78,11 +91,11 @@ def docker_engine(docker_client: Any, tmp_path_factory: pytest.TempPathFactory) 
     before = set(labelled(docker_client))
     yield docker_client
     basetemp = tmp_path_factory.getbasetemp()
-    left = [resource for rid, resource in labelled(docker_client).items()
-            if rid not in before and ours(resource, basetemp)]
-    for resource in left:
-        resource.remove(force=True) if hasattr(resource, "image") else resource.remove()
-    assert not left, f"session resources left behind: {[r.name for r in left]}"
+    left = {rid: (kind, labels) for rid, (kind, labels) in labelled(docker_client).items()
+            if rid not in before and ours(labels, basetemp)}
+    for rid, (kind, _) in left.items():
+        remove_resource(docker_client, rid, kind)
+    assert not left, f"session resources left behind: {[(k, r[:12]) for r, (k, _) in left.items()]}"
 
 
 def run_reploy(*args: str, timeout: float = 180, **kwargs: Any) -> subprocess.CompletedProcess:
