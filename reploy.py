@@ -1918,6 +1918,8 @@ MAX_READ_WAIT_MS = 4000
 SSE_CHUNK_BYTES = 64 * 1024
 #: How often an SSE stream looks at the output log's length.
 SSE_POLL_S = 0.02
+#: How long one SSE wake-up long-poll waits in the agent before the stream looks again.
+SSE_LONG_POLL_MS = 1000
 #: The session JSON's lifecycle facts refresh at most this often in a stream.
 SSE_STATE_CHECK_S = 1.0
 _SESSION_ID = re.compile(r"^[0-9a-f]{16}$")
@@ -2940,7 +2942,22 @@ class SessionManager:
             if time.monotonic() - last_sent >= self.config.sse_keepalive_s:
                 send(SSE_KEEPALIVE)
                 last_sent = time.monotonic()
-            self.stopping.wait(SSE_POLL_S)
+            if not self.await_agent_output(session_dir, cursor):
+                self.stopping.wait(SSE_POLL_S)
+
+    @staticmethod
+    def await_agent_output(session_dir: Path, cursor: int) -> bool:
+        """Sleep until the agent has bytes past `cursor` (or a second passed), so a stream
+        learns of output at once instead of at its next file poll. The agent's `read` changes
+        nothing, so the stream stays passive. False when no agent answers (a paused or
+        snapshotted session): the caller falls back to polling the file."""
+        try:
+            agent_call(session_dir, "read",
+                       {"offset": cursor, "max_bytes": 4, "wait_ms": SSE_LONG_POLL_MS},
+                       timeout_s=SSE_LONG_POLL_MS / 1000 + 1.0)
+            return True
+        except AgentCallError:
+            return False
 
     # -- reconciliation and the reaper ------------------------------------------------------
 
