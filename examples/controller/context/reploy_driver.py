@@ -128,6 +128,15 @@ class SessionDriver:
         assert self.attach_mode == "pty" and self._terminal_fd is not None
         self.set_pty_size(self._terminal_fd, columns, rows)
 
+    @staticmethod
+    def granted_endpoint(opened: dict[str, Any], endpoint_id: str) -> dict[str, Any]:
+        """The coordinates `opened` grants for an endpoint id, or a clear failure."""
+        for endpoint in opened["endpoints"]:
+            if endpoint["id"] == endpoint_id:
+                return endpoint
+        raise SessionFailed(f"the session grants no {endpoint_id!r} endpoint "
+                            f"(run it with --endpoint {endpoint_id})")
+
     # -- the structured stream -----------------------------------------------------------
 
     def _read_events(self) -> None:

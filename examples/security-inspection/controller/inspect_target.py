@@ -187,10 +187,7 @@ def main() -> int:
     with SessionDriver(attach="pipe") as session:
         try:
             opened = session.start()
-            endpoint = next((e for e in opened["endpoints"] if e["id"] == ENDPOINT_ID), None)
-            if endpoint is None:
-                raise SessionFailed(f"the session grants no {ENDPOINT_ID!r} endpoint "
-                                    f"(run it with --endpoint {ENDPOINT_ID})")
+            endpoint = session.granted_endpoint(opened, ENDPOINT_ID)
             start_target(session)
             target = Target(endpoint["host"], endpoint["port"])
             findings = check_headers(target) + check_directory_listings(target) \
