@@ -1384,7 +1384,7 @@ class ControlledSession:
     def wait_until(self, condition: Callable[[], bool], deadline: Optional[float] = None,
                    stop_on_latch: bool = True) -> bool:
         """Run the loop until condition() (True), the deadline, or (if stop_on_latch) a cause
-        being latched (False). During startup a latched cause raises StartupFailure."""
+        being latched (False): phases that must end on any cause wait with stop_on_latch."""
         while True:
             if condition():
                 return True
