@@ -14,7 +14,8 @@ import sys
 
 import pytest
 
-from agent_fixtures.harness import AGENT_PY, FAKE_AGENT_ARGV, agent, short_dir, start_agent  # noqa: F401
+from agent_fixtures.harness import (  # noqa: F401
+    AGENT_PY, FAKE_AGENT_ARGV, agent, exchange_on, short_dir, start_agent)
 
 SERVING_TCP_RE = re.compile(r"agent\.py: serving \S+ and tcp 127\.0\.0\.1:(\d+) ")
 
@@ -32,14 +33,8 @@ def start_listening(start_agent):
 
 def tcp_exchange(port: int, payload: bytes, shutdown_write: bool = False) -> bytes:
     """Sends raw bytes to the TCP listener and returns everything received until the agent closes."""
-    with socket.create_connection(("127.0.0.1", port), timeout=15) as sock:
-        sock.sendall(payload)
-        if shutdown_write:
-            sock.shutdown(socket.SHUT_WR)
-        received = bytearray()
-        while chunk := sock.recv(65536):
-            received += chunk
-        return bytes(received)
+    return exchange_on(socket.create_connection(("127.0.0.1", port), timeout=15), payload,
+                       shutdown_write)
 
 
 def tcp_call(port: int, method: str, **params) -> dict:

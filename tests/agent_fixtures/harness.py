@@ -193,9 +193,15 @@ def start_agent(short_dir: Path) -> Iterator[Callable[..., AgentProcess]]:
 def raw_exchange(session_dir: Path, payload: bytes, shutdown_write: bool = False,
                  timeout_s: float = DEADLINE_S) -> bytes:
     """Sends raw bytes to the control socket and returns everything received until the server closes."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(timeout_s)
-        sock.connect(str(session_dir / agent.SOCKET_NAME))
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout_s)
+    sock.connect(str(session_dir / agent.SOCKET_NAME))
+    return exchange_on(sock, payload, shutdown_write)
+
+
+def exchange_on(sock: socket.socket, payload: bytes, shutdown_write: bool = False) -> bytes:
+    """Send on a connected socket (unix or TCP), then read until the agent closes; closes it."""
+    with sock:
         sock.sendall(payload)
         if shutdown_write:
             sock.shutdown(socket.SHUT_WR)
