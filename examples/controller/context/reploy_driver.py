@@ -244,6 +244,17 @@ class SessionDriver:
 
     # -- the end -------------------------------------------------------------------------
 
+    def close_if_never_ready(self) -> bool:
+        """After a failure: if the session never became ready there is nothing to end. A
+        startup-failure `terminated` is acknowledged (that branch takes no `complete`).
+        True when the caller should stop here."""
+        if "ready" in {event["type"] for event in self.events}:
+            return False
+        if self.events and self.events[-1]["type"] == "terminated":
+            self.send("acknowledge-terminated")
+            self.drain_events()
+        return True
+
     def finish(self) -> Outcome:
         """Steps 4-7 of the robust sequence: drain, complete, terminated, acknowledge."""
         assert self.client is not None and self.attach is not None

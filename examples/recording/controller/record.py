@@ -135,12 +135,8 @@ def main(argv: list[str]) -> int:
         except SessionFailed as e:
             report["error"] = str(e)
             seen = {event["type"] for event in session.events}
-            if "ready" not in seen:
+            if session.close_if_never_ready():
                 print(f"record: the session never became ready: {e}", file=sys.stderr)
-                if session.events and session.events[-1]["type"] == "terminated":
-                    # Startup failed: terminated came before ready. Acknowledge, no complete.
-                    session.send("acknowledge-terminated")
-                    session.drain_events()
                 return 1
             # Keep what was recorded: end the session properly and report the failure.
             print(f"record: {e}; terminating the session", file=sys.stderr)

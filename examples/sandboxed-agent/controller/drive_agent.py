@@ -166,11 +166,7 @@ def main() -> int:
             print(f"drive-agent: {report['error']}", file=sys.stderr)
             tail = session.transcript[-2000:].decode(errors="replace")
             print(f"drive-agent: the terminal's last bytes: {tail!r}", file=sys.stderr)
-            if "ready" not in {event["type"] for event in session.events}:
-                if session.events and session.events[-1]["type"] == "terminated":
-                    # Startup failed: terminated came before ready. Acknowledge, no complete.
-                    session.send("acknowledge-terminated")
-                    session.drain_events()
+            if session.close_if_never_ready():
                 return 1  # nothing to end: the session never started
         with open(os.path.join(output_dir, "transcript.jsonl"), "w") as f:
             for exchange in agent.transcript if agent else []:

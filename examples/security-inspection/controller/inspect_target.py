@@ -206,11 +206,7 @@ def main() -> int:
         except SessionFailed as e:
             error = str(e)
             print(f"inspect: {escape_evidence(error)}", file=sys.stderr)
-            if "ready" not in {event["type"] for event in session.events}:
-                if session.events and session.events[-1]["type"] == "terminated":
-                    # Startup failed: terminated came before ready. Acknowledge, no complete.
-                    session.send("acknowledge-terminated")
-                    session.drain_events()
+            if session.close_if_never_ready():
                 return 1  # nothing to end: the session never started
             session.send("terminate")
         try:
