@@ -233,7 +233,7 @@ python3 -I -m venv --without-pip "$venv" >&2 || fail "python3 -m venv could not 
 set -f  # wheel paths are plain names; no globbing
 wheels=$(bundle_tool wheels)
 installer=$(bundle_tool installer)
-(cd "$bundle" && PIP_CONFIG_FILE=/dev/null "$venv/bin/python3" "$installer/pip" --isolated install \
+(cd "$bundle" && PIP_CONFIG_FILE=/dev/null "$venv/bin/python3" -I "$installer/pip" --isolated install \
     --no-index --no-cache-dir --disable-pip-version-check --only-binary=:all: --quiet $wheels) >&2 \
     || fail "pip could not install the bundled wheels into $venv (see above)"
 set +f
