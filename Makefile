@@ -1,10 +1,12 @@
 # Reploy: the two commands of the README, plus their parts.
 #   make demo   set up this machine, then run a controlled session between the examples
 #   make test   set up this machine, then run the whole test suite
+#   make bundle the offline bundle for air-gapped hosts, dist/reploy-VERSION-offline.tar.gz
+#               (IMAGES=1 adds the examples' base images, which `make setup` builds)
 PYTHON ?= python3
 DEMO_DIR ?= $(CURDIR)/.reploy-demo
 
-.PHONY: setup demo test test-unit bench bench-agent clean-demo
+.PHONY: setup demo test test-unit bench bench-agent clean-demo bundle
 
 setup:
 	bash scripts/setup.sh
@@ -35,3 +37,6 @@ bench-agent:
 
 clean-demo:
 	rm -rf $(DEMO_DIR)
+
+bundle:
+	@$(PYTHON) scripts/bundle.py --output-dir dist $(if $(filter 1,$(IMAGES)),--images)

@@ -56,6 +56,9 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 # Constants
 # ======================================================================================================================
 
+#: Reploy's release: one value in all four role files (a test checks), named by the offline bundle.
+__version__ = "0.1.0"
+
 KIB = 1024
 MIB = 1024 * KIB
 
@@ -2391,6 +2394,7 @@ def _json_argv(text: str) -> tuple[str, ...]:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="agent.py", description="Reploy's data-plane agent (stdlib only).")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="run a session's workload and serve DIR/control.sock")
     serve.add_argument("--session-dir", required=True, type=Path)

@@ -69,6 +69,9 @@ from reploy_session_client import (  # noqa: E402
 # Constants
 # ============================================================================================
 
+#: Reploy's release: one value in all four role files (a test checks), named by the offline bundle.
+__version__ = "0.1.0"
+
 CLIENT_SOURCE = Path(wire.__file__).resolve()
 WATCHDOG_SOURCE = Path(reploy_watchdog.__file__).resolve()
 #: Where the client lands in the derived controller image.
@@ -3519,6 +3522,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="reploy", description="Sandboxed, controllable sessions on Docker.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
     p_stage = commands.add_parser("stage", help="validate a blueprint and stage a deployment")
     p_stage.add_argument("blueprint", type=Path)

@@ -45,6 +45,9 @@ from typing import Any, Callable, ClassVar, Iterator, Optional
 # Constants
 # ============================================================================================
 
+#: Reploy's release: one value in all four role files (a test checks), named by the offline bundle.
+__version__ = "0.1.0"
+
 #: The public stream's schema; a future incompatible stream must use another.
 CLIENT_SCHEMA = "reploy-controlled-session-client-v1"
 #: The host result's schema (reploy.py prints it; the codec for its statuses lives here).
@@ -1465,6 +1468,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="reploy-session-client",
         description="The controller side of a Reploy controlled session.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     modes = parser.add_subparsers(dest="mode", required=True)
     modes.add_parser("client", help="run the broker: JSON Lines on stdin/stdout")
     attach = modes.add_parser("attach", help="attach terminal bytes to the broker's socket")

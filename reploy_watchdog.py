@@ -44,6 +44,9 @@ import psutil
 # Constants
 # ============================================================================================
 
+#: Reploy's release: one value in all four role files (a test checks), named by the offline bundle.
+__version__ = "0.1.0"
+
 MANIFEST_SCHEMA = "reploy-watchdog-manifest-v1"
 RECEIPT_SCHEMA = "reploy-incident-receipt-v1"
 LABEL_RUN = "io.reploy.session.live-run"

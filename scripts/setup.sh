@@ -10,7 +10,8 @@ log() { printf 'setup: %s\n' "$*" >&2; }
 BUSYBOX_IMAGE=reploy-base/busybox:1
 PYTHON_IMAGE=reploy-base/python:bookworm-1
 DOCKERD_LOG=/var/log/reploy-dockerd.log
-DEBIAN_MIRROR=${REPLOY_DEBIAN_MIRROR:-http://deb.debian.org/debian}
+# debootstrap's Debian mirror: REPLOY_DEBIAN_MIRROR, else the archive this machine's apt uses.
+DEBIAN_MIRROR=${REPLOY_DEBIAN_MIRROR:-$(python3 scripts/debian_mirror.py 2>/dev/null || true)}
 
 apt_packages_missing() {
   local missing=()
@@ -60,6 +61,13 @@ start_engine() {
 
 image_exists() { docker image inspect "$1" >/dev/null 2>&1; }
 
+require_debian_mirror() {
+  [ -n "$DEBIAN_MIRROR" ] && return
+  python3 scripts/debian_mirror.py >/dev/null || true  # says why there is none
+  log "no Debian mirror to debootstrap from: set REPLOY_DEBIAN_MIRROR"
+  exit 1
+}
+
 build_busybox_image() {
   image_exists "$BUSYBOX_IMAGE" && return
   log "building $BUSYBOX_IMAGE from Debian's busybox-static"
@@ -78,7 +86,8 @@ build_busybox_image() {
 
 build_python_image() {
   image_exists "$PYTHON_IMAGE" && return
-  log "building $PYTHON_IMAGE with debootstrap (about a minute)"
+  require_debian_mirror
+  log "building $PYTHON_IMAGE with debootstrap from $DEBIAN_MIRROR (about a minute)"
   local root; root=$(mktemp -d)
   trap 'rm -rf "$root"' RETURN
   debootstrap --variant=minbase --include=python3,bsdextrautils,asciinema \
