@@ -438,3 +438,19 @@ def test_the_session_client_refuses_unusable_tokens(args: list[str], env: dict[s
     assert proc.returncode == 2 and proc.stdout == b"" and complaint in proc.stderr
     assert TOKEN.encode() not in proc.stderr
     assert Recorder.seen == []  # nothing was sent
+
+
+def test_openapi_documents_the_credentials_and_the_refusals() -> None:
+    spec = json.loads((ROOT / "web/openapi.json").read_text())
+    schemes = spec["components"]["securitySchemes"]
+    assert schemes["bearer"] == {**schemes["bearer"], "type": "http", "scheme": "bearer"}
+    assert (schemes["loginCookie"]["type"], schemes["loginCookie"]["in"]) == ("apiKey", "cookie")
+    assert spec["security"] == [{"bearer": []}, {"loginCookie": []}]
+    statuses = {"401": reploy.Unauthorized, "403": reploy.Forbidden,
+                "415": reploy.UnsupportedMediaType, "421": reploy.MisdirectedRequest}
+    for code, error in statuses.items():
+        assert str(error.status) == code
+    for method, path, _ in reploy.API_ROUTES:
+        documented = spec["paths"][path][method.lower()]["responses"]
+        wanted = {"401", "403", "421"} | ({"415"} if method == "POST" else set())
+        assert wanted <= set(documented), (method, path)
