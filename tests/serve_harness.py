@@ -11,8 +11,10 @@ Synchronisation is by real conditions with deadlines (`wait_until`), never by sl
 from __future__ import annotations
 
 import http.client
+import http.server
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -28,6 +30,7 @@ import pytest
 
 from agent_fixtures import harness as agent_harness
 from cdp import Browser, find_chromium
+from conftest import SERVE_STATE_DIR_PREFIX
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "agent_fixtures"
@@ -175,12 +178,10 @@ def session_containers(client: Any, state_dir: Path, session_id: Optional[str] =
     return client.containers.list(all=True, filters={"label": labels})
 
 
-STATE_DIR_PREFIX = "rs-"
-
-
 def sweep_killed_runs(client: Any) -> None:
     """Remove the session containers and state dirs of test runs that were killed before their
-    teardown: a harness state dir (tempdir/rs-*/state) that no live `serve` process uses."""
+    teardown: a harness state dir (tempdir/rs-PID-*/state) whose pytest process is gone and
+    that no live `serve` process uses."""
     import psutil
 
     in_use = set()
@@ -188,10 +189,11 @@ def sweep_killed_runs(client: Any) -> None:
         cmdline = process.info["cmdline"] or []
         if "serve" in cmdline and "--state-dir" in cmdline:
             in_use.add(cmdline[cmdline.index("--state-dir") + 1])
-    prefix = str(Path(tempfile.gettempdir()) / STATE_DIR_PREFIX)
+    run = re.compile(re.escape(str(Path(tempfile.gettempdir()) / "rs-")) + r"(\d+)-")
     for container in client.containers.list(all=True, filters={"label": LABEL_STATE_DIR}):
         state_dir = container.labels[LABEL_STATE_DIR]
-        if state_dir.startswith(prefix) and state_dir not in in_use:
+        match = run.match(state_dir)
+        if match and not psutil.pid_exists(int(match.group(1))) and state_dir not in in_use:
             container.remove(force=True)
             shutil.rmtree(Path(state_dir).parent, ignore_errors=True)
 
@@ -219,7 +221,7 @@ def serve_factory(docker_engine: Any, managed_workload: Path) -> Iterator[Callab
     def start(*extra: str, state_dir: Optional[Path] = None, env: Optional[dict[str, str]] = None) -> ServeProcess:
         if state_dir is None:
             # Short, so the host-side socket paths stay readable in failures.
-            state_dir = Path(tempfile.mkdtemp(prefix=STATE_DIR_PREFIX)) / "state"
+            state_dir = Path(tempfile.mkdtemp(prefix=SERVE_STATE_DIR_PREFIX)) / "state"
             temp_dirs.append(state_dir.parent)
         process = ServeProcess(state_dir, managed_workload, *extra, env=env)
         started.append(process)
@@ -298,6 +300,47 @@ def sse_events(api: Api, sid: str, offset: Optional[int] = None, last_event_id: 
     finally:
         conn.close()
     return events
+
+
+class LoopbackSite:
+    """A small web server on 127.0.0.1 and a port of its own (so another origin than any serve):
+    answers GET for the paths published on it, 404 otherwise, and records every request's
+    headers. A context manager: leaving it stops the server."""
+
+    def __init__(self) -> None:
+        self.pages: dict[str, tuple[str, bytes]] = {}
+        self.requests: list[dict[str, str]] = []
+        site = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                site.requests.append(dict(self.headers.items()))
+                content_type, data = site.pages.get(self.path, ("text/plain", b""))
+                self.send_response(200 if data else 404)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base's
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def publish(self, path: str, content_type: str, data: bytes) -> str:
+        self.pages[path] = (content_type, data)
+        return self.url + path
+
+    def __enter__(self) -> "LoopbackSite":
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join()
 
 
 def in_thread(target: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:

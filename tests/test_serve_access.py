@@ -5,7 +5,6 @@ Host allowlist per listen address; token files; and the CLI's token and listen o
 
 from __future__ import annotations
 
-import http.server
 import itertools
 import json
 import os
@@ -22,6 +21,7 @@ sys.path.insert(0, str(ROOT))
 
 import reploy  # noqa: E402
 from reploy import Access  # noqa: E402
+from serve_harness import LoopbackSite  # noqa: E402
 
 TOKEN = "k" * 20 + "Q7-x_" + "z" * 18  # 43 characters, like a generated one
 EXTRA_HOST = "reploy.proxy.test"
@@ -375,37 +375,16 @@ def test_serve_listen_usage_errors(extra: list[str], complaint: bytes, tmp_path:
     assert not (tmp_path / "token").exists()
 
 
-class Recorder(http.server.BaseHTTPRequestHandler):
-    """Answers every request with an empty session list and records its headers."""
-
-    seen: list[dict[str, str]] = []
-
-    def do_GET(self) -> None:
-        Recorder.seen.append(dict(self.headers.items()))
-        data = b'{"sessions": [], "now": 0}'
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
-        pass
-
-
 @pytest.fixture
-def recorder() -> Iterator[str]:
-    Recorder.seen = []
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
-    thread.join()
+def recorder() -> Iterator[LoopbackSite]:
+    """A stand-in server whose session list is empty; it records what the client sent."""
+    with LoopbackSite() as site:
+        site.publish("/api/v1/sessions", "application/json", b'{"sessions": [], "now": 0}')
+        yield site
 
 
-def test_the_session_client_sends_the_token_it_is_given(recorder: str, tmp_path: Path) -> None:
+def test_the_session_client_sends_the_token_it_is_given(recorder: LoopbackSite,
+                                                       tmp_path: Path) -> None:
     token_file = tmp_path / "token"
     other = TOKEN.replace("k", "m")
     token_file.write_text(other + "\n")
@@ -413,14 +392,14 @@ def test_the_session_client_sends_the_token_it_is_given(recorder: str, tmp_path:
     unset = {k: v for k, v in os.environ.items() if k != "REPLOY_TOKEN"}
     runs = [
         subprocess.run([sys.executable, str(ROOT / "reploy.py"), "session", "list", "--server",
-                        recorder], capture_output=True, timeout=60, env=unset),
-        run_reploy("session", "list", "--server", recorder, env={"REPLOY_TOKEN": TOKEN}),
-        run_reploy("session", "list", "--server", recorder, "--token-file", str(token_file),
+                        recorder.url], capture_output=True, timeout=60, env=unset),
+        run_reploy("session", "list", "--server", recorder.url, env={"REPLOY_TOKEN": TOKEN}),
+        run_reploy("session", "list", "--server", recorder.url, "--token-file", str(token_file),
                    env={"REPLOY_TOKEN": TOKEN}),
     ]
     assert [p.returncode for p in runs] == [0, 0, 0]
     assert [json.loads(p.stdout) for p in runs] == [{"sessions": [], "now": 0}] * 3
-    assert [seen.get("Authorization") for seen in Recorder.seen] == [
+    assert [seen.get("Authorization") for seen in recorder.requests] == [
         None, f"Bearer {TOKEN}", f"Bearer {other}"]
     assert all(TOKEN not in p.stderr.decode() + p.stdout.decode() for p in runs)
 
@@ -433,11 +412,11 @@ def test_the_session_client_sends_the_token_it_is_given(recorder: str, tmp_path:
     (["--token-file", "/nonexistent/token"], {}, b"cannot read"),
 ])
 def test_the_session_client_refuses_unusable_tokens(args: list[str], env: dict[str, str],
-                                                   complaint: bytes, recorder: str) -> None:
-    proc = run_reploy("session", "list", "--server", recorder, *args, env=env)
+                                                   complaint: bytes, recorder: LoopbackSite) -> None:
+    proc = run_reploy("session", "list", "--server", recorder.url, *args, env=env)
     assert proc.returncode == 2 and proc.stdout == b"" and complaint in proc.stderr
     assert TOKEN.encode() not in proc.stderr
-    assert Recorder.seen == []  # nothing was sent
+    assert recorder.requests == []  # nothing was sent
 
 
 def test_openapi_documents_the_credentials_and_the_refusals() -> None:

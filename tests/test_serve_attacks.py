@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import base64
 import http.client
-import http.server
 import json
 import os
 import socket
 import subprocess
 import sys
-import threading
 import urllib.parse
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -25,7 +23,7 @@ import pytest
 
 from cdp import Browser
 from serve_harness import (  # noqa: F401  (fixtures)
-    ROOT, Api, ServeProcess, log_in, managed_workload, serve_factory, sse_events, start_browser,
+    ROOT, Api, LoopbackSite, ServeProcess, log_in, managed_workload, serve_factory, start_browser,
     wait_until,
 )
 
@@ -88,36 +86,10 @@ def attack_browser() -> Iterator[Browser]:
 
 
 @pytest.fixture
-def hostile_site() -> Iterator[Callable[[str], str]]:
-    """A web site on another loopback origin (127.0.0.1, another port): give it a page's HTML,
-    get its URL."""
-    pages: dict[str, bytes] = {}
-
-    class Site(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            data = pages.get(self.path, b"")
-            self.send_response(200 if data else 404)
-            self.send_header("Content-Type", "text/html; charset=utf-8")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Site)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-
-    def publish(html: str) -> str:
-        path = f"/page-{len(pages)}.html"
-        pages[path] = html.encode()
-        return f"http://127.0.0.1:{server.server_address[1]}{path}"
-
-    yield publish
-    server.shutdown()
-    server.server_close()
-    thread.join()
+def hostile_site() -> Iterator[LoopbackSite]:
+    """The hostile web site: another loopback origin (127.0.0.1, another port)."""
+    with LoopbackSite() as site:
+        yield site
 
 
 def requests_to(browser: Browser, base_url: str) -> list[dict[str, Any]]:
@@ -149,7 +121,7 @@ def session_ids(server: ServeProcess) -> list[str]:
 
 def test_a_page_on_another_loopback_origin_gets_nothing(
         serve_factory: Callable[..., ServeProcess], attack_browser: Browser,
-        hostile_site: Callable[[str], str]) -> None:
+        hostile_site: LoopbackSite) -> None:
     server = serve_factory()
     base = server.ready["url"]
     sid, _ = server.api.shell_ran("victim", "echo secret-$((6*7))", b"secret-42\r\n$ ")
@@ -158,7 +130,7 @@ def test_a_page_on_another_loopback_origin_gets_nothing(
     attack_browser.wait_for("location.href === 'about:blank'", "a blank page")
     attack_browser.call("Network.enable")
     page = ATTACK_PAGE.replace("TARGET", json.dumps(base)).replace("SID", json.dumps(sid))
-    attack_browser.navigate(hostile_site(page))
+    attack_browser.navigate(hostile_site.publish("/", "text/html; charset=utf-8", page.encode()))
     results = attack_browser.wait_for("window.results", "the page's attacks")
 
     def settled() -> Any:  # 11 requests: 9 answered, 2 stopped at their preflight
