@@ -3648,7 +3648,10 @@ def load_or_create_token(path: Path) -> str:
     aside and linked into place, and only the first link wins."""
     if not os.path.lexists(path):
         aside = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
-        fd = os.open(aside, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            fd = os.open(aside, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            raise CredentialError(f"cannot make the token file {path}: {e.strerror}") from None
         try:
             with os.fdopen(fd, "w") as file:
                 file.write(secrets.token_urlsafe(TOKEN_BYTES) + "\n")

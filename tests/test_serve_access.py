@@ -350,6 +350,8 @@ def test_a_token_path_that_is_no_file_is_refused(tmp_path: Path) -> None:
         reploy.read_token(tmp_path)
     with pytest.raises(reploy.CredentialError, match="cannot read"):
         reploy.read_token(tmp_path / "missing")
+    with pytest.raises(reploy.CredentialError, match="cannot make the token file"):
+        reploy.load_or_create_token(tmp_path / "missing" / "token")
 
 
 # -- the CLI: serve's listen options, the session client's token ------------------------------
