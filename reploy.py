@@ -26,7 +26,9 @@ import base64
 import contextlib
 import enum
 import hashlib
+import hmac
 import http.server
+import ipaddress
 import io
 import json
 import os
@@ -50,7 +52,7 @@ import urllib.parse
 import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import docker
 import docker.errors
@@ -1876,8 +1878,8 @@ def run_controlled_session(options: RunOptions) -> tuple[RunResult, Optional[int
 # `serve` processes can share one state dir without ever acting twice on one session.
 #
 # Reading order: the state machine (pure), the store (SQLite with compare-and-swap and
-# leases), request bodies and the SSE encoder (pure), the Docker orchestration, the HTTP
-# adapter, then `serve` and the `session` client in the CLI section.
+# leases), request bodies, the SSE encoder and the access rules (pure), the Docker
+# orchestration, the HTTP adapter, then `serve` and the `session` client in the CLI section.
 
 SERVE_SCHEMA = "reploy-serve-v1"
 API_PREFIX = "/api/v1"
@@ -1930,6 +1932,24 @@ _SESSION_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9 ._-]{0,63}$")
 #: Seed 002's model identifiers (an optional leading ~ for moving aliases).
 _MODEL = re.compile(r"^(~[A-Za-z0-9][A-Za-z0-9._:/-]{0,126}|[A-Za-z0-9][A-Za-z0-9._:/-]{0,127})$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+#: The credential of one state dir (see "who may drive serve"): STATE_DIR/token, mode 0600.
+TOKEN_FILE_NAME = "token"
+TOKEN_BYTES = 32
+#: What a token may be: at least 32 characters (128 bits as hex), nothing that a header, a
+#: cookie or a percent-encoded URL could not carry.
+_TOKEN = re.compile(r"[A-Za-z0-9._~+/=-]{32,512}")
+MAX_TOKEN_FILE_BYTES = 4096
+#: The browser's way in: GET /login?token=T sets the cookie and redirects to /.
+LOGIN_PATH = "/login"
+#: The cookie is named per port (cookies ignore ports) and holds a value derived from the token.
+COOKIE_PREFIX = "reploy-"
+COOKIE_CONTEXT = b"reploy-serve-cookie-v1"
+#: The Host names a loopback listen answers for (lowercase, IPv6 without brackets).
+LOOPBACK_HOST_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+
+
+class CredentialError(ReployError):
+    """A token file or token that cannot be used (unreadable, open to others, malformed)."""
 
 
 class ServeError(ReployError):
@@ -1937,6 +1957,10 @@ class ServeError(ReployError):
     {"error": ...} text. Subclasses split the blame the way seed 002's error mapping does."""
 
     status = 500
+
+    def response_headers(self) -> dict[str, str]:
+        """Headers the error response must carry besides its JSON body."""
+        return {}
 
 
 class BadRequest(ServeError):
@@ -1953,6 +1977,17 @@ class SessionConflict(ServeError):
     """The session's state refuses this now (busy with another operation, or a lost race)."""
 
     status = 409
+
+
+class MethodNotAllowed(ServeError):
+    status = 405
+
+    def __init__(self, message: str, allowed: tuple[str, ...]) -> None:
+        super().__init__(message)
+        self.allowed = allowed
+
+    def response_headers(self) -> dict[str, str]:
+        return {"Allow": ", ".join(self.allowed)}
 
 
 class PayloadTooLarge(ServeError):
@@ -1979,6 +2014,32 @@ class ServiceUnavailable(ServeError):
 
 class InsufficientStorage(ServeError):
     status = 507
+
+
+class Unauthorized(ServeError):
+    """No credentials, or wrong ones (see "who may drive serve")."""
+
+    status = 401
+
+    def response_headers(self) -> dict[str, str]:
+        return {"WWW-Authenticate": 'Bearer realm="reploy"'}
+
+
+class Forbidden(ServeError):
+    """A browser request from another origin or site."""
+
+    status = 403
+
+
+class UnsupportedMediaType(ServeError):
+    status = 415
+
+
+class MisdirectedRequest(ServeError):
+    """A Host this server does not answer for: DNS rebinding, or a proxy not named with
+    --allow-host."""
+
+    status = 421
 
 
 # ============================================================================================
@@ -2410,6 +2471,190 @@ def sse_cursor(last_event_id: Optional[str], query_offset: Optional[str]) -> int
             raise BadRequest(f"{source}: not a byte offset")
         return int(text)
     return 0
+
+
+# ============================================================================================
+# Managed sessions: who may drive serve (pure)
+# ============================================================================================
+#
+# `serve` runs on the user's own machine while the user browses the web, so any page could
+# send it requests, and a page that rebinds its DNS name to 127.0.0.1 could even read the
+# answers. Every request is therefore decided here, from its method, target and headers and
+# the server's policy alone, before any route runs and before its body is read:
+#
+#   1. Host must name this server: one of the listen address's own names, or --allow-host
+#      (421 otherwise). A rebound page still sends its own name, so this stops DNS rebinding,
+#      even for a client holding a stolen cookie.
+#   2. The UI's static files need no credentials (they hold no data). GET /login?token=T with
+#      the right token sets the browser's cookie and redirects to / (the adapter does that).
+#   3. Under /api/v1, a browser request from elsewhere is refused (403): an Origin other than
+#      this server's own, or Sec-Fetch-Site saying another site. Pages on another port of the
+#      same loopback address are *same-site*, so the SameSite=Strict cookie reaches us from
+#      them; this check is what stops them.
+#   4. Then credentials (401): `Authorization: Bearer TOKEN`, which alone decides when present,
+#      or the cookie. A token in an API query string is never one.
+#   5. A body must be application/json (415): the only kinds a page can send across origins
+#      without a preflight (forms, text/plain) are refused, and preflights get no CORS headers.
+#
+# Tokens and cookie values are compared in constant time. No message names a credential.
+
+
+class Access(enum.Enum):
+    """What the HTTP adapter does with a request that passed the checks."""
+
+    ROUTE = "route"  # serve it: a static file, or an authenticated API call
+    LOGIN = "login"  # /login with the right token: set the cookie, 303 to /
+
+
+@dataclass(frozen=True)
+class AccessPolicy:
+    """One server's credentials and names. The cookie holds a value derived from the token, so
+    the token itself never lives in the browser; its name carries the port, because cookies
+    ignore ports and two servers on one machine must not overwrite each other's."""
+
+    token: str = field(repr=False)
+    cookie_name: str
+    cookie_value: str = field(repr=False)
+    allowed_hosts: frozenset[str]
+
+    @classmethod
+    def for_server(cls, token: str, port: int, allowed_hosts: frozenset[str]) -> "AccessPolicy":
+        value = hmac.new(token.encode(), COOKIE_CONTEXT, hashlib.sha256).hexdigest()
+        return cls(token, f"{COOKIE_PREFIX}{port}", value, allowed_hosts)
+
+
+def is_loopback_listen(host: str) -> bool:
+    """Whether a --listen host (an IP address or `localhost`) stays on this machine."""
+    return host == "localhost" or ipaddress.ip_address(host).is_loopback
+
+
+def allowed_hosts(listen_host: str, machine_names: Iterable[str],
+                  extra: Iterable[str]) -> frozenset[str]:
+    """The Host names (lowercase, IPv6 without brackets) a server on `listen_host` answers
+    for: the loopback names for a loopback listen; for any other address that address and the
+    machine's own names and addresses (`machine_names`), plus the loopback names when it is a
+    wildcard (0.0.0.0, ::) that includes loopback; and every --allow-host in `extra`."""
+    if is_loopback_listen(listen_host):
+        own = set(LOOPBACK_HOST_NAMES) | ({listen_host} if listen_host != "localhost" else set())
+    else:
+        address = ipaddress.ip_address(listen_host)
+        own = {name.lower() for name in machine_names}
+        own |= set(LOOPBACK_HOST_NAMES) if address.is_unspecified else {str(address)}
+    return frozenset(own | {name.lower() for name in extra})
+
+
+_AUTHORITY = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[^\[\]:/@?#\s]+)(?::([0-9]{1,5}))?")
+DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def split_authority(text: str) -> tuple[str, Optional[int]]:
+    """A Host header's (name, port): the name lowercase, IPv6 without brackets, the port None
+    when absent. BadRequest when it is not `name[:port]`."""
+    match = _AUTHORITY.fullmatch(text)
+    if not match or (match.group(2) is not None and not 0 < int(match.group(2)) <= 65535):
+        raise BadRequest("the Host header is not NAME[:PORT]")
+    port = None if match.group(2) is None else int(match.group(2))
+    return match.group(1).strip("[]").lower(), port
+
+
+def is_same_origin(origin: str, host_name: str, host_port: Optional[int]) -> bool:
+    """Whether an Origin header names the server the Host header names (http or https, which a
+    TLS proxy in front adds; default ports filled in on both sides)."""
+    scheme, separator, authority = origin.partition("://")
+    if not separator or scheme not in DEFAULT_PORTS:
+        return False  # includes "null": sandboxed frames, file: pages
+    try:
+        name, port = split_authority(authority)
+    except BadRequest:
+        return False
+    default = DEFAULT_PORTS[scheme]
+    return name == host_name and (port or default) == (host_port or default)
+
+
+def is_api_path(path: str) -> bool:
+    """Whether a request path belongs to the API (and needs credentials)."""
+    return path == API_PREFIX or path.startswith(API_PREFIX + "/")
+
+
+def same_secret(given: str, expected: str) -> bool:
+    """Constant-time comparison of a presented credential with ours."""
+    return hmac.compare_digest(given.encode("utf-8", "surrogatepass"), expected.encode())
+
+
+def _single_header(headers: Sequence[tuple[str, str]], name: str) -> Optional[str]:
+    values = [value for key, value in headers if key.lower() == name]
+    if len(values) > 1:
+        raise BadRequest(f"more than one {name} header")
+    return values[0] if values else None
+
+
+def _cookie_values(headers: Sequence[tuple[str, str]], name: str) -> list[str]:
+    """Every value the Cookie headers give `name` (a page elsewhere on this host may have set
+    another cookie of the same name: any one of them may be ours)."""
+    values = []
+    for key, header in headers:
+        if key.lower() == "cookie":
+            for pair in header.split(";"):
+                cookie, separator, value = pair.strip().partition("=")
+                if separator and cookie == name:
+                    values.append(value)
+    return values
+
+
+def _is_json_media_type(content_type: Optional[str]) -> bool:
+    media_type, _, parameters = (content_type or "").partition(";")
+    return media_type.strip().lower() == "application/json" and parameters.strip().lower() in (
+        "", "charset=utf-8", 'charset="utf-8"')
+
+
+UNAUTHORIZED_MESSAGE = ("authentication required: send Authorization: Bearer TOKEN "
+                        "(STATE_DIR/token), or open the login_url printed by `reploy serve`")
+
+
+def decide_access(method: str, target: str, headers: Sequence[tuple[str, str]],
+                  policy: AccessPolicy) -> Access:
+    """Route or log in, or raise the ServeError that refuses the request (the rules above).
+    `target` is the request target as sent (path and query); `headers` every header line."""
+    if not target.startswith("/"):
+        raise BadRequest("the request target must be a path (this server is not a proxy)")
+    host = _single_header(headers, "host")
+    if host is None:
+        raise BadRequest("a Host header is required")
+    host_name, host_port = split_authority(host)
+    if host_name not in policy.allowed_hosts:
+        raise MisdirectedRequest(f"this server does not answer for Host {host[:100]!r} "
+                                 "(a reverse proxy's name needs --allow-host)")
+    path, _, query = target.partition("?")
+    if path == LOGIN_PATH:
+        if method != "GET":
+            raise MethodNotAllowed(f"{method} is not allowed here (allowed: GET)", ("GET",))
+        tokens = urllib.parse.parse_qs(query, keep_blank_values=True).get("token", [])
+        if len(tokens) != 1 or not same_secret(tokens[0], policy.token):
+            raise Unauthorized("this login link's token is wrong; open the login_url printed "
+                               "by `reploy serve`")
+        return Access.LOGIN
+    if not is_api_path(path):
+        return Access.ROUTE
+    origin = _single_header(headers, "origin")
+    if origin is not None and not is_same_origin(origin, host_name, host_port):
+        raise Forbidden("requests from another origin are refused")
+    if (_single_header(headers, "sec-fetch-site") or "").lower() in ("cross-site", "same-site"):
+        raise Forbidden("requests from another site are refused")
+    authorization = _single_header(headers, "authorization")
+    if authorization is not None:
+        scheme, _, credential = authorization.strip().partition(" ")
+        if scheme.lower() != "bearer" or not same_secret(credential.strip(), policy.token):
+            raise Unauthorized("wrong credentials: " + UNAUTHORIZED_MESSAGE)
+    elif not any(same_secret(value, policy.cookie_value)
+                 for value in _cookie_values(headers, policy.cookie_name)):
+        in_url = "token" in urllib.parse.parse_qs(query, keep_blank_values=True)
+        raise Unauthorized(UNAUTHORIZED_MESSAGE + (" (a token in an API URL is not accepted)"
+                                                   if in_url else ""))
+    has_body = (_single_header(headers, "content-length") or "0").strip() != "0" or (
+        _single_header(headers, "transfer-encoding") is not None)
+    if has_body and not _is_json_media_type(_single_header(headers, "content-type")):
+        raise UnsupportedMediaType("request bodies must be Content-Type: application/json")
+    return Access.ROUTE
 
 
 # ============================================================================================
@@ -3053,14 +3298,6 @@ CONTENT_SECURITY_POLICY = ("default-src 'self'; style-src 'self' 'unsafe-inline'
                            "img-src 'self' data:; object-src 'none'; frame-ancestors 'none'")
 
 
-class MethodNotAllowed(ServeError):
-    status = 405
-
-    def __init__(self, message: str, allowed: tuple[str, ...]) -> None:
-        super().__init__(message)
-        self.allowed = allowed
-
-
 def match_route(method: str, path: str) -> tuple[str, Optional[str]]:
     """(handler name, session id) for an API path below /api/v1. Pure."""
     parts = path.strip("/").split("/")
@@ -3099,14 +3336,20 @@ class ServeHTTPServer(http.server.ThreadingHTTPServer):
     allow_reuse_address = True
 
     def __init__(self, address: tuple[str, int], manager: SessionManager,
-                 static: dict[str, tuple[str, bytes]]) -> None:
+                 static: dict[str, tuple[str, bytes]], token: str,
+                 hosts: frozenset[str]) -> None:
+        if ":" in address[0]:
+            self.address_family = socket.AF_INET6
         super().__init__(address, ApiHandler)
         self.manager = manager
         self.static = static
+        self.policy = AccessPolicy.for_server(token, self.server_address[1], hosts)
 
 
 class ApiHandler(http.server.BaseHTTPRequestHandler):
-    """Thin: parse, call the SessionManager, encode. Every failure is {"error": "..."}."""
+    """Thin: decide access (decide_access, before anything else), parse, call the
+    SessionManager, encode. Every failure is {"error": "..."}; no response ever carries a CORS
+    header."""
 
     server: ServeHTTPServer
     protocol_version = "HTTP/1.1"
@@ -3131,6 +3374,14 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
     def do_PATCH(self) -> None:
         self.dispatch("PATCH")
 
+    def do_OPTIONS(self) -> None:
+        self.dispatch("OPTIONS")  # a CORS preflight: refused like any other foreign request
+
+    def end_headers(self) -> None:
+        self.send_header("Referrer-Policy", "no-referrer")
+        self.send_header("X-Content-Type-Options", "nosniff")
+        super().end_headers()
+
     @property
     def manager(self) -> SessionManager:
         return self.server.manager
@@ -3138,19 +3389,24 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
     def dispatch(self, method: str) -> None:
         path, _, query = self.path.partition("?")
         try:
+            try:
+                access = decide_access(method, self.path, self.headers.items(), self.server.policy)
+            except ServeError:
+                self.close_connection = True  # its body, if any, is never read
+                raise
+            if access is Access.LOGIN:
+                self.send_login()
+                return
             body = self.read_body()
-            if path == API_PREFIX + "/openapi.json" or (
-                    path != API_PREFIX and not path.startswith(API_PREFIX + "/")):
+            if path == API_PREFIX + "/openapi.json" or not is_api_path(path):
                 self.serve_static(method, path)
                 return
             handler, session_id = match_route(method, path[len(API_PREFIX):])
             result = getattr(self, "api_" + handler)(session_id, body, query)
             if result is not None:
                 self.send_json(*result)
-        except MethodNotAllowed as e:
-            self.send_json(e.status, {"error": str(e)}, {"Allow": ", ".join(e.allowed)})
         except ServeError as e:
-            self.send_json(e.status, {"error": str(e)})
+            self.send_json(e.status, {"error": str(e)}, e.response_headers())
         except BackendError as e:
             self.send_json(503, {"error": str(e)})
         except (BrokenPipeError, ConnectionResetError, socket.timeout):
@@ -3185,6 +3441,18 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
+    def send_login(self) -> None:
+        """The login path's answer: the cookie, and a redirect to a URL without the token
+        (no-store and no-referrer keep the token out of caches and Referer headers)."""
+        policy = self.server.policy
+        self.send_response(303)
+        self.send_header("Location", "/")
+        self.send_header("Set-Cookie", f"{policy.cookie_name}={policy.cookie_value}; "
+                                       "HttpOnly; SameSite=Strict; Path=/")
+        self.send_header("Cache-Control", "no-store")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
     def serve_static(self, method: str, path: str) -> None:
         if path == "/api/v1/openapi.json":
             path = "/openapi.json"
@@ -3198,7 +3466,6 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(data)))
         self.send_header("Cache-Control", "no-cache")
         self.send_header("Content-Security-Policy", CONTENT_SECURITY_POLICY)
-        self.send_header("X-Content-Type-Options", "nosniff")
         self.end_headers()
         self.wfile.write(data)
 
@@ -3311,11 +3578,100 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
 # ============================================================================================
 
 
-def _parse_listen(text: str) -> tuple[str, int]:
-    host, _, port = text.rpartition(":")
+@dataclass(frozen=True)
+class ServeAccess:
+    """Where `serve` listens and who may reach it, checked once ("who may drive serve")."""
+
+    host: str  # an IP address, or localhost
+    port: int
+    allow_hosts: tuple[str, ...]
+    token_file: Path
+
+
+_HOST_NAME = re.compile(r"^(?=.{1,253}$)[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?"
+                        r"(\.[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)*$")
+
+
+def serve_access_from(args: argparse.Namespace) -> ServeAccess:
+    host, _, port = args.listen.rpartition(":")
     if not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise UsageError(f"--listen: {text!r} is not HOST:PORT")
-    return host.strip("[]"), int(port)
+        raise UsageError(f"--listen: {args.listen!r} is not HOST:PORT")
+    host = host.strip("[]")
+    if host != "localhost":
+        try:
+            host = str(ipaddress.ip_address(host))
+        except ValueError:
+            raise UsageError(f"--listen: {host!r} is not an IP address or localhost") from None
+    if not is_loopback_listen(host) and not args.allow_remote:
+        raise UsageError(f"--listen {args.listen} reaches beyond this machine: add --allow-remote "
+                         "(and serve it behind a TLS reverse proxy; see the README)")
+    names = []
+    for text in args.allow_host:
+        try:
+            name = str(ipaddress.ip_address(text.strip("[]")))
+        except ValueError:
+            name = text.lower()
+            if not _HOST_NAME.match(name):
+                raise UsageError(f"--allow-host: {text!r} is not a host name or IP address "
+                                 "(no port, no wildcard)") from None
+        names.append(name)
+    token_file = args.token_file or args.state_dir / TOKEN_FILE_NAME
+    return ServeAccess(host, int(port), tuple(names), token_file.absolute())
+
+
+def read_token(path: Path) -> str:
+    """The token a token file holds (one line). CredentialError when the file cannot be read,
+    is open to other users, or holds anything else; the message never quotes the file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as e:
+        raise CredentialError(f"cannot read the token file {path}: {e.strerror}") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise CredentialError(f"the token file {path} is not a regular file")
+        if mode & 0o077:
+            raise CredentialError(f"the token file {path} is open to other users "
+                                  f"(mode {stat.S_IMODE(mode):04o}); chmod 600 it")
+        text = os.read(fd, MAX_TOKEN_FILE_BYTES + 1).decode("ascii", "replace")
+    finally:
+        os.close(fd)
+    if not _TOKEN.fullmatch(text.rstrip("\n")):
+        raise CredentialError(f"the token file {path} does not hold one token (32 to 512 of "
+                              "A-Z a-z 0-9 . _ ~ + / = -, on one line)")
+    return text.rstrip("\n")
+
+
+def load_or_create_token(path: Path) -> str:
+    """STATE_DIR/token (or --token-file): made at the first start from TOKEN_BYTES random
+    bytes, mode 0600, and reused after. Servers starting together agree: the file is written
+    aside and linked into place, and only the first link wins."""
+    if not os.path.lexists(path):
+        aside = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+        try:
+            fd = os.open(aside, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            raise CredentialError(f"cannot make the token file {path}: {e.strerror}") from None
+        try:
+            with os.fdopen(fd, "w") as file:
+                file.write(secrets.token_urlsafe(TOKEN_BYTES) + "\n")
+                file.flush()
+                os.fsync(file.fileno())
+            with contextlib.suppress(FileExistsError):
+                os.link(aside, path)
+        finally:
+            aside.unlink(missing_ok=True)
+    return read_token(path)
+
+
+def machine_names() -> list[str]:
+    """This machine's host name and interface addresses: what a listen beyond loopback
+    answers for, besides --allow-host."""
+    names = [socket.gethostname()]
+    for addresses in psutil.net_if_addrs().values():
+        names += [address.address.partition("%")[0] for address in addresses
+                  if address.family in (socket.AF_INET, socket.AF_INET6)]
+    return names
 
 
 def serve_config_from(args: argparse.Namespace) -> ServeConfig:
@@ -3370,15 +3726,20 @@ def serve_config_from(args: argparse.Namespace) -> ServeConfig:
         min_free_bytes=args.min_free_mib * 1024 * 1024)
 
 
-def run_serve(config: ServeConfig, listen: tuple[str, int]) -> int:
-    """`reploy serve`: API and UI on one port until SIGTERM or SIGINT. Sessions outlive it."""
+def run_serve(config: ServeConfig, access: ServeAccess) -> int:
+    """`reploy serve`: API and UI on one port until SIGTERM or SIGINT. Sessions outlive it.
+    The start line carries the token and the browser's login_url; stderr never does."""
     try:
         config.state_dir.mkdir(parents=True, exist_ok=True)
+        token = load_or_create_token(access.token_file)
+        hosts = allowed_hosts(access.host, () if is_loopback_listen(access.host)
+                              else machine_names(), access.allow_hosts)
         backend = DockerBackend()
         backend.require_sandbox_support()
         manager = SessionManager(config, backend)
         manager.reconcile()
-        server = ServeHTTPServer(listen, manager, load_static(WEB_DIR))
+        server = ServeHTTPServer((access.host, access.port), manager, load_static(WEB_DIR),
+                                 token, hosts)
     except (ReployError, OSError) as e:
         print(f"reploy: serve: {e}", file=sys.stderr)
         emit({"schema": SERVE_SCHEMA, "ok": False, "error": str(e)})
@@ -3387,10 +3748,15 @@ def run_serve(config: ServeConfig, listen: tuple[str, int]) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
     bound_host, bound_port = server.server_address[:2]
-    url = f"http://{bound_host}:{bound_port}"
+    bound_host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(bound_host, bound_host)  # wildcards
+    authority = f"[{bound_host}]" if ":" in bound_host else bound_host
+    url = f"http://{authority}:{bound_port}"
     emit({"schema": SERVE_SCHEMA, "ok": True, "error": None, "url": url,
+          "login_url": f"{url}{LOGIN_PATH}?token={urllib.parse.quote(token, safe='')}",
+          "token": token, "token_file": str(access.token_file),
           "state_dir": str(config.state_dir), "pid": os.getpid()})
-    log(f"serving the API and UI on {url}")
+    log(f"serving the API and UI on {url}; browsers log in through login_url (stdout), "
+        f"programs send Authorization: Bearer with the token in {access.token_file}")
     threads = [threading.Thread(target=server.serve_forever, name="http", daemon=True),
                threading.Thread(target=manager.run_reaper, name="reaper", daemon=True)]
     for thread in threads:
@@ -3431,7 +3797,22 @@ def client_request(args: argparse.Namespace) -> tuple[str, str, Optional[dict[st
     return "POST", f"/sessions/{sid}/{action}", {}
 
 
-def run_session_client(args: argparse.Namespace) -> int:
+def session_token(args: argparse.Namespace) -> Optional[str]:
+    """The token `reploy session` sends: --token-file's, else $REPLOY_TOKEN, else none.
+    UsageError when the one named is not a token."""
+    try:
+        if args.token_file is not None:
+            return read_token(args.token_file)
+    except CredentialError as e:
+        raise UsageError(str(e)) from None
+    text = os.environ.get("REPLOY_TOKEN")
+    if text is not None and not _TOKEN.fullmatch(text):
+        raise UsageError("$REPLOY_TOKEN does not hold a token (e.g. export "
+                         "REPLOY_TOKEN=$(cat STATE_DIR/token))")
+    return text
+
+
+def run_session_client(args: argparse.Namespace, token: Optional[str]) -> int:
     """`reploy session ACTION`: one API call, its JSON document on stdout; exit 1 on an error
     status (the document then carries `error` and `status`)."""
     import urllib.error
@@ -3441,8 +3822,10 @@ def run_session_client(args: argparse.Namespace) -> int:
     server = (args.server or os.environ.get("REPLOY_SERVER") or f"http://{DEFAULT_LISTEN}")
     url = server.rstrip("/") + API_PREFIX + path
     data = wire.encode_compact(body) if body is not None else None
-    request = urllib.request.Request(url, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
+    request = urllib.request.Request(url, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=120) as response:
             emit(json.loads(response.read()))
@@ -3452,6 +3835,9 @@ def run_session_client(args: argparse.Namespace) -> int:
             document = json.loads(e.read())
         except ValueError:
             document = {"error": e.reason}
+        if e.code == 401 and token is None:
+            document["error"] = (f"{document.get('error')} "
+                                 "(this client sends $REPLOY_TOKEN or --token-file)")
         emit({**document, "status": e.code})
     except (urllib.error.URLError, OSError) as e:
         emit({"error": f"no answer from {server}: {getattr(e, 'reason', e)}", "status": None})
@@ -3460,7 +3846,14 @@ def run_session_client(args: argparse.Namespace) -> int:
 
 def add_serve_parsers(commands: Any) -> None:
     serve = commands.add_parser("serve", help="serve managed sessions: REST API, SSE and web UI")
-    serve.add_argument("--listen", default=DEFAULT_LISTEN, metavar="HOST:PORT")
+    serve.add_argument("--listen", default=DEFAULT_LISTEN, metavar="HOST:PORT",
+                       help="IP address or localhost; beyond loopback needs --allow-remote")
+    serve.add_argument("--allow-remote", action="store_true",
+                       help="allow a --listen address beyond loopback (put TLS in front)")
+    serve.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                       help="also answer for this Host name, e.g. a reverse proxy's (repeatable)")
+    serve.add_argument("--token-file", type=Path, metavar="FILE",
+                       help="the token's file (default STATE_DIR/token; made 0600 if missing)")
     serve.add_argument("--state-dir", type=Path, default=Path(".reploy-serve"))
     serve.add_argument("--workload-dir", type=Path, action="append", required=True,
                        help="a staged, built deployment whose image has python3 (repeatable)")
@@ -3487,6 +3880,8 @@ def add_serve_parsers(commands: Any) -> None:
     common = ArgumentParser(add_help=False)
     common.add_argument("--server", metavar="URL",
                         help=f"default $REPLOY_SERVER or http://{DEFAULT_LISTEN}")
+    common.add_argument("--token-file", type=Path, metavar="FILE",
+                        help="the server's token file (default: the token in $REPLOY_TOKEN)")
     create = actions.add_parser("create", parents=[common])
     create.add_argument("--name", required=True)
     create.add_argument("--workload", choices=("shell", "agent"), default="shell")
@@ -3600,7 +3995,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         if getattr(args, "action", None) == "run":
             options = parse_run_options(args, command)
         elif args.command == "serve" and not command:
-            serve_config, listen = serve_config_from(args), _parse_listen(args.listen)
+            serve_config, serve_access = serve_config_from(args), serve_access_from(args)
+        elif args.command == "session" and not command:
+            token = session_token(args)
         elif command:
             raise UsageError("only controlled-session run takes arguments after --")
     except UsageError as e:
@@ -3614,9 +4011,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             return EXIT_FOR_SIGNAL[signum]
         return EXIT_OK if result.ok else EXIT_FAILED
     if args.command == "serve":
-        return run_serve(serve_config, listen)
+        return run_serve(serve_config, serve_access)
     if args.command == "session":
-        return run_session_client(args)
+        return run_session_client(args, token)
     schema = {"stage": STAGE_SCHEMA, "build": BUILD_SCHEMA}.get(args.command, CLEANUP_SCHEMA)
     try:
         if args.command == "stage":

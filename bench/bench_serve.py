@@ -96,7 +96,7 @@ def sse_latency(api: Api, server: ServeProcess, sid: str, rounds: int) -> tuple[
     api.wait_output(sid, b"$ ")
     length = len(api.read_all(sid))
     conn = http.client.HTTPConnection(api.host, api.port, timeout=30)
-    conn.request("GET", f"/api/v1/sessions/{sid}/stream?offset={length}")
+    conn.request("GET", f"/api/v1/sessions/{sid}/stream?offset={length}", headers=api.auth_headers)
     response = conn.getresponse()
     seen: dict[str, float] = {}
     lock = threading.Condition()

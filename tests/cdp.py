@@ -103,11 +103,14 @@ class WebSocket:
 
 
 class Browser:
-    """One headless Chromium with one page. close() ends the process and removes its profile."""
+    """One headless Chromium with one page. close() ends the process and removes its profile.
+    Protocol events that arrive while a call waits for its answer are kept in `events`."""
 
-    def __init__(self, executable: str) -> None:
+    def __init__(self, executable: str, *extra_flags: str) -> None:
         self.profile = Path(tempfile.mkdtemp(prefix="reploy-chromium-"))
-        self.proc = subprocess.Popen([executable, *CHROMIUM_FLAGS, f"--user-data-dir={self.profile}",
+        self.events: list[dict[str, Any]] = []
+        self.proc = subprocess.Popen([executable, *CHROMIUM_FLAGS, *extra_flags,
+                                      f"--user-data-dir={self.profile}",
                                       "about:blank"], stdin=subprocess.DEVNULL,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      start_new_session=True)
@@ -158,6 +161,8 @@ class Browser:
                 if "error" in message:
                     raise RuntimeError(f"{method}: {message['error']}")
                 return message.get("result", {})
+            if "method" in message:
+                self.events.append(message)
 
     def evaluate(self, expression: str) -> Any:
         result = self.call("Runtime.evaluate", expression=expression, returnByValue=True,

@@ -6,8 +6,9 @@ container or network labelled as a Reploy session resource is left behind by it.
 
 "Left behind by it" means: labelled resources that did not exist when the test started and
 that belong to this pytest run (a controlled session's workload-dir label lies under this run's
-base temp dir; resources without that label count too). So parallel runs on one machine (as
-during development) neither fail nor sweep each other; in CI nothing else runs anyway.
+base temp dir, a managed session's state-dir label starts with this run's prefix; resources
+without either label count too). So parallel runs on one machine (as during development)
+neither fail nor sweep each other; in CI nothing else runs anyway.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,11 @@ sys.path.insert(0, str(ROOT))
 
 LABEL_RUN = "io.reploy.session.live-run"
 LABEL_WORKLOAD_DIR = "io.reploy.session.workload-dir"
+LABEL_STATE_DIR = "io.reploy.serve.state-dir"
+#: Where this run's `serve` processes keep their state (tests/serve_harness.py): short, for the
+#: unix socket paths under it, and named by this pytest process, so that a managed-session
+#: container tells which run it belongs to.
+SERVE_STATE_DIR_PREFIX = f"rs-{os.getpid()}-"
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -57,6 +64,9 @@ def labelled(client: Any) -> dict[str, tuple[str, dict[str, str]]]:
 
 
 def ours(labels: dict[str, str], basetemp: Path) -> bool:
+    state_dir = labels.get(LABEL_STATE_DIR)
+    if state_dir is not None:  # a managed session: ours if one of this run's serves made it
+        return state_dir.startswith(str(Path(tempfile.gettempdir()) / SERVE_STATE_DIR_PREFIX))
     workload_dir = labels.get(LABEL_WORKLOAD_DIR)
     return workload_dir is None or workload_dir.startswith(str(basetemp))
 

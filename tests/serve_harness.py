@@ -1,13 +1,20 @@
 """Runs real `reploy.py serve` processes for the managed-session tests, and talks to them.
 
+Every client here authenticates as the server's user: `Api` sends the token of the server's
+start line as `Authorization: Bearer`, `ServeProcess.client_env()` gives the `reploy session`
+CLI $REPLOY_TOKEN, and a browser logs in through `login_url`. Tests that attack the server
+pass `auth=False` and their own headers.
+
 Synchronisation is by real conditions with deadlines (`wait_until`), never by sleeping.
 """
 
 from __future__ import annotations
 
 import http.client
+import http.server
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -22,6 +29,8 @@ from typing import Any, Callable, Iterator, Optional
 import pytest
 
 from agent_fixtures import harness as agent_harness
+from cdp import Browser, find_chromium
+from conftest import SERVE_STATE_DIR_PREFIX
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "agent_fixtures"
@@ -38,27 +47,39 @@ def wait_until(condition: Callable[[], Any], what: str, timeout_s: float = DEADL
 
 
 class Api:
-    """A minimal JSON client of one serve's /api/v1."""
+    """A minimal JSON client of one serve's /api/v1, authenticated with its token."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, token: str) -> None:
         parsed = urllib.parse.urlsplit(url)
         self.host, self.port = parsed.hostname or "127.0.0.1", parsed.port or 80
         self.url = url
+        self.auth_headers = {"Authorization": f"Bearer {token}"}
 
-    def raw(self, method: str, path: str, body: Optional[bytes] = None,
-            headers: Optional[dict[str, str]] = None, timeout: float = 60) -> tuple[int, bytes]:
+    def request(self, method: str, path: str, body: Optional[bytes] = None,
+                headers: Optional[dict[str, str]] = None, auth: bool = True,
+                timeout: float = 60) -> tuple[int, dict[str, str], bytes]:
+        """One request: (status, headers with lowercase names, body). A body is sent as JSON
+        unless `headers` say otherwise; `auth=False` sends no credentials of ours."""
+        sent = {**(self.auth_headers if auth else {}),
+                **({"Content-Type": "application/json"} if body is not None else {}),
+                **(headers or {})}
         conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
         try:
-            conn.request(method, path, body=body, headers=headers or {})
+            conn.request(method, path, body=body, headers=sent)
             response = conn.getresponse()
-            return response.status, response.read()
+            return (response.status, {k.lower(): v for k, v in response.getheaders()},
+                    response.read())
         finally:
             conn.close()
 
+    def raw(self, method: str, path: str, body: Optional[bytes] = None,
+            headers: Optional[dict[str, str]] = None, timeout: float = 60) -> tuple[int, bytes]:
+        status, _, data = self.request(method, path, body, headers, timeout=timeout)
+        return status, data
+
     def call(self, method: str, path: str, body: Any = None, expect: int = 200) -> Any:
         data = None if body is None else json.dumps(body).encode()
-        status, raw = self.raw(method, "/api/v1" + path, data,
-                               {"Content-Type": "application/json"} if data else {})
+        status, raw = self.raw(method, "/api/v1" + path, data)
         document = json.loads(raw)
         assert status == expect, f"{method} {path}: {status} {document}"
         return document
@@ -122,11 +143,15 @@ class ServeProcess:
             raise AssertionError(f"serve did not start: {self.stderr}")
         self.ready = json.loads(line)
         assert self.ready["ok"], self.ready
-        self.api = Api(self.ready["url"])
+        self.api = Api(self.ready["url"], self.ready["token"])
 
     @property
     def stderr(self) -> str:
         return self.stderr_path.read_text(errors="replace")
+
+    def client_env(self) -> dict[str, str]:
+        """The environment of a `reploy session` call that authenticates as the user does."""
+        return {**os.environ, "REPLOY_TOKEN": self.ready["token"]}
 
     def kill(self) -> None:
         """SIGKILL: the crash case."""
@@ -153,12 +178,10 @@ def session_containers(client: Any, state_dir: Path, session_id: Optional[str] =
     return client.containers.list(all=True, filters={"label": labels})
 
 
-STATE_DIR_PREFIX = "rs-"
-
-
 def sweep_killed_runs(client: Any) -> None:
     """Remove the session containers and state dirs of test runs that were killed before their
-    teardown: a harness state dir (tempdir/rs-*/state) that no live `serve` process uses."""
+    teardown: a harness state dir (tempdir/rs-PID-*/state) whose pytest process is gone and
+    that no live `serve` process uses."""
     import psutil
 
     in_use = set()
@@ -166,10 +189,11 @@ def sweep_killed_runs(client: Any) -> None:
         cmdline = process.info["cmdline"] or []
         if "serve" in cmdline and "--state-dir" in cmdline:
             in_use.add(cmdline[cmdline.index("--state-dir") + 1])
-    prefix = str(Path(tempfile.gettempdir()) / STATE_DIR_PREFIX)
+    run = re.compile(re.escape(str(Path(tempfile.gettempdir()) / "rs-")) + r"(\d+)-")
     for container in client.containers.list(all=True, filters={"label": LABEL_STATE_DIR}):
         state_dir = container.labels[LABEL_STATE_DIR]
-        if state_dir.startswith(prefix) and state_dir not in in_use:
+        match = run.match(state_dir)
+        if match and not psutil.pid_exists(int(match.group(1))) and state_dir not in in_use:
             container.remove(force=True)
             shutil.rmtree(Path(state_dir).parent, ignore_errors=True)
 
@@ -197,7 +221,7 @@ def serve_factory(docker_engine: Any, managed_workload: Path) -> Iterator[Callab
     def start(*extra: str, state_dir: Optional[Path] = None, env: Optional[dict[str, str]] = None) -> ServeProcess:
         if state_dir is None:
             # Short, so the host-side socket paths stay readable in failures.
-            state_dir = Path(tempfile.mkdtemp(prefix=STATE_DIR_PREFIX)) / "state"
+            state_dir = Path(tempfile.mkdtemp(prefix=SERVE_STATE_DIR_PREFIX)) / "state"
             temp_dirs.append(state_dir.parent)
         process = ServeProcess(state_dir, managed_workload, *extra, env=env)
         started.append(process)
@@ -219,6 +243,31 @@ def serve_factory(docker_engine: Any, managed_workload: Path) -> Iterator[Callab
             shutil.rmtree(directory, ignore_errors=True)
 
 
+def start_browser(*flags: str) -> Browser:
+    """Headless Chromium (Debian's, scripts/setup.sh installs it); skips without it only when
+    REPLOY_REQUIRE_DOCKER is unset."""
+    executable = find_chromium()
+    if executable is None:
+        if os.environ.get("REPLOY_REQUIRE_DOCKER") == "1":
+            pytest.fail("REPLOY_REQUIRE_DOCKER=1 but chromium is not installed (scripts/setup.sh)")
+        pytest.skip("chromium is not installed")
+    return Browser(executable, *flags)
+
+
+@pytest.fixture
+def browser() -> Iterator[Browser]:
+    instance = start_browser()
+    yield instance
+    instance.close()
+
+
+def log_in(browser: Browser, server: ServeProcess) -> None:
+    """What the user does: open the start line's login_url; the UI then shows its sessions."""
+    browser.navigate(server.ready["login_url"])
+    browser.wait_for(f"location.href === {json.dumps(server.ready['url'] + '/')} && "
+                     "!!document.querySelector('[data-test=sessions]')", "the logged-in UI")
+
+
 def sse_events(api: Api, sid: str, offset: Optional[int] = None, last_event_id: Optional[str] = None,
                until: Callable[[list[dict[str, Any]]], bool] = lambda events: False,
                timeout_s: float = DEADLINE_S) -> list[dict[str, Any]]:
@@ -226,7 +275,8 @@ def sse_events(api: Api, sid: str, offset: Optional[int] = None, last_event_id: 
     are returned as {"comment": text}."""
     conn = http.client.HTTPConnection(api.host, api.port, timeout=timeout_s)
     path = f"/api/v1/sessions/{sid}/stream" + (f"?offset={offset}" if offset is not None else "")
-    conn.request("GET", path, headers={"Last-Event-ID": last_event_id} if last_event_id else {})
+    conn.request("GET", path, headers={**api.auth_headers,
+                                       **({"Last-Event-ID": last_event_id} if last_event_id else {})})
     response = conn.getresponse()
     assert response.status == 200, response.read()
     assert response.getheader("Content-Type") == "text/event-stream"
@@ -250,6 +300,47 @@ def sse_events(api: Api, sid: str, offset: Optional[int] = None, last_event_id: 
     finally:
         conn.close()
     return events
+
+
+class LoopbackSite:
+    """A small web server on 127.0.0.1 and a port of its own (so another origin than any serve):
+    answers GET for the paths published on it, 404 otherwise, and records every request's
+    headers. A context manager: leaving it stops the server."""
+
+    def __init__(self) -> None:
+        self.pages: dict[str, tuple[str, bytes]] = {}
+        self.requests: list[dict[str, str]] = []
+        site = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                site.requests.append(dict(self.headers.items()))
+                content_type, data = site.pages.get(self.path, ("text/plain", b""))
+                self.send_response(200 if data else 404)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base's
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def publish(self, path: str, content_type: str, data: bytes) -> str:
+        self.pages[path] = (content_type, data)
+        return self.url + path
+
+    def __enter__(self) -> "LoopbackSite":
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join()
 
 
 def in_thread(target: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:

@@ -26,7 +26,7 @@ SECRET = "tok-3b1f9c2e77d04a55"
 def cli(server: ServeProcess, *args: str, stdin: bytes = b"") -> tuple[int, Any]:
     proc = subprocess.run([sys.executable, str(ROOT / "reploy.py"), "session", *args,
                            "--server", server.ready["url"]],
-                          input=stdin, capture_output=True, timeout=120)
+                          input=stdin, capture_output=True, timeout=120, env=server.client_env())
     return proc.returncode, json.loads(proc.stdout)
 
 
@@ -202,6 +202,8 @@ def test_error_mapping(serve_factory: Callable[..., ServeProcess], docker_engine
 
     conn = http.client.HTTPConnection(api.host, api.port, timeout=30)
     conn.putrequest("POST", base + "/write")
+    for name, value in {**api.auth_headers, "Content-Type": "application/json"}.items():
+        conn.putheader(name, value)
     conn.putheader("Content-Length", str(8 * 1024 * 1024 + 1))
     conn.endheaders()
     response = conn.getresponse()

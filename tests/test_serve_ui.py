@@ -8,15 +8,15 @@ Skips without chromium only when REPLOY_REQUIRE_DOCKER is unset; in CI it must r
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import pytest
 
-from cdp import Browser, find_chromium
+from cdp import Browser
 from serve_harness import (  # noqa: F401  (fixtures)
-    ROOT, ServeProcess, managed_workload, serve_factory, session_containers, wait_until,
+    ROOT, ServeProcess, browser, log_in, managed_workload, serve_factory, session_containers,
+    wait_until,
 )
 
 pytestmark = pytest.mark.docker
@@ -25,18 +25,6 @@ SCREEN_TEXT = """(() => { const b = window.reployTerminal && window.reployTermin
   if (!b) return ""; const lines = [];
   for (let i = 0; i < b.length; i++) lines.push(b.getLine(i).translateToString(true));
   return lines.join("\\n"); })()"""
-
-
-@pytest.fixture
-def browser() -> Iterator[Browser]:
-    executable = find_chromium()
-    if executable is None:
-        if os.environ.get("REPLOY_REQUIRE_DOCKER") == "1":
-            pytest.fail("REPLOY_REQUIRE_DOCKER=1 but chromium is not installed (scripts/setup.sh)")
-        pytest.skip("chromium is not installed")
-    instance = Browser(executable)
-    yield instance
-    instance.close()
 
 
 def click(browser: Browser, selector: str) -> None:
@@ -74,7 +62,12 @@ def test_every_screen_in_chromium(serve_factory: Callable[..., ServeProcess], do
     server = serve_factory("--models", '["model-a", "model-b"]')
     url = server.ready["url"]
 
+    # Before logging in, the shell of the UI loads and says how to log in.
     browser.navigate(url + "/")
+    browser.wait_for("!!document.querySelector('[data-test=login-screen]')", "the login note")
+    assert "reploy serve" in browser.evaluate("document.body.textContent")
+    browser.screenshot(ARTIFACTS / "0-login.png")
+    log_in(browser, server)
     browser.wait_for("document.querySelector('.empty') !== null", "the empty sessions list")
     browser.screenshot(ARTIFACTS / "1-sessions-empty.png")
 
@@ -160,3 +153,11 @@ def test_every_screen_in_chromium(serve_factory: Callable[..., ServeProcess], do
     click(browser, f"tr[data-session='{agent}'] [data-test=confirm-delete]")
     browser.wait_for("document.querySelectorAll('tr[data-session]').length === 1", "the deletion")
     assert [s["id"] for s in server.api.call("GET", "/sessions")["sessions"]] == [shell]
+    # The token appears nowhere the page can see: not in its DOM, its URL, its session history
+    # (what the user typed, the login URL, stays in the browser's own record of typing) or its
+    # cookies (the login cookie is HttpOnly).
+    seen = browser.evaluate("[document.documentElement.outerHTML, location.href, document.cookie, "
+                            "document.referrer, history.length]")
+    entries = [e["url"] for e in browser.call("Page.getNavigationHistory")["entries"]]
+    assert server.ready["token"] not in json.dumps([seen, entries])
+    assert seen[2] == "" and not any("/login" in url for url in entries)

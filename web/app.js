@@ -3,6 +3,9 @@
 // sessions, a prompt and live transcript for agent sessions, and a restore screen for
 // snapshotted ones. Output arrives over the passive SSE stream; opening a workspace is an
 // explicit access (POST /switch), which resumes an idle session.
+// Credentials: the HttpOnly cookie that `reploy serve`'s login_url sets, sent by the browser
+// with every same-origin request (EventSource included); this script never sees a token. Any
+// 401 replaces the screen with a note to open the login URL.
 "use strict";
 
 const API = "/api/v1";
@@ -21,6 +24,7 @@ async function api(method, path, body) {
     init.body = JSON.stringify(body);
   }
   const response = await fetch(API + path, init);
+  if (response.status === 401) loginScreen();
   let doc = {};
   try { doc = await response.json(); } catch (_) { doc = { error: response.statusText }; }
   if (!response.ok) throw new ApiError(doc.error || response.statusText, response.status);
@@ -71,11 +75,26 @@ function badge(state) { return h("span", { class: `badge ${state}`, "data-test":
 
 const view = document.getElementById("view");
 let teardown = null;
+let loggedOut = false; // once the API said 401, only the login note shows
 
-function show(...nodes) { view.replaceChildren(...nodes); }
+function show(...nodes) { if (!loggedOut) view.replaceChildren(...nodes); }
+
+// The API needs the login cookie: stop the current screen and say how to get it.
+function loginScreen() {
+  if (teardown) { teardown(); teardown = null; }
+  if (loggedOut) return;
+  loggedOut = true;
+  view.replaceChildren(h("div", { class: "login", "data-test": "login-screen" },
+    h("h1", {}, "Log in"),
+    h("p", {}, "Open the login URL printed by ", h("code", {}, "reploy serve"),
+      " (the login_url of its start line) in this browser, then come back here."),
+    h("p", { class: "muted" }, "It is this server's address followed by /login?token= and the " +
+      "token in the server's state directory (STATE_DIR/token).")));
+}
 
 function route() {
   if (teardown) { teardown(); teardown = null; }
+  loggedOut = false; // navigating tries again (the cookie may have been set meanwhile)
   const hash = location.hash || "#/";
   const session = hash.match(/^#\/s\/([0-9a-f]{16})$/);
   for (const link of document.querySelectorAll("[data-nav]")) {
