@@ -9,6 +9,9 @@ log() { printf 'setup: %s\n' "$*" >&2; }
 
 BUSYBOX_IMAGE=reploy-base/busybox:1
 PYTHON_IMAGE=reploy-base/python:bookworm-1
+BROWSER_IMAGE=reploy-base/browser:bookworm-1
+# Bookworm's Node.js is 18; later playwright-core releases refuse it.
+PLAYWRIGHT_CORE_VERSION=1.48.2
 DOCKERD_LOG=/var/log/reploy-dockerd.log
 # debootstrap's Debian mirror: REPLOY_DEBIAN_MIRROR, else the archive this machine's apt uses.
 DEBIAN_MIRROR=${REPLOY_DEBIAN_MIRROR:-$(python3 scripts/debian_mirror.py 2>/dev/null || true)}
@@ -68,6 +71,14 @@ require_debian_mirror() {
   exit 1
 }
 
+# Runs a command with its output kept aside, shown only when it fails.
+quietly() {
+  local output status=0
+  output=$("$@" 2>&1) || status=$?
+  if [ "$status" -ne 0 ]; then printf '%s\n' "$output" >&2; fi
+  return "$status"
+}
+
 build_busybox_image() {
   image_exists "$BUSYBOX_IMAGE" && return
   log "building $BUSYBOX_IMAGE from Debian's busybox-static"
@@ -98,9 +109,52 @@ build_python_image() {
     - "$PYTHON_IMAGE" >/dev/null
 }
 
+build_browser_image() {
+  # The recording example's controller: the Python image's tools plus Debian's Chromium and
+  # Node.js, and playwright-core under /opt/playwright (on NODE_PATH).
+  image_exists "$BROWSER_IMAGE" && return
+  require_debian_mirror
+  log "building $BROWSER_IMAGE with debootstrap from $DEBIAN_MIRROR: Chromium, Node.js, playwright-core $PLAYWRIGHT_CORE_VERSION (a few minutes, once)"
+  (
+    root=$(mktemp -d)
+    chmod 755 "$root"  # apt's sandbox user must reach its download directory
+    # --one-file-system: never follow a mount left in the root into the host's /proc.
+    trap 'umount "$root/proc" 2>/dev/null || true; rm -rf --one-file-system "$root"' EXIT
+    # dbus-x11 provides the session bus Chromium's dconf-service depends on; without it
+    # debootstrap cannot configure Chromium (and apt would repair that with systemd).
+    quietly debootstrap --variant=minbase \
+      --include=python3,bsdextrautils,asciinema,chromium,nodejs,dbus-x11 \
+      bookworm "$root" "$DEBIAN_MIRROR"
+    mount -t proc proc "$root/proc"
+    # npm is needed only here: it installs the one pinned package, then leaves with its
+    # dependencies. It uses the machine's npm registry and CA bundle when it has them.
+    local npm_options=(--no-audit --no-fund --cache /tmp/npm-cache --prefix /opt/playwright)
+    if command -v npm >/dev/null 2>&1; then
+      npm_options+=(--registry "$(npm config get registry)")
+    fi
+    if [ -f /etc/ssl/certs/ca-certificates.crt ]; then
+      cp /etc/ssl/certs/ca-certificates.crt "$root/tmp/host-ca.crt"
+      npm_options+=(--cafile /tmp/host-ca.crt)
+    fi
+    quietly chroot "$root" env DEBIAN_FRONTEND=noninteractive \
+      apt-get install -y -q --no-install-recommends npm
+    quietly chroot "$root" env HOME=/tmp/npm-home \
+      npm install "${npm_options[@]}" "playwright-core@$PLAYWRIGHT_CORE_VERSION"
+    quietly chroot "$root" env DEBIAN_FRONTEND=noninteractive \
+      apt-get purge -y -q --autoremove npm
+    umount "$root/proc"
+    rm -rf "$root"/var/cache/apt/archives/*.deb "$root"/var/lib/apt/lists/*
+    find "$root/tmp" -mindepth 1 -delete
+    tar -C "$root" -c . | docker import \
+      -c 'ENV PATH=/usr/local/bin:/usr/bin:/bin LANG=C.UTF-8 NODE_PATH=/opt/playwright/node_modules' \
+      -c 'CMD ["/bin/sh"]' - "$BROWSER_IMAGE" >/dev/null
+  )
+}
+
 install_debian_packages
 install_python_requirements
 start_engine
 build_busybox_image
 build_python_image
-log "ready: engine up, base images $BUSYBOX_IMAGE and $PYTHON_IMAGE present"
+build_browser_image
+log "ready: engine up, base images $BUSYBOX_IMAGE, $PYTHON_IMAGE and $BROWSER_IMAGE present"

@@ -34,7 +34,8 @@ VERSION = reploy.__version__
 TOP = f"reploy-{VERSION}-offline"
 ROLE_FILES = ["reploy.py", "reploy_session_client.py", "reploy_watchdog.py", "agent.py"]
 #: The images examples/*/Dockerfile build FROM.
-EXAMPLE_BASE_IMAGES = ["reploy-base/busybox:1", "reploy-base/python:bookworm-1"]
+EXAMPLE_BASE_IMAGES = ["reploy-base/browser:bookworm-1", "reploy-base/busybox:1",
+                       "reploy-base/python:bookworm-1"]
 RUNTIME_REQUIREMENTS = ["docker==7.1.0", "psutil==7.0.0", "PyYAML==6.0.3"]
 
 
