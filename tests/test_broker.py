@@ -240,7 +240,7 @@ def test_full_session_through_the_real_attach(harness: BrokerHarness) -> None:
 
     attach = harness.attach_process(path)
     harness.send_events(OPENED, Ready(),
-                        Diagnostic(code="future_code", message="café 端末 \u001b[0m \"q\""))
+                        Diagnostic(code="future_code", message="café 端末 \"q\" \\"))
 
     # Output in order, including more than one window's worth: it needs credit round trips.
     small = b"$ ls\r\n\x1b[1mbold\x1b[0m\r\n"
@@ -274,10 +274,13 @@ def test_full_session_through_the_real_attach(harness: BrokerHarness) -> None:
 def test_startup_failure_is_acknowledged_without_complete(harness: BrokerHarness) -> None:
     harness.attach_raw(harness.broker_ready())
     failed = SessionResult(
-        cause=Cause.STARTUP_FAILURE, workload_status=None,
-        workload_output_finalization_status=None, runtime_observation_status=None,
-        controller_finalization_status=None, cleanup_status=Status.of("cleanup", "succeeded"),
-        recovery_action=RecoveryAction.NONE)
+        cause=Cause.STARTUP_FAILURE,
+        workload_status=Status.of("process", "unavailable", reason="the workload never started"),
+        workload_output_finalization_status=Status.of("output_finalization", "drained"),
+        runtime_observation_status=Status.of("runtime_observation", "maintained"),
+        controller_finalization_status=Status.of("controller_finalization", "startup-failed",
+                                                 reason="no attachment"),
+        cleanup_status=Status.of("cleanup", "succeeded"), recovery_action=RecoveryAction.NONE)
     harness.send_events(OPENED, Terminated(result=failed))
     harness.write(AcknowledgeTerminated().encode())
     harness.expect_request(AcknowledgeTerminated())

@@ -44,8 +44,8 @@ def test_derived_controller_image_is_cached_and_adds_one_layer(docker_engine: An
     backend = reploy.DockerBackend()
     controller = reploy.load_deployment(deployments["controller"])
     base_id = controller.current.image_id
-    first = reploy.ensure_controller_image(backend, base_id, controller.blueprint.runtime)
-    second = reploy.ensure_controller_image(backend, base_id, controller.blueprint.runtime)
+    first = reploy.ensure_controller_image(backend, base_id)
+    second = reploy.ensure_controller_image(backend, base_id)
     assert first == second
     derived = docker_engine.images.get(first)
     base = docker_engine.images.get(base_id)
