@@ -227,13 +227,18 @@ def reconcile_manifest(manifest_path: Path, trigger: str) -> dict[str, Any]:
     import docker
 
     manifest = Manifest.load(manifest_path)
-    client = docker.from_env(timeout=DOCKER_TIMEOUT_S)
     try:
-        report = remove_owned(manifest, client)
-    except docker.errors.DockerException as e:
+        client = docker.from_env(timeout=DOCKER_TIMEOUT_S)
+        try:
+            report = remove_owned(manifest, client)
+        finally:
+            client.close()
+    except Exception as e:  # noqa: BLE001 - an unreachable engine still gets its receipt
         report = CleanupReport(errors=[f"the Docker engine failed: {e}"])
-    finally:
-        client.close()
+        for path in manifest.paths:  # what needs no engine is still cleaned up
+            with contextlib.suppress(OSError):
+                shutil.rmtree(path)
+                report.removed_paths.append(path)
     receipt = {
         "schema": RECEIPT_SCHEMA,
         "run_id": manifest.run_id,

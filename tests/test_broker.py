@@ -288,6 +288,22 @@ def test_startup_failure_is_acknowledged_without_complete(harness: BrokerHarness
     assert harness.finish() == 0
 
 
+def test_no_clean_exit_when_the_acknowledgement_cannot_reach_the_host(
+        harness: BrokerHarness) -> None:
+    """The host stops reading before the acknowledgement is written: sending it fails, and
+    that is not a clean end (exit 0 needs the acknowledgement written, then a clean close)."""
+    harness.up_to_ready()
+    harness.send_events(*TO_FINALIZED)
+    harness.write(Complete().encode())
+    harness.expect_request(Complete())
+    harness.send_events(Terminated(result=FINAL_RESULT))
+    harness.host.sock.shutdown(socket.SHUT_RD)  # no end of file for the broker: a write fails
+    harness.write(AcknowledgeTerminated().encode())
+    event = harness.next_event()
+    assert isinstance(event, ClientError) and event.code == "host_channel_lost", event
+    assert harness.finish() == 1
+
+
 def test_stdin_may_close_after_the_acknowledgement(harness: BrokerHarness) -> None:
     harness.up_to_ready()
     harness.send_events(*TO_FINALIZED)
