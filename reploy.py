@@ -562,6 +562,9 @@ def process_status(exit_code: int) -> Status:
 
 
 def failed(family: str, reason: str) -> Status:
+    """A failed status; a cleanup's text is its `message`, every other family's a `reason`."""
+    if family == "cleanup":
+        return Status.of(family, "failed", message=reason)
     return Status.of(family, "failed", reason=reason)
 
 
@@ -658,9 +661,17 @@ def kill_if_running(api: docker.APIClient, container_id: str, signame: str) -> N
 
 
 def remove_container_quietly(api: docker.APIClient, container_id: str) -> None:
-    """Force-remove a container; one already gone is removed."""
-    with contextlib.suppress(docker.errors.NotFound):
+    """Force-remove a container; one already gone is removed, one whose removal someone else
+    started (409) is removed once that finishes."""
+    try:
         api.remove_container(container_id, force=True, v=True)
+    except docker.errors.NotFound:
+        pass
+    except docker.errors.APIError as e:
+        if e.status_code != 409:
+            raise
+        with contextlib.suppress(docker.errors.NotFound):
+            api.wait(container_id, condition="removed")
 
 
 def remove_network_quietly(api: docker.APIClient, network_id: str) -> None:

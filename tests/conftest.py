@@ -27,6 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 LABEL_RUN = "io.reploy.session.live-run"
 LABEL_WORKLOAD_DIR = "io.reploy.session.workload-dir"
+LABEL_STATE_DIR = "io.reploy.serve.state-dir"
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -57,8 +58,10 @@ def labelled(client: Any) -> dict[str, tuple[str, dict[str, str]]]:
 
 
 def ours(labels: dict[str, str], basetemp: Path) -> bool:
-    workload_dir = labels.get(LABEL_WORKLOAD_DIR)
-    return workload_dir is None or workload_dir.startswith(str(basetemp))
+    """Labelled with a directory of this run (a controlled session's workload dir, a managed
+    session's state dir), or with neither."""
+    directory = labels.get(LABEL_WORKLOAD_DIR, labels.get(LABEL_STATE_DIR))
+    return directory is None or directory.startswith(str(basetemp))
 
 
 def remove_resource(client: Any, resource_id: str, kind: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -23,7 +24,12 @@ def test_builds_record_generations_atomically(docker_engine: Any, tmp_path: Path
     assert first["generation"]["number"] == 1 and second["generation"]["number"] == 2
     assert first["deployment_id"] == second["deployment_id"]
     state = json.loads((tmp_path / "w/.reploy/state.json").read_text())
+    recorded = state["current_generation"].pop("blueprint_text")
     assert state["current_generation"] == second["generation"]
+    # The generation keeps the exact blueprint it was built from: a session's authority.
+    assert recorded == (tmp_path / "w/blueprint.yaml").read_text()
+    assert hashlib.sha256(recorded.encode()).hexdigest() == second["generation"][
+        "blueprint_digest"]
     assert [p.name for p in (tmp_path / "w/.reploy").iterdir()] == ["state.json"]  # no temp files
     image = docker_engine.images.get(second["generation"]["image_id"])
     assert image.labels[reploy.LABEL_DEPLOYMENT] == second["deployment_id"]
@@ -64,8 +70,9 @@ def test_controller_without_python_is_refused_clearly(docker_engine: Any,
                       "--workload-dir", str(deployments["workload"]), "--", "run-controller")
     result = json.loads(proc.stdout)
     assert proc.returncode == 1 and result["ok"] is False
+    assert result["error"].startswith("plan rejected: ")  # nothing of the session ran
     assert "must provide python3" in result["error"]
-    assert result["session_result"]["cause"] == "startup-failure"
+    assert result["session_result"] is None
     assert not any(t.startswith("reploy/controller-derived") for image in
                    docker_engine.images.list() for t in image.tags
                    if image.labels.get(reploy.LABEL_DERIVED_BASE) ==

@@ -15,6 +15,9 @@ scenario.py. Modes:
   die              exit abruptly once ready
   early-complete   send complete before termination: the client fails the stream and exits
   no-attach        start the client and never attach
+  stall            never start the client (the host's startup timeout ends it)
+  exit-early       exit 5 without starting the client
+  size             the workload's first command is `stty size`; then the shell exits 0
   no-complete      never send complete
   trap-term        a shell that traps SIGTERM and sleeps 5 s on it; terminate, then tell the
                    test `terminating` (it suspends the host past the output deadline)
@@ -22,9 +25,11 @@ scenario.py. Modes:
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
+import time
 
 SCHEMA = "reploy-controlled-session-client-v1"
 
@@ -94,7 +99,10 @@ class Consumer:
         ready = self.expect("broker-ready")
         self.start_attach(ready["terminal_socket"])
         self.notes["opened"] = self.expect("opened")
-        self.expect("ready")
+        if self.expect("ready", "terminated")["type"] == "terminated":
+            # The startup-failure branch: no complete, acknowledge at once (seed 000).
+            self.send("acknowledge-terminated")
+            raise SystemExit(self.finish())
 
     def follow_to_end(self):
         """Steps 4-7 of the seed's robust sequence, refusing any event out of its order:
@@ -110,8 +118,8 @@ class Consumer:
         self.expect("terminated")
         self.send("acknowledge-terminated")
 
-    def finish(self, code=0):
-        if self.client.stdin and not self.client.stdin.closed:
+    def finish(self, code=0, close_stdin=True):
+        if close_stdin and self.client.stdin and not self.client.stdin.closed:
             try:
                 self.client.stdin.close()
             except BrokenPipeError:
@@ -140,10 +148,14 @@ def tell_test(out_dir, moment):
 def main():
     mode, arg = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else None)
     out_dir = os.environ["REPLOY_OUTPUT_DIR"]
+    if mode == "stall":
+        time.sleep(600)
+    if mode == "exit-early":
+        return 5
     consumer = Consumer(out_dir)
     if mode == "no-attach":
         consumer.expect("broker-ready")
-        return consumer.finish()
+        return consumer.finish(close_stdin=False)  # the broker's attach deadline ends it
     consumer.open_session()
     if mode == "exit":
         consumer.type(f"exit {int(arg)}\n")
@@ -169,6 +181,12 @@ def main():
             if consumer.lines and json.loads(consumer.lines[-1])["type"] == "terminated":
                 consumer.send("acknowledge-terminated")
         return consumer.finish()
+    elif mode == "size":
+        consumer.type("stty size; echo @@$((1+1))@@\n")
+        consumer.wait_output(b"@@2@@\r\n")
+        match = re.search(rb"(\d+ \d+)\r?\n@@2@@", bytes(consumer.output))
+        consumer.notes["first_size"] = match.group(1).decode() if match else None
+        consumer.type("exit 0\n")
     elif mode == "trap-term":
         consumer.type("trap 'sleep 5' TERM; echo @@$((1+1))@@\n")
         consumer.wait_output(b"@@2@@")
