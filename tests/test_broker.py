@@ -28,6 +28,7 @@ from reploy_session_client import (
     Terminated, Terminating, WorkloadExit, WorkloadOutputsFinalized, chunks, decode_message,
 )
 from test_attach import CLIENT, AttachProcess
+from test_broker_rules import TERMINATED as STARTUP_FAILURE_TERMINATED
 from test_framing import WAIT_S, FramePeer
 
 OPENED = Opened(operations=("input", "resize", "terminate", "complete"), endpoints=(),
@@ -273,15 +274,7 @@ def test_full_session_through_the_real_attach(harness: BrokerHarness) -> None:
 
 def test_startup_failure_is_acknowledged_without_complete(harness: BrokerHarness) -> None:
     harness.attach_raw(harness.broker_ready())
-    failed = SessionResult(
-        cause=Cause.STARTUP_FAILURE,
-        workload_status=Status.of("process", "unavailable", reason="the workload never started"),
-        workload_output_finalization_status=Status.of("output_finalization", "drained"),
-        runtime_observation_status=Status.of("runtime_observation", "maintained"),
-        controller_finalization_status=Status.of("controller_finalization", "startup-failed",
-                                                 reason="no attachment"),
-        cleanup_status=Status.of("cleanup", "succeeded"), recovery_action=RecoveryAction.NONE)
-    harness.send_events(OPENED, Terminated(result=failed))
+    harness.send_events(OPENED, STARTUP_FAILURE_TERMINATED)
     harness.write(AcknowledgeTerminated().encode())
     harness.expect_request(AcknowledgeTerminated())
     harness.host.close()

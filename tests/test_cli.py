@@ -336,29 +336,24 @@ def test_exact_decimal_durations_are_accepted(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def test_an_endpoint_added_without_a_rebuild_is_not_granted(tmp_path: Path) -> None:
-    controller = staged(tmp_path, CONTROLLER, "c")
-    workload = staged(tmp_path, WORKLOAD, "w")
-    blueprint = workload / "blueprint.yaml"
-    blueprint.write_text(blueprint.read_text().replace(
-        "web: {scheme: http, port: 8080}", "web: {scheme: http, port: 8080}\n"
-        "          admin: {scheme: http, port: 9090}"))
-    assert "admin" in blueprint.read_text()
-    error = plan_rejection(run_reploy(*run_args(controller, workload, "--endpoint", "admin",
-                                                "--", "run-controller")))
-    assert "endpoint 'admin' is not declared" in error
-
-
-def test_a_command_added_without_a_rebuild_is_not_run(tmp_path: Path) -> None:
-    controller = staged(tmp_path, CONTROLLER, "c")
-    workload = staged(tmp_path, WORKLOAD, "w")
-    blueprint = controller / "blueprint.yaml"
-    blueprint.write_text(blueprint.read_text().replace(
-        "trigger: [run-controller]", "trigger: [run-controller]\n"
-        "    sneak:\n      executable: controller.main\n      native_command: true\n"
-        "      trigger: [sneak]"))
-    error = plan_rejection(run_reploy(*run_args(controller, workload, "--", "sneak")))
-    assert "'sneak' is not a command declared" in error
+@pytest.mark.parametrize("role, declared, argv, message", [
+    ("w", "web: {scheme: http, port: 8080}\n          admin: {scheme: http, port: 9090}",
+     ["--endpoint", "admin", "--", "run-controller"], "endpoint 'admin' is not declared"),
+    ("c", "trigger: [run-controller]\n    sneak:\n      executable: controller.main\n"
+     "      native_command: true\n      trigger: [sneak]",
+     ["--", "sneak"], "'sneak' is not a command declared"),
+], ids=["endpoint", "command"])
+def test_a_declaration_added_without_a_rebuild_grants_nothing(
+        tmp_path: Path, role: str, declared: str, argv: list[str], message: str) -> None:
+    """Staged blueprint.yaml edits count only after `reploy build`: authority comes from the
+    blueprint recorded with the current generation."""
+    directories = {"c": staged(tmp_path, CONTROLLER, "c"), "w": staged(tmp_path, WORKLOAD, "w")}
+    blueprint = directories[role] / "blueprint.yaml"
+    anchor = declared.split("\n")[0]
+    assert anchor in blueprint.read_text()
+    blueprint.write_text(blueprint.read_text().replace(anchor, declared))
+    error = plan_rejection(run_reploy(*run_args(directories["c"], directories["w"], *argv)))
+    assert message in error
 
 
 def test_an_older_generation_without_its_blueprint(tmp_path: Path) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import shutil
 import signal
 import subprocess
@@ -25,11 +24,11 @@ from typing import Any, Optional
 import pytest
 
 import contract_rules as rules
-from conftest import LABEL_RUN, ROOT, run_reploy, stage_and_build
+from conftest import LABEL_RUN, ROOT, stage_and_build
+from test_controlled_session_failures import MOMENT_TIMEOUT_S, HostRun
 
 pytestmark = pytest.mark.docker
 
-MOMENT_TIMEOUT_S = 60
 LABEL_ROLE = "io.reploy.session.role"
 
 CONSUMER_BLUEPRINT = """\
@@ -93,8 +92,9 @@ def matrix(deployments: dict[str, Path], tmp_path_factory: pytest.TempPathFactor
     }
 
 
-class Run:
-    """`reploy.py controlled-session run` with the strict consumer, as a user runs it."""
+class Run(HostRun):
+    """`reploy.py controlled-session run` with the strict consumer, as a user runs it; the
+    moments and the manifest as for the scenario controller's HostRun."""
 
     def __init__(self, controller: Path, workload: Path, out: Path, mode: str, *extra: str
                  ) -> None:
@@ -110,21 +110,8 @@ class Run:
              "--output-dir", str(out), *extra, "--", "consume", *mode.split()],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
-    def wait_moment(self, expected: str) -> None:
-        fd = os.open(self.out / "to-test", os.O_RDONLY | os.O_NONBLOCK)
-        try:
-            data = b""
-            while not data.endswith(b"\n"):
-                ready, _, _ = select.select([fd], [], [], MOMENT_TIMEOUT_S)
-                assert ready, f"the controller never reached {expected!r}"
-                data += os.read(fd, 100)
-        finally:
-            os.close(fd)
-        assert data.decode().strip() == expected
-
     def run_id(self) -> str:
-        [manifest] = (self.workload / ".reploy/watchdog").glob("*.json")
-        return manifest.stem
+        return self.manifest().run_id
 
     def finish(self) -> tuple[int, dict[str, Any], str]:
         """Exit code, the result (checked), stderr."""
@@ -142,11 +129,6 @@ class Run:
 
     def consumer(self) -> dict[str, Any]:
         return json.loads((self.out / "consumer.json").read_text())
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.communicate()
 
 
 @pytest.fixture
