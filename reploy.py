@@ -1381,6 +1381,7 @@ class ControlledSession:
         #: The workload status the host reports, fixed before workload-outputs-finalized.
         self.workload_status: Optional[Status] = None
         self.exit_announced = False
+        self.finalization_announced = False
         self.terminating_sent = False
         self.controller_exit: Optional[int] = None
         self.observation_lost: Optional[str] = None
@@ -1764,8 +1765,11 @@ class ControlledSession:
                 self.call_results[tag] = value
 
     def announce_workload_exit(self) -> None:
-        """workload-exit precedes terminating when it is the cause; otherwise it follows."""
-        if (self.workload_exit is None or self.exit_announced or not self.machine.reached_ready
+        """workload-exit precedes terminating when it is the cause; otherwise it follows. Never
+        after workload-outputs-finalized: the workload status was fixed before it, and an exit
+        seen later changes nothing the controller hears or the result says."""
+        if (self.workload_exit is None or self.exit_announced or self.finalization_announced
+                or not self.machine.reached_ready
                 or not (self.machine.cause is Cause.WORKLOAD_EXIT or self.terminating_sent)):
             return
         self.exit_announced = True
@@ -1989,36 +1993,34 @@ class ControlledSession:
         """Drain the PTY to EOF within the host-owned deadline: drained or failed (decided
         here, announced by announce_outputs_finalized once the workload facts are out). A
         workload that never started produced no output: there is nothing left undelivered."""
-        if self.pty is None:
-            return Status.of("output_finalization", "drained")
-        # The exit is awaited too (it follows EOF closely), so workload-exit normally precedes
-        # workload-outputs-finalized; EOF alone decides whether the output drained.
-        self.wait_until(
-            lambda: self.pty_eof and self.workload_gone() and (
-                self.channel is None or not self.channel.wants_write),
-            deadline, stop_on_latch=False)
-        drained = self.pty_eof and (self.channel is None or not self.channel.wants_write)
+        if self.pty is not None:
+            # The exit is awaited too (it follows EOF closely), so workload-exit normally
+            # precedes workload-outputs-finalized; EOF alone decides whether output drained.
+            self.wait_until(
+                lambda: self.pty_eof and self.workload_gone() and (
+                    self.channel is None or not self.channel.wants_write),
+                deadline, stop_on_latch=False)
+        delivered = self.channel is None or not self.channel.wants_write
         if self.observation_lost:
-            drained = False
             reason = f"the runtime observation was lost: {self.observation_lost}"
-        elif drained and self.channel is None and self.machine.reached_ready:
-            drained = False
-            reason = "the controller channel was lost before terminal output was delivered"
-        elif drained:
-            reason = ""
+        elif self.pty is None:
+            return Status.of("output_finalization", "drained")
         elif not self.pty_eof:
             reason = (f"terminal output did not reach end of file within "
                       f"{OUTPUT_FINALIZATION_TIMEOUT_MS // 1000} s of termination")
-        else:
+        elif not delivered:
             reason = "terminal output could not be delivered to the controller in time"
-        if not drained:
-            self.close_pty()  # abandon what is left, so the Engine can finish the exit
-            return failed("output_finalization", reason)
-        return Status.of("output_finalization", "drained")
+        elif self.channel is None and self.machine.reached_ready:
+            reason = "the controller channel was lost before terminal output was delivered"
+        else:
+            return Status.of("output_finalization", "drained")
+        self.close_pty()  # abandon what is left, so the Engine can finish the exit
+        return failed("output_finalization", reason)
 
     def announce_outputs_finalized(self, status: Status) -> None:
         """The attachment's end of output, then (after ready) the public event."""
         fields_ = {"status": status.kind, **({"reason": status.reason} if status.reason else {})}
+        self.finalization_announced = True
         self.send_frame(wire.encode_json_frame(FrameKind.OUTPUT_END, fields_), urgent=False)
         if self.machine.reached_ready:
             self.send_event(wire.WorkloadOutputsFinalized(**fields_))
