@@ -96,6 +96,8 @@ CONTROLLER_LOG_TAIL_BYTES = 64 * 1024
 #: The python probe: a short-lived session container that proves the derived controller image
 #: can run the client, before the session is planned to use it.
 PROBE_ROLE = "python-probe"
+#: Appended to the derived image's tag once its python probe passed: only that tag is reused.
+PROBED_TAG_SUFFIX = "-probed"
 PYTHON_PROBE_COMMAND = ("python3", "-c", "import json, selectors, socket, termios")
 PYTHON_PROBE_TIMEOUT_S = 60
 #: How long the delivery tail waits for the broker to close its end of a channel we closed.
@@ -734,6 +736,11 @@ class DockerBackend:
         except docker.errors.ImageNotFound:
             return None
 
+    @_docker_call("tag image")
+    def tag_image(self, image_id: str, reference: str) -> None:
+        repository, tag = reference.rsplit(":", 1)
+        self.api.tag(image_id, repository, tag, force=True)
+
     @_docker_call("remove image")
     def remove_image(self, reference: str) -> None:
         with contextlib.suppress(docker.errors.ImageNotFound):
@@ -1184,9 +1191,12 @@ def derived_image_reference(base_image_id: str) -> tuple[str, str]:
     return f"reploy/controller-derived:{key}", client_digest
 
 
-def derived_image_cached(backend: DockerBackend, base_image_id: str) -> bool:
-    reference, client_digest = derived_image_reference(base_image_id)
-    labels = backend.image_labels(reference)
+def derived_image_cached(backend: DockerBackend, base_image_id: str,
+                         reference: Optional[str] = None) -> bool:
+    """The derived image of this base and client exists under `reference` (by default its
+    build tag; sessions ask for the tag it gets once its python probe passed)."""
+    build_reference, client_digest = derived_image_reference(base_image_id)
+    labels = backend.image_labels(reference or build_reference)
     return bool(labels) and labels.get(LABEL_DERIVED_BASE) == base_image_id and labels.get(
         LABEL_CLIENT_DIGEST) == client_digest
 
@@ -1451,14 +1461,15 @@ class ControlledSession:
                 raise PlanRejected(f"the {role} image {deployment.current.image_id} is gone "
                                    "(run reploy build)")
         base_image = plan.controller.current.image_id  # type: ignore[union-attr]
-        reference, _ = derived_image_reference(base_image)
-        if derived_image_cached(backend, base_image):
-            return reference
+        probed = derived_image_reference(base_image)[0] + PROBED_TAG_SUFFIX
+        if derived_image_cached(backend, base_image, probed):
+            return probed
         built = self.off_loop("build the controller image",
                               lambda _api: build_derived_image(backend, base_image))
         if built is None or not self.probe_python(built):
-            return None
-        return reference
+            return None  # cancelled: without the probed tag, the next session probes again
+        backend.tag_image(built, probed)
+        return probed
 
     def probe_python(self, image_id: str) -> bool:
         """Say clearly when the controller image cannot run the client (it needs python3).

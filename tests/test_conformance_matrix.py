@@ -30,6 +30,7 @@ from test_controlled_session_failures import MOMENT_TIMEOUT_S, HostRun
 pytestmark = pytest.mark.docker
 
 LABEL_ROLE = "io.reploy.session.role"
+LABEL_WATCHDOG = "io.reploy.session.watchdog"
 
 CONSUMER_BLUEPRINT = """\
 name: strict-consumer{suffix}
@@ -393,17 +394,20 @@ def test_plan_rejected_when_an_image_is_gone(docker_engine: Any, matrix: dict[st
 
 
 def wait_for_probe(engine: Any, workload: Path) -> tuple[str, dict[str, Any]]:
-    """The python probe container while it runs, and the watchdog manifest at that moment."""
+    """The run's python probe container while it runs, once the watchdog's manifest lists it
+    (the host records a container right after the Engine names it)."""
     deadline = time.monotonic() + MOMENT_TIMEOUT_S
-    while time.monotonic() < deadline:
-        probes = engine.api.containers(all=True, filters={"label": f"{LABEL_ROLE}=python-probe"})
-        probes = [p for p in probes
-                  if p["Labels"].get("io.reploy.session.workload-dir") == str(workload)]
-        if probes:
-            [manifest] = (workload / ".reploy/watchdog").glob("*.json")
-            return probes[0]["Id"], json.loads(manifest.read_text())
-        time.sleep(0.05)  # polling the engine for a condition, with a deadline
-    raise AssertionError("no python probe container appeared")
+    while time.monotonic() < deadline:  # polling for a condition, with a deadline
+        manifests = list((workload / ".reploy/watchdog").glob("*.json"))
+        if manifests:
+            [path] = manifests
+            probes = engine.api.containers(all=True, filters={"label": [
+                f"{LABEL_RUN}={path.stem}", f"{LABEL_ROLE}=python-probe"]})
+            manifest = json.loads(path.read_text())
+            if probes and probes[0]["Id"] in manifest["containers"]:
+                return probes[0]["Id"], manifest
+        time.sleep(0.05)
+    raise AssertionError("no python probe container appeared in the manifest")
 
 
 @pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
@@ -424,9 +428,9 @@ def test_a_signal_during_planning_cancels_the_probe(
     probe_id, manifest = wait_for_probe(docker_engine, matrix["workload"])
     labels = docker_engine.api.inspect_container(probe_id)["Config"]["Labels"]
     assert labels[LABEL_RUN] == manifest["run_id"]
-    recorded = manifest["containers"].get(probe_id)  # recorded before it ran
-    assert recorded and recorded.items() <= labels.items()  # (the image adds its own labels)
-    assert manifest["watchdog"]  # and the watchdog was already running
+    # The probe was created labelled with the watchdog that was already running then.
+    assert manifest["watchdog"] and labels[LABEL_WATCHDOG] == manifest["watchdog"]
+    assert manifest["containers"][probe_id].items() <= labels.items()  # (+ the image's own)
     run.proc.send_signal(signum)
     exit_code, result, _ = run.finish()
     assert exit_code == code and result["ok"] is False

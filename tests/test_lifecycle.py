@@ -136,3 +136,18 @@ def test_result_always_has_ten_keys_in_order() -> None:
     assert empty["ok"] is False and all(
         empty[k] is None for k in reploy.RESULT_KEYS if k not in ("schema", "ok", "error"))
     assert tuple(clean_result().to_json()) == reploy.RESULT_KEYS
+
+
+def test_the_workload_pty_size_is_asked_for_at_creation() -> None:
+    """HostConfig.ConsoleSize is [rows, columns]; Docker 20.10 stores it but does not apply it
+    to a Linux container (the host resizes right after start as well)."""
+    import docker
+
+    api = docker.APIClient(base_url="unix:///nonexistent.sock", version="1.41")  # no calls made
+    spec = reploy.ContainerSpec(
+        role="workload", image_id="sha256:" + "0" * 64, command=("/bin/sh",),
+        runtime=reploy.Runtime(uid=1000, gid=1000, writable_paths=(), memory_mib=64, pids=64),
+        environment={}, labels={}, network=None, tty=True, console_size=(123, 45))
+    assert spec.create_kwargs(api)["host_config"]["ConsoleSize"] == [45, 123]
+    plain = reploy.ContainerSpec(**{**spec.__dict__, "console_size": None})
+    assert "ConsoleSize" not in plain.create_kwargs(api)["host_config"]
