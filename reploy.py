@@ -220,6 +220,17 @@ def printable(text: str) -> str:
     return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
+def printable_json(value: Any) -> Any:
+    """A JSON value with every string printable()."""
+    if isinstance(value, str):
+        return printable(value)
+    if isinstance(value, dict):
+        return {printable(key): printable_json(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [printable_json(item) for item in value]
+    return value
+
+
 # ============================================================================================
 # Pure core: blueprints
 # ============================================================================================
@@ -3977,7 +3988,7 @@ def parse_run_options(args: argparse.Namespace, command: list[str]) -> RunOption
 
 
 def emit(obj: dict[str, Any]) -> None:
-    sys.stdout.buffer.write(wire.encode_compact(obj) + b"\n")
+    sys.stdout.buffer.write(wire.encode_compact(printable_json(obj)) + b"\n")
     sys.stdout.buffer.flush()
 
 

@@ -314,6 +314,14 @@ def test_non_utf8_directory_is_one_clear_result(tmp_path: Path) -> None:
                                "is not a UTF-8 path")
 
 
+def test_staging_into_a_non_utf8_directory_prints_json(tmp_path: Path) -> None:
+    odd = os.fsencode(tmp_path) + b"/s-\xff"
+    proc = subprocess.run([sys.executable, str(ROOT / "reploy.py"), "stage", str(WORKLOAD),
+                           "--dir", odd], capture_output=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.count(b"\n") == 1, proc.stderr.decode()
+    assert json.loads(proc.stdout)["dir"] == f"{tmp_path}/s-\\xff"
+
+
 @pytest.mark.parametrize("duration", ["9" * 400 + "s", "1s\n", "\u0661s", "1.0001s", "1.5ms",
                                       "1e3s", ".5s", "1.s", " 1s", "1 s", "-1s", "+1s"])
 def test_bad_durations_are_usage_errors(tmp_path: Path, duration: str) -> None:
