@@ -8,10 +8,11 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import docker.errors
 import pytest
 
 import reploy
-from conftest import ROOT, run_reploy, stage_and_build
+from conftest import LABEL_RUN, ROOT, run_reploy, stage_and_build
 
 pytestmark = pytest.mark.docker
 
@@ -78,3 +79,20 @@ def test_controller_without_python_is_refused_clearly(docker_engine: Any,
                    if image.labels.get(reploy.LABEL_DERIVED_BASE) ==
                    json.loads((tmp_path / "c/.reploy/state.json").read_text())[
                        "current_generation"]["image_id"])
+
+
+def test_killing_a_container_that_is_not_running_is_not_an_error(docker_engine: Any) -> None:
+    """The termination grace's SIGKILL can reach a workload that just exited on its own: the
+    Engine answers 409 (not running), which is what the kill wanted, so nobody is told of a
+    failure (the `could not kill the workload: 409` note)."""
+    container_id = docker_engine.api.create_container(
+        "reploy-base/busybox:1", command=["true"], labels={LABEL_RUN: "i10-kill-check"})["Id"]
+    try:
+        with pytest.raises(docker.errors.APIError) as refused:
+            docker_engine.api.kill(container_id, signal="SIGKILL")
+        assert refused.value.status_code == 409  # what the Engine says to a plain kill
+        reploy.kill_if_running(docker_engine.api, container_id, "SIGKILL")  # quiet
+        reploy.remove_container_quietly(docker_engine.api, container_id)
+        reploy.kill_if_running(docker_engine.api, container_id, "SIGKILL")  # gone: quiet too
+    finally:
+        reploy.remove_container_quietly(docker_engine.api, container_id)
