@@ -8,15 +8,21 @@ DEMO_DIR ?= $(CURDIR)/.reploy-demo
 
 .PHONY: setup demo test test-unit bench bench-agent clean-demo bundle
 
+# Machine output only on stdout (`make demo | python3 -m json.tool` works): recipe lines are
+# not echoed, and everything but the session's result goes to stderr.
+MAKEFLAGS += --no-print-directory
+
 setup:
-	bash scripts/setup.sh
+	@bash scripts/setup.sh >&2
 
 demo: setup
-	$(PYTHON) reploy.py stage examples/controller/controller.blueprint.yaml --dir $(DEMO_DIR)/controller >&2
-	$(PYTHON) reploy.py build --dir $(DEMO_DIR)/controller >&2
-	$(PYTHON) reploy.py stage examples/workload/workload.blueprint.yaml --dir $(DEMO_DIR)/workload >&2
-	$(PYTHON) reploy.py build --dir $(DEMO_DIR)/workload >&2
-	$(PYTHON) reploy.py controlled-session run \
+	@echo "demo: staging and building the example deployments" >&2
+	@$(PYTHON) reploy.py stage examples/controller/controller.blueprint.yaml --dir $(DEMO_DIR)/controller >&2
+	@$(PYTHON) reploy.py build --dir $(DEMO_DIR)/controller >&2
+	@$(PYTHON) reploy.py stage examples/workload/workload.blueprint.yaml --dir $(DEMO_DIR)/workload >&2
+	@$(PYTHON) reploy.py build --dir $(DEMO_DIR)/workload >&2
+	@echo "demo: running a controlled session; its result is the JSON on stdout" >&2
+	@$(PYTHON) reploy.py controlled-session run \
 	  --controller-dir $(DEMO_DIR)/controller --workload-dir $(DEMO_DIR)/workload \
 	  --output-dir $(DEMO_DIR)/artifacts -- run-controller
 

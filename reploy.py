@@ -98,6 +98,17 @@ DEFAULT_MEMORY_MIB = 512
 DEFAULT_PIDS = 256
 #: Bytes of a controller container's log copied to the host's stderr at teardown.
 CONTROLLER_LOG_TAIL_BYTES = 64 * 1024
+#: The python probe: a short-lived session container that proves the derived controller image
+#: can run the client, before the session is planned to use it.
+PROBE_ROLE = "python-probe"
+#: Appended to the derived image's tag once its python probe passed: only that tag is reused.
+PROBED_TAG_SUFFIX = "-probed"
+PYTHON_PROBE_COMMAND = ("python3", "-c", "import json, selectors, socket, termios")
+PYTHON_PROBE_TIMEOUT_S = 60
+#: How long the delivery tail waits for the broker to close its end of a channel we closed.
+CHANNEL_CLOSE_S = 2.0
+#: The notice tag prefix of ControlledSession.call_off_loop's calls.
+CALL_TAG = "call:"
 #: Output frames queued toward the controller before we stop reading the PTY.
 CHANNEL_BULK_HIGH_WATER_BYTES = 4 * wire.TERMINAL_CHUNK_BYTES
 
@@ -168,6 +179,11 @@ class BackendError(ReployError):
     """The Docker Engine refused or failed; wraps the SDK's exception."""
 
 
+class PlanRejected(ReployError):
+    """The session cannot be planned from the built generations (an undeclared command or
+    endpoint, a missing image, a controller image without python3): nothing of it ran."""
+
+
 class StartupFailure(ReployError):
     """The session could not reach ready."""
 
@@ -176,19 +192,24 @@ class StartupFailure(ReployError):
 # Pure core: durations
 # ============================================================================================
 
-_DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h)$")
+_DURATION = re.compile(r"([0-9]{1,12})(?:\.([0-9]{1,9}))?(ms|s|m|h)", re.ASCII)
 _UNIT_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000}
 
 
 def parse_duration_ms(text: str) -> int:
-    """'30s', '100ms', '5m', '1h', '1.5s' -> milliseconds. Raises ValueError."""
-    match = _DURATION.match(text)
+    """'30s', '100ms', '5m', '1h', '1.5s' -> milliseconds, computed exactly (no float
+    rounding: '1.001s' is 1001 ms, '1.0001s' is refused). ASCII digits only, nothing around
+    the duration, not even a newline. Raises ValueError."""
+    match = _DURATION.fullmatch(text)
     if not match:
         raise ValueError(f"{text!r} is not a duration like 100ms, 30s, 5m or 1h")
-    value = float(match.group(1)) * _UNIT_MS[match.group(2)]
-    if value != int(value):
+    whole, fraction, unit = match.groups()
+    fraction = fraction or ""
+    scaled = (int(whole) * 10 ** len(fraction) + int(fraction or "0")) * _UNIT_MS[unit]
+    ms, remainder = divmod(scaled, 10 ** len(fraction))
+    if remainder:
         raise ValueError(f"{text!r} is finer than a millisecond")
-    return int(value)
+    return ms
 
 
 def format_duration(ms: int) -> str:
@@ -196,6 +217,23 @@ def format_duration(ms: int) -> str:
         if ms % _UNIT_MS[unit] == 0:
             return f"{ms // _UNIT_MS[unit]}{unit}"
     return f"{ms}ms"
+
+
+def printable(text: str) -> str:
+    """Text that may hold undecodable bytes of a path (surrogate escapes) as text JSON can
+    carry: those bytes are shown as \\xNN."""
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+def printable_json(value: Any) -> Any:
+    """A JSON value with every string printable()."""
+    if isinstance(value, str):
+        return printable(value)
+    if isinstance(value, dict):
+        return {printable(key): printable_json(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [printable_json(item) for item in value]
+    return value
 
 
 # ============================================================================================
@@ -522,7 +560,7 @@ class RunResult:
         return {
             "schema": wire.RUN_RESULT_SCHEMA,
             "ok": self.ok,
-            "error": self.error,
+            "error": None if self.error is None else printable(self.error),
             "session_result": None if self.session_result is None else self.session_result.to_json(),
             "result_delivered": self.result_delivered,
             "result_acknowledged": self.result_acknowledged,
@@ -542,6 +580,9 @@ def process_status(exit_code: int) -> Status:
 
 
 def failed(family: str, reason: str) -> Status:
+    """A failed status; a cleanup's text is its `message`, every other family's a `reason`."""
+    if family == "cleanup":
+        return Status.of(family, "failed", message=reason)
     return Status.of(family, "failed", reason=reason)
 
 
@@ -577,6 +618,10 @@ class ContainerSpec:
     tty: bool = False
     hostname: Optional[str] = None
     init: bool = False
+    #: The TTY's (columns, rows) at creation. The Engine API's HostConfig.ConsoleSize; Docker
+    #: 20.10 stores it but leaves a Linux container's PTY at 0x0 until the first resize, so
+    #: the host also resizes right after start (see ControlledSession.start).
+    console_size: Optional[tuple[int, int]] = None
 
     def create_kwargs(self, api: docker.APIClient) -> dict[str, Any]:
         """The Engine API arguments. Every sandbox property is set here and nowhere else."""
@@ -601,6 +646,9 @@ class ContainerSpec:
             log_config={"type": "json-file", "config": {"max-size": "1m", "max-file": "1"}}
             if not self.tty else {"type": "none", "config": {}},
         )
+        if self.console_size is not None:
+            columns, rows = self.console_size
+            host_config["ConsoleSize"] = [rows, columns]
         networking = None
         if self.network:
             networking = api.create_networking_config({
@@ -618,6 +666,35 @@ class ContainerSpec:
             hostname=self.hostname,
             working_dir=CONTAINER_HOME if self.role == "controller" else None,
         )
+
+
+def kill_if_running(api: docker.APIClient, container_id: str, signame: str) -> None:
+    """Signal a container; one that is gone (404) or no longer running (409) has nothing
+    left to signal, which is what a kill wants: not an error."""
+    try:
+        api.kill(container_id, signal=signame)
+    except docker.errors.APIError as e:
+        if e.status_code not in (404, 409):
+            raise
+
+
+def remove_container_quietly(api: docker.APIClient, container_id: str) -> None:
+    """Force-remove a container; one already gone is removed, one whose removal someone else
+    started (409) is removed once that finishes."""
+    try:
+        api.remove_container(container_id, force=True, v=True)
+    except docker.errors.NotFound:
+        pass
+    except docker.errors.APIError as e:
+        if e.status_code != 409:
+            raise
+        with contextlib.suppress(docker.errors.NotFound):
+            api.wait(container_id, condition="removed")
+
+
+def remove_network_quietly(api: docker.APIClient, network_id: str) -> None:
+    with contextlib.suppress(docker.errors.NotFound):
+        api.remove_network(network_id)
 
 
 def _docker_call(what: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -675,6 +752,11 @@ class DockerBackend:
         except docker.errors.ImageNotFound:
             return None
 
+    @_docker_call("tag image")
+    def tag_image(self, image_id: str, reference: str) -> None:
+        repository, tag = reference.rsplit(":", 1)
+        self.api.tag(image_id, repository, tag, force=True)
+
     @_docker_call("remove image")
     def remove_image(self, reference: str) -> None:
         with contextlib.suppress(docker.errors.ImageNotFound):
@@ -704,11 +786,7 @@ class DockerBackend:
 
     @_docker_call("signal container")
     def kill(self, container_id: str, signame: str) -> None:
-        try:
-            self.api.kill(container_id, signal=signame)
-        except docker.errors.APIError as e:
-            if e.status_code not in (404, 409):  # already gone or not running
-                raise
+        kill_if_running(self.api, container_id, signame)
 
     @_docker_call("read controller logs")
     def log_tail(self, container_id: str) -> bytes:
@@ -717,8 +795,7 @@ class DockerBackend:
 
     @_docker_call("remove container")
     def remove_container(self, container_id: str) -> None:
-        with contextlib.suppress(docker.errors.NotFound):
-            self.api.remove_container(container_id, force=True, v=True)
+        remove_container_quietly(self.api, container_id)
 
     @_docker_call("list containers")
     def list_containers(self, labels: list[str]) -> list[dict[str, Any]]:
@@ -753,8 +830,7 @@ class DockerBackend:
 
     @_docker_call("remove network")
     def remove_network(self, network_id: str) -> None:
-        with contextlib.suppress(docker.errors.NotFound):
-            self.api.remove_network(network_id)
+        remove_network_quietly(self.api, network_id)
 
     def in_thread(self, tag: str, call: Callable[[docker.APIClient], Any],
                   report: Callable[[str, Any], None]) -> threading.Thread:
@@ -815,11 +891,31 @@ def load_blueprint_file(path: Path) -> tuple[Blueprint, bytes]:
 
 @dataclass(frozen=True)
 class Generation:
+    """One build: its image and the exact blueprint it was built from.
+
+    `blueprint_text` is that blueprint as recorded at build time (its sha256 is
+    `blueprint_digest`). A session takes its authority (commands, endpoints, runtime uid:gid)
+    from it, never from the staging directory's current blueprint.yaml, which may have changed
+    since without a rebuild. State written before it was recorded has None here.
+    """
+
     number: int
     image_id: str
     reference: str
     blueprint_digest: str
     built_at: float
+    blueprint_text: Optional[str] = None
+
+
+#: state.json: each key with the type its value must have (None: may also be null).
+STATE_FIELDS: dict[str, tuple[type, ...]] = {
+    "schema": (str,), "deployment_id": (str,), "current_generation": (dict, type(None)),
+    "staged_blueprint_digest": (str,)}
+GENERATION_FIELDS: dict[str, tuple[type, ...]] = {
+    "number": (int,), "image_id": (str,), "reference": (str,), "blueprint_digest": (str,),
+    "built_at": (int, float), "blueprint_text": (str,)}
+_DEPLOYMENT_ID = re.compile(r"[0-9a-f]{32}")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass(frozen=True)
@@ -840,23 +936,81 @@ class Deployment:
     def has_private_env(self) -> bool:
         return self.blueprint.private_env or (self.dir / PRIVATE_ENV_NAME).exists()
 
+    def built_blueprint(self) -> Blueprint:
+        """The blueprint of the current generation, the authority for a session.
+
+        A generation recorded before blueprints were kept with it is used only while the
+        staged blueprint is provably the one it was built from (same digest)."""
+        generation = self.current
+        if generation is None:
+            raise DeploymentError(f"{self.dir} has no built generation (run reploy build)")
+        if generation.blueprint_text is None:
+            if generation.blueprint_digest != self.blueprint_digest:
+                raise DeploymentError(
+                    f"{self.dir}: the current generation was built by an older reploy that did "
+                    "not record its blueprint, and blueprint.yaml changed since; run reploy "
+                    "build to record a generation of the current blueprint")
+            return self.blueprint
+        raw = generation.blueprint_text.encode()
+        if hashlib.sha256(raw).hexdigest() != generation.blueprint_digest:
+            raise DeploymentError(f"{state_path(self.dir)}: the recorded blueprint does not "
+                                  "match its digest")
+        try:
+            return parse_blueprint(yaml.safe_load(raw))
+        except (yaml.YAMLError, BlueprintError) as e:
+            raise DeploymentError(f"{state_path(self.dir)}: the recorded blueprint is "
+                                  f"invalid: {e}") from e
+
 
 def state_path(directory: Path) -> Path:
     return directory / STATE_DIRNAME / "state.json"
 
 
-def load_deployment(directory: Path) -> Deployment:
-    directory = directory.resolve()
+def _check_fields(obj: Any, fields_: dict[str, tuple[type, ...]], required: set[str],
+                  where: str) -> dict[str, Any]:
+    if not isinstance(obj, dict):
+        raise DeploymentError(f"{where}: must be a JSON object")
+    unknown = set(obj) - set(fields_)
+    if unknown:
+        raise DeploymentError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}")
+    missing = required - set(obj)
+    if missing:
+        raise DeploymentError(f"{where}: missing key(s) {', '.join(sorted(missing))}")
+    for key, value in obj.items():
+        if not isinstance(value, fields_[key]) or isinstance(value, bool):
+            raise DeploymentError(f"{where}: {key} has the wrong type")
+    return obj
+
+
+def read_state(directory: Path) -> dict[str, Any]:
+    """state.json, validated key by key; anything else is a DeploymentError naming the file."""
+    path = state_path(directory)
     try:
-        state = json.loads(state_path(directory).read_text())
+        state = json.loads(path.read_bytes())
     except FileNotFoundError:
         raise DeploymentError(f"{directory} is not a staging deployment (run reploy stage)") from None
     except (OSError, ValueError) as e:
-        raise DeploymentError(f"{state_path(directory)}: unreadable state: {e}") from e
-    if state.get("schema") != STATE_SCHEMA:
-        raise DeploymentError(f"{state_path(directory)}: unknown state schema")
+        raise DeploymentError(f"{path}: unreadable state: {e}") from e
+    _check_fields(state, STATE_FIELDS, {"schema", "deployment_id", "current_generation"},
+                  str(path))
+    if state["schema"] != STATE_SCHEMA:
+        raise DeploymentError(f"{path}: unknown state schema")
+    if not _DEPLOYMENT_ID.fullmatch(state["deployment_id"]):
+        raise DeploymentError(f"{path}: deployment_id is not 32 hex digits")
+    generation = state["current_generation"]
+    if generation is not None:
+        _check_fields(generation, GENERATION_FIELDS, set(GENERATION_FIELDS) - {"blueprint_text"},
+                      f"{path}: current_generation")
+        if not _SHA256.fullmatch(generation["blueprint_digest"]):
+            raise DeploymentError(f"{path}: current_generation.blueprint_digest is not a sha256")
+    return state
+
+
+def load_deployment(directory: Path) -> Deployment:
+    directory = directory.resolve()
+    state = read_state(directory)
     blueprint, raw = load_blueprint_file(directory / BLUEPRINT_NAME)
-    current = state.get("current_generation")
+    current = state["current_generation"]
     return Deployment(
         dir=directory,
         deployment_id=state["deployment_id"],
@@ -882,7 +1036,7 @@ def stage(blueprint_path: Path, directory: Path) -> dict[str, Any]:
                              "current_generation": None}
     if directory.exists():
         if state_path(directory).exists():
-            state = json.loads(state_path(directory).read_text())
+            state = read_state(directory)
         elif any(directory.iterdir()):
             raise DeploymentError(f"{directory} exists, is not empty and is not a staging deployment")
     directory.mkdir(parents=True, exist_ok=True)
@@ -907,22 +1061,31 @@ def stage(blueprint_path: Path, directory: Path) -> dict[str, Any]:
 
 
 def build(directory: Path, backend: DockerBackend) -> dict[str, Any]:
-    """Build the staged context and record it as the new current generation, atomically."""
+    """Build the staged context and record it as the new current generation, atomically,
+    together with the exact blueprint it was built from."""
     deployment = load_deployment(directory)
+    # One read: the text recorded with the generation is exactly the one that was built.
+    blueprint, raw = load_blueprint_file(deployment.dir / BLUEPRINT_NAME)
+    try:
+        blueprint_text = raw.decode()
+    except UnicodeDecodeError as e:
+        raise BlueprintError(f"{deployment.dir / BLUEPRINT_NAME}: not UTF-8") from e
     number = 1 + (deployment.current.number if deployment.current else 0)
-    reference = f"reploy/{deployment.blueprint.name}:{deployment.deployment_id[:12]}-g{number}"
+    reference = f"reploy/{blueprint.name}:{deployment.deployment_id[:12]}-g{number}"
     image_id = backend.build(
         path=str(deployment.dir / CONTEXT_DIRNAME),
-        dockerfile=deployment.blueprint.dockerfile,
+        dockerfile=blueprint.dockerfile,
         tag=reference,
         labels={LABEL_DEPLOYMENT: deployment.deployment_id, LABEL_GENERATION: str(number)},
     )
-    generation = Generation(number, image_id, reference, deployment.blueprint_digest, time.time())
-    state = json.loads(state_path(deployment.dir).read_text())
+    generation = Generation(number, image_id, reference, hashlib.sha256(raw).hexdigest(),
+                            time.time(), blueprint_text)
+    state = read_state(deployment.dir)
     state["current_generation"] = generation.__dict__
     reploy_watchdog.atomic_write_json(state_path(deployment.dir), state, mode=0o644)
+    summary = {k: v for k, v in generation.__dict__.items() if k != "blueprint_text"}
     return {"schema": BUILD_SCHEMA, "ok": True, "error": None, "dir": str(deployment.dir),
-            "deployment_id": deployment.deployment_id, "generation": generation.__dict__}
+            "deployment_id": deployment.deployment_id, "generation": summary}
 
 
 # ============================================================================================
@@ -948,17 +1111,36 @@ class RunOptions:
 
 @dataclass(frozen=True)
 class SessionPlan:
-    """What admission decided: exact images, the controller argv, the granted endpoints."""
+    """What planning decided from the built generations: exact images, the controller argv,
+    the granted endpoints, and the blueprints (of those generations) that authorise them."""
 
     run_id: str
     controller: Deployment
     workload: Deployment
+    controller_blueprint: Blueprint
+    workload_blueprint: Blueprint
     controller_argv: tuple[str, ...]
     endpoints: tuple[wire.Endpoint, ...]
 
 
-def admit(options: RunOptions) -> SessionPlan:
-    """Check everything that can be checked before touching Docker. Raises AdmissionError."""
+def _require_utf8_path(flag: str, path: Optional[Path]) -> None:
+    """Paths end up in labels, manifests and the JSON result, which carry only UTF-8."""
+    if path is None:
+        return
+    try:
+        os.fsencode(path).decode("utf-8")
+    except UnicodeDecodeError:
+        raise AdmissionError(f"{flag}: {printable(str(path))} is not a UTF-8 path") from None
+
+
+def admit(options: RunOptions) -> tuple[Deployment, Deployment]:
+    """Check the request itself, before anything is planned: the two deployment directories
+    and the output destination. Raises AdmissionError."""
+    for flag, path in (("--controller-dir", options.controller_dir),
+                       ("--workload-dir", options.workload_dir),
+                       ("--output-dir", options.output_dir),
+                       ("--output-file", options.output_file)):
+        _require_utf8_path(flag, path)
     try:
         controller = load_deployment(options.controller_dir)
         workload = load_deployment(options.workload_dir)
@@ -973,36 +1155,80 @@ def admit(options: RunOptions) -> SessionPlan:
         if deployment.has_private_env:
             raise AdmissionError(f"the {role} deployment {deployment.dir} configures a private "
                                  "environment; controlled sessions do not support it")
-    command, args = controller.blueprint.resolve_command(list(options.command))
-    argv = controller.blueprint.executables[command.executable] + tuple(args)
-    granted = []
-    for endpoint_id in options.endpoints:
-        decl = workload.blueprint.endpoints.get(endpoint_id)
-        if decl is None:
-            raise AdmissionError(f"endpoint {endpoint_id!r} is not declared by the workload")
-        granted.append(wire.Endpoint(id=decl.id, scheme=decl.scheme, host="workload",
-                                     port=decl.port))
-    if (options.output_dir or options.output_file) and controller.blueprint.runtime.uid == 0:
-        raise AdmissionError("--output-dir and --output-file need a non-root controller runtime")
     if options.output_file is not None:
         if not options.output_file.parent.is_dir():
             raise AdmissionError(f"--output-file: {options.output_file.parent} is not a directory")
         if os.path.lexists(options.output_file):
             raise AdmissionError(f"--output-file: {options.output_file} already exists")
-    return SessionPlan(secrets.token_hex(16), controller, workload, argv, tuple(granted))
+    return controller, workload
 
 
-def ensure_controller_image(backend: DockerBackend, base_image_id: str,
-                            runtime: Runtime) -> str:
-    """The controller generation plus one layer holding the client, cached by both digests."""
-    client_bytes = CLIENT_SOURCE.read_bytes()
-    client_digest = hashlib.sha256(client_bytes).hexdigest()
+def plan(options: RunOptions, controller: Deployment, workload: Deployment) -> SessionPlan:
+    """Resolve the session from the current generations' own blueprints (never the staged
+    blueprint.yaml, which may have changed without a rebuild). Raises PlanRejected."""
+    try:
+        controller_blueprint = controller.built_blueprint()
+        workload_blueprint = workload.built_blueprint()
+        command, args = controller_blueprint.resolve_command(list(options.command))
+    except (DeploymentError, AdmissionError) as e:
+        raise PlanRejected(str(e)) from e
+    argv = controller_blueprint.executables[command.executable] + tuple(args)
+    granted = []
+    for endpoint_id in dict.fromkeys(options.endpoints):  # a repeated grant is one grant
+        decl = workload_blueprint.endpoints.get(endpoint_id)
+        if decl is None:
+            raise PlanRejected(f"endpoint {endpoint_id!r} is not declared by the workload")
+        granted.append(wire.Endpoint(id=decl.id, scheme=decl.scheme, host="workload",
+                                     port=decl.port))
+    if (options.output_dir or options.output_file) and controller_blueprint.runtime.uid == 0:
+        raise PlanRejected("--output-dir and --output-file need a non-root controller runtime")
+    return SessionPlan(secrets.token_hex(16), controller, workload, controller_blueprint,
+                       workload_blueprint, argv, tuple(granted))
+
+
+def requested_output_status(options: RunOptions) -> Status:
+    """controller_output for a session that never ran: what was requested, and its fate."""
+    if options.output_dir is not None:
+        if options.output_dir.is_dir():
+            return Status.of("controller_output", "directory-retained")
+        return Status.of("controller_output", "failed",
+                         reason="the session ended before the output directory was created")
+    if options.output_file is not None:
+        return Status.of("controller_output", "file-discarded",
+                         reason="the session ended before the controller ran; nothing was "
+                                "published")
+    return Status.of("controller_output", "not-requested")
+
+
+def derived_image_reference(base_image_id: str) -> tuple[str, str]:
+    """The derived controller image's tag and the client digest it is keyed by."""
+    client_digest = hashlib.sha256(CLIENT_SOURCE.read_bytes()).hexdigest()
     key = hashlib.sha256(f"{base_image_id}\n{client_digest}".encode()).hexdigest()[:32]
-    reference = f"reploy/controller-derived:{key}"
-    labels = backend.image_labels(reference)
-    if labels and labels.get(LABEL_DERIVED_BASE) == base_image_id and labels.get(
-            LABEL_CLIENT_DIGEST) == client_digest:
-        return reference
+    return f"reploy/controller-derived:{key}", client_digest
+
+
+def derived_image_cached(backend: DockerBackend, base_image_id: str,
+                         reference: Optional[str] = None) -> bool:
+    """The derived image of this base and client exists under `reference` (by default its
+    build tag; sessions ask for the tag it gets once its python probe passed)."""
+    build_reference, client_digest = derived_image_reference(base_image_id)
+    labels = backend.image_labels(reference or build_reference)
+    return bool(labels) and labels.get(LABEL_DERIVED_BASE) == base_image_id and labels.get(
+        LABEL_CLIENT_DIGEST) == client_digest
+
+
+def ensure_controller_image(backend: DockerBackend, base_image_id: str) -> str:
+    """The derived controller image's reference, built now unless cached. (A session also
+    probes a newly built one for python3: see ControlledSession.plan_images.)"""
+    if not derived_image_cached(backend, base_image_id):
+        build_derived_image(backend, base_image_id)
+    return derived_image_reference(base_image_id)[0]
+
+
+def build_derived_image(backend: DockerBackend, base_image_id: str) -> str:
+    """The controller generation plus one layer holding the client; returns its image id."""
+    reference, client_digest = derived_image_reference(base_image_id)
+    client_bytes = CLIENT_SOURCE.read_bytes()
     dockerfile = (f"FROM {base_image_id}\n"
                   f"COPY reploy-session-client {CLIENT_INSTALL_PATH}\n").encode()
     context = io.BytesIO()
@@ -1013,35 +1239,9 @@ def ensure_controller_image(backend: DockerBackend, base_image_id: str,
             info.size, info.mode = len(data), mode
             tar.addfile(info, io.BytesIO(data))
     context.seek(0)
-    image_id = backend.build(fileobj=context, custom_context=True, tag=reference,
-                             labels={LABEL_DERIVED_BASE: base_image_id,
-                                     LABEL_CLIENT_DIGEST: client_digest})
-    probe_python(backend, image_id, runtime)
-    return reference
-
-
-def probe_python(backend: DockerBackend, image_id: str, runtime: Runtime) -> None:
-    """Say clearly when the controller image cannot run the client (it needs python3)."""
-    spec = ContainerSpec(
-        role="controller", image_id=image_id,
-        command=("python3", "-c", "import json, selectors, socket, termios"),
-        runtime=runtime, environment={"HOME": CONTAINER_HOME},
-        labels={LABEL_ROLE: "python-probe"}, network=None)
-    container_id = backend.create(spec)
-    try:
-        backend.start(container_id)
-        code = backend.api.wait(container_id, timeout=60)["StatusCode"]
-    except BackendError as e:
-        code, detail = -1, str(e)
-    else:
-        detail = backend.log_tail(container_id).decode(errors="replace").strip()
-    finally:
-        backend.remove_container(container_id)
-    if code != 0:
-        backend.remove_image(image_id)
-        raise AdmissionError(
-            "the controller image must provide python3 with its standard library for "
-            f"reploy-session-client; the probe failed ({detail or f'exit {code}'})")
+    return backend.build(fileobj=context, custom_context=True, tag=reference,
+                         labels={LABEL_DERIVED_BASE: base_image_id,
+                                 LABEL_CLIENT_DIGEST: client_digest})
 
 
 # ============================================================================================
@@ -1056,11 +1256,17 @@ class Notifier:
         self.read_fd, self.write_fd = os.pipe()
         os.set_blocking(self.read_fd, False)
         self.items: "queue.SimpleQueue[tuple[str, Any]]" = queue.SimpleQueue()
+        self.lock = threading.Lock()
+        self.closed = False
 
     def report(self, tag: str, value: Any) -> None:
-        self.items.put((tag, value))
-        with contextlib.suppress(OSError):
-            os.write(self.write_fd, b"\0")
+        """From any thread; a call that outlives the session reports to nobody."""
+        with self.lock:
+            if self.closed:
+                return
+            self.items.put((tag, value))
+            with contextlib.suppress(OSError):
+                os.write(self.write_fd, b"\0")
 
     def drain(self) -> list[tuple[str, Any]]:
         with contextlib.suppress(BlockingIOError):
@@ -1073,9 +1279,11 @@ class Notifier:
                 return out
 
     def close(self) -> None:
-        for fd in (self.read_fd, self.write_fd):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        with self.lock:
+            self.closed = True
+            for fd in (self.read_fd, self.write_fd):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
 
 
 def log(message: str) -> None:
@@ -1156,7 +1364,7 @@ class Watchdog:
 
 
 class ControlledSession:
-    """One run of `reploy controlled-session run`, from admission to the delivery tail.
+    """One run of `reploy controlled-session run`, from planning to the delivery tail.
 
     The phases are sequential code; waiting happens in `wait_until`, which runs one selector
     loop (channel, workload PTY, wait-thread notices, signals) until a condition holds or a
@@ -1178,7 +1386,13 @@ class ControlledSession:
         self.selector = selectors.DefaultSelector()
         self.selector.register(self.notifier.read_fd, selectors.EVENT_READ, "notice")
         self.selector.register(wakeup.read_fd, selectors.EVENT_READ, "signal")
-        self.signal_received: Optional[int] = None
+        #: The signal that cancelled the session (it latched host-cancel, or stopped planning).
+        self.cancelled_by: Optional[int] = None
+        #: Why the latched cause happened, in words (startup-failed and lost reasons use it).
+        self.cause_detail = ""
+        #: What off_loop() calls reported, by tag.
+        self.call_results: dict[str, Any] = {}
+        self.calls_started = 0
         self.listener: Optional[socket.socket] = None
         self.channel: Optional[wire.FramedConnection] = None
         self.channel_lost: Optional[str] = None
@@ -1190,7 +1404,10 @@ class ControlledSession:
         self.complete_received = False
         self.ack_received = False
         self.workload_exit: Optional[int] = None
+        #: The workload status the host reports, fixed before workload-outputs-finalized.
+        self.workload_status: Optional[Status] = None
         self.exit_announced = False
+        self.finalization_announced = False
         self.terminating_sent = False
         self.controller_exit: Optional[int] = None
         self.observation_lost: Optional[str] = None
@@ -1201,16 +1418,27 @@ class ControlledSession:
     # -- the whole run ----------------------------------------------------------------------
 
     def run(self) -> RunResult:
-        """Every outcome, including our own bugs, ends in termination and the delivery tail."""
-        startup_deadline = time.monotonic() + self.options.timeout_s("--startup-timeout")
+        """Every outcome, including our own bugs, ends in termination and the delivery tail.
+
+        Planning (images, the derived controller image, the python probe) comes first, with
+        the watchdog already armed; a plan that fails leaves nothing of the session and the
+        result says only that. The startup timeout counts from the end of planning."""
         try:
+            self.watchdog.arm()  # before the first container of the session exists
             try:
-                self.prepare()
+                controller_image = self.plan_images()
+            except (PlanRejected, BackendError, OSError) as e:
+                controller_image = None
+                if self.cancelled_by is None:
+                    self.result.error = f"plan rejected: {e}"
+            if controller_image is None:  # rejected, or cancelled while planning
+                self.result.controller_output = requested_output_status(self.options)
+                return self.result
+            startup_deadline = time.monotonic() + self.options.timeout_s("--startup-timeout")
+            try:
+                self.prepare(controller_image)
                 self.start(startup_deadline)
                 self.wait_until(lambda: False)  # active: until a cause is latched
-            except AdmissionError as e:
-                self.result.error = f"plan rejected: {e}"
-                self.latch(Cause.STARTUP_FAILURE, str(e))
             except (StartupFailure, BackendError, OSError) as e:
                 if self.machine.cause in (None, Cause.STARTUP_FAILURE):
                     self.result.error = f"startup failed: {e}"
@@ -1225,25 +1453,119 @@ class ControlledSession:
             self.delivery_tail()
         return self.result
 
-    def latch(self, cause: Cause, detail: str = "") -> None:
+    def latch(self, cause: Cause, detail: str = "") -> bool:
+        """Latch `cause` if none is latched yet; True when this call latched it."""
         if self.machine.phase is Phase.TERMINATED:
-            return
-        if self.machine.terminate(cause):
-            log(f"terminating: {cause.value}{': ' + detail if detail else ''}")
+            return False
+        if not self.machine.terminate(cause):
+            return False
+        self.cause_detail = detail
+        log(f"terminating: {cause.value}{': ' + detail if detail else ''}")
+        return True
 
-    # -- preparing --------------------------------------------------------------------------
+    # -- planning ---------------------------------------------------------------------------
 
-    def prepare(self) -> None:
+    def plan_images(self) -> Optional[str]:
+        """The Docker half of planning: the sandbox, both generations' images, the derived
+        controller image and, when it is new, the python probe. Returns the controller image
+        to run, or None when a signal cancelled planning. Raises PlanRejected."""
         plan, backend = self.plan, self.backend
         backend.require_sandbox_support()
         for role, deployment in (("controller", plan.controller), ("workload", plan.workload)):
             assert deployment.current is not None
             if not backend.image_exists(deployment.current.image_id):
-                raise StartupFailure(f"the {role} image {deployment.current.image_id} is gone")
-        controller_runtime = plan.controller.blueprint.runtime
-        controller_image = ensure_controller_image(
-            backend, plan.controller.current.image_id, controller_runtime)  # type: ignore[union-attr]
-        self.watchdog.arm()  # before anything the session owns exists
+                raise PlanRejected(f"the {role} image {deployment.current.image_id} is gone "
+                                   "(run reploy build)")
+        base_image = plan.controller.current.image_id  # type: ignore[union-attr]
+        probed = derived_image_reference(base_image)[0] + PROBED_TAG_SUFFIX
+        if derived_image_cached(backend, base_image, probed):
+            return probed
+        built = self.off_loop("build the controller image",
+                              lambda _api: build_derived_image(backend, base_image))
+        if built is None or not self.probe_python(built):
+            return None  # cancelled: without the probed tag, the next session probes again
+        backend.tag_image(built, probed)
+        return probed
+
+    def probe_python(self, image_id: str) -> bool:
+        """Say clearly when the controller image cannot run the client (it needs python3).
+        The probe is a session container like the others: labelled, in the watchdog's
+        manifest, removed in every outcome. False when a signal cancelled it."""
+        self.acquire_container(ContainerSpec(
+            role=PROBE_ROLE, image_id=image_id, command=PYTHON_PROBE_COMMAND,
+            runtime=self.plan.controller_blueprint.runtime,
+            environment={"HOME": CONTAINER_HOME}, labels=self.labels(PROBE_ROLE),
+            network=None))
+        container_id = self.owned.containers[PROBE_ROLE]
+
+        def run_probe(api: docker.APIClient) -> int:
+            api.start(container_id)
+            return int(api.wait(container_id, timeout=PYTHON_PROBE_TIMEOUT_S)["StatusCode"])
+
+        try:
+            code = self.off_loop("run the python probe", run_probe)
+        except BackendError as e:
+            code, detail = -1, str(e)
+        else:
+            detail = ""
+            if code is not None:
+                with contextlib.suppress(BackendError):
+                    detail = self.backend.log_tail(container_id).decode(errors="replace").strip()
+        if code is None:
+            return False  # cancelled: the delivery tail removes the probe
+        cleanup = self.remove_containers((PROBE_ROLE,), time.monotonic()
+                                         + self.options.timeout_s("--cleanup-timeout"))
+        if code != 0:
+            with contextlib.suppress(BackendError):
+                self.backend.remove_image(image_id)
+            raise PlanRejected(
+                "the controller image must provide python3 with its standard library for "
+                f"reploy-session-client; the probe failed ({detail or f'exit {code}'})")
+        if cleanup.kind != "succeeded":
+            raise PlanRejected(f"the python probe could not be removed: {cleanup.reason}")
+        return True
+
+    def call_off_loop(self, what: str, call: Callable[[docker.APIClient], Any],
+                      deadline: Optional[float], stop_on_latch: bool) -> tuple[bool, Any]:
+        """Run a blocking Engine call in a thread while the loop goes on (signals, the
+        channel). (True, its value or BackendError) once it returns; (False, None) when the
+        deadline passed or (with stop_on_latch) a cause was latched first."""
+        self.calls_started += 1
+        tag = f"{CALL_TAG}{self.calls_started}"
+
+        def guarded(api: docker.APIClient) -> Any:
+            try:
+                return call(api)
+            except (docker.errors.DockerException, requests.exceptions.RequestException) as e:
+                raise BackendError(f"{what}: {e}") from e
+
+        self.backend.in_thread(tag, guarded, self.notifier.report)
+        if not self.wait_until(lambda: tag in self.call_results, deadline, stop_on_latch):
+            return False, None
+        return True, self.call_results.pop(tag)
+
+    def off_loop(self, what: str, call: Callable[[docker.APIClient], Any]) -> Any:
+        """A slow planning call (an image build, the probe) that a signal cancels promptly:
+        its value, or None when cancelled. Raises its BackendError."""
+        finished, value = self.call_off_loop(what, call, None, stop_on_latch=True)
+        if isinstance(value, BackendError):
+            raise value
+        return value if finished else None
+
+    def bounded_call(self, what: str, call: Callable[[docker.APIClient], Any],
+                     deadline: float) -> Optional[str]:
+        """A cleanup call that may not outlast `deadline`: None when it succeeded, else what
+        went wrong (its error, or that it did not finish in time)."""
+        finished, value = self.call_off_loop(what, call, deadline, stop_on_latch=False)
+        if not finished:
+            return f"{what}: not finished within the cleanup timeout"
+        return str(value) if isinstance(value, BaseException) else None
+
+    # -- preparing --------------------------------------------------------------------------
+
+    def prepare(self, controller_image: str) -> None:
+        plan, backend = self.plan, self.backend
+        controller_runtime = plan.controller_blueprint.runtime
         self.open_channel(controller_runtime)
         self.watchdog.record_owned(self.owned)
         mounts = [Mount(str(self.owned.channel_dir), CHANNEL_MOUNT, read_only=True)]
@@ -1265,10 +1587,11 @@ class ControlledSession:
             self.watchdog.record_owned(self.owned)
         self.acquire_container(ContainerSpec(
             role="workload", image_id=plan.workload.current.image_id,  # type: ignore[union-attr]
-            command=(WORKLOAD_SHELL,), runtime=plan.workload.blueprint.runtime,
+            command=(WORKLOAD_SHELL,), runtime=plan.workload_blueprint.runtime,
             environment={"HOME": CONTAINER_HOME, "TERM": WORKLOAD_TERM},
             labels=self.labels("workload"), network=network, network_aliases=("workload",),
-            tty=True, hostname="workload"))
+            tty=True, hostname="workload",
+            console_size=(self.options.columns, self.options.rows)))
         self.acquire_container(ContainerSpec(
             role="controller", image_id=controller_image, command=plan.controller_argv,
             runtime=controller_runtime, environment=environment,
@@ -1284,7 +1607,7 @@ class ControlledSession:
     def labels(self, role: str) -> dict[str, str]:
         """Every session container and network says whose it is, for the watchdog and for
         reconciliation after a crash that took the watchdog too."""
-        deployment = self.plan.controller if role == "controller" else self.plan.workload
+        deployment = self.plan.workload if role == "workload" else self.plan.controller
         labels = {LABEL_RUN: self.plan.run_id, LABEL_ROLE: role,
                   reploy_watchdog.LABEL_HOST: self.watchdog.manifest.host,
                   reploy_watchdog.LABEL_WATCHDOG: self.watchdog.manifest.watchdog,
@@ -1432,11 +1755,17 @@ class ControlledSession:
             self.selector.modify(self.pty, events, "pty")
 
     def on_signal(self, _mask: int) -> None:
+        """SIGINT/SIGTERM cancel the session, if nothing else ended it first: only then does
+        the host exit 130/143 (a later signal changes nothing; cleanup is bounded anyway)."""
         for signum in self.wakeup.drain():
-            if signum in EXIT_FOR_SIGNAL and self.signal_received is None:
-                self.signal_received = signum
-                log(f"received {signal.Signals(signum).name}; cancelling")
-                self.latch(Cause.HOST_CANCEL, signal.Signals(signum).name)
+            if signum not in EXIT_FOR_SIGNAL:
+                continue
+            name = signal.Signals(signum).name
+            if self.latch(Cause.HOST_CANCEL, f"received {name}"):
+                self.cancelled_by = signum
+                self.result.error = f"cancelled by {name}"
+            else:
+                log(f"received {name}; the session is already ending")
 
     def on_notice(self, _mask: int) -> None:
         for tag, value in self.notifier.drain():
@@ -1459,10 +1788,15 @@ class ControlledSession:
                     self.latch(Cause.STARTUP_FAILURE, "the controller exited during startup")
             elif tag == "kill" and isinstance(value, Exception):
                 log(f"could not kill the workload: {value}")
+            elif tag.startswith(CALL_TAG):
+                self.call_results[tag] = value
 
     def announce_workload_exit(self) -> None:
-        """workload-exit precedes terminating when it is the cause; otherwise it follows."""
-        if (self.workload_exit is None or self.exit_announced or not self.machine.reached_ready
+        """workload-exit precedes terminating when it is the cause; otherwise it follows. Never
+        after workload-outputs-finalized: the workload status was fixed before it, and an exit
+        seen later changes nothing the controller hears or the result says."""
+        if (self.workload_exit is None or self.exit_announced or self.finalization_announced
+                or not self.machine.reached_ready
                 or not (self.machine.cause is Cause.WORKLOAD_EXIT or self.terminating_sent)):
             return
         self.exit_announced = True
@@ -1476,7 +1810,7 @@ class ControlledSession:
             return
         pid, uid, gid = struct.unpack("3i", conn.getsockopt(
             socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-        runtime = self.plan.controller.blueprint.runtime
+        runtime = self.plan.controller_blueprint.runtime
         if (uid, gid) != (runtime.uid, runtime.gid):
             log(f"refused a channel peer with uid:gid {uid}:{gid} (pid {pid})")
             conn.close()
@@ -1590,12 +1924,16 @@ class ControlledSession:
     # -- terminating ------------------------------------------------------------------------
 
     def terminate(self) -> None:
-        """The termination sequence; each step is bounded and each outcome a separate fact."""
+        """The termination sequence; each step is bounded and each outcome a separate fact.
+
+        Every workload fact goes out before workload-outputs-finalized: the drain's outcome
+        is decided at its deadline, then the exit is awaited (a failed drain abandons the PTY
+        so the Engine can finish it), announced if seen, and the workload status fixed; only
+        then is finalization announced. After it the controller hears only `terminated`."""
         machine = self.machine
         cause = machine.cause
         assert cause is not None
-        began = time.monotonic()
-        output_deadline = began + OUTPUT_FINALIZATION_TIMEOUT_MS / 1000.0
+        output_deadline = time.monotonic() + OUTPUT_FINALIZATION_TIMEOUT_MS / 1000.0
         if machine.reached_ready:
             self.send_event(wire.Terminating(cause=cause))
             self.terminating_sent = True
@@ -1603,29 +1941,25 @@ class ControlledSession:
         self.stop_workload()
         output_status = self.finalize_output(output_deadline)
         self.await_workload_exit()
-        controller_finalization = None
-        if machine.reached_ready:
-            controller_finalization = self.await_complete()
+        self.workload_status = self.final_workload_status()
+        self.announce_workload_exit()
+        self.announce_outputs_finalized(output_status)
+        controller_finalization = self.controller_finalization()
         self.close_pty()
-        workload_cleanup = self.remove_containers(("workload",))
+        workload_cleanup = self.remove_containers(
+            ("workload",), time.monotonic() + self.options.timeout_s("--cleanup-timeout"))
         observation = Status.of("runtime_observation", "maintained")
         if self.observation_lost:
             observation = Status.of("runtime_observation", "lost", reason=self.observation_lost)
-        workload_status = None
-        if self.workload_exit is not None:
-            workload_status = process_status(self.workload_exit)
-        elif self.workload_started:
-            workload_status = Status.of("process", "not-observed",
-                                        reason=self.observation_lost or "exit was not observed")
         session_result = SessionResult(
             cause=cause,
-            workload_status=workload_status,
+            workload_status=self.workload_status,
             workload_output_finalization_status=output_status,
-            runtime_observation_status=observation if self.workload_started else None,
+            runtime_observation_status=observation,
             controller_finalization_status=controller_finalization,
             cleanup_status=workload_cleanup,
             recovery_action=RecoveryAction.NONE if workload_cleanup.kind == "succeeded"
-            else RecoveryAction.RECONCILE,
+            else RecoveryAction.RECONCILE_NEXT_OPERATION,
         )
         machine.finish()
         self.result.session_result = session_result
@@ -1649,7 +1983,7 @@ class ControlledSession:
             return
         log(f"workload still running after the {format_duration(int(grace_s * 1000))} grace; "
             "sending SIGKILL")
-        self.backend.in_thread("kill", lambda api: api.kill(workload_id, signal="SIGKILL"),
+        self.backend.in_thread("kill", lambda api: kill_if_running(api, workload_id, "SIGKILL"),
                                self.notifier.report)
 
     def await_workload_exit(self) -> None:
@@ -1660,6 +1994,19 @@ class ControlledSession:
                             time.monotonic() + self.options.timeout_s("--cleanup-timeout"),
                             stop_on_latch=False)
 
+    def final_workload_status(self) -> Status:
+        """The workload's status as the host reports it: an observed exit, or why none was
+        (never an invented code)."""
+        if self.workload_exit is not None:
+            return process_status(self.workload_exit)
+        if self.observation_lost:
+            return Status.of("process", "unavailable", reason=self.observation_lost)
+        if not self.workload_started:
+            return Status.of("process", "unavailable", reason="the workload never started")
+        timeout = format_duration(self.options.timeouts_ms["--cleanup-timeout"])
+        return Status.of("process", "unavailable",
+                         reason=f"the workload's exit was not observed within {timeout}")
+
     def close_pty(self) -> None:
         if self.pty is not None:
             self.watch_pty(0)
@@ -1669,59 +2016,79 @@ class ControlledSession:
     def workload_gone(self) -> bool:
         return self.workload_exit is not None or self.observation_lost is not None
 
-    def finalize_output(self, deadline: float) -> Optional[Status]:
-        """Drain the PTY to EOF within the host-owned deadline; report drained or failed."""
-        if self.pty is None:
-            return None
-        # The exit is awaited too (it follows EOF closely), so workload-exit normally precedes
-        # workload-outputs-finalized; EOF alone decides whether the output drained.
-        self.wait_until(
-            lambda: self.pty_eof and self.workload_gone() and (
-                self.channel is None or not self.channel.wants_write),
-            deadline, stop_on_latch=False)
-        drained = self.pty_eof and (self.channel is None or not self.channel.wants_write)
-        if drained and self.channel is None and self.machine.reached_ready:
-            drained = False
-            reason = "the controller channel was lost before terminal output was delivered"
-        elif drained:
-            reason = ""
+    def finalize_output(self, deadline: float) -> Status:
+        """Drain the PTY to EOF within the host-owned deadline: drained or failed (decided
+        here, announced by announce_outputs_finalized once the workload facts are out). A
+        workload that never started produced no output: there is nothing left undelivered."""
+        if self.pty is not None:
+            # The exit is awaited too (it follows EOF closely), so workload-exit normally
+            # precedes workload-outputs-finalized; EOF alone decides whether output drained.
+            self.wait_until(
+                lambda: self.pty_eof and self.workload_gone() and (
+                    self.channel is None or not self.channel.wants_write),
+                deadline, stop_on_latch=False)
+        delivered = self.channel is None or not self.channel.wants_write
+        if self.observation_lost:
+            reason = f"the runtime observation was lost: {self.observation_lost}"
+        elif self.pty is None:
+            return Status.of("output_finalization", "drained")
         elif not self.pty_eof:
             reason = (f"terminal output did not reach end of file within "
                       f"{OUTPUT_FINALIZATION_TIMEOUT_MS // 1000} s of termination")
-        else:
+        elif not delivered:
             reason = "terminal output could not be delivered to the controller in time"
-        status = {"status": "drained"} if drained else {"status": "failed", "reason": reason}
-        if not drained:
-            self.close_pty()  # abandon what is left, so the Engine can finish the exit
-        self.send_frame(wire.encode_json_frame(FrameKind.OUTPUT_END, status), urgent=False)
-        if self.machine.reached_ready:
-            self.send_event(wire.WorkloadOutputsFinalized(**status))
-        return (Status.of("output_finalization", "drained") if drained
-                else failed("output_finalization", reason))
+        elif self.channel is None and self.machine.reached_ready:
+            reason = "the controller channel was lost before terminal output was delivered"
+        else:
+            return Status.of("output_finalization", "drained")
+        self.close_pty()  # abandon what is left, so the Engine can finish the exit
+        return failed("output_finalization", reason)
 
-    def await_complete(self) -> Status:
+    def announce_outputs_finalized(self, status: Status) -> None:
+        """The attachment's end of output, then (after ready) the public event."""
+        fields_ = {"status": status.kind, **({"reason": status.reason} if status.reason else {})}
+        self.finalization_announced = True
+        self.send_frame(wire.encode_json_frame(FrameKind.OUTPUT_END, fields_), urgent=False)
+        if self.machine.reached_ready:
+            self.send_event(wire.WorkloadOutputsFinalized(**fields_))
+
+    def controller_finalization(self) -> Status:
+        """Whether the controller finalized its artifacts: `complete` (after ready), or the
+        fact that stands in for it in each other ending."""
+        cause, reason = self.machine.cause, self.cause_detail
+        if cause is Cause.STARTUP_FAILURE:
+            return Status.of("controller_finalization", "startup-failed",
+                             reason=reason or "the session did not become ready")
+        if not self.machine.reached_ready:
+            return Status.of("controller_finalization", "not-completed",
+                             reason=f"the session ended before it became ready ({reason})")
+        if cause is Cause.CONTROLLER_LOST:
+            return Status.of("controller_finalization", "lost", reason=reason)
         timeout_s = self.options.timeout_s("--controller-finalization-timeout")
         if self.wait_until(lambda: self.complete_received or self.channel is None,
                            time.monotonic() + timeout_s, stop_on_latch=False) \
                 and self.complete_received:
             return Status.of("controller_finalization", "completed")
         if self.channel is None:
-            return Status.of("controller_finalization", "not-completed",
-                             reason="the controller was lost before completing finalization")
+            return Status.of("controller_finalization", "lost",
+                             reason=self.channel_lost or "the controller channel was lost")
         return Status.of("controller_finalization", "finalization-timeout",
                          reason=f"no complete within {format_duration(int(timeout_s * 1000))}")
 
-    def remove_containers(self, roles: tuple[str, ...]) -> Status:
+    def remove_containers(self, roles: tuple[str, ...], deadline: float) -> Status:
+        """Remove these containers, each call bounded by `deadline` (it runs off the loop)."""
         failures = []
         for role in roles:
             container_id = self.owned.containers.get(role)
             if container_id is None:
                 continue
-            try:
-                self.backend.remove_container(container_id)
+            error = self.bounded_call(f"remove the {role} container",
+                                      lambda api, cid=container_id: remove_container_quietly(
+                                          api, cid), deadline)
+            if error:
+                failures.append(error)
+            else:
                 del self.owned.containers[role]
-            except BackendError as e:
-                failures.append(str(e))
         return failed("cleanup", "; ".join(failures)) if failures else succeeded()
 
     def deliver_result(self, session_result: SessionResult) -> None:
@@ -1742,46 +2109,61 @@ class ControlledSession:
 
     # -- the delivery tail ------------------------------------------------------------------
 
-    def delivery_tail(self) -> None:
-        """Close the channel, let the controller finish, then remove everything else."""
+    def close_channel(self, deadline: float) -> None:
+        """Close the channel cleanly: end our side, let the broker see end of file and go,
+        reading (and dropping) what it still sends until its end, then close."""
+        channel = self.channel
+        if channel is None:
+            return
+        with contextlib.suppress(OSError):
+            channel.sock.shutdown(socket.SHUT_WR)
+        self.wait_until(lambda: self.channel is None or self.channel.eof, deadline,
+                        stop_on_latch=False)
         if self.channel is not None:
             self.selector.unregister(self.channel.sock)
             self.channel.close()
             self.channel = None
+
+    def delivery_tail(self) -> None:
+        """Close the channel, let the controller finish, then remove everything else; the
+        whole of it within --cleanup-timeout, Engine calls included."""
+        cleanup_s = self.options.timeout_s("--cleanup-timeout")
+        began = time.monotonic()
+        deadline = began + cleanup_s
+        self.close_channel(min(deadline, began + CHANNEL_CLOSE_S))
         self.close_listener()
+        session_ran = self.result.session_result is not None
         failures: list[str] = []
         controller_id = self.owned.containers.get("controller")
-        cleanup_s = self.options.timeout_s("--cleanup-timeout")
         if controller_id and self.controller_started:
             exited = self.wait_until(lambda: self.controller_exit is not None,
-                                     time.monotonic() + cleanup_s / 2, stop_on_latch=False)
+                                     began + cleanup_s / 2, stop_on_latch=False)
             if not exited:
                 log("the controller is still running after the session; stopping it")
-                with contextlib.suppress(BackendError):
-                    self.backend.kill(controller_id, "SIGKILL")
+                self.backend.in_thread(
+                    "kill the controller",
+                    lambda api: kill_if_running(api, controller_id, "SIGKILL"),
+                    self.notifier.report)
                 self.wait_until(lambda: self.controller_exit is not None,
-                                time.monotonic() + cleanup_s / 2, stop_on_latch=False)
+                                began + cleanup_s * 3 / 4, stop_on_latch=False)
             if self.controller_exit is not None:
                 self.result.controller_status = process_status(self.controller_exit)
             else:
                 self.result.controller_status = Status.of(
-                    "process", "not-observed", reason="the controller's exit was not observed")
-            with contextlib.suppress(BackendError):
-                tail = self.backend.log_tail(controller_id)
-                if tail:
-                    sys.stderr.write("reploy: controller output follows\n")
-                    sys.stderr.write(tail.decode(errors="replace"))
-                    sys.stderr.flush()
-        for role in list(self.owned.containers):
-            status = self.remove_containers((role,))
-            if status.kind != "succeeded":
-                failures.append(status.reason or role)
+                    "process", "unavailable", reason="the controller's exit was not observed")
+            self.copy_controller_log(controller_id, deadline)
+        status = self.remove_containers(tuple(self.owned.containers), deadline)
+        if status.kind != "succeeded":
+            failures.append(status.reason or "remove containers")
         if self.owned.network_id is not None:
-            try:
-                self.backend.remove_network(self.owned.network_id)
+            network_id = self.owned.network_id
+            error = self.bounded_call("remove the session network",
+                                      lambda api: remove_network_quietly(api, network_id),
+                                      deadline)
+            if error:
+                failures.append(error)
+            else:
                 self.owned.network_id = None
-            except BackendError as e:
-                failures.append(str(e))
         self.publish_output()
         for attribute in ("channel_dir", "output_staging_dir"):
             path = getattr(self.owned, attribute)
@@ -1793,10 +2175,14 @@ class ControlledSession:
                 setattr(self.owned, attribute, None)
             except OSError as e:
                 failures.append(f"remove {path}: {e}")
-        self.result.delivery_tail_cleanup_status = (
-            failed("cleanup", "; ".join(failures)) if failures else succeeded())
-        self.result.delivery_tail_recovery_action = (
-            RecoveryAction.RECONCILE if failures else RecoveryAction.NONE)
+        if session_ran:
+            self.result.delivery_tail_cleanup_status = (
+                failed("cleanup", "; ".join(failures)) if failures else succeeded())
+            self.result.delivery_tail_recovery_action = (
+                RecoveryAction.RECONCILE_NEXT_OPERATION if failures else RecoveryAction.NONE)
+        elif failures:  # planning's probe: the result has no cleanup phase to report it in
+            self.result.error = "; ".join(filter(None, (
+                self.result.error, f"cleanup failed: {'; '.join(failures)}")))
         if failures:
             # Keep a true manifest of what remains, for `controlled-session cleanup`.
             self.watchdog.record_owned(self.owned)
@@ -1805,6 +2191,17 @@ class ControlledSession:
         self.watchdog.disarm(keep_manifest=bool(failures))
         self.notifier.close()
         self.selector.close()
+
+    def copy_controller_log(self, controller_id: str, deadline: float) -> None:
+        """The controller's own output, for the user, on the host's stderr (bounded)."""
+        _, tail = self.call_off_loop(
+            "read the controller log",
+            lambda api: api.logs(controller_id, stdout=True, stderr=True), deadline,
+            stop_on_latch=False)
+        if isinstance(tail, bytes) and tail:
+            sys.stderr.write("reploy: controller output follows\n")
+            sys.stderr.write(tail[-CONTROLLER_LOG_TAIL_BYTES:].decode(errors="replace"))
+            sys.stderr.flush()
 
     def publish_output(self) -> None:
         """--output-file: publish the staged regular file without clobbering, only after
@@ -1852,19 +2249,29 @@ def reconcile(backend: DockerBackend, workload_dirs: list[Path]) -> list[dict[st
 
 
 def run_controlled_session(options: RunOptions) -> tuple[RunResult, Optional[int]]:
-    """Admission, then the session. Returns the result and the signal that cancelled it."""
+    """Admission, planning, then the session. Returns the result and the signal that
+    cancelled it (None unless a signal did)."""
     with wire.SignalWakeup((signal.SIGINT, signal.SIGTERM)) as wakeup:
         try:
-            plan = admit(options)
+            controller, workload = admit(options)
         except AdmissionError as e:
             return RunResult(error=f"admission rejected: {e}"), None
         try:
+            session_plan = plan(options, controller, workload)
+        except PlanRejected as e:
+            return RunResult(error=f"plan rejected: {e}",
+                             controller_output=requested_output_status(options)), None
+        signum = next((s for s in wakeup.drain() if s in EXIT_FOR_SIGNAL), None)
+        if signum is not None:  # admission and planning read files only: they ran to the end
+            return RunResult(error=f"cancelled by {signal.Signals(signum).name}",
+                             controller_output=requested_output_status(options)), signum
+        try:
             backend = DockerBackend()
-            reconcile(backend, [plan.workload.dir, plan.controller.dir])
+            reconcile(backend, [workload.dir, controller.dir])
         except BackendError as e:
             return RunResult(error=f"admission rejected: {e}"), None
-        session = ControlledSession(options, plan, backend, wakeup)
-        return session.run(), session.signal_received
+        session = ControlledSession(options, session_plan, backend, wakeup)
+        return session.run(), session.cancelled_by
 
 
 # ============================================================================================
@@ -3980,7 +4387,7 @@ def parse_run_options(args: argparse.Namespace, command: list[str]) -> RunOption
 
 
 def emit(obj: dict[str, Any]) -> None:
-    sys.stdout.buffer.write(wire.encode_compact(obj) + b"\n")
+    sys.stdout.buffer.write(wire.encode_compact(printable_json(obj)) + b"\n")
     sys.stdout.buffer.flush()
 
 
@@ -4004,7 +4411,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"reploy: usage error: {e}", file=sys.stderr)
         return EXIT_USAGE
     if getattr(args, "action", None) == "run":
-        result, signum = run_controlled_session(options)
+        try:
+            result, signum = run_controlled_session(options)
+        except Exception as e:  # noqa: BLE001 - after valid parsing, stdout is always a result
+            log(f"internal error: {e!r}")
+            result, signum = RunResult(error=f"internal error: {e!r}"), None
         sys.stdout.buffer.write(result.encode())
         sys.stdout.buffer.flush()
         if signum is not None:

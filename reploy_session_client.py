@@ -29,6 +29,7 @@ import errno
 import fcntl
 import json
 import os
+import re
 import secrets
 import selectors
 import signal
@@ -38,6 +39,7 @@ import sys
 import termios
 import time
 import tty
+import unicodedata
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, ClassVar, Iterator, Optional
 
@@ -64,6 +66,9 @@ DATA_WINDOW_BYTES = 1024 * 1024
 TERMINAL_CHUNK_BYTES = 64 * 1024
 #: Terminal dimensions accepted anywhere (columns and rows alike).
 MIN_DIMENSION, MAX_DIMENSION = 1, 65535
+#: Every reason and message on the public stream and in the host result is safe text this long
+#: at most (UTF-8 bytes).
+MAX_SAFE_TEXT_BYTES = 512
 #: The operations a v1 session grants, in the order `opened` lists them.
 OPERATIONS = ("input", "resize", "terminate", "complete")
 #: Environment variable naming the controller-private channel socket.
@@ -141,6 +146,8 @@ def parse_strict_object(data: bytes) -> dict[str, Any]:
         encode_compact(obj)  # a lone surrogate escape (\ud800) decodes but can never be written
     except UnicodeEncodeError as e:
         raise ProtocolError("invalid_request", "a string holds a lone surrogate escape") from e
+    except ValueError as e:  # 1e999 decodes as infinity, which JSON cannot carry
+        raise ProtocolError("invalid_request", f"malformed JSON: {e}") from e
     return obj
 
 
@@ -166,9 +173,19 @@ class Cause(str, enum.Enum):
 
 
 class RecoveryAction(str, enum.Enum):
+    """What a failed cleanup asks of the operator or of Reploy."""
+
     NONE = "none"
-    #: Something the session owned may remain; `reploy controlled-session cleanup` reconciles it.
-    RECONCILE = "reconcile-by-label"
+    #: Run the cleanup again (`reploy controlled-session cleanup`).
+    RETRY_CLEANUP = "retry-cleanup"
+    #: Something the session owned may remain; the next reploy operation that touches Docker
+    #: reconciles it (each one does so first).
+    RECONCILE_NEXT_OPERATION = "reconcile-next-operation"
+
+
+#: Recovery actions a failed cleanup may carry; a succeeded one carries NONE.
+CLEANUP_FAILURE_ACTIONS = frozenset({RecoveryAction.RETRY_CLEANUP,
+                                     RecoveryAction.RECONCILE_NEXT_OPERATION})
 
 
 def _is_int(value: Any) -> bool:
@@ -181,6 +198,44 @@ def _check_string(name: str, value: Any) -> str:
     return value
 
 
+def _raise_invalid(message: str) -> Any:
+    raise ProtocolError("invalid_request", message)
+
+
+#: diagnostic.code and client-error.code: an open enum of lowercase snake_case machine codes.
+_PROTOCOL_CODE = re.compile(r"[a-z][a-z0-9]*(?:_[a-z0-9]+)*")
+MAX_PROTOCOL_CODE_BYTES = 63
+
+
+def _unsafe_character(char: str) -> bool:
+    return unicodedata.category(char) in ("Cc", "Cf", "Cs")
+
+
+def _check_safe_text(name: str, value: Any) -> str:
+    """The contract's safe text: non-empty, at most 512 UTF-8 bytes, no leading or trailing
+    whitespace, no control or format characters."""
+    _check_string(name, value)
+    if (not value or value.strip() != value or any(map(_unsafe_character, value))
+            or len(value.encode("utf-8", "surrogatepass")) > MAX_SAFE_TEXT_BYTES):
+        raise ProtocolError("invalid_request", f"{name} must be safe text")
+    return value
+
+
+def safe_text(text: str) -> str:
+    """Make any text (an engine error, an OS message) safe text: control and format characters
+    become spaces, runs of whitespace one space, the ends trimmed, the length cut at a
+    character boundary. Reasons and messages Reploy writes all pass through here."""
+    cleaned = " ".join("".join(" " if _unsafe_character(c) else c for c in text).split())
+    data = (cleaned or "unspecified").encode("utf-8", "replace")
+    if len(data) > MAX_SAFE_TEXT_BYTES:
+        data = data[:MAX_SAFE_TEXT_BYTES - len(_ELLIPSIS)].decode("utf-8", "ignore").rstrip() \
+            .encode() + _ELLIPSIS
+    return data.decode("utf-8")
+
+
+_ELLIPSIS = "\u2026".encode()
+
+
 def _check_dimension(name: str, value: Any) -> int:
     if not _is_int(value) or not MIN_DIMENSION <= value <= MAX_DIMENSION:
         raise ProtocolError(
@@ -189,20 +244,36 @@ def _check_dimension(name: str, value: Any) -> int:
     return value
 
 
-#: Each status family: kind -> the extra fields that kind carries, with their checkers.
-#: A status is `{"kind": ..., <fields>}`; nothing else is accepted.
-_REASON = {"reason": _check_string}
-_CODE = {"code": lambda n, v: v if _is_int(v) else _raise_invalid(f"{n} must be an integer")}
-STATUS_FAMILIES: dict[str, dict[str, dict[str, Callable[[str, Any], Any]]]] = {
-    "process": {"exited": _CODE, "not-observed": _REASON, "not-started": _REASON},
-    "output_finalization": {"drained": {}, "failed": _REASON},
-    "runtime_observation": {"maintained": {}, "lost": _REASON},
-    "controller_finalization": {
-        "completed": {},
-        "not-completed": _REASON,
-        "finalization-timeout": _REASON,
+def _check_code(name: str, value: Any) -> int:
+    if not _is_int(value):
+        raise ProtocolError("invalid_request", f"{name} must be an integer")
+    return value
+
+
+#: Each status family: kind -> its fields in wire order, each with its checker and whether it
+#: is required. A status is `{"kind": ..., <fields>}`; nothing else is accepted. These are the
+#: contract's rules: `unknown` carries nothing, `exited` an integer code, the other process
+#: kinds no code; drained, maintained, succeeded and the good output kinds carry no text;
+#: failed finalization and cleanup require it (cleanup's text is called `message`).
+_REASON = {"reason": (_check_safe_text, True)}
+_MAY_REASON = {"reason": (_check_safe_text, False)}
+STATUS_FAMILIES: dict[str, dict[str, dict[str, tuple[Callable[[str, Any], Any], bool]]]] = {
+    "process": {
+        "unknown": {},
+        "exited": {"code": (_check_code, True), **_MAY_REASON},
+        "terminated": _MAY_REASON,
+        "unavailable": _MAY_REASON,
     },
-    "cleanup": {"succeeded": {}, "failed": _REASON},
+    "output_finalization": {"drained": {}, "failed": _REASON},
+    "runtime_observation": {"maintained": {}, "lost": _MAY_REASON},
+    "controller_finalization": {
+        "completed": _MAY_REASON,
+        "lost": _MAY_REASON,
+        "finalization-timeout": _MAY_REASON,
+        "not-completed": _MAY_REASON,
+        "startup-failed": _MAY_REASON,
+    },
+    "cleanup": {"succeeded": {}, "failed": {"message": (_check_safe_text, True)}},
     "controller_output": {
         "not-requested": {},
         "directory-retained": {},
@@ -211,10 +282,8 @@ STATUS_FAMILIES: dict[str, dict[str, dict[str, Callable[[str, Any], Any]]]] = {
         "failed": _REASON,
     },
 }
-
-
-def _raise_invalid(message: str) -> Any:
-    raise ProtocolError("invalid_request", message)
+#: The fields that hold human text: a producer's text is made safe before it is checked.
+_TEXT_FIELDS = ("reason", "message")
 
 
 @dataclass(frozen=True)
@@ -229,14 +298,23 @@ class Status:
         kinds = STATUS_FAMILIES[self.family]
         if self.kind not in kinds:
             raise ProtocolError("invalid_request", f"unknown {self.family} status kind {self.kind!r}")
-        if tuple(name for name, _ in self.details) != tuple(kinds[self.kind]):
+        allowed = kinds[self.kind]
+        names = tuple(name for name, _ in self.details)
+        if names != tuple(n for n in allowed if n in names) or not all(
+                n in names for n, (_, required) in allowed.items() if required):
             raise ProtocolError("invalid_request", f"{self.family} status {self.kind!r} fields")
         for name, value in self.details:
-            kinds[self.kind][name](name, value)
+            allowed[name][0](name, value)
 
     @classmethod
     def of(cls, family: str, kind: str, **details: Any) -> "Status":
-        return cls(family, kind, tuple(details.items()))
+        """A status Reploy reports; its text fields are made safe text first."""
+        order = STATUS_FAMILIES[family].get(kind, {})
+        if not set(details) <= set(order):
+            raise ProtocolError("invalid_request", f"{family} status {kind!r} fields")
+        return cls(family, kind, tuple(
+            (name, safe_text(details[name]) if name in _TEXT_FIELDS else details[name])
+            for name in order if name in details))
 
     @classmethod
     def parse(cls, family: str, obj: Any) -> "Status":
@@ -246,14 +324,14 @@ class Status:
         kinds = STATUS_FAMILIES[family]
         if not isinstance(kind, str) or kind not in kinds:
             raise ProtocolError("invalid_request", f"unknown {family} status kind {kind!r}")
-        expected = set(kinds[kind]) | {"kind"}
-        if set(obj) != expected:
+        if not set(obj) - {"kind"} <= set(kinds[kind]):
             raise ProtocolError("invalid_request", f"{family} status {kind!r} has wrong fields")
-        return cls(family, kind, tuple((name, obj[name]) for name in kinds[kind]))
+        return cls(family, kind, tuple((name, obj[name]) for name in kinds[kind] if name in obj))
 
     @property
     def reason(self) -> Optional[str]:
-        return dict(self.details).get("reason")
+        details = dict(self.details)
+        return details.get("reason", details.get("message"))
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": self.kind, **dict(self.details)}
@@ -290,21 +368,47 @@ SESSION_RESULT_FIELDS: tuple[tuple[str, Optional[str]], ...] = (
 
 @dataclass(frozen=True)
 class SessionResult:
-    """The authoritative result carried by `terminated`. Phases that never ran are None."""
+    """The authoritative result carried by `terminated` (and the host result's session_result).
+
+    Every one of the seven fields is a value in every cause, and the facts agree with the cause
+    as the contract requires: workload-exit names a known workload status, controller-lost a
+    `lost` controller finalization, startup-failure a `startup-failed` one, a lost runtime
+    observation a failed output finalization; a failed cleanup names its recovery action.
+    """
 
     cause: Cause
-    workload_status: Optional[Status]
-    workload_output_finalization_status: Optional[Status]
-    runtime_observation_status: Optional[Status]
-    controller_finalization_status: Optional[Status]
+    workload_status: Status
+    workload_output_finalization_status: Status
+    runtime_observation_status: Status
+    controller_finalization_status: Status
     cleanup_status: Status
     recovery_action: RecoveryAction
 
     def __post_init__(self) -> None:
         for name, family in SESSION_RESULT_FIELDS:
             value = getattr(self, name)
-            if family is not None and value is not None and value.family != family:
-                raise ProtocolError("invalid_request", f"{name} is not a {family} status")
+            if family is not None and (not isinstance(value, Status) or value.family != family):
+                raise ProtocolError("invalid_request", f"{name} must be a {family} status")
+        for rule, holds in self._cause_rules():
+            if not holds:
+                raise ProtocolError("invalid_request", f"session result: {rule}")
+
+    def _cause_rules(self) -> Iterator[tuple[str, bool]]:
+        cause = self.cause
+        yield ("workload-exit needs a known workload status",
+               cause is not Cause.WORKLOAD_EXIT or self.workload_status.kind != "unknown")
+        yield ("controller-lost needs controller finalization lost",
+               cause is not Cause.CONTROLLER_LOST
+               or self.controller_finalization_status.kind == "lost")
+        yield ("startup-failure needs controller finalization startup-failed",
+               cause is not Cause.STARTUP_FAILURE
+               or self.controller_finalization_status.kind == "startup-failed")
+        yield ("runtime-observation-lost needs observation lost and output finalization failed",
+               cause is not Cause.RUNTIME_OBSERVATION_LOST
+               or (self.runtime_observation_status.kind == "lost"
+                   and self.workload_output_finalization_status.kind == "failed"))
+        yield ("cleanup and recovery action disagree",
+               cleanup_agrees(self.cleanup_status, self.recovery_action))
 
     @classmethod
     def parse(cls, obj: Any) -> "SessionResult":
@@ -315,20 +419,15 @@ class SessionResult:
             recovery = RecoveryAction(obj["recovery_action"])
         except ValueError as e:
             raise ProtocolError("invalid_request", str(e)) from e
-        statuses = {
-            name: (None if obj[name] is None else Status.parse(family, obj[name]))
-            for name, family in SESSION_RESULT_FIELDS
-            if family is not None
-        }
-        if statuses["cleanup_status"] is None:
-            raise ProtocolError("invalid_request", "cleanup_status is required")
-        return cls(cause=cause, recovery_action=recovery, **statuses)  # type: ignore[arg-type]
+        statuses = {name: Status.parse(family, obj[name])
+                    for name, family in SESSION_RESULT_FIELDS if family is not None}
+        return cls(cause=cause, recovery_action=recovery, **statuses)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for name, family in SESSION_RESULT_FIELDS:
             value = getattr(self, name)
-            out[name] = value.value if family is None else (value and value.to_json())
+            out[name] = value.value if family is None else value.to_json()
         return out
 
     @property
@@ -336,7 +435,6 @@ class SessionResult:
         """The session half of the seed's `ok` rule (the host adds delivery and outputs)."""
         cause_ok = self.cause is Cause.CONTROLLER_TERMINATE or (
             self.cause is Cause.WORKLOAD_EXIT
-            and self.workload_status is not None
             and self.workload_status.kind == "exited"
             and dict(self.workload_status.details)["code"] == 0
         )
@@ -348,9 +446,16 @@ class SessionResult:
         )
         return (
             cause_ok
-            and all(status is not None and status.kind == kind for status, kind in kinds)
+            and all(status.kind == kind for status, kind in kinds)
             and self.recovery_action is RecoveryAction.NONE
         )
+
+
+def cleanup_agrees(status: Status, action: RecoveryAction) -> bool:
+    """A succeeded cleanup needs no recovery; a failed one names how to recover."""
+    if status.kind == "succeeded":
+        return action is RecoveryAction.NONE
+    return action in CLEANUP_FAILURE_ACTIONS
 
 
 # ============================================================================================
@@ -450,6 +555,8 @@ class WorkloadExit(Message):
     def __post_init__(self) -> None:
         if not isinstance(self.status, Status) or self.status.family != "process":
             raise ProtocolError("invalid_request", "workload-exit.status must be a process status")
+        if self.status.kind == "unknown":
+            raise ProtocolError("invalid_request", "workload-exit reports a known status")
 
 
 @dataclass(frozen=True)
@@ -468,8 +575,10 @@ class CodedEvent(Message):
     message: str
 
     def __post_init__(self) -> None:
-        _check_string("code", self.code)
-        _check_string("message", self.message)
+        if not isinstance(self.code, str) or not _PROTOCOL_CODE.fullmatch(self.code) or len(
+                self.code) > MAX_PROTOCOL_CODE_BYTES:
+            raise ProtocolError("invalid_request", "code must be a snake_case machine code")
+        _check_safe_text("message", self.message)
 
 
 @dataclass(frozen=True)
@@ -488,7 +597,8 @@ class WorkloadOutputsFinalized(Message):
     def __post_init__(self) -> None:
         if self.status == "drained" and self.reason is None:
             return
-        if self.status == "failed" and isinstance(self.reason, str):
+        if self.status == "failed" and self.reason is not None:
+            _check_safe_text("reason", self.reason)
             return
         raise ProtocolError("invalid_request", "outputs-finalized: drained, or failed with reason")
 
@@ -630,7 +740,9 @@ class BrokerRules:
     comes first, then opened, then ready or a startup-failure terminated. workload-exit may come
     before terminating (cause workload-exit) or after it. complete is allowed once, only after
     both terminating and workload-outputs-finalized; acknowledge-terminated once, only after
-    terminated. resize is valid from ready until termination begins; later resizes are a benign
+    terminated. Every workload fact comes before workload-outputs-finalized: after it (when
+    the controller sends complete) the only event is terminated. resize is valid from ready
+    until termination begins; later resizes are a benign
     race and ignored. terminate is valid from ready on and idempotent. Anything else is fatal.
     """
 
@@ -647,9 +759,11 @@ class BrokerRules:
             "broker-ready": "broker-ready" not in seen,
             "opened": "broker-ready" in seen and "opened" not in seen,
             "ready": "opened" in seen and not seen & {"ready", "terminating", "terminated"},
-            "workload-exit": "ready" in seen and not seen & {"workload-exit", "terminated"},
+            "workload-exit": "ready" in seen
+            and not seen & {"workload-exit", "workload-outputs-finalized", "terminated"},
             "terminating": "ready" in seen and not seen & {"terminating", "terminated"},
-            "diagnostic": "broker-ready" in seen and "terminated" not in seen,
+            "diagnostic": "broker-ready" in seen
+            and not seen & {"workload-outputs-finalized", "terminated"},
             "workload-outputs-finalized": "terminating" in seen
             and not seen & {"workload-outputs-finalized", "terminated"},
             "terminated": "opened" in seen and "terminated" not in seen
@@ -830,6 +944,7 @@ class FramedConnection:
         self.pending_bulk_bytes = 0
         self._current = memoryview(b"")
         self.eof = False
+        self.reset = False  # the peer went away without a clean close
         self.write_closed = False
 
     def fileno(self) -> int:
@@ -871,6 +986,7 @@ class FramedConnection:
             return []
         except ConnectionResetError:
             data = b""
+            self.reset = True
         if not data:
             self.eof = True
             if self.decoder.pending_bytes:
@@ -1064,7 +1180,7 @@ class Broker:
                 self.emit_error(done.error)
             return done.code
         except ProtocolError as e:
-            self.emit_error(ClientError(code=e.code, message=e.message))
+            self.emit_error(ClientError(code=e.code, message=safe_text(e.message)))
             return 1
         finally:
             self.cleanup()
@@ -1129,18 +1245,20 @@ class Broker:
     def _flush_host(self) -> None:
         try:
             self.host.flush()
-        except OSError as e:
-            if self.rules.acknowledged:
-                raise BrokerExit(0) from e  # the host closed after our acknowledgement: clean
+        except OSError as e:  # even after our acknowledgement: it may not have reached the host
             raise BrokerExit(1, ClientError(
-                code="host_channel_lost", message=f"host channel write failed: {e}")) from e
+                code="host_channel_lost", message=safe_text(f"host channel write failed: {e}"))) from e
 
     def _read_host(self) -> None:
         for frame in self.host.receive():
             self._on_host_frame(frame)
         if self.host.eof:
+            if self.rules.acknowledged and not self.host.wants_write and not self.host.reset:
+                raise BrokerExit(0)  # the acknowledgement was written, then a clean close
             if self.rules.acknowledged:
-                raise BrokerExit(0)
+                raise BrokerExit(1, ClientError(
+                    code="host_channel_lost",
+                    message="the host channel did not close cleanly after the acknowledgement"))
             raise BrokerExit(1, ClientError(
                 code="host_channel_lost", message="the host closed the session channel early"))
 
@@ -1283,7 +1401,8 @@ def run_client() -> int:
         host.connect(path)
     except OSError as e:
         host.close()
-        stdout.emit(ClientError(code="host_unavailable", message=f"cannot connect: {e.strerror}"))
+        stdout.emit(ClientError(code="host_unavailable",
+                                message=safe_text(f"cannot connect: {e.strerror}")))
         print(f"reploy-session-client: cannot connect to {path}: {e}", file=sys.stderr)
         return 1
     broker = Broker(host, home, sys.stdin.fileno(), sys.stdout.fileno())

@@ -85,8 +85,11 @@ class Manifest:
         obj = json.loads(path.read_text())
         if obj.pop("schema", None) != MANIFEST_SCHEMA:
             raise ValueError(f"{path}: not a watchdog manifest")
-        obj["paths"] = tuple(obj["paths"])
-        return cls(**obj)
+        try:
+            obj["paths"] = tuple(obj["paths"])
+            return cls(**obj)
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"{path}: not a watchdog manifest ({e})") from e
 
     def to_json(self) -> dict[str, Any]:
         return {"schema": MANIFEST_SCHEMA, "run_id": self.run_id, "host": self.host,
@@ -227,13 +230,18 @@ def reconcile_manifest(manifest_path: Path, trigger: str) -> dict[str, Any]:
     import docker
 
     manifest = Manifest.load(manifest_path)
-    client = docker.from_env(timeout=DOCKER_TIMEOUT_S)
     try:
-        report = remove_owned(manifest, client)
-    except docker.errors.DockerException as e:
+        client = docker.from_env(timeout=DOCKER_TIMEOUT_S)
+        try:
+            report = remove_owned(manifest, client)
+        finally:
+            client.close()
+    except Exception as e:  # noqa: BLE001 - an unreachable engine still gets its receipt
         report = CleanupReport(errors=[f"the Docker engine failed: {e}"])
-    finally:
-        client.close()
+        for path in manifest.paths:  # what needs no engine is still cleaned up
+            with contextlib.suppress(OSError):
+                shutil.rmtree(path)
+                report.removed_paths.append(path)
     receipt = {
         "schema": RECEIPT_SCHEMA,
         "run_id": manifest.run_id,
@@ -285,7 +293,11 @@ def reconcile_orphans(client: Any, extra_manifests: tuple[Path, ...] = ()) -> li
                         for run_id, owned in runs.items()
                         for labels in [*owned["containers"].values(), *owned["networks"].values()]
                         if labels.get(LABEL_WORKLOAD_DIR)} | set(extra_manifests)):
-        if path.exists() and Manifest.load(path).abandoned:
+        try:
+            abandoned = path.exists() and Manifest.load(path).abandoned
+        except (OSError, ValueError):
+            continue  # unreadable: not ours to act on, and no reason to stop the others
+        if abandoned:
             receipts.append(reconcile_manifest(path, "reconciled"))
     return receipts
 

@@ -136,11 +136,10 @@ def controller_spec(reploy: ModuleType, backend: Any, plan: Any, output_dir: Pat
                     labels: dict[str, str]) -> Any:
     """The controller container as ControlledSession.prepare specifies it, less the session
     channel it has no use for: the derived image, the output directory, init."""
-    runtime = plan.controller.blueprint.runtime
+    runtime = plan.controller_blueprint.runtime
     return reploy.ContainerSpec(
         role="controller", runtime=runtime, command=plan.controller_argv,
-        image_id=reploy.ensure_controller_image(backend, plan.controller.current.image_id,
-                                                runtime),
+        image_id=reploy.ensure_controller_image(backend, plan.controller.current.image_id),
         environment={"HOME": reploy.CONTAINER_HOME, "REPLOY_OUTPUT_DIR": reploy.OUTPUT_DIR_MOUNT},
         labels=labels, network=None, hostname="controller", init=True,
         mounts=(reploy.Mount(str(output_dir), reploy.OUTPUT_DIR_MOUNT, False),))
@@ -242,8 +241,8 @@ class Bench:
         args = reploy.build_parser().parse_args(
             ["controlled-session", "run", *self.cli_options(output_dir)])
         options = reploy.parse_run_options(args, ["run-bench", "baseline"])
-        plan = reploy.admit(options)
-        runtime = plan.controller.blueprint.runtime
+        plan = reploy.plan(options, *reploy.admit(options))
+        runtime = plan.controller_blueprint.runtime
         os.chown(output_dir, runtime.uid, runtime.gid)  # as the host does for --output-dir
         labels = {BASELINE_LABEL: plan.run_id}
         return {"workload": workload_spec(reploy, plan.workload, labels).create_kwargs(api),
@@ -331,8 +330,8 @@ def uncached_ready_ms(bench: Bench) -> list[float]:
     controller = bench.reploy.load_deployment(bench.controller_dir)
     samples = []
     for _ in range(UNCACHED_RUNS):
-        reference = bench.reploy.ensure_controller_image(
-            bench.backend, controller.current.image_id, controller.blueprint.runtime)
+        reference = bench.reploy.ensure_controller_image(bench.backend,
+                                                         controller.current.image_id)
         bench.backend.remove_image(reference)
         samples.append(bench.session("session").ready_ms)
     return samples

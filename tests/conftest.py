@@ -64,6 +64,8 @@ def labelled(client: Any) -> dict[str, tuple[str, dict[str, str]]]:
 
 
 def ours(labels: dict[str, str], basetemp: Path) -> bool:
+    """Labelled with a directory of this run (a controlled session's workload dir under the
+    base temp dir, a managed session's state dir made by this run's serves), or with neither."""
     state_dir = labels.get(LABEL_STATE_DIR)
     if state_dir is not None:  # a managed session: ours if one of this run's serves made it
         return state_dir.startswith(str(Path(tempfile.gettempdir()) / SERVE_STATE_DIR_PREFIX))

@@ -28,6 +28,7 @@ from reploy_session_client import (
     Terminated, Terminating, WorkloadExit, WorkloadOutputsFinalized, chunks, decode_message,
 )
 from test_attach import CLIENT, AttachProcess
+from test_broker_rules import TERMINATED as STARTUP_FAILURE_TERMINATED
 from test_framing import WAIT_S, FramePeer
 
 OPENED = Opened(operations=("input", "resize", "terminate", "complete"), endpoints=(),
@@ -240,7 +241,7 @@ def test_full_session_through_the_real_attach(harness: BrokerHarness) -> None:
 
     attach = harness.attach_process(path)
     harness.send_events(OPENED, Ready(),
-                        Diagnostic(code="future_code", message="café 端末 \u001b[0m \"q\""))
+                        Diagnostic(code="future_code", message="café 端末 \"q\" \\"))
 
     # Output in order, including more than one window's worth: it needs credit round trips.
     small = b"$ ls\r\n\x1b[1mbold\x1b[0m\r\n"
@@ -273,16 +274,27 @@ def test_full_session_through_the_real_attach(harness: BrokerHarness) -> None:
 
 def test_startup_failure_is_acknowledged_without_complete(harness: BrokerHarness) -> None:
     harness.attach_raw(harness.broker_ready())
-    failed = SessionResult(
-        cause=Cause.STARTUP_FAILURE, workload_status=None,
-        workload_output_finalization_status=None, runtime_observation_status=None,
-        controller_finalization_status=None, cleanup_status=Status.of("cleanup", "succeeded"),
-        recovery_action=RecoveryAction.NONE)
-    harness.send_events(OPENED, Terminated(result=failed))
+    harness.send_events(OPENED, STARTUP_FAILURE_TERMINATED)
     harness.write(AcknowledgeTerminated().encode())
     harness.expect_request(AcknowledgeTerminated())
     harness.host.close()
     assert harness.finish() == 0
+
+
+def test_no_clean_exit_when_the_acknowledgement_cannot_reach_the_host(
+        harness: BrokerHarness) -> None:
+    """The host stops reading before the acknowledgement is written: sending it fails, and
+    that is not a clean end (exit 0 needs the acknowledgement written, then a clean close)."""
+    harness.up_to_ready()
+    harness.send_events(*TO_FINALIZED)
+    harness.write(Complete().encode())
+    harness.expect_request(Complete())
+    harness.send_events(Terminated(result=FINAL_RESULT))
+    harness.host.sock.shutdown(socket.SHUT_RD)  # no end of file for the broker: a write fails
+    harness.write(AcknowledgeTerminated().encode())
+    event = harness.next_event()
+    assert isinstance(event, ClientError) and event.code == "host_channel_lost", event
+    assert harness.finish() == 1
 
 
 def test_stdin_may_close_after_the_acknowledgement(harness: BrokerHarness) -> None:

@@ -35,8 +35,12 @@ DRAINED = WorkloadOutputsFinalized(status="drained")
 FAILED = WorkloadOutputsFinalized(status="failed", reason="drain expired")
 TERMINATING = {cause: Terminating(cause=cause) for cause in Cause}
 TERMINATED = Terminated(result=SessionResult(
-    cause=Cause.STARTUP_FAILURE, workload_status=None, workload_output_finalization_status=None,
-    runtime_observation_status=None, controller_finalization_status=None,
+    cause=Cause.STARTUP_FAILURE,
+    workload_status=Status.of("process", "unavailable", reason="the workload never started"),
+    workload_output_finalization_status=Status.of("output_finalization", "drained"),
+    runtime_observation_status=Status.of("runtime_observation", "maintained"),
+    controller_finalization_status=Status.of("controller_finalization", "startup-failed",
+                                             reason="no attachment"),
     cleanup_status=Status.of("cleanup", "succeeded"), recovery_action=RecoveryAction.NONE))
 
 RESIZE, TERMINATE, COMPLETE, ACK = (Resize(columns=100, rows=30), Terminate(), Complete(),
@@ -79,14 +83,12 @@ ALLOWED_ORDERS = {
         *UP_TO_READY, WORKLOAD_EXIT, TERMINATING[Cause.WORKLOAD_EXIT], DRAINED, TERMINATED],
     "controller terminate, exit after terminating": [
         *UP_TO_READY, TERMINATING[Cause.CONTROLLER_TERMINATE], WORKLOAD_EXIT, FAILED, TERMINATED],
-    "exit after outputs finalized": [
-        *UP_TO_READY, TERMINATING[Cause.HOST_CANCEL], DRAINED, WORKLOAD_EXIT, TERMINATED],
     "no workload exit at all": [
         *UP_TO_READY, TERMINATING[Cause.RUNTIME_OBSERVATION_LOST], FAILED, TERMINATED],
     "startup failure: terminated right after opened": STARTUP_FAILED,
-    "diagnostics anywhere between broker-ready and terminated": [
+    "diagnostics anywhere between broker-ready and outputs-finalized": [
         BROKER_READY, DIAGNOSTIC, OPENED, DIAGNOSTIC, READY, DIAGNOSTIC,
-        TERMINATING[Cause.CONTROLLER_LOST], DIAGNOSTIC, DRAINED, DIAGNOSTIC, TERMINATED],
+        TERMINATING[Cause.CONTROLLER_LOST], DIAGNOSTIC, DRAINED, TERMINATED],
     "client-error anywhere, even after terminated": [
         BROKER_READY, CLIENT_ERROR, OPENED, CLIENT_ERROR, READY, CLIENT_ERROR, CLIENT_ERROR],
     "client-error after terminated": [*UP_TO_TERMINATED, CLIENT_ERROR],
@@ -124,6 +126,8 @@ REFUSED_ORDERS = {
     "outputs-finalized twice": (UP_TO_FINALIZED, FAILED),
     "terminated twice": (UP_TO_TERMINATED, TERMINATED),
     "diagnostic after terminated": (UP_TO_TERMINATED, DIAGNOSTIC),
+    "diagnostic after outputs-finalized": (UP_TO_FINALIZED, DIAGNOSTIC),
+    "workload-exit after outputs-finalized": (UP_TO_FINALIZED, WORKLOAD_EXIT),
     "workload-exit after terminated": (UP_TO_TERMINATED, WORKLOAD_EXIT),
     "ready after a startup failure": (STARTUP_FAILED, READY),
     "outputs-finalized after a startup failure": (STARTUP_FAILED, DRAINED),
@@ -227,10 +231,13 @@ class SeedModel:
         kind = event.TYPE
         if kind == "client-error":  # reports a fatal failure whenever it happens
             return self
+        # Issue 10: every workload fact comes before workload-outputs-finalized; after it (the
+        # controller sends complete) the next event is terminated.
         if kind == "diagnostic":
-            return self if self.phase not in ("start", "terminated") else None
+            return self if self.phase not in ("start", "finalized", "terminated") else None
         if kind == "workload-exit":
-            allowed = self.became_ready and self.phase != "terminated" and not self.workload_exited
+            allowed = (self.became_ready and self.phase not in ("finalized", "terminated")
+                       and not self.workload_exited)
             return replace(self, workload_exited=True) if allowed else None
         if kind == "terminating":
             # "If workload exit causes termination, workload-exit precedes terminating; for

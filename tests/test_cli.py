@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+import contract_rules
 from conftest import ROOT, run_reploy
+
+SHARED = Path("/work/shared/conformance/reploy-v1")
 
 CONTROLLER = ROOT / "examples/controller/controller.blueprint.yaml"
 WORKLOAD = ROOT / "examples/workload/workload.blueprint.yaml"
@@ -20,13 +27,20 @@ def staged(tmp_path: Path, blueprint: Path, name: str, built: bool = True) -> Pa
     proc = run_reploy("stage", str(blueprint), "--dir", str(directory))
     assert proc.returncode == 0, proc.stderr.decode()
     if built:
-        state_file = directory / ".reploy/state.json"
-        state = json.loads(state_file.read_text())
-        state["current_generation"] = {"number": 1, "image_id": "sha256:" + "0" * 64,
-                                       "reference": "reploy/x:1", "blueprint_digest": "d",
-                                       "built_at": 0.0}
-        state_file.write_text(json.dumps(state))
+        mark_built(directory)
     return directory
+
+
+def mark_built(directory: Path) -> None:
+    """Record a made-up generation of the staged blueprint, as `reploy build` would."""
+    state_file = directory / ".reploy/state.json"
+    state = json.loads(state_file.read_text())
+    text = (directory / "blueprint.yaml").read_text()
+    state["current_generation"] = {"number": 1, "image_id": "sha256:" + "0" * 64,
+                                   "reference": "reploy/x:1",
+                                   "blueprint_digest": hashlib.sha256(text.encode()).hexdigest(),
+                                   "built_at": 0.0, "blueprint_text": text}
+    state_file.write_text(json.dumps(state))
 
 
 def run_args(controller: Path, workload: Path, *extra: str) -> list[str]:
@@ -77,6 +91,24 @@ def admission_error(proc) -> str:  # noqa: ANN001
     return result["error"]
 
 
+#: The shared golden fixture's plan-rejected line: the shape every plan rejection prints.
+GOLDEN_PLAN_REJECTED = next(
+    json.loads(line) for line in (SHARED / "run-results-v1.jsonl").read_text().splitlines()
+    if json.loads(line)["error"] == "plan rejected")
+
+
+def plan_rejection(proc, output: str = "not-requested") -> str:  # noqa: ANN001
+    """A plan rejection: the golden fixture's shape, with its own error text."""
+    assert proc.returncode == 1, proc.stderr.decode()
+    assert proc.stdout.count(b"\n") == 1
+    result = contract_rules.check_result_line(proc.stdout)
+    assert result["error"].startswith("plan rejected: ")
+    assert {**result, "error": None, "controller_output": None} == {
+        **GOLDEN_PLAN_REJECTED, "error": None, "controller_output": None}
+    assert result["controller_output"]["kind"] == output
+    return result["error"]
+
+
 def test_same_deployment_twice_is_rejected(tmp_path: Path) -> None:
     controller = staged(tmp_path, CONTROLLER, "c")
     error = admission_error(run_reploy(*run_args(controller, controller, "--", "run-controller")))
@@ -98,7 +130,7 @@ def test_unbuilt_deployment_is_rejected(tmp_path: Path) -> None:
 def test_undeclared_and_non_native_commands_are_rejected(tmp_path: Path) -> None:
     workload = staged(tmp_path, WORKLOAD, "w")
     controller = staged(tmp_path, CONTROLLER, "c")
-    error = admission_error(run_reploy(*run_args(controller, workload, "--", "rm", "-rf")))
+    error = plan_rejection(run_reploy(*run_args(controller, workload, "--", "rm", "-rf")))
     assert "'rm' is not a command declared" in error
     source = tmp_path / "nonnative"
     shutil.copytree(CONTROLLER.parent, source)
@@ -106,16 +138,25 @@ def test_undeclared_and_non_native_commands_are_rejected(tmp_path: Path) -> None
     blueprint.write_text(blueprint.read_text().replace("native_command: true",
                                                        "native_command: false"))
     nonnative = staged(tmp_path, blueprint, "n")
-    error = admission_error(run_reploy(*run_args(nonnative, workload, "--", "run-controller")))
+    error = plan_rejection(run_reploy(*run_args(nonnative, workload, "--", "run-controller")))
     assert "not declared native_command: true" in error
 
 
 def test_undeclared_endpoint_is_rejected(tmp_path: Path) -> None:
     controller = staged(tmp_path, CONTROLLER, "c")
     workload = staged(tmp_path, WORKLOAD, "w")
-    error = admission_error(run_reploy(*run_args(controller, workload, "--endpoint", "db",
-                                                 "--", "run-controller")))
+    error = plan_rejection(run_reploy(*run_args(controller, workload, "--endpoint", "db",
+                                                "--", "run-controller")))
     assert "endpoint 'db' is not declared" in error
+    # The requested output kind is reported: the directory exists and is kept as it was.
+    (tmp_path / "o").mkdir()
+    plan_rejection(run_reploy(*run_args(controller, workload, "--endpoint", "db", "--output-dir",
+                                        str(tmp_path / "o"), "--", "run-controller")),
+                   output="directory-retained")
+    plan_rejection(run_reploy(*run_args(controller, workload, "--endpoint", "db", "--output-file",
+                                        str(tmp_path / "o/f"), "--", "run-controller")),
+                   output="file-discarded")
+    assert list((tmp_path / "o").iterdir()) == []
 
 
 def test_private_env_is_rejected(tmp_path: Path) -> None:
@@ -159,9 +200,11 @@ def test_root_controller_cannot_use_outputs(tmp_path: Path) -> None:
     blueprint.write_text(blueprint.read_text().replace('"1000:1000"', '"0:0"'))
     controller = staged(tmp_path, blueprint, "c")
     workload = staged(tmp_path, WORKLOAD, "w")
-    error = admission_error(run_reploy(*run_args(
-        controller, workload, "--output-dir", str(tmp_path / "o"), "--", "run-controller")))
+    error = plan_rejection(run_reploy(*run_args(
+        controller, workload, "--output-dir", str(tmp_path / "o"), "--", "run-controller")),
+        output="failed")
     assert "non-root controller runtime" in error
+    assert not (tmp_path / "o").exists()
 
 
 BLUEPRINT_ERRORS = [
@@ -213,3 +256,150 @@ def test_restaging_keeps_the_deployment_id_and_refuses_foreign_dirs(tmp_path: Pa
     proc = run_reploy("stage", str(WORKLOAD), "--dir", str(other))
     assert proc.returncode == 1 and "not a staging deployment" in json.loads(proc.stdout)["error"]
     assert (other / "precious.txt").read_text() == "keep me"
+
+
+# ---------------------------------------------------------------------------------------------
+# After valid parsing, exactly one JSON object on stdout, whatever happens
+# ---------------------------------------------------------------------------------------------
+
+
+def one_result(proc) -> dict:  # noqa: ANN001
+    assert proc.returncode == 1, proc.stderr.decode()
+    assert b"Traceback" not in proc.stderr, proc.stderr.decode()
+    assert proc.stdout.count(b"\n") == 1 and proc.stdout.endswith(b"\n")
+    return contract_rules.check_result_line(proc.stdout)
+
+
+@pytest.mark.parametrize("corrupt,message", [
+    (lambda state: [state], "must be a JSON object"),
+    (lambda state: {k: v for k, v in state.items() if k != "deployment_id"},
+     "missing key(s) deployment_id"),
+    (lambda state: {**state, "surprise": 1}, "unknown key(s) surprise"),
+    (lambda state: {**state, "deployment_id": 7}, "deployment_id has the wrong type"),
+    (lambda state: {**state, "deployment_id": "../x"}, "not 32 hex digits"),
+    (lambda state: {**state, "current_generation": {**state["current_generation"], "x": 1}},
+     "current_generation: unknown key(s) x"),
+    (lambda state: {**state, "current_generation": {"number": 1}}, "missing key(s)"),
+    (lambda state: {**state, "current_generation": []}, "current_generation has the wrong type"),
+    (lambda state: {**state, "current_generation": {**state["current_generation"],
+                                                     "number": True}}, "number has the wrong"),
+])
+def test_corrupt_state_is_one_clear_result(tmp_path: Path, corrupt, message: str) -> None:  # noqa: ANN001
+    controller = staged(tmp_path, CONTROLLER, "c")
+    workload = staged(tmp_path, WORKLOAD, "w")
+    state_file = workload / ".reploy/state.json"
+    state_file.write_text(json.dumps(corrupt(json.loads(state_file.read_text()))))
+    result = one_result(run_reploy(*run_args(controller, workload, "--", "run-controller")))
+    assert result["error"].startswith("admission rejected: ") and message in result["error"]
+    assert str(state_file) in result["error"]
+
+
+@pytest.mark.parametrize("content", [b"", b"{", b"\xff\xfe", b"null", b'"text"'])
+def test_unreadable_state_is_one_clear_result(tmp_path: Path, content: bytes) -> None:
+    controller = staged(tmp_path, CONTROLLER, "c")
+    workload = staged(tmp_path, WORKLOAD, "w")
+    (workload / ".reploy/state.json").write_bytes(content)
+    result = one_result(run_reploy(*run_args(controller, workload, "--", "run-controller")))
+    assert result["error"].startswith("admission rejected: ")
+
+
+def test_non_utf8_directory_is_one_clear_result(tmp_path: Path) -> None:
+    controller = staged(tmp_path, CONTROLLER, "c")
+    odd = os.fsencode(tmp_path) + b"/w-\xff"
+    proc = subprocess.run([sys.executable, str(ROOT / "reploy.py"), "controlled-session", "run",
+                           "--controller-dir", str(controller), "--workload-dir", odd,
+                           "--", "run-controller"], capture_output=True, timeout=60)
+    result = one_result(proc)
+    assert result["error"] == (f"admission rejected: --workload-dir: {tmp_path}/w-\\xff "
+                               "is not a UTF-8 path")
+
+
+def test_staging_into_a_non_utf8_directory_prints_json(tmp_path: Path) -> None:
+    odd = os.fsencode(tmp_path) + b"/s-\xff"
+    proc = subprocess.run([sys.executable, str(ROOT / "reploy.py"), "stage", str(WORKLOAD),
+                           "--dir", odd], capture_output=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.count(b"\n") == 1, proc.stderr.decode()
+    assert json.loads(proc.stdout)["dir"] == f"{tmp_path}/s-\\xff"
+
+
+@pytest.mark.parametrize("duration", ["9" * 400 + "s", "1s\n", "\u0661s", "1.0001s", "1.5ms",
+                                      "1e3s", ".5s", "1.s", " 1s", "1 s", "-1s", "+1s"])
+def test_bad_durations_are_usage_errors(tmp_path: Path, duration: str) -> None:
+    proc = run_reploy(*run_args(tmp_path / "c", tmp_path / "w", "--cleanup-timeout", duration,
+                                "--", "x"))
+    assert proc.returncode == 2 and proc.stdout == b""
+    assert "--cleanup-timeout" in proc.stderr.decode() and b"Traceback" not in proc.stderr
+
+
+def test_exact_decimal_durations_are_accepted(tmp_path: Path) -> None:
+    """1.001s is exactly 1001 ms (a float would make it 1000.9999...); it parses, so the run
+    goes on to admission (which fails here, nothing being staged)."""
+    proc = run_reploy(*run_args(tmp_path / "c", tmp_path / "w", "--cleanup-timeout", "1.001s",
+                                "--termination-grace", "0.1s", "--", "x"))
+    assert json.loads(proc.stdout)["error"].startswith("admission rejected")
+
+
+# ---------------------------------------------------------------------------------------------
+# Authority comes from the built generation
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("role, declared, argv, message", [
+    ("w", "web: {scheme: http, port: 8080}\n          admin: {scheme: http, port: 9090}",
+     ["--endpoint", "admin", "--", "run-controller"], "endpoint 'admin' is not declared"),
+    ("c", "trigger: [run-controller]\n    sneak:\n      executable: controller.main\n"
+     "      native_command: true\n      trigger: [sneak]",
+     ["--", "sneak"], "'sneak' is not a command declared"),
+], ids=["endpoint", "command"])
+def test_a_declaration_added_without_a_rebuild_grants_nothing(
+        tmp_path: Path, role: str, declared: str, argv: list[str], message: str) -> None:
+    """Staged blueprint.yaml edits count only after `reploy build`: authority comes from the
+    blueprint recorded with the current generation."""
+    directories = {"c": staged(tmp_path, CONTROLLER, "c"), "w": staged(tmp_path, WORKLOAD, "w")}
+    blueprint = directories[role] / "blueprint.yaml"
+    anchor = declared.split("\n")[0]
+    assert anchor in blueprint.read_text()
+    blueprint.write_text(blueprint.read_text().replace(anchor, declared))
+    error = plan_rejection(run_reploy(*run_args(directories["c"], directories["w"], *argv)))
+    assert message in error
+
+
+def test_an_older_generation_without_its_blueprint(tmp_path: Path) -> None:
+    """State from before blueprints were recorded: used while the staged blueprint is the one
+    it was built from (same digest), refused clearly once it differs."""
+    controller = staged(tmp_path, CONTROLLER, "c")
+    workload = staged(tmp_path, WORKLOAD, "w")
+    state_file = workload / ".reploy/state.json"
+    state = json.loads(state_file.read_text())
+    del state["current_generation"]["blueprint_text"]
+    state_file.write_text(json.dumps(state))
+    error = plan_rejection(run_reploy(*run_args(controller, workload, "--endpoint", "admin",
+                                                "--", "run-controller")))
+    assert "endpoint 'admin' is not declared" in error  # planned from the unchanged blueprint
+    blueprint = workload / "blueprint.yaml"
+    blueprint.write_text(blueprint.read_text() + "\n")
+    error = plan_rejection(run_reploy(*run_args(controller, workload, "--", "run-controller")))
+    assert "older reploy" in error and "run reploy build" in error
+
+
+def test_the_recorded_blueprint_must_match_its_digest(tmp_path: Path) -> None:
+    controller = staged(tmp_path, CONTROLLER, "c")
+    workload = staged(tmp_path, WORKLOAD, "w")
+    state_file = workload / ".reploy/state.json"
+    state = json.loads(state_file.read_text())
+    state["current_generation"]["blueprint_text"] += "# edited\n"
+    state_file.write_text(json.dumps(state))
+    error = plan_rejection(run_reploy(*run_args(controller, workload, "--", "run-controller")))
+    assert "does not match its digest" in error
+
+
+def test_a_repeated_endpoint_is_one_grant(tmp_path: Path) -> None:
+    import reploy
+
+    controller = staged(tmp_path, CONTROLLER, "c")
+    workload = staged(tmp_path, WORKLOAD, "w")
+    options = reploy.parse_run_options(reploy.build_parser().parse_args(
+        run_args(controller, workload, "--endpoint", "web", "--endpoint", "web")),
+        ["run-controller"])
+    planned = reploy.plan(options, *reploy.admit(options))
+    assert [endpoint.id for endpoint in planned.endpoints] == ["web"]

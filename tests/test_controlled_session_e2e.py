@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from conftest import run_reploy
+import contract_rules
+from conftest import ROOT, run_reploy
 
 pytestmark = pytest.mark.docker
 
@@ -95,3 +98,16 @@ def test_controller_terminate_with_workload_running(docker_engine: Any,
     assert session["workload_output_finalization_status"] == {"kind": "drained"}
     assert result["ok"] is True and code == 0
     assert_session_dirs_gone(deployments)
+
+
+def test_make_demo_prints_only_the_result(docker_engine: Any, tmp_path: Path) -> None:
+    """The README's `make demo`: human text on stderr, one JSON result on stdout, so it can be
+    piped into a JSON tool."""
+    proc = subprocess.run(["make", "demo", f"DEMO_DIR={tmp_path / 'demo'}",
+                           f"PYTHON={sys.executable}"], cwd=ROOT, capture_output=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr.decode()[-3000:]
+    assert proc.stdout.count(b"\n") == 1, proc.stdout[:500]
+    result = contract_rules.check_result_line(proc.stdout)
+    assert result["ok"] is True
+    assert b"reploy.py controlled-session run" not in proc.stdout  # no recipe lines

@@ -193,6 +193,7 @@ def test_host_signal_cancels_cleanly(docker_engine: Any, deployments: dict[str, 
     assert result["ok"] is False
     assert result["session_result"]["cause"] == "host-cancel"
     assert result["result_delivered"] is True and result["result_acknowledged"] is True
+    assert result["error"] == f"cancelled by {signal.Signals(signum).name}"
     events = [e["type"] for e in run.report()["events"]]
     assert events[3:] == ["terminating", "workload-exit", "workload-outputs-finalized",
                           "terminated"]
@@ -207,7 +208,7 @@ def test_controller_lost(docker_engine: Any, deployments: dict[str, Path], tmp_p
     session = result["session_result"]
     assert code == 1 and result["ok"] is False
     assert session["cause"] == "controller-lost"
-    assert session["controller_finalization_status"]["kind"] == "not-completed"
+    assert session["controller_finalization_status"]["kind"] == "lost"
     assert result["result_delivered"] is False
     if scenario == "die":
         assert result["controller_status"] == {"kind": "exited", "code": 3}
@@ -243,7 +244,7 @@ def test_runtime_observation_lost(docker_engine: Any, deployments: dict[str, Pat
     session = result["session_result"]
     assert code == 1 and session["cause"] == "runtime-observation-lost"
     assert session["runtime_observation_status"]["kind"] == "lost"
-    assert session["workload_status"]["kind"] == "not-observed"
+    assert session["workload_status"]["kind"] == "unavailable"
     assert result["result_acknowledged"] is True  # the controller still got its result
     assert_nothing_left(docker_engine, deployments, manifest.run_id)
 
@@ -253,7 +254,8 @@ def test_startup_failure_when_the_attachment_never_comes(docker_engine: Any,
                                                          tmp_path: Path) -> None:
     code, result, report = run_to_end(deployments, tmp_path / "out", "no-attach")
     assert code == 1 and result["session_result"]["cause"] == "startup-failure"
-    assert result["session_result"]["workload_status"] is None  # it never started
+    assert result["session_result"]["workload_status"] == {  # it never started
+        "kind": "unavailable", "reason": "the workload never started"}
     assert "no terminal attachment connected" in result["error"]
     assert [e["type"] for e in report["events"]] == ["broker-ready", "opened", "client-error"]
     assert report["events"][-1]["code"] == "attach_timeout"
@@ -365,8 +367,8 @@ def test_cleanup_failure_is_a_fact_and_can_be_reconciled(docker_engine: Any,
     assert code == 1 and result["ok"] is False
     assert result["session_result"]["cause"] == "workload-exit"
     assert result["delivery_tail_cleanup_status"]["kind"] == "failed"
-    assert "pinned" in result["delivery_tail_cleanup_status"]["reason"]
-    assert result["delivery_tail_recovery_action"] == "reconcile-by-label"
+    assert "pinned" in result["delivery_tail_cleanup_status"]["message"]
+    assert result["delivery_tail_recovery_action"] == "reconcile-next-operation"
     proc = run_reploy("controlled-session", "cleanup", "--workload-dir",
                       str(deployments["workload"]))
     [receipt] = json.loads(proc.stdout)["receipts"]

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
 from typing import Any
 
+import docker.errors
 import pytest
 
 import reploy
-from conftest import ROOT, run_reploy, stage_and_build
+from conftest import LABEL_RUN, ROOT, run_reploy, stage_and_build
 
 pytestmark = pytest.mark.docker
 
@@ -23,7 +25,12 @@ def test_builds_record_generations_atomically(docker_engine: Any, tmp_path: Path
     assert first["generation"]["number"] == 1 and second["generation"]["number"] == 2
     assert first["deployment_id"] == second["deployment_id"]
     state = json.loads((tmp_path / "w/.reploy/state.json").read_text())
+    recorded = state["current_generation"].pop("blueprint_text")
     assert state["current_generation"] == second["generation"]
+    # The generation keeps the exact blueprint it was built from: a session's authority.
+    assert recorded == (tmp_path / "w/blueprint.yaml").read_text()
+    assert hashlib.sha256(recorded.encode()).hexdigest() == second["generation"][
+        "blueprint_digest"]
     assert [p.name for p in (tmp_path / "w/.reploy").iterdir()] == ["state.json"]  # no temp files
     image = docker_engine.images.get(second["generation"]["image_id"])
     assert image.labels[reploy.LABEL_DEPLOYMENT] == second["deployment_id"]
@@ -44,8 +51,8 @@ def test_derived_controller_image_is_cached_and_adds_one_layer(docker_engine: An
     backend = reploy.DockerBackend()
     controller = reploy.load_deployment(deployments["controller"])
     base_id = controller.current.image_id
-    first = reploy.ensure_controller_image(backend, base_id, controller.blueprint.runtime)
-    second = reploy.ensure_controller_image(backend, base_id, controller.blueprint.runtime)
+    first = reploy.ensure_controller_image(backend, base_id)
+    second = reploy.ensure_controller_image(backend, base_id)
     assert first == second
     derived = docker_engine.images.get(first)
     base = docker_engine.images.get(base_id)
@@ -64,10 +71,28 @@ def test_controller_without_python_is_refused_clearly(docker_engine: Any,
                       "--workload-dir", str(deployments["workload"]), "--", "run-controller")
     result = json.loads(proc.stdout)
     assert proc.returncode == 1 and result["ok"] is False
+    assert result["error"].startswith("plan rejected: ")  # nothing of the session ran
     assert "must provide python3" in result["error"]
-    assert result["session_result"]["cause"] == "startup-failure"
+    assert result["session_result"] is None
     assert not any(t.startswith("reploy/controller-derived") for image in
                    docker_engine.images.list() for t in image.tags
                    if image.labels.get(reploy.LABEL_DERIVED_BASE) ==
                    json.loads((tmp_path / "c/.reploy/state.json").read_text())[
                        "current_generation"]["image_id"])
+
+
+def test_killing_a_container_that_is_not_running_is_not_an_error(docker_engine: Any) -> None:
+    """The termination grace's SIGKILL can reach a workload that just exited on its own: the
+    Engine answers 409 (not running), which is what the kill wanted, so nobody is told of a
+    failure (the `could not kill the workload: 409` note)."""
+    container_id = docker_engine.api.create_container(
+        "reploy-base/busybox:1", command=["true"], labels={LABEL_RUN: "i10-kill-check"})["Id"]
+    try:
+        with pytest.raises(docker.errors.APIError) as refused:
+            docker_engine.api.kill(container_id, signal="SIGKILL")
+        assert refused.value.status_code == 409  # what the Engine says to a plain kill
+        reploy.kill_if_running(docker_engine.api, container_id, "SIGKILL")  # quiet
+        reploy.remove_container_quietly(docker_engine.api, container_id)
+        reploy.kill_if_running(docker_engine.api, container_id, "SIGKILL")  # gone: quiet too
+    finally:
+        reploy.remove_container_quietly(docker_engine.api, container_id)

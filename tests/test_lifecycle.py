@@ -74,15 +74,29 @@ def test_bad_durations(text: str) -> None:
         reploy.parse_duration_ms(text)
 
 
+#: What each cause implies for the other facts (the contract's by-cause rules).
+CAUSE_FACTS = {
+    Cause.CONTROLLER_LOST: {"controller_finalization_status": Status.of(
+        "controller_finalization", "lost", reason="the controller closed the channel")},
+    Cause.STARTUP_FAILURE: {"controller_finalization_status": Status.of(
+        "controller_finalization", "startup-failed", reason="no attachment")},
+    Cause.RUNTIME_OBSERVATION_LOST: {
+        "runtime_observation_status": Status.of("runtime_observation", "lost", reason="gone"),
+        "workload_output_finalization_status": Status.of("output_finalization", "failed",
+                                                         reason="no end of file")},
+}
+
+
 def clean_session(cause: Cause = Cause.WORKLOAD_EXIT, code: int = 0) -> SessionResult:
-    return SessionResult(
-        cause=cause,
+    facts = dict(
         workload_status=Status.of("process", "exited", code=code),
         workload_output_finalization_status=Status.of("output_finalization", "drained"),
         runtime_observation_status=Status.of("runtime_observation", "maintained"),
         controller_finalization_status=Status.of("controller_finalization", "completed"),
         cleanup_status=Status.of("cleanup", "succeeded"),
         recovery_action=RecoveryAction.NONE)
+    facts.update(CAUSE_FACTS.get(cause, {}))
+    return SessionResult(cause=cause, **facts)
 
 
 def clean_result(**changes: object) -> reploy.RunResult:
@@ -106,8 +120,8 @@ def test_ok_needs_every_phase() -> None:
         "result_delivered": False,
         "result_acknowledged": False,
         "controller_output": Status.of("controller_output", "file-discarded", reason="x"),
-        "delivery_tail_cleanup_status": Status.of("cleanup", "failed", reason="x"),
-        "delivery_tail_recovery_action": RecoveryAction.RECONCILE,
+        "delivery_tail_cleanup_status": Status.of("cleanup", "failed", message="x"),
+        "delivery_tail_recovery_action": RecoveryAction.RETRY_CLEANUP,
     }
     for name, value in failing.items():
         assert not clean_result(**{name: value}).ok, name
@@ -122,3 +136,18 @@ def test_result_always_has_ten_keys_in_order() -> None:
     assert empty["ok"] is False and all(
         empty[k] is None for k in reploy.RESULT_KEYS if k not in ("schema", "ok", "error"))
     assert tuple(clean_result().to_json()) == reploy.RESULT_KEYS
+
+
+def test_the_workload_pty_size_is_asked_for_at_creation() -> None:
+    """HostConfig.ConsoleSize is [rows, columns]; Docker 20.10 stores it but does not apply it
+    to a Linux container (the host resizes right after start as well)."""
+    import docker
+
+    api = docker.APIClient(base_url="unix:///nonexistent.sock", version="1.41")  # no calls made
+    spec = reploy.ContainerSpec(
+        role="workload", image_id="sha256:" + "0" * 64, command=("/bin/sh",),
+        runtime=reploy.Runtime(uid=1000, gid=1000, writable_paths=(), memory_mib=64, pids=64),
+        environment={}, labels={}, network=None, tty=True, console_size=(123, 45))
+    assert spec.create_kwargs(api)["host_config"]["ConsoleSize"] == [45, 123]
+    plain = reploy.ContainerSpec(**{**spec.__dict__, "console_size": None})
+    assert "ConsoleSize" not in plain.create_kwargs(api)["host_config"]

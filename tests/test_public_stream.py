@@ -69,10 +69,11 @@ def test_own_events_cover_every_cause_and_process_status_kind() -> None:
     causes = {e["cause"] for e in own if e["type"] == "terminating"}
     assert causes == {cause.value for cause in wire.Cause}
     kinds = {e["status"]["kind"] for e in own if e["type"] == "workload-exit"}
-    assert kinds == set(wire.STATUS_FAMILIES["process"])
+    assert kinds == set(wire.STATUS_FAMILIES["process"]) - {"unknown"}  # never announced
     startup = [e["result"] for e in own
                if e["type"] == "terminated" and e["result"]["cause"] == "startup-failure"]
-    assert startup and startup[0]["workload_output_finalization_status"] is None
+    assert startup and startup[0]["workload_status"]["kind"] == "unavailable"
+    assert startup[0]["controller_finalization_status"]["kind"] == "startup-failed"
 
 
 @pytest.mark.parametrize("line, direction", valid_cases())
@@ -133,21 +134,35 @@ def test_a_line_of_exactly_one_mebibyte_is_accepted() -> None:
 
 
 def test_an_event_that_would_exceed_one_mebibyte_cannot_be_encoded() -> None:
-    overhead = len(wire.Diagnostic(code="c", message="").encode())
-    fits = wire.Diagnostic(code="c", message="x" * (wire.MAX_LINE_BYTES - overhead))
+    overhead = len(wire.BrokerReady(terminal_socket="").encode())
+    fits = wire.BrokerReady(terminal_socket="x" * (wire.MAX_LINE_BYTES - overhead))
     assert len(fits.encode()) == wire.MAX_LINE_BYTES
     with pytest.raises(ProtocolError) as info:
-        wire.Diagnostic(code="c", message="x" * (wire.MAX_LINE_BYTES - overhead + 1)).encode()
+        wire.BrokerReady(terminal_socket="x" * (wire.MAX_LINE_BYTES - overhead + 1)).encode()
     assert info.value.code == "line_too_long"
 
 
 S = '{"schema":"reploy-controlled-session-client-v1",'
+GOOD_RESULT = {"cause": "workload-exit", "workload_status": {"kind": "exited", "code": 0},
+               "workload_output_finalization_status": {"kind": "drained"},
+               "runtime_observation_status": {"kind": "maintained"},
+               "controller_finalization_status": {"kind": "completed"},
+               "cleanup_status": {"kind": "succeeded"}, "recovery_action": "none"}
 
 
 @pytest.mark.parametrize("line", [
     S + '"type":"workload-exit","status":{"kind":[]}}',
     S + '"type":"workload-exit","status":{"kind":"exited","code":1.5}}',
-    S + '"type":"workload-exit","status":{"kind":"exited","code":0,"reason":"x"}}',
+    S + '"type":"workload-exit","status":{"kind":"unknown"}}',
+    S + '"type":"workload-exit","status":{"kind":"unavailable","code":1}}',
+    S + '"type":"workload-exit","status":{"kind":"not-observed","reason":"x"}}',
+    S + '"type":"diagnostic","code":"x","message":"two\\nlines"}',
+    S + '"type":"diagnostic","code":"x","message":" padded"}',
+    S + '"type":"diagnostic","code":"x","message":"\\u200bzero width"}',
+    S + '"type":"diagnostic","code":"x","message":""}',
+    S + '"type":"diagnostic","code":"x","message":"' + "é" * 257 + '"}',
+    S + '"type":"diagnostic","code":"Not-Snake","message":"m"}',
+    S + '"type":"workload-outputs-finalized","status":"failed","reason":"tab\\tinside"}',
     S + '"type":"terminating","cause":["workload-exit"]}',
     S + '"type":"terminating","cause":"power-failure"}',
     S + '"type":"workload-outputs-finalized","status":"failed"}',
@@ -176,6 +191,20 @@ S = '{"schema":"reploy-controlled-session-client-v1",'
         '"workload_output_finalization_status":null,"runtime_observation_status":null,'
         '"controller_finalization_status":null,"cleanup_status":{"kind":"succeeded"},'
         '"recovery_action":{}}}',
+    *(S + '"type":"terminated","result":' + json.dumps(result, separators=(",", ":")) + "}"
+      for result in (
+          dict(GOOD_RESULT, cause="controller-lost"),  # finalization must be lost
+          dict(GOOD_RESULT, cause="startup-failure"),  # finalization must be startup-failed
+          dict(GOOD_RESULT, cause="runtime-observation-lost"),
+          dict(GOOD_RESULT, workload_status={"kind": "unknown"}),  # cause workload-exit
+          dict(GOOD_RESULT, cleanup_status={"kind": "failed"}, recovery_action="retry-cleanup"),
+          dict(GOOD_RESULT, cleanup_status={"kind": "failed", "message": "m"}),
+          dict(GOOD_RESULT, cleanup_status={"kind": "succeeded"},
+               recovery_action="reconcile-next-operation"),
+          dict(GOOD_RESULT, cleanup_status={"kind": "failed", "reason": "m"},
+               recovery_action="retry-cleanup"),
+          dict(GOOD_RESULT, runtime_observation_status={"kind": "maintained", "reason": "m"}),
+      )),
     S + '"type":"broker-ready","terminal_socket":' + "[" * 100_000 + "]" * 100_000 + "}",
 ], ids=lambda line: line[len(S):len(S) + 60])
 def test_malformed_event_is_a_protocol_error(line: str) -> None:
@@ -237,7 +266,9 @@ def test_run_result_fixtures_cover_every_shape() -> None:
     assert any(all(r[key] is None for key in reploy.RESULT_KEYS[3:]) for r in results)
     assert any(r["result_delivered"] is False for r in results)
     assert any(r["result_delivered"] is True and r["result_acknowledged"] is False for r in results)
-    assert any(r["delivery_tail_recovery_action"] == "reconcile-by-label" for r in results)
+    actions = {r["delivery_tail_recovery_action"] for r in results} | {
+        r["session_result"]["recovery_action"] for r in results if r["session_result"]}
+    assert actions == {action.value for action in wire.RecoveryAction} | {None}
     assert {True, False} == {r["ok"] for r in results}
 
 

@@ -339,9 +339,7 @@ def stall_output(session, report):
         if event["type"] == "workload-outputs-finalized":
             finalized = event
     session.send("complete")
-    terminated = session.next_event()
-    while terminated["type"] != "terminated":  # the exit can follow the abandoned drain
-        terminated = session.next_event()
+    terminated = session.next_event("terminated")  # every workload fact came before finalized
     session.send("acknowledge-terminated")
     os.kill(session.attach.pid, signal.SIGCONT)
     report.update(terminated=terminated, finalized=finalized,

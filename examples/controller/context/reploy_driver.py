@@ -271,9 +271,7 @@ class SessionDriver:
             self._output_cond.wait_for(lambda: self._output_closed, timeout=self.timeout_s)
         if terminated is None:
             self.send("complete")
-            terminated = self.next_event()
-            while terminated["type"] != "terminated":  # a late workload-exit may come first
-                terminated = self.next_event()
+            terminated = self.next_event("terminated")  # the seed: nothing comes in between
         self.send("acknowledge-terminated")
         assert self.client.stdin is not None
         client_exit = self.client.wait(timeout=self.timeout_s)
