@@ -128,8 +128,7 @@ def workload_spec(reploy: ModuleType, deployment: Any, labels: dict[str, str]) -
         role="workload", image_id=deployment.current.image_id, command=(reploy.WORKLOAD_SHELL,),
         runtime=deployment.blueprint.runtime,
         environment={"HOME": reploy.CONTAINER_HOME, "TERM": reploy.WORKLOAD_TERM},
-        labels=labels, network=None, network_aliases=("workload",), tty=True,
-        hostname="workload")
+        labels=labels, tty=True, hostname="workload")
 
 
 def controller_spec(reploy: ModuleType, backend: Any, plan: Any, output_dir: Path,
@@ -142,7 +141,7 @@ def controller_spec(reploy: ModuleType, backend: Any, plan: Any, output_dir: Pat
         image_id=reploy.ensure_controller_image(backend, plan.controller.current.image_id,
                                                 runtime),
         environment={"HOME": reploy.CONTAINER_HOME, "REPLOY_OUTPUT_DIR": reploy.OUTPUT_DIR_MOUNT},
-        labels=labels, network=None, hostname="controller", init=True,
+        labels=labels, hostname="controller", init=True,
         mounts=(reploy.Mount(str(output_dir), reploy.OUTPUT_DIR_MOUNT, False),))
 
 
