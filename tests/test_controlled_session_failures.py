@@ -199,11 +199,12 @@ def test_cleanup_reconciles_when_host_and_watchdog_both_die(
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("signum,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+@pytest.mark.parametrize("signum,code,grant", [(signal.SIGINT, 130, ()), (signal.SIGTERM, 143, ()),
+                                              (signal.SIGTERM, 143, GRANT)])
 def test_host_signal_cancels_cleanly(docker_engine: Any, deployments: dict[str, Path],
                                      tmp_path: Path, host_runs: list[HostRun],
-                                     signum: int, code: int) -> None:
-    run = start(host_runs, deployments, tmp_path / "out", "hold")
+                                     signum: int, code: int, grant: tuple[str, ...]) -> None:
+    run = start(host_runs, deployments, tmp_path / "out", "hold", *grant)
     run.wait_moment("active")
     run_id = run.manifest().run_id
     run.proc.send_signal(signum)
@@ -218,11 +219,11 @@ def test_host_signal_cancels_cleanly(docker_engine: Any, deployments: dict[str, 
     assert_nothing_left(docker_engine, deployments, run_id)
 
 
-@pytest.mark.parametrize("scenario", ["die", "close-stream"])
+@pytest.mark.parametrize("scenario,grant", [("die", ()), ("close-stream", ()), ("die", GRANT)])
 def test_controller_lost(docker_engine: Any, deployments: dict[str, Path], tmp_path: Path,
-                         scenario: str) -> None:
+                         scenario: str, grant: tuple[str, ...]) -> None:
     code, result, report = run_to_end(deployments, tmp_path / "out", scenario,
-                                      "--termination-grace", "100ms")
+                                      "--termination-grace", "100ms", *grant)
     session = result["session_result"]
     assert code == 1 and result["ok"] is False
     assert session["cause"] == "controller-lost"
@@ -267,10 +268,12 @@ def test_runtime_observation_lost(docker_engine: Any, deployments: dict[str, Pat
     assert_nothing_left(docker_engine, deployments, manifest.run_id)
 
 
+@pytest.mark.parametrize("grant", [(), GRANT])
 def test_startup_failure_when_the_attachment_never_comes(docker_engine: Any,
                                                          deployments: dict[str, Path],
-                                                         tmp_path: Path) -> None:
-    code, result, report = run_to_end(deployments, tmp_path / "out", "no-attach")
+                                                         tmp_path: Path,
+                                                         grant: tuple[str, ...]) -> None:
+    code, result, report = run_to_end(deployments, tmp_path / "out", "no-attach", *grant)
     assert code == 1 and result["session_result"]["cause"] == "startup-failure"
     assert result["session_result"]["workload_status"] is None  # it never started
     assert "no terminal attachment connected" in result["error"]
