@@ -99,10 +99,11 @@ CHANNEL_BULK_HIGH_WATER_BYTES = 4 * wire.TERMINAL_CHUNK_BYTES
 #: holding nothing but `lo`.
 NETWORK_NONE = "none"
 #: A granted session's network namespace (only `lo`) is owned by a holder container that runs
-#: nothing but a pause, as nobody, in the derived controller image (which has python3); the
-#: workload and the controller join it, and the controller reaches the workload's ports at
-#: host `workload` (127.0.0.1) over the shared loopback.
-HOLDER_COMMAND = ("python3", "-S", "-c", "import signal; signal.pause()")
+#: nothing but a pause, as nobody, in the derived controller image (which has python3; the
+#: pause is its entrypoint, so none of the image's runs); the workload and the controller join
+#: it, and the controller reaches the workload's ports at host `workload` (127.0.0.1) over the
+#: shared loopback.
+HOLDER_ENTRYPOINT = ("python3", "-S", "-c", "import signal; signal.pause()")
 HOLDER_UID_GID = 65534
 HOLDER_MEMORY_MIB = 32
 HOLDER_PIDS = 4
@@ -583,6 +584,8 @@ class ContainerSpec:
     #: Engine then refuses a hostname or extra hosts of the joining container's own).
     network_mode: str = NETWORK_NONE
     extra_hosts: tuple[tuple[str, str], ...] = ()  # (name, address) in /etc/hosts
+    #: Replaces the image's ENTRYPOINT (and with it its CMD) when set.
+    entrypoint: tuple[str, ...] = ()
     mounts: tuple[Mount, ...] = ()
     tty: bool = False
     hostname: Optional[str] = None
@@ -615,6 +618,7 @@ class ContainerSpec:
         return dict(
             image=self.image_id,
             command=list(self.command),
+            entrypoint=list(self.entrypoint) or None,
             user=self.runtime.user,
             environment=dict(self.environment),
             labels=dict(self.labels),
@@ -1253,7 +1257,8 @@ class ControlledSession:
         network_mode = NETWORK_NONE
         if plan.endpoints:
             holder_id = self.acquire_container(ContainerSpec(
-                role="holder", image_id=controller_image, command=HOLDER_COMMAND,
+                role="holder", image_id=controller_image, command=(),
+                entrypoint=HOLDER_ENTRYPOINT,
                 runtime=Runtime(HOLDER_UID_GID, HOLDER_UID_GID, (), HOLDER_MEMORY_MIB,
                                 HOLDER_PIDS),
                 environment={}, labels=self.labels("holder"),

@@ -561,6 +561,9 @@ def test_granted_session_is_one_loopback_namespace(docker_engine: Any,
     assert holder["HostConfig"]["NetworkMode"] == "none"
     assert holder["HostConfig"]["ExtraHosts"] == ["workload:127.0.0.1"]
     assert holder["Mounts"] == [] and holder["Config"]["Tty"] is False
+    assert holder["Config"]["Entrypoint"] == ["python3", "-S", "-c",
+                                              "import signal; signal.pause()"]
+    assert not holder["Config"]["Cmd"] and holder["Config"]["User"] == "65534:65534"
     for role in ("controller", "workload"):
         info = assert_sandboxed(docker_engine, containers[role])
         assert info["HostConfig"]["NetworkMode"] == f"container:{containers['holder']}", role
