@@ -111,6 +111,20 @@ CHANNEL_CLOSE_S = 2.0
 CALL_TAG = "call:"
 #: Output frames queued toward the controller before we stop reading the PTY.
 CHANNEL_BULK_HIGH_WATER_BYTES = 4 * wire.TERMINAL_CHUNK_BYTES
+#: A session without endpoint grants: each container has a network namespace of its own
+#: holding nothing but `lo`.
+NETWORK_NONE = "none"
+#: A granted session's network namespace (only `lo`) is owned by a holder container that runs
+#: nothing but a pause, as nobody, in the derived controller image (which has python3; the
+#: pause is its entrypoint, so none of the image's runs); the workload and the controller join
+#: it, and the controller reaches the workload's ports at host `workload` (127.0.0.1) over the
+#: shared loopback.
+HOLDER_ENTRYPOINT = ("python3", "-S", "-c", "import signal; signal.pause()")
+HOLDER_UID_GID = 65534
+HOLDER_MEMORY_MIB = 32
+HOLDER_PIDS = 4
+HOLDER_HOSTNAME = "session"
+WORKLOAD_HOST = "workload"
 
 LABEL_RUN = reploy_watchdog.LABEL_RUN
 LABEL_ROLE = "io.reploy.session.role"
@@ -606,14 +620,18 @@ class Mount:
 class ContainerSpec:
     """Everything needed to create one sandboxed session container. Pure data."""
 
-    role: str  # "controller" | "workload"
+    role: str  # "controller" | "workload" | "holder"
     image_id: str
     command: tuple[str, ...]
     runtime: Runtime
     environment: dict[str, str]
     labels: dict[str, str]
-    network: Optional[str]  # None: network none
-    network_aliases: tuple[str, ...] = ()
+    #: NETWORK_NONE, or "container:<holder id>" to join a granted session's namespace (the
+    #: Engine then refuses a hostname or extra hosts of the joining container's own).
+    network_mode: str = NETWORK_NONE
+    extra_hosts: tuple[tuple[str, str], ...] = ()  # (name, address) in /etc/hosts
+    #: Replaces the image's ENTRYPOINT (and with it its CMD) when set.
+    entrypoint: tuple[str, ...] = ()
     mounts: tuple[Mount, ...] = ()
     tty: bool = False
     hostname: Optional[str] = None
@@ -637,7 +655,8 @@ class ContainerSpec:
             tmpfs=tmpfs,
             binds={m.host_path: {"bind": m.container_path, "mode": "ro" if m.read_only else "rw"}
                    for m in self.mounts},
-            network_mode=self.network or "none",
+            network_mode=self.network_mode,
+            extra_hosts=dict(self.extra_hosts) or None,
             pids_limit=self.runtime.pids,
             mem_limit=f"{self.runtime.memory_mib}m",
             memswap_limit=f"{self.runtime.memory_mib}m",
@@ -649,18 +668,14 @@ class ContainerSpec:
         if self.console_size is not None:
             columns, rows = self.console_size
             host_config["ConsoleSize"] = [rows, columns]
-        networking = None
-        if self.network:
-            networking = api.create_networking_config({
-                self.network: api.create_endpoint_config(aliases=list(self.network_aliases))})
         return dict(
             image=self.image_id,
             command=list(self.command),
+            entrypoint=list(self.entrypoint) or None,
             user=self.runtime.user,
             environment=dict(self.environment),
             labels=dict(self.labels),
             host_config=host_config,
-            networking_config=networking,
             tty=self.tty,
             stdin_open=self.tty,
             hostname=self.hostname,
@@ -690,11 +705,6 @@ def remove_container_quietly(api: docker.APIClient, container_id: str) -> None:
             raise
         with contextlib.suppress(docker.errors.NotFound):
             api.wait(container_id, condition="removed")
-
-
-def remove_network_quietly(api: docker.APIClient, network_id: str) -> None:
-    with contextlib.suppress(docker.errors.NotFound):
-        api.remove_network(network_id)
 
 
 def _docker_call(what: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -822,15 +832,6 @@ class DockerBackend:
             if e.status_code not in (404, 409, 500) or (
                     e.status_code == 500 and "not paused" not in str(e)):
                 raise
-
-    @_docker_call("create network")
-    def create_network(self, name: str, labels: dict[str, str]) -> str:
-        return self.api.create_network(
-            name, driver="bridge", internal=True, labels=labels, check_duplicate=True)["Id"]
-
-    @_docker_call("remove network")
-    def remove_network(self, network_id: str) -> None:
-        remove_network_quietly(self.api, network_id)
 
     def in_thread(self, tag: str, call: Callable[[docker.APIClient], Any],
                   report: Callable[[str, Any], None]) -> threading.Thread:
@@ -1178,7 +1179,7 @@ def plan(options: RunOptions, controller: Deployment, workload: Deployment) -> S
         decl = workload_blueprint.endpoints.get(endpoint_id)
         if decl is None:
             raise PlanRejected(f"endpoint {endpoint_id!r} is not declared by the workload")
-        granted.append(wire.Endpoint(id=decl.id, scheme=decl.scheme, host="workload",
+        granted.append(wire.Endpoint(id=decl.id, scheme=decl.scheme, host=WORKLOAD_HOST,
                                      port=decl.port))
     if (options.output_dir or options.output_file) and controller_blueprint.runtime.uid == 0:
         raise PlanRejected("--output-dir and --output-file need a non-root controller runtime")
@@ -1295,8 +1296,7 @@ class Owned:
     """What this run created and must remove, in every outcome."""
 
     containers: dict[str, str] = field(default_factory=dict)  # role -> container id
-    labels: dict[str, dict[str, str]] = field(default_factory=dict)  # resource id -> labels
-    network_id: Optional[str] = None
+    labels: dict[str, dict[str, str]] = field(default_factory=dict)  # container id -> labels
     channel_dir: Optional[Path] = None
     output_staging_dir: Optional[Path] = None
 
@@ -1340,8 +1340,6 @@ class Watchdog:
         self.record(replace(
             self.manifest,
             containers={cid: owned.labels[cid] for cid in owned.containers.values()},
-            networks={owned.network_id: owned.labels[owned.network_id]}
-            if owned.network_id else {},
             paths=tuple(str(p) for p in (owned.channel_dir, owned.output_staging_dir) if p)))
 
     def disarm(self, keep_manifest: bool = False) -> None:
@@ -1413,6 +1411,7 @@ class ControlledSession:
         self.observation_lost: Optional[str] = None
         self.workload_started = False
         self.controller_started = False
+        self.holder_lost: Optional[str] = None
         self.peer_cred: Optional[tuple[int, int, int]] = None
 
     # -- the whole run ----------------------------------------------------------------------
@@ -1564,7 +1563,7 @@ class ControlledSession:
     # -- preparing --------------------------------------------------------------------------
 
     def prepare(self, controller_image: str) -> None:
-        plan, backend = self.plan, self.backend
+        plan = self.plan
         controller_runtime = plan.controller_blueprint.runtime
         self.open_channel(controller_runtime)
         self.watchdog.record_owned(self.owned)
@@ -1578,41 +1577,46 @@ class ControlledSession:
         for mount, (name, value) in mounts_env:
             mounts.append(mount)
             environment[name] = value
-        network = None
+        network_mode = NETWORK_NONE
         if plan.endpoints:
-            network = f"reploy-{plan.run_id}"
-            labels = self.labels("network")
-            self.owned.network_id = backend.create_network(network, labels)
-            self.owned.labels[self.owned.network_id] = labels
-            self.watchdog.record_owned(self.owned)
+            holder_id = self.acquire_container(ContainerSpec(
+                role="holder", image_id=controller_image, command=(),
+                entrypoint=HOLDER_ENTRYPOINT,
+                runtime=Runtime(HOLDER_UID_GID, HOLDER_UID_GID, (), HOLDER_MEMORY_MIB,
+                                HOLDER_PIDS),
+                environment={}, labels=self.labels("holder"),
+                extra_hosts=((WORKLOAD_HOST, "127.0.0.1"),), hostname=HOLDER_HOSTNAME))
+            network_mode = f"container:{holder_id}"
+        joined = network_mode != NETWORK_NONE
         self.acquire_container(ContainerSpec(
             role="workload", image_id=plan.workload.current.image_id,  # type: ignore[union-attr]
             command=(WORKLOAD_SHELL,), runtime=plan.workload_blueprint.runtime,
             environment={"HOME": CONTAINER_HOME, "TERM": WORKLOAD_TERM},
-            labels=self.labels("workload"), network=network, network_aliases=("workload",),
-            tty=True, hostname="workload",
+            labels=self.labels("workload"), network_mode=network_mode,
+            tty=True, hostname=None if joined else WORKLOAD_HOST,
             console_size=(self.options.columns, self.options.rows)))
         self.acquire_container(ContainerSpec(
             role="controller", image_id=controller_image, command=plan.controller_argv,
             runtime=controller_runtime, environment=environment,
-            labels=self.labels("controller"), network=network, mounts=tuple(mounts),
-            hostname="controller", init=True))
+            labels=self.labels("controller"), network_mode=network_mode, mounts=tuple(mounts),
+            hostname=None if joined else "controller", init=True))
 
-    def acquire_container(self, spec: ContainerSpec) -> None:
+    def acquire_container(self, spec: ContainerSpec) -> str:
         container_id = self.backend.create(spec)
         self.owned.containers[spec.role] = container_id
         self.owned.labels[container_id] = spec.labels
         self.watchdog.record_owned(self.owned)
+        return container_id
 
     def labels(self, role: str) -> dict[str, str]:
-        """Every session container and network says whose it is, for the watchdog and for
-        reconciliation after a crash that took the watchdog too."""
+        """Every session container says whose it is, for the watchdog and for reconciliation
+        after a crash that took the watchdog too."""
         deployment = self.plan.workload if role == "workload" else self.plan.controller
         labels = {LABEL_RUN: self.plan.run_id, LABEL_ROLE: role,
                   reploy_watchdog.LABEL_HOST: self.watchdog.manifest.host,
                   reploy_watchdog.LABEL_WATCHDOG: self.watchdog.manifest.watchdog,
                   reploy_watchdog.LABEL_WORKLOAD_DIR: str(self.plan.workload.dir)}
-        if role != "network":
+        if role != "holder":  # the holder belongs to the session, not to a deployment
             labels[LABEL_DEPLOYMENT] = deployment.deployment_id
             labels[LABEL_GENERATION] = str(deployment.current.number)  # type: ignore[union-attr]
         return labels
@@ -1668,6 +1672,10 @@ class ControlledSession:
 
     def start(self, deadline: float) -> None:
         backend, plan = self.backend, self.plan
+        holder_id = self.owned.containers.get("holder")
+        if holder_id is not None:  # its namespace must exist before anything joins it
+            backend.start(holder_id)
+            backend.wait_in_thread(holder_id, self.notifier.report, "holder")
         controller_id = self.owned.containers["controller"]
         backend.start(controller_id)
         self.controller_started = True
@@ -1694,6 +1702,8 @@ class ControlledSession:
 
     def startup_shortfall(self, what: str) -> str:
         """Why startup stopped short, in the words most useful to the user."""
+        if self.holder_lost:
+            return f"{what}: {self.holder_lost}"
         if self.controller_exit is not None:
             last_line = ""
             with contextlib.suppress(BackendError):
@@ -1786,10 +1796,20 @@ class ControlledSession:
                     self.latch(Cause.CONTROLLER_LOST, "the controller container exited")
                 elif self.machine.phase is Phase.PREPARING:
                     self.latch(Cause.STARTUP_FAILURE, "the controller exited during startup")
+            elif tag == "holder":
+                self.lose_holder(value)
             elif tag == "kill" and isinstance(value, Exception):
                 log(f"could not kill the workload: {value}")
             elif tag.startswith(CALL_TAG):
                 self.call_results[tag] = value
+
+    def lose_holder(self, value: Any) -> None:
+        """The holder of a granted session's network namespace must outlive the containers
+        that joined it; losing it ends the session (its namespace has no owner any more)."""
+        how = (f"exited with code {value}" if isinstance(value, int) else f"was lost: {value}")
+        self.holder_lost = f"the session's network namespace holder {how}"
+        self.latch(Cause.STARTUP_FAILURE if self.machine.phase is Phase.PREPARING
+                   else Cause.RUNTIME_OBSERVATION_LOST, self.holder_lost)
 
     def announce_workload_exit(self) -> None:
         """workload-exit precedes terminating when it is the cause; otherwise it follows. Never
@@ -1949,8 +1969,9 @@ class ControlledSession:
         workload_cleanup = self.remove_containers(
             ("workload",), time.monotonic() + self.options.timeout_s("--cleanup-timeout"))
         observation = Status.of("runtime_observation", "maintained")
-        if self.observation_lost:
-            observation = Status.of("runtime_observation", "lost", reason=self.observation_lost)
+        if self.observation_lost or self.holder_lost:
+            observation = Status.of("runtime_observation", "lost",
+                                    reason=self.observation_lost or self.holder_lost)
         session_result = SessionResult(
             cause=cause,
             workload_status=self.workload_status,
@@ -2152,18 +2173,11 @@ class ControlledSession:
                 self.result.controller_status = Status.of(
                     "process", "unavailable", reason="the controller's exit was not observed")
             self.copy_controller_log(controller_id, deadline)
-        status = self.remove_containers(tuple(self.owned.containers), deadline)
+        # The holder goes last: it must outlive the containers that joined its namespace.
+        roles = tuple(sorted(self.owned.containers, key=lambda role: role == "holder"))
+        status = self.remove_containers(roles, deadline)
         if status.kind != "succeeded":
             failures.append(status.reason or "remove containers")
-        if self.owned.network_id is not None:
-            network_id = self.owned.network_id
-            error = self.bounded_call("remove the session network",
-                                      lambda api: remove_network_quietly(api, network_id),
-                                      deadline)
-            if error:
-                failures.append(error)
-            else:
-                self.owned.network_id = None
         self.publish_output()
         for attribute in ("channel_dir", "output_staging_dir"):
             path = getattr(self.owned, attribute)
@@ -3293,7 +3307,7 @@ class SessionManager:
                   LABEL_DEPLOYMENT: spec.deployment_id, LABEL_GENERATION: str(spec.generation)}
         return ContainerSpec(role=MANAGED_ROLE, image_id=spec.image_id, command=tuple(command),
                              runtime=spec.runtime, environment=environment, labels=labels,
-                             network=None, mounts=mounts, hostname="session", init=True)
+                             mounts=mounts, hostname="session", init=True)
 
     def _launch(self, lease: Lease, archive: Optional[str]) -> None:
         """Create and start the session's container, record it, and wait for its agent."""

@@ -76,7 +76,10 @@ class Manifest:
     host: str  # process identity "pid:create_time"
     watchdog: str  # likewise; "" until the host has started it
     containers: dict[str, dict[str, str]]  # container id -> labels
-    networks: dict[str, dict[str, str]]  # network id -> labels
+    #: network id -> labels. Hosts no longer create networks (a granted session's namespace is
+    #: held by a container), but runs of earlier hosts on the same machine still name theirs,
+    #: and one manifest format keeps old and new hosts reconciling each other's orphans.
+    networks: dict[str, dict[str, str]]
     paths: tuple[str, ...]
     receipt_path: str
 

@@ -67,7 +67,7 @@ def sdk_baseline(workload: Path, rounds: int) -> list[float]:
             command=("python3", reploy.AGENT_MOUNT, "serve", "--session-dir", reploy.SESSION_MOUNT,
                      "--workload", "shell", "--home", reploy.CONTAINER_HOME),
             runtime=runtime, environment={"HOME": reploy.CONTAINER_HOME},
-            labels={reploy.LABEL_RUN: "bench-baseline", reploy.LABEL_ROLE: "bench"}, network=None,
+            labels={reploy.LABEL_RUN: "bench-baseline", reploy.LABEL_ROLE: "bench"},
             mounts=(reploy.Mount(str(reploy.AGENT_SOURCE), reploy.AGENT_MOUNT, True),
                     reploy.Mount(str(session_dir), reploy.SESSION_MOUNT, False)), init=True)
         start = time.perf_counter()

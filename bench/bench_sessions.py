@@ -45,6 +45,8 @@ CONTROLLER_SOURCE = ROOT / "bench/controller"
 DRIVER_SOURCE = ROOT / "examples/controller/context/reploy_driver.py"
 WORKLOAD_BLUEPRINT = ROOT / "examples/workload/workload.blueprint.yaml"
 ROLE_FILES = ("reploy.py", "reploy_session_client.py", "reploy_watchdog.py")
+#: What a granted session adds: the endpoint the example workload declares.
+GRANT = ("--endpoint", "web")
 SDK_BASELINE = CONTROLLER_SOURCE / "sdk_baseline.py"
 sys.path[:0] = [str(CONTROLLER_SOURCE), str(CONTROLLER_SOURCE / "context"),
                 str(DRIVER_SOURCE.parent)]
@@ -128,8 +130,7 @@ def workload_spec(reploy: ModuleType, deployment: Any, labels: dict[str, str]) -
         role="workload", image_id=deployment.current.image_id, command=(reploy.WORKLOAD_SHELL,),
         runtime=deployment.blueprint.runtime,
         environment={"HOME": reploy.CONTAINER_HOME, "TERM": reploy.WORKLOAD_TERM},
-        labels=labels, network=None, network_aliases=("workload",), tty=True,
-        hostname="workload")
+        labels=labels, tty=True, hostname="workload")
 
 
 def controller_spec(reploy: ModuleType, backend: Any, plan: Any, output_dir: Path,
@@ -141,7 +142,7 @@ def controller_spec(reploy: ModuleType, backend: Any, plan: Any, output_dir: Pat
         role="controller", runtime=runtime, command=plan.controller_argv,
         image_id=reploy.ensure_controller_image(backend, plan.controller.current.image_id),
         environment={"HOME": reploy.CONTAINER_HOME, "REPLOY_OUTPUT_DIR": reploy.OUTPUT_DIR_MOUNT},
-        labels=labels, network=None, hostname="controller", init=True,
+        labels=labels, hostname="controller", init=True,
         mounts=(reploy.Mount(str(output_dir), reploy.OUTPUT_DIR_MOUNT, False),))
 
 
@@ -217,15 +218,17 @@ class Bench:
         return ["--controller-dir", str(self.controller_dir),
                 "--workload-dir", str(self.workload_dir), "--output-dir", str(output_dir)]
 
-    def start_session(self, *mode: str, output_dir: Path | None = None) -> Pending:
-        """`python3 reploy.py controlled-session run … -- run-bench MODE`, as a user runs it."""
+    def start_session(self, *mode: str, output_dir: Path | None = None,
+                      grant: tuple[str, ...] = ()) -> Pending:
+        """`python3 reploy.py controlled-session run [GRANT] … -- run-bench MODE`, as a user
+        runs it."""
         output_dir = output_dir or self.output_dir()
         return launch([sys.executable, str(self.roles_dir / "reploy.py"), "controlled-session",
-                       "run", *self.cli_options(output_dir), "--", "run-bench", *mode],
+                       "run", *self.cli_options(output_dir), *grant, "--", "run-bench", *mode],
                       lambda stdout: session_report(stdout, output_dir))
 
-    def session(self, *mode: str) -> Run:
-        return self.start_session(*mode).conclude()
+    def session(self, *mode: str, grant: tuple[str, ...] = ()) -> Run:
+        return self.start_session(*mode, grant=grant).conclude()
 
     def baseline(self) -> Run:
         """One SDK baseline process, timed like a session's host."""
@@ -315,13 +318,15 @@ def sweep(bench: Bench) -> list[str]:
 # ============================================================================================
 
 
-def ready_and_teardown(bench: Bench) -> tuple[list[Run], list[Run]]:
-    """Sessions and SDK baselines, alternated so drift on the machine hits both alike."""
-    sessions, baselines = [], []
+def ready_and_teardown(bench: Bench) -> tuple[list[Run], list[Run], list[Run]]:
+    """Sessions, granted sessions and SDK baselines, alternated so drift on the machine hits
+    all alike."""
+    sessions, granted, baselines = [], [], []
     for _ in range(READY_RUNS):
         sessions.append(bench.session("session"))
+        granted.append(bench.session("session", grant=GRANT))
         baselines.append(bench.baseline())
-    return sessions, baselines
+    return sessions, granted, baselines
 
 
 def uncached_ready_ms(bench: Bench) -> list[float]:
@@ -409,13 +414,17 @@ def conclude_all(pending: list[Pending]) -> None:
 def measure(bench: Bench) -> list[dict[str, Any]]:
     log("warm-up session (builds the derived controller image)")
     bench.session("session")
-    log(f"ready and teardown: {READY_RUNS} sessions and {READY_RUNS} SDK baselines")
-    sessions, baselines = ready_and_teardown(bench)
+    log(f"ready and teardown: {READY_RUNS} sessions, {READY_RUNS} granted sessions and "
+        f"{READY_RUNS} SDK baselines")
+    sessions, granted, baselines = ready_and_teardown(bench)
     cached = [run.ready_ms for run in sessions]
     figures = [
         figure("session_ready", "ms", cached, [run.ready_ms for run in baselines]),
         figure("session_teardown", "ms", [run.teardown_ms for run in sessions],
                [run.teardown_ms for run in baselines]),
+        figure("session_ready_granted", "ms", [run.ready_ms for run in granted], cached),
+        figure("session_teardown_granted", "ms", [run.teardown_ms for run in granted],
+               [run.teardown_ms for run in sessions]),
     ]
     log(f"ready without a cached derived controller image: {UNCACHED_RUNS} sessions")
     figures.append(figure("session_ready_uncached", "ms", uncached_ready_ms(bench), cached))

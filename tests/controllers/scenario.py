@@ -225,23 +225,91 @@ def output_file(session, report):
     return session.finish()
 
 
-def endpoint(session, report):
-    """Serve the workload's project over HTTP and reach it through the granted endpoint."""
-    checks = report["checks"]
+def serve(session, report):
+    """Serve the workload's project through the granted endpoint, check it answers, and hold
+    until the test says go (another session probes meanwhile)."""
     opened = session.start()
     report["opened"] = opened
-    grant = opened["endpoints"][0]
-    session.run(f"httpd -p {grant['port']} -h /project")
-    url = f"{grant['scheme']}://{grant['host']}:{grant['port']}/README"
-    body = urllib.request.urlopen(url, timeout=10).read()
-    checks["endpoint_reachable"] = b"stand-in project" in body
-    checks["outside_unreachable"] = not can_connect("1.1.1.1", 80)
-    checks["host_gateway_unreachable"] = not any(can_connect(ip, 2375) or can_connect(ip, 22)
-                                                 for ip in gateway_candidates())
-    status, output = session.run("wget -q -T 3 -O - http://1.1.1.1/ >/dev/null 2>&1; echo rc=$?")
-    checks["workload_outside_unreachable"] = b"rc=0" not in output
+    report["checks"]["endpoint_reachable"] = serve_and_fetch(session, opened)
+    return report_and_hold(session, report, "serving")
+
+
+def isolation(session, report):
+    """Everything both containers of a granted session can see of the network, and every
+    address of the host they could know, probed from both.
+
+    The test answers the `targets` moment with one JSON line: the port of its own listener
+    on the host, the host's interface addresses, other addresses it wants probed, and whether
+    to serve the granted endpoint here (not when the port belongs to another session).
+    """
+    opened = session.start()
+    report["opened"] = opened
+    tell_test("targets")
+    targets = json.loads(wait_for_test())
+    checks = report["checks"]
+    if targets["serve"]:
+        checks["endpoint_reachable"] = serve_and_fetch(session, opened)
+    # A listener of the controller's own: the workload shares its loopback, so it reaches it.
+    own = socket.socket()
+    own.bind(("127.0.0.1", 0))
+    own.listen(4)
+    status, _ = session.run(workload_connect("127.0.0.1", own.getsockname()[1]))
+    checks["workload_reaches_controller_listener"] = status == 0 and accepted(own)
+    own.close()
+    seen = report["seen"] = network_seen(session)
+    names = host_names(session.run("cat /etc/hosts")[1].decode(errors="replace")) | {
+        session.run("hostname")[1].decode().splitlines()[-1].strip(), socket.gethostname(),
+        "workload"}
+    port = targets["port"]
+    candidates = sorted(set(targets["addresses"]) | names
+                        | {address for view in seen.values() for route in view["routes"]
+                           for address in route_addresses(route)})
+    report["probed"] = candidates
+    report["controller_reached"] = [host for host in candidates if can_connect(host, port)]
+    report["workload_reached"] = [
+        host for host in candidates
+        if session.run(workload_connect(host, port))[0] == 0]
+    return report_and_hold(session, report, "probed")
+
+
+def report_and_hold(session, report, moment):
+    """Write the report, name the moment to the test, and end the session on its go."""
+    write_report(report)
+    tell_test(moment)
+    wait_for_test()
     session.type("exit 0\n")
     return session.finish()
+
+
+def network_seen(session):
+    """What each container's kernel lists of its network: interfaces and IPv4 routes."""
+    return {"controller": {"interfaces": interfaces(read_text("/proc/net/dev")),
+                           "routes": routes(read_text("/proc/net/route"))},
+            "workload": {"interfaces": interfaces(session.run("cat /proc/net/dev")[1].decode()),
+                         "routes": routes(session.run("cat /proc/net/route")[1].decode())}}
+
+
+def serve_and_fetch(session, opened):
+    """Serve the workload's project on the granted `web` port; fetch it through the grant."""
+    grant = session.granted_endpoint(opened, "web")
+    session.run(f"httpd -p {grant['port']} -h /project")
+    url = f"{grant['scheme']}://{grant['host']}:{grant['port']}/README"
+    return b"stand-in project" in urllib.request.urlopen(url, timeout=10).read()
+
+
+def workload_connect(host, port):
+    """The workload's shell command that exits 0 exactly when a TCP connection was made (nc
+    runs `true` once connected, so it never waits on the peer)."""
+    return f"nc -w 3 {host} {port} -e true >/dev/null 2>&1"
+
+
+def accepted(listener):
+    listener.settimeout(10)
+    try:
+        listener.accept()[0].close()
+        return True
+    except OSError:
+        return False
 
 
 def can_connect(host, port):
@@ -252,25 +320,53 @@ def can_connect(host, port):
         return False
 
 
-def gateway_candidates():
-    """The default Docker bridge gateway and our own network's .1: the host, if reachable."""
-    candidates = {"172.17.0.1"}
-    for line in open("/proc/net/route").read().splitlines()[1:]:
+def read_text(path):
+    with open(path) as f:
+        return f.read()
+
+
+def interfaces(proc_net_dev):
+    """The interface names /proc/net/dev lists."""
+    return sorted(m.group(1) for m in re.finditer(r"^\s*([\w.@-]+):\s*\d", proc_net_dev, re.M))
+
+
+def routes(proc_net_route):
+    """The IPv4 routes /proc/net/route lists, as (destination, gateway, mask) dotted quads."""
+    def quad(field):
+        return ".".join(str(b) for b in bytes.fromhex(field)[::-1])
+    found = []
+    for line in proc_net_route.splitlines():
         fields = line.split()
-        if fields[2] != "00000000":
-            gateway = bytes.fromhex(fields[2])[::-1]
-            candidates.add(".".join(map(str, gateway)))
-    own = socket.gethostbyname(socket.gethostname())
-    candidates.add(".".join(own.split(".")[:3] + ["1"]))
-    return sorted(candidates)
+        if len(fields) >= 8 and all(re.fullmatch(r"[0-9A-F]{8}", f) for f in
+                                    (fields[1], fields[2], fields[7])):
+            found.append((quad(fields[1]), quad(fields[2]), quad(fields[7])))
+    return found
+
+
+def route_addresses(route):
+    """What a route names of the outside: its gateway, and the first address of its network
+    (where Docker puts a bridge's gateway)."""
+    destination, gateway, mask = route
+    first = [int(d) & int(m) for d, m in zip(destination.split("."), mask.split("."))]
+    first[3] += 1
+    return {address for address in (gateway, ".".join(map(str, first)))
+            if address not in ("0.0.0.0", "0.0.0.1")}
+
+
+def host_names(etc_hosts):
+    """Every name and address /etc/hosts gives (the resolvable names a process can know)."""
+    found = set()
+    for line in etc_hosts.splitlines():
+        fields = line.split("#")[0].split()
+        if len(fields) >= 2 and "@@" not in line:  # not the echo of the command typed
+            found.update(fields)
+    return found
 
 
 def no_network(session, report):
-    """Without a grant the controller has no network beyond loopback."""
+    """Without a grant both containers have only loopback, and no route."""
     session.start()
-    interfaces = sorted(os.listdir("/sys/class/net"))
-    report["checks"]["only_loopback"] = interfaces == ["lo"]
-    report["interfaces"] = interfaces
+    report["seen"] = network_seen(session)
     session.type("exit 0\n")
     return session.finish()
 
@@ -296,11 +392,7 @@ def audit(session, report):
         "ls -d /mnt/reploy-output* 2>&1; command -v reploy-session-client || echo no-client; "
         "ls /var/run/docker.sock 2>&1; env")
     report["workload_output"] = output.decode(errors="replace")
-    write_report(report)
-    tell_test("audit-ready")
-    wait_for_test()
-    session.type("exit 0\n")
-    return session.finish()
+    return report_and_hold(session, report, "audit-ready")
 
 
 def try_write(path):
@@ -359,7 +451,8 @@ SCENARIOS = {
     "full": full, "terminate": terminate, "hold": hold, "hold-then-exit": hold_then_exit, "hold-terminating": hold_terminating,
     "stall": stall, "no-attach": no_attach, "die": die, "close-stream": close_stream,
     "no-complete": no_complete, "no-ack": no_ack, "linger": linger,
-    "output-file": output_file, "endpoint": endpoint, "no-network": no_network,
+    "output-file": output_file, "serve": serve, "isolation": isolation,
+    "no-network": no_network,
     "audit": audit, "hostile": hostile, "stall-output": stall_output, "exit-code": exit_code,
 }
 
