@@ -1493,8 +1493,7 @@ class ControlledSession:
         self.acquire_container(ContainerSpec(
             role=PROBE_ROLE, image_id=image_id, command=PYTHON_PROBE_COMMAND,
             runtime=self.plan.controller_blueprint.runtime,
-            environment={"HOME": CONTAINER_HOME}, labels=self.labels(PROBE_ROLE),
-            network=None))
+            environment={"HOME": CONTAINER_HOME}, labels=self.labels(PROBE_ROLE)))
         container_id = self.owned.containers[PROBE_ROLE]
 
         def run_probe(api: docker.APIClient) -> int:

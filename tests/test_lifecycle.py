@@ -147,7 +147,7 @@ def test_the_workload_pty_size_is_asked_for_at_creation() -> None:
     spec = reploy.ContainerSpec(
         role="workload", image_id="sha256:" + "0" * 64, command=("/bin/sh",),
         runtime=reploy.Runtime(uid=1000, gid=1000, writable_paths=(), memory_mib=64, pids=64),
-        environment={}, labels={}, network=None, tty=True, console_size=(123, 45))
+        environment={}, labels={}, tty=True, console_size=(123, 45))
     assert spec.create_kwargs(api)["host_config"]["ConsoleSize"] == [45, 123]
     plain = reploy.ContainerSpec(**{**spec.__dict__, "console_size": None})
     assert "ConsoleSize" not in plain.create_kwargs(api)["host_config"]
