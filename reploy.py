@@ -1803,12 +1803,22 @@ class ControlledSession:
                 self.call_results[tag] = value
 
     def lose_holder(self, value: Any) -> None:
-        """The holder of a granted session's network namespace must outlive the containers
-        that joined it; losing it ends the session (its namespace has no owner any more)."""
+        """The holder of a granted session's network namespace exited or was removed.
+
+        Before the session containers have joined its namespace there is nothing to join: a
+        startup failure. Once they have, the namespace lives on in them (a network namespace
+        lasts while any process is in it, and it holds nothing but `lo`), so the session and its
+        isolation are unaffected: the controller hears a diagnostic, nothing is invented about
+        the workload, and cleanup finds the holder gone."""
         how = (f"exited with code {value}" if isinstance(value, int) else f"was lost: {value}")
         self.holder_lost = f"the session's network namespace holder {how}"
-        self.latch(Cause.STARTUP_FAILURE if self.machine.phase is Phase.PREPARING
-                   else Cause.RUNTIME_OBSERVATION_LOST, self.holder_lost)
+        if self.machine.phase is Phase.PREPARING:
+            self.latch(Cause.STARTUP_FAILURE, self.holder_lost)
+        elif self.machine.phase is not Phase.TERMINATED:
+            log(f"{self.holder_lost}; the session's namespace lives on in its containers")
+            if not self.finalization_announced:
+                self.send_event(wire.Diagnostic(code="namespace_holder_lost",
+                                                message=self.holder_lost))
 
     def announce_workload_exit(self) -> None:
         """workload-exit precedes terminating when it is the cause; otherwise it follows. Never
@@ -1968,9 +1978,8 @@ class ControlledSession:
         workload_cleanup = self.remove_containers(
             ("workload",), time.monotonic() + self.options.timeout_s("--cleanup-timeout"))
         observation = Status.of("runtime_observation", "maintained")
-        if self.observation_lost or self.holder_lost:
-            observation = Status.of("runtime_observation", "lost",
-                                    reason=self.observation_lost or self.holder_lost)
+        if self.observation_lost:
+            observation = Status.of("runtime_observation", "lost", reason=self.observation_lost)
         session_result = SessionResult(
             cause=cause,
             workload_status=self.workload_status,

@@ -621,37 +621,53 @@ def test_without_grants_both_containers_have_only_loopback(docker_engine: Any,
     assert code == 0 and result["ok"] is True
 
 
-@pytest.mark.parametrize("scenario,moment,how,cause", [
-    ("stall", "preparing", "kill", "startup-failure"),
-    ("hold", "active", "kill", "runtime-observation-lost"),
-    ("hold", "active", "remove", "runtime-observation-lost")])
-def test_losing_the_namespace_holder_ends_the_session(docker_engine: Any,
-                                                      deployments: dict[str, Path],
-                                                      tmp_path: Path, host_runs: list[HostRun],
-                                                      scenario: str, moment: str, how: str,
-                                                      cause: str) -> None:
-    """The holder dies or is removed mid-session: a clear failure, at once. (The startup
-    timeout is far longer than the test waits, so a session that hung would fail it.)"""
-    run = start(host_runs, deployments, tmp_path / "out", scenario, *GRANT,
+def test_losing_the_namespace_holder_while_preparing_is_a_startup_failure(
+        docker_engine: Any, deployments: dict[str, Path], tmp_path: Path,
+        host_runs: list[HostRun]) -> None:
+    """Before the session's containers have joined the holder's namespace there is nothing to
+    join: a clear startup failure, at once (the startup timeout is far longer than the test
+    waits, so a session that hung would fail it)."""
+    run = start(host_runs, deployments, tmp_path / "out", "stall", *GRANT,
                 "--startup-timeout", "5m", "--cleanup-timeout", "2s")
-    run.wait_moment(moment)
+    run.wait_moment("preparing")
+    run_id = run.manifest().run_id
+    docker_engine.api.kill(run.containers()["holder"], signal="SIGKILL")
+    code, result, stderr = run.finish()
+    session = result["session_result"]
+    assert code == 1 and result["ok"] is False and session["cause"] == "startup-failure"
+    assert "network namespace holder" in stderr and "network namespace holder" in result["error"]
+    assert session["workload_status"] == {"kind": "unavailable",
+                                          "reason": "the workload never started"}
+    assert_nothing_left(docker_engine, deployments, run_id)
+
+
+@pytest.mark.parametrize("how", ["kill", "remove"])
+def test_losing_the_namespace_holder_once_joined_changes_nothing(
+        docker_engine: Any, deployments: dict[str, Path], tmp_path: Path,
+        host_runs: list[HostRun], how: str) -> None:
+    """Once the controller and the workload are in the holder's namespace it lives on in them:
+    the endpoint still answers, only `lo` is there, the controller hears a diagnostic, and the
+    session ends as its controller ends it, with nothing invented and nothing left behind."""
+    run = start(host_runs, deployments, tmp_path / "out", "holder-loss", *GRANT,
+                "--cleanup-timeout", "5s")
+    run.wait_moment("serving")
     run_id = run.manifest().run_id
     holder = run.containers()["holder"]
     if how == "kill":
         docker_engine.api.kill(holder, signal="SIGKILL")
     else:
         docker_engine.api.remove_container(holder, force=True)
+    run.answer()
     code, result, stderr = run.finish()
-    session = result["session_result"]
-    assert code == 1 and result["ok"] is False and session["cause"] == cause
+    report = run.report()
+    assert report.get("error") is None, report.get("error")
+    assert report["checks"] == {"endpoint_reachable": True,
+                                "endpoint_reachable_after_holder_loss": True}
+    assert report["diagnostic"]["code"] == "namespace_holder_lost"
+    assert report["seen"] == {"controller": {"interfaces": ["lo"], "routes": []},
+                              "workload": {"interfaces": ["lo"], "routes": []}}
     assert "network namespace holder" in stderr
-    if cause == "startup-failure":
-        assert "network namespace holder" in result["error"]
-        assert session["workload_status"] is None  # it never started
-    else:
-        assert session["runtime_observation_status"]["kind"] == "lost"
-        assert "network namespace holder" in session["runtime_observation_status"]["reason"]
-        assert result["result_acknowledged"] is True  # the controller still got its result
+    assert code == 0 and result["ok"] is True, result
     assert_nothing_left(docker_engine, deployments, run_id)
 
 

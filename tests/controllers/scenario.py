@@ -293,8 +293,30 @@ def serve_and_fetch(session, opened):
     """Serve the workload's project on the granted `web` port; fetch it through the grant."""
     grant = session.granted_endpoint(opened, "web")
     session.run(f"httpd -p {grant['port']} -h /project")
+    return fetch_granted(grant)
+
+
+def fetch_granted(grant):
     url = f"{grant['scheme']}://{grant['host']}:{grant['port']}/README"
     return b"stand-in project" in urllib.request.urlopen(url, timeout=10).read()
+
+
+def holder_loss(session, report):
+    """Serve through the grant; the test then kills or removes the namespace holder. Hear the
+    host's diagnostic, and show the session's namespace still carries the endpoint and still
+    holds nothing but `lo`."""
+    opened = session.start()
+    checks = report["checks"]
+    checks["endpoint_reachable"] = serve_and_fetch(session, opened)
+    write_report(report)
+    tell_test("serving")
+    wait_for_test()
+    report["diagnostic"] = session.next_event("diagnostic")
+    checks["endpoint_reachable_after_holder_loss"] = fetch_granted(
+        session.granted_endpoint(opened, "web"))
+    report["seen"] = network_seen(session)
+    session.type("exit 0\n")
+    return session.finish()
 
 
 def workload_connect(host, port):
@@ -449,7 +471,7 @@ def write_report(report):
 
 SCENARIOS = {
     "full": full, "terminate": terminate, "hold": hold, "hold-then-exit": hold_then_exit, "hold-terminating": hold_terminating,
-    "stall": stall, "no-attach": no_attach, "die": die, "close-stream": close_stream,
+    "stall": stall, "holder-loss": holder_loss, "no-attach": no_attach, "die": die, "close-stream": close_stream,
     "no-complete": no_complete, "no-ack": no_ack, "linger": linger,
     "output-file": output_file, "serve": serve, "isolation": isolation,
     "no-network": no_network,
