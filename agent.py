@@ -102,6 +102,8 @@ SHELL_POLL_S = 0.05  #: how often the foreground process group is sampled (no ev
 SHELL_SETTLE_S = 0.05  #: the shell must look idle this long before a held message is typed
 DEFAULT_SHELL_LOG_CAP_BYTES = 64 * MIB
 MIN_LOG_CAP_BYTES = 1 * KIB  #: room for the cap marker line and some output
+#: Reset to default in every process the agent spawns, whatever the agent itself inherited (see reset_child_signals).
+SPAWN_DEFAULT_SIGNALS = (signal.SIGINT, signal.SIGQUIT, signal.SIGTERM, signal.SIGPIPE, signal.SIGHUP)
 
 # Agent workload
 DEFAULT_AGENT_ARGV = (
@@ -1149,8 +1151,20 @@ def signal_session(session_id: int, signum: int) -> None:
             pass
 
 
-def _take_controlling_tty() -> None:
-    """Runs in the shell's child after setsid(): make its stdin, the PTY slave, the controlling terminal."""
+def reset_child_signals() -> None:
+    """Runs in every spawned child before exec (shell, agent runs): the dispositions in SPAWN_DEFAULT_SIGNALS back to
+    default and an empty signal mask. An ignored disposition and the mask survive exec, so an agent started with SIGINT
+    ignored (`agent.py serve ... &` from a script) would otherwise hand that to every job, and `interrupt` would
+    report success and do nothing."""
+    for signum in SPAWN_DEFAULT_SIGNALS:
+        signal.signal(signum, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_SETMASK, ())
+
+
+def _start_shell_child() -> None:
+    """Runs in the shell's child after setsid(): default signals, and its stdin, the PTY slave, as the controlling
+    terminal."""
+    reset_child_signals()
     fcntl.ioctl(0, termios.TIOCSCTTY, 0)
 
 
@@ -1400,7 +1414,7 @@ class ShellWorkload(Workload):
         try:
             proc = subprocess.Popen([config.shell], stdin=slave, stdout=slave, stderr=slave, env=env,
                                     cwd=config.workspace_dir, start_new_session=True,
-                                    preexec_fn=_take_controlling_tty)
+                                    preexec_fn=_start_shell_child)
         except OSError as e:
             os.close(master)
             os.close(slave)
@@ -1707,7 +1721,8 @@ class AgentWorkload(Workload):
             try:
                 proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                         stderr=subprocess.PIPE, cwd=config.workspace_dir,
-                                        env=dict(os.environ, HOME=str(config.home_dir)), start_new_session=True)
+                                        env=dict(os.environ, HOME=str(config.home_dir)), start_new_session=True,
+                                        preexec_fn=reset_child_signals)
             except OSError as e:
                 self._ctx.log.append_marker(f"cannot start the agent command: {e}")
                 self._ctx.outbox.end_turn(turn_id, Outcome.FAILED, reason="spawn_failed")
