@@ -176,13 +176,13 @@ class StartupFailure(ReployError):
 # Pure core: durations
 # ============================================================================================
 
-_DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h)$")
+_DURATION = re.compile(r"([0-9]+(?:\.[0-9]+)?)(ms|s|m|h)")
 _UNIT_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000}
 
 
 def parse_duration_ms(text: str) -> int:
     """'30s', '100ms', '5m', '1h', '1.5s' -> milliseconds. Raises ValueError."""
-    match = _DURATION.match(text)
+    match = _DURATION.fullmatch(text)
     if not match:
         raise ValueError(f"{text!r} is not a duration like 100ms, 30s, 5m or 1h")
     value = float(match.group(1)) * _UNIT_MS[match.group(2)]
@@ -202,10 +202,10 @@ def format_duration(ms: int) -> str:
 # Pure core: blueprints
 # ============================================================================================
 
-_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
-_QUALIFIED = re.compile(r"^[a-z0-9][a-z0-9-]*(\.[a-z0-9][a-z0-9-]*)+$")
-_USER = re.compile(r"^(\d{1,10}):(\d{1,10})$")
-_ENDPOINT_ID = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
+_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
+_QUALIFIED = re.compile(r"[a-z0-9][a-z0-9-]*(\.[a-z0-9][a-z0-9-]*)+")
+_USER = re.compile(r"([0-9]{1,10}):([0-9]{1,10})")
+_ENDPOINT_ID = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}")
 ENDPOINT_SCHEMES = ("http", "https", "tcp", "ws", "wss", "grpc")
 
 
@@ -294,7 +294,7 @@ def parse_blueprint(doc: Any) -> Blueprint:
         raise BlueprintError("blueprint: must be a mapping")
     _only_keys(doc, "blueprint", {"name", "build", "environment"})
     name = _field(doc, "name", str)
-    if not _NAME.match(name):
+    if not _NAME.fullmatch(name):
         raise BlueprintError("name: lowercase letters, digits and '-', at most 63 characters")
     build = _field(doc, "build", dict, required=False, default={})
     _only_keys(build, "build", {"context", "dockerfile"})
@@ -326,7 +326,7 @@ def _parse_runtime(doc: Any) -> Runtime:
     runtime = _field(doc, "environment.runtime", dict)
     _only_keys(runtime, "environment.runtime", {"user", "writable_paths", "memory_mib", "pids"})
     user = _field(doc, "environment.runtime.user", str)
-    match = _USER.match(user)
+    match = _USER.fullmatch(user)
     if not match:
         raise BlueprintError("environment.runtime.user: must be numeric uid:gid, e.g. '1000:1000'")
     paths = _field(doc, "environment.runtime.writable_paths", list, required=False, default=[])
@@ -347,7 +347,7 @@ def _parse_commands(doc: Any) -> dict[str, Command]:
     commands: dict[str, Command] = {}
     for name, spec in _field(doc, "environment.commands", dict, False, {}).items():
         path = f"environment.commands.{name}"
-        if not isinstance(name, str) or not _NAME.match(name):
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise BlueprintError(f"{path}: command names are lowercase letters, digits and '-'")
         if not isinstance(spec, dict):
             raise BlueprintError(f"{path}: must be a mapping")
@@ -368,7 +368,7 @@ def _parse_executables(doc: Any) -> dict[str, tuple[str, ...]]:
     executables: dict[str, tuple[str, ...]] = {}
     for name, spec in _field(doc, "environment.executables", dict, False, {}).items():
         path = f"environment.executables.{name}"
-        if not isinstance(name, str) or not _QUALIFIED.match(name):
+        if not isinstance(name, str) or not _QUALIFIED.fullmatch(name):
             raise BlueprintError(f"{path}: executable profiles are qualified, e.g. controller.main")
         if not isinstance(spec, dict):
             raise BlueprintError(f"{path}: must be a mapping")
@@ -386,12 +386,12 @@ def _parse_endpoints(doc: Any) -> dict[str, EndpointDecl]:
     services = _field(doc, "environment.workload.services", dict, False, {})
     for service, spec in services.items():
         path = f"environment.workload.services.{service}"
-        if not isinstance(service, str) or not _NAME.match(service) or not isinstance(spec, dict):
+        if not isinstance(service, str) or not _NAME.fullmatch(service) or not isinstance(spec, dict):
             raise BlueprintError(f"{path}: must be a named mapping")
         _only_keys(spec, path, {"endpoints"})
         for endpoint_id, decl in _field(spec, "endpoints", dict, False, {}, parent=path).items():
             epath = f"{path}.endpoints.{endpoint_id}"
-            if not isinstance(endpoint_id, str) or not _ENDPOINT_ID.match(endpoint_id):
+            if not isinstance(endpoint_id, str) or not _ENDPOINT_ID.fullmatch(endpoint_id):
                 raise BlueprintError(f"{epath}: endpoint ids are lowercase words")
             if not isinstance(decl, dict):
                 raise BlueprintError(f"{epath}: must be a mapping with scheme and port")
@@ -1927,11 +1927,14 @@ SSE_POLL_S = 0.02
 SSE_LONG_POLL_MS = 1000
 #: The session JSON's lifecycle facts refresh at most this often in a stream.
 SSE_STATE_CHECK_S = 1.0
-_SESSION_ID = re.compile(r"^[0-9a-f]{16}$")
-_SESSION_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9 ._-]{0,63}$")
+_SESSION_ID = re.compile(r"[0-9a-f]{16}")
+_SESSION_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9 ._-]{0,63}")
 #: Seed 002's model identifiers (an optional leading ~ for moving aliases).
-_MODEL = re.compile(r"^(~[A-Za-z0-9][A-Za-z0-9._:/-]{0,126}|[A-Za-z0-9][A-Za-z0-9._:/-]{0,127})$")
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_MODEL = re.compile(r"~[A-Za-z0-9][A-Za-z0-9._:/-]{0,126}|[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")
+#: Seed 002's alias for "the platform's default model": what GET /config shows when no default
+#: is configured, and reserved: never a catalog entry, a --default-model or a session's model.
+PLATFORM_DEFAULT_MODEL = "platform-default"
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 #: The credential of one state dir (see "who may drive serve"): STATE_DIR/token, mode 0600.
 TOKEN_FILE_NAME = "token"
 TOKEN_BYTES = 32
@@ -2331,8 +2334,13 @@ class FieldRule:
     required: bool = False
     minimum: Optional[int] = None
     maximum: Optional[int] = None
-    pattern: Optional[re.Pattern[str]] = None
+    pattern: Optional[re.Pattern[str]] = None  # the whole value must match (fullmatch)
     choices: tuple[str, ...] = ()
+    reserved: tuple[str, ...] = ()  # values the pattern allows that are refused anyway
+
+
+#: A model name, wherever one is given: a session's model, --default-model, a --models entry.
+MODEL_RULE = FieldRule(str, pattern=_MODEL, reserved=(PLATFORM_DEFAULT_MODEL,))
 
 
 #: Request bodies by operation. Unknown fields, wrong types and missing fields are 400; a value
@@ -2340,7 +2348,7 @@ class FieldRule:
 BODY_RULES: dict[str, dict[str, FieldRule]] = {
     "create": {"name": FieldRule(str, True, pattern=_SESSION_NAME),
                "workload": FieldRule(str, True, choices=("shell", "agent")),
-               "model": FieldRule(str, pattern=_MODEL),
+               "model": MODEL_RULE,
                "deployment": FieldRule(str, pattern=_NAME)},
     "read": {"offset": FieldRule(int, minimum=0, maximum=2**62),
              "maxBytes": FieldRule(int, minimum=4, maximum=MAX_READ_BYTES),
@@ -2384,21 +2392,27 @@ def parse_body(raw: bytes, rules: dict[str, FieldRule]) -> dict[str, Any]:
     if unknown:
         raise BadRequest(f"unknown field(s): {', '.join(unknown)}")
     for name, rule in rules.items():
-        if name not in doc:
-            if rule.required:
-                raise BadRequest(f"{name}: required")
-            continue
-        value = doc[name]
-        if isinstance(value, bool) or not isinstance(value, rule.kind):
-            raise BadRequest(f"{name}: must be {'an integer' if rule.kind is int else 'a string'}")
-        if rule.minimum is not None and value < rule.minimum or (
-                rule.maximum is not None and value > rule.maximum):
-            raise Unprocessable(f"{name}: must be from {rule.minimum} to {rule.maximum}")
-        if rule.pattern is not None and not rule.pattern.match(value):
-            raise Unprocessable(f"{name}: {value[:80]!r} is not allowed")
-        if rule.choices and value not in rule.choices:
-            raise Unprocessable(f"{name}: must be one of {', '.join(rule.choices)}")
+        if name in doc:
+            check_field(name, doc[name], rule)
+        elif rule.required:
+            raise BadRequest(f"{name}: required")
     return doc
+
+
+def check_field(name: str, value: Any, rule: FieldRule) -> None:
+    """One value against its rule: BadRequest for a wrong type, Unprocessable for a value that
+    does not fit."""
+    if isinstance(value, bool) or not isinstance(value, rule.kind):
+        raise BadRequest(f"{name}: must be {'an integer' if rule.kind is int else 'a string'}")
+    if rule.minimum is not None and value < rule.minimum or (
+            rule.maximum is not None and value > rule.maximum):
+        raise Unprocessable(f"{name}: must be from {rule.minimum} to {rule.maximum}")
+    if rule.pattern is not None and not rule.pattern.fullmatch(value):
+        raise Unprocessable(f"{name}: {value[:80]!r} is not allowed")
+    if rule.choices and value not in rule.choices:
+        raise Unprocessable(f"{name}: must be one of {', '.join(rule.choices)}")
+    if value in rule.reserved:
+        raise Unprocessable(f"{name}: {value!r} is reserved")
 
 
 def decode_payload(text: str, what: str) -> bytes:
@@ -2467,7 +2481,7 @@ def sse_cursor(last_event_id: Optional[str], query_offset: Optional[str]) -> int
     for source, text in (("Last-Event-ID", last_event_id), ("offset", query_offset)):
         if text is None or text == "":
             continue
-        if not re.fullmatch(r"\d{1,18}", text):
+        if not re.fullmatch(r"[0-9]{1,18}", text):
             raise BadRequest(f"{source}: not a byte offset")
         return int(text)
     return 0
@@ -2801,7 +2815,7 @@ class SessionManager:
         return f"{self.host}/{self.identity}/{secrets.token_hex(4)}"
 
     def record(self, session_id: str) -> SessionRecord:
-        record = self.store.get(session_id) if _SESSION_ID.match(session_id) else None
+        record = self.store.get(session_id) if _SESSION_ID.fullmatch(session_id) else None
         if record is None:
             raise SessionNotFound(f"no session {session_id}")
         return record
@@ -3115,7 +3129,7 @@ class SessionManager:
         """An access (read, write, message, switch, ...): an idle session is resumed and a
         snapshot restored, then last access is recorded."""
         while True:
-            if _SESSION_ID.match(session_id) and self.store.touch(session_id, self.clock()):
+            if _SESSION_ID.fullmatch(session_id) and self.store.touch(session_id, self.clock()):
                 return self.record(session_id)
             with self.leased(session_id) as lease:
                 if lease.record.state is SessionState.IDLE:
@@ -3304,7 +3318,7 @@ def match_route(method: str, path: str) -> tuple[str, Optional[str]]:
     session_id = None
     if len(parts) >= 2 and parts[0] == "sessions":
         session_id, parts[1] = parts[1], "{id}"
-        if not _SESSION_ID.match(session_id):
+        if not _SESSION_ID.fullmatch(session_id):
             raise SessionNotFound(f"no session {session_id}")
     template = "/" + "/".join(parts)
     handlers = {m: h for m, t, h in API_ROUTES if t == template}
@@ -3476,7 +3490,7 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
         config = self.manager.config
         return 200, {"workloads": ["shell", "agent"],
                      "deployments": self.manager.deployment_names(),
-                     "agent": {"defaultModel": config.default_model or "platform-default",
+                     "agent": {"defaultModel": config.default_model or PLATFORM_DEFAULT_MODEL,
                                "models": list(config.models)},
                      "idleAfterSeconds": config.idle_after_s,
                      "snapshotAfterSeconds": config.snapshot_after_s,
@@ -3588,8 +3602,8 @@ class ServeAccess:
     token_file: Path
 
 
-_HOST_NAME = re.compile(r"^(?=.{1,253}$)[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?"
-                        r"(\.[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)*$")
+_HOST_NAME = re.compile(r"(?=.{1,253}\Z)[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?"
+                        r"(\.[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)*")
 
 
 def serve_access_from(args: argparse.Namespace) -> ServeAccess:
@@ -3611,7 +3625,7 @@ def serve_access_from(args: argparse.Namespace) -> ServeAccess:
             name = str(ipaddress.ip_address(text.strip("[]")))
         except ValueError:
             name = text.lower()
-            if not _HOST_NAME.match(name):
+            if not _HOST_NAME.fullmatch(name):
                 raise UsageError(f"--allow-host: {text!r} is not a host name or IP address "
                                  "(no port, no wildcard)") from None
         names.append(name)
@@ -3694,7 +3708,7 @@ def serve_config_from(args: argparse.Namespace) -> ServeConfig:
             raise UsageError('--agent-command: a JSON array of strings with "{prompt}" once')
         command = tuple(command)
     for name in args.agent_env:
-        if not _ENV_NAME.match(name):
+        if not _ENV_NAME.fullmatch(name):
             raise UsageError(f"--agent-env: {name!r} is not a variable name")
         if name not in os.environ:
             raise UsageError(f"--agent-env: {name} is not set in this environment")
@@ -3706,16 +3720,23 @@ def serve_config_from(args: argparse.Namespace) -> ServeConfig:
             raise UsageError(f"--mount: {text!r} must be EXISTING_HOST_PATH:/container/path")
         mounts.append(Mount(str(Path(host).resolve()), target, read_only=True))
     models: tuple[str, ...] = ()
-    if args.models:
+    try:
+        if args.models:  # seed 002: missing, empty or [] keeps the free-text model field
+            catalog = json.loads(args.models)
+            if not isinstance(catalog, list):
+                raise BadRequest("a JSON array of model names")
+            for model in catalog:
+                check_field("an entry", model, MODEL_RULE)
+            if len(set(catalog)) != len(catalog):
+                raise BadRequest("duplicate entries")
+            models = tuple(catalog)
+    except (ValueError, ServeError) as e:
+        raise UsageError(f"--models: {e}") from None
+    if args.default_model is not None:
         try:
-            models = tuple(json.loads(args.models))
-        except (ValueError, TypeError) as e:
-            raise UsageError(f"--models: {e}") from None
-        if len(set(models)) != len(models) or not all(
-                isinstance(m, str) and _MODEL.match(m) for m in models):
-            raise UsageError("--models: a JSON array of unique model names")
-    if args.default_model is not None and not _MODEL.match(args.default_model):
-        raise UsageError("--default-model: not a model name")
+            check_field("--default-model", args.default_model, MODEL_RULE)
+        except ServeError as e:
+            raise UsageError(str(e)) from None
     state_dir = args.state_dir.absolute()
     return ServeConfig(
         state_dir=state_dir, workload_dirs=tuple(d.absolute() for d in args.workload_dir),

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import subprocess
 import sys
 import threading
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -190,6 +192,63 @@ def test_create_bodies_are_strict(raw: bytes, error: type) -> None:
         reploy.parse_body(raw, CREATE)
 
 
+@pytest.mark.parametrize("body", [
+    {"name": "a\n", "workload": "shell"},  # `$` would let a trailing newline through: fullmatch
+    {"name": "a", "workload": "agent", "model": "m\n"},
+    {"name": "a", "workload": "agent", "model": "~m\n"},
+    {"name": "a", "workload": "shell", "deployment": "d\n"},
+    {"name": "a", "workload": "agent", "model": "platform-default"},  # seed 002's reserved alias
+])
+def test_trailing_newlines_and_the_reserved_model_are_refused(body: dict[str, str]) -> None:
+    with pytest.raises(reploy.Unprocessable):
+        reploy.parse_body(json.dumps(body).encode(), CREATE)
+
+
+@pytest.mark.parametrize(("parse", "text"), [
+    (reploy.parse_duration_ms, "5s\n"),
+    (reploy.parse_duration_ms, "\u0665s"),  # a non-ASCII digit
+    (lambda text: reploy.sse_cursor(text, None), "5\n"),
+    (lambda text: reploy.match_route("GET", f"/sessions/{text}"), "0123456789abcdef\n"),
+])
+def test_every_parser_refuses_a_trailing_newline(parse: Any, text: str) -> None:
+    with pytest.raises((ValueError, reploy.ServeError)):
+        parse(text)
+
+
+@pytest.mark.parametrize(("path", "value"), [
+    ("name", "demo\n"),
+    ("environment.runtime.user", "1000:1000\n"),
+    ("environment.executables", {"demo.main\n": {"argv": ["true"]}}),
+    ("environment.workload.services", {"web": {"endpoints": {"web\n": {"scheme": "http", "port": 80}}}}),
+])
+def test_blueprint_names_refuse_a_trailing_newline(path: str, value: Any) -> None:
+    doc: dict[str, Any] = {"name": "demo", "environment": {
+        "runtime": {"user": "1000:1000"},
+        "executables": {"demo.main": {"argv": ["true"]}},
+        "commands": {"run": {"executable": "demo.main", "native_command": True, "trigger": ["run"]}}}}
+    reploy.parse_blueprint(doc)  # valid as it stands
+    *parents, leaf = path.split(".")
+    node = doc
+    for key in parents:
+        node = node.setdefault(key, {})
+    node[leaf] = value
+    with pytest.raises(reploy.BlueprintError):
+        reploy.parse_blueprint(doc)
+
+
+def test_every_pattern_in_the_role_files_is_fullmatched() -> None:
+    """`re.match(...$)` lets a trailing newline through; every pattern is used with fullmatch,
+    so none needs (or has) anchors, and no role file calls .match()."""
+    import agent
+    import reploy_session_client
+    import reploy_watchdog
+
+    for module in (reploy, agent, reploy_session_client, reploy_watchdog):
+        patterns = [v for v in vars(module).values() if isinstance(v, re.Pattern)]
+        assert all(not p.pattern.startswith("^") and not p.pattern.endswith("$") for p in patterns)
+        assert ".match(" not in Path(module.__file__).read_text()
+
+
 def test_valid_bodies_and_ranges() -> None:
     assert reploy.parse_body(b'{"name": "a b", "workload": "agent", "model": "~anthropic/x"}',
                              CREATE)["model"] == "~anthropic/x"
@@ -304,6 +363,15 @@ def test_client_requests() -> None:
     ["--mount", "/nonexistent:/x"],
     ["--listen", "nowhere"],
     ["--models", '["a", "a"]'],
+    ["--models", '"abc"'],  # a string is not a catalog
+    ["--models", '[" a"]'],
+    ["--models", '["a\\n"]'],
+    ["--models", '["platform-default"]'],
+    ["--models", '["a", 5]'],
+    ["--default-model", "platform-default"],
+    ["--default-model", "m\n"],
+    ["--agent-env", "HOME\n"],
+    ["--allow-host", "proxy.test\n"],
 ])
 def test_serve_usage_errors_exit_2_with_nothing_on_stdout(extra: list[str], tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, str(ROOT / "reploy.py"), "serve", "--state-dir",
