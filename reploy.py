@@ -3157,6 +3157,17 @@ class SessionManager:
         except AgentCallError as e:
             raise serve_error_for(e) from e
 
+    def write(self, session_id: str, data: bytes) -> dict[str, Any]:
+        """A shell's raw keystrokes; for an agent session (seed 002) the bytes are one prompt,
+        UTF-8, answered exactly as `message` answers it."""
+        if self.record(session_id).spec.workload == "agent":
+            try:
+                text = data.decode("utf-8")
+            except UnicodeDecodeError:
+                raise Unprocessable("dataBase64: an agent session's prompt must be UTF-8") from None
+            return self.call(session_id, "message", {"text": text})
+        return self.call(session_id, "write", {"data_b64": base64.b64encode(data).decode()})
+
     def status(self, session_id: str) -> dict[str, Any]:
         """Passive: asks an active session's agent, never resumes or restores one."""
         record = self.record(session_id)
@@ -3488,10 +3499,11 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
     def api_get_config(self, _sid: None, body: bytes, _query: str) -> tuple[int, dict[str, Any]]:
         parse_body(body, BODY_RULES["empty"])
         config = self.manager.config
+        models = {"defaultModel": config.default_model or PLATFORM_DEFAULT_MODEL,
+                  "models": list(config.models)}
         return 200, {"workloads": ["shell", "agent"],
                      "deployments": self.manager.deployment_names(),
-                     "agent": {"defaultModel": config.default_model or PLATFORM_DEFAULT_MODEL,
-                               "models": list(config.models)},
+                     "agent": models, "claudeCode": models,  # seed 002 reads claudeCode
                      "idleAfterSeconds": config.idle_after_s,
                      "snapshotAfterSeconds": config.snapshot_after_s,
                      "limits": {"maxBodyBytes": MAX_BODY_BYTES,
@@ -3542,9 +3554,7 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
     def api_write(self, sid: str, body: bytes, _query: str) -> tuple[int, dict[str, Any]]:
         fields = parse_body(body, BODY_RULES["write"])
         data = decode_payload(fields["dataBase64"], "dataBase64")
-        result = self.manager.call(sid, "write", {"data_b64": base64.b64encode(data).decode()},
-                                   workloads=("shell",))
-        return 200, _camel_keys(result)
+        return 200, _camel_keys(self.manager.write(sid, data))
 
     def api_message(self, sid: str, body: bytes, _query: str) -> tuple[int, dict[str, Any]]:
         fields = parse_body(body, BODY_RULES["message"])
