@@ -216,3 +216,14 @@ def test_a_run_starts_with_default_signals_even_when_the_agent_did_not(start_age
     runner.wait_status(lambda s: s["turn_state"] == "idle", "the run to end")
     end = turn_ends(runner)[-1]
     assert end["outcome"] == "interrupted" and end["exit_code"] == -signal.SIGTERM
+
+
+def test_an_agent_run_or_a_queued_prompt_is_busy(fake):
+    assert fake.status()["busy"] is False
+    fake.result("message", text="hang")
+    fake.result("message", text="say later")
+    status = fake.wait_status(lambda s: s["turn_state"] == "in_progress", "the run")
+    assert status["busy"] is True and status["quiet_ms"] == 0 and status["queue_depth"] == 1
+    fake.result("interrupt")  # the queued prompt runs next, then nothing is left
+    fake.read_until(b"later\n")
+    assert fake.wait_status(lambda s: s["turn_state"] == "idle", "the queue to drain")["busy"] is False

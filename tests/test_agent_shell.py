@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import os
 import signal
+import time
 
 import psutil
 import pytest
@@ -192,3 +193,24 @@ def test_interrupt_stops_a_job_even_when_the_agent_started_with_sigint_ignored(s
     wait_until(lambda: pid_gone(job.pid), "the sleep to stop")
     shell.wait_status(lambda s: s["turn_state"] == "idle", "the shell idle again")
     assert [e["outcome"] for e in shell.events() if e["type"] == "turn_end"] == ["interrupted"]
+
+
+def test_busy_follows_the_foreground_job_and_quiet_counts_from_its_end(shell):
+    started = time.monotonic()
+    idle = shell.wait_status(lambda s: s["quiet_ms"] >= 1000, "a quiet second")
+    assert idle["busy"] is False
+    shell.result("message", text="sleep 1")
+    busy = shell.wait_status(lambda s: s["busy"], "the job in the foreground")
+    assert busy["quiet_ms"] == 0 and busy["turn_state"] == "in_progress"
+    after = shell.wait_status(lambda s: not s["busy"], "the job to end")
+    # Quiet counts from the job's end, not from the agent's start: the job itself took at least a second.
+    assert after["quiet_ms"] <= (time.monotonic() - started) * 1000 - 1000
+
+
+def test_suspend_records_an_outbox_event_and_changes_nothing_else(shell):
+    shell.result("message", text="sleep 1000")
+    shell.wait_status(lambda s: s["busy"], "the job in the foreground")
+    seq = shell.result("suspend", reason="max_busy")["seq"]
+    [event] = [e for e in shell.events() if e["type"] == "suspend"]
+    assert event == {**event, "seq": seq, "reason": "max_busy", "turn_state": "in_progress", "queue_depth": 0}
+    assert shell.status()["turn_state"] == "in_progress"  # the job runs on
