@@ -2217,14 +2217,17 @@ class WorkloadFacts:
     """What an active session's agent says about its workload (docs/agent.md, `status`)."""
 
     busy: bool
-    quiet_s: float  # since the workload was last busy
+    quiet_s: Optional[float]  # since the workload was last busy; None: the agent does not say
 
     @classmethod
-    def from_status(cls, status: dict[str, Any]) -> Optional["WorkloadFacts"]:
-        """None from an agent too old to say."""
+    def from_status(cls, status: dict[str, Any]) -> "WorkloadFacts":
+        """An agent older than `busy` and `quiet_ms` (one started before an upgrade keeps its
+        code until its container restarts) is busy by its turn state and queue, quiet unknown."""
         busy, quiet_ms = status.get("busy"), status.get("quiet_ms")
-        if not isinstance(busy, bool) or isinstance(quiet_ms, bool) or not isinstance(quiet_ms, int):
-            return None
+        if not isinstance(busy, bool):
+            busy = status.get("turn_state") == "in_progress" or bool(status.get("queue_depth"))
+        if isinstance(quiet_ms, bool) or not isinstance(quiet_ms, int):
+            return cls(busy=busy, quiet_s=0.0 if busy else None)
         return cls(busy=busy, quiet_s=max(quiet_ms, 0) / 1000)
 
 
@@ -2261,7 +2264,7 @@ def decide_reap(record: SessionRecord, facts: Optional[WorkloadFacts], viewers: 
     busy_at = record.busy_at
     if record.state is SessionState.ACTIVE:
         busy = facts is not None and facts.busy
-        if facts is not None:
+        if facts is not None and facts.quiet_s is not None:
             busy_at = now - facts.quiet_s if busy_at is None else max(busy_at, now - facts.quiet_s)
     elif record.state is SessionState.IDLE:
         busy = IdleBlock.BUSY in record.idle_blocked_by

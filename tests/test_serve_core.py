@@ -190,11 +190,20 @@ def test_reap_rules_hold_over_the_whole_grid() -> None:
 
 
 def test_workload_facts_come_from_the_agents_status() -> None:
-    assert reploy.WorkloadFacts.from_status({"busy": True, "quiet_ms": 0}) == BUSY
-    assert reploy.WorkloadFacts.from_status({"busy": False, "quiet_ms": 2500}).quiet_s == 2.5
-    assert reploy.WorkloadFacts.from_status({"turn_state": "idle"}) is None  # an older agent
-    assert reploy.WorkloadFacts.from_status({"busy": 1, "quiet_ms": 0}) is None
-    assert reploy.WorkloadFacts.from_status({"busy": False, "quiet_ms": True}) is None
+    facts = reploy.WorkloadFacts.from_status
+    assert facts({"busy": True, "quiet_ms": 0, "turn_state": "in_progress", "queue_depth": 0}) == BUSY
+    assert facts({"busy": False, "quiet_ms": 2500}) == reploy.WorkloadFacts(False, 2.5)
+    # An agent older than busy/quiet_ms: its turn state and queue say whether it is busy.
+    assert facts({"turn_state": "in_progress", "queue_depth": 0}) == BUSY
+    assert facts({"turn_state": "waiting", "queue_depth": 2}) == BUSY
+    assert facts({"turn_state": "idle", "queue_depth": 0}) == reploy.WorkloadFacts(False, None)
+    assert facts({"turn_state": "waiting", "queue_depth": 0, "quiet_ms": True}) == reploy.WorkloadFacts(False, None)
+
+
+def test_an_agent_that_does_not_say_how_long_it_was_quiet_leaves_the_clock_to_the_last_access() -> None:
+    record = _record(last_access=0, busy_at=5.0)
+    decision = reploy.decide_reap(record, reploy.WorkloadFacts(False, None), 0, 70, POLICY)
+    assert (decision.action, decision.busy_at, decision.idle_since) == (A.PAUSE, 5.0, 5.0)
 
 
 def test_session_json_counts_down_from_the_busy_stretch_and_stops_while_blocked() -> None:
