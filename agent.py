@@ -102,6 +102,8 @@ SHELL_POLL_S = 0.05  #: how often the foreground process group is sampled (no ev
 SHELL_SETTLE_S = 0.05  #: the shell must look idle this long before a held message is typed
 DEFAULT_SHELL_LOG_CAP_BYTES = 64 * MIB
 MIN_LOG_CAP_BYTES = 1 * KIB  #: room for the cap marker line and some output
+#: Reset to default in every process the agent spawns, whatever the agent itself inherited (see reset_child_signals).
+SPAWN_DEFAULT_SIGNALS = (signal.SIGINT, signal.SIGQUIT, signal.SIGTERM, signal.SIGPIPE, signal.SIGHUP)
 
 # Agent workload
 DEFAULT_AGENT_ARGV = (
@@ -128,6 +130,7 @@ MAX_MANIFEST_BYTES = 64 * KIB
 MAX_ARCHIVE_ENTRIES = 200_000
 MAX_ARCHIVE_BYTES = 8 * 1024 * MIB
 CHECKPOINT_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+REASON_RE = re.compile(r"[a-z][a-z_]{0,31}")  #: a `suspend` reason, as the outbox records it
 COPY_CHUNK_BYTES = 1 * MIB
 
 
@@ -204,6 +207,7 @@ class Method(enum.Enum):
     RESIZE = "resize"
     CHECKPOINT = "checkpoint"
     RESTORE = "restore"
+    SUSPEND = "suspend"
 
 
 class TurnState(enum.Enum):
@@ -231,6 +235,7 @@ class EventKind(enum.Enum):
     RELAUNCH = "relaunch"
     CHECKPOINT = "checkpoint"
     RESTORE = "restore"
+    SUSPEND = "suspend"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,7 +276,13 @@ class RestoreParams:
     path: str
 
 
-Params = NoParams | MessageParams | ReadParams | WriteParams | ResizeParams | CheckpointParams | RestoreParams
+@dataclasses.dataclass(frozen=True)
+class SuspendParams:
+    reason: str
+
+
+Params = (NoParams | MessageParams | ReadParams | WriteParams | ResizeParams | CheckpointParams | RestoreParams
+          | SuspendParams)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -387,6 +398,7 @@ class _FieldKind(enum.Enum):
     INT = "int"
     BASE64 = "base64"  # string of standard base64 -> bytes
     CHECKPOINT_ID = "checkpoint_id"
+    REASON = "reason"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -417,6 +429,7 @@ _PARAM_SCHEMAS: dict[Method, tuple[type, tuple[_Field, ...]]] = {
     )),
     Method.CHECKPOINT: (CheckpointParams, (_Field("id", "checkpoint_id", _FieldKind.CHECKPOINT_ID),)),
     Method.RESTORE: (RestoreParams, (_Field("path", "path", _FieldKind.TEXT),)),
+    Method.SUSPEND: (SuspendParams, (_Field("reason", "reason", _FieldKind.REASON),)),
 }
 
 
@@ -442,9 +455,10 @@ def _convert_field(field: _Field, value: Any) -> Any:
         if not value:
             raise RequestError(f"{where} must not be empty")
         return value
-    if field.kind is _FieldKind.CHECKPOINT_ID:
-        if not CHECKPOINT_ID_RE.fullmatch(value):
-            raise RequestError(f"{where} must match {CHECKPOINT_ID_RE.pattern}")
+    if field.kind in (_FieldKind.CHECKPOINT_ID, _FieldKind.REASON):
+        pattern = CHECKPOINT_ID_RE if field.kind is _FieldKind.CHECKPOINT_ID else REASON_RE
+        if not pattern.fullmatch(value):
+            raise RequestError(f"{where} must match {pattern.pattern}")
         return value
     try:
         return base64.b64decode(value, validate=True)
@@ -1149,8 +1163,20 @@ def signal_session(session_id: int, signum: int) -> None:
             pass
 
 
-def _take_controlling_tty() -> None:
-    """Runs in the shell's child after setsid(): make its stdin, the PTY slave, the controlling terminal."""
+def reset_child_signals() -> None:
+    """Runs in every spawned child before exec (shell, agent runs): the dispositions in SPAWN_DEFAULT_SIGNALS back to
+    default and an empty signal mask. An ignored disposition and the mask survive exec, so an agent started with SIGINT
+    ignored (`agent.py serve ... &` from a script) would otherwise hand that to every job, and `interrupt` would
+    report success and do nothing."""
+    for signum in SPAWN_DEFAULT_SIGNALS:
+        signal.signal(signum, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_SETMASK, ())
+
+
+def _start_shell_child() -> None:
+    """Runs in the shell's child after setsid(): default signals, and its stdin, the PTY slave, as the controlling
+    terminal."""
+    reset_child_signals()
     fcntl.ioctl(0, termios.TIOCSCTTY, 0)
 
 
@@ -1363,6 +1389,11 @@ class Workload:
     def pid(self) -> Optional[int]: ...
     def status_fields(self) -> dict[str, Any]: ...
 
+    def busy(self) -> bool:
+        """Working: a shell job in the foreground or an agent run executing, or messages held. What a supervisor
+        must not freeze or checkpoint (an exited shell is not busy)."""
+        return self.turn_state() is TurnState.IN_PROGRESS or bool(self._queue)
+
 
 class ShellWorkload(Workload):
     """One PTY running the configured shell.
@@ -1400,7 +1431,7 @@ class ShellWorkload(Workload):
         try:
             proc = subprocess.Popen([config.shell], stdin=slave, stdout=slave, stderr=slave, env=env,
                                     cwd=config.workspace_dir, start_new_session=True,
-                                    preexec_fn=_take_controlling_tty)
+                                    preexec_fn=_start_shell_child)
         except OSError as e:
             os.close(master)
             os.close(slave)
@@ -1707,7 +1738,8 @@ class AgentWorkload(Workload):
             try:
                 proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                         stderr=subprocess.PIPE, cwd=config.workspace_dir,
-                                        env=dict(os.environ, HOME=str(config.home_dir)), start_new_session=True)
+                                        env=dict(os.environ, HOME=str(config.home_dir)), start_new_session=True,
+                                        preexec_fn=reset_child_signals)
             except OSError as e:
                 self._ctx.log.append_marker(f"cannot start the agent command: {e}")
                 self._ctx.outbox.end_turn(turn_id, Outcome.FAILED, reason="spawn_failed")
@@ -2005,6 +2037,7 @@ class AgentServer:
         self.job: Optional[BackgroundJob] = None
         self.admission_open = False
         self._stop_reason = ""  # the signal that ended serving; empty while serving
+        self._busy_seen_at = clock()  # when the workload was last seen busy (or the agent started)
         self._wakeup_read, self._wakeup_write = socket.socketpair()
         for end in (self._wakeup_read, self._wakeup_write):
             end.setblocking(False)
@@ -2012,6 +2045,7 @@ class AgentServer:
             Method.MESSAGE: self._message, Method.INTERRUPT: self._interrupt, Method.RELAUNCH: self._relaunch,
             Method.STATUS: self._status, Method.READ: self._read, Method.WRITE: self._write,
             Method.RESIZE: self._resize, Method.CHECKPOINT: self._checkpoint, Method.RESTORE: self._restore,
+            Method.SUSPEND: self._suspend,
         }
         self._listener = OwnedSocket(config.session_dir / SOCKET_NAME)
         self.tcp_listener: Optional[TcpListener] = None
@@ -2074,13 +2108,21 @@ class AgentServer:
         wake_at = self._next_wake(now)
         self._reactor.poll(None if wake_at is None else max(wake_at - now, 0.0))
         now = self._clock()
+        self._note_busy(now)  # before tick reaps what ended during the wait: it was busy until now
         if self._workload is not None:
             self._workload.tick(now)
+        self._note_busy(now)
         if self.job is not None and self.job.finished and self.job.abandoned:
             self.job.discard()
             self.job = None
         for conn in list(self._connections):
             self._serve(conn, now)
+
+    def _note_busy(self, now: float) -> bool:
+        busy = self._workload is not None and self._workload.busy()
+        if busy:
+            self._busy_seen_at = now
+        return busy
 
     def _next_wake(self, now: float) -> Optional[float]:
         times = [conn.deadline for conn in self._connections]
@@ -2264,9 +2306,12 @@ class AgentServer:
 
     def _status(self, params: NoParams, now: float) -> dict[str, Any]:
         workload = self._workload
+        busy = self._note_busy(now)
         fields = {
             "workload": self.config.workload.value,
             "turn_state": (workload.turn_state() if workload else TurnState.WAITING).value,
+            "busy": busy,
+            "quiet_ms": 0 if busy else int((now - self._busy_seen_at) * 1000),
             "pid": workload.pid() if workload else None,
             "queue_depth": workload.queue_depth if workload else 0,
             "queue_bytes": workload.queue_bytes if workload else 0,
@@ -2307,6 +2352,15 @@ class AgentServer:
         if self.job is not None:
             raise UnavailableError("a checkpoint or restore is still in progress")
         return _Checkpoint(self, workload, params)
+
+    def _suspend(self, params: SuspendParams, now: float) -> dict[str, Any]:
+        """The supervisor is about to freeze this process (docker pause) with work in flight: the outbox says so.
+        Nothing else changes; the work goes on when the process is thawed."""
+        workload = self._workload
+        seq = self.outbox.emit(EventKind.SUSPEND, reason=params.reason,
+                               turn_state=(workload.turn_state() if workload else TurnState.WAITING).value,
+                               queue_depth=workload.queue_depth if workload else 0)
+        return {"seq": seq}
 
     def _restore(self, params: RestoreParams, now: float) -> PendingRequest:
         if self._workload is not None:

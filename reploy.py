@@ -35,6 +35,7 @@ import os
 import queue
 import re
 import secrets
+import select
 import selectors
 import shutil
 import signal
@@ -254,10 +255,10 @@ def printable_json(value: Any) -> Any:
 # Pure core: blueprints
 # ============================================================================================
 
-_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
-_QUALIFIED = re.compile(r"^[a-z0-9][a-z0-9-]*(\.[a-z0-9][a-z0-9-]*)+$")
-_USER = re.compile(r"^(\d{1,10}):(\d{1,10})$")
-_ENDPOINT_ID = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
+_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
+_QUALIFIED = re.compile(r"[a-z0-9][a-z0-9-]*(\.[a-z0-9][a-z0-9-]*)+")
+_USER = re.compile(r"([0-9]{1,10}):([0-9]{1,10})")
+_ENDPOINT_ID = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}")
 ENDPOINT_SCHEMES = ("http", "https", "tcp", "ws", "wss", "grpc")
 
 
@@ -346,7 +347,7 @@ def parse_blueprint(doc: Any) -> Blueprint:
         raise BlueprintError("blueprint: must be a mapping")
     _only_keys(doc, "blueprint", {"name", "build", "environment"})
     name = _field(doc, "name", str)
-    if not _NAME.match(name):
+    if not _NAME.fullmatch(name):
         raise BlueprintError("name: lowercase letters, digits and '-', at most 63 characters")
     build = _field(doc, "build", dict, required=False, default={})
     _only_keys(build, "build", {"context", "dockerfile"})
@@ -378,7 +379,7 @@ def _parse_runtime(doc: Any) -> Runtime:
     runtime = _field(doc, "environment.runtime", dict)
     _only_keys(runtime, "environment.runtime", {"user", "writable_paths", "memory_mib", "pids"})
     user = _field(doc, "environment.runtime.user", str)
-    match = _USER.match(user)
+    match = _USER.fullmatch(user)
     if not match:
         raise BlueprintError("environment.runtime.user: must be numeric uid:gid, e.g. '1000:1000'")
     paths = _field(doc, "environment.runtime.writable_paths", list, required=False, default=[])
@@ -399,7 +400,7 @@ def _parse_commands(doc: Any) -> dict[str, Command]:
     commands: dict[str, Command] = {}
     for name, spec in _field(doc, "environment.commands", dict, False, {}).items():
         path = f"environment.commands.{name}"
-        if not isinstance(name, str) or not _NAME.match(name):
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise BlueprintError(f"{path}: command names are lowercase letters, digits and '-'")
         if not isinstance(spec, dict):
             raise BlueprintError(f"{path}: must be a mapping")
@@ -420,7 +421,7 @@ def _parse_executables(doc: Any) -> dict[str, tuple[str, ...]]:
     executables: dict[str, tuple[str, ...]] = {}
     for name, spec in _field(doc, "environment.executables", dict, False, {}).items():
         path = f"environment.executables.{name}"
-        if not isinstance(name, str) or not _QUALIFIED.match(name):
+        if not isinstance(name, str) or not _QUALIFIED.fullmatch(name):
             raise BlueprintError(f"{path}: executable profiles are qualified, e.g. controller.main")
         if not isinstance(spec, dict):
             raise BlueprintError(f"{path}: must be a mapping")
@@ -438,12 +439,12 @@ def _parse_endpoints(doc: Any) -> dict[str, EndpointDecl]:
     services = _field(doc, "environment.workload.services", dict, False, {})
     for service, spec in services.items():
         path = f"environment.workload.services.{service}"
-        if not isinstance(service, str) or not _NAME.match(service) or not isinstance(spec, dict):
+        if not isinstance(service, str) or not _NAME.fullmatch(service) or not isinstance(spec, dict):
             raise BlueprintError(f"{path}: must be a named mapping")
         _only_keys(spec, path, {"endpoints"})
         for endpoint_id, decl in _field(spec, "endpoints", dict, False, {}, parent=path).items():
             epath = f"{path}.endpoints.{endpoint_id}"
-            if not isinstance(endpoint_id, str) or not _ENDPOINT_ID.match(endpoint_id):
+            if not isinstance(endpoint_id, str) or not _ENDPOINT_ID.fullmatch(endpoint_id):
                 raise BlueprintError(f"{epath}: endpoint ids are lowercase words")
             if not isinstance(decl, dict):
                 raise BlueprintError(f"{epath}: must be a mapping with scheme and port")
@@ -2326,11 +2327,18 @@ OUTPUT_LOG_NAME = "output.log"
 DEFAULT_LISTEN = "127.0.0.1:8080"
 DEFAULT_IDLE_AFTER_MS = 15 * 60_000
 DEFAULT_SNAPSHOT_AFTER_MS = 60 * 60_000
+#: The bound on work the reaper respects: no access for this long, and a busy or watched session
+#: is paused anyway (see decide_reap).
+DEFAULT_MAX_BUSY_MS = 24 * 60 * 60_000
 DEFAULT_SSE_KEEPALIVE_MS = 15_000
 DEFAULT_MAX_SESSIONS = 64
 DEFAULT_MIN_FREE_MIB = 64
 #: A lease outlives any one lifecycle step; long waits renew it.
 LEASE_TTL_S = 60.0
+#: A stream's viewer row in the store: renewed this often while the stream is open, and gone
+#: this long after its `serve` died without removing it.
+VIEWER_RENEW_S = 10.0
+VIEWER_TTL_S = 30.0
 #: How long an access waits for another operation's lease before answering 409.
 LEASE_WAIT_S = 45.0
 LEASE_POLL_S = 0.025
@@ -2356,11 +2364,14 @@ SSE_POLL_S = 0.02
 SSE_LONG_POLL_MS = 1000
 #: The session JSON's lifecycle facts refresh at most this often in a stream.
 SSE_STATE_CHECK_S = 1.0
-_SESSION_ID = re.compile(r"^[0-9a-f]{16}$")
-_SESSION_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9 ._-]{0,63}$")
+_SESSION_ID = re.compile(r"[0-9a-f]{16}")
+_SESSION_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9 ._-]{0,63}")
 #: Seed 002's model identifiers (an optional leading ~ for moving aliases).
-_MODEL = re.compile(r"^(~[A-Za-z0-9][A-Za-z0-9._:/-]{0,126}|[A-Za-z0-9][A-Za-z0-9._:/-]{0,127})$")
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_MODEL = re.compile(r"~[A-Za-z0-9][A-Za-z0-9._:/-]{0,126}|[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")
+#: Seed 002's alias for "the platform's default model": what GET /config shows when no default
+#: is configured, and reserved: never a catalog entry, a --default-model or a session's model.
+PLATFORM_DEFAULT_MODEL = "platform-default"
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 #: The credential of one state dir (see "who may drive serve"): STATE_DIR/token, mode 0600.
 TOKEN_FILE_NAME = "token"
 TOKEN_BYTES = 32
@@ -2498,6 +2509,13 @@ class SessionEvent(enum.Enum):
     DELETE = "delete"
 
 
+class IdleBlock(enum.Enum):
+    """Why the reaper leaves a session as it is (the record's idleBlockedBy; see decide_reap)."""
+
+    BUSY = "busy"  # the workload works: a foreground job, an agent run, queued prompts
+    VIEWER = "viewer"  # a client holds the session's output stream open
+
+
 #: Theory of operation. The stable states are active, idle and snapshot; a session leaves one
 #: only under its lease, by a compare-and-swap on the record's version, and every long step
 #: has its own transitional state recorded *before* the step starts. So a `serve` that dies at
@@ -2581,6 +2599,8 @@ class SessionRecord:
     snapshot_bytes: Optional[int] = None
     lease_owner: Optional[str] = None
     lease_expires: float = 0.0
+    busy_at: Optional[float] = None  # when the workload was last known busy (the reaper's facts)
+    idle_blocked_by: tuple[IdleBlock, ...] = ()  # as the reaper last found it; frozen while paused
 
 
 def apply_session_event(record: SessionRecord, event: SessionEvent, now: float,
@@ -2603,10 +2623,103 @@ def lease_is_stale(owner: Optional[str], expires: float, now: float, host: str) 
 
 
 # ============================================================================================
+# Managed sessions: the reaper's decision (pure)
+# ============================================================================================
+
+
+class ReapAction(enum.Enum):
+    KEEP = "keep"
+    PAUSE = "pause"  # active -> idle: quiet for --idle-after
+    FORCE_PAUSE = "force_pause"  # active -> idle although blocked: no access for --max-busy
+    SNAPSHOT = "snapshot"  # active or idle -> snapshot: quiet for --snapshot-after
+
+
+@dataclass(frozen=True)
+class ReapPolicy:
+    idle_after_s: float
+    snapshot_after_s: float
+    max_busy_s: float
+
+
+@dataclass(frozen=True)
+class WorkloadFacts:
+    """What an active session's agent says about its workload (docs/agent.md, `status`)."""
+
+    busy: bool
+    quiet_s: Optional[float]  # since the workload was last busy; None: the agent does not say
+
+    @classmethod
+    def from_status(cls, status: dict[str, Any]) -> "WorkloadFacts":
+        """An agent older than `busy` and `quiet_ms` (one started before an upgrade keeps its
+        code until its container restarts) is busy by its turn state and queue, quiet unknown."""
+        busy, quiet_ms = status.get("busy"), status.get("quiet_ms")
+        if not isinstance(busy, bool):
+            busy = status.get("turn_state") == "in_progress" or bool(status.get("queue_depth"))
+        if isinstance(quiet_ms, bool) or not isinstance(quiet_ms, int):
+            return cls(busy=busy, quiet_s=0.0 if busy else None)
+        return cls(busy=busy, quiet_s=max(quiet_ms, 0) / 1000)
+
+
+@dataclass(frozen=True)
+class ReapDecision:
+    action: ReapAction
+    blocked_by: tuple[IdleBlock, ...]
+    busy_at: Optional[float]  # the record keeps these two facts
+    idle_since: float  # when the idle clock started
+
+
+def idle_clock_start(last_access: float, busy_at: Optional[float]) -> float:
+    """Idle time runs from the later of the last access and the end of the last busy stretch."""
+    return last_access if busy_at is None else max(last_access, busy_at)
+
+
+#: Theory of operation. The reaper never freezes work in progress and never mistakes work for
+#: idleness. Each pass it asks every active session's agent whether its workload is busy (a
+#: foreground job, an agent run, queued prompts) and how long it has been quiet, and counts the
+#: clients holding the session's stream open in any `serve` sharing the store. Then:
+#:   * idle time runs from the later of the last access and the end of the last busy stretch;
+#:   * a busy or watched session is neither paused nor snapshotted: idleBlockedBy says why;
+#:   * the bound: an active session nobody accessed for --max-busy is paused even so (its agent
+#:     first records a `suspend` event in its outbox): CPU is returned, processes are kept;
+#:   * a paused session's agent is frozen and cannot be asked, so its busy-ness is what it was
+#:     at the pause: not busy after an idle pause (by construction), busy after a --max-busy
+#:     pause. A session frozen with work in flight is therefore never snapshotted (its work
+#:     could not drain); it stays paused until an access resumes it. A viewer holds a paused
+#:     session back from its snapshot too;
+#:   * an active session whose agent does not answer counts as not busy (the earlier rule).
+def decide_reap(record: SessionRecord, facts: Optional[WorkloadFacts], viewers: int, now: float,
+                policy: ReapPolicy) -> ReapDecision:
+    """What the reaper does with one session now, and why it holds back. Pure."""
+    busy_at = record.busy_at
+    if record.state is SessionState.ACTIVE:
+        busy = facts is not None and facts.busy
+        if facts is not None and facts.quiet_s is not None:
+            busy_at = now - facts.quiet_s if busy_at is None else max(busy_at, now - facts.quiet_s)
+    elif record.state is SessionState.IDLE:
+        busy = IdleBlock.BUSY in record.idle_blocked_by
+    else:
+        return ReapDecision(ReapAction.KEEP, (), busy_at, record.last_access)
+    blocked = ((IdleBlock.BUSY,) if busy else ()) + ((IdleBlock.VIEWER,) if viewers > 0 else ())
+    idle_since = now if busy else idle_clock_start(record.last_access, busy_at)
+    quiet_s = now - idle_since
+    if blocked:
+        forced = (record.state is SessionState.ACTIVE
+                  and now - record.last_access >= policy.max_busy_s)
+        action = ReapAction.FORCE_PAUSE if forced else ReapAction.KEEP
+    elif quiet_s >= policy.snapshot_after_s:
+        action = ReapAction.SNAPSHOT
+    elif record.state is SessionState.ACTIVE and quiet_s >= policy.idle_after_s:
+        action = ReapAction.PAUSE
+    else:
+        action = ReapAction.KEEP
+    return ReapDecision(action, blocked, busy_at, idle_since)
+
+
+# ============================================================================================
 # Managed sessions: the store (SQLite, compare-and-swap, leases)
 # ============================================================================================
 
-_STORE_SCHEMA_VERSION = 1
+_STORE_SCHEMA_VERSION = 2
 _STORE_DDL = """
 CREATE TABLE IF NOT EXISTS sessions (
     id TEXT PRIMARY KEY,
@@ -2623,9 +2736,19 @@ CREATE TABLE IF NOT EXISTS sessions (
     lease_owner TEXT,
     lease_expires REAL NOT NULL DEFAULT 0
 )"""
+#: Columns added after schema 1, each added in place to an older store when it opens.
+_STORE_ADDED_COLUMNS = (("busy_at", "REAL"), ("idle_blocked_by", "TEXT NOT NULL DEFAULT ''"))
+#: One row per open SSE stream, in whichever `serve` holds it: the reaper of every `serve`
+#: sharing the store counts them. A row expires unless its stream renews it.
+_VIEWERS_DDL = """
+CREATE TABLE IF NOT EXISTS viewers (
+    id TEXT PRIMARY KEY,
+    session_id TEXT NOT NULL,
+    expires REAL NOT NULL
+)"""
 _RECORD_COLUMNS = ("id", "name", "spec", "state", "version", "created_at", "last_access",
                    "state_since", "container_id", "archive", "snapshot_bytes", "lease_owner",
-                   "lease_expires")
+                   "lease_expires", "busy_at", "idle_blocked_by")
 
 
 class SessionStore:
@@ -2635,6 +2758,7 @@ class SessionStore:
     own locking makes it atomic: `save` is a compare-and-swap on `version` fenced by the lease
     owner, `acquire` takes a lease only from nobody, from an expiry, or from the exact stale
     holder it saw, and `touch` refreshes last access only for an active session nobody holds.
+    `observe` records the reaper's facts without a version: they are observations, not changes.
     """
 
     def __init__(self, path: Path) -> None:
@@ -2642,8 +2766,19 @@ class SessionStore:
         self._local = threading.local()
         with self._db() as db:
             db.execute("PRAGMA journal_mode=WAL")
-            db.execute(_STORE_DDL)
-            db.execute(f"PRAGMA user_version={_STORE_SCHEMA_VERSION}")
+            db.execute("BEGIN IMMEDIATE")  # two `serve` processes may open an old store at once
+            try:
+                db.execute(_STORE_DDL)
+                db.execute(_VIEWERS_DDL)
+                present = {row[1] for row in db.execute("PRAGMA table_info(sessions)")}
+                for column, declaration in _STORE_ADDED_COLUMNS:
+                    if column not in present:
+                        db.execute(f"ALTER TABLE sessions ADD COLUMN {column} {declaration}")
+                db.execute(f"PRAGMA user_version={_STORE_SCHEMA_VERSION}")
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
 
     @contextlib.contextmanager
     def _db(self) -> Iterator[sqlite3.Connection]:
@@ -2664,10 +2799,12 @@ class SessionStore:
         values = dict(zip(_RECORD_COLUMNS, row))
         values["spec"] = SessionSpec.from_json(values["spec"])
         values["state"] = SessionState(values["state"])
+        values["idle_blocked_by"] = _blocks_from_text(values["idle_blocked_by"])
         return SessionRecord(**values)
 
     def insert(self, record: SessionRecord) -> None:
-        values = {**record.__dict__, "spec": record.spec.to_json(), "state": record.state.value}
+        values = {**record.__dict__, "spec": record.spec.to_json(), "state": record.state.value,
+                  "idle_blocked_by": _blocks_to_text(record.idle_blocked_by)}
         with self._db() as db:
             db.execute(f"INSERT INTO sessions ({', '.join(_RECORD_COLUMNS)}) VALUES "
                        f"({', '.join('?' * len(_RECORD_COLUMNS))})",
@@ -2695,11 +2832,12 @@ class SessionStore:
         with self._db() as db:
             cursor = db.execute(
                 "UPDATE sessions SET state = ?, version = ?, last_access = ?, state_since = ?, "
-                "container_id = ?, archive = ?, snapshot_bytes = ? "
+                "container_id = ?, archive = ?, snapshot_bytes = ?, busy_at = ?, "
+                "idle_blocked_by = ? "
                 "WHERE id = ? AND version = ? AND lease_owner = ? AND lease_expires > ?",
                 (new.state.value, new.version, new.last_access, new.state_since,
-                 new.container_id, new.archive, new.snapshot_bytes,
-                 old.id, old.version, owner, now))
+                 new.container_id, new.archive, new.snapshot_bytes, new.busy_at,
+                 _blocks_to_text(new.idle_blocked_by), old.id, old.version, owner, now))
         if cursor.rowcount != 1:
             raise SessionConflict(f"session {old.id} changed under us (lost its lease or version)")
         return replace(new, lease_owner=owner)
@@ -2736,6 +2874,29 @@ class SessionStore:
                 (now, session_id, SessionState.ACTIVE.value, now))
         return cursor.rowcount == 1
 
+    def observe(self, session_id: str, state: SessionState, busy_at: Optional[float],
+                blocked_by: tuple[IdleBlock, ...]) -> None:
+        """The reaper's facts about a session it saw in `state`; ignored if the state moved on."""
+        with self._db() as db:
+            db.execute("UPDATE sessions SET busy_at = ?, idle_blocked_by = ? WHERE id = ? AND state = ?",
+                       (busy_at, _blocks_to_text(blocked_by), session_id, state.value))
+
+    def hold_viewer(self, viewer_id: str, session_id: str, now: float) -> None:
+        """Open or renew one stream's viewer row (and forget expired ones)."""
+        with self._db() as db:
+            db.execute("DELETE FROM viewers WHERE expires <= ?", (now,))
+            db.execute("INSERT OR REPLACE INTO viewers (id, session_id, expires) VALUES (?, ?, ?)",
+                       (viewer_id, session_id, now + VIEWER_TTL_S))
+
+    def drop_viewer(self, viewer_id: str) -> None:
+        with self._db() as db:
+            db.execute("DELETE FROM viewers WHERE id = ?", (viewer_id,))
+
+    def viewer_count(self, session_id: str, now: float) -> int:
+        with self._db() as db:
+            return int(db.execute("SELECT COUNT(*) FROM viewers WHERE session_id = ? AND expires > ?",
+                                  (session_id, now)).fetchone()[0])
+
     def delete(self, session_id: str, owner: str) -> None:
         with self._db() as db:
             db.execute("DELETE FROM sessions WHERE id = ? AND lease_owner = ?", (session_id, owner))
@@ -2745,6 +2906,14 @@ class SessionStore:
         if db is not None:
             db.close()
             self._local.db = None
+
+
+def _blocks_to_text(blocks: tuple[IdleBlock, ...]) -> str:
+    return ",".join(block.value for block in blocks)
+
+
+def _blocks_from_text(text: str) -> tuple[IdleBlock, ...]:
+    return tuple(IdleBlock(value) for value in text.split(",") if value)
 
 
 # ============================================================================================
@@ -2760,8 +2929,13 @@ class FieldRule:
     required: bool = False
     minimum: Optional[int] = None
     maximum: Optional[int] = None
-    pattern: Optional[re.Pattern[str]] = None
+    pattern: Optional[re.Pattern[str]] = None  # the whole value must match (fullmatch)
     choices: tuple[str, ...] = ()
+    reserved: tuple[str, ...] = ()  # values the pattern allows that are refused anyway
+
+
+#: A model name, wherever one is given: a session's model, --default-model, a --models entry.
+MODEL_RULE = FieldRule(str, pattern=_MODEL, reserved=(PLATFORM_DEFAULT_MODEL,))
 
 
 #: Request bodies by operation. Unknown fields, wrong types and missing fields are 400; a value
@@ -2769,7 +2943,7 @@ class FieldRule:
 BODY_RULES: dict[str, dict[str, FieldRule]] = {
     "create": {"name": FieldRule(str, True, pattern=_SESSION_NAME),
                "workload": FieldRule(str, True, choices=("shell", "agent")),
-               "model": FieldRule(str, pattern=_MODEL),
+               "model": MODEL_RULE,
                "deployment": FieldRule(str, pattern=_NAME)},
     "read": {"offset": FieldRule(int, minimum=0, maximum=2**62),
              "maxBytes": FieldRule(int, minimum=4, maximum=MAX_READ_BYTES),
@@ -2813,21 +2987,27 @@ def parse_body(raw: bytes, rules: dict[str, FieldRule]) -> dict[str, Any]:
     if unknown:
         raise BadRequest(f"unknown field(s): {', '.join(unknown)}")
     for name, rule in rules.items():
-        if name not in doc:
-            if rule.required:
-                raise BadRequest(f"{name}: required")
-            continue
-        value = doc[name]
-        if isinstance(value, bool) or not isinstance(value, rule.kind):
-            raise BadRequest(f"{name}: must be {'an integer' if rule.kind is int else 'a string'}")
-        if rule.minimum is not None and value < rule.minimum or (
-                rule.maximum is not None and value > rule.maximum):
-            raise Unprocessable(f"{name}: must be from {rule.minimum} to {rule.maximum}")
-        if rule.pattern is not None and not rule.pattern.match(value):
-            raise Unprocessable(f"{name}: {value[:80]!r} is not allowed")
-        if rule.choices and value not in rule.choices:
-            raise Unprocessable(f"{name}: must be one of {', '.join(rule.choices)}")
+        if name in doc:
+            check_field(name, doc[name], rule)
+        elif rule.required:
+            raise BadRequest(f"{name}: required")
     return doc
+
+
+def check_field(name: str, value: Any, rule: FieldRule) -> None:
+    """One value against its rule: BadRequest for a wrong type, Unprocessable for a value that
+    does not fit."""
+    if isinstance(value, bool) or not isinstance(value, rule.kind):
+        raise BadRequest(f"{name}: must be {'an integer' if rule.kind is int else 'a string'}")
+    if rule.minimum is not None and value < rule.minimum or (
+            rule.maximum is not None and value > rule.maximum):
+        raise Unprocessable(f"{name}: must be from {rule.minimum} to {rule.maximum}")
+    if rule.pattern is not None and not rule.pattern.fullmatch(value):
+        raise Unprocessable(f"{name}: {value[:80]!r} is not allowed")
+    if rule.choices and value not in rule.choices:
+        raise Unprocessable(f"{name}: must be one of {', '.join(rule.choices)}")
+    if value in rule.reserved:
+        raise Unprocessable(f"{name}: {value!r} is reserved")
 
 
 def decode_payload(text: str, what: str) -> bytes:
@@ -2842,18 +3022,22 @@ def decode_payload(text: str, what: str) -> bytes:
 
 
 def session_json(record: SessionRecord, idle_after_s: float, snapshot_after_s: float) -> dict[str, Any]:
-    """A session as the API shows it. Nothing secret is in a record, so nothing leaks here."""
+    """A session as the API shows it. Nothing secret is in a record, so nothing leaks here. The
+    countdowns run from the idle clock's start (decide_reap) and stop while something blocks it."""
     spec = record.spec
     idle_at = snapshot_at = None
-    if record.state is SessionState.ACTIVE:
-        idle_at = record.last_access + idle_after_s
-    if record.state in (SessionState.ACTIVE, SessionState.IDLE):
-        snapshot_at = record.last_access + snapshot_after_s
+    blocked = record.idle_blocked_by if record.state in (SessionState.ACTIVE, SessionState.IDLE) else ()
+    idle_since = idle_clock_start(record.last_access, record.busy_at)
+    if record.state is SessionState.ACTIVE and not blocked:
+        idle_at = idle_since + idle_after_s
+    if record.state in (SessionState.ACTIVE, SessionState.IDLE) and not blocked:
+        snapshot_at = idle_since + snapshot_after_s
     return {"id": record.id, "name": record.name, "workload": spec.workload, "model": spec.model,
             "deployment": spec.deployment, "generation": spec.generation,
             "state": record.state.value, "version": record.version,
             "createdAt": record.created_at, "lastAccess": record.last_access,
             "stateSince": record.state_since, "idleAt": idle_at, "snapshotAt": snapshot_at,
+            "idleBlockedBy": [block.value for block in blocked],
             "snapshotBytes": record.snapshot_bytes}
 
 
@@ -2896,7 +3080,7 @@ def sse_cursor(last_event_id: Optional[str], query_offset: Optional[str]) -> int
     for source, text in (("Last-Event-ID", last_event_id), ("offset", query_offset)):
         if text is None or text == "":
             continue
-        if not re.fullmatch(r"\d{1,18}", text):
+        if not re.fullmatch(r"[0-9]{1,18}", text):
             raise BadRequest(f"{source}: not a byte offset")
         return int(text)
     return 0
@@ -3161,6 +3345,7 @@ class ServeConfig:
     workload_dirs: tuple[Path, ...]
     idle_after_s: float = DEFAULT_IDLE_AFTER_MS / 1000
     snapshot_after_s: float = DEFAULT_SNAPSHOT_AFTER_MS / 1000
+    max_busy_s: float = DEFAULT_MAX_BUSY_MS / 1000
     agent_command: Optional[tuple[str, ...]] = None
     agent_env: tuple[str, ...] = ()  # names only: values are read from our environment at launch
     extra_mounts: tuple[Mount, ...] = ()
@@ -3180,6 +3365,10 @@ class ServeConfig:
     @property
     def reap_interval_s(self) -> float:
         return max(0.2, min(self.idle_after_s / 4, 5.0))
+
+    @property
+    def reap_policy(self) -> ReapPolicy:
+        return ReapPolicy(self.idle_after_s, self.snapshot_after_s, self.max_busy_s)
 
 
 class Lease:
@@ -3230,7 +3419,7 @@ class SessionManager:
         return f"{self.host}/{self.identity}/{secrets.token_hex(4)}"
 
     def record(self, session_id: str) -> SessionRecord:
-        record = self.store.get(session_id) if _SESSION_ID.match(session_id) else None
+        record = self.store.get(session_id) if _SESSION_ID.fullmatch(session_id) else None
         if record is None:
             raise SessionNotFound(f"no session {session_id}")
         return record
@@ -3433,13 +3622,21 @@ class SessionManager:
             lease.apply(SessionEvent.DELETE)
             self._finish_delete(lease)
 
-    def _pause(self, lease: Lease) -> SessionRecord:
+    def _pause(self, lease: Lease, decision: ReapDecision) -> SessionRecord:
+        """Freeze the container; the record keeps the facts it was paused with (decide_reap)."""
         container_id = lease.record.container_id
         if container_id is None:
             raise SessionConflict("the session has no container")
+        if decision.action is ReapAction.FORCE_PAUSE:
+            blocked = ", ".join(block.value for block in decision.blocked_by)
+            log(f"serve: reaper: session {lease.record.id} stayed {blocked} with no access for "
+                f"{format_duration(round(self.config.max_busy_s * 1000))}; pausing it anyway")
+            with contextlib.suppress(AgentCallError):  # the outbox note must not hold the pause up
+                agent_call(self.config.session_dir(lease.record.id), "suspend", {"reason": "max_busy"})
         self.backend.pause(container_id)
         try:
-            return lease.apply(SessionEvent.PAUSED)
+            return lease.apply(SessionEvent.PAUSED, busy_at=decision.busy_at,
+                               idle_blocked_by=decision.blocked_by)
         except ReployError:
             self.backend.unpause(container_id)
             raise
@@ -3512,7 +3709,7 @@ class SessionManager:
                 lease.apply(SessionEvent.ROLLBACK, container_id=None)
             raise
         record = lease.apply(SessionEvent.STARTED, archive=None, snapshot_bytes=None,
-                             last_access=self.clock())
+                             last_access=self.clock(), busy_at=None, idle_blocked_by=())
         if archive:  # the session dir holds the restored state now
             with contextlib.suppress(OSError):
                 (self.config.session_dir(record.id) / archive).unlink()
@@ -3544,7 +3741,7 @@ class SessionManager:
         """An access (read, write, message, switch, ...): an idle session is resumed and a
         snapshot restored, then last access is recorded."""
         while True:
-            if _SESSION_ID.match(session_id) and self.store.touch(session_id, self.clock()):
+            if _SESSION_ID.fullmatch(session_id) and self.store.touch(session_id, self.clock()):
                 return self.record(session_id)
             with self.leased(session_id) as lease:
                 if lease.record.state is SessionState.IDLE:
@@ -3572,6 +3769,17 @@ class SessionManager:
         except AgentCallError as e:
             raise serve_error_for(e) from e
 
+    def write(self, session_id: str, data: bytes) -> dict[str, Any]:
+        """A shell's raw keystrokes; for an agent session (seed 002) the bytes are one prompt,
+        UTF-8, answered exactly as `message` answers it."""
+        if self.record(session_id).spec.workload == "agent":
+            try:
+                text = data.decode("utf-8")
+            except UnicodeDecodeError:
+                raise Unprocessable("dataBase64: an agent session's prompt must be UTF-8") from None
+            return self.call(session_id, "message", {"text": text})
+        return self.call(session_id, "write", {"data_b64": base64.b64encode(data).decode()})
+
     def status(self, session_id: str) -> dict[str, Any]:
         """Passive: asks an active session's agent, never resumes or restores one."""
         record = self.record(session_id)
@@ -3585,16 +3793,29 @@ class SessionManager:
     def session_json(self, record: SessionRecord) -> dict[str, Any]:
         return session_json(record, self.config.idle_after_s, self.config.snapshot_after_s)
 
-    def follow_output(self, record: SessionRecord, cursor: int,
-                      send: Callable[[bytes], None]) -> None:
+    def follow_output(self, record: SessionRecord, cursor: int, send: Callable[[bytes], None],
+                      connected: Callable[[], bool] = lambda: True) -> None:
         """The SSE stream: tail the session's output log from `cursor` until the client goes,
         the session is deleted, or the cursor is ahead (reset). Passive: it reads the log file
-        in the session dir, so it never resumes, restores or touches the session."""
+        in the session dir, so it never resumes, restores or touches the session. While it is
+        open the store holds a viewer row for it, which keeps the reaper away (decide_reap)."""
+        viewer = secrets.token_hex(8)
+        self.store.hold_viewer(viewer, record.id, self.clock())
+        try:
+            self._tail_output(record, cursor, send, connected, viewer)
+        finally:
+            self.store.drop_viewer(viewer)
+
+    def _tail_output(self, record: SessionRecord, cursor: int, send: Callable[[bytes], None],
+                     connected: Callable[[], bool], viewer: str) -> None:
         session_dir = self.config.session_dir(record.id)
         path = session_dir / OUTPUT_LOG_NAME
         text = record.spec.workload == "agent"
-        last_sent = time.monotonic()
-        while not self.stopping.is_set():
+        last_sent = renewed = time.monotonic()
+        while not self.stopping.is_set() and connected():
+            if time.monotonic() - renewed >= VIEWER_RENEW_S:
+                self.store.hold_viewer(viewer, record.id, self.clock())
+                renewed = time.monotonic()
             try:
                 with open(path, "rb") as log_file:
                     length = os.fstat(log_file.fileno()).st_size
@@ -3659,31 +3880,42 @@ class SessionManager:
                 self._remove_containers(record.id, keep=lease.record.container_id)
 
     def reap_once(self) -> None:
-        """Apply the idle policy once: active -> idle after idle_after, -> snapshot after
-        snapshot_after, both since last access, re-checked under the lease."""
-        config = self.config
+        """Apply the idle policy once (decide_reap): gather each session's facts and record
+        them; act on a due session under its lease, after deciding again there."""
         for record in self.store.list():
             if self.stopping.is_set():
                 return
             if record.state not in (SessionState.ACTIVE, SessionState.IDLE):
                 continue
-            quiet = self.clock() - record.last_access
-            if quiet < config.idle_after_s and quiet < config.snapshot_after_s:
-                continue
             try:
+                if self._reap_decision(record).action is ReapAction.KEEP:
+                    continue
                 with self.leased(record.id, wait_s=0) as lease:
-                    record = lease.record
-                    quiet = self.clock() - record.last_access
-                    if record.state in (SessionState.ACTIVE, SessionState.IDLE) and (
-                            quiet >= config.snapshot_after_s):
+                    decision = self._reap_decision(lease.record)
+                    if decision.action is ReapAction.SNAPSHOT:
                         self._require_free_space()
                         lease.apply(SessionEvent.CHECKPOINT,
-                                    archive=f"checkpoint-v{record.version + 1}.tar")
+                                    archive=f"checkpoint-v{lease.record.version + 1}.tar")
                         self._finish_snapshot(lease)
-                    elif record.state is SessionState.ACTIVE and quiet >= config.idle_after_s:
-                        self._pause(lease)
+                    elif decision.action in (ReapAction.PAUSE, ReapAction.FORCE_PAUSE):
+                        self._pause(lease, decision)
             except (ServeError, BackendError) as e:
                 log(f"serve: reaper: session {record.id}: {e}")
+
+    def _reap_decision(self, record: SessionRecord) -> ReapDecision:
+        """Gather the facts decide_reap needs (an active session's agent status, the viewers in
+        every `serve` on this store), decide, and record the facts when they changed."""
+        facts = None
+        if record.state is SessionState.ACTIVE:
+            with contextlib.suppress(AgentCallError):  # no answer: not busy (see decide_reap)
+                facts = WorkloadFacts.from_status(
+                    agent_call(self.config.session_dir(record.id), "status", {}))
+        now = self.clock()
+        decision = decide_reap(record, facts, self.store.viewer_count(record.id, now), now,
+                               self.config.reap_policy)
+        if (decision.busy_at, decision.blocked_by) != (record.busy_at, record.idle_blocked_by):
+            self.store.observe(record.id, record.state, decision.busy_at, decision.blocked_by)
+        return decision
 
     def run_reaper(self) -> None:
         while not self.stopping.wait(self.config.reap_interval_s):
@@ -3733,7 +3965,7 @@ def match_route(method: str, path: str) -> tuple[str, Optional[str]]:
     session_id = None
     if len(parts) >= 2 and parts[0] == "sessions":
         session_id, parts[1] = parts[1], "{id}"
-        if not _SESSION_ID.match(session_id):
+        if not _SESSION_ID.fullmatch(session_id):
             raise SessionNotFound(f"no session {session_id}")
     template = "/" + "/".join(parts)
     handlers = {m: h for m, t, h in API_ROUTES if t == template}
@@ -3903,12 +4135,14 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
     def api_get_config(self, _sid: None, body: bytes, _query: str) -> tuple[int, dict[str, Any]]:
         parse_body(body, BODY_RULES["empty"])
         config = self.manager.config
+        models = {"defaultModel": config.default_model or PLATFORM_DEFAULT_MODEL,
+                  "models": list(config.models)}
         return 200, {"workloads": ["shell", "agent"],
                      "deployments": self.manager.deployment_names(),
-                     "agent": {"defaultModel": config.default_model or "platform-default",
-                               "models": list(config.models)},
+                     "agent": models, "claudeCode": models,  # seed 002 reads claudeCode
                      "idleAfterSeconds": config.idle_after_s,
                      "snapshotAfterSeconds": config.snapshot_after_s,
+                     "maxBusySeconds": config.max_busy_s,
                      "limits": {"maxBodyBytes": MAX_BODY_BYTES,
                                 "maxPayloadBytes": MAX_PAYLOAD_BYTES,
                                 "maxReadBytes": MAX_READ_BYTES}}
@@ -3957,9 +4191,7 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
     def api_write(self, sid: str, body: bytes, _query: str) -> tuple[int, dict[str, Any]]:
         fields = parse_body(body, BODY_RULES["write"])
         data = decode_payload(fields["dataBase64"], "dataBase64")
-        result = self.manager.call(sid, "write", {"data_b64": base64.b64encode(data).decode()},
-                                   workloads=("shell",))
-        return 200, _camel_keys(result)
+        return 200, _camel_keys(self.manager.write(sid, data))
 
     def api_message(self, sid: str, body: bytes, _query: str) -> tuple[int, dict[str, Any]]:
         fields = parse_body(body, BODY_RULES["message"])
@@ -3998,8 +4230,12 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
             self.wfile.write(data)
             self.wfile.flush()
 
+        def connected() -> bool:  # a client that went away shows as readable at end of file
+            readable, _, _ = select.select([self.connection], [], [], 0)
+            return not readable or self.connection.recv(1, socket.MSG_PEEK) != b""
+
         send(b"retry: 1000\n\n")
-        self.manager.follow_output(record, cursor, send)
+        self.manager.follow_output(record, cursor, send, connected)
 
 
 # ============================================================================================
@@ -4017,8 +4253,8 @@ class ServeAccess:
     token_file: Path
 
 
-_HOST_NAME = re.compile(r"^(?=.{1,253}$)[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?"
-                        r"(\.[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)*$")
+_HOST_NAME = re.compile(r"(?=.{1,253}\Z)[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?"
+                        r"(\.[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)*")
 
 
 def serve_access_from(args: argparse.Namespace) -> ServeAccess:
@@ -4040,7 +4276,7 @@ def serve_access_from(args: argparse.Namespace) -> ServeAccess:
             name = str(ipaddress.ip_address(text.strip("[]")))
         except ValueError:
             name = text.lower()
-            if not _HOST_NAME.match(name):
+            if not _HOST_NAME.fullmatch(name):
                 raise UsageError(f"--allow-host: {text!r} is not a host name or IP address "
                                  "(no port, no wildcard)") from None
         names.append(name)
@@ -4105,13 +4341,15 @@ def machine_names() -> list[str]:
 
 def serve_config_from(args: argparse.Namespace) -> ServeConfig:
     durations = {}
-    for flag in ("idle_after", "snapshot_after", "sse_keepalive"):
+    for flag in ("idle_after", "snapshot_after", "max_busy", "sse_keepalive"):
         try:
             durations[flag] = parse_duration_ms(getattr(args, flag)) / 1000
         except ValueError as e:
             raise UsageError(f"--{flag.replace('_', '-')}: {e}") from None
         if durations[flag] < 0.1:
             raise UsageError(f"--{flag.replace('_', '-')}: at least 100ms")
+    if durations["max_busy"] < durations["idle_after"]:
+        raise UsageError("--max-busy: at least --idle-after")
     command = None
     if args.agent_command is not None:
         try:
@@ -4123,7 +4361,7 @@ def serve_config_from(args: argparse.Namespace) -> ServeConfig:
             raise UsageError('--agent-command: a JSON array of strings with "{prompt}" once')
         command = tuple(command)
     for name in args.agent_env:
-        if not _ENV_NAME.match(name):
+        if not _ENV_NAME.fullmatch(name):
             raise UsageError(f"--agent-env: {name!r} is not a variable name")
         if name not in os.environ:
             raise UsageError(f"--agent-env: {name} is not set in this environment")
@@ -4135,20 +4373,28 @@ def serve_config_from(args: argparse.Namespace) -> ServeConfig:
             raise UsageError(f"--mount: {text!r} must be EXISTING_HOST_PATH:/container/path")
         mounts.append(Mount(str(Path(host).resolve()), target, read_only=True))
     models: tuple[str, ...] = ()
-    if args.models:
+    try:
+        if args.models:  # seed 002: missing, empty or [] keeps the free-text model field
+            catalog = json.loads(args.models)
+            if not isinstance(catalog, list):
+                raise BadRequest("a JSON array of model names")
+            for model in catalog:
+                check_field("an entry", model, MODEL_RULE)
+            if len(set(catalog)) != len(catalog):
+                raise BadRequest("duplicate entries")
+            models = tuple(catalog)
+    except (ValueError, ServeError) as e:
+        raise UsageError(f"--models: {e}") from None
+    if args.default_model is not None:
         try:
-            models = tuple(json.loads(args.models))
-        except (ValueError, TypeError) as e:
-            raise UsageError(f"--models: {e}") from None
-        if len(set(models)) != len(models) or not all(
-                isinstance(m, str) and _MODEL.match(m) for m in models):
-            raise UsageError("--models: a JSON array of unique model names")
-    if args.default_model is not None and not _MODEL.match(args.default_model):
-        raise UsageError("--default-model: not a model name")
+            check_field("--default-model", args.default_model, MODEL_RULE)
+        except ServeError as e:
+            raise UsageError(str(e)) from None
     state_dir = args.state_dir.absolute()
     return ServeConfig(
         state_dir=state_dir, workload_dirs=tuple(d.absolute() for d in args.workload_dir),
         idle_after_s=durations["idle_after"], snapshot_after_s=durations["snapshot_after"],
+        max_busy_s=durations["max_busy"],
         agent_command=command, agent_env=tuple(args.agent_env), extra_mounts=tuple(mounts),
         default_model=args.default_model, models=models,
         sse_keepalive_s=durations["sse_keepalive"], max_sessions=args.max_sessions,
@@ -4290,6 +4536,8 @@ def add_serve_parsers(commands: Any) -> None:
                        metavar="DURATION")
     serve.add_argument("--snapshot-after", default=format_duration(DEFAULT_SNAPSHOT_AFTER_MS),
                        metavar="DURATION")
+    serve.add_argument("--max-busy", default=format_duration(DEFAULT_MAX_BUSY_MS), metavar="DURATION",
+                       help="a busy or watched session with no access this long is paused anyway")
     serve.add_argument("--agent-command", metavar="JSON",
                        help='agent workload argv template, e.g. ["claude", ..., "{prompt}"]')
     serve.add_argument("--agent-env", action="append", default=[], metavar="NAME",

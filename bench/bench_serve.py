@@ -194,8 +194,8 @@ def _force_idle(state_dir: Path, sid: str) -> None:
     manager = reploy.SessionManager(reploy.ServeConfig(state_dir=state_dir, workload_dirs=()),
                                     reploy.DockerBackend())
     try:
-        with manager.leased(sid) as lease:
-            manager._pause(lease)
+        with manager.leased(sid) as lease:  # paused with the facts the reaper would record
+            manager._pause(lease, manager._reap_decision(lease.record))
     finally:
         manager.close()
 

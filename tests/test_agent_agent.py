@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 
+import psutil
 import pytest
 
-from agent_fixtures.harness import (FAKE_AGENT_ARGV, agent, pid_gone, short_dir, start_agent,  # noqa: F401
-                                    wait_until)
+from agent_fixtures.harness import (FAKE_AGENT_ARGV, SPAWN_RESET_SIGNALS, agent, hostile_start,  # noqa: F401
+                                    pid_gone, short_dir, signal_dispositions, start_agent, wait_until)
 
 SECRET = "sk-fake-0123456789abcdef"
 
@@ -198,3 +200,30 @@ def test_turns_pair_up_in_the_outbox(fake):
     assert [s["seq"] for s in starts] == [e["turn"] for e in ends]
     assert [e["outcome"] for e in ends] == ["completed", "failed"]
     assert all(s["prompt_bytes"] > 0 for s in starts)
+
+
+def test_a_run_starts_with_default_signals_even_when_the_agent_did_not(start_agent):
+    """The run is `exec sleep` itself, so its dispositions are exactly what agent.py gave it: SIGTERM (interrupt's
+    signal) ends it at once, not SIGKILL after the grace."""
+    sleeper = json.dumps(["/bin/sh", "-c", "exec sleep 1000", "sh", "{prompt}"])
+    runner = start_agent("--workload", "agent", "--agent-command", sleeper, preexec_fn=hostile_start)
+    runner.result("message", text="anything")
+    run = runner.wait_status(lambda s: s["turn_state"] == "in_progress", "the run")["pid"]
+    wait_until(lambda: psutil.Process(run).name() == "sleep", "the run to exec sleep")
+    ignored, blocked = signal_dispositions(run)
+    assert not ignored & set(SPAWN_RESET_SIGNALS) and blocked == set()
+    assert runner.result("interrupt")["cancelled"] is True
+    runner.wait_status(lambda s: s["turn_state"] == "idle", "the run to end")
+    end = turn_ends(runner)[-1]
+    assert end["outcome"] == "interrupted" and end["exit_code"] == -signal.SIGTERM
+
+
+def test_an_agent_run_or_a_queued_prompt_is_busy(fake):
+    assert fake.status()["busy"] is False
+    fake.result("message", text="hang")
+    fake.result("message", text="say later")
+    status = fake.wait_status(lambda s: s["turn_state"] == "in_progress", "the run")
+    assert status["busy"] is True and status["quiet_ms"] == 0 and status["queue_depth"] == 1
+    fake.result("interrupt")  # the queued prompt runs next, then nothing is left
+    fake.read_until(b"later\n")
+    assert fake.wait_status(lambda s: s["turn_state"] == "idle", "the queue to drain")["busy"] is False

@@ -68,6 +68,7 @@ def parse(document) -> agent.Request:
     ("resize", {"columns": 1, "rows": 65535}, agent.ResizeParams(1, 65535)),
     ("checkpoint", {"id": "snap-1.a_b"}, agent.CheckpointParams("snap-1.a_b")),
     ("restore", {"path": "x.tar"}, agent.RestoreParams("x.tar")),
+    ("suspend", {"reason": "max_busy"}, agent.SuspendParams("max_busy")),
 ])
 def test_every_method_parses_into_its_params(method, params, expected):
     request = parse({"id": "7", "method": method, "params": params})
@@ -106,6 +107,10 @@ def test_requests_without_a_readable_id_answer_with_an_empty_id(line):
     ({"id": "9", "method": "resize", "params": {"columns": 80}}, "params.rows is required"),
     ({"id": "9", "method": "checkpoint", "params": {"id": "../x"}}, "params.id must match"),
     ({"id": "9", "method": "checkpoint", "params": {"id": ".hidden"}}, "params.id must match"),
+    ({"id": "9", "method": "checkpoint", "params": {"id": "snap\n"}}, "params.id must match"),
+    ({"id": "9", "method": "suspend", "params": {}}, "params.reason is required"),
+    ({"id": "9", "method": "suspend", "params": {"reason": "max_busy\n"}}, "params.reason must match"),
+    ({"id": "9", "method": "suspend", "params": {"reason": "Max busy"}}, "params.reason must match"),
 ])
 def test_malformed_requests_with_an_id_echo_it(document, message):
     with pytest.raises(agent.RequestError, match=re.escape(message)) as caught:

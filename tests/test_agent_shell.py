@@ -5,10 +5,13 @@ from __future__ import annotations
 import base64
 import os
 import signal
+import time
 
+import psutil
 import pytest
 
-from agent_fixtures.harness import agent, pid_gone, short_dir, start_agent, wait_until  # noqa: F401 (fixtures)
+from agent_fixtures.harness import (SPAWN_RESET_SIGNALS, agent, hostile_start, pid_gone, short_dir,  # noqa: F401
+                                    signal_dispositions, start_agent, wait_until)
 
 
 @pytest.fixture
@@ -173,3 +176,41 @@ def test_a_restarted_agent_serves_the_same_bytes_at_the_same_offsets(start_agent
     kinds = [e["type"] for e in events]
     assert kinds.count("session_start") == 2 and kinds.count("session_end") == 1  # the crashed one, reconciled
     assert [e["seq"] for e in events] == list(range(1, len(events) + 1))
+
+
+def test_interrupt_stops_a_job_even_when_the_agent_started_with_sigint_ignored(start_agent):
+    """`agent.py serve ... &` from a script starts with SIGINT ignored; the shell and its jobs must not inherit that."""
+    shell = start_agent("--workload", "shell", preexec_fn=hostile_start)
+    ignored, blocked = signal_dispositions(shell.proc.pid)
+    # The agent itself did start hostile (it catches SIGINT, SIGTERM and SIGHUP once serving; the rest stays).
+    assert signal.SIGQUIT in ignored and signal.SIGUSR1 in blocked
+    shell.result("message", text="sleep 1000")
+    busy = shell.wait_status(lambda s: s["turn_state"] == "in_progress", "sleep in the foreground")
+    [job] = wait_until(lambda: psutil.Process(busy["pid"]).children(), "the sleep job")
+    ignored, blocked = signal_dispositions(job.pid)
+    assert not ignored & set(SPAWN_RESET_SIGNALS) and blocked == set()
+    assert shell.result("interrupt")["cancelled"] is True
+    wait_until(lambda: pid_gone(job.pid), "the sleep to stop")
+    shell.wait_status(lambda s: s["turn_state"] == "idle", "the shell idle again")
+    assert [e["outcome"] for e in shell.events() if e["type"] == "turn_end"] == ["interrupted"]
+
+
+def test_busy_follows_the_foreground_job_and_quiet_counts_from_its_end(shell):
+    started = time.monotonic()
+    idle = shell.wait_status(lambda s: s["quiet_ms"] >= 1000, "a quiet second")
+    assert idle["busy"] is False
+    shell.result("message", text="sleep 1")
+    busy = shell.wait_status(lambda s: s["busy"], "the job in the foreground")
+    assert busy["quiet_ms"] == 0 and busy["turn_state"] == "in_progress"
+    after = shell.wait_status(lambda s: not s["busy"], "the job to end")
+    # Quiet counts from the job's end, not from the agent's start: the job itself took at least a second.
+    assert after["quiet_ms"] <= (time.monotonic() - started) * 1000 - 1000
+
+
+def test_suspend_records_an_outbox_event_and_changes_nothing_else(shell):
+    shell.result("message", text="sleep 1000")
+    shell.wait_status(lambda s: s["busy"], "the job in the foreground")
+    seq = shell.result("suspend", reason="max_busy")["seq"]
+    [event] = [e for e in shell.events() if e["type"] == "suspend"]
+    assert event == {**event, "seq": seq, "reason": "max_busy", "turn_state": "in_progress", "queue_depth": 0}
+    assert shell.status()["turn_state"] == "in_progress"  # the job runs on

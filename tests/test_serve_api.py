@@ -117,6 +117,7 @@ def test_agent_session_streams_and_redacts(serve_factory: Callable[..., ServePro
     api = server.api
     config = api.call("GET", "/config")
     assert config["agent"] == {"defaultModel": "m-default", "models": ["m-default", "m-other"]}
+    assert config["claudeCode"] == config["agent"]  # seed 002's key, beside ours
     session = api.create("agent", "agent", model="m-other")
     sid = session["id"]
     assert session["model"] == "m-other"
@@ -138,8 +139,17 @@ def test_agent_session_streams_and_redacts(serve_factory: Callable[..., ServePro
     length = api.get(sid) and len(api.read_all(sid))
     quiet = sse_events(api, sid, offset=length, until=lambda ev: any("comment" in e for e in ev))
     assert {"comment": "keepalive"} in quiet
-    # Writes and resizes are for shells.
-    assert api.raw("POST", f"/api/v1/sessions/{sid}/write", b'{"dataBase64": "eA=="}')[0] == 422
+    # Seed 002's prompt through write: the decoded UTF-8 bytes are one prompt, answered as message.
+    prompt = "say via write é".encode()
+    written = api.call("POST", f"/sessions/{sid}/write", {"dataBase64": base64.b64encode(prompt).decode()})
+    assert written == {"delivery": "dispatched", "queueDepth": 0}
+    api.wait_output(sid, "via write é\n".encode())
+    status, raw = api.raw("POST", f"/api/v1/sessions/{sid}/write", b'{"dataBase64": "/w=="}')
+    assert status == 422 and "UTF-8" in json.loads(raw)["error"]
+    huge = base64.b64encode(b"x" * (1024 * 1024 + 1)).decode()
+    assert api.raw("POST", f"/api/v1/sessions/{sid}/write", json.dumps({"dataBase64": huge}).encode())[0] == 413
+    # Resizes are for shells.
+    assert api.raw("POST", f"/api/v1/sessions/{sid}/resize", b'{"columns": 9, "rows": 9}')[0] == 422
 
 
 def test_many_stream_clients_and_resume(serve_factory: Callable[..., ServeProcess],
@@ -184,6 +194,8 @@ def test_error_mapping(serve_factory: Callable[..., ServeProcess], docker_engine
         ("POST", "/api/v1/sessions", b'{"name": "x", "workload": "vm"}', 422),
         ("POST", "/api/v1/sessions", b'{"name": "x", "workload": "shell", "deployment": "zzz"}', 422),
         ("POST", "/api/v1/sessions", b'{"name": "x", "workload": "shell", "model": "m"}', 422),
+        ("POST", "/api/v1/sessions", b'{"name": "x", "workload": "agent", "model": "platform-default"}', 422),
+        ("POST", "/api/v1/sessions", b'{"name": "x\\n", "workload": "shell"}', 422),
         ("POST", base + "/read", b'{"maxBytes": 1}', 422),
         ("POST", base + "/resize", b'{"columns": 0, "rows": 5}', 422),
         ("POST", base + "/message", b'{"text": "two\\nlines"}', 422),

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import subprocess
 import sys
 import threading
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -100,6 +102,121 @@ def test_lease_staleness() -> None:
     assert not reploy.lease_is_stale(dead, expires=50, now=10, host="other")  # cannot tell: wait
 
 
+# -- the reaper's decision --------------------------------------------------------------------
+
+POLICY = reploy.ReapPolicy(idle_after_s=60, snapshot_after_s=600, max_busy_s=3600)
+A = reploy.ReapAction
+B = reploy.IdleBlock
+NOT_BUSY = reploy.WorkloadFacts(busy=False, quiet_s=1e9)  # quiet since long before any access
+BUSY = reploy.WorkloadFacts(busy=True, quiet_s=0)
+
+
+@pytest.mark.parametrize(("case", "record", "facts", "viewers", "now", "action", "blocked"), [
+    # An active session: idle time runs from the last access...
+    ("not yet due", dict(last_access=0), NOT_BUSY, 0, 59, A.KEEP, ()),
+    ("idle on time", dict(last_access=0), NOT_BUSY, 0, 60, A.PAUSE, ()),
+    ("snapshot on time", dict(last_access=0), NOT_BUSY, 0, 600, A.SNAPSHOT, ()),
+    # ...or from the end of the last busy stretch, whichever is later: busy time is not idle time.
+    ("a job ended 10 s ago", dict(last_access=0), reploy.WorkloadFacts(False, 10), 0, 1000, A.KEEP, ()),
+    ("a job ended 60 s ago", dict(last_access=0), reploy.WorkloadFacts(False, 60), 0, 1000, A.PAUSE, ()),
+    ("a busy stretch the record kept", dict(last_access=0, busy_at=950), NOT_BUSY, 0, 1000, A.KEEP, ()),
+    ("an access after the busy stretch", dict(last_access=990, busy_at=500), NOT_BUSY, 0, 1000, A.KEEP, ()),
+    # Busy or watched: never paused or snapshotted by the idle clock...
+    ("busy", dict(last_access=0), BUSY, 0, 3599, A.KEEP, (B.BUSY,)),
+    ("watched", dict(last_access=0), NOT_BUSY, 1, 3599, A.KEEP, (B.VIEWER,)),
+    ("busy and watched", dict(last_access=0), BUSY, 2, 3599, A.KEEP, (B.BUSY, B.VIEWER)),
+    # ...until nobody accessed it for max_busy: paused anyway (never snapshotted).
+    ("busy past max_busy", dict(last_access=0), BUSY, 0, 3600, A.FORCE_PAUSE, (B.BUSY,)),
+    ("watched past max_busy", dict(last_access=0), NOT_BUSY, 1, 9999, A.FORCE_PAUSE, (B.VIEWER,)),
+    ("accessed while busy", dict(last_access=100), BUSY, 0, 3650, A.KEEP, (B.BUSY,)),
+    # An agent that does not answer: not busy, the last access decides.
+    ("no answer", dict(last_access=0, busy_at=10), None, 0, 70, A.PAUSE, ()),
+    ("no answer, due to snapshot", dict(last_access=0), None, 0, 600, A.SNAPSHOT, ()),
+    # A paused session: its frozen facts decide; it is never paused again.
+    ("idle, not yet", dict(state=S.IDLE, last_access=0), None, 0, 599, A.KEEP, ()),
+    ("idle, snapshot", dict(state=S.IDLE, last_access=0), None, 0, 600, A.SNAPSHOT, ()),
+    ("idle, from the busy stretch", dict(state=S.IDLE, last_access=0, busy_at=100), None, 0, 650, A.KEEP, ()),
+    ("idle, paused busy", dict(state=S.IDLE, last_access=0, idle_blocked_by=(B.BUSY,)), None, 0, 1e9,
+     A.KEEP, (B.BUSY,)),
+    ("idle, watched", dict(state=S.IDLE, last_access=0), None, 1, 1e9, A.KEEP, (B.VIEWER,)),
+    ("idle, the viewer left", dict(state=S.IDLE, last_access=0, idle_blocked_by=(B.VIEWER,)), None, 0, 600,
+     A.SNAPSHOT, ()),
+    ("idle, live facts ignored", dict(state=S.IDLE, last_access=0), BUSY, 0, 600, A.SNAPSHOT, ()),
+])
+def test_reap_decisions(case: str, record: dict[str, Any], facts: Any, viewers: int, now: float,
+                        action: Any, blocked: tuple[Any, ...]) -> None:
+    decision = reploy.decide_reap(_record(**record), facts, viewers, now, POLICY)
+    assert (decision.action, decision.blocked_by) == (action, blocked), case
+
+
+@pytest.mark.parametrize("state", sorted(set(S) - {S.ACTIVE, S.IDLE}, key=lambda s: s.value))
+def test_the_reaper_leaves_every_other_state_alone(state: Any) -> None:
+    for facts in (None, BUSY, NOT_BUSY):
+        decision = reploy.decide_reap(_record(state=state, last_access=0), facts, 1, 1e9, POLICY)
+        assert (decision.action, decision.blocked_by) == (A.KEEP, ())
+
+
+def test_reap_rules_hold_over_the_whole_grid() -> None:
+    """The rules as properties, over every combination of state, facts, viewers, stored facts
+    and time: nothing blocked is ever paused or snapshotted, busy work is never snapshotted,
+    only an active session is paused, and nothing happens before its time."""
+    for state in (S.ACTIVE, S.IDLE):
+        for facts in (None, BUSY, NOT_BUSY, reploy.WorkloadFacts(False, 30)):
+            for viewers in (0, 1):
+                for kept in ((), (B.BUSY,), (B.VIEWER,)):
+                    for busy_at in (None, 0.0, 500.0):
+                        for now in (0, 59, 60, 599, 600, 3599, 3600, 5000):
+                            record = _record(state=state, last_access=0, busy_at=busy_at,
+                                             idle_blocked_by=kept)
+                            d = reploy.decide_reap(record, facts, viewers, now, POLICY)
+                            busy = (facts is not None and facts.busy if state is S.ACTIVE
+                                    else B.BUSY in kept)
+                            assert (B.BUSY in d.blocked_by) == busy
+                            assert (B.VIEWER in d.blocked_by) == (viewers > 0)
+                            if d.blocked_by:
+                                assert d.action in (A.KEEP, A.FORCE_PAUSE)
+                            if d.action is A.FORCE_PAUSE:
+                                assert state is S.ACTIVE and now >= POLICY.max_busy_s
+                            if busy:
+                                assert d.action is not A.SNAPSHOT
+                            if state is S.IDLE:
+                                assert d.action in (A.KEEP, A.SNAPSHOT)
+                            quiet = now - d.idle_since
+                            if d.action is A.PAUSE:
+                                assert POLICY.idle_after_s <= quiet < POLICY.snapshot_after_s
+                            if d.action is A.SNAPSHOT:
+                                assert quiet >= POLICY.snapshot_after_s
+                            assert d.idle_since >= record.last_access
+
+
+def test_workload_facts_come_from_the_agents_status() -> None:
+    facts = reploy.WorkloadFacts.from_status
+    assert facts({"busy": True, "quiet_ms": 0, "turn_state": "in_progress", "queue_depth": 0}) == BUSY
+    assert facts({"busy": False, "quiet_ms": 2500}) == reploy.WorkloadFacts(False, 2.5)
+    # An agent older than busy/quiet_ms: its turn state and queue say whether it is busy.
+    assert facts({"turn_state": "in_progress", "queue_depth": 0}) == BUSY
+    assert facts({"turn_state": "waiting", "queue_depth": 2}) == BUSY
+    assert facts({"turn_state": "idle", "queue_depth": 0}) == reploy.WorkloadFacts(False, None)
+    assert facts({"turn_state": "waiting", "queue_depth": 0, "quiet_ms": True}) == reploy.WorkloadFacts(False, None)
+
+
+def test_an_agent_that_does_not_say_how_long_it_was_quiet_leaves_the_clock_to_the_last_access() -> None:
+    record = _record(last_access=0, busy_at=5.0)
+    decision = reploy.decide_reap(record, reploy.WorkloadFacts(False, None), 0, 70, POLICY)
+    assert (decision.action, decision.busy_at, decision.idle_since) == (A.PAUSE, 5.0, 5.0)
+
+
+def test_session_json_counts_down_from_the_busy_stretch_and_stops_while_blocked() -> None:
+    doc = reploy.session_json(_record(last_access=100.0, busy_at=150.0), 10, 60)
+    assert (doc["idleAt"], doc["snapshotAt"], doc["idleBlockedBy"]) == (160.0, 210.0, [])
+    doc = reploy.session_json(_record(last_access=100.0, idle_blocked_by=(B.BUSY, B.VIEWER)), 10, 60)
+    assert (doc["idleAt"], doc["snapshotAt"], doc["idleBlockedBy"]) == (None, None, ["busy", "viewer"])
+    doc = reploy.session_json(_record(state=S.IDLE, last_access=100.0), 10, 60)
+    assert (doc["idleAt"], doc["snapshotAt"]) == (None, 160.0)
+    doc = reploy.session_json(_record(state=S.SNAPSHOT, idle_blocked_by=(B.BUSY,)), 10, 60)
+    assert doc["idleBlockedBy"] == []
+
+
 # -- the store ------------------------------------------------------------------------------
 
 
@@ -166,6 +283,65 @@ def test_delete_is_fenced_by_the_lease(tmp_path: Path) -> None:
     assert store.get(record.id) is None
 
 
+def test_observed_facts_need_no_lease_and_apply_only_to_the_state_seen(tmp_path: Path) -> None:
+    store = reploy.SessionStore(tmp_path / "s.db")
+    record = _record()
+    store.insert(record)
+    store.acquire(record.id, "someone", now=1)  # facts are observations: a lease does not matter
+    store.observe(record.id, S.ACTIVE, 42.0, (B.BUSY, B.VIEWER))
+    seen = store.get(record.id)
+    assert (seen.busy_at, seen.idle_blocked_by, seen.version) == (42.0, (B.BUSY, B.VIEWER), 1)
+    store.observe(record.id, S.IDLE, 50.0, ())  # seen idle, but it is active: ignored
+    assert store.get(record.id).busy_at == 42.0
+    paused = store.save(seen, reploy.apply_session_event(seen, E.PAUSED, 2, idle_blocked_by=(B.BUSY,)),
+                        "someone", now=2)
+    assert store.get(record.id).idle_blocked_by == (B.BUSY,) == paused.idle_blocked_by
+
+
+def test_a_viewer_held_by_another_process_counts_until_it_expires(tmp_path: Path) -> None:
+    """Each `serve` has its own connection; a viewer one holds must block another's reaper,
+    and one whose `serve` died without removing it stops counting after VIEWER_TTL_S."""
+    db = tmp_path / "s.db"
+    store = reploy.SessionStore(db)
+    store.insert(_record())
+    sid = "0123456789abcdef"
+    holder = subprocess.run([sys.executable, "-c", f"""
+import sys; sys.path.insert(0, {str(ROOT)!r}); import reploy
+reploy.SessionStore(__import__("pathlib").Path({str(db)!r})).hold_viewer("v-other", {sid!r}, 100.0)
+"""], capture_output=True, timeout=60)
+    assert holder.returncode == 0, holder.stderr
+    assert store.viewer_count(sid, now=100.0) == 1
+    store.hold_viewer("v-mine", sid, now=110.0)
+    assert store.viewer_count(sid, now=111.0) == 2
+    assert store.viewer_count("fedcba9876543210", now=111.0) == 0
+    assert store.viewer_count(sid, now=100.0 + reploy.VIEWER_TTL_S) == 1  # the other one expired
+    store.hold_viewer("v-mine", sid, now=130.0)  # a renewal, not a second viewer
+    assert store.viewer_count(sid, now=131.0) == 1
+    store.drop_viewer("v-mine")
+    assert store.viewer_count(sid, now=131.0) == 0
+
+
+def test_a_schema_1_store_gains_the_new_columns_in_place(tmp_path: Path) -> None:
+    import sqlite3
+
+    db = tmp_path / "s.db"
+    old = sqlite3.connect(db)
+    old.execute(reploy._STORE_DDL)
+    record = _record()
+    columns = reploy._RECORD_COLUMNS[:13]  # schema 1's columns
+    values = {**record.__dict__, "spec": record.spec.to_json(), "state": record.state.value}
+    old.execute(f"INSERT INTO sessions ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))})",
+                [values[c] for c in columns])
+    old.execute("PRAGMA user_version=1")
+    old.commit()
+    old.close()
+    store = reploy.SessionStore(db)
+    assert store.get(record.id) == record  # busy_at None, idle_blocked_by ()
+    reploy.SessionStore(db)  # opening again changes nothing
+    store.observe(record.id, S.ACTIVE, 5.0, (B.VIEWER,))
+    assert store.get(record.id).idle_blocked_by == (B.VIEWER,)
+
+
 # -- request bodies ---------------------------------------------------------------------------
 
 CREATE = reploy.BODY_RULES["create"]
@@ -188,6 +364,63 @@ CREATE = reploy.BODY_RULES["create"]
 def test_create_bodies_are_strict(raw: bytes, error: type) -> None:
     with pytest.raises(error):
         reploy.parse_body(raw, CREATE)
+
+
+@pytest.mark.parametrize("body", [
+    {"name": "a\n", "workload": "shell"},  # `$` would let a trailing newline through: fullmatch
+    {"name": "a", "workload": "agent", "model": "m\n"},
+    {"name": "a", "workload": "agent", "model": "~m\n"},
+    {"name": "a", "workload": "shell", "deployment": "d\n"},
+    {"name": "a", "workload": "agent", "model": "platform-default"},  # seed 002's reserved alias
+])
+def test_trailing_newlines_and_the_reserved_model_are_refused(body: dict[str, str]) -> None:
+    with pytest.raises(reploy.Unprocessable):
+        reploy.parse_body(json.dumps(body).encode(), CREATE)
+
+
+@pytest.mark.parametrize(("parse", "text"), [
+    (reploy.parse_duration_ms, "5s\n"),
+    (reploy.parse_duration_ms, "\u0665s"),  # a non-ASCII digit
+    (lambda text: reploy.sse_cursor(text, None), "5\n"),
+    (lambda text: reploy.match_route("GET", f"/sessions/{text}"), "0123456789abcdef\n"),
+])
+def test_every_parser_refuses_a_trailing_newline(parse: Any, text: str) -> None:
+    with pytest.raises((ValueError, reploy.ServeError)):
+        parse(text)
+
+
+@pytest.mark.parametrize(("path", "value"), [
+    ("name", "demo\n"),
+    ("environment.runtime.user", "1000:1000\n"),
+    ("environment.executables", {"demo.main\n": {"argv": ["true"]}}),
+    ("environment.workload.services", {"web": {"endpoints": {"web\n": {"scheme": "http", "port": 80}}}}),
+])
+def test_blueprint_names_refuse_a_trailing_newline(path: str, value: Any) -> None:
+    doc: dict[str, Any] = {"name": "demo", "environment": {
+        "runtime": {"user": "1000:1000"},
+        "executables": {"demo.main": {"argv": ["true"]}},
+        "commands": {"run": {"executable": "demo.main", "native_command": True, "trigger": ["run"]}}}}
+    reploy.parse_blueprint(doc)  # valid as it stands
+    *parents, leaf = path.split(".")
+    node = doc
+    for key in parents:
+        node = node.setdefault(key, {})
+    node[leaf] = value
+    with pytest.raises(reploy.BlueprintError):
+        reploy.parse_blueprint(doc)
+
+
+def test_every_pattern_in_the_role_files_is_fullmatched() -> None:
+    """`re.match(...$)` lets a trailing newline through; every pattern is used with fullmatch,
+    so none needs (or has) anchors, and no role file calls .match()."""
+    import agent
+    import reploy_session_client
+    import reploy_watchdog
+
+    for module in (reploy, agent, reploy_session_client, reploy_watchdog):
+        patterns = [v for v in vars(module).values() if isinstance(v, re.Pattern)]
+        assert all(not p.pattern.startswith("^") and not p.pattern.endswith("$") for p in patterns)
+        assert ".match(" not in Path(module.__file__).read_text()
 
 
 def test_valid_bodies_and_ranges() -> None:
@@ -304,6 +537,15 @@ def test_client_requests() -> None:
     ["--mount", "/nonexistent:/x"],
     ["--listen", "nowhere"],
     ["--models", '["a", "a"]'],
+    ["--models", '"abc"'],  # a string is not a catalog
+    ["--models", '[" a"]'],
+    ["--models", '["a\\n"]'],
+    ["--models", '["platform-default"]'],
+    ["--models", '["a", 5]'],
+    ["--default-model", "platform-default"],
+    ["--default-model", "m\n"],
+    ["--agent-env", "HOME\n"],
+    ["--allow-host", "proxy.test\n"],
 ])
 def test_serve_usage_errors_exit_2_with_nothing_on_stdout(extra: list[str], tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, str(ROOT / "reploy.py"), "serve", "--state-dir",

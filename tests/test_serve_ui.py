@@ -1,6 +1,8 @@
 """The web UI in headless Chromium against a real `serve` with real containers: every screen,
 a shell session typed into through xterm.js (colours, full-screen tools, resize), an agent
-session streaming, snapshot and restore. Screenshots land in test-artifacts/serve-ui/.
+session streaming, snapshot and restore, relaunching an exited shell or (after asking) an agent,
+and a dropped stream that waits out a transitional state before it reconnects. Screenshots land
+in test-artifacts/serve-ui/.
 
 Skips without chromium only when REPLOY_REQUIRE_DOCKER is unset; in CI it must run.
 """
@@ -161,3 +163,115 @@ def test_every_screen_in_chromium(serve_factory: Callable[..., ServeProcess], do
     entries = [e["url"] for e in browser.call("Page.getNavigationHistory")["entries"]]
     assert server.ready["token"] not in json.dumps([seen, entries])
     assert seen[2] == "" and not any("/login" in url for url in entries)
+
+
+#: Counts, in the page, every EventSource opened and every GET of one session's record.
+COUNT_STREAMS_AND_GETS = """
+window.reployTest = { streams: 0, gets: 0 };
+const NativeEventSource = window.EventSource;
+window.EventSource = class extends NativeEventSource {
+  constructor(...args) { super(...args); window.reployTest.streams++; }
+};
+const nativeFetch = window.fetch;
+window.fetch = (input, init) => {
+  if (/\\/sessions\\/[0-9a-f]{16}$/.test(String(input)) && (!init || (init.method || "GET") === "GET")) {
+    window.reployTest.gets++;
+  }
+  return nativeFetch(input, init);
+};
+"""
+
+
+def hold_snapshotting(state_dir: Path, sid: str) -> Callable[[], None]:
+    """Takes the session's lease and moves it to snapshotting, exactly as another `serve` does
+    at the start of a snapshot (the real store, its compare-and-swap and lease); returns the
+    rollback that ends it back in active, as a failed snapshot does."""
+    import socket
+    import time
+
+    import reploy
+    import reploy_watchdog
+
+    store = reploy.SessionStore(state_dir / "sessions.db")
+    owner = f"{socket.gethostname()}/{reploy_watchdog.process_identity()}/ui-test"
+    assert store.acquire(sid, owner, time.time())
+    record = store.get(sid)
+    held = store.save(record, reploy.apply_session_event(record, reploy.SessionEvent.CHECKPOINT, time.time(),
+                                                         archive="checkpoint-held.tar"), owner, time.time())
+
+    def roll_back() -> None:
+        now = time.time()
+        store.save(held, reploy.apply_session_event(held, reploy.SessionEvent.ROLLBACK, now, archive=None),
+                   owner, now)
+        store.release(sid, owner)
+        store.close()
+    return roll_back
+
+
+def test_relaunch_and_stream_recovery_in_chromium(serve_factory: Callable[..., ServeProcess],
+                                                 docker_engine: Any, browser: Browser) -> None:
+    server = serve_factory("--sse-keepalive", "200ms")
+    url = server.ready["url"]
+    browser.call("Page.addScriptToEvaluateOnNewDocument", source=COUNT_STREAMS_AND_GETS)
+    log_in(browser, server)
+
+    # The list says what holds a session back from idling.
+    busy = server.api.create("ui-busy")["id"]
+    server.api.wait_output(busy, b"$ ")
+    server.api.call("POST", f"/sessions/{busy}/message", {"text": "sleep 1000"})
+    browser.navigate(url + "/#/")
+    browser.wait_for(f"(document.querySelector(\"tr[data-session='{busy}'] [data-test=countdown]\") || {{}})"
+                     ".textContent === 'held: busy'", "the busy session held")
+    server.api.call("DELETE", f"/sessions/{busy}")
+
+    # A shell that exited: the workspace offers Relaunch, and typing works again after it.
+    shell = create_in_ui(browser, url, "ui-exit", "shell")
+    screen_has(browser, "$ ", "the first prompt")
+    assert browser.evaluate("document.querySelector('[data-test=exited]').hidden") is True
+    type_line(browser, "exit 3")
+    browser.wait_for("!document.querySelector('[data-test=exited]').hidden", "the Relaunch offer")
+    assert "status 3" in browser.evaluate("document.querySelector('[data-test=exited]').textContent")
+    browser.screenshot(ARTIFACTS / "10-shell-exited.png")
+    click(browser, "[data-test=relaunch]")
+    screen_has(browser, "[reploy: shell relaunched]", "the relaunch marker")
+    browser.wait_for("document.querySelector('[data-test=exited]').hidden", "the offer gone")
+    type_line(browser, "echo again-$((3+4))")
+    screen_has(browser, "again-7", "typing into the new shell")
+
+    # The stream drops while another serve holds the session snapshotting: the UI waits, never
+    # reconnecting, until the session is stable again; then it reconnects once.
+    opened = browser.evaluate("window.reployTest.streams")
+    port = server.ready["url"].rsplit(":", 1)[1]
+    roll_back = hold_snapshotting(server.state_dir, shell)
+    server.stop()
+    again = serve_factory("--listen", f"127.0.0.1:{port}", state_dir=server.state_dir)
+    browser.wait_for("document.querySelector('[data-test=statusline]').textContent"
+                     ".includes('waiting for the session: snapshotting')", "the UI to wait")
+    gets = browser.evaluate("window.reployTest.gets")
+    browser.wait_for(f"window.reployTest.gets >= {gets + 4}", "four more looks at the session")
+    assert browser.evaluate("window.reployTest.streams") == opened  # no reconnect meanwhile
+    browser.screenshot(ARTIFACTS / "11-waiting.png")
+    roll_back()
+    browser.wait_for(f"window.reployTest.streams === {opened + 1}", "one reconnect once active")
+    type_line(browser, "echo back-$((5+5))")
+    screen_has(browser, "back-10", "typing after the reconnect")
+    assert again.api.get(shell)["state"] == "active"
+
+    # An agent session: Relaunch asks first, and forgets the conversation only when confirmed.
+    agent = create_in_ui(browser, url, "ui-relaunch", "agent")
+    fill(browser, "[data-test=prompt]", "say first answer")
+    click(browser, "[data-test=send]")
+    browser.wait_for("document.querySelector('[data-test=transcript]').textContent.includes('first answer')",
+                     "the first answer")
+    wait_until(lambda: again.api.call("GET", f"/sessions/{agent}/status")["agent"]["continue"], "continue")
+    click(browser, "[data-test=relaunch]")
+    browser.wait_for("!document.querySelector('[data-test=relaunch-confirmation]').hidden", "the question")
+    browser.screenshot(ARTIFACTS / "12-agent-relaunch.png")
+    click(browser, "[data-test=cancel-relaunch]")
+    assert again.api.call("GET", f"/sessions/{agent}/status")["agent"]["continue"] is True  # nothing forgotten
+    click(browser, "[data-test=relaunch]")
+    click(browser, "[data-test=confirm-relaunch]")
+    browser.wait_for("document.querySelector('[data-test=transcript]').textContent"
+                     ".includes('[reploy: relaunched: the next prompt starts a new conversation]')",
+                     "the relaunch marker")
+    assert again.api.call("GET", f"/sessions/{agent}/status")["agent"]["continue"] is False

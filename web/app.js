@@ -10,6 +10,7 @@
 
 const API = "/api/v1";
 const POLL_MS = 2000;
+const STATUS_POLL_MS = 1000;
 
 // ---- helpers --------------------------------------------------------------------------------
 
@@ -117,6 +118,7 @@ function sessionsScreen() {
 
   function countdown(s) {
     const now = Date.now() / 1000 + skew;
+    if (s.idleBlockedBy && s.idleBlockedBy.length) return `held: ${s.idleBlockedBy.join(", ")}`;
     if (s.state === "active" && s.idleAt) return `idle in ${clock(s.idleAt - now)}`;
     if (s.state === "idle" && s.snapshotAt) return `snapshot in ${clock(s.snapshotAt - now)}`;
     return "—";
@@ -269,10 +271,29 @@ async function workspaceScreen(id) {
   follow(id, onOutput, status, cleanups, () => closed);
 }
 
-// Follows the SSE stream; on `reset` it re-reads the log from 0 and reconnects; on a transport
-// failure it reconnects only while the session is active or idle.
+// Follows the SSE stream; on `reset` it re-reads the log from 0 and reconnects. After a
+// transport failure it looks at the session first (seed 002): it reconnects only to an active or
+// idle session, sends a snapshot to the restore screen, and while the session is being created,
+// snapshotted, restored or deleted it waits for a stable state instead of reconnecting.
 function follow(id, sink, status, cleanups, isClosed) {
   let source = null, cursor = 0, retry = null;
+  const later = (step, ms) => { clearTimeout(retry); retry = setTimeout(() => { if (!isClosed()) step(); }, ms); };
+  const recover = async () => {
+    let current;
+    try {
+      current = await api("GET", `/sessions/${id}`);
+    } catch (e) {
+      if (e.status === 404) { location.hash = "#/"; return; }
+      status.textContent = `reconnecting: ${e.message}`;
+      later(recover, 1000);
+      return;
+    }
+    if (isClosed()) return;
+    if (current.state === "snapshot") { route(); return; }
+    if (current.state === "active" || current.state === "idle") { status.textContent = ""; open(); return; }
+    status.textContent = `waiting for the session: ${current.state}…`;
+    later(recover, POLL_MS);
+  };
   const open = () => {
     source = new EventSource(`${API}/sessions/${id}/stream?offset=${cursor}`);
     source.addEventListener("output", (event) => {
@@ -295,23 +316,40 @@ function follow(id, sink, status, cleanups, isClosed) {
       } catch (e) { status.textContent = e.message; }
       if (!isClosed()) open();
     });
-    source.onerror = async () => {
+    source.onerror = () => {
       source.close();
-      if (isClosed()) return;
-      try {
-        const current = await api("GET", `/sessions/${id}`);
-        if (current.state === "snapshot") { route(); return; }
-      } catch (e) { if (e.status === 404) { location.hash = "#/"; return; } }
-      retry = setTimeout(() => { if (!isClosed()) open(); }, 1000);
+      if (!isClosed()) recover();
     };
   };
   open();
   cleanups.push(() => { if (source) source.close(); clearTimeout(retry); });
 }
 
+// The agent's status, polled passively (status never resumes a session); null while it is not active.
+function pollStatus(id, cleanups, onStatus) {
+  const poll = setInterval(async () => {
+    try { onStatus((await api("GET", `/sessions/${id}/status`)).agent); }
+    catch (_) { /* the state poll reports errors */ }
+  }, STATUS_POLL_MS);
+  cleanups.push(() => clearInterval(poll));
+}
+
+async function relaunch(id, status) {
+  try { await api("POST", `/sessions/${id}/relaunch`, {}); return true; }
+  catch (e) { status.textContent = e.message; return false; }
+}
+
 function shellView(id, toolbar, status, cleanups) {
   const frame = h("div", { class: "terminal-frame", "data-test": "terminal" });
-  show(toolbar, frame, status);
+  // Once the shell has exited every keystroke is refused: offer a new one in its place.
+  const exitNote = h("span", {});
+  const relaunchButton = h("button", { class: "primary", "data-test": "relaunch", onclick: async () => {
+    relaunchButton.disabled = true;
+    if (await relaunch(id, status)) { exited.hidden = true; term.focus(); }
+    relaunchButton.disabled = false;
+  } }, "Relaunch");
+  const exited = h("div", { class: "notice", "data-test": "exited", hidden: true }, exitNote, relaunchButton);
+  show(toolbar, exited, frame, status);
   const term = new Terminal({ cursorBlink: true, fontSize: 14, fontFamily: "DejaVu Sans Mono, monospace",
                               scrollback: 5000, theme: { background: "#000000" } });
   term.open(frame);
@@ -351,6 +389,14 @@ function shellView(id, toolbar, status, cleanups) {
   requestAnimationFrame(fit);
   term.focus();
   cleanups.push(() => { observer.disconnect(); term.dispose(); delete window.reployTerminal; });
+  pollStatus(id, cleanups, (agent) => {
+    if (!agent || relaunchButton.disabled) return;
+    exited.hidden = agent.running;
+    if (!agent.running) {
+      const code = agent.exitCode;
+      exitNote.textContent = `The shell has exited${code === null ? "" : code >= 0 ? ` (status ${code})` : ` (signal ${-code})`}. `;
+    }
+  });
   return { write: (bytes) => term.write(bytes), reset: () => term.reset() };
 }
 
@@ -363,8 +409,18 @@ function agentView(id, toolbar, status, cleanups) {
     try { const r = await api("POST", `/sessions/${id}/interrupt`, {}); status.textContent = r.cancelled ? "interrupted" : "nothing to interrupt"; }
     catch (e) { status.textContent = e.message; }
   } }, "Interrupt");
+  // Relaunch ends the current run and forgets the conversation, so it asks first.
+  const confirmRelaunch = h("div", { class: "notice", "data-test": "relaunch-confirmation", hidden: true },
+    "Relaunch ends the current run and forgets the conversation: the next prompt starts a new one. ",
+    h("button", { class: "danger confirm", "data-test": "confirm-relaunch", onclick: async () => {
+      confirmRelaunch.hidden = true;
+      if (await relaunch(id, status)) status.textContent = "relaunched: the next prompt starts a new conversation";
+    } }, "Relaunch and forget"),
+    h("button", { "data-test": "cancel-relaunch", onclick: () => { confirmRelaunch.hidden = true; } }, "Cancel"));
+  const relaunchButton = h("button", { "data-test": "relaunch", onclick: () => { confirmRelaunch.hidden = false; } }, "Relaunch");
   show(toolbar, h("div", { class: "agent" }, transcript,
-       h("div", { class: "prompt" }, prompt, h("div", { class: "buttons" }, send, interrupt)), queue), status);
+       h("div", { class: "prompt" }, prompt, h("div", { class: "buttons" }, send, interrupt, relaunchButton)),
+       confirmRelaunch, queue), status);
 
   async function submit() {
     const text = prompt.value;
@@ -381,14 +437,9 @@ function agentView(id, toolbar, status, cleanups) {
     if (event.key === "Enter" && (event.ctrlKey || event.metaKey)) { event.preventDefault(); submit(); }
   });
 
-  // Queue state, passively (status never resumes a session).
-  const poll = setInterval(async () => {
-    try {
-      const { agent } = await api("GET", `/sessions/${id}/status`);
-      queue.textContent = agent ? `turn: ${agent.turnState} · queued: ${agent.queueDepth}` : "";
-    } catch (_) { /* the state poll reports errors */ }
-  }, 1000);
-  cleanups.push(() => clearInterval(poll));
+  pollStatus(id, cleanups, (agent) => {
+    queue.textContent = agent ? `turn: ${agent.turnState} · queued: ${agent.queueDepth}` : "";
+  });
 
   let decoder = new TextDecoder();
   return {

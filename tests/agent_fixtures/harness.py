@@ -55,7 +55,8 @@ def pid_gone(pid: int) -> bool:
 class AgentProcess:
     """One `agent.py serve` child, with helpers for calling its socket and reading its log."""
 
-    def __init__(self, session_dir: Path, args: list[str], env: Optional[dict[str, str]] = None) -> None:
+    def __init__(self, session_dir: Path, args: list[str], env: Optional[dict[str, str]] = None,
+                 preexec_fn: Optional[Callable[[], None]] = None) -> None:
         self.session_dir = session_dir
         self.args = args
         self.stderr_path = session_dir.parent / f"{session_dir.name}.stderr"
@@ -63,7 +64,7 @@ class AgentProcess:
             self.proc = subprocess.Popen(
                 [sys.executable, str(AGENT_PY), "serve", "--session-dir", str(session_dir), *args],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr,
-                env={**os.environ, **(env or {})}, start_new_session=True)
+                env={**os.environ, **(env or {})}, start_new_session=True, preexec_fn=preexec_fn)
         self._descendants: list[psutil.Process] = []
 
     @property
@@ -160,6 +161,32 @@ class AgentProcess:
                 pass
 
 
+#: The dispositions agent.py must give back to default in every process it spawns.
+SPAWN_RESET_SIGNALS = (signal.SIGINT, signal.SIGQUIT, signal.SIGTERM, signal.SIGPIPE, signal.SIGHUP)
+#: Blocked in the hostile start below: a spawned process must begin with an empty mask.
+BLOCKED_AT_START = (signal.SIGUSR1, signal.SIGALRM)
+
+
+def hostile_start() -> None:
+    """Runs in the agent's process before exec: what `agent.py serve ... &` from a non-interactive script gets (SIGINT
+    and SIGQUIT ignored), and more: every signal agent.py must reset ignored, and some blocked."""
+    for signum in SPAWN_RESET_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, BLOCKED_AT_START)
+
+
+def signal_dispositions(pid: int) -> tuple[set[int], set[int]]:
+    """(ignored, blocked) signal numbers of a live process, from /proc/PID/status."""
+    fields = dict(line.split(":\t", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                  if ":\t" in line)
+
+    def numbers(mask_hex: str) -> set[int]:
+        mask = int(mask_hex, 16)
+        return {n for n in range(1, 65) if mask >> (n - 1) & 1}
+
+    return numbers(fields["SigIgn"]), numbers(fields["SigBlk"])
+
+
 def piece_bytes(piece: dict[str, Any]) -> bytes:
     """The bytes of a read result, whichever workload answered."""
     if "text" in piece:
@@ -177,11 +204,13 @@ def short_dir() -> Iterator[Path]:
 
 @pytest.fixture
 def start_agent(short_dir: Path) -> Iterator[Callable[..., AgentProcess]]:
-    """start_agent(*args, name="s", env=None, ready=True) -> a running agent; all are cleaned up at teardown."""
+    """start_agent(*args, name="s", env=None, ready=True, preexec_fn=None) -> a running agent; all are cleaned up at
+    teardown. preexec_fn runs in the agent's process before exec (e.g. to start it with signals ignored)."""
     started: list[AgentProcess] = []
 
-    def start(*args: str, name: str = "s", env: Optional[dict[str, str]] = None, ready: bool = True) -> AgentProcess:
-        process = AgentProcess(short_dir / name, list(args), env)
+    def start(*args: str, name: str = "s", env: Optional[dict[str, str]] = None, ready: bool = True,
+              preexec_fn: Optional[Callable[[], None]] = None) -> AgentProcess:
+        process = AgentProcess(short_dir / name, list(args), env, preexec_fn)
         started.append(process)
         return process.wait_ready() if ready else process
 
