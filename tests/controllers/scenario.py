@@ -46,8 +46,11 @@ def full(session, report):
     status, output = session.run("pwd")
     checks["cwd_persists"] = status == 0 and b"/tmp\r\n" in output
     # Ctrl-C interrupts a foreground job, and the shell comes back. The marker is printed by
-    # the shell after its line editor has restored the terminal, so ISIG is on when 0x03 goes.
-    session.type("echo @@sleeping-$((40+2))@@; sleep 30\n")
+    # the job itself, which the shell made the terminal's foreground process group before it
+    # ran (and after its line editor restored the terminal): ISIG is on and the job is in the
+    # foreground when 0x03 goes. (A marker echoed by the shell before it forks the job raced
+    # the hand-over under load: the ^C then reached the shell, and the sleep ran on.)
+    session.type("sh -c 'echo @@sleeping-$((40+2))@@; exec sleep 30'\n")
     session.expect(rb"@@sleeping-42@@")
     session.type(b"\x03")
     status, output = session.run("echo back")
