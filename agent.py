@@ -12,6 +12,10 @@ Workloads:
   agent  a coding-agent CLI (Claude Code by default) run once per prompt through a bounded serial queue; its
          stream-json is projected to plain text, UTF-8 normalised, secrets redacted, output capped.
 
+Beside the workload, for harnesses: `exec` runs a command in its own process session and reports how it ended, with
+stdout and stderr apart; the file verbs move files and trees (as tar) in and out of the workspace or home, confined
+by walking directory fds with O_NOFOLLOW. Both keep the socket's bounds: long work is started, then long-polled.
+
 Everything the workload prints goes to DIR/output.log: append-only, addressed by byte offsets, kept across agent
 restarts and checkpoint/restore, bounded by a cap that ends it with a marker line instead of losing bytes.
 

@@ -12,6 +12,9 @@ Peers:
   * reploy_session_client.py, which runs inside the controller container as the broker. It also
     holds the public stream codec and the private channel framing, which this file imports so
     both ends speak from one definition. It must sit beside this file.
+  * agent.py, the data-plane agent in each managed-session container, reached only through its
+    control socket; `session cp` also reuses its archive rules (vetting, extraction, the tree
+    writer), so it must sit beside this file too.
 
 Machine output is one JSON document on stdout; human text goes to stderr.
 
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import concurrent.futures
 import contextlib
 import enum
 import hashlib
@@ -53,7 +57,7 @@ import urllib.parse
 import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
+from typing import Any, Callable, Generator, Iterable, Iterator, Optional, Sequence
 
 import docker
 import docker.errors
@@ -3931,7 +3935,8 @@ class SessionManager:
                size_bytes: int, source: Any) -> dict[str, Any]:
         """Streams size_bytes from `source` into the session: staged by the agent chunk by
         chunk (never the whole body in memory here), then committed with its sha256. A refused
-        or broken upload is closed and leaves nothing behind."""
+        or broken upload is closed and leaves nothing behind. One chunk is in flight while the
+        next is read and encoded."""
         free = shutil.disk_usage(self.config.state_dir).free
         if free - size_bytes < self.config.min_free_bytes:
             raise InsufficientStorage(f"not enough space: {free // (1024 * 1024)} MiB free under "
@@ -3943,15 +3948,21 @@ class SessionManager:
         digest = hashlib.sha256()
         sent = 0
         try:
-            while sent < size_bytes:
-                chunk = source.read(min(TRANSFER_CHUNK_BYTES, size_bytes - sent))
-                if not chunk:
-                    raise BadRequest(f"the body ended after {sent} of {size_bytes} bytes")
-                digest.update(chunk)
-                self.call(session_id, "upload_write", {
-                    "transfer_id": transfer_id, "offset": sent,
-                    "data_b64": base64.b64encode(chunk).decode("ascii")})
-                sent += len(chunk)
+            with concurrent.futures.ThreadPoolExecutor(1, "upload") as sender:
+                in_flight: Optional[concurrent.futures.Future[dict[str, Any]]] = None
+                while sent < size_bytes:
+                    chunk = source.read(min(TRANSFER_CHUNK_BYTES, size_bytes - sent))
+                    if not chunk:
+                        raise BadRequest(f"the body ended after {sent} of {size_bytes} bytes")
+                    digest.update(chunk)
+                    params = {"transfer_id": transfer_id, "offset": sent,
+                              "data_b64": base64.b64encode(chunk).decode("ascii")}
+                    if in_flight is not None:
+                        in_flight.result()  # in order: the agent takes chunks at its length
+                    in_flight = sender.submit(self.call, session_id, "upload_write", params)
+                    sent += len(chunk)
+                if in_flight is not None:
+                    in_flight.result()
             while True:
                 result = self.call(session_id, "upload_commit", {"transfer_id": transfer_id,
                                                                  "sha256": digest.hexdigest()})
@@ -3964,22 +3975,28 @@ class SessionManager:
             raise
 
     def download(self, session_id: str, root: str,
-                 path: str) -> tuple[dict[str, Any], Iterator[bytes]]:
+                 path: str) -> tuple[dict[str, Any], Generator[bytes, None, None]]:
         """Opens a file (or a directory, as a tar) for reading: its description, and its bytes
         chunk by chunk as the agent serves them."""
         opened = self.call(session_id, "download", {"root": root, "path": path})
         transfer_id = opened["transfer_id"]
 
-        def chunks() -> Iterator[bytes]:
-            offset = 0
+        def read(offset: int) -> dict[str, Any]:
+            return self.call(session_id, "download_read",
+                             {"transfer_id": transfer_id, "offset": offset})
+
+        def chunks() -> Generator[bytes, None, None]:
+            """One read ahead: the next chunk is asked for while this one is sent."""
             try:
-                while True:
-                    page = self.call(session_id, "download_read",
-                                     {"transfer_id": transfer_id, "offset": offset})
-                    offset = page["next_offset"]
-                    yield base64.b64decode(page["data_b64"])
-                    if page["eof"]:
-                        return
+                with concurrent.futures.ThreadPoolExecutor(1, "download") as reader:
+                    ahead = reader.submit(read, 0)
+                    while True:
+                        page = ahead.result()
+                        if not page["eof"]:
+                            ahead = reader.submit(read, page["next_offset"])
+                        yield base64.b64decode(page["data_b64"])
+                        if page["eof"]:
+                            return
             finally:
                 with contextlib.suppress(AgentCallError):
                     agent_call(self.config.session_dir(session_id), "transfer_close",
@@ -4293,7 +4310,9 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
             log(f"serve: internal error on {method} {path}: {e!r}")
             self.send_json(500, {"error": "internal error"})
 
-    def read_body(self) -> bytes:
+    def body_length(self, max_bytes: int) -> int:
+        """The body's Content-Length (0 when absent), refused before any byte is read when it
+        is chunked, not a number or over max_bytes."""
         if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
             self.close_connection = True
             raise BadRequest("chunked bodies are not accepted; send Content-Length")
@@ -4302,9 +4321,13 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
             self.close_connection = True
             raise BadRequest("Content-Length is not a number")
         length = int(text)
-        if length > MAX_BODY_BYTES:
+        if length > max_bytes:
             self.close_connection = True
-            raise PayloadTooLarge(f"the body exceeds {MAX_BODY_BYTES} bytes")
+            raise PayloadTooLarge(f"the body exceeds {max_bytes} bytes")
+        return length
+
+    def read_body(self) -> bytes:
+        length = self.body_length(MAX_BODY_BYTES)
         return self.rfile.read(length) if length else b""
 
     def send_json(self, status: int, document: dict[str, Any],
@@ -4463,17 +4486,7 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
             self.close_connection = True
             raise UnsupportedMediaType(f"Content-Type must be one of "
                                        f"{', '.join(RAW_BODY_ROUTES['put_file'])}")
-        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
-            self.close_connection = True
-            raise BadRequest("chunked bodies are not accepted; send Content-Length")
-        length_text = self.headers.get("Content-Length", "")
-        if not length_text.isdigit():
-            self.close_connection = True
-            raise BadRequest("an upload needs Content-Length")
-        size_bytes = int(length_text)
-        if size_bytes > MAX_UPLOAD_BYTES:
-            self.close_connection = True
-            raise PayloadTooLarge(f"an upload holds at most {MAX_UPLOAD_BYTES} bytes")
+        size_bytes = self.body_length(MAX_UPLOAD_BYTES)
         kind = "tar" if content_type == "application/x-tar" else "file"
         try:
             result = self.manager.upload(sid, root, file_route_path(self.api_path), kind, mode,
@@ -4511,6 +4524,8 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
         except (ReployError, OSError) as e:  # the headers are out: end the body short instead
             log(f"serve: download of {path!r} from session {sid} ended early: {e}")
             self.close_connection = True
+        finally:
+            chunks.close()  # the agent's transfer is closed now, not when this is collected
 
     def api_stream(self, sid: str, body: bytes, query: str) -> None:
         params = urllib.parse.parse_qs(query)

@@ -70,9 +70,9 @@ def container_commands(docker_engine: Any, server: ServeProcess, sid: str) -> li
     return [row[-1] for row in top["Processes"]]
 
 
-def cli(server: ServeProcess, *args: str, stdin: bytes = b"") -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "reploy.py"), "session", *args, "--server",
-                           server.ready["url"]], input=stdin, capture_output=True, timeout=300)
+def cli(server: ServeProcess, action: str, *args: str, stdin: bytes = b"") -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "reploy.py"), "session", action, "--server",
+                           server.ready["url"], *args], input=stdin, capture_output=True, timeout=300)
 
 
 def tar_bytes(*members: tuple[str, bytes, bytes, str]) -> bytes:
@@ -231,9 +231,11 @@ def test_hostile_paths_and_archives_write_nothing(serve_factory: Callable[..., S
         got, document = put(api, sid, path, body, len(body), content_type)
         assert got == status, (path, got, document)
         assert set(document) == {"error"}
-    for route in ("files/etc/passwd", "list/etc", "files/etc", "files/..%2F..%2Fetc%2Fpasswd"):
+    for route in ("files/etc/passwd", "list/etc/x", "files/etc", "files/..%2F..%2Fetc%2Fpasswd"):
         status, raw = api.raw("GET", f"/api/v1/sessions/{sid}/{route}")
         assert status == 422, (route, raw)
+    link = api.call("GET", f"/sessions/{sid}/list/etc")  # described, never followed
+    assert (link["entry"]["type"], link["entry"]["target"], link["entries"]) == ("symlink", "/etc", None)
     assert api.raw("GET", f"/api/v1/sessions/{sid}/files/missing")[0] == 404
     assert sh(api, sid, "find . | sort; find /tmp | sort") == before
     assert sh(api, sid, "cat kept/ok.txt") == "ok\n"
