@@ -45,8 +45,11 @@ def put(api: Api, sid: str, path: str, body: Any, size: int, content_type: str =
     """A streamed upload: body is bytes or a file object of `size` bytes."""
     conn = http.client.HTTPConnection(api.host, api.port, timeout=120, blocksize=1 << 20)
     try:
-        conn.request("PUT", f"/api/v1/sessions/{sid}/files/{path}{query}", body=body,
-                     headers={"Content-Type": content_type, "Content-Length": str(size)})
+        try:
+            conn.request("PUT", f"/api/v1/sessions/{sid}/files/{path}{query}", body=body,
+                         headers={"Content-Type": content_type, "Content-Length": str(size)})
+        except BrokenPipeError:
+            pass  # refused before the whole body was sent: its answer is waiting
         response = conn.getresponse()
         return response.status, json.loads(response.read())
     finally:

@@ -87,7 +87,7 @@ function filesPanel(id) {
         h("td", { class: "muted" }, entry.type === "file" ? fileSize(entry.size) : ""),
         h("td", { class: "muted" }, entry.mode.toString(8).padStart(4, "0")),
         h("td", { class: "muted" }, new Date(entry.mtime * 1000).toLocaleString()),
-        h("td", { class: "actions" }, tar));
+        h("td", { class: "files-tar" }, tar));
     }));
     if (!entries.length) rows.append(h("tr", {}, h("td", { colspan: 5, class: "empty" }, "Empty folder.")));
   }
