@@ -3203,6 +3203,8 @@ def sse_cursor(last_event_id: Optional[str], query_offset: Optional[str]) -> int
 #      or the cookie. A token in an API query string is never one.
 #   5. A body must be application/json (415): the only kinds a page can send across origins
 #      without a preflight (forms, text/plain) are refused, and preflights get no CORS headers.
+#      The one exception is the upload route (RAW_BODY_ROUTES), which takes raw bytes as
+#      application/octet-stream or application/x-tar in a PUT, itself never preflight-free.
 #
 # Tokens and cookie values are compared in constant time. No message names a credential.
 
@@ -3360,9 +3362,23 @@ def decide_access(method: str, target: str, headers: Sequence[tuple[str, str]],
                                                    if in_url else ""))
     has_body = (_single_header(headers, "content-length") or "0").strip() != "0" or (
         _single_header(headers, "transfer-encoding") is not None)
-    if has_body and not _is_json_media_type(_single_header(headers, "content-type")):
+    content_type = _single_header(headers, "content-type")
+    if has_body and not (_is_json_media_type(content_type)
+                         or _takes_raw_body(method, path, content_type)):
         raise UnsupportedMediaType("request bodies must be Content-Type: application/json")
     return Access.ROUTE
+
+
+def _takes_raw_body(method: str, path: str, content_type: Optional[str]) -> bool:
+    """Whether the request goes to a route that takes raw bytes (RAW_BODY_ROUTES: the upload
+    route) in one of its content types. Those are not CORS-safelisted, and PUT never is, so a
+    page elsewhere still cannot send them without a preflight, which gets no CORS answer."""
+    try:
+        handler, _ = match_route(method, path[len(API_PREFIX):])
+    except ServeError:
+        return False
+    media_type = (content_type or "").partition(";")[0].strip().lower()
+    return media_type in RAW_BODY_ROUTES.get(handler, ())
 
 
 # ============================================================================================

@@ -240,14 +240,14 @@ def transfer_rates(api: Api, sid: str, container: docker.models.containers.Conta
         with open(source, "rb") as body:
             start = time.perf_counter()
             conn.request("PUT", f"/api/v1/sessions/{sid}/files/bench.bin", body=body,
-                         headers={"Content-Type": "application/octet-stream",
+                         headers={**api.auth_headers, "Content-Type": "application/octet-stream",
                                   "Content-Length": str(TRANSFER_BYTES)})
             response = conn.getresponse()
             response.read()
             uploads.append(mib / (time.perf_counter() - start))
         assert response.status == 201, response.status
         start = time.perf_counter()
-        conn.request("GET", f"/api/v1/sessions/{sid}/files/bench.bin")
+        conn.request("GET", f"/api/v1/sessions/{sid}/files/bench.bin", headers=api.auth_headers)
         response = conn.getresponse()
         received = 0
         while chunk := response.read(1 << 20):

@@ -321,3 +321,25 @@ def test_an_archive_built_by_write_tree_tar_passes_the_upload_rules(tmp_path: Pa
     with tarfile.open(fileobj=io.BytesIO(buffer.getvalue())) as archive:
         names = [name for name, _ in agent.vet_upload_members(archive.getmembers())]
     assert names == ["a.txt", "in", "sub", "sub/b"]
+
+
+def test_only_the_upload_route_takes_raw_bodies_past_the_access_check() -> None:
+    token = "t" * 40
+    policy = reploy.AccessPolicy.for_server(token, 8080, frozenset({"127.0.0.1"}))
+    sid = "0123456789abcdef"
+
+    def decide(method: str, target: str, content_type: str) -> object:
+        headers = [("Host", "127.0.0.1:8080"), ("Authorization", f"Bearer {token}"),
+                   ("Content-Type", content_type), ("Content-Length", "5")]
+        return reploy.decide_access(method, target, headers, policy)
+
+    for content_type in ("application/octet-stream", "application/x-tar", "application/x-tar; x=1"):
+        assert decide("PUT", f"/api/v1/sessions/{sid}/files/a/b?root=home", content_type) is reploy.Access.ROUTE
+    for method, target, content_type in (
+            ("PUT", f"/api/v1/sessions/{sid}/files/a", "text/plain"),
+            ("POST", f"/api/v1/sessions/{sid}/exec", "application/octet-stream"),
+            ("POST", f"/api/v1/sessions/{sid}/write", "application/x-tar"),
+            ("GET", f"/api/v1/sessions/{sid}/files/a", "application/octet-stream"),
+            ("PUT", "/api/v1/sessions/not-an-id/files/a", "application/octet-stream")):
+        with pytest.raises(reploy.UnsupportedMediaType):
+            decide(method, target, content_type)

@@ -47,7 +47,8 @@ def put(api: Api, sid: str, path: str, body: Any, size: int, content_type: str =
     try:
         try:
             conn.request("PUT", f"/api/v1/sessions/{sid}/files/{path}{query}", body=body,
-                         headers={"Content-Type": content_type, "Content-Length": str(size)})
+                         headers={**api.auth_headers, "Content-Type": content_type,
+                                  "Content-Length": str(size)})
         except BrokenPipeError:
             pass  # refused before the whole body was sent: its answer is waiting
         response = conn.getresponse()
@@ -59,7 +60,7 @@ def put(api: Api, sid: str, path: str, body: Any, size: int, content_type: str =
 def get(api: Api, sid: str, path: str, query: str = "") -> tuple[int, bytes, Optional[str]]:
     conn = http.client.HTTPConnection(api.host, api.port, timeout=120)
     try:
-        conn.request("GET", f"/api/v1/sessions/{sid}/files/{path}{query}")
+        conn.request("GET", f"/api/v1/sessions/{sid}/files/{path}{query}", headers=api.auth_headers)
         response = conn.getresponse()
         return response.status, response.read(), response.getheader("Content-Type")
     finally:
@@ -75,7 +76,8 @@ def container_commands(docker_engine: Any, server: ServeProcess, sid: str) -> li
 
 def cli(server: ServeProcess, action: str, *args: str, stdin: bytes = b"") -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(ROOT / "reploy.py"), "session", action, "--server",
-                           server.ready["url"], *args], input=stdin, capture_output=True, timeout=300)
+                           server.ready["url"], *args], input=stdin, capture_output=True, timeout=300,
+                          env=server.client_env())
 
 
 def tar_bytes(*members: tuple[str, bytes, bytes, str]) -> bytes:
@@ -109,8 +111,8 @@ def test_exec_ends_and_leaves_nothing_behind(serve_factory: Callable[..., ServeP
     # A client that goes away takes its command with it.
     marker = f"301.{uuid.uuid4().int % 10**9:09d}"
     conn = http.client.HTTPConnection(api.host, api.port, timeout=30)
-    conn.request("POST", f"/api/v1/sessions/{sid}/exec",
-                 json.dumps({"argv": ["sleep", marker]}), {"Content-Type": "application/json"})
+    conn.request("POST", f"/api/v1/sessions/{sid}/exec", json.dumps({"argv": ["sleep", marker]}),
+                 {**api.auth_headers, "Content-Type": "application/json"})
     wait_until(lambda: any(marker in c for c in container_commands(docker_engine, server, sid)),
                "the sleep to start")
     conn.close()
