@@ -2961,6 +2961,8 @@ class TransferTable:
         root = self.root(params.root)
         if params.kind is UploadKind.FILE:
             check_file_target(root, params.path)
+        elif params.mode is not None:
+            raise RequestError("params.mode is for file uploads; a tar's members carry their own modes")
         else:
             check_tree_target(root, params.path)
         if params.size_bytes is not None:
@@ -3182,13 +3184,15 @@ class TransferTable:
     def close_all(self) -> None:
         for download in list(self._downloads.values()):
             self.close(download.transfer_id)
-        for job in [u.job for u in self._uploads.values()] + [d.job for d in self._closing]:
-            if job is not None:
-                job.join(HANDLER_TIMEOUT_S)
+        jobs = [job for job in [u.job for u in self._uploads.values()] + [d.job for d in self._closing] if job]
+        for job in jobs:
+            job.join(HANDLER_TIMEOUT_S)
         self._free_closed()
         for upload in list(self._uploads.values()):
-            self._drop_upload(upload)
-        os.close(self._dir_fd)
+            if upload.job is None or upload.job.finished:
+                self._drop_upload(upload)
+        if all(job.finished for job in jobs):  # else a job still uses it; the process's exit closes it
+            os.close(self._dir_fd)
 
 
 def _pack_tree(dir_fd: int, sink: TarSink) -> int:

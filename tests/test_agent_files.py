@@ -193,6 +193,7 @@ def test_a_digest_mismatch_writes_nothing(shell):
 
 def test_sizes_and_offsets_are_enforced(shell):
     assert shell.error("upload", path="x", size=agent.MAX_TRANSFER_BYTES + 1)["message"].startswith("too large")
+    assert "mode is for file uploads" in shell.error("upload", path="d", kind="tar", mode=0o755)["message"]
     opened = shell.result("upload", path="x", size=3)
     transfer = opened["transfer_id"]
     assert "params.offset must be 0" in shell.error("upload_write", transfer_id=transfer, offset=5,
