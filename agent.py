@@ -1571,18 +1571,6 @@ def _start_shell_child() -> None:
     fcntl.ioctl(0, termios.TIOCSCTTY, 0)
 
 
-#: What a child gets back at spawn: the agent catches or ignores some of these (Python ignores SIGPIPE), and a
-#: command must see them as a shell would start it.
-CHILD_DEFAULT_SIGNALS = (signal.SIGINT, signal.SIGQUIT, signal.SIGTERM, signal.SIGPIPE, signal.SIGHUP)
-
-
-def restore_child_signals() -> None:
-    """Runs in a child between fork and exec: default dispositions for CHILD_DEFAULT_SIGNALS and an empty mask."""
-    for signum in CHILD_DEFAULT_SIGNALS:
-        signal.signal(signum, signal.SIG_DFL)
-    signal.pthread_sigmask(signal.SIG_SETMASK, ())
-
-
 # ======================================================================================================================
 # I/O adapters: checkpoint archives (write one, extract one safely, install it)
 # ======================================================================================================================
@@ -2662,7 +2650,7 @@ def spawn_exec(config: AgentConfig, params: ExecParams) -> subprocess.Popen[byte
         return subprocess.Popen(list(params.argv), stdin=subprocess.DEVNULL if params.stdin is None else subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
                                 cwd=f"/proc/self/fd/{cwd_fd}",  # the child's own copy of the confined fd
-                                start_new_session=True, preexec_fn=restore_child_signals)
+                                start_new_session=True, preexec_fn=reset_child_signals)
     except OSError as e:
         raise CommandError(f"cannot run {params.argv[0]!r}: {e.strerror}") from e
     finally:

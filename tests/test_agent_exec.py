@@ -196,7 +196,7 @@ def test_the_child_starts_with_default_signal_dispositions_and_an_empty_mask(sho
             "the exec")
         status = dict(line.split(":\t", 1) for line in base64.b64decode(final["stdout_b64"]).decode().splitlines())
         ignored, blocked = int(status["SigIgn"], 16), int(status["SigBlk"], 16)
-        for signum in agent.CHILD_DEFAULT_SIGNALS:
+        for signum in agent.SPAWN_DEFAULT_SIGNALS:
             assert not ignored & (1 << (signum - 1)), signal.Signals(signum).name
         assert blocked == 0
     finally:
