@@ -4961,7 +4961,8 @@ def run_session_client(args: argparse.Namespace, token: Optional[str]) -> int:
 def copy_files(client: ApiClient, source: tuple[Optional[str], str, str],
                destination: tuple[Optional[str], str, str]) -> dict[str, Any]:
     """`session cp`, like `docker cp`: files and directories either way; copying onto an
-    existing directory puts the source inside it; `-` is a tar on stdin or stdout."""
+    existing directory puts the source inside it; `-` as the source is a tar on stdin, as the
+    destination stdout (a file's bytes, a directory's tar)."""
     if source[0] is not None:
         session_id, root, path = source
         return copy_from_session(client, session_id, root, path, destination[2])
@@ -5142,7 +5143,7 @@ def add_serve_parsers(commands: Any) -> None:
     copy = actions.add_parser(
         "cp", parents=[common], usage="reploy session cp SRC DST",
         help="copy files or directories in or out: one side is ID:PATH (ID:~/PATH for home), "
-             "the other a local path or - (a tar on stdin or stdout)")
+             "the other a local path, or - (as SRC a tar on stdin, as DST stdout)")
     copy.add_argument("source")
     copy.add_argument("destination")
 
