@@ -12,6 +12,10 @@ Workloads:
   agent  a coding-agent CLI (Claude Code by default) run once per prompt through a bounded serial queue; its
          stream-json is projected to plain text, UTF-8 normalised, secrets redacted, output capped.
 
+Beside the workload, for harnesses: `exec` runs a command in its own process session and reports how it ended, with
+stdout and stderr apart; the file verbs move files and trees (as tar) in and out of the workspace or home, confined
+by walking directory fds with O_NOFOLLOW. Both keep the socket's bounds: long work is started, then long-polled.
+
 Everything the workload prints goes to DIR/output.log: append-only, addressed by byte offsets, kept across agent
 restarts and checkpoint/restore, bounded by a cap that ends it with a marker line instead of losing bytes.
 
@@ -26,15 +30,18 @@ import argparse
 import base64
 import codecs
 import collections
+import contextlib
 import dataclasses
 import enum
 import errno
 import fcntl
+import hashlib
 import io
 import json
 import os
 import posixpath
 import re
+import secrets
 import selectors
 import shutil
 import signal
@@ -133,6 +140,38 @@ CHECKPOINT_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 REASON_RE = re.compile(r"[a-z][a-z_]{0,31}")  #: a `suspend` reason, as the outbox records it
 COPY_CHUNK_BYTES = 1 * MIB
 
+# exec: commands run beside the workload, each in its own process session
+MAX_RUNNING_EXECS = 8  #: one more is refused with server_unavailable
+MAX_FINISHED_EXECS = 64  #: finished results kept for exec_wait; the oldest goes first
+FINISHED_EXEC_KEEP_S = 300.0  #: a finished result nobody released is dropped after this
+DEFAULT_EXEC_TIMEOUT_MS = 60_000
+MAX_EXEC_TIMEOUT_MS = 24 * 3600 * 1000
+DEFAULT_EXEC_OUTPUT_CAP_BYTES = 1 * MIB  #: per stream; more is read and discarded, `truncated` says so
+MAX_EXEC_OUTPUT_CAP_BYTES = 4 * MIB  #: per stream; bounds the agent's memory at 8 execs x 2 streams x 4 MiB
+MAX_EXEC_ARGS_BYTES = 256 * KIB  #: argv and env together
+MAX_EXEC_STDIN_BYTES = 512 * KIB  #: stdin travels inside the request line, so it must fit in it
+MAX_EXEC_ENV_VARS = 256
+EXEC_PAGE_BYTES = 256 * KIB  #: output per stream in one exec_wait answer: two pages stay under 1 MiB as base64
+EXEC_DRAIN_POLL_S = 0.02  #: after an exec's command exits, how often what it left is looked for and killed
+ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+HANDLE_ID_RE = re.compile(r"[0-9a-f]{16}")  #: exec and transfer ids
+SHA256_HEX_RE = re.compile(r"[0-9a-f]{64}")
+
+# Files: paths below the workspace or home, bytes in chunks that fit the request line
+MAX_TRANSFER_CHUNK_BYTES = 752 * KIB  #: base64 of this plus the JSON around it stays under MAX_REQUEST_BYTES
+MAX_TRANSFER_BYTES = 8 * 1024 * MIB  #: one upload (a file or a tar's content) or one downloaded tree
+MIN_FREE_BYTES = 16 * MIB  #: an upload never leaves less than this free on the file system it fills
+MAX_OPEN_TRANSFERS = 16  #: uploads and downloads open at once
+TRANSFER_IDLE_S = 60.0  #: an upload or download untouched this long is closed and its staging removed
+TRANSFER_WAIT_S = 4.0  #: how long upload_commit and download_read wait for a background job before answering
+MAX_PATH_BYTES = 4096
+MAX_NAME_BYTES = 255
+MAX_LIST_ENTRIES = 1000  #: per `list` answer (also bounded by LIST_PAGE_BYTES)
+LIST_PAGE_BYTES = 512 * KIB
+DEFAULT_FILE_MODE = 0o644
+SANE_MODE_MASK = 0o755  #: uploaded modes keep read and execute bits; setuid, setgid, sticky and g/o write go
+STAGING_PREFIX = ".reploy-upload-"  #: staged uploads, removed on commit, abort or expiry
+
 
 # ======================================================================================================================
 # Exceptions, split by blame. Each carries the wire error code it becomes.
@@ -208,6 +247,29 @@ class Method(enum.Enum):
     CHECKPOINT = "checkpoint"
     RESTORE = "restore"
     SUSPEND = "suspend"
+    EXEC = "exec"
+    EXEC_WAIT = "exec_wait"
+    EXEC_KILL = "exec_kill"
+    STAT = "stat"
+    LIST = "list"
+    UPLOAD = "upload"
+    UPLOAD_WRITE = "upload_write"
+    UPLOAD_COMMIT = "upload_commit"
+    DOWNLOAD = "download"
+    DOWNLOAD_READ = "download_read"
+    TRANSFER_CLOSE = "transfer_close"
+
+
+class FileRoot(enum.Enum):
+    """The two trees the file verbs may touch."""
+
+    WORKSPACE = "workspace"
+    HOME = "home"
+
+
+class UploadKind(enum.Enum):
+    FILE = "file"  # the bytes become one regular file at the path
+    TAR = "tar"  # the bytes are a tar archive, extracted into the directory at the path
 
 
 class TurnState(enum.Enum):
@@ -281,8 +343,79 @@ class SuspendParams:
     reason: str
 
 
+@dataclasses.dataclass(frozen=True)
+class ExecParams:
+    argv: tuple[str, ...]
+    cwd: tuple[str, ...]  # path components below the workspace; () is the workspace itself
+    env: tuple[tuple[str, str], ...]
+    stdin: Optional[bytes]  # None: /dev/null
+    timeout_ms: int
+    output_cap_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecWaitParams:
+    exec_id: str
+    wait_ms: int
+    stdout_offset_bytes: int
+    stderr_offset_bytes: int
+    max_bytes: int
+    release: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class HandleParams:
+    """exec_kill and transfer_close name what they end."""
+
+    handle_id: str
+
+
+@dataclasses.dataclass(frozen=True)
+class PathParams:
+    root: FileRoot
+    path: tuple[str, ...]  # components below the root; () is the root itself
+
+
+@dataclasses.dataclass(frozen=True)
+class ListParams:
+    root: FileRoot
+    path: tuple[str, ...]
+    offset: int  # entries to skip, in name order
+    limit: int
+
+
+@dataclasses.dataclass(frozen=True)
+class UploadParams:
+    root: FileRoot
+    path: tuple[str, ...]
+    kind: UploadKind
+    mode: Optional[int]  # kind file: the new file's mode (made sane); None: 0644
+    size_bytes: Optional[int]  # announced total, checked against limits and free space up front
+
+
+@dataclasses.dataclass(frozen=True)
+class UploadWriteParams:
+    transfer_id: str
+    offset_bytes: int
+    data: bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class UploadCommitParams:
+    transfer_id: str
+    sha256: Optional[str]  # when given, the staged bytes must have this digest
+
+
+@dataclasses.dataclass(frozen=True)
+class DownloadReadParams:
+    transfer_id: str
+    offset_bytes: int
+    max_bytes: int
+
+
 Params = (NoParams | MessageParams | ReadParams | WriteParams | ResizeParams | CheckpointParams | RestoreParams
-          | SuspendParams)
+          | SuspendParams | ExecParams | ExecWaitParams | HandleParams | PathParams | ListParams | UploadParams
+          | UploadWriteParams | UploadCommitParams | DownloadReadParams)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -396,9 +529,16 @@ class RequestFramer:
 class _FieldKind(enum.Enum):
     TEXT = "text"  # non-empty string
     INT = "int"
-    BASE64 = "base64"  # string of standard base64 -> bytes
+    BOOL = "bool"
+    BASE64 = "base64"  # string of standard base64 -> bytes; `high`, when set, bounds the decoded length
     CHECKPOINT_ID = "checkpoint_id"
     REASON = "reason"
+    HANDLE = "handle"  # an exec or transfer id
+    SHA256 = "sha256"  # 64 lowercase hex digits
+    CHOICE = "choice"  # one value of the enum in `choices`
+    PATH = "path"  # a path below a root -> its components (see parse_relative_path)
+    ARGV = "argv"  # non-empty array of strings -> tuple
+    ENV = "env"  # object of variable name -> string -> tuple of pairs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -406,9 +546,11 @@ class _Field:
     wire_name: str
     attr: str
     kind: _FieldKind
-    default: Any = None  # None: required
+    default: Any = None  # None: required (unless optional)
     low: int = 0
     high: int = 0
+    optional: bool = False  # absent -> None
+    choices: Optional[type[enum.Enum]] = None
 
 
 #: The parameters each method accepts: the one table the parser reads. Unknown fields are rejected.
@@ -430,6 +572,60 @@ _PARAM_SCHEMAS: dict[Method, tuple[type, tuple[_Field, ...]]] = {
     Method.CHECKPOINT: (CheckpointParams, (_Field("id", "checkpoint_id", _FieldKind.CHECKPOINT_ID),)),
     Method.RESTORE: (RestoreParams, (_Field("path", "path", _FieldKind.TEXT),)),
     Method.SUSPEND: (SuspendParams, (_Field("reason", "reason", _FieldKind.REASON),)),
+    Method.EXEC: (ExecParams, (
+        _Field("argv", "argv", _FieldKind.ARGV),
+        _Field("cwd", "cwd", _FieldKind.PATH, ()),
+        _Field("env", "env", _FieldKind.ENV, ()),
+        _Field("stdin_b64", "stdin", _FieldKind.BASE64, high=MAX_EXEC_STDIN_BYTES, optional=True),
+        _Field("timeout_ms", "timeout_ms", _FieldKind.INT, DEFAULT_EXEC_TIMEOUT_MS, 1, MAX_EXEC_TIMEOUT_MS),
+        _Field("output_cap_bytes", "output_cap_bytes", _FieldKind.INT, DEFAULT_EXEC_OUTPUT_CAP_BYTES, 0,
+               MAX_EXEC_OUTPUT_CAP_BYTES),
+    )),
+    Method.EXEC_WAIT: (ExecWaitParams, (
+        _Field("exec_id", "exec_id", _FieldKind.HANDLE),
+        _Field("wait_ms", "wait_ms", _FieldKind.INT, 0, 0, MAX_READ_WAIT_MS),
+        _Field("stdout_offset", "stdout_offset_bytes", _FieldKind.INT, 0, 0, MAX_EXEC_OUTPUT_CAP_BYTES),
+        _Field("stderr_offset", "stderr_offset_bytes", _FieldKind.INT, 0, 0, MAX_EXEC_OUTPUT_CAP_BYTES),
+        _Field("max_bytes", "max_bytes", _FieldKind.INT, EXEC_PAGE_BYTES, 0, EXEC_PAGE_BYTES),
+        _Field("release", "release", _FieldKind.BOOL, False),
+    )),
+    Method.EXEC_KILL: (HandleParams, (_Field("exec_id", "handle_id", _FieldKind.HANDLE),)),
+    Method.STAT: (PathParams, (
+        _Field("root", "root", _FieldKind.CHOICE, FileRoot.WORKSPACE, choices=FileRoot),
+        _Field("path", "path", _FieldKind.PATH, ()),
+    )),
+    Method.LIST: (ListParams, (
+        _Field("root", "root", _FieldKind.CHOICE, FileRoot.WORKSPACE, choices=FileRoot),
+        _Field("path", "path", _FieldKind.PATH, ()),
+        _Field("offset", "offset", _FieldKind.INT, 0, 0, 2**31 - 1),
+        _Field("limit", "limit", _FieldKind.INT, MAX_LIST_ENTRIES, 1, MAX_LIST_ENTRIES),
+    )),
+    Method.UPLOAD: (UploadParams, (
+        _Field("root", "root", _FieldKind.CHOICE, FileRoot.WORKSPACE, choices=FileRoot),
+        _Field("path", "path", _FieldKind.PATH, ()),
+        _Field("kind", "kind", _FieldKind.CHOICE, UploadKind.FILE, choices=UploadKind),
+        _Field("mode", "mode", _FieldKind.INT, None, 0, 0o7777, optional=True),
+        _Field("size", "size_bytes", _FieldKind.INT, None, 0, 2**63 - 1, optional=True),
+    )),
+    Method.UPLOAD_WRITE: (UploadWriteParams, (
+        _Field("transfer_id", "transfer_id", _FieldKind.HANDLE),
+        _Field("offset", "offset_bytes", _FieldKind.INT, None, 0, 2**63 - 1),
+        _Field("data_b64", "data", _FieldKind.BASE64, high=MAX_TRANSFER_CHUNK_BYTES),
+    )),
+    Method.UPLOAD_COMMIT: (UploadCommitParams, (
+        _Field("transfer_id", "transfer_id", _FieldKind.HANDLE),
+        _Field("sha256", "sha256", _FieldKind.SHA256, optional=True),
+    )),
+    Method.DOWNLOAD: (PathParams, (
+        _Field("root", "root", _FieldKind.CHOICE, FileRoot.WORKSPACE, choices=FileRoot),
+        _Field("path", "path", _FieldKind.PATH, ()),
+    )),
+    Method.DOWNLOAD_READ: (DownloadReadParams, (
+        _Field("transfer_id", "transfer_id", _FieldKind.HANDLE),
+        _Field("offset", "offset_bytes", _FieldKind.INT, None, 0, 2**63 - 1),
+        _Field("max_bytes", "max_bytes", _FieldKind.INT, MAX_TRANSFER_CHUNK_BYTES, 1, MAX_TRANSFER_CHUNK_BYTES),
+    )),
+    Method.TRANSFER_CLOSE: (HandleParams, (_Field("transfer_id", "handle_id", _FieldKind.HANDLE),)),
 }
 
 
@@ -449,21 +645,67 @@ def _convert_field(field: _Field, value: Any) -> Any:
         if not field.low <= value <= field.high:
             raise RequestError(f"{where} must be between {field.low} and {field.high}")
         return value
+    if field.kind is _FieldKind.BOOL:
+        if not isinstance(value, bool):
+            raise RequestError(f"{where} must be true or false")
+        return value
+    if field.kind is _FieldKind.ARGV:
+        return _convert_argv(where, value)
+    if field.kind is _FieldKind.ENV:
+        return _convert_env(where, value)
     if not isinstance(value, str):
         raise RequestError(f"{where} must be a string")
     if field.kind is _FieldKind.TEXT:
         if not value:
             raise RequestError(f"{where} must not be empty")
         return value
-    if field.kind in (_FieldKind.CHECKPOINT_ID, _FieldKind.REASON):
-        pattern = CHECKPOINT_ID_RE if field.kind is _FieldKind.CHECKPOINT_ID else REASON_RE
-        if not pattern.fullmatch(value):
-            raise RequestError(f"{where} must match {pattern.pattern}")
+    if field.kind is _FieldKind.PATH:
+        return parse_relative_path(value, where)
+    if field.kind is _FieldKind.CHOICE:
+        assert field.choices is not None
+        try:
+            return field.choices(value)
+        except ValueError:
+            raise RequestError(f"{where} must be one of {', '.join(c.value for c in field.choices)}") from None
+    patterns = {_FieldKind.CHECKPOINT_ID: CHECKPOINT_ID_RE, _FieldKind.REASON: REASON_RE,
+                _FieldKind.HANDLE: HANDLE_ID_RE, _FieldKind.SHA256: SHA256_HEX_RE}
+    if field.kind in patterns:
+        if not patterns[field.kind].fullmatch(value):
+            raise RequestError(f"{where} must match {patterns[field.kind].pattern}")
         return value
     try:
-        return base64.b64decode(value, validate=True)
+        data = base64.b64decode(value, validate=True)
     except ValueError as e:
         raise RequestError(f"{where} is not valid base64") from e
+    if field.high and len(data) > field.high:
+        raise RequestError(f"{where} decodes to {len(data)} bytes; the limit is {field.high}")
+    return data
+
+
+def _convert_argv(where: str, value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list) or not value or not all(isinstance(arg, str) for arg in value):
+        raise RequestError(f"{where} must be a non-empty array of strings")
+    if not value[0] or any("\0" in arg for arg in value):
+        raise RequestError(f"{where}: the program must be named and no argument may hold a NUL")
+    if sum(len(arg.encode("utf-8", "surrogatepass")) + 1 for arg in value) > MAX_EXEC_ARGS_BYTES:
+        raise RequestError(f"{where} exceeds {MAX_EXEC_ARGS_BYTES} bytes")
+    return tuple(value)
+
+
+def _convert_env(where: str, value: Any) -> tuple[tuple[str, str], ...]:
+    """Extra variables for an exec; HOME is the session's and cannot be replaced."""
+    if not isinstance(value, dict) or len(value) > MAX_EXEC_ENV_VARS:
+        raise RequestError(f"{where} must be an object of at most {MAX_EXEC_ENV_VARS} variables")
+    size_bytes = 0
+    for name, text in value.items():
+        if not ENV_NAME_RE.fullmatch(name) or name == "HOME":
+            raise RequestError(f"{where}: {name!r} is not a variable name an exec may set (HOME is the session's)")
+        if not isinstance(text, str) or "\0" in text:
+            raise RequestError(f"{where}.{name} must be a string without NUL")
+        size_bytes += len(name) + len(text.encode("utf-8", "surrogatepass")) + 2
+    if size_bytes > MAX_EXEC_ARGS_BYTES:
+        raise RequestError(f"{where} exceeds {MAX_EXEC_ARGS_BYTES} bytes")
+    return tuple(value.items())
 
 
 def _parse_params(method: Method, params: Any) -> Params:
@@ -477,7 +719,7 @@ def _parse_params(method: Method, params: Any) -> Params:
     for field in fields:
         if field.wire_name in params:
             values[field.attr] = _convert_field(field, params[field.wire_name])
-        elif field.default is None:
+        elif field.default is None and not field.optional:
             raise RequestError(f"params.{field.wire_name} is required")
         else:
             values[field.attr] = field.default
@@ -851,6 +1093,117 @@ def parse_manifest(data: bytes) -> Manifest:
 
 
 # ======================================================================================================================
+# Pure core: paths below a root, uploaded archives, how a command ended
+# ======================================================================================================================
+
+
+def parse_relative_path(text: str, where: str = "path") -> tuple[str, ...]:
+    """A path below a root (the workspace or home) as its components; `""` and `"."` are the root itself.
+
+    Absolute paths and `..` are refused outright: whether `..` stays inside depends on what the components are on
+    disk, and the walk that follows (open_confined_dir) never resolves it. Empty and `.` components are dropped.
+    """
+    try:
+        size_bytes = len(text.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise RequestError(f"{where} is not valid UTF-8") from None
+    if "\0" in text or size_bytes > MAX_PATH_BYTES:
+        raise RequestError(f"{where} must be at most {MAX_PATH_BYTES} bytes without NUL")
+    if text.startswith("/"):
+        raise RequestError(f"refused: {where} {text!r} is absolute; paths are relative to the workspace or home")
+    parts = tuple(part for part in text.split("/") if part not in ("", "."))
+    if ".." in parts:
+        raise RequestError(f"refused: {where} {text!r} contains '..'")
+    for part in parts:
+        if len(part.encode("utf-8")) > MAX_NAME_BYTES:
+            raise RequestError(f"{where}: the name {part[:40]!r}... is longer than {MAX_NAME_BYTES} bytes")
+    return parts
+
+
+def sane_mode(mode: int, directory: bool) -> int:
+    """The mode an uploaded file or directory gets: read and execute bits kept, the owner always able to manage it,
+    no setuid, setgid, sticky or write for group and others."""
+    return (mode & SANE_MODE_MASK) | (PRIVATE_DIR_MODE if directory else 0o600)
+
+
+#: A stand-in first component, so that symlink_stays_inside (written for checkpoint trees, whose first component is
+#: the tree's root) judges uploaded archives, whose members start at the extraction root.
+_UPLOAD_TREE = "upload"
+
+
+def _normalise_member_name(name: str) -> str:
+    """Tools write `./a`, `a/` or `a`; all three name `a`. The root itself becomes ``."""
+    while name.startswith("./"):
+        name = name[2:]
+    return "" if name in (".", "") else name.rstrip("/")
+
+
+def vet_upload_members(members: list[tarfile.TarInfo], max_entries: int = MAX_ARCHIVE_ENTRIES,
+                       max_bytes: int = MAX_TRANSFER_BYTES) -> list[tuple[str, tarfile.TarInfo]]:
+    """Every rule an uploaded tar must meet before anything of it is written; the members to extract, by name.
+
+    Refused: absolute names and `..`, duplicates, devices, FIFOs and other special members, symlinks that leave the
+    archive's tree (or pass through another symlink), anything below a symlink or a file, hard links to anything but
+    a regular file earlier in the same archive, more than max_entries members or max_bytes of content.
+    """
+    if len(members) > max_entries:
+        raise ArchiveError(f"archive has more than {max_entries} entries")
+    named: list[tuple[str, tarfile.TarInfo]] = []
+    kinds: dict[str, str] = {}  # name -> file | directory | symlink
+    for member in members:
+        name = _normalise_member_name(member.name)
+        parts = name.split("/")
+        if member.name.startswith("/") or "\0" in name or (name and any(part in ("", ".", "..") for part in parts)):
+            raise ArchiveError(f"refused: unsafe member name {member.name!r}")
+        if not name:
+            if not member.isdir():
+                raise ArchiveError(f"refused: member {member.name!r} names the root but is not a directory")
+            continue  # the root itself: it exists or is created
+        if name in kinds:
+            raise ArchiveError(f"refused: duplicate member {name!r}")
+        if member.isfile() or member.islnk():
+            kinds[name] = "file"
+        elif member.isdir():
+            kinds[name] = "directory"
+        elif member.issym():
+            kinds[name] = "symlink"
+        else:
+            raise ArchiveError(f"refused: member {name!r} is a device node, FIFO or other special file")
+        named.append((name, member))
+    symlinks = {f"{_UPLOAD_TREE}/{name}" for name, kind in kinds.items() if kind == "symlink"}
+    earlier: set[str] = set()
+    total_bytes = 0
+    for name, member in named:
+        parts = name.split("/")
+        for depth in range(1, len(parts)):
+            parent_kind = kinds.get("/".join(parts[:depth]), "directory")
+            if parent_kind != "directory":
+                raise ArchiveError(f"refused: member {name!r} lies below a {parent_kind}")
+        if member.issym() and not symlink_stays_inside(f"{_UPLOAD_TREE}/{name}", member.linkname, symlinks):
+            raise ArchiveError(f"refused: symlink {name!r} -> {member.linkname!r} leaves the archive's tree")
+        if member.islnk():
+            target = _normalise_member_name(member.linkname)
+            if target not in earlier or kinds.get(target) != "file":
+                raise ArchiveError(f"refused: hard link {name!r} -> {member.linkname!r} does not point at a regular "
+                                   "file earlier in the archive")
+        total_bytes += member.size if member.isfile() else 0
+        if total_bytes > max_bytes:
+            raise ArchiveError(f"too large: the archive's content exceeds {max_bytes} bytes")
+        earlier.add(name)
+    return named
+
+
+def describe_exit(returncode: int) -> tuple[Optional[int], Optional[str]]:
+    """Popen's return code as (exit code, signal name): exactly one of them is set."""
+    if returncode >= 0:
+        return returncode, None
+    try:
+        return None, signal.Signals(-returncode).name
+    except ValueError:
+        return None, f"SIG{-returncode}"
+
+
+# ======================================================================================================================
 # I/O adapters: the output log, the outbox, the agent state file
 # ======================================================================================================================
 
@@ -1137,9 +1490,17 @@ def format_listen_address(host: str, port: int) -> str:
 # ======================================================================================================================
 
 
-def session_process_groups(session_id: int) -> set[int]:
-    """Every process group with a member in the given session (scanning /proc): jobs, grandchildren and all."""
-    groups = set()
+@dataclasses.dataclass(frozen=True)
+class ProcessFacts:
+    parent: int
+    group: int
+    session: int
+    zombie: bool
+
+
+def process_table() -> dict[int, ProcessFacts]:
+    """Every process we can see, by pid (scanning /proc)."""
+    table = {}
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
@@ -1149,9 +1510,39 @@ def session_process_groups(session_id: int) -> set[int]:
         except (OSError, IndexError):
             continue  # the process went away while we looked
         # After the command name: state ppid pgrp session ...
-        if int(fields[3]) == session_id:
-            groups.add(int(fields[2]))
-    return groups
+        table[int(entry.name)] = ProcessFacts(int(fields[1]), int(fields[2]), int(fields[3]), fields[0] == b"Z")
+    return table
+
+
+def session_process_groups(session_id: int) -> set[int]:
+    """Every process group with a member in the given session: jobs, grandchildren and all."""
+    return {facts.group for facts in process_table().values() if facts.session == session_id}
+
+
+def command_processes(leader: int) -> dict[int, ProcessFacts]:
+    """An exec's processes: its process session, and every descendant of those, so that a child which left the
+    session with setsid() while its parent lives is found too."""
+    table = process_table()
+    found = {pid for pid, facts in table.items() if facts.session == leader}  # the leader's own session too
+    children: dict[int, list[int]] = collections.defaultdict(list)
+    for pid, facts in table.items():
+        children[facts.parent].append(pid)
+    pending = list(found)
+    while pending:
+        for child in children[pending.pop()]:
+            if child not in found:
+                found.add(child)
+                pending.append(child)
+    return {pid: table[pid] for pid in found}
+
+
+def kill_command(leader: int) -> bool:
+    """SIGKILL to every process of an exec (see command_processes); True when any was still alive."""
+    alive = [pid for pid, facts in command_processes(leader).items() if not facts.zombie]
+    for pid in alive:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return bool(alive)
 
 
 def signal_session(session_id: int, signum: int) -> None:
@@ -1315,6 +1706,414 @@ def _swap_tree(staged: Path, target: Path, trash: Path) -> None:
     target.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
     for entry in staged.iterdir():
         shutil.move(str(entry), str(target / entry.name))
+
+
+# ======================================================================================================================
+# I/O adapters: confined files. Every path is walked one component at a time from the root's directory fd with
+# O_NOFOLLOW, so no symlink is ever followed, wherever it points; nothing here trusts a string check alone.
+# ======================================================================================================================
+
+DIR_OPEN_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+FILE_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # NONBLOCK: a FIFO never stalls us
+FILE_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+CREATED_DIR_MODE = 0o755  #: directories an upload creates on its way
+
+
+def shown_path(parts: Iterable[str]) -> str:
+    return "/".join(parts) or "."
+
+
+def _walk_error(error: OSError, parts: tuple[str, ...], dir_fd: int) -> AgentError:
+    """What failed when opening parts[-1] in dir_fd without following it."""
+    where = shown_path(parts)
+    if error.errno in (errno.ELOOP, errno.ENOTDIR):  # O_NOFOLLOW|O_DIRECTORY answers ENOTDIR for a symlink
+        st = lstat_at(dir_fd, parts[-1]) if parts else None
+        if error.errno == errno.ELOOP or (st is not None and stat.S_ISLNK(st.st_mode)):
+            return RequestError(f"refused: {where} is a symlink; paths may not pass through symlinks")
+    if error.errno == errno.ENOENT:
+        return CommandError(f"no such file or directory: {where}")
+    if error.errno == errno.ENOTDIR:
+        return CommandError(f"not a directory: {where}")
+    return CommandError(f"cannot open {where}: {error.strerror}")
+
+
+def open_root(root: Path) -> int:
+    """The root's own directory: configured, so trusted as given."""
+    try:
+        return os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as e:
+        raise CommandError(f"cannot open {root}: {e.strerror}") from e
+
+
+def open_deepest_dir(root_fd: int, parts: tuple[str, ...]) -> tuple[int, int]:
+    """(fd, depth): the deepest directory of root/parts that exists, reached without following a symlink, and how
+    many components it covers. A symlink or a non-directory on the way is an error, a missing component is not."""
+    fd = os.dup(root_fd)
+    depth = 0
+    try:
+        for name in parts:
+            try:
+                next_fd = os.open(name, DIR_OPEN_FLAGS, dir_fd=fd)
+            except FileNotFoundError:
+                break
+            except OSError as e:
+                raise _walk_error(e, parts[:depth + 1], fd) from e
+            os.close(fd)
+            fd, depth = next_fd, depth + 1
+        return fd, depth
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def open_dir_below(root_fd: int, parts: tuple[str, ...], create: bool = False) -> int:
+    """The directory root/parts, reached without following a symlink; with `create`, missing ones are made."""
+    fd, depth = open_deepest_dir(root_fd, parts)
+    try:
+        while depth < len(parts):
+            if not create:
+                raise CommandError(f"no such file or directory: {shown_path(parts[:depth + 1])}")
+            with contextlib.suppress(FileExistsError):  # made meanwhile: opened below like any other
+                os.mkdir(parts[depth], CREATED_DIR_MODE, dir_fd=fd)
+            try:
+                next_fd = os.open(parts[depth], DIR_OPEN_FLAGS, dir_fd=fd)
+            except OSError as e:
+                raise _walk_error(e, parts[:depth + 1], fd) from e
+            os.close(fd)
+            fd, depth = next_fd, depth + 1
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def open_confined_dir(root: Path, parts: tuple[str, ...], create: bool = False) -> int:
+    root_fd = open_root(root)
+    try:
+        return open_dir_below(root_fd, parts, create)
+    finally:
+        os.close(root_fd)
+
+
+def lstat_at(dir_fd: int, name: str) -> Optional[os.stat_result]:
+    """The entry `name` of a directory, not following it; None when it does not exist."""
+    try:
+        return os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+
+
+_FILE_TYPES = ((stat.S_ISREG, "file"), (stat.S_ISDIR, "directory"), (stat.S_ISLNK, "symlink"),
+               (stat.S_ISFIFO, "fifo"), (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "char-device"),
+               (stat.S_ISBLK, "block-device"))
+
+
+def file_type(mode: int) -> str:
+    return next((name for test, name in _FILE_TYPES if test(mode)), "unknown")
+
+
+def _wire_text(text: str) -> str:
+    """A file name or link target for JSON: bytes that are not UTF-8 are shown as U+FFFD."""
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+
+
+def entry_json(name: str, st: os.stat_result, dir_fd: int) -> dict[str, Any]:
+    """One `stat` or `list` entry: name, type, size, mode (permission bits), mtime, and a symlink's target."""
+    entry: dict[str, Any] = {"name": _wire_text(name), "type": file_type(st.st_mode), "size": st.st_size,
+                             "mode": stat.S_IMODE(st.st_mode), "mtime": round(st.st_mtime, 3)}
+    if stat.S_ISLNK(st.st_mode):
+        with contextlib.suppress(OSError):
+            entry["target"] = _wire_text(os.readlink(name, dir_fd=dir_fd))
+    return entry
+
+
+def stat_entry(root: Path, parts: tuple[str, ...]) -> dict[str, Any]:
+    """The entry at root/parts, not following it if it is a symlink."""
+    parent = open_confined_dir(root, parts[:-1])
+    try:
+        if not parts:
+            return entry_json(".", os.fstat(parent), parent)
+        st = lstat_at(parent, parts[-1])
+        if st is None:
+            raise CommandError(f"no such file or directory: {shown_path(parts)}")
+        return entry_json(parts[-1], st, parent)
+    finally:
+        os.close(parent)
+
+
+def list_entries(root: Path, parts: tuple[str, ...], offset: int, limit: int) -> dict[str, Any]:
+    """A page of a directory's entries in name order, bounded by count and by LIST_PAGE_BYTES of JSON."""
+    dir_fd = open_confined_dir(root, parts)
+    try:
+        with os.scandir(dir_fd) as scan:
+            names = sorted(entry.name for entry in scan)
+        entries, size_bytes = [], 0
+        for name in names[offset:offset + limit]:
+            st = lstat_at(dir_fd, name)
+            if st is None:
+                continue  # removed while we looked
+            entry = entry_json(name, st, dir_fd)
+            size_bytes += len(json.dumps(entry, ensure_ascii=False))
+            if entries and size_bytes > LIST_PAGE_BYTES:
+                break
+            entries.append(entry)
+        return {"entries": entries, "total": len(names), "next_offset": offset + len(entries)}
+    finally:
+        os.close(dir_fd)
+
+
+def walk_tree_fds(dir_fd: int, prefix: str = "") -> Iterator[tuple[str, int, str, os.stat_result]]:
+    """(member name, parent fd, entry name, lstat) for everything below dir_fd, parents before children, in name
+    order, never following a symlink. The parent fd stays open while the caller handles the entry."""
+    with os.scandir(dir_fd) as scan:
+        entries = sorted((entry.name, entry.stat(follow_symlinks=False)) for entry in scan)
+    for name, st in entries:
+        member = prefix + name
+        yield member, dir_fd, name, st
+        if stat.S_ISDIR(st.st_mode):
+            try:
+                child = os.open(name, DIR_OPEN_FLAGS, dir_fd=dir_fd)
+            except OSError:
+                continue  # replaced meanwhile by something that is not a directory: not followed
+            try:
+                yield from walk_tree_fds(child, member + "/")
+            finally:
+                os.close(child)
+
+
+def write_tree_tar(dir_fd: int, fileobj: Any) -> int:
+    """The tree below dir_fd as a tar stream (members relative to it): directories, regular files and symlinks that
+    stay inside the tree. Returns how many entries were left out (sockets, FIFOs, devices, escaping symlinks)."""
+    symlinks = {f"{_UPLOAD_TREE}/{member}" for member, _, _, st in walk_tree_fds(dir_fd) if stat.S_ISLNK(st.st_mode)}
+    skipped = 0
+    with tarfile.open(fileobj=fileobj, mode="w|", format=tarfile.PAX_FORMAT, bufsize=COPY_CHUNK_BYTES) as archive:
+        for member, parent, name, st in walk_tree_fds(dir_fd):
+            info = tarfile.TarInfo(member)
+            info.mode, info.mtime, info.uid, info.gid = stat.S_IMODE(st.st_mode), int(st.st_mtime), st.st_uid, st.st_gid
+            if stat.S_ISDIR(st.st_mode):
+                info.type = tarfile.DIRTYPE
+                archive.addfile(info)
+            elif stat.S_ISREG(st.st_mode):
+                try:
+                    fd = os.open(name, FILE_READ_FLAGS, dir_fd=parent)
+                except OSError:
+                    skipped += 1  # replaced by a link or removed meanwhile
+                    continue
+                with os.fdopen(fd, "rb") as source:
+                    current = os.fstat(fd)
+                    if not stat.S_ISREG(current.st_mode):
+                        skipped += 1
+                        continue
+                    info.size = current.st_size
+                    archive.addfile(info, source)
+            elif stat.S_ISLNK(st.st_mode) and symlink_stays_inside(
+                    f"{_UPLOAD_TREE}/{member}", target := os.readlink(name, dir_fd=parent), symlinks):
+                info.type, info.linkname = tarfile.SYMTYPE, target
+                archive.addfile(info)
+            else:
+                skipped += 1
+    return skipped
+
+
+def free_bytes(fd: int) -> int:
+    st = os.fstatvfs(fd)
+    return st.f_bavail * st.f_frsize
+
+
+def require_free_space(fd: int, needed_bytes: int, where: str) -> None:
+    """Refuses when writing needed_bytes would leave less than MIN_FREE_BYTES free where fd lives."""
+    available = free_bytes(fd)
+    if available - needed_bytes < MIN_FREE_BYTES:
+        raise CommandError(f"not enough space in {where}: {available // MIB} MiB free, {needed_bytes // MIB} MiB "
+                           f"needed and {MIN_FREE_BYTES // MIB} MiB kept free")
+
+
+def _copy_fd(source_fd: int, target_fd: int) -> None:
+    os.lseek(source_fd, 0, os.SEEK_SET)
+    while chunk := os.read(source_fd, COPY_CHUNK_BYTES):
+        _write_all(target_fd, chunk)
+
+
+def install_file(staged_dir_fd: int, staged_name: str, root: Path, parts: tuple[str, ...], mode: int,
+                 spare_name: str) -> None:
+    """Puts a staged upload at root/parts: a rename when both share a file system, else a copy into a spare name
+    beside the target and a rename. Missing parent directories are made."""
+    check_file_target(root, parts)
+    parent = open_confined_dir(root, parts[:-1], create=True)
+    try:
+        staged = os.open(staged_name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=staged_dir_fd)
+        try:
+            staged_st = os.fstat(staged)
+            if staged_st.st_dev == os.fstat(parent).st_dev:
+                os.fchmod(staged, mode)
+                os.rename(staged_name, parts[-1], src_dir_fd=staged_dir_fd, dst_dir_fd=parent)
+                return
+            require_free_space(parent, staged_st.st_size, shown_path(parts))
+            spare = os.open(spare_name, FILE_CREATE_FLAGS, mode, dir_fd=parent)
+            try:
+                try:
+                    _copy_fd(staged, spare)
+                    os.fchmod(spare, mode)
+                finally:
+                    os.close(spare)
+                os.rename(spare_name, parts[-1], src_dir_fd=parent, dst_dir_fd=parent)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(spare_name, dir_fd=parent)
+                raise
+            os.unlink(staged_name, dir_fd=staged_dir_fd)
+        finally:
+            os.close(staged)
+    finally:
+        os.close(parent)
+
+
+def check_file_target(root: Path, parts: tuple[str, ...]) -> None:
+    """A file upload may create root/parts or replace a regular file there, nothing else. Writes nothing."""
+    if not parts:
+        raise RequestError("refused: a file upload needs a path below the root")
+    root_fd = open_root(root)
+    try:
+        parent, depth = open_deepest_dir(root_fd, parts[:-1])
+    finally:
+        os.close(root_fd)
+    try:
+        st = lstat_at(parent, parts[-1]) if depth == len(parts) - 1 else None
+    finally:
+        os.close(parent)
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        raise CommandError(f"conflict: {shown_path(parts)} exists and is a {file_type(st.st_mode)}, not a regular "
+                           "file" + ("; upload a tar to fill a directory" if stat.S_ISDIR(st.st_mode) else ""))
+
+
+def check_tree_target(root: Path, parts: tuple[str, ...]) -> None:
+    """A tar upload fills the directory root/parts (made if missing); a non-directory there refuses it."""
+    root_fd = open_root(root)
+    try:
+        fd, _ = open_deepest_dir(root_fd, parts)
+        os.close(fd)
+    finally:
+        os.close(root_fd)
+
+
+def extract_upload(archive_path: Path, root: Path, parts: tuple[str, ...], staging_name: str) -> int:
+    """Vets a staged tar, extracts it into a private directory beside the target, then merges that into the target
+    directory root/parts (made if missing). A refused archive or a conflict writes nothing. Returns entries written."""
+    root_fd = open_root(root)
+    try:
+        deepest, depth = open_deepest_dir(root_fd, parts)
+    finally:
+        os.close(root_fd)
+    try:
+        with tarfile.open(archive_path, "r:*") as archive:
+            planned = vet_upload_members(archive.getmembers())
+            content_bytes = sum(member.size for _, member in planned if member.isfile())
+            require_free_space(deepest, content_bytes, shown_path(parts))
+            os.mkdir(staging_name, PRIVATE_DIR_MODE, dir_fd=deepest)
+            try:
+                staging = os.open(staging_name, DIR_OPEN_FLAGS, dir_fd=deepest)
+                try:
+                    _extract_members(archive, planned, staging)
+                    if depth == len(parts):  # the target exists; a new one cannot conflict
+                        _check_merge(staging, deepest, shown_path(parts))
+                    target = open_dir_below(deepest, parts[depth:], create=True)
+                    try:
+                        _merge_into(staging, target)
+                    finally:
+                        os.close(target)
+                finally:
+                    os.close(staging)
+            finally:
+                shutil.rmtree(staging_name, dir_fd=deepest, ignore_errors=True)
+        return len(planned)
+    except (tarfile.TarError, EOFError) as e:
+        raise ArchiveError(f"refused: not a readable tar archive: {e}") from e
+    finally:
+        os.close(deepest)
+
+
+def _extract_members(archive: tarfile.TarFile, planned: list[tuple[str, tarfile.TarInfo]], staging: int) -> None:
+    """Writes vetted members into the empty private directory `staging`: files with O_EXCL|O_NOFOLLOW, hard links
+    within it, symlinks last, directory modes children first."""
+    for name, member in planned:
+        parts = tuple(name.split("/"))
+        if member.isdir():
+            os.close(open_dir_below(staging, parts, create=True))
+        elif member.isfile() or member.islnk():
+            parent = open_dir_below(staging, parts[:-1], create=True)
+            try:
+                if member.islnk():
+                    os.link(_normalise_member_name(member.linkname), parts[-1], src_dir_fd=staging, dst_dir_fd=parent,
+                            follow_symlinks=False)
+                    continue
+                fd = os.open(parts[-1], FILE_CREATE_FLAGS, 0o600, dir_fd=parent)
+                with os.fdopen(fd, "wb") as target:
+                    source = archive.extractfile(member)
+                    assert source is not None  # vetted: a regular file
+                    shutil.copyfileobj(source, target, COPY_CHUNK_BYTES)
+                    os.fchmod(fd, sane_mode(member.mode, directory=False))
+                    os.utime(fd, (member.mtime, member.mtime))
+            finally:
+                os.close(parent)
+    for name, member in planned:
+        if member.issym():
+            parts = tuple(name.split("/"))
+            parent = open_dir_below(staging, parts[:-1], create=True)
+            try:
+                os.symlink(member.linkname, parts[-1], dir_fd=parent)
+            finally:
+                os.close(parent)
+    for name, member in reversed(planned):
+        if member.isdir():
+            fd = open_dir_below(staging, tuple(name.split("/")))
+            try:
+                os.fchmod(fd, sane_mode(member.mode, directory=True))
+            finally:
+                os.close(fd)
+
+
+def _check_merge(staged: int, target: int, shown: str) -> None:
+    """Refuses, before anything moves, a staged entry that would replace a directory or fill a non-directory."""
+    with os.scandir(staged) as scan:
+        entries = [(entry.name, entry.is_dir(follow_symlinks=False)) for entry in scan]
+    for name, is_dir in entries:
+        existing = lstat_at(target, name)
+        if existing is None:
+            continue
+        if is_dir != stat.S_ISDIR(existing.st_mode):
+            raise CommandError(f"conflict: {shown}/{name} exists as a {file_type(existing.st_mode)}; the archive "
+                               f"holds a {'directory' if is_dir else 'non-directory'} there")
+        if is_dir:
+            source = os.open(name, DIR_OPEN_FLAGS, dir_fd=staged)
+            try:
+                destination = os.open(name, DIR_OPEN_FLAGS, dir_fd=target)
+            except BaseException:
+                os.close(source)
+                raise
+            try:
+                _check_merge(source, destination, f"{shown}/{name}")
+            finally:
+                os.close(source)
+                os.close(destination)
+
+
+def _merge_into(staged: int, target: int) -> None:
+    """Moves every staged entry into the target directory: new names by rename, directories merged, files and
+    symlinks replacing what was there."""
+    with os.scandir(staged) as scan:
+        entries = [(entry.name, entry.is_dir(follow_symlinks=False)) for entry in scan]
+    for name, is_dir in entries:
+        existing = lstat_at(target, name)
+        if is_dir and existing is not None and stat.S_ISDIR(existing.st_mode):
+            source = os.open(name, DIR_OPEN_FLAGS, dir_fd=staged)
+            destination = os.open(name, DIR_OPEN_FLAGS, dir_fd=target)
+            try:
+                _merge_into(source, destination)
+            finally:
+                os.close(source)
+                os.close(destination)
+        else:
+            os.rename(name, name, src_dir_fd=staged, dst_dir_fd=target)
 
 
 # ======================================================================================================================
@@ -1836,6 +2635,564 @@ class AgentWorkload(Workload):
 
 
 # ======================================================================================================================
+# Harness verbs: commands run beside the workload (exec) and files moved in and out (transfers)
+# ======================================================================================================================
+
+
+def spawn_exec(config: AgentConfig, params: ExecParams) -> subprocess.Popen[bytes]:
+    """Starts one command in its own process session, in the workspace (or a directory below it, reached without
+    following a symlink), with the session's HOME, the agent's uid and environment minus the redacted variables."""
+    cwd_fd = open_confined_dir(config.workspace_dir, params.cwd)
+    try:
+        env = {name: value for name, value in os.environ.items() if name not in config.redact_env}
+        env.update(params.env)
+        env["HOME"] = str(config.home_dir)
+        return subprocess.Popen(list(params.argv), stdin=subprocess.DEVNULL if params.stdin is None else subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                                cwd=f"/proc/self/fd/{cwd_fd}",  # the child's own copy of the confined fd
+                                start_new_session=True, preexec_fn=reset_child_signals)
+    except OSError as e:
+        raise CommandError(f"cannot run {params.argv[0]!r}: {e.strerror}") from e
+    finally:
+        os.close(cwd_fd)
+
+
+class ExecOutput:
+    """One output stream of an exec: kept up to its cap; later bytes are read and dropped, and `truncated` says so."""
+
+    def __init__(self, cap_bytes: int) -> None:
+        self.cap_bytes = cap_bytes
+        self.data = bytearray()
+        self.truncated = False
+
+    def feed(self, chunk: bytes) -> None:
+        room_bytes = self.cap_bytes - len(self.data)
+        if len(chunk) > room_bytes:
+            self.truncated = True
+            chunk = chunk[:max(room_bytes, 0)]
+        self.data += chunk
+
+
+class ExecProcess:
+    """One command beside the workload: stdin fed from the request, stdout and stderr kept apart, a timeout.
+
+    The command leads its own process session (and group). Its result is final once it has exited, its pipes are
+    drained and nothing of it is left: when it exits, whatever it left running is killed (as after an agent run),
+    and on timeout or exec_kill all of it is killed at once (see command_processes), so nothing of an exec outlives
+    its result.
+    """
+
+    def __init__(self, exec_id: str, proc: subprocess.Popen[bytes], params: ExecParams, reactor: Reactor,
+                 now: float) -> None:
+        assert proc.stdout is not None and proc.stderr is not None
+        self.exec_id = exec_id
+        self.proc = proc
+        self._reactor = reactor
+        self.started_at = now
+        self.timeout_at = now + params.timeout_ms / 1000
+        self.ended_at: Optional[float] = None  # the command itself exited
+        self.drain_until: Optional[float] = None
+        self.finished_at: Optional[float] = None  # the result is final
+        self.timed_out = False
+        self.killed = False
+        self.stdout = ExecOutput(params.output_cap_bytes)
+        self.stderr = ExecOutput(params.output_cap_bytes)
+        self._pipes = {proc.stdout.fileno(): self.stdout, proc.stderr.fileno(): self.stderr}  # open until EOF
+        for fd in self._pipes:
+            os.set_blocking(fd, False)
+            reactor.watch(fd, selectors.EVENT_READ, lambda mask, fd=fd: self._read(fd))
+        self._stdin = memoryview(params.stdin or b"")
+        if proc.stdin is not None:
+            os.set_blocking(proc.stdin.fileno(), False)
+            reactor.watch(proc.stdin.fileno(), selectors.EVENT_WRITE, lambda mask: self._feed_stdin())
+
+    @property
+    def running(self) -> bool:
+        return self.finished_at is None
+
+    def _read(self, fd: int) -> bool:
+        """One bounded read of a pipe; False when nothing more is there now."""
+        try:
+            data = os.read(fd, PIPE_READ_BYTES)
+        except BlockingIOError:
+            return False
+        if data:
+            self._pipes[fd].feed(data)
+            return True
+        self._reactor.unwatch(fd)
+        del self._pipes[fd]
+        return False
+
+    def _feed_stdin(self) -> None:
+        stdin = self.proc.stdin
+        assert stdin is not None
+        try:
+            written = os.write(stdin.fileno(), self._stdin[:PIPE_READ_BYTES]) if self._stdin else 0
+        except BlockingIOError:
+            return
+        except BrokenPipeError:
+            written = len(self._stdin)  # the command stopped reading: the rest is dropped
+        self._stdin = self._stdin[written:]
+        if not self._stdin:
+            self._close_stdin()
+
+    def _close_stdin(self) -> None:
+        stdin = self.proc.stdin
+        if stdin is not None and not stdin.closed:
+            self._reactor.unwatch(stdin.fileno())
+            stdin.close()
+
+    def kill(self) -> bool:
+        """exec_kill: the whole session at once. True when the command was still running."""
+        if self.ended_at is not None:
+            return False
+        self.killed = True
+        kill_command(self.proc.pid)
+        return True
+
+    def tick(self, now: float) -> None:
+        if self.finished_at is not None:
+            return
+        if self.ended_at is None and self.proc.poll() is not None:
+            self.ended_at, self.drain_until = now, now + PIPE_DRAIN_S
+        elif self.ended_at is None and now >= self.timeout_at and not self.timed_out:
+            self.timed_out = True
+            kill_command(self.proc.pid)
+        if self.ended_at is None:
+            return
+        # What the command left: killed on every pass until none is left, since a process forking while we
+        # killed can leave a new one behind.
+        alive = kill_command(self.proc.pid)
+        assert self.drain_until is not None
+        if (not self._pipes and not alive) or now >= self.drain_until:
+            self._finish(now)
+
+    def next_deadline(self, now: float) -> Optional[float]:
+        if self.finished_at is not None:
+            return None
+        if self.ended_at is None:
+            return self.timeout_at  # the command's exit wakes the loop through SIGCHLD
+        return now + EXEC_DRAIN_POLL_S
+
+    def _finish(self, now: float) -> None:
+        for fd in list(self._pipes):
+            while self._read(fd):
+                pass
+            if fd in self._pipes:  # a process that escaped the session still holds it: stop listening
+                self._reactor.unwatch(fd)
+                del self._pipes[fd]
+        self._close_stdin()
+        for pipe in (self.proc.stdout, self.proc.stderr):
+            if pipe is not None:
+                pipe.close()
+        self.finished_at = now
+
+    def stop(self, now: float) -> None:
+        """Shutdown: the whole command killed, reaped, its pipes closed."""
+        kill_command(self.proc.pid)
+        self.proc.wait()
+        self._finish(now)
+
+    def result(self, now: float, params: ExecWaitParams) -> dict[str, Any]:
+        exit_code, signal_name = describe_exit(self.proc.returncode) if not self.running else (None, None)
+        end = self.ended_at if self.ended_at is not None else now
+        fields: dict[str, Any] = {
+            "exec_id": self.exec_id, "running": self.running, "pid": self.proc.pid, "exit_code": exit_code,
+            "signal": signal_name, "timed_out": self.timed_out, "killed": self.killed,
+            "duration_ms": round((end - self.started_at) * 1000, 3),
+        }
+        for name, output, offset in (("stdout", self.stdout, params.stdout_offset_bytes),
+                                     ("stderr", self.stderr, params.stderr_offset_bytes)):
+            if offset > len(output.data):
+                raise RequestError(f"params.{name}_offset is past the {len(output.data)} bytes kept")
+            piece = bytes(output.data[offset:offset + params.max_bytes])
+            fields.update({f"{name}_b64": base64.b64encode(piece).decode("ascii"),
+                           f"{name}_next_offset": offset + len(piece), f"{name}_bytes": len(output.data),
+                           f"{name}_truncated": output.truncated})
+        return fields
+
+
+class ExecTable:
+    """The execs of one agent: at most MAX_RUNNING_EXECS running at once; finished results are kept until released,
+    for FINISHED_EXEC_KEEP_S, and at most MAX_FINISHED_EXECS of them (the oldest go first)."""
+
+    def __init__(self, config: AgentConfig, reactor: Reactor) -> None:
+        self._config = config
+        self._reactor = reactor
+        self._execs: dict[str, ExecProcess] = {}
+
+    @property
+    def running_count(self) -> int:
+        return sum(1 for process in self._execs.values() if process.running)
+
+    def start(self, params: ExecParams, now: float) -> ExecProcess:
+        if self.running_count >= MAX_RUNNING_EXECS:
+            raise UnavailableError(f"{MAX_RUNNING_EXECS} execs are running; wait for one to end")
+        process = ExecProcess(secrets.token_hex(8), spawn_exec(self._config, params), params, self._reactor, now)
+        self._execs[process.exec_id] = process
+        return process
+
+    def get(self, exec_id: str) -> ExecProcess:
+        try:
+            return self._execs[exec_id]
+        except KeyError:
+            raise CommandError(f"no such exec {exec_id} (a result is kept {FINISHED_EXEC_KEEP_S:g} s after its end, "
+                               "until released)") from None
+
+    def release(self, exec_id: str) -> None:
+        self._execs.pop(exec_id, None)
+
+    def tick(self, now: float) -> None:
+        for process in list(self._execs.values()):
+            process.tick(now)
+        finished = sorted((p for p in self._execs.values() if not p.running), key=lambda p: p.finished_at or 0.0)
+        excess = len(finished) - MAX_FINISHED_EXECS
+        for index, process in enumerate(finished):
+            assert process.finished_at is not None
+            if index < excess or now - process.finished_at >= FINISHED_EXEC_KEEP_S:
+                del self._execs[process.exec_id]
+
+    def next_deadline(self, now: float) -> Optional[float]:
+        times = [p.next_deadline(now) if p.running else (p.finished_at or 0.0) + FINISHED_EXEC_KEEP_S
+                 for p in self._execs.values()]
+        return min((t for t in times if t is not None), default=None)
+
+    def stop(self, now: float) -> None:
+        for process in self._execs.values():
+            if process.running:
+                process.stop(now)
+        self._execs.clear()
+
+
+class TarSink:
+    """Where a downloaded tree's tar is written on its job's thread: an anonymous file in DIR. `written_bytes` tells
+    the loop how far it may read; every MAX_TRANSFER_CHUNK_BYTES written wakes the loop. Writing fails once the
+    download is closed, past MAX_TRANSFER_BYTES, or when the session directory's file system runs low."""
+
+    def __init__(self, fd: int, wakeup_fd: int) -> None:
+        self.fd = fd
+        self._wakeup_fd = wakeup_fd
+        self.written_bytes = 0
+        self.cancelled = False
+
+    def write(self, data: bytes) -> int:
+        if self.cancelled:
+            raise CommandError("the download was closed")
+        if self.written_bytes + len(data) > MAX_TRANSFER_BYTES:
+            raise CommandError(f"too large: the tree's tar exceeds {MAX_TRANSFER_BYTES} bytes")
+        require_free_space(self.fd, len(data), "the session directory")
+        _write_all(self.fd, data)
+        before, self.written_bytes = self.written_bytes, self.written_bytes + len(data)
+        if before // MAX_TRANSFER_CHUNK_BYTES != self.written_bytes // MAX_TRANSFER_CHUNK_BYTES:
+            with contextlib.suppress(OSError):  # the wakeup buffer is full, so the loop is awake anyway
+                os.write(self._wakeup_fd, b"\0")
+        return len(data)
+
+
+@dataclasses.dataclass
+class _Upload:
+    transfer_id: str
+    params: UploadParams
+    staged_name: str  # in DIR
+    fd: int  # the staged file, open for writing until the commit
+    touched_at: float
+    written_bytes: int = 0
+    digest: Any = dataclasses.field(default_factory=hashlib.sha256)
+    job: Optional[BackgroundJob] = None  # the commit
+
+
+@dataclasses.dataclass
+class _Download:
+    transfer_id: str
+    fd: int  # the file itself, or the anonymous tar the job writes
+    touched_at: float
+    size_bytes: Optional[int] = None  # a file's size when it was opened
+    sink: Optional[TarSink] = None  # a tree: its tar and the job writing it
+    job: Optional[BackgroundJob] = None
+
+
+class TransferTable:
+    """Uploads and downloads in progress, at most MAX_OPEN_TRANSFERS; each closed after TRANSFER_IDLE_S untouched.
+
+    An upload stages its bytes in DIR/.reploy-upload-ID, chunk by chunk, then commits on a background job: a file is
+    renamed (or copied) into place, a tar is vetted, extracted beside its target and merged in. A refused upload
+    writes nothing outside its staging. A download reads a file through an fd opened without following links, or a
+    tree through a tar its job writes into an anonymous file, read while it grows.
+    """
+
+    def __init__(self, config: AgentConfig, wakeup_fd: int) -> None:
+        self._config = config
+        self._wakeup_fd = wakeup_fd
+        self._dir_fd = open_root(config.session_dir)
+        self._uploads: dict[str, _Upload] = {}
+        self._downloads: dict[str, _Download] = {}
+        self._closing: list[_Download] = []  # closed while their job still writes; freed once it ends
+        for name in os.listdir(self._dir_fd):  # what an agent that died left staged
+            if name.startswith(STAGING_PREFIX):
+                with contextlib.suppress(OSError):
+                    os.unlink(name, dir_fd=self._dir_fd)
+
+    def root(self, root: FileRoot) -> Path:
+        return self._config.workspace_dir if root is FileRoot.WORKSPACE else self._config.home_dir
+
+    def committing(self) -> bool:
+        return any(upload.job is not None and not upload.job.finished for upload in self._uploads.values())
+
+    def _require_room(self) -> None:
+        if len(self._uploads) + len(self._downloads) >= MAX_OPEN_TRANSFERS:
+            raise UnavailableError(f"{MAX_OPEN_TRANSFERS} transfers are open; finish or close one")
+
+    # ---- uploads
+
+    def open_upload(self, params: UploadParams, now: float) -> dict[str, Any]:
+        self._require_room()
+        root = self.root(params.root)
+        if params.kind is UploadKind.FILE:
+            check_file_target(root, params.path)
+        elif params.mode is not None:
+            raise RequestError("params.mode is for file uploads; a tar's members carry their own modes")
+        else:
+            check_tree_target(root, params.path)
+        if params.size_bytes is not None:
+            if params.size_bytes > MAX_TRANSFER_BYTES:
+                raise RequestError(f"too large: {params.size_bytes} bytes; an upload holds at most "
+                                   f"{MAX_TRANSFER_BYTES}")
+            require_free_space(self._dir_fd, params.size_bytes, "the session directory")
+            root_fd = open_root(root)
+            try:
+                require_free_space(root_fd, params.size_bytes, params.root.value)
+            finally:
+                os.close(root_fd)
+        transfer_id = secrets.token_hex(8)
+        staged_name = f"{STAGING_PREFIX}{transfer_id}"
+        fd = os.open(staged_name, FILE_CREATE_FLAGS, 0o600, dir_fd=self._dir_fd)
+        self._uploads[transfer_id] = _Upload(transfer_id, params, staged_name, fd, now)
+        return {"transfer_id": transfer_id, "chunk_bytes": MAX_TRANSFER_CHUNK_BYTES}
+
+    def _upload(self, transfer_id: str) -> _Upload:
+        try:
+            return self._uploads[transfer_id]
+        except KeyError:
+            raise CommandError(f"no such upload {transfer_id} (an upload untouched for {TRANSFER_IDLE_S:g} s is "
+                               "closed)") from None
+
+    def write(self, params: UploadWriteParams, now: float) -> dict[str, Any]:
+        upload = self._upload(params.transfer_id)
+        if upload.job is not None:
+            raise CommandError("the upload is being committed")
+        if params.offset_bytes != upload.written_bytes:
+            raise RequestError(f"params.offset must be {upload.written_bytes}, the bytes staged so far")
+        limit_bytes = upload.params.size_bytes if upload.params.size_bytes is not None else MAX_TRANSFER_BYTES
+        if upload.written_bytes + len(params.data) > limit_bytes:
+            raise RequestError(f"too large: the upload would exceed {limit_bytes} bytes")
+        require_free_space(self._dir_fd, len(params.data), "the session directory")
+        try:
+            _write_all(upload.fd, params.data)
+        except OSError as e:
+            raise CommandError(f"not enough space in the session directory: {e.strerror}" if e.errno == errno.ENOSPC
+                               else f"cannot stage the upload: {e.strerror}") from e
+        upload.digest.update(params.data)
+        upload.written_bytes += len(params.data)
+        upload.touched_at = now
+        return {"transfer_id": upload.transfer_id, "bytes": upload.written_bytes}
+
+    def commit(self, params: UploadCommitParams, now: float) -> PendingRequest:
+        upload = self._upload(params.transfer_id)
+        upload.touched_at = now
+        if upload.job is None:
+            announced = upload.params.size_bytes
+            if announced is not None and announced != upload.written_bytes:
+                raise CommandError(f"the upload announced {announced} bytes but {upload.written_bytes} were staged")
+            if params.sha256 is not None and params.sha256 != upload.digest.hexdigest():
+                self._drop_upload(upload)
+                raise CommandError("sha256 mismatch: the staged bytes differ from what was sent; nothing was written")
+            os.close(upload.fd)
+            upload.fd = -1
+            upload.job = BackgroundJob(self._commit_work(upload), lambda _: None, self._wakeup_fd)
+        job = upload.job
+        return _AwaitTransfer(lambda: job.finished, lambda: self._committed(upload),
+                              lambda: {"transfer_id": upload.transfer_id, "done": False}, now)
+
+    def _commit_work(self, upload: _Upload) -> Callable[[], int]:
+        params, root = upload.params, self.root(upload.params.root)
+        spare_name = f"{upload.staged_name}.part"
+        if params.kind is UploadKind.FILE:
+            mode = sane_mode(DEFAULT_FILE_MODE if params.mode is None else params.mode, directory=False)
+
+            def install() -> int:
+                install_file(self._dir_fd, upload.staged_name, root, params.path, mode, spare_name)
+                return 1  # entries written
+            return install
+        archive = self._config.session_dir / upload.staged_name
+        return lambda: extract_upload(archive, root, params.path, spare_name)
+
+    def _committed(self, upload: _Upload) -> dict[str, Any]:
+        job = upload.job
+        assert job is not None
+        self._drop_upload(upload)
+        if isinstance(job.error, AgentError):
+            raise job.error
+        if isinstance(job.error, OSError) and job.error.errno == errno.ENOSPC:
+            raise CommandError(f"not enough space in {upload.params.root.value}: {job.error}")
+        if job.error is not None:
+            raise CommandError(f"the upload failed: {job.error}")
+        return {"transfer_id": upload.transfer_id, "done": True, "root": upload.params.root.value,
+                "path": shown_path(upload.params.path), "kind": upload.params.kind.value,
+                "bytes": upload.written_bytes, "entries": job.result, "sha256": upload.digest.hexdigest()}
+
+    def _drop_upload(self, upload: _Upload) -> None:
+        self._uploads.pop(upload.transfer_id, None)
+        if upload.fd >= 0:
+            os.close(upload.fd)
+            upload.fd = -1
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(upload.staged_name, dir_fd=self._dir_fd)
+
+    # ---- downloads
+
+    def open_download(self, params: PathParams, now: float) -> dict[str, Any]:
+        self._require_room()
+        root = self.root(params.root)
+        entry = stat_entry(root, params.path)
+        transfer_id = secrets.token_hex(8)
+        if entry["type"] == "directory":
+            dir_fd = open_confined_dir(root, params.path)
+            name = f"{STAGING_PREFIX}{transfer_id}.tar"
+            try:
+                fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                             dir_fd=self._dir_fd)
+                os.unlink(name, dir_fd=self._dir_fd)  # anonymous: nothing to clean up if we die
+            except BaseException:
+                os.close(dir_fd)
+                raise
+            sink = TarSink(fd, self._wakeup_fd)
+            job = BackgroundJob(lambda: _pack_tree(dir_fd, sink), lambda _: None, self._wakeup_fd)
+            self._downloads[transfer_id] = _Download(transfer_id, fd, now, sink=sink, job=job)
+            return {"transfer_id": transfer_id, "kind": "tar", "size": None, "entry": entry}
+        if entry["type"] != "file":
+            raise RequestError(f"refused: {shown_path(params.path)} is a {entry['type']}; only regular files and "
+                               "directories can be downloaded")
+        parent = open_confined_dir(root, params.path[:-1])
+        try:
+            fd = os.open(params.path[-1], FILE_READ_FLAGS, dir_fd=parent)
+        except OSError as e:
+            raise _walk_error(e, params.path, parent) from e
+        finally:
+            os.close(parent)
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):  # replaced between the stat and the open
+            os.close(fd)
+            raise RequestError(f"refused: {shown_path(params.path)} is not a regular file")
+        self._downloads[transfer_id] = _Download(transfer_id, fd, now, size_bytes=st.st_size)
+        return {"transfer_id": transfer_id, "kind": "file", "size": st.st_size, "entry": entry}
+
+    def _download(self, transfer_id: str) -> _Download:
+        try:
+            return self._downloads[transfer_id]
+        except KeyError:
+            raise CommandError(f"no such download {transfer_id} (a download untouched for {TRANSFER_IDLE_S:g} s is "
+                               "closed)") from None
+
+    def read(self, params: DownloadReadParams, now: float) -> dict[str, Any] | PendingRequest:
+        download = self._download(params.transfer_id)
+        download.touched_at = now
+        if download.sink is None:
+            assert download.size_bytes is not None
+            if params.offset_bytes > download.size_bytes:
+                raise RequestError(f"params.offset is past the file's {download.size_bytes} bytes")
+            wanted = min(params.max_bytes, download.size_bytes - params.offset_bytes)
+            data = os.pread(download.fd, wanted, params.offset_bytes)
+            if len(data) < wanted:
+                raise CommandError("the file shrank while it was downloaded")
+            return self._piece(download, params.offset_bytes, data, params.offset_bytes + len(data) >= download.size_bytes)
+        sink, job = download.sink, download.job
+        assert job is not None
+        ready = lambda: job.finished or sink.written_bytes > params.offset_bytes  # noqa: E731
+        answer = lambda: self._tar_piece(download, params)  # noqa: E731
+        if ready():
+            return answer()
+        return _AwaitTransfer(ready, answer, answer, now)
+
+    def _tar_piece(self, download: _Download, params: DownloadReadParams) -> dict[str, Any]:
+        sink, job = download.sink, download.job
+        assert sink is not None and job is not None
+        finished = job.finished  # before written_bytes: once finished, that is final
+        if finished and job.error is not None:
+            self.close(download.transfer_id)
+            error = job.error
+            raise error if isinstance(error, AgentError) else CommandError(f"cannot pack the tree: {error}")
+        available = sink.written_bytes
+        if params.offset_bytes > available:
+            raise RequestError(f"params.offset is past the {available} bytes written so far")
+        data = os.pread(download.fd, min(params.max_bytes, available - params.offset_bytes), params.offset_bytes)
+        return self._piece(download, params.offset_bytes, data, finished and params.offset_bytes + len(data) >= available)
+
+    @staticmethod
+    def _piece(download: _Download, offset_bytes: int, data: bytes, eof: bool) -> dict[str, Any]:
+        return {"transfer_id": download.transfer_id, "offset": offset_bytes, "next_offset": offset_bytes + len(data),
+                "eof": eof, "data_b64": base64.b64encode(data).decode("ascii")}
+
+    # ---- closing
+
+    def close(self, transfer_id: str) -> dict[str, Any]:
+        """transfer_close: an upload is dropped with its staged bytes, a download stops and frees its tar."""
+        if transfer_id in self._uploads:
+            upload = self._uploads[transfer_id]
+            if upload.job is not None and not upload.job.finished:
+                raise CommandError("the upload is being committed; ask upload_commit for its result")
+            self._drop_upload(upload)
+            return {"transfer_id": transfer_id, "closed": True}
+        download = self._download(transfer_id)
+        del self._downloads[transfer_id]
+        if download.sink is not None:
+            download.sink.cancelled = True
+        self._closing.append(download)
+        self._free_closed()
+        return {"transfer_id": transfer_id, "closed": True}
+
+    def _free_closed(self) -> None:
+        for download in list(self._closing):
+            if download.job is None or download.job.finished:
+                os.close(download.fd)
+                self._closing.remove(download)
+
+    def tick(self, now: float) -> None:
+        self._free_closed()
+        for upload in list(self._uploads.values()):
+            if (upload.job is None or upload.job.finished) and now - upload.touched_at >= TRANSFER_IDLE_S:
+                self._drop_upload(upload)
+        for download in list(self._downloads.values()):
+            if now - download.touched_at >= TRANSFER_IDLE_S:
+                self.close(download.transfer_id)
+
+    def next_deadline(self) -> Optional[float]:
+        times = [t.touched_at + TRANSFER_IDLE_S for t in (*self._uploads.values(), *self._downloads.values())]
+        return min(times, default=None)
+
+    def close_all(self) -> None:
+        for download in list(self._downloads.values()):
+            self.close(download.transfer_id)
+        jobs = [job for job in [u.job for u in self._uploads.values()] + [d.job for d in self._closing] if job]
+        for job in jobs:
+            job.join(HANDLER_TIMEOUT_S)
+        self._free_closed()
+        for upload in list(self._uploads.values()):
+            if upload.job is None or upload.job.finished:
+                self._drop_upload(upload)
+        if all(job.finished for job in jobs):  # else a job still uses it; the process's exit closes it
+            os.close(self._dir_fd)
+
+
+def _pack_tree(dir_fd: int, sink: TarSink) -> int:
+    """A download's job: the tree below dir_fd as a tar into its sink. Returns the entries left out."""
+    try:
+        return write_tree_tar(dir_fd, sink)
+    finally:
+        os.close(dir_fd)
+
+
+
+# ======================================================================================================================
 # The serve loop: one selector for the PTY or pipes, the listening socket, the clients and a signal wakeup fd
 # ======================================================================================================================
 
@@ -1937,7 +3294,7 @@ class _Checkpoint(PendingRequest):
     def _advance(self) -> Optional[dict[str, Any]]:
         server = self._server
         if self._job is None:
-            if not self._workload.drained():
+            if not (self._workload.drained() and server.harness_drained()):
                 return None
             resume = isinstance(self._workload, AgentWorkload) and self._workload.resume
             manifest = Manifest(self._id, self._workload.kind, server.log.length_bytes, resume)
@@ -2020,6 +3377,41 @@ def install_restore(config: AgentConfig, staging: Path, manifest: Manifest) -> N
         shutil.rmtree(staging, ignore_errors=True)
 
 
+class _ExecWait(PendingRequest):
+    """exec_wait: answers once the exec's result is final, or when its wait ends with the result so far."""
+
+    def __init__(self, table: ExecTable, params: ExecWaitParams, now: float) -> None:
+        self._table = table
+        self._params = params
+        self.wake_at = now + params.wait_ms / 1000
+
+    def resolve(self, now: float) -> Optional[dict[str, Any]]:
+        process = self._table.get(self._params.exec_id)
+        if process.running and now < self.wake_at:
+            return None
+        fields = process.result(now, self._params)
+        if self._params.release and not process.running and all(
+                fields[f"{name}_next_offset"] == fields[f"{name}_bytes"] for name in ("stdout", "stderr")):
+            self._table.release(process.exec_id)
+        return fields
+
+
+class _AwaitTransfer(PendingRequest):
+    """Answers once `ready()` holds, or after TRANSFER_WAIT_S with `waiting()` (the client asks again)."""
+
+    def __init__(self, ready: Callable[[], bool], answer: Callable[[], dict[str, Any]],
+                 waiting: Callable[[], dict[str, Any]], now: float) -> None:
+        self._ready = ready
+        self._answer = answer
+        self._waiting = waiting
+        self.wake_at = now + TRANSFER_WAIT_S
+
+    def resolve(self, now: float) -> Optional[dict[str, Any]]:
+        if self._ready():
+            return self._answer()
+        return self._waiting() if now >= self.wake_at else None
+
+
 class AgentServer:
     """Owns the session: socket, log, outbox, workload, clients. `run_once()` is one pass of the loop.
 
@@ -2046,10 +3438,17 @@ class AgentServer:
             Method.STATUS: self._status, Method.READ: self._read, Method.WRITE: self._write,
             Method.RESIZE: self._resize, Method.CHECKPOINT: self._checkpoint, Method.RESTORE: self._restore,
             Method.SUSPEND: self._suspend,
+            Method.EXEC: self._exec, Method.EXEC_WAIT: self._exec_wait, Method.EXEC_KILL: self._exec_kill,
+            Method.STAT: self._stat, Method.LIST: self._list, Method.UPLOAD: self._upload,
+            Method.UPLOAD_WRITE: self._upload_write, Method.UPLOAD_COMMIT: self._upload_commit,
+            Method.DOWNLOAD: self._download, Method.DOWNLOAD_READ: self._download_read,
+            Method.TRANSFER_CLOSE: self._transfer_close,
         }
+        self.execs = ExecTable(config, self._reactor)
         self._listener = OwnedSocket(config.session_dir / SOCKET_NAME)
         self.tcp_listener: Optional[TcpListener] = None
         try:
+            self.transfers = TransferTable(config, self._wakeup_write.fileno())
             if config.listen is not None:
                 self.tcp_listener = TcpListener(*config.listen)
             self.outbox = Outbox(config.session_dir / OUTBOX_NAME)
@@ -2112,6 +3511,8 @@ class AgentServer:
         if self._workload is not None:
             self._workload.tick(now)
         self._note_busy(now)
+        self.execs.tick(now)
+        self.transfers.tick(now)
         if self.job is not None and self.job.finished and self.job.abandoned:
             self.job.discard()
             self.job = None
@@ -2119,7 +3520,7 @@ class AgentServer:
             self._serve(conn, now)
 
     def _note_busy(self, now: float) -> bool:
-        busy = self._workload is not None and self._workload.busy()
+        busy = (self._workload is not None and self._workload.busy()) or not self.harness_drained()
         if busy:
             self._busy_seen_at = now
         return busy
@@ -2129,6 +3530,7 @@ class AgentServer:
         times += [conn.pending.wake_at for conn in self._connections if conn.pending and conn.pending.wake_at]
         if self._workload is not None:
             times.append(self._workload.next_deadline(now))
+        times += [self.execs.next_deadline(now), self.transfers.next_deadline()]
         return min((t for t in times if t is not None), default=None)
 
     def _signals(self) -> "_SignalWakeup":
@@ -2144,6 +3546,10 @@ class AgentServer:
         for number in data:
             if number in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 self._stop_reason = signal.Signals(number).name
+
+    def harness_drained(self) -> bool:
+        """No exec runs and no upload is being committed: the workspace holds still for a checkpoint."""
+        return self.execs.running_count == 0 and not self.transfers.committing()
 
     def start_job(self, work: Callable[[], Any], discard: Callable[[Any], None]) -> BackgroundJob:
         if self.job is not None:
@@ -2164,6 +3570,8 @@ class AgentServer:
         if self.job is not None:
             self.job.join(HANDLER_TIMEOUT_S)
             self.job.discard()
+        self.execs.stop(self._clock())
+        self.transfers.close_all()
         if self._workload is not None:
             self._workload.stop()
             self.outbox.end_open_turns(Outcome.INTERRUPTED, "shutdown")
@@ -2367,6 +3775,54 @@ class AgentServer:
             raise CommandError("restore needs a fresh agent started with --await-restore")
         path = Path(params.path)
         return _Restore(self, path if path.is_absolute() else self.config.session_dir / path)
+
+    # ---- harness verbs: exec and files (work for either workload, beside it)
+
+    def _exec(self, params: ExecParams, now: float) -> dict[str, Any]:
+        self._admitting()
+        process = self.execs.start(params, now)
+        return {"exec_id": process.exec_id, "pid": process.proc.pid}
+
+    def _exec_wait(self, params: ExecWaitParams, now: float) -> dict[str, Any] | PendingRequest:
+        pending = _ExecWait(self.execs, params, now)
+        answer = pending.resolve(now)
+        return pending if answer is None else answer
+
+    def _exec_kill(self, params: HandleParams, now: float) -> dict[str, Any]:
+        return {"exec_id": params.handle_id, "killed": self.execs.get(params.handle_id).kill()}
+
+    def _stat(self, params: PathParams, now: float) -> dict[str, Any]:
+        self._workload_or_unavailable()
+        return {"root": params.root.value, "path": shown_path(params.path),
+                "entry": stat_entry(self.transfers.root(params.root), params.path)}
+
+    def _list(self, params: ListParams, now: float) -> dict[str, Any]:
+        self._workload_or_unavailable()
+        root = self.transfers.root(params.root)
+        return {"root": params.root.value, "path": shown_path(params.path), "entry": stat_entry(root, params.path),
+                **list_entries(root, params.path, params.offset, params.limit)}
+
+    def _upload(self, params: UploadParams, now: float) -> dict[str, Any]:
+        self._admitting()
+        return self.transfers.open_upload(params, now)
+
+    def _upload_write(self, params: UploadWriteParams, now: float) -> dict[str, Any]:
+        self._admitting()
+        return self.transfers.write(params, now)
+
+    def _upload_commit(self, params: UploadCommitParams, now: float) -> PendingRequest:
+        self._admitting()
+        return self.transfers.commit(params, now)
+
+    def _download(self, params: PathParams, now: float) -> dict[str, Any]:
+        self._workload_or_unavailable()
+        return self.transfers.open_download(params, now)
+
+    def _download_read(self, params: DownloadReadParams, now: float) -> dict[str, Any] | PendingRequest:
+        return self.transfers.read(params, now)
+
+    def _transfer_close(self, params: HandleParams, now: float) -> dict[str, Any]:
+        return self.transfers.close(params.handle_id)
 
 
 class _SignalWakeup:

@@ -12,6 +12,9 @@ Peers:
   * reploy_session_client.py, which runs inside the controller container as the broker. It also
     holds the public stream codec and the private channel framing, which this file imports so
     both ends speak from one definition. It must sit beside this file.
+  * agent.py, the data-plane agent in each managed-session container, reached only through its
+    control socket; `session cp` also reuses its archive rules (vetting, extraction, the tree
+    writer), so it must sit beside this file too.
 
 Machine output is one JSON document on stdout; human text goes to stderr.
 
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import concurrent.futures
 import contextlib
 import enum
 import hashlib
@@ -53,7 +57,7 @@ import urllib.parse
 import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
+from typing import Any, Callable, Generator, Iterable, Iterator, Optional, Sequence
 
 import docker
 import docker.errors
@@ -64,6 +68,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import reploy_session_client as wire  # noqa: E402  (the shared codec; see the docstring)
 import reploy_watchdog  # noqa: E402  (the cleanup role; the host reuses its reconciliation)
+import agent as agent_role  # noqa: E402  (the data-plane role; `session cp` reuses its archive rules)
 from reploy_session_client import (  # noqa: E402
     Cause, FrameKind, RecoveryAction, SessionResult, Status,
 )
@@ -2364,6 +2369,26 @@ SSE_POLL_S = 0.02
 SSE_LONG_POLL_MS = 1000
 #: The session JSON's lifecycle facts refresh at most this often in a stream.
 SSE_STATE_CHECK_S = 1.0
+#: exec: the HTTP call answers once the command ends; meanwhile each agent long-poll waits this
+#: long (under the agent's 5 s handler bound), and the client's connection is checked between.
+EXEC_POLL_MS = 4000
+DEFAULT_EXEC_TIMEOUT_MS = 60_000
+MAX_EXEC_TIMEOUT_MS = 24 * 3600 * 1000
+#: The agent's bounds (docs/agent.md): stdin travels in one request line, output is kept per
+#: stream up to the cap.
+MAX_EXEC_STDIN_BYTES = 512 * 1024
+DEFAULT_EXEC_OUTPUT_BYTES = 1024 * 1024
+MAX_EXEC_OUTPUT_BYTES = 4 * 1024 * 1024
+#: Files move through the agent's socket in chunks whose base64 fits its 1 MiB request line.
+TRANSFER_CHUNK_BYTES = 752 * 1024
+MAX_UPLOAD_BYTES = 8 * 1024 * 1024 * 1024
+#: A listing answers at most this many entries (then `truncated`).
+MAX_LIST_ENTRIES = 10_000
+#: Routes whose body is raw bytes streamed to the agent, not JSON, and the content types each
+#: accepts (the upload route: a file, or a tar to extract). Every other body is JSON.
+RAW_BODY_ROUTES: dict[str, tuple[str, ...]] = {
+    "put_file": ("application/octet-stream", "application/x-tar"),
+}
 _SESSION_ID = re.compile(r"[0-9a-f]{16}")
 _SESSION_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9 ._-]{0,63}")
 #: Seed 002's model identifiers (an optional leading ~ for moving aliases).
@@ -2469,6 +2494,12 @@ class Forbidden(ServeError):
     """A browser request from another origin or site."""
 
     status = 403
+
+
+class PathNotFound(ServeError):
+    """No such file or directory in a session's workspace or home."""
+
+    status = 404
 
 
 class UnsupportedMediaType(ServeError):
@@ -2952,8 +2983,13 @@ BODY_RULES: dict[str, dict[str, FieldRule]] = {
     "message": {"text": FieldRule(str, True)},
     "resize": {"columns": FieldRule(int, True, minimum=1, maximum=65535),
                "rows": FieldRule(int, True, minimum=1, maximum=65535)},
+    "exec": {"argv": FieldRule(list, True), "cwd": FieldRule(str), "env": FieldRule(dict),
+             "stdinBase64": FieldRule(str),
+             "timeoutMs": FieldRule(int, minimum=1, maximum=MAX_EXEC_TIMEOUT_MS),
+             "maxOutputBytes": FieldRule(int, minimum=0, maximum=MAX_EXEC_OUTPUT_BYTES)},
     "empty": {},
 }
+_JSON_KIND_NAMES = {int: "an integer", str: "a string", list: "an array", dict: "an object"}
 
 
 def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -2998,7 +3034,7 @@ def check_field(name: str, value: Any, rule: FieldRule) -> None:
     """One value against its rule: BadRequest for a wrong type, Unprocessable for a value that
     does not fit."""
     if isinstance(value, bool) or not isinstance(value, rule.kind):
-        raise BadRequest(f"{name}: must be {'an integer' if rule.kind is int else 'a string'}")
+        raise BadRequest(f"{name}: must be {_JSON_KIND_NAMES[rule.kind]}")
     if rule.minimum is not None and value < rule.minimum or (
             rule.maximum is not None and value > rule.maximum):
         raise Unprocessable(f"{name}: must be from {rule.minimum} to {rule.maximum}")
@@ -3019,6 +3055,65 @@ def decode_payload(text: str, what: str) -> bytes:
     if len(data) > MAX_PAYLOAD_BYTES:
         raise PayloadTooLarge(f"{what}: more than {MAX_PAYLOAD_BYTES} bytes")
     return data
+
+
+def exec_params(fields: dict[str, Any]) -> dict[str, Any]:
+    """An exec body (parsed by BODY_RULES["exec"]) as the agent's `exec` params. Item types are
+    checked here (400); what does not fit, the agent refuses (422)."""
+    argv, env = fields["argv"], fields.get("env", {})
+    if not argv or not all(isinstance(arg, str) for arg in argv):
+        raise BadRequest("argv: must be a non-empty array of strings")
+    if not all(isinstance(value, str) for value in env.values()):
+        raise BadRequest("env: every value must be a string")
+    params: dict[str, Any] = {
+        "argv": argv, "cwd": fields.get("cwd", ""), "env": env,
+        "timeout_ms": fields.get("timeoutMs", DEFAULT_EXEC_TIMEOUT_MS),
+        "output_cap_bytes": fields.get("maxOutputBytes", DEFAULT_EXEC_OUTPUT_BYTES)}
+    if "stdinBase64" in fields:
+        try:
+            stdin = base64.b64decode(fields["stdinBase64"], validate=True)
+        except ValueError:
+            raise BadRequest("stdinBase64: not base64") from None
+        if len(stdin) > MAX_EXEC_STDIN_BYTES:
+            raise PayloadTooLarge(f"stdinBase64: more than {MAX_EXEC_STDIN_BYTES} bytes; upload a "
+                                  "file and redirect from it instead")
+        params["stdin_b64"] = base64.b64encode(stdin).decode("ascii")
+    return params
+
+
+def exec_result_json(final: dict[str, Any], stdout: bytes, stderr: bytes) -> dict[str, Any]:
+    """The API's exec result from the agent's last exec_wait answer and the collected output:
+    how it ended (exitCode, or signal, or timedOut), each stream as text and exact base64."""
+    document = {"execId": final["exec_id"], "exitCode": final["exit_code"],
+                "signal": final["signal"], "timedOut": final["timed_out"],
+                "killed": final["killed"], "durationMs": final["duration_ms"]}
+    for name, data in (("stdout", stdout), ("stderr", stderr)):
+        document[name] = data.decode("utf-8", "replace")
+        document[f"{name}Base64"] = base64.b64encode(data).decode("ascii")
+        document[f"{name}Truncated"] = final[f"{name}_truncated"]
+    return document
+
+
+def file_route_path(api_path: str) -> str:
+    """The workspace path a files or list route (a path below /api/v1) names: what follows
+    /sessions/ID/files/ (or /list/), percent-decoded; "" is the root."""
+    parts = api_path.split("?", 1)[0].strip("/").split("/", 3)
+    return urllib.parse.unquote(parts[3]) if len(parts) > 3 else ""
+
+
+def file_query(query: str) -> tuple[str, Optional[int]]:
+    """(root, mode) from a files route's query: ?root=workspace|home, ?mode=0755 (octal)."""
+    params = urllib.parse.parse_qs(query, keep_blank_values=True)
+    unknown = sorted(set(params) - {"root", "mode"})
+    if unknown:
+        raise BadRequest(f"unknown query parameter(s): {', '.join(unknown)}")
+    root = (params.get("root") or ["workspace"])[-1]
+    if root not in ("workspace", "home"):
+        raise Unprocessable("root: must be workspace or home")
+    mode_text = (params.get("mode") or [None])[-1]
+    if mode_text is not None and not re.fullmatch(r"0?[0-7]{1,4}", mode_text):
+        raise Unprocessable("mode: an octal mode such as 0644")
+    return root, None if mode_text is None else int(mode_text, 8)
 
 
 def session_json(record: SessionRecord, idle_after_s: float, snapshot_after_s: float) -> dict[str, Any]:
@@ -3108,6 +3203,8 @@ def sse_cursor(last_event_id: Optional[str], query_offset: Optional[str]) -> int
 #      or the cookie. A token in an API query string is never one.
 #   5. A body must be application/json (415): the only kinds a page can send across origins
 #      without a preflight (forms, text/plain) are refused, and preflights get no CORS headers.
+#      The one exception is the upload route (RAW_BODY_ROUTES), which takes raw bytes as
+#      application/octet-stream or application/x-tar in a PUT, itself never preflight-free.
 #
 # Tokens and cookie values are compared in constant time. No message names a credential.
 
@@ -3265,9 +3362,23 @@ def decide_access(method: str, target: str, headers: Sequence[tuple[str, str]],
                                                    if in_url else ""))
     has_body = (_single_header(headers, "content-length") or "0").strip() != "0" or (
         _single_header(headers, "transfer-encoding") is not None)
-    if has_body and not _is_json_media_type(_single_header(headers, "content-type")):
+    content_type = _single_header(headers, "content-type")
+    if has_body and not (_is_json_media_type(content_type)
+                         or _takes_raw_body(method, path, content_type)):
         raise UnsupportedMediaType("request bodies must be Content-Type: application/json")
     return Access.ROUTE
+
+
+def _takes_raw_body(method: str, path: str, content_type: Optional[str]) -> bool:
+    """Whether the request goes to a route that takes raw bytes (RAW_BODY_ROUTES: the upload
+    route) in one of its content types. Those are not CORS-safelisted, and PUT never is, so a
+    page elsewhere still cannot send them without a preflight, which gets no CORS answer."""
+    try:
+        handler, _ = match_route(method, path[len(API_PREFIX):])
+    except ServeError:
+        return False
+    media_type = (content_type or "").partition(";")[0].strip().lower()
+    return media_type in RAW_BODY_ROUTES.get(handler, ())
 
 
 # ============================================================================================
@@ -3316,9 +3427,17 @@ def agent_call(session_dir: Path, method: str, params: dict[str, Any],
 
 
 def serve_error_for(error: AgentCallError) -> ServeError:
-    """The agent's blame-split codes, as HTTP statuses."""
-    message = f"agent: {error}"
-    if error.code == "invalid_request" or "UTF-8 boundary" in str(error):
+    """The agent's blame-split codes, as HTTP statuses. The file and exec verbs name some
+    failures in stable words (docs/agent.md, "Errors of the harness verbs"), mapped first."""
+    message, text = f"agent: {error}", str(error)
+    if error.code == "command_error" and text.startswith("no such file or directory"):
+        return PathNotFound(message)
+    if text.startswith("not enough space"):
+        return InsufficientStorage(message)
+    if text.startswith("too large"):
+        return PayloadTooLarge(message)
+    if error.code == "invalid_request" or "UTF-8 boundary" in text or text.startswith(
+            ("refused:", "cannot run")):
         return Unprocessable(message)
     if error.code == "command_error":
         return SessionConflict(message)
@@ -3780,6 +3899,127 @@ class SessionManager:
             return self.call(session_id, "message", {"text": text})
         return self.call(session_id, "write", {"data_b64": base64.b64encode(data).decode()})
 
+    # -- the harness verbs: exec and files, each an access at every step ---------------------
+
+    def exec(self, session_id: str, params: dict[str, Any],
+             client_gone: Callable[[], bool]) -> dict[str, Any]:
+        """Runs one command in the session's container and waits for its result. The agent
+        answers within 5 s, so the wait is a chain of long-polls; between them a client that
+        went away, or serve stopping, kills the command's whole process group."""
+        exec_id = self.call(session_id, "exec", params)["exec_id"]
+        output: dict[str, bytearray] = {"stdout": bytearray(), "stderr": bytearray()}
+        try:
+            while True:
+                if client_gone() or self.stopping.is_set():
+                    raise ServiceUnavailable("the client went away or serve is stopping; the "
+                                             "command was killed")
+                page = self.call(session_id, "exec_wait", {
+                    "exec_id": exec_id, "wait_ms": EXEC_POLL_MS, "release": True,
+                    "stdout_offset": len(output["stdout"]), "stderr_offset": len(output["stderr"])})
+                for name, data in output.items():
+                    data += base64.b64decode(page[f"{name}_b64"])
+                if not page["running"] and all(len(data) == page[f"{name}_bytes"]
+                                               for name, data in output.items()):
+                    return exec_result_json(page, bytes(output["stdout"]), bytes(output["stderr"]))
+        except BaseException:
+            with contextlib.suppress(AgentCallError):
+                agent_call(self.config.session_dir(session_id), "exec_kill", {"exec_id": exec_id})
+            raise
+
+    def stat_file(self, session_id: str, root: str, path: str) -> dict[str, Any]:
+        return self.call(session_id, "stat", {"root": root, "path": path})["entry"]
+
+    def list_files(self, session_id: str, root: str, path: str) -> dict[str, Any]:
+        """A path's entry and, for a directory, its entries (at most MAX_LIST_ENTRIES)."""
+        entry = self.stat_file(session_id, root, path)
+        entries: Optional[list[dict[str, Any]]] = None
+        truncated = False
+        if entry["type"] == "directory":
+            entries = []
+            while True:
+                page = self.call(session_id, "list", {"root": root, "path": path,
+                                                      "offset": len(entries)})
+                entries += page["entries"]
+                if not page["entries"] or len(entries) >= min(page["total"], MAX_LIST_ENTRIES):
+                    break
+            truncated = len(entries) < page["total"]
+            entries = entries[:MAX_LIST_ENTRIES]
+        return {"root": root, "path": path, "entry": entry, "entries": entries,
+                "truncated": truncated}
+
+    def upload(self, session_id: str, root: str, path: str, kind: str, mode: Optional[int],
+               size_bytes: int, source: Any) -> dict[str, Any]:
+        """Streams size_bytes from `source` into the session: staged by the agent chunk by
+        chunk (never the whole body in memory here), then committed with its sha256. A refused
+        or broken upload is closed and leaves nothing behind. One chunk is in flight while the
+        next is read and encoded."""
+        free = shutil.disk_usage(self.config.state_dir).free
+        if free - size_bytes < self.config.min_free_bytes:
+            raise InsufficientStorage(f"not enough space: {free // (1024 * 1024)} MiB free under "
+                                      "the state dir")
+        params: dict[str, Any] = {"root": root, "path": path, "kind": kind, "size": size_bytes}
+        if mode is not None:
+            params["mode"] = mode
+        transfer_id = self.call(session_id, "upload", params)["transfer_id"]
+        digest = hashlib.sha256()
+        sent = 0
+        try:
+            with concurrent.futures.ThreadPoolExecutor(1, "upload") as sender:
+                in_flight: Optional[concurrent.futures.Future[dict[str, Any]]] = None
+                while sent < size_bytes:
+                    chunk = source.read(min(TRANSFER_CHUNK_BYTES, size_bytes - sent))
+                    if not chunk:
+                        raise BadRequest(f"the body ended after {sent} of {size_bytes} bytes")
+                    digest.update(chunk)
+                    params = {"transfer_id": transfer_id, "offset": sent,
+                              "data_b64": base64.b64encode(chunk).decode("ascii")}
+                    if in_flight is not None:
+                        in_flight.result()  # in order: the agent takes chunks at its length
+                    in_flight = sender.submit(self.call, session_id, "upload_write", params)
+                    sent += len(chunk)
+                if in_flight is not None:
+                    in_flight.result()
+            while True:
+                result = self.call(session_id, "upload_commit", {"transfer_id": transfer_id,
+                                                                 "sha256": digest.hexdigest()})
+                if result["done"]:
+                    return _camel_keys(result)
+        except BaseException:
+            with contextlib.suppress(AgentCallError):
+                agent_call(self.config.session_dir(session_id), "transfer_close",
+                           {"transfer_id": transfer_id})
+            raise
+
+    def download(self, session_id: str, root: str,
+                 path: str) -> tuple[dict[str, Any], Generator[bytes, None, None]]:
+        """Opens a file (or a directory, as a tar) for reading: its description, and its bytes
+        chunk by chunk as the agent serves them."""
+        opened = self.call(session_id, "download", {"root": root, "path": path})
+        transfer_id = opened["transfer_id"]
+
+        def read(offset: int) -> dict[str, Any]:
+            return self.call(session_id, "download_read",
+                             {"transfer_id": transfer_id, "offset": offset})
+
+        def chunks() -> Generator[bytes, None, None]:
+            """One read ahead: the next chunk is asked for while this one is sent."""
+            try:
+                with concurrent.futures.ThreadPoolExecutor(1, "download") as reader:
+                    ahead = reader.submit(read, 0)
+                    while True:
+                        page = ahead.result()
+                        if not page["eof"]:
+                            ahead = reader.submit(read, page["next_offset"])
+                        yield base64.b64decode(page["data_b64"])
+                        if page["eof"]:
+                            return
+            finally:
+                with contextlib.suppress(AgentCallError):
+                    agent_call(self.config.session_dir(session_id), "transfer_close",
+                               {"transfer_id": transfer_id})
+
+        return opened, chunks()
+
     def status(self, session_id: str) -> dict[str, Any]:
         """Passive: asks an active session's agent, never resumes or restores one."""
         record = self.record(session_id)
@@ -3951,7 +4191,13 @@ API_ROUTES: tuple[tuple[str, str, str], ...] = (
     ("POST", "/sessions/{id}/relaunch", "relaunch"),
     ("POST", "/sessions/{id}/resize", "resize"),
     ("GET", "/sessions/{id}/status", "status"),
+    ("POST", "/sessions/{id}/exec", "exec"),
+    ("GET", "/sessions/{id}/list/{path}", "list_files"),
+    ("GET", "/sessions/{id}/files/{path}", "get_file"),
+    ("PUT", "/sessions/{id}/files/{path}", "put_file"),
 )
+#: Routes whose last part is a path in the session's workspace (or home), slashes included.
+FILE_ROUTE_PARTS = ("files", "list")
 STATIC_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
                 ".css": "text/css; charset=utf-8", ".json": "application/json",
                 ".svg": "image/svg+xml", "": "text/plain; charset=utf-8"}
@@ -3967,6 +4213,8 @@ def match_route(method: str, path: str) -> tuple[str, Optional[str]]:
         session_id, parts[1] = parts[1], "{id}"
         if not _SESSION_ID.fullmatch(session_id):
             raise SessionNotFound(f"no session {session_id}")
+        if len(parts) >= 3 and parts[2] in FILE_ROUTE_PARTS:
+            parts[3:] = ["{path}"]  # file_route_path() reads it
     template = "/" + "/".join(parts)
     handlers = {m: h for m, t, h in API_ROUTES if t == template}
     if not handlers:
@@ -4058,11 +4306,13 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
             if access is Access.LOGIN:
                 self.send_login()
                 return
-            body = self.read_body()
             if path == API_PREFIX + "/openapi.json" or not is_api_path(path):
+                self.read_body()
                 self.serve_static(method, path)
                 return
             handler, session_id = match_route(method, path[len(API_PREFIX):])
+            # A raw body is streamed by its handler; every other body is read whole (bounded).
+            body = b"" if handler in RAW_BODY_ROUTES else self.read_body()
             result = getattr(self, "api_" + handler)(session_id, body, query)
             if result is not None:
                 self.send_json(*result)
@@ -4076,7 +4326,9 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
             log(f"serve: internal error on {method} {path}: {e!r}")
             self.send_json(500, {"error": "internal error"})
 
-    def read_body(self) -> bytes:
+    def body_length(self, max_bytes: int) -> int:
+        """The body's Content-Length (0 when absent), refused before any byte is read when it
+        is chunked, not a number or over max_bytes."""
         if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
             self.close_connection = True
             raise BadRequest("chunked bodies are not accepted; send Content-Length")
@@ -4085,9 +4337,13 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
             self.close_connection = True
             raise BadRequest("Content-Length is not a number")
         length = int(text)
-        if length > MAX_BODY_BYTES:
+        if length > max_bytes:
             self.close_connection = True
-            raise PayloadTooLarge(f"the body exceeds {MAX_BODY_BYTES} bytes")
+            raise PayloadTooLarge(f"the body exceeds {max_bytes} bytes")
+        return length
+
+    def read_body(self) -> bytes:
+        length = self.body_length(MAX_BODY_BYTES)
         return self.rfile.read(length) if length else b""
 
     def send_json(self, status: int, document: dict[str, Any],
@@ -4213,6 +4469,79 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
 
     def api_status(self, sid: str, body: bytes, _query: str) -> tuple[int, dict[str, Any]]:
         return 200, self.manager.status(sid)
+
+    @property
+    def api_path(self) -> str:
+        return self.path.partition("?")[0][len(API_PREFIX):]
+
+    def client_gone(self) -> bool:
+        """True once the client closed its side: its socket reads as end of file."""
+        try:
+            readable, _, _ = select.select([self.connection], [], [], 0)
+            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+        except OSError:
+            return True
+
+    def api_exec(self, sid: str, body: bytes, _query: str) -> tuple[int, dict[str, Any]]:
+        params = exec_params(parse_body(body, BODY_RULES["exec"]))
+        return 200, self.manager.exec(sid, params, self.client_gone)
+
+    def api_list_files(self, sid: str, body: bytes, query: str) -> tuple[int, dict[str, Any]]:
+        parse_body(body, BODY_RULES["empty"])
+        root, mode = file_query(query)
+        if mode is not None:
+            raise BadRequest("mode: only for uploads")
+        return 200, self.manager.list_files(sid, root, file_route_path(self.api_path))
+
+    def api_put_file(self, sid: str, _body: bytes, query: str) -> tuple[int, dict[str, Any]]:
+        """Raw bytes streamed in: application/octet-stream makes one file, application/x-tar is
+        extracted into the directory at the path (made if missing, merged if not)."""
+        root, mode = file_query(query)
+        content_type = self.headers.get("Content-Type", "").split(";")[0].strip().lower()
+        if content_type not in RAW_BODY_ROUTES["put_file"]:
+            self.close_connection = True
+            raise UnsupportedMediaType(f"Content-Type must be one of "
+                                       f"{', '.join(RAW_BODY_ROUTES['put_file'])}")
+        size_bytes = self.body_length(MAX_UPLOAD_BYTES)
+        kind = "tar" if content_type == "application/x-tar" else "file"
+        try:
+            result = self.manager.upload(sid, root, file_route_path(self.api_path), kind, mode,
+                                         size_bytes, self.rfile)
+        except BaseException:
+            self.close_connection = True  # the rest of the body may still be on its way
+            raise
+        return 201, result
+
+    def api_get_file(self, sid: str, body: bytes, query: str) -> None:
+        """A file's bytes, or a directory as a tar (its entries relative to it), streamed."""
+        parse_body(body, BODY_RULES["empty"])
+        root, mode = file_query(query)
+        if mode is not None:
+            raise BadRequest("mode: only for uploads")
+        path = file_route_path(self.api_path)
+        opened, chunks = self.manager.download(sid, root, path)
+        name = (path.rstrip("/").rpartition("/")[2] or root) + (".tar" if opened["kind"] == "tar" else "")
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-tar" if opened["kind"] == "tar"
+                         else "application/octet-stream")
+        if opened["size"] is not None:
+            self.send_header("Content-Length", str(opened["size"]))
+        else:
+            self.send_header("Connection", "close")
+            self.close_connection = True
+        self.send_header("Content-Disposition",
+                         f"attachment; filename*=UTF-8''{urllib.parse.quote(name)}")
+        self.send_header("Cache-Control", "no-store")
+        self.send_header("X-Content-Type-Options", "nosniff")
+        self.end_headers()
+        try:
+            for chunk in chunks:
+                self.wfile.write(chunk)
+        except (ReployError, OSError) as e:  # the headers are out: end the body short instead
+            log(f"serve: download of {path!r} from session {sid} ended early: {e}")
+            self.close_connection = True
+        finally:
+            chunks.close()  # the agent's transfer is closed now, not when this is collected
 
     def api_stream(self, sid: str, body: bytes, query: str) -> None:
         params = urllib.parse.parse_qs(query)
@@ -4469,6 +4798,8 @@ def client_request(args: argparse.Namespace) -> tuple[str, str, Optional[dict[st
         return "POST", f"/sessions/{sid}/write", {"dataBase64": base64.b64encode(data).decode()}
     if action == "message":
         return "POST", f"/sessions/{sid}/message", {"text": args.text}
+    if action == "exec":
+        return "POST", f"/sessions/{sid}/exec", args.exec_body
     return "POST", f"/sessions/{sid}/{action}", {}
 
 
@@ -4487,36 +4818,255 @@ def session_token(args: argparse.Namespace) -> Optional[str]:
     return text
 
 
+def exec_request_body(args: argparse.Namespace, command: list[str]) -> dict[str, Any]:
+    """`session exec`'s options and command as the API's exec body (UsageError when they do
+    not fit); with --stdin, this process's stdin becomes the command's."""
+    if not command:
+        raise UsageError("session exec: the command follows --")
+    try:
+        timeout_ms = parse_duration_ms(args.timeout)
+    except ValueError as e:
+        raise UsageError(f"--timeout: {e}") from None
+    if not 1 <= timeout_ms <= MAX_EXEC_TIMEOUT_MS:
+        raise UsageError(f"--timeout: from 1ms to {format_duration(MAX_EXEC_TIMEOUT_MS)}")
+    body: dict[str, Any] = {"argv": command, "timeoutMs": timeout_ms}
+    if args.cwd:
+        body["cwd"] = args.cwd
+    env = {}
+    for pair in args.env:
+        name, sep, value = pair.partition("=")
+        if not sep or not _ENV_NAME.fullmatch(name):
+            raise UsageError(f"--env: {pair!r} is not NAME=VALUE")
+        env[name] = value
+    if env:
+        body["env"] = env
+    if args.stdin:
+        data = sys.stdin.buffer.read(MAX_EXEC_STDIN_BYTES + 1)
+        if len(data) > MAX_EXEC_STDIN_BYTES:
+            raise UsageError(f"--stdin: more than {MAX_EXEC_STDIN_BYTES} bytes; upload a file and "
+                             "redirect from it instead")
+        body["stdinBase64"] = base64.b64encode(data).decode("ascii")
+    return body
+
+
+def raw_exec_exit_code(result: dict[str, Any]) -> int:
+    """`session exec --raw`'s exit code, as a shell reports a command: its exit code, 128+N
+    after signal N, 124 after the timeout (as timeout(1))."""
+    if result["timedOut"]:
+        return 124
+    if result["exitCode"] is not None:
+        return int(result["exitCode"])
+    try:
+        return 128 + signal.Signals[result["signal"]].value
+    except KeyError:
+        return 128
+
+
+_COPY_OPERAND = re.compile(r"([0-9a-f]{16}):(.*)", re.DOTALL)
+
+
+def parse_copy_operand(text: str) -> tuple[Optional[str], str, str]:
+    """(session id, root, path) for `ID:PATH` (`ID:~/PATH` names home); (None, "", text) for a
+    local path or `-`. Pure. Prefix a local name that looks like ID:PATH with ./"""
+    match = _COPY_OPERAND.fullmatch(text)
+    if match is None:
+        return None, "", text
+    session_id, path = match.groups()
+    root = "workspace"
+    if path == "~" or path.startswith("~/"):
+        root, path = "home", path[1:].lstrip("/")
+    if path.startswith("/"):
+        raise UsageError(f"{text}: a session path is relative to its workspace (or ~/ for home)")
+    return session_id, root, path
+
+
+class ApiClient:
+    """`reploy session`'s HTTP: the token as Bearer on every call, errors as ApiCallError with
+    the server's {"error"} document and status (None when nothing answered)."""
+
+    def __init__(self, server: Optional[str], token: Optional[str]) -> None:
+        self.server = server or os.environ.get("REPLOY_SERVER") or f"http://{DEFAULT_LISTEN}"
+        self.token = token
+
+    def open(self, method: str, path: str, data: Any = None, headers: Optional[dict[str, str]] = None,
+             timeout_s: float = 120) -> Any:
+        import urllib.error
+        import urllib.request
+
+        headers = dict(headers or {})
+        if self.token is not None:
+            headers["Authorization"] = f"Bearer {self.token}"
+        request = urllib.request.Request(self.server.rstrip("/") + API_PREFIX + path, data=data,
+                                         method=method, headers=headers)
+        try:
+            return urllib.request.urlopen(request, timeout=timeout_s)
+        except urllib.error.HTTPError as e:
+            try:
+                document = json.loads(e.read())
+            except ValueError:
+                document = {"error": e.reason}
+            if e.code == 401 and self.token is None:
+                document["error"] = (f"{document.get('error')} "
+                                     "(this client sends $REPLOY_TOKEN or --token-file)")
+            raise ApiCallError({**document, "status": e.code}) from None
+        except (urllib.error.URLError, OSError) as e:
+            raise ApiCallError({"error": f"no answer from {self.server}: "
+                                         f"{getattr(e, 'reason', e)}", "status": None}) from None
+
+    def json(self, method: str, path: str, body: Optional[dict[str, Any]] = None,
+             timeout_s: float = 120) -> dict[str, Any]:
+        data = wire.encode_compact(body) if body is not None else None
+        with self.open(method, path, data, {"Content-Type": "application/json"}, timeout_s) as response:
+            return json.loads(response.read())
+
+
+class ApiCallError(ReployError):
+    def __init__(self, document: dict[str, Any]) -> None:
+        super().__init__(document["error"])
+        self.document = document
+
+
 def run_session_client(args: argparse.Namespace, token: Optional[str]) -> int:
     """`reploy session ACTION`: one API call, its JSON document on stdout; exit 1 on an error
-    status (the document then carries `error` and `status`)."""
-    import urllib.error
-    import urllib.request
-
-    method, path, body = client_request(args)
-    server = (args.server or os.environ.get("REPLOY_SERVER") or f"http://{DEFAULT_LISTEN}")
-    url = server.rstrip("/") + API_PREFIX + path
-    data = wire.encode_compact(body) if body is not None else None
-    headers = {"Content-Type": "application/json"}
-    if token is not None:
-        headers["Authorization"] = f"Bearer {token}"
-    request = urllib.request.Request(url, data=data, method=method, headers=headers)
+    status (the document then carries `error` and `status`). `exec --raw` instead passes the
+    command's output through and exits with its code; `cp` copies files."""
+    client = ApiClient(args.server, token)
+    raw = args.session_action == "exec" and args.raw
     try:
-        with urllib.request.urlopen(request, timeout=120) as response:
-            emit(json.loads(response.read()))
+        if args.session_action == "cp":
+            emit(copy_files(client, args.copy_source, args.copy_destination))
             return EXIT_OK
-    except urllib.error.HTTPError as e:
-        try:
-            document = json.loads(e.read())
-        except ValueError:
-            document = {"error": e.reason}
-        if e.code == 401 and token is None:
-            document["error"] = (f"{document.get('error')} "
-                                 "(this client sends $REPLOY_TOKEN or --token-file)")
-        emit({**document, "status": e.code})
-    except (urllib.error.URLError, OSError) as e:
-        emit({"error": f"no answer from {server}: {getattr(e, 'reason', e)}", "status": None})
-    return EXIT_FAILED
+        method, path, body = client_request(args)
+        timeout_s = body["timeoutMs"] / 1000 + 60 if args.session_action == "exec" else 120
+        document = client.json(method, path, body, timeout_s)
+    except ApiCallError as e:
+        if not raw:
+            emit(e.document)
+            return EXIT_FAILED
+        print(f"reploy: session exec: {e}", file=sys.stderr)
+        return 126 if e.document["status"] == 422 else EXIT_FAILED  # 126: cannot run, as docker exec
+    except (ReployError, OSError) as e:
+        emit({"error": str(e), "status": None})
+        return EXIT_FAILED
+    if not raw:
+        emit(document)
+        return EXIT_OK
+    sys.stdout.buffer.write(base64.b64decode(document["stdoutBase64"]))
+    sys.stdout.buffer.flush()
+    sys.stderr.buffer.write(base64.b64decode(document["stderrBase64"]))
+    sys.stderr.buffer.flush()
+    return raw_exec_exit_code(document)
+
+
+def copy_files(client: ApiClient, source: tuple[Optional[str], str, str],
+               destination: tuple[Optional[str], str, str]) -> dict[str, Any]:
+    """`session cp`, like `docker cp`: files and directories either way; copying onto an
+    existing directory puts the source inside it; `-` as the source is a tar on stdin, as the
+    destination stdout (a file's bytes, a directory's tar)."""
+    if source[0] is not None:
+        session_id, root, path = source
+        return copy_from_session(client, session_id, root, path, destination[2])
+    assert destination[0] is not None
+    session_id, root, path = destination
+    return copy_to_session(client, source[2], session_id, root, path)
+
+
+def _file_route(kind: str, session_id: str, root: str, path: str,
+                mode: Optional[int] = None) -> str:
+    query = {"root": root} if root != "workspace" else {}
+    if mode is not None:
+        query["mode"] = f"{mode:04o}"
+    return (f"/sessions/{session_id}/{kind}/{urllib.parse.quote(path)}"
+            + (f"?{urllib.parse.urlencode(query)}" if query else ""))
+
+
+def _remote_entry(client: ApiClient, session_id: str, root: str,
+                  path: str) -> Optional[dict[str, Any]]:
+    """The entry at a session path, or None when there is none."""
+    try:
+        return client.json("GET", _file_route("list", session_id, root, path))["entry"]
+    except ApiCallError as e:
+        if e.document["status"] == 404 and "no such file" in str(e):
+            return None
+        raise
+
+
+def copy_from_session(client: ApiClient, session_id: str, root: str, path: str,
+                      local: str) -> dict[str, Any]:
+    """Session -> here. A file is written under a temporary name and renamed; a directory comes
+    as a tar, vetted like any untrusted archive (agent.py's rules) and merged in, so a refused
+    archive writes nothing."""
+    entry = _remote_entry(client, session_id, root, path)
+    if entry is None:
+        raise ReployError(f"{session_id}:{path}: no such file or directory")
+    kind = "tree" if entry["type"] == "directory" else "file"
+    source = f"{session_id}:{path}"
+    with client.open("GET", _file_route("files", session_id, root, path), timeout_s=600) as response:
+        if local == "-":
+            shutil.copyfileobj(response, sys.stdout.buffer, TRANSFER_CHUNK_BYTES)
+            sys.stdout.buffer.flush()
+            return {"source": source, "destination": "-", "kind": kind}
+        target = Path(local)
+        if target.is_dir():
+            target = target / (Path(path).name or root)
+        if not target.parent.is_dir():
+            raise ReployError(f"{target.parent}: no such directory")
+        with tempfile.NamedTemporaryFile(dir=target.parent, prefix=".reploy-cp-",
+                                         delete=False) as spool:
+            try:
+                shutil.copyfileobj(response, spool, TRANSFER_CHUNK_BYTES)
+                spool.flush()
+                if kind == "file":
+                    os.fchmod(spool.fileno(), agent_role.sane_mode(entry["mode"], directory=False))
+                    os.replace(spool.name, target)
+                    return {"source": source, "destination": str(target), "kind": kind,
+                            "bytes": spool.tell()}
+                entries = agent_role.extract_upload(Path(spool.name), target.parent,
+                                                    (target.name,), f"{Path(spool.name).name}.d")
+            except agent_role.AgentError as e:
+                raise ReployError(f"{source}: {e}") from e
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(spool.name)
+    return {"source": source, "destination": str(target), "kind": kind, "entries": entries}
+
+
+def copy_to_session(client: ApiClient, local: str, session_id: str, root: str,
+                    path: str) -> dict[str, Any]:
+    """Here -> session. A file is streamed as it is; a directory (or `-`, a tar on stdin) is
+    spooled as a tar first, since an upload carries its Content-Length."""
+    mode = None
+    with tempfile.TemporaryFile(prefix="reploy-cp-") as spool:
+        if local == "-":
+            shutil.copyfileobj(sys.stdin.buffer, spool, TRANSFER_CHUNK_BYTES)
+            source, kind = spool, "tree"
+        else:
+            local_path = Path(local)
+            if local_path.is_dir():
+                dir_fd = os.open(local_path, os.O_RDONLY | os.O_DIRECTORY)
+                try:
+                    agent_role.write_tree_tar(dir_fd, spool)
+                finally:
+                    os.close(dir_fd)
+                source, kind = spool, "tree"
+            elif local_path.is_file():
+                source, kind = open(local_path, "rb"), "file"
+                mode = stat.S_IMODE(os.fstat(source.fileno()).st_mode)
+            else:
+                raise ReployError(f"{local}: no such file or directory")
+            existing = _remote_entry(client, session_id, root, path)
+            if existing is not None and existing["type"] == "directory":
+                path = f"{path.rstrip('/')}/{local_path.resolve().name}".lstrip("/")
+        with source:
+            size_bytes = source.seek(0, os.SEEK_END)
+            source.seek(0)
+            content_type = "application/x-tar" if kind == "tree" else "application/octet-stream"
+            with client.open("PUT", _file_route("files", session_id, root, path, mode), source,
+                             {"Content-Type": content_type, "Content-Length": str(size_bytes)},
+                             timeout_s=600) as response:
+                result = json.loads(response.read())
+    return {"source": local, "destination": f"{session_id}:{path}", "kind": kind,
+            "bytes": size_bytes, "result": result}
 
 
 def add_serve_parsers(commands: Any) -> None:
@@ -4578,6 +5128,24 @@ def add_serve_parsers(commands: Any) -> None:
     message = actions.add_parser("message", parents=[common])
     message.add_argument("id")
     message.add_argument("text")
+    run = actions.add_parser(
+        "exec", parents=[common], usage="reploy session exec ID [--cwd DIR] [--timeout 60s] "
+        "[--env K=V] [--stdin] [--raw] -- CMD [ARG ...]",
+        help="run a command in the session's container; one JSON result")
+    run.add_argument("id")
+    run.add_argument("--cwd", default="", help="relative to the workspace")
+    run.add_argument("--timeout", default="60s", metavar="DURATION")
+    run.add_argument("--env", action="append", default=[], metavar="K=V")
+    run.add_argument("--stdin", action="store_true",
+                     help=f"send this process's stdin (at most {MAX_EXEC_STDIN_BYTES} bytes)")
+    run.add_argument("--raw", action="store_true",
+                     help="pass stdout and stderr through and exit with the command's code")
+    copy = actions.add_parser(
+        "cp", parents=[common], usage="reploy session cp SRC DST",
+        help="copy files or directories in or out: one side is ID:PATH (ID:~/PATH for home), "
+             "the other a local path, or - (as SRC a tar on stdin, as DST stdout)")
+    copy.add_argument("source")
+    copy.add_argument("destination")
 
 
 # ============================================================================================
@@ -4673,10 +5241,18 @@ def main(argv: Optional[list[str]] = None) -> int:
             options = parse_run_options(args, command)
         elif args.command == "serve" and not command:
             serve_config, serve_access = serve_config_from(args), serve_access_from(args)
-        elif args.command == "session" and not command:
+        elif args.command == "session" and (not command or args.session_action == "exec"):
             token = session_token(args)
+            if args.session_action == "exec":
+                args.exec_body = exec_request_body(args, command)
+            elif args.session_action == "cp":
+                args.copy_source = parse_copy_operand(args.source)
+                args.copy_destination = parse_copy_operand(args.destination)
+                if (args.copy_source[0] is None) == (args.copy_destination[0] is None):
+                    raise UsageError("session cp: exactly one of SRC and DST is ID:PATH")
         elif command:
-            raise UsageError("only controlled-session run takes arguments after --")
+            raise UsageError("only controlled-session run and session exec take arguments "
+                             "after --")
     except UsageError as e:
         print(f"reploy: usage error: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -10,6 +10,11 @@ Each line: name, unit, n, p50, p90, p99, baseline, ratio. Figures, not pass/fail
   serve_sse_delivery          write `echo MARK` through the API until MARK arrives on the SSE stream,
                               against the same write + a long-poll read on the agent socket
   serve_idle_memory           memory of one paused session container (cgroup usage), MiB
+  serve_exec_true             POST /exec of `true` until its result, against the Docker SDK's exec_run
+                              (exec create + start + inspect: what `docker exec` calls) in the same container
+  serve_upload_throughput     PUT /files of a 64 MiB file, MiB/s, against the SDK's put_archive of the
+                              same file (docker cp's API; its tar built beforehand, outside the timing)
+  serve_download_throughput   GET /files of that file, MiB/s, against the SDK's get_archive of it, read whole
 
   python3 bench/bench_serve.py [--rounds N]    (needs the engine and the base images: make setup)
 """
@@ -18,7 +23,11 @@ from __future__ import annotations
 
 import argparse
 import base64
+import http.client
+import io
 import json
+import os
+import tarfile
 import shutil
 import statistics
 import sys
@@ -32,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 import docker  # noqa: E402
+import docker.models.containers  # noqa: E402
 
 import reploy  # noqa: E402
 from conftest import stage_and_build  # noqa: E402
@@ -159,8 +169,14 @@ def main() -> int:
         figure("serve_create_to_prompt", "s", creates, sdk_baseline(workload, rounds))
         via_sse, via_socket = sse_latency(api, server, sessions[0], rounds * 4)
         figure("serve_sse_delivery", "s", via_sse, via_socket)
-        # Idle: pause directly (what the reaper does), then time the access that resumes.
         manager_view = reploy.SessionStore(base / "state" / "sessions.db")
+        container = client.containers.get(manager_view.get(sessions[0]).container_id)
+        exec_times, sdk_exec_times = exec_round_trips(api, sessions[0], container, rounds * 4)
+        figure("serve_exec_true", "ms", exec_times, sdk_exec_times)
+        uploads, sdk_uploads, downloads, sdk_downloads = transfer_rates(api, sessions[0], container, base)
+        figure("serve_upload_throughput", "MiB/s", uploads, sdk_uploads)
+        figure("serve_download_throughput", "MiB/s", downloads, sdk_downloads)
+        # Idle: pause directly (what the reaper does), then time the access that resumes.
         resumes, memory = [], []
         for sid in sessions:
             container_id = manager_view.get(sid).container_id
@@ -186,6 +202,68 @@ def main() -> int:
         server.stop()
         shutil.rmtree(base, ignore_errors=True)
     return 0
+
+
+TRANSFER_BYTES = 64 * 1024 * 1024
+TRANSFER_ROUNDS = 3
+#: Where the SDK baseline puts its copy: the bind-mounted workspace (the container's root is read-only).
+SDK_DIR = "/mnt/reploy-session/workspace"
+
+
+def exec_round_trips(api: Api, sid: str, container: docker.models.containers.Container,
+                     rounds: int) -> tuple[list[float], list[float]]:
+    """`true` through POST /exec and through the SDK's exec_run, alternating, in milliseconds."""
+    ours, sdk = [], []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        assert api.call("POST", f"/sessions/{sid}/exec", {"argv": ["true"]})["exitCode"] == 0
+        ours.append((time.perf_counter() - start) * 1000)
+        start = time.perf_counter()
+        assert container.exec_run(["true"]).exit_code == 0
+        sdk.append((time.perf_counter() - start) * 1000)
+    return ours, sdk
+
+
+def transfer_rates(api: Api, sid: str, container: docker.models.containers.Container,
+                   base: Path) -> tuple[list[float], list[float], list[float], list[float]]:
+    """MiB/s of PUT and GET /files of one 64 MiB file, and of put_archive and get_archive of it."""
+    source = base / "transfer.bin"
+    source.write_bytes(os.urandom(TRANSFER_BYTES))
+    archive = io.BytesIO()
+    with tarfile.open(fileobj=archive, mode="w") as tar:
+        tar.add(source, arcname="sdk.bin")
+    tar_bytes = archive.getvalue()
+    mib = TRANSFER_BYTES / (1024 * 1024)
+    uploads, sdk_uploads, downloads, sdk_downloads = [], [], [], []
+    for _ in range(TRANSFER_ROUNDS):
+        conn = http.client.HTTPConnection(api.host, api.port, timeout=300, blocksize=1 << 20)
+        with open(source, "rb") as body:
+            start = time.perf_counter()
+            conn.request("PUT", f"/api/v1/sessions/{sid}/files/bench.bin", body=body,
+                         headers={**api.auth_headers, "Content-Type": "application/octet-stream",
+                                  "Content-Length": str(TRANSFER_BYTES)})
+            response = conn.getresponse()
+            response.read()
+            uploads.append(mib / (time.perf_counter() - start))
+        assert response.status == 201, response.status
+        start = time.perf_counter()
+        conn.request("GET", f"/api/v1/sessions/{sid}/files/bench.bin", headers=api.auth_headers)
+        response = conn.getresponse()
+        received = 0
+        while chunk := response.read(1 << 20):
+            received += len(chunk)
+        downloads.append(mib / (time.perf_counter() - start))
+        conn.close()
+        assert received == TRANSFER_BYTES
+        start = time.perf_counter()
+        assert container.put_archive(SDK_DIR, tar_bytes)
+        sdk_uploads.append(mib / (time.perf_counter() - start))
+        start = time.perf_counter()
+        stream, _ = container.get_archive(f"{SDK_DIR}/sdk.bin")
+        received = sum(len(chunk) for chunk in stream)
+        sdk_downloads.append(mib / (time.perf_counter() - start))
+        assert received >= TRANSFER_BYTES
+    return uploads, sdk_uploads, downloads, sdk_downloads
 
 
 def _force_idle(state_dir: Path, sid: str) -> None:

@@ -506,7 +506,7 @@ def test_openapi_documents_exactly_the_routes() -> None:
     assert documented == served
     for name, rules in (("CreateSession", "create"), ("ReadRequest", "read"),
                         ("WriteRequest", "write"), ("MessageRequest", "message"),
-                        ("ResizeRequest", "resize")):
+                        ("ResizeRequest", "resize"), ("ExecRequest", "exec")):
         schema = spec["components"]["schemas"][name]
         assert set(schema["properties"]) == set(reploy.BODY_RULES[rules])
         assert set(schema.get("required", [])) == {k for k, r in reploy.BODY_RULES[rules].items()

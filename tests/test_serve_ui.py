@@ -9,7 +9,9 @@ Skips without chromium only when REPLOY_REQUIRE_DOCKER is unset; in CI it must r
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Any, Callable
 
@@ -275,3 +277,65 @@ def test_relaunch_and_stream_recovery_in_chromium(serve_factory: Callable[..., S
                      ".includes('[reploy: relaunched: the next prompt starts a new conversation]')",
                      "the relaunch marker")
     assert again.api.call("GET", f"/sessions/{agent}/status")["agent"]["continue"] is False
+
+
+def test_files_panel_in_chromium(serve_factory: Callable[..., ServeProcess], docker_engine: Any,
+                                 browser: Browser, tmp_path: Path) -> None:
+    """Browse the workspace, download a file, upload by picking and by dropping files."""
+    server = serve_factory()
+    url, api = server.ready["url"], server.api
+    sid = api.create("ui-files")["id"]
+    made = api.call("POST", f"/sessions/{sid}/exec",
+                    {"argv": ["sh", "-c", "mkdir -p src/deep && printf 'hello from the workspace\\n' > src/hello.txt"]})
+    assert made["exitCode"] == 0
+    downloads = tmp_path / "downloads"
+    downloads.mkdir()
+    browser.call("Browser.setDownloadBehavior", behavior="allow", downloadPath=str(downloads))
+    log_in(browser, server)
+    browser.navigate(f"{url}/#/s/{sid}")
+    browser.wait_for("!!window.reployTerminal", "the terminal")
+    click(browser, "[data-test=files] summary")
+    browser.wait_for("!!document.querySelector('[data-entry=src] [data-test=files-dir]')", "the src folder")
+    click(browser, "[data-entry=src] [data-test=files-dir]")
+    browser.wait_for("document.querySelector('[data-test=files-path]').textContent === 'workspace / src'",
+                     "the src breadcrumbs")
+    browser.wait_for("!!document.querySelector('[data-entry=\"hello.txt\"] [data-test=files-file]')", "hello.txt")
+    row = browser.evaluate("document.querySelector('[data-entry=\"hello.txt\"]').textContent")
+    assert "25 B" in row and "0644" in row
+    browser.screenshot(ARTIFACTS / "10-files-panel.png")
+
+    # Download: the link is a real download of the file's bytes.
+    click(browser, "[data-entry=\"hello.txt\"] [data-test=files-file]")
+    saved = downloads / "hello.txt"
+    wait_until(lambda: saved.exists() and saved.read_bytes() == b"hello from the workspace\n", "the download")
+
+    # Upload by picking a file: the real file chooser input, given a host file.
+    picked = tmp_path / "picked.bin"
+    picked.write_bytes(os.urandom(300_000))
+    document = browser.call("DOM.getDocument")["root"]["nodeId"]
+    node = browser.call("DOM.querySelector", nodeId=document, selector="[data-test=files-picker]")["nodeId"]
+    browser.call("DOM.setFileInputFiles", files=[str(picked)], nodeId=node)
+    browser.wait_for("!!document.querySelector('[data-entry=\"picked.bin\"]')", "the picked file listed")
+    digest = api.call("POST", f"/sessions/{sid}/exec", {"argv": ["sha256sum", "src/picked.bin"]})["stdout"]
+    assert digest.split()[0] == hashlib.sha256(picked.read_bytes()).hexdigest()
+
+    # Upload by dropping files onto the panel, as a drag from the desktop delivers them.
+    browser.evaluate("""(() => { const data = new DataTransfer();
+        data.items.add(new File(["dropped one\\n"], "dropped-1.txt"));
+        data.items.add(new File(["dropped two\\n"], "dropped-2.txt"));
+        const zone = document.querySelector("[data-test=files-drop]");
+        zone.dispatchEvent(new DragEvent("dragover", { dataTransfer: data, bubbles: true, cancelable: true }));
+        zone.dispatchEvent(new DragEvent("drop", { dataTransfer: data, bubbles: true, cancelable: true })); })()""")
+    browser.wait_for("document.querySelector('[data-test=files-status]').textContent"
+                     ".includes('uploaded dropped-1.txt, dropped-2.txt')", "the dropped files uploaded")
+    assert browser.evaluate("!!document.querySelector('[data-entry=\"dropped-2.txt\"]')")
+    listed = api.call("POST", f"/sessions/{sid}/exec", {"argv": ["sh", "-c", "cat src/dropped-*.txt"]})
+    assert listed["stdout"] == "dropped one\ndropped two\n"
+    browser.screenshot(ARTIFACTS / "11-files-uploaded.png")
+
+    # Up again, and the home root.
+    click(browser, "[data-test=files-up]")
+    browser.wait_for("document.querySelector('[data-test=files-path]').textContent === 'workspace'", "the root")
+    fill(browser, "[data-test=files-root]", "home")
+    browser.wait_for("document.querySelector('[data-test=files-entries]').textContent.includes('Empty folder.')",
+                     "the empty home")

@@ -268,6 +268,7 @@ async function workspaceScreen(id) {
   cleanups.push(() => clearInterval(poll));
 
   const onOutput = session.workload === "shell" ? shellView(id, toolbar, status, cleanups) : agentView(id, toolbar, status, cleanups);
+  view.append(filesPanel(id)); // web/files.js
   follow(id, onOutput, status, cleanups, () => closed);
 }
 

@@ -238,3 +238,76 @@ def exchange_on(sock: socket.socket, payload: bytes, shutdown_write: bool = Fals
         while chunk := sock.recv(65536):
             received += chunk
         return bytes(received)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The harness verbs (exec, files) the way a client drives them: start, then long-poll; chunked transfers
+
+
+def exec_start(process: AgentProcess, argv: list[str], **params: Any) -> str:
+    return process.result("exec", argv=argv, **params)["exec_id"]
+
+
+def exec_finish(process: AgentProcess, exec_id: str, timeout_s: float = DEADLINE_S) -> dict[str, Any]:
+    """Long-polls an exec until its result is final and both streams are read; the last answer, with the
+    whole of each stream as `stdout` and `stderr` bytes."""
+    deadline = time.monotonic() + timeout_s
+    out = {"stdout": bytearray(), "stderr": bytearray()}
+    while True:
+        assert time.monotonic() < deadline, f"exec {exec_id} did not finish"
+        page = process.result("exec_wait", exec_id=exec_id, wait_ms=2000, release=True,
+                              stdout_offset=len(out["stdout"]), stderr_offset=len(out["stderr"]))
+        for name in out:
+            out[name] += base64.b64decode(page[f"{name}_b64"])
+        if not page["running"] and all(len(out[name]) == page[f"{name}_bytes"] for name in out):
+            return {**page, "stdout": bytes(out["stdout"]), "stderr": bytes(out["stderr"])}
+
+
+def run_exec(process: AgentProcess, argv: list[str], **params: Any) -> dict[str, Any]:
+    return exec_finish(process, exec_start(process, argv, **params))
+
+
+def upload_bytes(process: AgentProcess, path: str, data: bytes, kind: str = "file", **params: Any) -> dict[str, Any]:
+    """One whole upload in chunks; the response of the first call that failed, or the commit's result."""
+    import hashlib
+
+    opened = process.call("upload", path=path, kind=kind, size=len(data), **params)
+    if "error" in opened:
+        return opened
+    transfer_id = opened["result"]["transfer_id"]
+    chunk_bytes = opened["result"]["chunk_bytes"]
+    for offset in range(0, len(data), chunk_bytes):
+        written = process.call("upload_write", transfer_id=transfer_id, offset=offset,
+                               data_b64=base64.b64encode(data[offset:offset + chunk_bytes]).decode())
+        if "error" in written:
+            return written
+    while True:
+        committed = process.call("upload_commit", transfer_id=transfer_id, sha256=hashlib.sha256(data).hexdigest())
+        if "error" in committed or committed["result"]["done"]:
+            return committed
+
+
+def download_bytes(process: AgentProcess, path: str, **params: Any) -> tuple[dict[str, Any], bytes]:
+    """A whole download: what `download` answered, and every byte."""
+    opened = process.result("download", path=path, **params)
+    out = bytearray()
+    while True:
+        piece = process.result("download_read", transfer_id=opened["transfer_id"], offset=len(out))
+        out += base64.b64decode(piece["data_b64"])
+        if piece["eof"]:
+            process.result("transfer_close", transfer_id=opened["transfer_id"])
+            return opened, bytes(out)
+
+
+def tree_snapshot(root: Path) -> dict[str, tuple[str, bytes]]:
+    """Every entry below root: relative name -> (kind, content or link target)."""
+    found = {}
+    for path in sorted(root.rglob("*")):
+        name = str(path.relative_to(root))
+        if path.is_symlink():
+            found[name] = ("symlink", os.readlink(path).encode())
+        elif path.is_dir():
+            found[name] = ("dir", b"")
+        else:
+            found[name] = ("file", path.read_bytes())
+    return found

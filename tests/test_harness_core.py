@@ -1,0 +1,345 @@
+"""The pure cores of the harness verbs (exec and files), without processes or Docker: the request
+parser's new fields, path confinement rules, upload archive vetting, how a command ended, and
+serve's side (exec bodies and results, file routes, the error mapping, `session exec`/`cp`)."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import signal
+import sys
+import tarfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from agent_fixtures.harness import agent
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import reploy  # noqa: E402
+
+
+def request(method: str, **params: object) -> agent.Request:
+    return agent.parse_request(json.dumps({"id": "t", "method": method, "params": params}).encode())
+
+
+def refused(method: str, **params: object) -> str:
+    with pytest.raises(agent.RequestError) as info:
+        request(method, **params)
+    return str(info.value)
+
+
+# -- the request parser -----------------------------------------------------------------------
+
+
+def test_exec_params_take_defaults_and_convert() -> None:
+    parsed = request("exec", argv=["sh", "-c", "true"], cwd="a/./b//", env={"X": "1"},
+                     stdin_b64=base64.b64encode(b"in").decode()).params
+    assert parsed == agent.ExecParams(argv=("sh", "-c", "true"), cwd=("a", "b"), env=(("X", "1"),),
+                                      stdin=b"in", timeout_ms=60_000, output_cap_bytes=1024 * 1024)
+    assert request("exec", argv=["true"]).params.stdin is None  # absent: /dev/null
+
+
+@pytest.mark.parametrize(("params", "words"), [
+    ({"argv": []}, "non-empty array"),
+    ({"argv": "true"}, "non-empty array"),
+    ({"argv": [""]}, "program must be named"),
+    ({"argv": ["a\0b"]}, "NUL"),
+    ({"argv": ["x" * (256 * 1024)]}, "exceeds"),
+    ({"argv": ["true"], "env": {"HOME": "/"}}, "HOME is the session's"),
+    ({"argv": ["true"], "env": {"1X": "v"}}, "not a variable name"),
+    ({"argv": ["true"], "env": {"X": 1}}, "must be a string"),
+    ({"argv": ["true"], "env": ["X"]}, "must be an object"),
+    ({"argv": ["true"], "cwd": "/etc"}, "absolute"),
+    ({"argv": ["true"], "cwd": "a/../../etc"}, "'..'"),
+    ({"argv": ["true"], "timeout_ms": 0}, "between 1 and"),
+    ({"argv": ["true"], "output_cap_bytes": 4 * 1024 * 1024 + 1}, "between 0 and"),
+    ({"argv": ["true"], "stdin_b64": base64.b64encode(b"x" * (512 * 1024 + 1)).decode()}, "limit is"),
+    ({"argv": ["true"], "nope": 1}, "unknown params"),
+])
+def test_exec_params_refuse_what_does_not_fit(params: dict[str, object], words: str) -> None:
+    assert words in refused("exec", **params)
+
+
+def test_handles_roots_kinds_and_digests_are_checked() -> None:
+    assert request("exec_kill", exec_id="0123456789abcdef").params == agent.HandleParams("0123456789abcdef")
+    assert "must match" in refused("exec_kill", exec_id="../../x")
+    assert "one of workspace, home" in refused("stat", root="etc")
+    assert "one of file, tar" in refused("upload", path="x", kind="zip")
+    assert "must match" in refused("upload_commit", transfer_id="0" * 16, sha256="ABC")
+    assert "true or false" in refused("exec_wait", exec_id="0" * 16, release=1)
+    assert "limit is" in refused("upload_write", transfer_id="0" * 16, offset=0,
+                                 data_b64=base64.b64encode(b"x" * (752 * 1024 + 1)).decode())
+    upload = request("upload", path="d/f.txt").params
+    assert upload == agent.UploadParams(agent.FileRoot.WORKSPACE, ("d", "f.txt"), agent.UploadKind.FILE,
+                                        None, None)
+
+
+def test_a_full_upload_chunk_fits_the_request_line() -> None:
+    """The largest chunk, as base64 in an upload_write line with the longest values, is under 1 MiB."""
+    line = json.dumps({"id": "x" * 256, "method": "upload_write", "params": {
+        "transfer_id": "f" * 16, "offset": 2**63 - 1,
+        "data_b64": base64.b64encode(b"\xff" * agent.MAX_TRANSFER_CHUNK_BYTES).decode()}}).encode()
+    assert len(line) <= agent.MAX_REQUEST_BYTES
+    assert agent.parse_request(line).params.offset_bytes == 2**63 - 1
+
+
+def test_an_exec_wait_answer_fits_one_line() -> None:
+    """Two full output pages as base64, with every other field, stay under the 1 MiB line."""
+    page = base64.b64encode(b"\xff" * agent.EXEC_PAGE_BYTES).decode()
+    answer = agent.encode_result("x" * 256, agent.Method.EXEC_WAIT, {
+        "exec_id": "f" * 16, "running": False, "pid": 2**22, "exit_code": 255, "signal": None,
+        "timed_out": False, "killed": False, "duration_ms": 86_400_000.0,
+        **{f"{name}_{key}": value for name in ("stdout", "stderr")
+           for key, value in (("b64", page), ("next_offset", 2**22), ("bytes", 2**22), ("truncated", True))}})
+    assert len(answer) <= agent.MAX_REQUEST_BYTES
+
+
+# -- paths ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("text", "parts"), [
+    ("", ()), (".", ()), ("./", ()), ("a", ("a",)), ("a/b/", ("a", "b")), ("a//./b", ("a", "b")),
+    ("..a/b..", ("..a", "b..")), ("é/ß", ("é", "ß")),
+])
+def test_relative_paths_become_components(text: str, parts: tuple[str, ...]) -> None:
+    assert agent.parse_relative_path(text) == parts
+
+
+@pytest.mark.parametrize(("text", "words"), [
+    ("/etc/passwd", "absolute"), ("/", "absolute"), ("..", "'..'"), ("a/../b", "'..'"), ("a/..", "'..'"),
+    ("a\0b", "NUL"), ("x" * 4097, "at most 4096"), ("a/" + "n" * 256, "longer than 255"), ("\udc80", "UTF-8"),
+])
+def test_paths_that_could_leave_the_root_are_refused(text: str, words: str) -> None:
+    with pytest.raises(agent.RequestError, match="refused|bytes|UTF-8") as info:
+        agent.parse_relative_path(text)
+    assert words in str(info.value)
+
+
+@pytest.mark.parametrize(("mode", "directory", "sane"), [
+    (0o644, False, 0o644), (0o4755, False, 0o755), (0o777, False, 0o755), (0o000, False, 0o600),
+    (0o2775, True, 0o755), (0o1777, True, 0o755), (0o000, True, 0o700), (0o711, True, 0o711),
+])
+def test_modes_are_made_sane(mode: int, directory: bool, sane: int) -> None:
+    assert agent.sane_mode(mode, directory) == sane
+
+
+def test_how_a_command_ended() -> None:
+    assert agent.describe_exit(0) == (0, None)
+    assert agent.describe_exit(3) == (3, None)
+    assert agent.describe_exit(-signal.SIGKILL) == (None, "SIGKILL")
+    assert agent.describe_exit(-200) == (None, "SIG200")
+
+
+# -- upload archives ----------------------------------------------------------------------------
+
+
+def member(name: str, kind: bytes = tarfile.REGTYPE, size: int = 0, link: str = "") -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type, info.size, info.linkname = kind, size, link
+    return info
+
+
+def test_a_plain_tree_is_accepted_with_names_normalised() -> None:
+    members = [member(".", tarfile.DIRTYPE), member("./a", tarfile.DIRTYPE), member("./a/f", size=3), member("b/", tarfile.DIRTYPE),
+               member("a/l", tarfile.SYMTYPE, link="f"), member("a/up", tarfile.SYMTYPE, link="../b"),
+               member("a/h", tarfile.LNKTYPE, link="./a/f"), member("c/d/e", size=1)]
+    assert [name for name, _ in agent.vet_upload_members(members)] == ["a", "a/f", "b", "a/l", "a/up", "a/h", "c/d/e"]
+
+
+@pytest.mark.parametrize(("members", "words"), [
+    ([member("../x", size=1)], "unsafe member name"),
+    ([member("a/../../x", size=1)], "unsafe member name"),
+    ([member("/etc/passwd", size=1)], "unsafe member name"),
+    ([member("a//b")], "unsafe member name"),
+    ([member("f"), member("./f")], "duplicate"),
+    ([member("dev", tarfile.CHRTYPE)], "device node, FIFO"),
+    ([member("blk", tarfile.BLKTYPE)], "device node, FIFO"),
+    ([member("fifo", tarfile.FIFOTYPE)], "device node, FIFO"),
+    ([member("l", tarfile.SYMTYPE, link="/etc")], "leaves the archive's tree"),
+    ([member("l", tarfile.SYMTYPE, link="../etc")], "leaves the archive's tree"),
+    ([member("a", tarfile.DIRTYPE), member("a/l", tarfile.SYMTYPE, link="../../x")], "leaves"),
+    ([member("l", tarfile.SYMTYPE, link="d"), member("m", tarfile.SYMTYPE, link="l/..")], "leaves"),
+    ([member("l", tarfile.SYMTYPE, link="."), member("l/x", size=1)], "below a symlink"),
+    ([member("f", size=1), member("f/x", size=1)], "below a file"),
+    ([member("h", tarfile.LNKTYPE, link="/etc/passwd")], "hard link"),
+    ([member("h", tarfile.LNKTYPE, link="../x")], "hard link"),
+    ([member("h", tarfile.LNKTYPE, link="f"), member("f", size=1)], "hard link"),  # not earlier
+    ([member("d", tarfile.DIRTYPE), member("h", tarfile.LNKTYPE, link="d")], "hard link"),
+    ([member("f", tarfile.SYMTYPE, link="x")], None),
+    ([member(".", tarfile.REGTYPE)], "names the root"),
+])
+def test_hostile_archives_are_refused(members: list[tarfile.TarInfo], words: str | None) -> None:
+    if words is None:  # a dangling symlink inside the tree is harmless
+        agent.vet_upload_members(members)
+        return
+    with pytest.raises(agent.ArchiveError, match="refused") as info:
+        agent.vet_upload_members(members)
+    assert words in str(info.value)
+
+
+def test_archive_limits() -> None:
+    with pytest.raises(agent.ArchiveError, match="more than 2 entries"):
+        agent.vet_upload_members([member("a"), member("b"), member("c")], max_entries=2)
+    with pytest.raises(agent.ArchiveError, match="too large"):
+        agent.vet_upload_members([member("a", size=6), member("b", size=5)], max_bytes=10)
+
+
+# -- serve: exec bodies and results --------------------------------------------------------------
+
+
+def test_exec_bodies_become_agent_params() -> None:
+    fields = reploy.parse_body(b'{"argv": ["sh", "-c", "exit 3"], "env": {"A": "b"}, "timeoutMs": 5, '
+                               b'"stdinBase64": "aGk="}', reploy.BODY_RULES["exec"])
+    assert reploy.exec_params(fields) == {
+        "argv": ["sh", "-c", "exit 3"], "cwd": "", "env": {"A": "b"}, "timeout_ms": 5,
+        "output_cap_bytes": 1024 * 1024, "stdin_b64": "aGk="}
+    with pytest.raises(reploy.BadRequest, match="argv: must be an array"):
+        reploy.parse_body(b'{"argv": "true"}', reploy.BODY_RULES["exec"])
+    with pytest.raises(reploy.BadRequest, match="non-empty array of strings"):
+        reploy.exec_params({"argv": ["a", 1]})
+    with pytest.raises(reploy.BadRequest, match="every value must be a string"):
+        reploy.exec_params({"argv": ["a"], "env": {"A": 1}})
+    with pytest.raises(reploy.Unprocessable):
+        reploy.parse_body(b'{"argv": ["a"], "timeoutMs": 0}', reploy.BODY_RULES["exec"])
+    big = base64.b64encode(b"x" * (reploy.MAX_EXEC_STDIN_BYTES + 1)).decode()
+    with pytest.raises(reploy.PayloadTooLarge):
+        reploy.exec_params({"argv": ["a"], "stdinBase64": big})
+
+
+def test_exec_results_keep_streams_apart_as_text_and_exact_bytes() -> None:
+    final = {"exec_id": "e", "exit_code": None, "signal": "SIGKILL", "timed_out": True, "killed": False,
+             "duration_ms": 12.5, "stdout_truncated": True, "stderr_truncated": False}
+    result = reploy.exec_result_json(final, b"out\xff", b"err")
+    assert result == {"execId": "e", "exitCode": None, "signal": "SIGKILL", "timedOut": True,
+                      "killed": False, "durationMs": 12.5,
+                      "stdout": "out\ufffd", "stdoutBase64": base64.b64encode(b"out\xff").decode(),
+                      "stdoutTruncated": True, "stderr": "err", "stderrBase64": "ZXJy",
+                      "stderrTruncated": False}
+
+
+@pytest.mark.parametrize(("result", "code"), [
+    ({"timedOut": False, "exitCode": 0, "signal": None}, 0),
+    ({"timedOut": False, "exitCode": 3, "signal": None}, 3),
+    ({"timedOut": False, "exitCode": None, "signal": "SIGTERM"}, 143),
+    ({"timedOut": True, "exitCode": None, "signal": "SIGKILL"}, 124),
+])
+def test_raw_exec_exit_codes_follow_the_shell(result: dict[str, object], code: int) -> None:
+    assert reploy.raw_exec_exit_code(result) == code
+
+
+# -- serve: file routes, queries and the error mapping -------------------------------------------
+
+
+def test_file_routes_carry_a_path_with_slashes() -> None:
+    sid = "0123456789abcdef"
+    assert reploy.match_route("GET", f"/sessions/{sid}/files/a/b%20c.txt") == ("get_file", sid)
+    assert reploy.match_route("PUT", f"/sessions/{sid}/files/a") == ("put_file", sid)
+    assert reploy.match_route("GET", f"/sessions/{sid}/list") == ("list_files", sid)
+    assert reploy.match_route("POST", f"/sessions/{sid}/exec") == ("exec", sid)
+    with pytest.raises(reploy.MethodNotAllowed):
+        reploy.match_route("DELETE", f"/sessions/{sid}/files/a")
+    assert reploy.file_route_path(f"/sessions/{sid}/files/a/b%20c.txt?root=home") == "a/b c.txt"
+    assert reploy.file_route_path(f"/sessions/{sid}/list") == ""
+    assert reploy.file_route_path(f"/sessions/{sid}/files/..%2Fetc") == "../etc"  # refused by the agent
+    assert set(reploy.RAW_BODY_ROUTES) == {"put_file"}
+
+
+def test_file_queries() -> None:
+    assert reploy.file_query("") == ("workspace", None)
+    assert reploy.file_query("root=home&mode=0755") == ("home", 0o755)
+    with pytest.raises(reploy.Unprocessable):
+        reploy.file_query("root=etc")
+    with pytest.raises(reploy.Unprocessable):
+        reploy.file_query("mode=0999")
+    with pytest.raises(reploy.BadRequest):
+        reploy.file_query("follow=1")
+
+
+@pytest.mark.parametrize(("code", "message", "status"), [
+    ("command_error", "no such file or directory: a/b", 404),
+    ("command_error", "not enough space in home: 3 MiB free", 507),
+    ("invalid_request", "too large: 9 bytes", 413),
+    ("invalid_request", "refused: a is a symlink", 422),
+    ("command_error", "refused: unsafe member name '../x'", 422),
+    ("command_error", "cannot run 'nope': No such file or directory", 422),
+    ("command_error", "conflict: a exists and is a directory", 409),
+    ("command_error", "no such exec 0123456789abcdef", 409),
+    ("server_unavailable", "8 execs are running", 503),
+])
+def test_agent_errors_map_to_statuses(code: str, message: str, status: int) -> None:
+    assert reploy.serve_error_for(reploy.AgentCallError(code, message)).status == status
+
+
+# -- the `session exec` and `session cp` clients ---------------------------------------------------
+
+
+def exec_args(**extra: object) -> SimpleNamespace:
+    return SimpleNamespace(**{"timeout": "60s", "cwd": "", "env": [], "stdin": False, **extra})
+
+
+def test_session_exec_bodies() -> None:
+    body = reploy.exec_request_body(exec_args(cwd="src", env=["A=1", "B=x=y"], timeout="5m"), ["make", "test"])
+    assert body == {"argv": ["make", "test"], "timeoutMs": 300_000, "cwd": "src", "env": {"A": "1", "B": "x=y"}}
+    args = SimpleNamespace(session_action="exec", id="x", exec_body=body)
+    assert reploy.client_request(args) == ("POST", "/sessions/x/exec", body)
+    for bad, argv in ((exec_args(), []), (exec_args(env=["=1"]), ["a"]), (exec_args(timeout="2d"), ["a"]),
+                      (exec_args(timeout="25h"), ["a"])):
+        with pytest.raises(reploy.UsageError):
+            reploy.exec_request_body(bad, argv)
+
+
+def test_copy_operands() -> None:
+    sid = "0123456789abcdef"
+    assert reploy.parse_copy_operand(f"{sid}:src/a.txt") == (sid, "workspace", "src/a.txt")
+    assert reploy.parse_copy_operand(f"{sid}:") == (sid, "workspace", "")
+    assert reploy.parse_copy_operand(f"{sid}:~/.config") == (sid, "home", ".config")
+    assert reploy.parse_copy_operand(f"{sid}:~") == (sid, "home", "")
+    assert reploy.parse_copy_operand("./0123456789abcdef:x") == (None, "", "./0123456789abcdef:x")
+    assert reploy.parse_copy_operand("-") == (None, "", "-")
+    with pytest.raises(reploy.UsageError, match="relative to its workspace"):
+        reploy.parse_copy_operand(f"{sid}:/etc/passwd")
+
+
+def test_an_archive_built_by_write_tree_tar_passes_the_upload_rules(tmp_path: Path) -> None:
+    """What `session cp DIR ID:` sends (the agent's tree writer) is what the agent accepts."""
+    (tmp_path / "d/sub").mkdir(parents=True)
+    (tmp_path / "d/a.txt").write_text("a")
+    (tmp_path / "d/sub/b").write_text("b")
+    (tmp_path / "d/in").symlink_to("a.txt")
+    (tmp_path / "d/out").symlink_to("/etc")
+    buffer = io.BytesIO()
+    fd = agent.os.open(tmp_path / "d", agent.os.O_RDONLY | agent.os.O_DIRECTORY)
+    try:
+        assert agent.write_tree_tar(fd, buffer) == 1  # the escaping symlink is left out
+    finally:
+        agent.os.close(fd)
+    with tarfile.open(fileobj=io.BytesIO(buffer.getvalue())) as archive:
+        names = [name for name, _ in agent.vet_upload_members(archive.getmembers())]
+    assert names == ["a.txt", "in", "sub", "sub/b"]
+
+
+def test_only_the_upload_route_takes_raw_bodies_past_the_access_check() -> None:
+    token = "t" * 40
+    policy = reploy.AccessPolicy.for_server(token, 8080, frozenset({"127.0.0.1"}))
+    sid = "0123456789abcdef"
+
+    def decide(method: str, target: str, content_type: str) -> object:
+        headers = [("Host", "127.0.0.1:8080"), ("Authorization", f"Bearer {token}"),
+                   ("Content-Type", content_type), ("Content-Length", "5")]
+        return reploy.decide_access(method, target, headers, policy)
+
+    for content_type in ("application/octet-stream", "application/x-tar", "application/x-tar; x=1"):
+        assert decide("PUT", f"/api/v1/sessions/{sid}/files/a/b?root=home", content_type) is reploy.Access.ROUTE
+    for method, target, content_type in (
+            ("PUT", f"/api/v1/sessions/{sid}/files/a", "text/plain"),
+            ("POST", f"/api/v1/sessions/{sid}/exec", "application/octet-stream"),
+            ("POST", f"/api/v1/sessions/{sid}/write", "application/x-tar"),
+            ("GET", f"/api/v1/sessions/{sid}/files/a", "application/octet-stream"),
+            ("PUT", "/api/v1/sessions/not-an-id/files/a", "application/octet-stream")):
+        with pytest.raises(reploy.UnsupportedMediaType):
+            decide(method, target, content_type)
