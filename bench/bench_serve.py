@@ -7,9 +7,17 @@ Each line: name, unit, n, p50, p90, p99, baseline, ratio. Figures, not pass/fail
                               polling the agent's socket until `status` answers
   serve_idle_to_active        a read of a paused (idle) session: unpause + the read
   serve_snapshot_to_active    a read of a snapshotted session: new container + restore + the read
-  serve_sse_delivery          write `echo MARK` through the API until MARK arrives on the SSE stream,
-                              against the same write + a long-poll read on the agent socket
+  serve_sse_delivery          write `echo MARK` through the API until MARK arrives on the SSE stream, ms,
+                              against a write + a long-poll read, both on the agent's socket directly
+  serve_sse_delivery_streams_N  the same API write until MARK arrived on each of N concurrent SSE streams
+                              of one session (N = 1, 10, 50), ms, one sample per stream and write, against
+                              the same API write until it arrived on N concurrent long-poll readers of the
+                              agent's socket; every reader must get every byte of the log in order
   serve_idle_memory           memory of one paused session container (cgroup usage), MiB
+  serve_memory_per_active_session_20  20 shell sessions live at once: each one's container (what docker
+                              stats shows) plus serve's RSS growth / 20, MiB, against 20 containers of the
+                              same image and sandbox flags running only /bin/sh on a TTY
+  serve_memory_per_idle_session_20    the same once all 20 are idle (paused), against those shells paused
   serve_exec_true             POST /exec of `true` until its result, against the Docker SDK's exec_run
                               (exec create + start + inspect: what `docker exec` calls) in the same container
   serve_upload_throughput     PUT /files of a 64 MiB file, MiB/s, against the SDK's put_archive of the
@@ -23,10 +31,17 @@ from __future__ import annotations
 
 import argparse
 import base64
+import concurrent.futures
+import contextlib
+import functools
 import http.client
 import io
+import itertools
 import json
 import os
+import selectors
+import signal
+import socket
 import tarfile
 import shutil
 import statistics
@@ -35,17 +50,20 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Callable, Iterator
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 import docker  # noqa: E402
+import docker.constants  # noqa: E402
 import docker.models.containers  # noqa: E402
+import psutil  # noqa: E402
 
 import reploy  # noqa: E402
 from conftest import stage_and_build  # noqa: E402
-from serve_harness import Api, ServeProcess, wait_until  # noqa: E402
+from serve_harness import DEADLINE_S, Api, ServeProcess, wait_until  # noqa: E402
 
 
 def figure(name: str, unit: str, samples: list[float], baseline: list[float] | None = None) -> None:
@@ -55,6 +73,13 @@ def figure(name: str, unit: str, samples: list[float], baseline: list[float] | N
                       "p90": round(cuts[89], 4), "p99": round(cuts[98], 4),
                       "baseline": None if base is None else round(base, 4),
                       "ratio": None if base is None else round(cuts[49] / base, 3)}), flush=True)
+
+
+MIB = 1024 * 1024
+#: The label of the baselines' containers (each removed by the code that created it). Not the
+#: session label, which tests' and the watchdog's sweeps take for an orphaned session's; nor
+#: bench_sessions.py's, whose end-of-run sweep would take ours for its own leftovers.
+BASELINE_LABELS = {"io.reploy.bench.serve-baseline": str(os.getpid())}
 
 
 def read_once(api: Api, sid: str) -> None:
@@ -77,7 +102,7 @@ def sdk_baseline(workload: Path, rounds: int) -> list[float]:
             command=("python3", reploy.AGENT_MOUNT, "serve", "--session-dir", reploy.SESSION_MOUNT,
                      "--workload", "shell", "--home", reploy.CONTAINER_HOME),
             runtime=runtime, environment={"HOME": reploy.CONTAINER_HOME},
-            labels={reploy.LABEL_RUN: "bench-baseline", reploy.LABEL_ROLE: "bench"},
+            labels=BASELINE_LABELS,
             mounts=(reploy.Mount(str(reploy.AGENT_SOURCE), reploy.AGENT_MOUNT, True),
                     reploy.Mount(str(session_dir), reploy.SESSION_MOUNT, False)), init=True)
         start = time.perf_counter()
@@ -100,55 +125,284 @@ def _answers(session_dir: Path) -> bool:
         return False
 
 
-def sse_latency(api: Api, server: ServeProcess, sid: str, rounds: int) -> tuple[list[float], list[float]]:
-    import http.client
+# --------------------------------------------------------------------------------------------
+# SSE delivery: readers of one session's output, on one selector thread
+# --------------------------------------------------------------------------------------------
 
-    api.wait_output(sid, b"$ ")
-    length = len(api.read_all(sid))
-    conn = http.client.HTTPConnection(api.host, api.port, timeout=30)
-    conn.request("GET", f"/api/v1/sessions/{sid}/stream?offset={length}", headers=api.auth_headers)
-    response = conn.getresponse()
-    seen: dict[str, float] = {}
-    lock = threading.Condition()
+#: Concurrent SSE streams of one session for the fan-out figures (serve_sse_delivery_streams_N).
+FANOUT_STREAMS = (1, 10, 50)
+#: Bytes asked of one read on a socket, of the agent's log per long-poll.
+READ_CHUNK_BYTES = 64 * 1024
+#: How long the baseline's long-poll `read` waits in the agent: what serve's own streams ask.
+LONG_POLL_MS = reploy.SSE_LONG_POLL_MS
+#: An SSE figure's writes come in this many blocks a side (`--rounds` writes each), alternating.
+SSE_BLOCKS = 4
 
-    def pump() -> None:
-        while True:
-            line = response.fp.readline()
-            if not line:
+
+class BenchFailed(Exception):
+    """A reader lost, reordered or never got bytes, or a session did not do what the bench needs."""
+
+
+class LogReader:
+    """Reads a session's output log from `start` on, through a non-blocking socket: keeps every
+    byte in order and fails on a gap or an overlap. `ready` once its first answer came."""
+
+    sock: socket.socket
+
+    def __init__(self, offset: int) -> None:
+        self.start = self.cursor = offset
+        self.received = bytearray()
+        self.ready = False
+
+    def on_readable(self, selector: selectors.BaseSelector) -> None:
+        raise NotImplementedError
+
+    def _append(self, offset: int, payload: bytes, next_offset: int) -> None:
+        if offset != self.cursor or next_offset != offset + len(payload):
+            raise BenchFailed(f"bytes out of order: expected offset {self.cursor}, got "
+                              f"{offset}..{next_offset} ({len(payload)} bytes)")
+        self.received += payload
+        self.cursor = next_offset
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class SseReader(LogReader):
+    """One `GET /sessions/{id}/stream?offset=` on a raw socket (so one selector serves them all);
+    any event but `output` is a failure."""
+
+    def __init__(self, api: Api, sid: str, offset: int) -> None:
+        super().__init__(offset)
+        self._pending = b""
+        self._head_read = False
+        self.sock = socket.create_connection((api.host, api.port), timeout=DEADLINE_S)
+        head = [f"GET /api/v1/sessions/{sid}/stream?offset={offset} HTTP/1.1",
+                f"Host: {api.host}:{api.port}",
+                *(f"{name}: {value}" for name, value in api.auth_headers.items())]
+        self.sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode())
+        self.sock.setblocking(False)
+
+    def on_readable(self, selector: selectors.BaseSelector) -> None:
+        data = self.sock.recv(READ_CHUNK_BYTES)
+        if not data:
+            raise BenchFailed(f"an SSE stream ended at offset {self.cursor}")
+        self._pending += data
+        if not self._head_read:  # the response's head; serve's opening `retry:` block makes it ready
+            head, found, rest = self._pending.partition(b"\r\n\r\n")
+            if not found:
                 return
-            if line.startswith(b"data: "):
-                payload = base64.b64decode(json.loads(line[6:])["payloadBase64"])
-                with lock:
-                    for token in payload.split():
-                        seen.setdefault(token.decode(errors="replace"), time.perf_counter())
-                    lock.notify_all()
+            if not head.startswith(b"HTTP/1.1 200 "):
+                raise BenchFailed(f"the stream was refused: {head.splitlines()[0]!r}")
+            self._pending, self._head_read = rest, True
+        while b"\n\n" in self._pending:
+            block, _, self._pending = self._pending.partition(b"\n\n")
+            self._event(block)
 
-    threading.Thread(target=pump, daemon=True).start()
-    via_sse, via_socket = [], []
+    def _event(self, block: bytes) -> None:
+        fields = dict(line.decode().partition(": ")[::2] for line in block.split(b"\n")
+                      if not line.startswith(b":"))
+        if not fields:
+            return  # a keepalive comment
+        if "retry" in fields:
+            self.ready = True
+        elif fields.get("event") != "output":
+            raise BenchFailed(f"an SSE stream got an event other than output at offset "
+                              f"{self.cursor}: {block!r}")
+        else:
+            event = json.loads(fields["data"])
+            self._append(event["offset"], base64.b64decode(event["payloadBase64"]), event["nextOffset"])
+
+
+class AgentPoller(LogReader):
+    """The baseline reader: long-poll `read` calls on the agent's control socket, one request
+    per connection as the protocol has it, each from where the last one ended."""
+
+    def __init__(self, session_dir: Path, offset: int) -> None:
+        super().__init__(offset)
+        self.ready = True
+        self._dir_fd = os.open(session_dir, os.O_RDONLY | os.O_DIRECTORY)  # a short sun_path
+        self._ask()
+
+    def _ask(self) -> None:
+        self._pending = b""
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(f"/proc/self/fd/{self._dir_fd}/{reploy.SOCKET_NAME}")
+        self.sock.sendall(json.dumps({"id": "b", "method": "read", "params": {
+            "offset": self.cursor, "max_bytes": READ_CHUNK_BYTES, "wait_ms": LONG_POLL_MS}}).encode()
+            + b"\n")
+        self.sock.setblocking(False)
+
+    def on_readable(self, selector: selectors.BaseSelector) -> None:
+        data = self.sock.recv(2 * READ_CHUNK_BYTES)
+        if not data:
+            raise BenchFailed(f"the agent closed a read at offset {self.cursor} without an answer")
+        self._pending += data
+        if not self._pending.endswith(b"\n"):
+            return
+        reply = json.loads(self._pending)
+        if "error" in reply or reply["result"]["reset"]:
+            raise BenchFailed(f"the agent's read at offset {self.cursor} failed: {reply}")
+        result = reply["result"]
+        self._append(result["offset"], base64.b64decode(result["data_b64"]), result["next_offset"])
+        selector.unregister(self.sock)
+        self.sock.close()
+        self._ask()
+        selector.register(self.sock, selectors.EVENT_READ, self)
+
+    def close(self) -> None:
+        self.sock.close()
+        os.close(self._dir_fd)
+
+
+class Fanout:
+    """Readers of one session's output, read on one thread: `deliver` times one write until its
+    marker has arrived whole on every reader; `check` fails loudly unless each reader got every
+    byte of the log from where it started, in order. A reader's failure ends the thread and is
+    raised by the next wait."""
+
+    def __init__(self, readers: list[LogReader]) -> None:
+        self.readers = readers
+        self._selector = selectors.DefaultSelector()
+        for reader in readers:
+            self._selector.register(reader.sock, selectors.EVENT_READ, reader)
+        self._changed = threading.Condition()
+        self._needle = b""
+        self._searched_from: dict[LogReader, int] = {}
+        self._arrivals: dict[LogReader, float] = {}
+        self._failure: BaseException | None = None
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="fanout-reader")
+        self._thread.start()
+
+    def await_ready(self) -> None:
+        self._await(lambda: all(reader.ready for reader in self.readers), "every stream to open")
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                events = self._selector.select(0.1)
+                arrived = time.perf_counter()  # the bytes were here when select returned
+                with self._changed:
+                    for key, _ in events:
+                        reader = key.data
+                        reader.on_readable(self._selector)
+                        if (self._needle and reader not in self._arrivals
+                                and reader.received.find(self._needle, self._searched_from[reader]) >= 0):
+                            self._arrivals[reader] = arrived
+                    self._changed.notify_all()
+        except BaseException as e:  # noqa: BLE001 - handed to the measuring thread
+            with self._changed:
+                self._failure = e
+                self._changed.notify_all()
+
+    def _await(self, condition: Callable[[], bool], what: str) -> None:
+        with self._changed:
+            done = self._changed.wait_for(lambda: self._failure is not None or condition(), DEADLINE_S)
+            if self._failure is not None:
+                raise BenchFailed(f"a reader failed while waiting for {what}") from self._failure
+            if not done:
+                raise BenchFailed(f"no {what} within {DEADLINE_S} s")
+
+    def deliver(self, write: Callable[[bytes], None], index: int) -> list[float]:
+        """Seconds from the start of `write(echo ...)` until the shell's echo of a fresh marker
+        had arrived on each reader. The marker is quoted in the command, so the terminal's echo
+        of the typed line never matches it: only the shell's output does."""
+        tag = f"MK{index}"
+        with self._changed:
+            self._needle = f"{tag}Z\r\n".encode()
+            self._searched_from = {reader: len(reader.received) for reader in self.readers}
+            self._arrivals = {}
+        start = time.perf_counter()
+        write(f"echo {tag}''Z\r".encode())
+        self._await(lambda: len(self._arrivals) == len(self.readers),
+                    f"marker {tag} on all {len(self.readers)} readers")
+        return [self._arrivals[reader] - start for reader in self.readers]
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._thread.join()
+        self._selector.close()
+        for reader in self.readers:
+            reader.close()
+
+    def check(self, log: Callable[[int], bytes]) -> None:
+        """Every reader's bytes must be the log's (`log(offset)`: from there to its end) from
+        where the reader started, in order, up to the last marker at least."""
+        for number, reader in enumerate(self.readers):
+            if not reader.received or reader.received != log(reader.start)[:len(reader.received)]:
+                raise BenchFailed(f"reader {number} of {len(self.readers)} did not get the log's bytes "
+                                  f"in order from offset {reader.start} ({len(reader.received)} bytes)")
+
+
+_marker_numbers = itertools.count()
+
+
+@contextlib.contextmanager
+def opened(count: int, reader: Callable[[], LogReader], log: Callable[[int], bytes]) -> Iterator[Fanout]:
+    """A Fanout over `count` freshly opened readers, once all are ready; on the way out they
+    are closed, and checked against the log unless the block failed."""
+    made: list[LogReader] = []
+    try:
+        for _ in range(count):
+            made.append(reader())
+    except BaseException:
+        for opened_reader in made:
+            opened_reader.close()
+        raise
+    fanout = Fanout(made)
+    try:
+        fanout.await_ready()
+        yield fanout
+    finally:
+        fanout.stop()
+    fanout.check(log)
+
+
+def sse_delivery(api: Api, server: ServeProcess, sid: str, streams: int, blocks: int,
+                 block_rounds: int, baseline_write: Callable[[bytes], None]) -> tuple[list[float], list[float]]:
+    """Writes of `echo MARK` through the API, each timed until its marker arrived on every one
+    of `streams` SSE streams of the session, in ms (one sample per stream and write); and as
+    many through `baseline_write`, timed until the marker arrived on `streams` concurrent
+    long-poll readers of the agent's control socket (the same fan-out, without serve). The two
+    alternate in `blocks` blocks of `block_rounds` writes; between them serve has ended every
+    stream (the store's viewer rows are gone), so neither side competes with the other."""
     session_dir = server.state_dir / "sessions" / sid
-    for i in range(rounds):
-        mark = f"M{i}x"
-        start = time.perf_counter()
-        api.write(sid, f"echo {mark}\r".encode())
-        with lock:
-            lock.wait_for(lambda: mark in seen, timeout=30)
-        via_sse.append(seen[mark] - start)
-        # Baseline: the agent's own write + long-poll read, no HTTP or SSE in between.
+    store = reploy.SessionStore(server.state_dir / "sessions.db")
+    api_write = functools.partial(api.write, sid)
+
+    def log(offset: int) -> bytes:
+        return api.read_all(sid, offset)
+
+    def viewers() -> int:
+        return store.viewer_count(sid, time.time())
+
+    def timed(fanout: Fanout, write: Callable[[bytes], None]) -> list[float]:
+        return [seconds * 1000 for _ in range(block_rounds)
+                for seconds in fanout.deliver(write, next(_marker_numbers))]
+
+    via_sse: list[float] = []
+    via_agent: list[float] = []
+    for _ in range(blocks):
         offset = reploy.agent_call(session_dir, "status", {})["log_bytes"]
-        mark = f"B{i}x"
-        start = time.perf_counter()
-        reploy.agent_call(session_dir, "write", {"data_b64": base64.b64encode(f"echo {mark}\r".encode()).decode()})
-        data = b""
-        while mark.encode() + b"\r\n" not in data:
-            page = reploy.agent_call(session_dir, "read", {"offset": offset, "wait_ms": 2000})
-            data += base64.b64decode(page["data_b64"])
-            offset = page["next_offset"]
-        via_socket.append(time.perf_counter() - start)
-    conn.close()
-    return via_sse, via_socket
+        with opened(streams, functools.partial(SseReader, api, sid, offset), log) as fanout:
+            wait_until(lambda: viewers() == streams, f"{streams} viewers of session {sid}")
+            via_sse += timed(fanout, api_write)
+        wait_until(lambda: viewers() == 0, f"serve to end session {sid}'s streams")
+        offset = reploy.agent_call(session_dir, "status", {})["log_bytes"]
+        with opened(streams, functools.partial(AgentPoller, session_dir, offset), log) as fanout:
+            via_agent += timed(fanout, baseline_write)
+    return via_sse, via_agent
+
+
+def agent_writer(server: ServeProcess, sid: str) -> Callable[[bytes], None]:
+    """A write straight on the agent's control socket, no HTTP or serve in between."""
+    session_dir = server.state_dir / "sessions" / sid
+    return lambda data: reploy.agent_call(session_dir, "write", {"data_b64": base64.b64encode(data).decode()})
 
 
 def main() -> int:
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # clean up on the way out
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=8)
     rounds = parser.parse_args().rounds
@@ -167,8 +421,12 @@ def main() -> int:
             creates.append(time.perf_counter() - start)
             sessions.append(sid)
         figure("serve_create_to_prompt", "s", creates, sdk_baseline(workload, rounds))
-        via_sse, via_socket = sse_latency(api, server, sessions[0], rounds * 4)
-        figure("serve_sse_delivery", "s", via_sse, via_socket)
+        figure("serve_sse_delivery", "ms", *sse_delivery(api, server, sessions[0], 1, SSE_BLOCKS, rounds,
+                                                          agent_writer(server, sessions[0])))
+        for streams in FANOUT_STREAMS:
+            figure(f"serve_sse_delivery_streams_{streams}", "ms",
+                   *sse_delivery(api, server, sessions[0], streams, SSE_BLOCKS, rounds,
+                                 functools.partial(api.write, sessions[0])))
         manager_view = reploy.SessionStore(base / "state" / "sessions.db")
         container = client.containers.get(manager_view.get(sessions[0]).container_id)
         exec_times, sdk_exec_times = exec_round_trips(api, sessions[0], container, rounds * 4)
@@ -197,11 +455,35 @@ def main() -> int:
             read_once(api, sid)
             restores.append(time.perf_counter() - start)
         figure("serve_snapshot_to_active", "s", restores)
+        bare_running, bare_paused = bare_shell_memory(client, workload, MEMORY_SESSIONS)
+        active, idle = session_memory(client, api, server, MEMORY_SESSIONS)
+        figure(f"serve_memory_per_active_session_{MEMORY_SESSIONS}", "MiB", active, bare_running)
+        figure(f"serve_memory_per_idle_session_{MEMORY_SESSIONS}", "MiB", idle, bare_paused)
+    except BenchFailed as e:
+        print(f"bench_serve: FAILED: {e}" + (f" ({e.__cause__!r})" if e.__cause__ else ""),
+              file=sys.stderr, flush=True)
+        return 1
     finally:
         api.delete_all()
         server.stop()
+        left = sweep(client, server.state_dir)
         shutil.rmtree(base, ignore_errors=True)
+    if left:
+        print(f"bench_serve: FAILED: left behind and now removed: {left}", file=sys.stderr, flush=True)
+        return 1
     return 0
+
+
+def sweep(client: docker.DockerClient, state_dir: Path) -> list[str]:
+    """Remove whatever this run's sessions or baselines left, and name it: there should be
+    nothing, since serve and the baselines remove their own containers."""
+    left = []
+    for labels in (BASELINE_LABELS, {reploy.LABEL_STATE_DIR: str(state_dir)}):
+        for container in client.containers.list(
+                all=True, filters={"label": [f"{key}={value}" for key, value in labels.items()]}):
+            left.append(f"container {container.short_id} {container.labels}")
+            container.remove(force=True)
+    return left
 
 
 TRANSFER_BYTES = 64 * 1024 * 1024
@@ -264,6 +546,99 @@ def transfer_rates(api: Api, sid: str, container: docker.models.containers.Conta
         sdk_downloads.append(mib / (time.perf_counter() - start))
         assert received >= TRANSFER_BYTES
     return uploads, sdk_uploads, downloads, sdk_downloads
+
+
+# --------------------------------------------------------------------------------------------
+# Memory per session: shell sessions against bare shells under the same sandbox flags
+# --------------------------------------------------------------------------------------------
+
+#: Sessions live at once for serve_memory_per_{active,idle}_session_N.
+MEMORY_SESSIONS = 20
+
+
+def containers_mib(client: docker.DockerClient, container_ids: list[str]) -> list[float]:
+    """What `docker stats` shows for each container: its cgroup's memory usage less the
+    inactive (reclaimable) file cache, in MiB; paused containers answer too. Asked concurrently
+    (as many at once as the SDK keeps connections): the Engine answers each at its next
+    once-a-second sample."""
+
+    def mib(container_id: str) -> float:
+        memory = client.api.stats(container_id, stream=False, one_shot=True)["memory_stats"]
+        stats = memory.get("stats", {})
+        return (memory["usage"] - stats.get("total_inactive_file", stats.get("inactive_file", 0))) / MIB
+
+    with concurrent.futures.ThreadPoolExecutor(docker.constants.DEFAULT_MAX_POOL_SIZE) as pool:
+        return list(pool.map(mib, container_ids))
+
+
+def session_memory(client: docker.DockerClient, api: Api, server: ServeProcess,
+                   count: int) -> tuple[list[float], list[float]]:
+    """MiB per session, for `count` shell sessions created through the API: each session's
+    container (containers_mib) plus serve's RSS growth since before they existed divided by
+    `count`; first while all are active (containers running, shells at their prompt), then once
+    all are idle (paused by the reaper's step). The sessions are deleted at the end."""
+    serve = psutil.Process(server.proc.pid)
+    rss_before = serve.memory_info().rss
+    store = reploy.SessionStore(server.state_dir / "sessions.db")
+    sids: list[str] = []
+
+    def per_session(what: str) -> list[float]:
+        growth_mib = (serve.memory_info().rss - rss_before) / MIB
+        print(f"bench_serve: {count} {what} sessions: serve's RSS grew {growth_mib:.1f} MiB",
+              file=sys.stderr, flush=True)
+        return [mib + growth_mib / count
+                for mib in containers_mib(client, [store.get(sid).container_id for sid in sids])]
+
+    try:
+        for i in range(count):
+            sids.append(api.create(f"memory-{i}")["id"])
+        for sid in sids:
+            api.wait_output(sid, b"$ ")
+        active = per_session("active")
+        for sid in sids:
+            _force_idle(server.state_dir, sid)
+            if store.get(sid).state is not reploy.SessionState.IDLE:
+                raise BenchFailed(f"session {sid} is {store.get(sid).state.value}, not idle, after the pause")
+        idle = per_session("idle")
+    finally:
+        for sid in sids:
+            api.call("DELETE", f"/sessions/{sid}")
+    return active, idle
+
+
+def bare_shell_memory(client: docker.DockerClient, workload: Path, count: int) -> tuple[list[float], list[float]]:
+    """The baseline: `count` containers of the same image under the same sandbox flags
+    (reploy.ContainerSpec, the session's init, user and limits), each running only the shell on a
+    TTY, as `docker run -it IMAGE /bin/sh` would; MiB per container while running, then paused.
+    Every container is removed at the end."""
+    deployment = reploy.load_deployment(workload)
+    backend = reploy.DockerBackend()
+    spec = reploy.ContainerSpec(role="bench", image_id=deployment.current.image_id, command=("/bin/sh",),
+                                runtime=deployment.blueprint.runtime,
+                                environment={"HOME": reploy.CONTAINER_HOME, "LANG": "C.UTF-8"},
+                                labels=BASELINE_LABELS, tty=True, hostname="session", init=True)
+    containers: list[str] = []
+
+    def shell_runs(container_id: str) -> bool:
+        processes = client.api.top(container_id)
+        command = processes["Titles"].index("CMD")
+        return any(row[command] == "/bin/sh" for row in processes["Processes"] or [])
+
+    try:
+        for _ in range(count):
+            containers.append(backend.create(spec))
+            backend.start(containers[-1])
+        for container_id in containers:
+            wait_until(functools.partial(shell_runs, container_id), "a baseline shell")
+        running = containers_mib(client, containers)
+        for container_id in containers:
+            backend.pause(container_id)
+        paused = containers_mib(client, containers)
+    finally:
+        for container_id in containers:
+            backend.unpause(container_id)
+            backend.remove_container(container_id)
+    return running, paused
 
 
 def _force_idle(state_dir: Path, sid: str) -> None:
