@@ -47,12 +47,18 @@ def box(tmp_path: Path) -> Path:
 
 
 class CanarySocket:
-    """A listening unix socket of the host's that must never get a connection."""
+    """A listening unix socket of the host's, mode 0600, that must never get a connection.
+    (test_serve_hostile.py uses it too.)"""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.bind(str(path))
+        dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:  # through /proc so that a long tmp_path cannot exceed sun_path
+            self.sock.bind(f"/proc/self/fd/{dir_fd}/{path.name}")
+        finally:
+            os.close(dir_fd)
+        path.chmod(0o600)
         self.sock.listen(8)
         self.sock.setblocking(False)
 
@@ -143,11 +149,7 @@ def test_a_socket_is_connected_through_its_checked_inode(tmp_path: Path) -> None
     """Also from a directory deeper than sun_path's 108 bytes could name."""
     deep = tmp_path / ("d" * 100) / ("e" * 100)
     deep.mkdir(parents=True)
-    deep_fd = os.open(deep, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        server = CanarySocket(Path(f"/proc/self/fd/{deep_fd}") / "control.sock")
-    finally:
-        os.close(deep_fd)
+    server = CanarySocket(deep / "control.sock")
     try:
         with reploy.opened_dir(deep) as dir_fd:
             with agent.connect_unix_at(dir_fd, "control.sock", 5.0):

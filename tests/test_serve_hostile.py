@@ -17,21 +17,22 @@ from __future__ import annotations
 import base64
 import json
 import os
-import socket
 import tarfile
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import pytest
 
 from serve_harness import (  # noqa: F401  (fixtures)
     Api, ServeProcess, managed_workload, serve_factory, sse_events, wait_until,
 )
+from test_container_paths import (  # noqa: F401  (fixtures)
+    CANARY, CanarySocket, canary, canary_socket,
+)
 
 pytestmark = pytest.mark.docker
 
 SESSION_MOUNT = "/mnt/reploy-session"
-CANARY = b"CANARY-serve-hostile-5f0c1a9e\n"
 
 #: The session's own server on control.sock, started from an exec: it forks into its own
 #: session (so it outlives the exec), binds beside control.sock and renames over it, then tells
@@ -71,48 +72,6 @@ while True:
     connection, _ = server.accept()
     threading.Thread(target=answer, args=(connection,), daemon=True).start()
 """
-
-
-@pytest.fixture
-def canary(tmp_path: Path) -> Path:
-    """A host file only root may read (never a real secret)."""
-    path = tmp_path / "canary"
-    path.write_bytes(CANARY)
-    path.chmod(0o600)
-    return path
-
-
-class CanarySocket:
-    """A listening unix socket of the host's, mode 0600: serve must never connect to it."""
-
-    def __init__(self, directory: Path) -> None:
-        self.path = directory / "host.sock"
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-        try:  # through /proc so a long tmp_path cannot exceed sun_path
-            self.sock.bind(f"/proc/self/fd/{dir_fd}/host.sock")
-        finally:
-            os.close(dir_fd)
-        self.path.chmod(0o600)
-        self.sock.listen(8)
-        self.sock.setblocking(False)
-
-    def connections(self) -> int:
-        count = 0
-        while True:
-            try:
-                connection, _ = self.sock.accept()
-            except BlockingIOError:
-                return count
-            connection.close()
-            count += 1
-
-
-@pytest.fixture
-def canary_socket(tmp_path: Path) -> Iterator[CanarySocket]:
-    listener = CanarySocket(tmp_path)
-    yield listener
-    listener.sock.close()
 
 
 def run(api: Api, sid: str, script: str, *args: str, expect_exit: int = 0) -> dict[str, Any]:
