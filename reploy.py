@@ -4103,6 +4103,8 @@ class SessionManager:
                     "stdout_offset": len(output["stdout"]), "stderr_offset": len(output["stderr"])})
                 for name, data in output.items():
                     data += base64.b64decode(page[f"{name}_b64"])
+                    if len(data) > params["output_cap_bytes"]:  # a hostile agent's, unbounded
+                        raise ServiceUnavailable("the session agent sent more output than the cap")
                 if not page["running"] and all(len(data) == page[f"{name}_bytes"]
                                                for name, data in output.items()):
                     return exec_result_json(page, bytes(output["stdout"]), bytes(output["stderr"]))

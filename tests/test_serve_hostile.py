@@ -38,7 +38,7 @@ SESSION_MOUNT = "/mnt/reploy-session"
 #: session (so it outlives the exec), binds beside control.sock and renames over it, then tells
 #: the exec to end. It answers every request as argv[1] says.
 FAKE_AGENT = r"""
-import os, socket, sys, threading, time
+import base64, json, os, socket, sys, threading, time
 mode, path = sys.argv[1], "/mnt/reploy-session/control.sock"
 ready_r, ready_w = os.pipe()
 if os.fork():
@@ -56,13 +56,21 @@ os.rename(path + ".new", path)
 os.write(ready_w, b"!")
 ANSWERS = {"list": b'{"id":"serve","result":[]}\n', "deep": b"[" * 200000 + b"\n",
            "no-result": b'{"id":"serve"}\n'}
+PAGE = base64.b64encode(b"x" * (1 << 20)).decode()
+def flood(request):
+    if json.loads(request)["method"] == "exec":
+        return {"exec_id": "flood"}
+    return {"running": True, "stdout_b64": PAGE, "stderr_b64": "", "stdout_bytes": 0, "stderr_bytes": 0}
 def answer(connection):
     try:
-        connection.recv(1 << 20)
+        request = connection.recv(1 << 20)
         if mode == "trickle":  # one byte at a time, each well inside any per-read timeout
             while True:
                 connection.sendall(b" ")
                 time.sleep(0.5)
+        if mode == "flood":  # exec output without end
+            connection.sendall(json.dumps({"id": "serve", "result": flood(request)}).encode() + b"\n")
+            return
         connection.sendall(ANSWERS[mode])
     except OSError:
         pass
@@ -209,6 +217,19 @@ def test_its_own_server_on_the_control_socket_fails_only_that_session(
     assert "Exception in thread" not in server.stderr and "internal error" not in server.stderr
     api.write(bystander, b"echo bystander-$((6*7))\r")
     api.wait_output(bystander, b"bystander-42")
+
+
+def test_exec_output_past_its_cap_from_its_own_server_is_refused(
+        serve_factory: Callable[..., ServeProcess], docker_engine: Any) -> None:
+    """The agent keeps at most the cap of each stream; a server that sends more without end
+    would grow serve's memory for as long as the client waits."""
+    server = serve_factory()
+    api = server.api
+    sid = api.create("hostile")["id"]
+    run(api, sid, 'python3 -c "$1" "$2"', FAKE_AGENT, "flood")
+    status, document = answer(api, "POST", f"/sessions/{sid}/exec",
+                              {"argv": ["true"], "maxOutputBytes": 65536})
+    assert status == 503 and "more output than the cap" in document["error"]
 
 
 def test_junk_in_the_session_dir_does_not_stop_snapshot_restore_or_delete(
