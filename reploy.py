@@ -2527,8 +2527,10 @@ MAX_EXEC_OUTPUT_BYTES = 4 * 1024 * 1024
 #: Files move through the agent's socket in chunks whose base64 fits its 1 MiB request line.
 TRANSFER_CHUNK_BYTES = 752 * 1024
 MAX_UPLOAD_BYTES = 8 * 1024 * 1024 * 1024
-#: A listing answers at most this many entries (then `truncated`).
+#: A listing answers at most this many entries (then `truncated`), gathered from at most this
+#: much of the agent's JSON (as many entries with the longest names and link targets fit).
 MAX_LIST_ENTRIES = 10_000
+MAX_LIST_JSON_BYTES = 64 * 1024 * 1024
 #: Routes whose body is raw bytes streamed to the agent, not JSON, and the content types each
 #: accepts (the upload route: a file, or a tar to extract). Every other body is JSON.
 RAW_BODY_ROUTES: dict[str, tuple[str, ...]] = {
@@ -4123,10 +4125,14 @@ class SessionManager:
         truncated = False
         if entry["type"] == "directory":
             entries = []
+            listed_bytes = 0
             while True:
                 page = self.call(session_id, "list", {"root": root, "path": path,
                                                       "offset": len(entries)})
                 entries += page["entries"]
+                listed_bytes += len(wire.encode_compact(page["entries"]))
+                if listed_bytes > MAX_LIST_JSON_BYTES:  # only a hostile agent's pages grow so
+                    raise ServiceUnavailable("the session agent's listing is too large")
                 if not page["entries"] or len(entries) >= min(page["total"], MAX_LIST_ENTRIES):
                     break
             truncated = len(entries) < page["total"]

@@ -57,9 +57,17 @@ os.write(ready_w, b"!")
 ANSWERS = {"list": b'{"id":"serve","result":[]}\n', "deep": b"[" * 200000 + b"\n",
            "no-result": b'{"id":"serve"}\n'}
 PAGE = base64.b64encode(b"x" * (1 << 20)).decode()
+BIG_ENTRY = {"name": "x" * (3 << 20), "type": "file", "size": 0, "mode": 420, "mtime": 0}
+pages = []
 def flood(request):
-    if json.loads(request)["method"] == "exec":
+    method = json.loads(request)["method"]
+    if method == "exec":
         return {"exec_id": "flood"}
+    if method == "stat":
+        return {"entry": {**BIG_ENTRY, "name": ".", "type": "directory"}}
+    if method == "list":  # one huge entry a page; after 40 pages (past any bound) none
+        pages.append(1)
+        return {"entries": [BIG_ENTRY] if len(pages) <= 40 else [], "total": 10 ** 9}
     return {"running": True, "stdout_b64": PAGE, "stderr_b64": "", "stdout_bytes": 0, "stderr_bytes": 0}
 def answer(connection):
     try:
@@ -219,10 +227,11 @@ def test_its_own_server_on_the_control_socket_fails_only_that_session(
     api.wait_output(bystander, b"bystander-42")
 
 
-def test_exec_output_past_its_cap_from_its_own_server_is_refused(
+def test_exec_output_and_listings_past_their_bounds_from_its_own_server_are_refused(
         serve_factory: Callable[..., ServeProcess], docker_engine: Any) -> None:
-    """The agent keeps at most the cap of each stream; a server that sends more without end
-    would grow serve's memory for as long as the client waits."""
+    """The agent keeps at most the cap of each exec stream and pages listings in bounded
+    JSON; a server that sends more without end would grow serve's memory (one process for
+    every session) for as long as the client waits."""
     server = serve_factory()
     api = server.api
     sid = api.create("hostile")["id"]
@@ -230,6 +239,8 @@ def test_exec_output_past_its_cap_from_its_own_server_is_refused(
     status, document = answer(api, "POST", f"/sessions/{sid}/exec",
                               {"argv": ["true"], "maxOutputBytes": 65536})
     assert status == 503 and "more output than the cap" in document["error"]
+    status, document = answer(api, "GET", f"/sessions/{sid}/list/")
+    assert status == 503 and "listing is too large" in document["error"]
 
 
 def test_junk_in_the_session_dir_does_not_stop_snapshot_restore_or_delete(
