@@ -1803,6 +1803,31 @@ def lstat_at(dir_fd: int, name: str) -> Optional[os.stat_result]:
         return None
 
 
+def connect_unix_at(dir_fd: int, name: str, timeout_s: float) -> socket.socket:
+    """A connection to the unix socket `name` of a directory, never through a symlink.
+
+    connect(2) follows symlinks, so a session that swapped its control.sock for a link would aim whoever connects at
+    any socket of the host. Here the entry is opened O_PATH|O_NOFOLLOW, must be a socket on that fd, and is connected
+    through /proc/self/fd/N, which names that very inode whatever the name points at meanwhile (and is short, however
+    deep the directory). Anything else is OSError(ENOTSOCK) naming what it is.
+    """
+    fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISSOCK(mode):
+            raise OSError(errno.ENOTSOCK, f"{name} is a {file_type(mode)}, not a socket")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(timeout_s)
+            sock.connect(f"/proc/self/fd/{fd}")
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+    finally:
+        os.close(fd)
+
+
 _FILE_TYPES = ((stat.S_ISREG, "file"), (stat.S_ISDIR, "directory"), (stat.S_ISLNK, "symlink"),
                (stat.S_ISFIFO, "fifo"), (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "char-device"),
                (stat.S_ISBLK, "block-device"))
@@ -3856,13 +3881,18 @@ def _note_signal(signum: int, frame: object) -> None:
 
 
 def call(session_dir: Path, method: str, params: dict[str, Any], timeout_s: float = CALL_TIMEOUT_S) -> dict[str, Any]:
-    """Sends one request to DIR/control.sock and returns the response document (or a synthetic error one)."""
+    """Sends one request to DIR/control.sock and returns the response document (or a synthetic error one).
+
+    The session's workload can write DIR, so the socket is reached with connect_unix_at (never through a symlink)."""
     request_id = f"call-{os.getpid()}"
     line = _encode_line({"id": request_id, "method": method, "params": params})
     try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-            sock.settimeout(timeout_s)
-            sock.connect(str(session_dir / SOCKET_NAME))
+        dir_fd = os.open(session_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            connection = connect_unix_at(dir_fd, SOCKET_NAME, timeout_s)
+        finally:
+            os.close(dir_fd)
+        with connection as sock:
             sock.sendall(line)
             response = bytearray()
             while not response.endswith(b"\n"):
@@ -3957,9 +3987,22 @@ def _config_from(args: argparse.Namespace) -> AgentConfig:
     return config
 
 
+def require_private_dir(path: Path) -> None:
+    """The session dir must be ours and writable by no one else. The agent writes its log, outbox, state and
+    archives there by name; run directly on a host (perhaps as root), a directory another user could write would let
+    them plant a symlink at one of those names and aim our writes at any file. (Our own workload, same uid, can
+    plant them too, but it can do anything we can anyway.)"""
+    st = os.stat(path)
+    if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        raise StartupError(f"{path} must be owned by uid {os.geteuid()} and writable by no one else "
+                           f"(it is uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o})")
+
+
 def serve(config: AgentConfig) -> int:
     """`agent.py serve`: prepare the session dir, serve until a signal, shut down cleanly."""
-    for directory in (config.session_dir, config.workspace_dir, config.home_dir):
+    config.session_dir.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
+    require_private_dir(config.session_dir)
+    for directory in (config.workspace_dir, config.home_dir):
         directory.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
     server = AgentServer(config)
     try:

@@ -29,6 +29,7 @@ import base64
 import concurrent.futures
 import contextlib
 import enum
+import errno
 import hashlib
 import hmac
 import http.server
@@ -1093,6 +1094,154 @@ def build(directory: Path, backend: DockerBackend) -> dict[str, Any]:
     summary = {k: v for k, v in generation.__dict__.items() if k != "blueprint_text"}
     return {"schema": BUILD_SCHEMA, "ok": True, "error": None, "dir": str(deployment.dir),
             "deployment_id": deployment.deployment_id, "generation": summary}
+
+
+# ============================================================================================
+# Directories a container can write: how the host touches them
+# ============================================================================================
+#
+# A managed session's directory is bind-mounted read-write into its container, where untrusted
+# code runs as the runtime uid (and so is a controlled session's output staging dir, in its
+# controller). Any entry there may, at any moment, be a symlink to any host path, a FIFO, a
+# socket, or a directory where a file belongs. (A hard link cannot bring a host file in: link(2)
+# across mounts fails with EXDEV, so only entries of the same directory can be linked.) The host,
+# often root, touches such a directory only through these helpers:
+#
+#   - The directory is opened by a path the host owns (STATE/sessions/ID: its parent is ours, so
+#     the container cannot rename it) with O_NOFOLLOW; each entry is then one name relative to
+#     that fd, never a path string.
+#   - A file is opened O_NOFOLLOW|O_NONBLOCK (a symlink is refused, a FIFO does not block the
+#     open) and used only after fstat on that fd says it is a regular file.
+#   - A socket is opened O_PATH|O_NOFOLLOW, checked on that fd and connected through
+#     /proc/self/fd/N (agent_role.connect_unix_at): the very inode checked.
+#   - Entries are removed without following them, trees fd by fd and without recursion.
+#
+# Whatever else a container leaves there fails that session's step with an error naming the
+# entry; it never stops the host, and no byte behind a link is ever read.
+
+
+class ContainerPathError(OSError):
+    """An entry a container could write is not what the host expects (a symlink, a FIFO...)."""
+
+
+def _not_expected(name: str, mode: int, expected: str) -> ContainerPathError:
+    return ContainerPathError(errno.EINVAL,
+                              f"{name} is a {agent_role.file_type(mode)}, not {expected}")
+
+
+@contextlib.contextmanager
+def opened_dir(path: Path) -> Iterator[int]:
+    """The directory at `path` (whose own path the host owns), not followed if it is a link."""
+    fd = os.open(path, agent_role.DIR_OPEN_FLAGS)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def open_regular_file(dir_fd: int, name: str) -> int:
+    """`name` of a directory opened for reading, only when it is a regular file itself."""
+    try:
+        fd = os.open(name, agent_role.FILE_READ_FLAGS, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno not in (errno.ELOOP, errno.ENXIO):  # a symlink; a socket
+            raise
+        st = agent_role.lstat_at(dir_fd, name)
+        if st is None:
+            raise
+        raise _not_expected(name, st.st_mode, "a regular file") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise _not_expected(name, mode, "a regular file")
+    return fd
+
+
+def regular_file_size(dir_fd: int, name: str) -> Optional[int]:
+    """The size of the regular file `name` of a directory; None when there is no such entry."""
+    st = agent_role.lstat_at(dir_fd, name)
+    if st is None:
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        raise _not_expected(name, st.st_mode, "a regular file")
+    return st.st_size
+
+
+def remove_entry(dir_fd: int, name: str) -> None:
+    """Removes `name` from a directory, whatever it is, following no symlink: a directory with
+    everything below it. shutil.rmtree is fd-based too, but (Python 3.11) recurses once per
+    level: a tree a container nests a few thousand levels deep made it raise RecursionError,
+    and that session could never be deleted. Here the walk is a loop that keeps one fd open;
+    it climbs back through '..', checked against the identity it recorded on the way down."""
+    if not stat.S_ISDIR(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
+        os.unlink(name, dir_fd=dir_fd)
+        return
+    fd = os.open(name, agent_role.DIR_OPEN_FLAGS, dir_fd=dir_fd)
+    above: list[tuple[str, list[str], tuple[int, int]]] = []  # (name, parent's rest, parent's id)
+    try:
+        pending = _remove_files(fd)
+        while pending or above:
+            if pending:
+                below = pending.pop()
+                above.append((below, pending, _identity(fd)))
+                child = os.open(below, agent_role.DIR_OPEN_FLAGS, dir_fd=fd)
+                os.close(fd)
+                fd = child
+                pending = _remove_files(fd)
+                continue
+            below, pending, parent = above.pop()
+            up = os.open("..", agent_role.DIR_OPEN_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = up
+            if _identity(fd) != parent:
+                raise ContainerPathError(errno.ESTALE, f"{name}: a directory moved during removal")
+            os.rmdir(below, dir_fd=fd)
+    finally:
+        os.close(fd)
+    os.rmdir(name, dir_fd=dir_fd)
+
+
+def _remove_files(dir_fd: int) -> list[str]:
+    """Unlinks every entry of a directory that is not a directory; returns the directories."""
+    with os.scandir(dir_fd) as scan:
+        entries = [(entry.name, entry.is_dir(follow_symlinks=False)) for entry in scan]
+    for name, is_dir in entries:
+        if not is_dir:
+            os.unlink(name, dir_fd=dir_fd)
+    return [name for name, is_dir in entries if is_dir]
+
+
+def _identity(fd: int) -> tuple[int, int]:
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
+
+
+def publish_regular_file(staging: Path, destination: Path) -> None:
+    """Hard-links the regular file DESTINATION.name of a staging dir at DESTINATION, never
+    clobbering (FileExistsError). The entry is checked on an fd, and the link kept only if it
+    is that very inode: one swapped in between (by a controller that outlived its removal) is
+    unlinked again."""
+    with opened_dir(staging) as staging_fd:
+        fd = open_regular_file(staging_fd, destination.name)
+        try:
+            os.link(destination.name, destination, src_dir_fd=staging_fd, follow_symlinks=False)
+            linked = os.stat(destination, follow_symlinks=False)
+            if (linked.st_dev, linked.st_ino) != _identity(fd):
+                os.unlink(destination)
+                raise ContainerPathError(errno.ESTALE, f"{destination.name} changed while it was "
+                                                       "published")
+        finally:
+            os.close(fd)
+
+
+def remove_tree(path: Path) -> None:
+    """rm -r PATH (see remove_entry), PATH's parent being the host's; FileNotFoundError when
+    there is nothing there."""
+    parent = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        remove_entry(parent, path.name)
+    finally:
+        os.close(parent)
 
 
 # ============================================================================================
@@ -2197,7 +2346,7 @@ class ControlledSession:
             path = getattr(self.owned, attribute)
             try:
                 if path is not None:
-                    shutil.rmtree(path)
+                    remove_tree(path)
                 setattr(self.owned, attribute, None)
             except FileNotFoundError:
                 setattr(self.owned, attribute, None)
@@ -2246,12 +2395,8 @@ class ControlledSession:
                 reason="controller output file was discarded because controller finalization "
                        "did not complete")
             return
-        staged = staging / destination.name
         try:
-            info = os.lstat(staged)
-            if not stat.S_ISREG(info.st_mode):
-                raise OSError(f"{staged.name} is not a regular file")
-            os.link(staged, destination, follow_symlinks=False)  # fails if destination exists
+            publish_regular_file(staging, destination)
             self.result.controller_output = Status.of("controller_output", "file-published")
         except OSError as e:
             self.result.error = f"publish controlled-session controller output: {e}"
@@ -2382,8 +2527,10 @@ MAX_EXEC_OUTPUT_BYTES = 4 * 1024 * 1024
 #: Files move through the agent's socket in chunks whose base64 fits its 1 MiB request line.
 TRANSFER_CHUNK_BYTES = 752 * 1024
 MAX_UPLOAD_BYTES = 8 * 1024 * 1024 * 1024
-#: A listing answers at most this many entries (then `truncated`).
+#: A listing answers at most this many entries (then `truncated`), gathered from at most this
+#: much of the agent's JSON (as many entries with the longest names and link targets fit).
 MAX_LIST_ENTRIES = 10_000
+MAX_LIST_JSON_BYTES = 64 * 1024 * 1024
 #: Routes whose body is raw bytes streamed to the agent, not JSON, and the content types each
 #: accepts (the upload route: a file, or a tar to extract). Every other body is JSON.
 RAW_BODY_ROUTES: dict[str, tuple[str, ...]] = {
@@ -3398,31 +3545,34 @@ class AgentCallError(ReployError):
 
 def agent_call(session_dir: Path, method: str, params: dict[str, Any],
                timeout_s: float = AGENT_CALL_TIMEOUT_S) -> dict[str, Any]:
-    """One request on DIR/control.sock; the result, or AgentCallError. The socket is reached
-    through /proc/self/fd so a deep state dir cannot exceed sun_path's 108 bytes."""
+    """One request on DIR/control.sock; the result, or AgentCallError. The session can write
+    DIR and run its own server in the agent's place, so the socket is reached only as a socket
+    (connect_unix_at: never through a symlink), the whole call has one deadline (a peer that
+    trickles bytes cannot hold the caller, the reaper among them), and the answer must be a
+    response object with an object inside."""
     line = wire.encode_compact({"id": "serve", "method": method, "params": params}) + b"\n"
+    deadline = time.monotonic() + timeout_s
     response = bytearray()
     try:
-        dir_fd = os.open(session_dir, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-                sock.settimeout(timeout_s)
-                sock.connect(f"/proc/self/fd/{dir_fd}/{SOCKET_NAME}")
-                sock.sendall(line)
-                while not response.endswith(b"\n") and len(response) < AGENT_MAX_RESPONSE_BYTES:
-                    chunk = sock.recv(256 * 1024)
-                    if not chunk:
-                        break
-                    response += chunk
-        finally:
-            os.close(dir_fd)
+        with opened_dir(session_dir) as dir_fd:
+            connection = agent_role.connect_unix_at(dir_fd, SOCKET_NAME, timeout_s)
+        with connection as sock:
+            sock.sendall(line)
+            while not response.endswith(b"\n") and len(response) < AGENT_MAX_RESPONSE_BYTES:
+                sock.settimeout(max(deadline - time.monotonic(), 0.001))
+                chunk = sock.recv(256 * 1024)
+                if not chunk:
+                    break
+                response += chunk
         doc = json.loads(response)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # RecursionError: JSON nested too deep
         raise AgentCallError("server_unavailable", f"the session agent does not answer: {e}",
                              transport=True) from e
-    if "error" in doc:
+    if isinstance(doc, dict) and isinstance(doc.get("error"), dict):
         error = doc["error"]
         raise AgentCallError(str(error.get("code")), str(error.get("message")))
+    if not (isinstance(doc, dict) and isinstance(doc.get("result"), dict)):
+        raise AgentCallError("server_unavailable", "the session agent's answer is not a response")
     return doc["result"]
 
 
@@ -3729,7 +3879,7 @@ class SessionManager:
         session_id = lease.record.id
         self._remove_containers(session_id)
         try:
-            shutil.rmtree(self.config.session_dir(session_id))
+            remove_tree(self.config.session_dir(session_id))
         except FileNotFoundError:
             pass
         except OSError as e:
@@ -3776,42 +3926,79 @@ class SessionManager:
     def _finish_snapshot(self, lease: Lease, ask: bool = True) -> SessionRecord:
         """Snapshotting, from wherever it stands. A checkpoint already in flight (one a dead
         `serve` asked for) is awaited first; then, if `ask`, we ask for one. With the archive
-        the container is removed; without it the session goes back to active and this raises."""
+        the container is removed; without it the session goes back to active and this raises.
+        The archive is measured again once the container is gone and nothing can change it."""
         record = lease.record
         assert record.archive is not None
         session_dir = self.config.session_dir(record.id)
-        archive = session_dir / record.archive
         failure: Optional[ServeError] = None
-        if not archive.exists() and record.container_id:
-            try:
+        archive_bytes: Optional[int] = None
+        try:
+            if self._archive_bytes(record) is None and record.container_id:
                 self.backend.unpause(record.container_id)
-                self._await_checkpoint_in_flight(lease, archive)
-                if ask and not archive.exists():
+                self._await_checkpoint_in_flight(lease)
+                if ask and self._archive_bytes(record) is None:
                     checkpoint_id = record.archive[len("checkpoint-"):-len(".tar")]
                     agent_call(session_dir, "checkpoint", {"id": checkpoint_id})
-            except AgentCallError as e:
-                failure = (SessionConflict("the session is busy (work did not drain within the "
-                                           "agent's bound); interrupt it and retry")
-                           if e.code == "timeout" else serve_error_for(e))
-            except BackendError as e:
-                failure = ServiceUnavailable(str(e))
-        if not archive.exists():
+            archive_bytes = self._archive_bytes(record)
+        except AgentCallError as e:
+            failure = (SessionConflict("the session is busy (work did not drain within the "
+                                       "agent's bound); interrupt it and retry")
+                       if e.code == "timeout" else serve_error_for(e))
+        except BackendError as e:
+            failure = ServiceUnavailable(str(e))
+        except ServeError as e:  # the archive is refused
+            failure = e
+        if failure is not None:
+            with contextlib.suppress(ServeError):  # written after all (the agent timed out late)
+                archive_bytes = self._archive_bytes(record)
+        if archive_bytes is None:
             lease.apply(SessionEvent.ROLLBACK, archive=None)
             raise failure or ServiceUnavailable("the session's container is gone; nothing to snapshot")
         self._remove_containers(record.id)
-        for old in session_dir.glob("checkpoint-*.tar"):
-            if old.name != record.archive:
-                old.unlink()
+        try:
+            archive_bytes = self._archive_bytes(record)
+            if archive_bytes is None:
+                raise ServiceUnavailable("the session's checkpoint archive vanished")
+        except ServeError:
+            lease.apply(SessionEvent.ROLLBACK, archive=None, container_id=None)
+            raise
+        self._remove_old_archives(record)
         return lease.apply(SessionEvent.CHECKPOINTED, container_id=None,
-                           snapshot_bytes=archive.stat().st_size)
+                           snapshot_bytes=archive_bytes)
 
-    def _await_checkpoint_in_flight(self, lease: Lease, archive: Path) -> None:
+    def _archive_bytes(self, record: SessionRecord) -> Optional[int]:
+        """The size of the session's checkpoint archive, None while there is none. The session
+        can write where the agent writes it: anything there but a regular file (a symlink to
+        a host file, say) is refused, never followed nor measured."""
+        assert record.archive is not None
+        try:
+            with opened_dir(self.config.session_dir(record.id)) as dir_fd:
+                return regular_file_size(dir_fd, record.archive)
+        except ContainerPathError as e:
+            raise SessionConflict(f"the session's checkpoint archive is refused: {e}") from e
+        except OSError as e:
+            raise ServiceUnavailable(f"the session directory: {e}") from e
+
+    def _remove_old_archives(self, record: SessionRecord) -> None:
+        """Every checkpoint-*.tar but the current one, whatever it is (the session may have
+        put a directory there); a failure is logged, the snapshot stands."""
+        try:
+            with opened_dir(self.config.session_dir(record.id)) as dir_fd:
+                for name in os.listdir(dir_fd):
+                    if (name.startswith("checkpoint-") and name.endswith(".tar")
+                            and name != record.archive):
+                        remove_entry(dir_fd, name)
+        except OSError as e:
+            log(f"serve: session {record.id}: old checkpoint archives stay: {e}")
+
+    def _await_checkpoint_in_flight(self, lease: Lease) -> None:
         """While the agent's admission is closed and no archive exists, a checkpoint is still
         draining; it ends (archive written, or admission reopened) within the agent's bound."""
         session_dir = self.config.session_dir(lease.record.id)
         deadline = time.monotonic() + AGENT_CALL_TIMEOUT_S
-        while not archive.exists() and time.monotonic() < deadline:
-            if agent_call(session_dir, "status", {})["admission_open"]:
+        while self._archive_bytes(lease.record) is None and time.monotonic() < deadline:
+            if agent_call(session_dir, "status", {}).get("admission_open") is not False:
                 return
             lease.renew()
             self.stopping.wait(AGENT_READY_POLL_S)
@@ -3830,8 +4017,8 @@ class SessionManager:
         record = lease.apply(SessionEvent.STARTED, archive=None, snapshot_bytes=None,
                              last_access=self.clock(), busy_at=None, idle_blocked_by=())
         if archive:  # the session dir holds the restored state now
-            with contextlib.suppress(OSError):
-                (self.config.session_dir(record.id) / archive).unlink()
+            with contextlib.suppress(OSError), opened_dir(self.config.session_dir(record.id)) as fd:
+                remove_entry(fd, archive)
         return record
 
     def _relaunch_if_lost(self, session_id: str) -> bool:
@@ -3918,6 +4105,8 @@ class SessionManager:
                     "stdout_offset": len(output["stdout"]), "stderr_offset": len(output["stderr"])})
                 for name, data in output.items():
                     data += base64.b64decode(page[f"{name}_b64"])
+                    if len(data) > params["output_cap_bytes"]:  # a hostile agent's, unbounded
+                        raise ServiceUnavailable("the session agent sent more output than the cap")
                 if not page["running"] and all(len(data) == page[f"{name}_bytes"]
                                                for name, data in output.items()):
                     return exec_result_json(page, bytes(output["stdout"]), bytes(output["stderr"]))
@@ -3936,10 +4125,14 @@ class SessionManager:
         truncated = False
         if entry["type"] == "directory":
             entries = []
+            listed_bytes = 0
             while True:
                 page = self.call(session_id, "list", {"root": root, "path": path,
                                                       "offset": len(entries)})
                 entries += page["entries"]
+                listed_bytes += len(wire.encode_compact(page["entries"]))
+                if listed_bytes > MAX_LIST_JSON_BYTES:  # only a hostile agent's pages grow so
+                    raise ServiceUnavailable("the session agent's listing is too large")
                 if not page["entries"] or len(entries) >= min(page["total"], MAX_LIST_ENTRIES):
                     break
             truncated = len(entries) < page["total"]
@@ -4049,24 +4242,24 @@ class SessionManager:
     def _tail_output(self, record: SessionRecord, cursor: int, send: Callable[[bytes], None],
                      connected: Callable[[], bool], viewer: str) -> None:
         session_dir = self.config.session_dir(record.id)
-        path = session_dir / OUTPUT_LOG_NAME
         text = record.spec.workload == "agent"
         last_sent = renewed = time.monotonic()
+        refused = woke = False
         while not self.stopping.is_set() and connected():
             if time.monotonic() - renewed >= VIEWER_RENEW_S:
                 self.store.hold_viewer(viewer, record.id, self.clock())
                 renewed = time.monotonic()
             try:
-                with open(path, "rb") as log_file:
-                    length = os.fstat(log_file.fileno()).st_size
-                    data = b""
-                    if length > cursor:
-                        log_file.seek(cursor)
-                        data = log_file.read(min(length - cursor, SSE_CHUNK_BYTES))
+                length, data = self._read_output_log(session_dir, cursor)
             except FileNotFoundError:
                 if not session_dir.is_dir():
                     return  # deleted
                 length, data = 0, b""
+            except OSError as e:  # the session put something else there: no bytes from it
+                if not refused:
+                    log(f"serve: session {record.id}: its output stream waits: {e}")
+                refused = True
+                length, data = cursor, b""
             if cursor > length:
                 send(sse_reset(length))
                 return
@@ -4076,12 +4269,29 @@ class SessionManager:
                 send(sse_output(cursor, data))
                 cursor += len(data)
                 last_sent = time.monotonic()
+                woke = False
                 continue
             if time.monotonic() - last_sent >= self.config.sse_keepalive_s:
                 send(SSE_KEEPALIVE)
                 last_sent = time.monotonic()
-            if not self.await_agent_output(session_dir, cursor):
+            # A wake-up that brought no bytes (an agent answering at once) must not spin us.
+            if woke:
                 self.stopping.wait(SSE_POLL_S)
+            woke = self.await_agent_output(session_dir, cursor)
+            if not woke:
+                self.stopping.wait(SSE_POLL_S)
+
+    @staticmethod
+    def _read_output_log(session_dir: Path, cursor: int) -> tuple[int, bytes]:
+        """(length, at most SSE_CHUNK_BYTES from `cursor`) of DIR/output.log, read only as the
+        regular file it must be (see "Directories a container can write")."""
+        with opened_dir(session_dir) as dir_fd:
+            fd = open_regular_file(dir_fd, OUTPUT_LOG_NAME)
+        try:
+            length = os.fstat(fd).st_size
+            return length, os.pread(fd, min(max(length - cursor, 0), SSE_CHUNK_BYTES), cursor)
+        finally:
+            os.close(fd)
 
     @staticmethod
     def await_agent_output(session_dir: Path, cursor: int) -> bool:
@@ -4116,8 +4326,11 @@ class SessionManager:
             strays = [cid for cid, sid in containers if sid == record.id and cid != record.container_id]
             if record.state in STABLE_STATES and not strays:
                 continue
-            with contextlib.suppress(ServeError), self.leased(record.id, wait_s=0) as lease:
-                self._remove_containers(record.id, keep=lease.record.container_id)
+            try:
+                with contextlib.suppress(ServeError), self.leased(record.id, wait_s=0) as lease:
+                    self._remove_containers(record.id, keep=lease.record.container_id)
+            except Exception as e:  # noqa: BLE001 - as in reap_once: one session, not all
+                log(f"serve: reconcile: session {record.id}: {e!r}")
 
     def reap_once(self) -> None:
         """Apply the idle policy once (decide_reap): gather each session's facts and record
@@ -4141,6 +4354,10 @@ class SessionManager:
                         self._pause(lease, decision)
             except (ServeError, BackendError) as e:
                 log(f"serve: reaper: session {record.id}: {e}")
+            except Exception as e:  # noqa: BLE001 - a session is hostile data (its agent's
+                # answers, its files): whatever it makes us trip over costs that session's
+                # step, never the one reaper of every session
+                log(f"serve: reaper: session {record.id}: {e!r}")
 
     def _reap_decision(self, record: SessionRecord) -> ReapDecision:
         """Gather the facts decide_reap needs (an active session's agent status, the viewers in

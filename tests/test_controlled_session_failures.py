@@ -424,6 +424,18 @@ def test_output_file_is_published_after_finalization(docker_engine: Any,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["artifact.txt"]  # staging removed
 
 
+def test_output_file_beside_a_deep_tree_is_published_and_the_staging_removed(
+        docker_engine: Any, deployments: dict[str, Path], tmp_path: Path) -> None:
+    """The controller writes its staging dir: a tree nested 3000 deep there (past Python's
+    recursion limit) is removed all the same, and the run ends with its result."""
+    destination = tmp_path / "artifact.txt"
+    code, result = run_output_file(deployments, tmp_path, "deep", destination)
+    assert code == 0 and result["ok"] is True, result
+    assert result["controller_output"] == {"kind": "file-published"}
+    assert destination.read_text() == "controller artifact\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["artifact.txt"]
+
+
 @pytest.mark.parametrize("variant", ["symlink", "directory"])
 def test_output_file_that_is_not_a_regular_file_is_not_published(
         docker_engine: Any, deployments: dict[str, Path], tmp_path: Path, variant: str) -> None:

@@ -224,6 +224,13 @@ def output_file(session, report):
         with open(path, "w") as f:
             f.write("half written\n")
         os._exit(4)
+    elif variant == "deep":  # the file, beside a tree nested deeper than a recursive rmtree goes
+        with open(path, "w") as f:
+            f.write("controller artifact\n")
+        os.chdir(os.path.dirname(path))
+        for _ in range(3000):
+            os.mkdir("d")
+            os.chdir("d")
     session.type("exit 0\n")
     return session.finish()
 
