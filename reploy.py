@@ -4252,8 +4252,8 @@ class SessionManager:
             try:
                 length, data = self._read_output_log(session_dir, cursor)
             except FileNotFoundError:
-                if not session_dir.is_dir():
-                    return  # deleted
+                if self.session_is_going(record.id):
+                    return  # deleted: the log goes before its directory, so no reset for it
                 length, data = 0, b""
             except OSError as e:  # the session put something else there: no bytes from it
                 if not refused:
@@ -4280,6 +4280,11 @@ class SessionManager:
             woke = self.await_agent_output(session_dir, cursor)
             if not woke:
                 self.stopping.wait(SSE_POLL_S)
+
+    def session_is_going(self, session_id: str) -> bool:
+        """Deleted, or being deleted: a stream of it ends instead of resetting."""
+        record = self.store.get(session_id)
+        return record is None or record.state is SessionState.DELETING
 
     @staticmethod
     def _read_output_log(session_dir: Path, cursor: int) -> tuple[int, bytes]:

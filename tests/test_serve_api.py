@@ -181,6 +181,22 @@ def test_many_stream_clients_and_resume(serve_factory: Callable[..., ServeProces
     assert reset == [{"id": str(length), "event": "reset", "data": {"nextOffset": length}}]
 
 
+def test_a_stream_of_a_deleted_session_ends_without_a_reset(
+        serve_factory: Callable[..., ServeProcess], docker_engine: Any) -> None:
+    """Deleting a session ends its open streams; the log going before its directory must not
+    read as a shrunken log (a `reset` would send viewers back to offset 0 of nothing)."""
+    server = serve_factory()
+    api = server.api
+    sid, _ = api.shell_ran("gone", "echo here", b"here\r\n$ ")
+    length = len(api.read_all(sid))
+    thread, box = in_thread(lambda: sse_events(api, sid, offset=length))
+    wait_until(lambda: "viewer" in api.get(sid)["idleBlockedBy"], "the stream to be open")
+    api.call("DELETE", f"/sessions/{sid}")
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "the stream of a deleted session did not end"
+    assert [e for e in box[0] if e.get("event")] == []
+
+
 def test_error_mapping(serve_factory: Callable[..., ServeProcess], docker_engine: Any,
                        tmp_path: Path) -> None:
     server = serve_factory()
