@@ -82,7 +82,6 @@ from reploy_session_client import (  # noqa: E402
 __version__ = "0.1.0"
 
 CLIENT_SOURCE = Path(wire.__file__).resolve()
-WATCHDOG_SOURCE = Path(reploy_watchdog.__file__).resolve()
 #: Where the client lands in the derived controller image.
 CLIENT_INSTALL_PATH = "/usr/local/bin/reploy-session-client"
 #: The container-side HOME of both roles: a private tmpfs owned by the runtime uid:gid.
@@ -1457,11 +1456,12 @@ class Owned:
 
 
 class Watchdog:
-    """The host's end of reploy_watchdog.py.
+    """The host's end of the machine's watchdog (reploy_watchdog.py).
 
     Armed before anything of the session exists; the manifest is rewritten (atomically) each
     time the session acquires something, so a host killed at any point leaves a true record.
-    Disarmed only after the host's own cleanup.
+    Disarmed only after the host's own cleanup. If the watchdog dies meanwhile, the session's
+    loop sees its link end and re-arms its successor (on_watchdog).
     """
 
     def __init__(self, run_id: str, workload_dir: Path) -> None:
@@ -1470,22 +1470,30 @@ class Watchdog:
             run_id=run_id, host=reploy_watchdog.process_identity(), watchdog="",
             containers={}, networks={}, paths=(),
             receipt_path=str(reploy_watchdog.receipt_path_for(str(workload_dir), run_id)))
-        self.process: Optional[subprocess.Popen[bytes]] = None
-        self.pipe_write_fd: Optional[int] = None
+        self.link: Optional[reploy_watchdog.WatchdogLink] = None
 
     def arm(self) -> None:
+        """Record the manifest, then arm the watchdog with it (starting the watchdog when none
+        runs). Raises reploy_watchdog.WatchdogUnavailable."""
         self.record(self.manifest)
-        read_fd, self.pipe_write_fd = os.pipe()
+        self.link = reploy_watchdog.arm(self.manifest.run_id, self.manifest_path)
+        self.record(replace(self.manifest, watchdog=self.link.watchdog))
+
+    def rearm(self) -> bool:
+        """The watchdog is gone: arm its successor with the current manifest. Without one the
+        session goes on unguarded, and says so: if this host dies too, the manifest stays for
+        `controlled-session cleanup` (or the next reploy operation) to reconcile."""
+        assert self.link is not None
+        self.link.close()
+        self.link = None
         try:
-            self.process = subprocess.Popen(
-                [sys.executable, str(WATCHDOG_SOURCE), "--manifest", str(self.manifest_path),
-                 "--liveness-fd", str(read_fd), "--host", self.manifest.host],
-                pass_fds=(read_fd,), start_new_session=True, stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        finally:
-            os.close(read_fd)
-        self.record(replace(self.manifest, watchdog=reploy_watchdog.process_identity(
-            psutil.Process(self.process.pid))))
+            self.arm()
+            log("the watchdog went away; its successor now guards this session")
+            return True
+        except (reploy_watchdog.WatchdogUnavailable, OSError) as e:
+            log(f"the watchdog went away and could not be replaced ({e}); this session goes on "
+                "unguarded")
+            return False
 
     def record(self, manifest: reploy_watchdog.Manifest) -> None:
         self.manifest = manifest
@@ -1498,20 +1506,15 @@ class Watchdog:
             paths=tuple(str(p) for p in (owned.channel_dir, owned.output_staging_dir) if p)))
 
     def disarm(self, keep_manifest: bool = False) -> None:
-        """Our own cleanup is done: tell the watchdog to go quietly, then forget the run
-        (unless something remains: then the manifest stays for reconciliation)."""
-        if self.pipe_write_fd is not None:
-            with contextlib.suppress(OSError):
-                os.write(self.pipe_write_fd, reploy_watchdog.DISARM_BYTE)
-            os.close(self.pipe_write_fd)
-            self.pipe_write_fd = None
-        if self.process is not None:
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        if not keep_manifest:
+        """Our own cleanup is done: tell the watchdog to forget the run, then forget it too.
+        When something remains, the manifest stays, naming no watchdog (none is responsible
+        any more), so reconciliation takes it over once this host has exited."""
+        if self.link is not None:
+            self.link.disarm()
+            self.link = None
+        if keep_manifest:
+            self.record(replace(self.manifest, watchdog=""))
+        else:
             with contextlib.suppress(FileNotFoundError):
                 self.manifest_path.unlink()
 
@@ -1578,7 +1581,13 @@ class ControlledSession:
         the watchdog already armed; a plan that fails leaves nothing of the session and the
         result says only that. The startup timeout counts from the end of planning."""
         try:
-            self.watchdog.arm()  # before the first container of the session exists
+            try:
+                self.watchdog.arm()  # before the first container of the session exists
+            except (reploy_watchdog.WatchdogUnavailable, OSError) as e:
+                self.result.error = f"plan rejected: the watchdog could not be armed: {e}"
+                self.result.controller_output = requested_output_status(self.options)
+                return self.result
+            self.selector.register(self.watchdog.link, selectors.EVENT_READ, "watchdog")
             try:
                 controller_image = self.plan_images()
             except (PlanRejected, BackendError, OSError) as e:
@@ -1930,6 +1939,13 @@ class ControlledSession:
                 self.result.error = f"cancelled by {name}"
             else:
                 log(f"received {name}; the session is already ending")
+
+    def on_watchdog(self, _mask: int) -> None:
+        """The watchdog never speaks after `armed`: its link turning readable means it died."""
+        assert self.watchdog.link is not None
+        self.selector.unregister(self.watchdog.link)
+        if self.watchdog.rearm():
+            self.selector.register(self.watchdog.link, selectors.EVENT_READ, "watchdog")
 
     def on_notice(self, _mask: int) -> None:
         for tag, value in self.notifier.drain():
@@ -2365,6 +2381,8 @@ class ControlledSession:
             self.watchdog.record_owned(self.owned)
             log("cleanup left something behind; `reploy.py controlled-session cleanup "
                 f"--workload-dir {self.plan.workload.dir}` reconciles it")
+        if self.watchdog.link is not None:
+            self.selector.unregister(self.watchdog.link)
         self.watchdog.disarm(keep_manifest=bool(failures))
         self.notifier.close()
         self.selector.close()
