@@ -18,11 +18,54 @@ Peers:
 
 Machine output is one JSON document on stdout; human text goes to stderr.
 
-Reading order: constants, exceptions, value types, pure cores (durations, blueprints, the
-lifecycle machine, the run result), Docker adapters, deployments, the controlled session, CLI.
+Reading order: the launch (which comes before the imports: a long-lived command re-executes
+as the imported module first), constants, exceptions, value types, pure cores (durations,
+blueprints, the lifecycle machine, the run result), Docker adapters, deployments, the
+controlled session, CLI.
 """
 
 from __future__ import annotations
+
+import os
+import sys
+
+# ============================================================================================
+# Launch: a long-lived command runs as the imported module, not as this script
+# ============================================================================================
+
+#: The commands that live as long as a session or a server.
+LONG_LIVED_COMMANDS = (("controlled-session", "run"), ("serve",))
+#: What the re-executed interpreter runs, given this file's path and the command: this file
+#: imported as the module `reploy`, with its own directory first on the module path in place
+#: of the working directory that `-c` put there (as when the script runs), then the command.
+MODULE_LAUNCHER = ("import os, sys; sys.argv[0] = sys.argv.pop(1); "
+                   "sys.path[0] = os.path.dirname(sys.argv[0]); "
+                   "import reploy; reploy.run_command()")
+
+
+def relaunch_as_module() -> None:
+    """Re-execute a long-lived command (same pid, interpreter and options) as the imported
+    module, before anything heavy is imported.
+
+    CPython keeps a script's whole syntax tree until the script returns (about 11 MiB for this
+    file, for the whole life of a session's host), while an imported module's is freed once
+    compiled, and its bytecode is cached in __pycache__ for the next run. Run with -I, -P or
+    PYTHONSAFEPATH (no working directory to replace on the module path), or through -m or
+    runpy, it runs as it is."""
+    command = tuple(sys.argv[1:3])
+    if not any(command[:len(c)] == c for c in LONG_LIVED_COMMANDS) or not sys.executable:
+        return
+    original = getattr(sys, "orig_argv", [])
+    options_end = len(original) - len(sys.argv)
+    if options_end < 1 or original[options_end] != sys.argv[0] or getattr(
+            sys.flags, "safe_path", False):
+        return
+    os.execv(sys.executable, [sys.executable, *original[1:options_end], "-c", MODULE_LAUNCHER,
+                              os.path.abspath(sys.argv[0]), *sys.argv[1:]])
+
+
+if __name__ == "__main__" and __spec__ is None:
+    relaunch_as_module()
 
 import argparse
 import base64
@@ -36,7 +79,6 @@ import http.server
 import ipaddress
 import io
 import json
-import os
 import queue
 import re
 import secrets
@@ -49,7 +91,6 @@ import sqlite3
 import stat
 import struct
 import subprocess
-import sys
 import tarfile
 import tempfile
 import threading
@@ -5530,10 +5571,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     return EXIT_OK
 
 
-if __name__ == "__main__":
+def run_command() -> None:
+    """main() as a process: flush, then exit without the interpreter's teardown."""
     exit_code = main()
     sys.stdout.flush()
     sys.stderr.flush()
     # Every session resource is released inside main(); what remains is interpreter teardown
     # of the Docker SDK's modules, which would add tens of milliseconds to every command.
     os._exit(exit_code)
+
+
+if __name__ == "__main__":
+    run_command()

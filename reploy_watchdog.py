@@ -955,7 +955,8 @@ def serve(runtime: Path) -> int:
     finally:
         # Hosts arriving from here on find no socket and start the next watchdog, which waits
         # for our lock; one that connected just now is hung up on unanswered and retries.
-        os.unlink(SOCKET_NAME, dir_fd=dir_fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(SOCKET_NAME, dir_fd=dir_fd)
         listener.close()
     return 0
 
