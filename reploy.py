@@ -40,7 +40,7 @@ LONG_LIVED_COMMANDS = (("controlled-session", "run"), ("serve",))
 #: of the working directory that `-c` put there (as when the script runs), then the command.
 MODULE_LAUNCHER = ("import os, sys; sys.argv[0] = sys.argv.pop(1); "
                    "sys.path[0] = os.path.dirname(sys.argv[0]); "
-                   "import reploy; reploy.run_command()")
+                   "import reploy; reploy.release_freed_memory(); reploy.run_command()")
 
 
 def relaunch_as_module() -> None:
@@ -87,7 +87,6 @@ import selectors
 import shutil
 import signal
 import socket
-import sqlite3
 import stat
 import struct
 import subprocess
@@ -110,7 +109,6 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import reploy_session_client as wire  # noqa: E402  (the shared codec; see the docstring)
 import reploy_watchdog  # noqa: E402  (the cleanup role; the host reuses its reconciliation)
-import agent as agent_role  # noqa: E402  (the data-plane role; `session cp` reuses its archive rules)
 from reploy_session_client import (  # noqa: E402
     Cause, FrameKind, RecoveryAction, SessionResult, Status,
 )
@@ -3018,7 +3016,9 @@ class SessionStore:
                 raise
 
     @contextlib.contextmanager
-    def _db(self) -> Iterator[sqlite3.Connection]:
+    def _db(self) -> Iterator["sqlite3.Connection"]:
+        import sqlite3  # only `serve` keeps a store: a session's host does without the library
+
         db = getattr(self._local, "db", None)
         if db is None:
             db = sqlite3.connect(str(self.path), timeout=30, isolation_level=None,
@@ -5277,6 +5277,8 @@ def copy_from_session(client: ApiClient, session_id: str, root: str, path: str,
     """Session -> here. A file is written under a temporary name and renamed; a directory comes
     as a tar, vetted like any untrusted archive (agent.py's rules) and merged in, so a refused
     archive writes nothing."""
+    import agent as agent_role  # only `session cp` needs the data-plane role's archive rules
+
     entry = _remote_entry(client, session_id, root, path)
     if entry is None:
         raise ReployError(f"{session_id}:{path}: no such file or directory")
@@ -5316,6 +5318,8 @@ def copy_to_session(client: ApiClient, local: str, session_id: str, root: str,
                     path: str) -> dict[str, Any]:
     """Here -> session. A file is streamed as it is; a directory (or `-`, a tar on stdin) is
     spooled as a tar first, since an upload carries its Content-Length."""
+    import agent as agent_role  # only `session cp` needs the data-plane role's archive rules
+
     mode = None
     with tempfile.TemporaryFile(prefix="reploy-cp-") as spool:
         if local == "-":
@@ -5569,6 +5573,17 @@ def main(argv: Optional[list[str]] = None) -> int:
         emit({"schema": schema, "ok": False, "error": str(e)})
         return EXIT_FAILED
     return EXIT_OK
+
+
+def release_freed_memory() -> None:
+    """Return the heap pages freed so far to the system: chiefly the compiler's, when this
+    file and its siblings were compiled from source (no bytecode cache, or
+    PYTHONDONTWRITEBYTECODE), which a long-lived host would otherwise keep resident (about
+    4 MiB). glibc's malloc_trim; elsewhere nothing."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).malloc_trim(0)
 
 
 def run_command() -> None:
