@@ -19,49 +19,63 @@ Peers:
 Machine output is one JSON document on stdout; human text goes to stderr.
 
 Reading order: the launch (which comes before the imports: a long-lived command re-executes
-as the imported module first), constants, exceptions, value types, pure cores (durations,
+itself as a module first), constants, exceptions, value types, pure cores (durations,
 blueprints, the lifecycle machine, the run result), Docker adapters, deployments, the
 controlled session, CLI.
 """
 
 from __future__ import annotations
 
+import marshal
 import os
 import sys
 
 # ============================================================================================
-# Launch: a long-lived command runs as the imported module, not as this script
+# Launch: a long-lived command runs as a module, not as this script
 # ============================================================================================
 
 #: The commands that live as long as a session or a server.
 LONG_LIVED_COMMANDS = (("controlled-session", "run"), ("serve",))
-#: What the re-executed interpreter runs, given this file's path and the command: this file
-#: imported as the module `reploy`, with its own directory first on the module path in place
-#: of the working directory that `-c` put there (as when the script runs), then the command.
-MODULE_LAUNCHER = ("import os, sys; sys.argv[0] = sys.argv.pop(1); "
-                   "sys.path[0] = os.path.dirname(sys.argv[0]); "
-                   "import reploy; reploy.release_freed_memory(); reploy.run_command()")
+#: What the re-executed interpreter runs, given this file's path, a descriptor holding this
+#: file's code as the script compiled it (marshal), and the command.
+MODULE_LAUNCHER = "; ".join((
+    "import marshal, os, sys, types",
+    "sys.argv[0] = sys.argv.pop(1)",  # this file, as when the script runs
+    "sys.path[0] = os.path.dirname(sys.argv[0])",  # in place of -c's working directory
+    "code = marshal.loads(open(int(sys.argv.pop(1)), 'rb').read())",
+    "module = sys.modules['reploy'] = types.ModuleType('reploy')",
+    "module.__file__ = sys.argv[0]",
+    "exec(code, module.__dict__)",
+    "module.release_freed_memory()",
+    "module.run_command()",
+))
 
 
 def relaunch_as_module() -> None:
-    """Re-execute a long-lived command (same pid, interpreter and options) as the imported
-    module, before anything heavy is imported.
+    """Re-execute a long-lived command (same pid, interpreter and options) as the module
+    `reploy`, handing it the code this script was just compiled to, before anything heavy is
+    imported.
 
-    CPython keeps a script's whole syntax tree until the script returns (about 11 MiB for this
-    file, for the whole life of a session's host), while an imported module's is freed once
-    compiled, and its bytecode is cached in __pycache__ for the next run. Run with -I, -P or
-    PYTHONSAFEPATH (no working directory to replace on the module path), or through -m or
-    runpy, it runs as it is."""
+    CPython keeps a script's whole syntax tree until the script returns: about 11 MiB for
+    this file, for the whole life of a session's host. Code run as a module keeps no tree,
+    and the hand-off spares the new process a second compile. Costs one interpreter start.
+    Run with -I, -P or PYTHONSAFEPATH (no working directory to replace on the module path),
+    through -m or runpy, or without memfd_create, it runs as it is."""
     command = tuple(sys.argv[1:3])
     if not any(command[:len(c)] == c for c in LONG_LIVED_COMMANDS) or not sys.executable:
         return
     original = getattr(sys, "orig_argv", [])
     options_end = len(original) - len(sys.argv)
     if options_end < 1 or original[options_end] != sys.argv[0] or getattr(
-            sys.flags, "safe_path", False):
+            sys.flags, "safe_path", False) or not hasattr(os, "memfd_create"):
         return
+    compiled = os.memfd_create("reploy-code", 0)  # no close-on-exec: the launcher reads it
+    with open(compiled, "wb", closefd=False) as code_file:
+        code_file.write(marshal.dumps(sys._getframe(1).f_code))  # the calling module's code
+    os.lseek(compiled, 0, os.SEEK_SET)
+    os.set_inheritable(compiled, True)
     os.execv(sys.executable, [sys.executable, *original[1:options_end], "-c", MODULE_LAUNCHER,
-                              os.path.abspath(sys.argv[0]), *sys.argv[1:]])
+                              os.path.abspath(sys.argv[0]), str(compiled), *sys.argv[1:]])
 
 
 if __name__ == "__main__" and __spec__ is None:
@@ -5576,10 +5590,9 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 def release_freed_memory() -> None:
-    """Return the heap pages freed so far to the system: chiefly the compiler's, when this
-    file and its siblings were compiled from source (no bytecode cache, or
-    PYTHONDONTWRITEBYTECODE), which a long-lived host would otherwise keep resident (about
-    4 MiB). glibc's malloc_trim; elsewhere nothing."""
+    """Return the heap pages freed so far to the system: chiefly what compiling the sibling
+    role files from source left (no bytecode cache, or PYTHONDONTWRITEBYTECODE), which a
+    long-lived host would otherwise keep resident. glibc's malloc_trim; elsewhere nothing."""
     import ctypes
 
     with contextlib.suppress(OSError, AttributeError):
