@@ -90,6 +90,7 @@ import errno
 import hashlib
 import hmac
 import http.server
+import importlib
 import ipaddress
 import io
 import json
@@ -126,6 +127,27 @@ import reploy_watchdog  # noqa: E402  (the cleanup role; the host reuses its rec
 from reploy_session_client import (  # noqa: E402
     Cause, FrameKind, RecoveryAction, SessionResult, Status,
 )
+
+
+class LazyModule:
+    """Stands in for a module until an attribute of it is first used, then imports it and puts
+    it in its place among this module's globals: a session's host keeps, for as long as its
+    session is live, only what it uses meanwhile. (The import system's lock makes threads
+    racing to the first use share one import.)"""
+
+    def __init__(self, global_name: str, module_name: str) -> None:
+        self.global_name = global_name
+        self.module_name = module_name
+
+    def __getattr__(self, attribute: str) -> Any:
+        module = importlib.import_module(self.module_name)
+        globals()[self.global_name] = module
+        return getattr(module, attribute)
+
+
+#: The data-plane role: serve's container-path rules and `session cp`'s archive rules are its
+#: own; a controlled session needs it only in its delivery tail.
+agent_role: Any = LazyModule("agent_role", "agent")
 
 # ============================================================================================
 # Constants
@@ -5291,8 +5313,6 @@ def copy_from_session(client: ApiClient, session_id: str, root: str, path: str,
     """Session -> here. A file is written under a temporary name and renamed; a directory comes
     as a tar, vetted like any untrusted archive (agent.py's rules) and merged in, so a refused
     archive writes nothing."""
-    import agent as agent_role  # only `session cp` needs the data-plane role's archive rules
-
     entry = _remote_entry(client, session_id, root, path)
     if entry is None:
         raise ReployError(f"{session_id}:{path}: no such file or directory")
@@ -5332,8 +5352,6 @@ def copy_to_session(client: ApiClient, local: str, session_id: str, root: str,
                     path: str) -> dict[str, Any]:
     """Here -> session. A file is streamed as it is; a directory (or `-`, a tar on stdin) is
     spooled as a tar first, since an upload carries its Content-Length."""
-    import agent as agent_role  # only `session cp` needs the data-plane role's archive rules
-
     mode = None
     with tempfile.TemporaryFile(prefix="reploy-cp-") as spool:
         if local == "-":

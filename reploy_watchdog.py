@@ -151,9 +151,12 @@ class Arm:
         if not isinstance(self.docker_env, tuple) or len(self.docker_env) > MAX_DOCKER_ENV_ENTRIES:
             raise ProtocolError(f"docker_env holds at most {MAX_DOCKER_ENV_ENTRIES} variables")
         for name, value in self.docker_env:
-            if not isinstance(name, str) or not DOCKER_ENV_NAME.fullmatch(name) or not isinstance(
-                    value, str) or len(value) > MAX_DOCKER_ENV_VALUE_CHARS or "\0" in value:
-                raise ProtocolError("docker_env maps DOCKER_* names to strings")
+            if not isinstance(name, str) or not DOCKER_ENV_NAME.fullmatch(name):
+                raise ProtocolError("docker_env names are DOCKER_* variables")
+            if not isinstance(value, str) or len(value) > MAX_DOCKER_ENV_VALUE_CHARS or (
+                    "\0" in value):
+                raise ProtocolError(f"docker_env values are strings of at most "
+                                    f"{MAX_DOCKER_ENV_VALUE_CHARS} characters")
 
     @property
     def manifest_path(self) -> Path:
@@ -778,9 +781,9 @@ def open_runtime_dir(path: Path) -> int:
     """The runtime directory as a directory descriptor, created 0700 when missing. Refused
     unless it is a directory (not a symlink) of this uid that nobody else may enter: anyone who
     could enter it could stand in for the watchdog."""
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(path, 0o700)
     try:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, 0o700)
         dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as e:
         raise WatchdogUnavailable(f"runtime directory {path}: {e.strerror}") from e
@@ -994,7 +997,10 @@ def arm(run_id: str, manifest: Path, environ: Mapping[str, str] = os.environ) ->
     watchdog when none answers. Raises WatchdogUnavailable."""
     runtime = runtime_dir(environ)
     docker_env = tuple(sorted((k, v) for k, v in environ.items() if k.startswith("DOCKER_")))
-    request = encode(Arm(run_id, str(manifest), docker_env))
+    try:
+        request = encode(Arm(run_id, str(manifest), docker_env))
+    except ProtocolError as e:
+        raise WatchdogUnavailable(f"this run cannot be armed: {e}") from e
     deadline = time.monotonic() + ARM_TIMEOUT_S
     dir_fd = open_runtime_dir(runtime)
     try:
