@@ -29,6 +29,7 @@ from __future__ import annotations
 import marshal
 import os
 import sys
+from importlib.machinery import SourceFileLoader
 
 # ============================================================================================
 # Launch: a long-lived command runs as a module, not as this script
@@ -36,29 +37,32 @@ import sys
 
 #: The commands that live as long as a session or a server.
 LONG_LIVED_COMMANDS = (("controlled-session", "run"), ("serve",))
-#: What the re-executed interpreter runs, given this file's path, a descriptor holding this
-#: file's code as the script compiled it (marshal), and the command.
-MODULE_LAUNCHER = "; ".join((
+#: The role files this one imports as it starts (they sit beside it).
+SIBLING_MODULES = ("reploy_session_client", "reploy_watchdog", "agent")
+#: What the re-executed interpreter runs, given this file's path, then a descriptor holding
+#: (module name, file, code) of each sibling and of this file (marshal), then the command:
+#: the modules run in that order, this file's last, as if imported.
+MODULE_LAUNCHER = "\n".join((
     "import marshal, os, sys, types",
     "sys.argv[0] = sys.argv.pop(1)",  # this file, as when the script runs
     "sys.path[0] = os.path.dirname(sys.argv[0])",  # in place of -c's working directory
-    "code = marshal.loads(open(int(sys.argv.pop(1)), 'rb').read())",
-    "module = sys.modules['reploy'] = types.ModuleType('reploy')",
-    "module.__file__ = sys.argv[0]",
-    "exec(code, module.__dict__)",
-    "module.release_freed_memory()",
+    "for name, path, code in marshal.loads(open(int(sys.argv.pop(1)), 'rb').read()):",
+    "    module = sys.modules[name] = types.ModuleType(name)",
+    "    module.__file__ = path",
+    "    exec(code, module.__dict__)",
     "module.run_command()",
 ))
 
 
 def relaunch_as_module() -> None:
-    """Re-execute a long-lived command (same pid, interpreter and options) as the module
-    `reploy`, handing it the code this script was just compiled to, before anything heavy is
-    imported.
+    """Re-execute a long-lived command (same pid, interpreter and options) with this file and
+    its siblings run as modules from code compiled here, before anything heavy is imported.
 
     CPython keeps a script's whole syntax tree until the script returns: about 11 MiB for
-    this file, for the whole life of a session's host. Code run as a module keeps no tree,
-    and the hand-off spares the new process a second compile. Costs one interpreter start.
+    this file, for the whole life of a session's host. Code run as a module keeps no tree.
+    The compiling (or reading of cached bytecode) is done by this process, which exec
+    replaces, so the process that lives on holds none of the compiler's leftovers either,
+    even when nothing can be cached (PYTHONDONTWRITEBYTECODE). Costs one interpreter start.
     Run with -I, -P or PYTHONSAFEPATH (no working directory to replace on the module path),
     through -m or runpy, or without memfd_create, it runs as it is."""
     command = tuple(sys.argv[1:3])
@@ -69,13 +73,18 @@ def relaunch_as_module() -> None:
     if options_end < 1 or original[options_end] != sys.argv[0] or getattr(
             sys.flags, "safe_path", False) or not hasattr(os, "memfd_create"):
         return
+    script = os.path.abspath(sys.argv[0])
+    modules = [(name, path, SourceFileLoader(name, path).get_code(name))
+               for name in SIBLING_MODULES
+               for path in [os.path.join(os.path.dirname(script), f"{name}.py")]]
+    modules.append(("reploy", script, sys._getframe(1).f_code))  # the calling module's code
     compiled = os.memfd_create("reploy-code", 0)  # no close-on-exec: the launcher reads it
     with open(compiled, "wb", closefd=False) as code_file:
-        code_file.write(marshal.dumps(sys._getframe(1).f_code))  # the calling module's code
+        code_file.write(marshal.dumps(modules))
     os.lseek(compiled, 0, os.SEEK_SET)
     os.set_inheritable(compiled, True)
     os.execv(sys.executable, [sys.executable, *original[1:options_end], "-c", MODULE_LAUNCHER,
-                              os.path.abspath(sys.argv[0]), str(compiled), *sys.argv[1:]])
+                              script, str(compiled), *sys.argv[1:]])
 
 
 if __name__ == "__main__" and __spec__ is None:
@@ -90,7 +99,6 @@ import errno
 import hashlib
 import hmac
 import http.server
-import importlib
 import ipaddress
 import io
 import json
@@ -124,30 +132,10 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import reploy_session_client as wire  # noqa: E402  (the shared codec; see the docstring)
 import reploy_watchdog  # noqa: E402  (the cleanup role; the host reuses its reconciliation)
+import agent as agent_role  # noqa: E402  (the data-plane role; `session cp` reuses its archive rules)
 from reploy_session_client import (  # noqa: E402
     Cause, FrameKind, RecoveryAction, SessionResult, Status,
 )
-
-
-class LazyModule:
-    """Stands in for a module until an attribute of it is first used, then imports it and puts
-    it in its place among this module's globals: a session's host keeps, for as long as its
-    session is live, only what it uses meanwhile. (The import system's lock makes threads
-    racing to the first use share one import.)"""
-
-    def __init__(self, global_name: str, module_name: str) -> None:
-        self.global_name = global_name
-        self.module_name = module_name
-
-    def __getattr__(self, attribute: str) -> Any:
-        module = importlib.import_module(self.module_name)
-        globals()[self.global_name] = module
-        return getattr(module, attribute)
-
-
-#: The data-plane role: serve's container-path rules and `session cp`'s archive rules are its
-#: own; a controlled session needs it only in its delivery tail.
-agent_role: Any = LazyModule("agent_role", "agent")
 
 # ============================================================================================
 # Constants
@@ -5605,16 +5593,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         emit({"schema": schema, "ok": False, "error": str(e)})
         return EXIT_FAILED
     return EXIT_OK
-
-
-def release_freed_memory() -> None:
-    """Return the heap pages freed so far to the system: chiefly what compiling the sibling
-    role files from source left (no bytecode cache, or PYTHONDONTWRITEBYTECODE), which a
-    long-lived host would otherwise keep resident. glibc's malloc_trim; elsewhere nothing."""
-    import ctypes
-
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None).malloc_trim(0)
 
 
 def run_command() -> None:
