@@ -74,9 +74,12 @@ def relaunch_as_module() -> None:
             sys.flags, "safe_path", False) or not hasattr(os, "memfd_create"):
         return
     script = os.path.abspath(sys.argv[0])
-    modules = [(name, path, SourceFileLoader(name, path).get_code(name))
-               for name in SIBLING_MODULES
-               for path in [os.path.join(os.path.dirname(script), f"{name}.py")]]
+    try:
+        modules = [(name, path, SourceFileLoader(name, path).get_code(name))
+                   for name in SIBLING_MODULES
+                   for path in [os.path.join(os.path.dirname(script), f"{name}.py")]]
+    except (OSError, ImportError):
+        return  # a sibling is missing or unreadable: the imports below say so as usual
     modules.append(("reploy", script, sys._getframe(1).f_code))  # the calling module's code
     compiled = os.memfd_create("reploy-code", 0)  # no close-on-exec: the launcher reads it
     with open(compiled, "wb", closefd=False) as code_file:
