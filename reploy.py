@@ -18,11 +18,80 @@ Peers:
 
 Machine output is one JSON document on stdout; human text goes to stderr.
 
-Reading order: constants, exceptions, value types, pure cores (durations, blueprints, the
-lifecycle machine, the run result), Docker adapters, deployments, the controlled session, CLI.
+Reading order: the launch (which comes before the imports: a long-lived command re-executes
+itself as a module first), constants, exceptions, value types, pure cores (durations,
+blueprints, the lifecycle machine, the run result), Docker adapters, deployments, the
+controlled session, CLI.
 """
 
 from __future__ import annotations
+
+import marshal
+import os
+import sys
+from importlib.machinery import SourceFileLoader
+
+# ============================================================================================
+# Launch: a long-lived command runs as a module, not as this script
+# ============================================================================================
+
+#: The commands that live as long as a session or a server.
+LONG_LIVED_COMMANDS = (("controlled-session", "run"), ("serve",))
+#: The role files this one imports as it starts (they sit beside it).
+SIBLING_MODULES = ("reploy_session_client", "reploy_watchdog", "agent")
+#: What the re-executed interpreter runs, given this file's path, then a descriptor holding
+#: (module name, file, code) of each sibling and of this file (marshal), then the command:
+#: the modules run in that order, this file's last, as if imported.
+MODULE_LAUNCHER = "\n".join((
+    "import marshal, os, sys, types",
+    "sys.argv[0] = sys.argv.pop(1)",  # this file, as when the script runs
+    "sys.path[0] = os.path.dirname(sys.argv[0])",  # in place of -c's working directory
+    "for name, path, code in marshal.loads(open(int(sys.argv.pop(1)), 'rb').read()):",
+    "    module = sys.modules[name] = types.ModuleType(name)",
+    "    module.__file__ = path",
+    "    exec(code, module.__dict__)",
+    "module.run_command()",
+))
+
+
+def relaunch_as_module() -> None:
+    """Re-execute a long-lived command (same pid, interpreter and options) with this file and
+    its siblings run as modules from code compiled here, before anything heavy is imported.
+
+    CPython keeps a script's whole syntax tree until the script returns: about 11 MiB for
+    this file, for the whole life of a session's host. Code run as a module keeps no tree.
+    The compiling (or reading of cached bytecode) is done by this process, which exec
+    replaces, so the process that lives on holds none of the compiler's leftovers either,
+    even when nothing can be cached (PYTHONDONTWRITEBYTECODE). Costs one interpreter start.
+    Run with -I, -P or PYTHONSAFEPATH (no working directory to replace on the module path),
+    through -m or runpy, or without memfd_create, it runs as it is."""
+    command = tuple(sys.argv[1:3])
+    if not any(command[:len(c)] == c for c in LONG_LIVED_COMMANDS) or not sys.executable:
+        return
+    original = getattr(sys, "orig_argv", [])
+    options_end = len(original) - len(sys.argv)
+    if options_end < 1 or original[options_end] != sys.argv[0] or getattr(
+            sys.flags, "safe_path", False) or not hasattr(os, "memfd_create"):
+        return
+    script = os.path.abspath(sys.argv[0])
+    try:
+        modules = [(name, path, SourceFileLoader(name, path).get_code(name))
+                   for name in SIBLING_MODULES
+                   for path in [os.path.join(os.path.dirname(script), f"{name}.py")]]
+    except (OSError, ImportError):
+        return  # a sibling is missing or unreadable: the imports below say so as usual
+    modules.append(("reploy", script, sys._getframe(1).f_code))  # the calling module's code
+    compiled = os.memfd_create("reploy-code", 0)  # no close-on-exec: the launcher reads it
+    with open(compiled, "wb", closefd=False) as code_file:
+        code_file.write(marshal.dumps(modules))
+    os.lseek(compiled, 0, os.SEEK_SET)
+    os.set_inheritable(compiled, True)
+    os.execv(sys.executable, [sys.executable, *original[1:options_end], "-c", MODULE_LAUNCHER,
+                              script, str(compiled), *sys.argv[1:]])
+
+
+if __name__ == "__main__" and __spec__ is None:
+    relaunch_as_module()
 
 import argparse
 import base64
@@ -36,7 +105,6 @@ import http.server
 import ipaddress
 import io
 import json
-import os
 import queue
 import re
 import secrets
@@ -45,11 +113,9 @@ import selectors
 import shutil
 import signal
 import socket
-import sqlite3
 import stat
 import struct
 import subprocess
-import sys
 import tarfile
 import tempfile
 import threading
@@ -82,7 +148,6 @@ from reploy_session_client import (  # noqa: E402
 __version__ = "0.1.0"
 
 CLIENT_SOURCE = Path(wire.__file__).resolve()
-WATCHDOG_SOURCE = Path(reploy_watchdog.__file__).resolve()
 #: Where the client lands in the derived controller image.
 CLIENT_INSTALL_PATH = "/usr/local/bin/reploy-session-client"
 #: The container-side HOME of both roles: a private tmpfs owned by the runtime uid:gid.
@@ -1457,11 +1522,12 @@ class Owned:
 
 
 class Watchdog:
-    """The host's end of reploy_watchdog.py.
+    """The host's end of the machine's watchdog (reploy_watchdog.py).
 
     Armed before anything of the session exists; the manifest is rewritten (atomically) each
     time the session acquires something, so a host killed at any point leaves a true record.
-    Disarmed only after the host's own cleanup.
+    Disarmed only after the host's own cleanup. If the watchdog dies meanwhile, the session's
+    loop sees its link end and re-arms its successor (on_watchdog).
     """
 
     def __init__(self, run_id: str, workload_dir: Path) -> None:
@@ -1470,22 +1536,30 @@ class Watchdog:
             run_id=run_id, host=reploy_watchdog.process_identity(), watchdog="",
             containers={}, networks={}, paths=(),
             receipt_path=str(reploy_watchdog.receipt_path_for(str(workload_dir), run_id)))
-        self.process: Optional[subprocess.Popen[bytes]] = None
-        self.pipe_write_fd: Optional[int] = None
+        self.link: Optional[reploy_watchdog.WatchdogLink] = None
 
     def arm(self) -> None:
+        """Record the manifest, then arm the watchdog with it (starting the watchdog when none
+        runs). Raises reploy_watchdog.WatchdogUnavailable."""
         self.record(self.manifest)
-        read_fd, self.pipe_write_fd = os.pipe()
+        self.link = reploy_watchdog.arm(self.manifest.run_id, self.manifest_path)
+        self.record(replace(self.manifest, watchdog=self.link.watchdog))
+
+    def rearm(self) -> bool:
+        """The watchdog is gone: arm its successor with the current manifest. Without one the
+        session goes on unguarded, and says so: if this host dies too, the manifest stays for
+        `controlled-session cleanup` (or the next reploy operation) to reconcile."""
+        assert self.link is not None
+        self.link.close()
+        self.link = None
         try:
-            self.process = subprocess.Popen(
-                [sys.executable, str(WATCHDOG_SOURCE), "--manifest", str(self.manifest_path),
-                 "--liveness-fd", str(read_fd), "--host", self.manifest.host],
-                pass_fds=(read_fd,), start_new_session=True, stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        finally:
-            os.close(read_fd)
-        self.record(replace(self.manifest, watchdog=reploy_watchdog.process_identity(
-            psutil.Process(self.process.pid))))
+            self.arm()
+            log("the watchdog went away; its successor now guards this session")
+            return True
+        except (reploy_watchdog.WatchdogUnavailable, OSError) as e:
+            log(f"the watchdog went away and could not be replaced ({e}); this session goes on "
+                "unguarded")
+            return False
 
     def record(self, manifest: reploy_watchdog.Manifest) -> None:
         self.manifest = manifest
@@ -1498,20 +1572,15 @@ class Watchdog:
             paths=tuple(str(p) for p in (owned.channel_dir, owned.output_staging_dir) if p)))
 
     def disarm(self, keep_manifest: bool = False) -> None:
-        """Our own cleanup is done: tell the watchdog to go quietly, then forget the run
-        (unless something remains: then the manifest stays for reconciliation)."""
-        if self.pipe_write_fd is not None:
-            with contextlib.suppress(OSError):
-                os.write(self.pipe_write_fd, reploy_watchdog.DISARM_BYTE)
-            os.close(self.pipe_write_fd)
-            self.pipe_write_fd = None
-        if self.process is not None:
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        if not keep_manifest:
+        """Our own cleanup is done: tell the watchdog to forget the run, then forget it too.
+        When something remains, the manifest stays, naming no watchdog (none is responsible
+        any more), so reconciliation takes it over once this host has exited."""
+        if self.link is not None:
+            self.link.disarm()
+            self.link = None
+        if keep_manifest:
+            self.record(replace(self.manifest, watchdog=""))
+        else:
             with contextlib.suppress(FileNotFoundError):
                 self.manifest_path.unlink()
 
@@ -1578,7 +1647,13 @@ class ControlledSession:
         the watchdog already armed; a plan that fails leaves nothing of the session and the
         result says only that. The startup timeout counts from the end of planning."""
         try:
-            self.watchdog.arm()  # before the first container of the session exists
+            try:
+                self.watchdog.arm()  # before the first container of the session exists
+            except (reploy_watchdog.WatchdogUnavailable, OSError) as e:
+                self.result.error = f"plan rejected: the watchdog could not be armed: {e}"
+                self.result.controller_output = requested_output_status(self.options)
+                return self.result
+            self.selector.register(self.watchdog.link, selectors.EVENT_READ, "watchdog")
             try:
                 controller_image = self.plan_images()
             except (PlanRejected, BackendError, OSError) as e:
@@ -1930,6 +2005,13 @@ class ControlledSession:
                 self.result.error = f"cancelled by {name}"
             else:
                 log(f"received {name}; the session is already ending")
+
+    def on_watchdog(self, _mask: int) -> None:
+        """The watchdog never speaks after `armed`: its link turning readable means it died."""
+        assert self.watchdog.link is not None
+        self.selector.unregister(self.watchdog.link)
+        if self.watchdog.rearm():
+            self.selector.register(self.watchdog.link, selectors.EVENT_READ, "watchdog")
 
     def on_notice(self, _mask: int) -> None:
         for tag, value in self.notifier.drain():
@@ -2365,6 +2447,8 @@ class ControlledSession:
             self.watchdog.record_owned(self.owned)
             log("cleanup left something behind; `reploy.py controlled-session cleanup "
                 f"--workload-dir {self.plan.workload.dir}` reconciles it")
+        if self.watchdog.link is not None:
+            self.selector.unregister(self.watchdog.link)
         self.watchdog.disarm(keep_manifest=bool(failures))
         self.notifier.close()
         self.selector.close()
@@ -2959,7 +3043,9 @@ class SessionStore:
                 raise
 
     @contextlib.contextmanager
-    def _db(self) -> Iterator[sqlite3.Connection]:
+    def _db(self) -> Iterator["sqlite3.Connection"]:
+        import sqlite3  # only `serve` keeps a store: a session's host does without the library
+
         db = getattr(self._local, "db", None)
         if db is None:
             db = sqlite3.connect(str(self.path), timeout=30, isolation_level=None,
@@ -5512,10 +5598,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     return EXIT_OK
 
 
-if __name__ == "__main__":
+def run_command() -> None:
+    """main() as a process: flush, then exit without the interpreter's teardown."""
     exit_code = main()
     sys.stdout.flush()
     sys.stderr.flush()
     # Every session resource is released inside main(); what remains is interpreter teardown
     # of the Docker SDK's modules, which would add tens of milliseconds to every command.
     os._exit(exit_code)
+
+
+if __name__ == "__main__":
+    run_command()

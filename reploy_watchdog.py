@@ -1,22 +1,35 @@
 #!/usr/bin/env python3
-"""reploy_watchdog: cleans up after a Reploy host that died abruptly.
+"""reploy_watchdog: cleans up after Reploy hosts that died abruptly.
 
-Role: one detached process per live controlled session, started by reploy.py before any
-container of the session starts, in its own session (so the host's terminal signals miss it).
+Role: one detached process per machine and user, serving every live controlled session of that
+user. The first host that needs it starts it (`reploy_watchdog.py serve`) in a session of its
+own, so no host's terminal signals reach it; it exits once no session has needed it for
+LINGER_S. Exactly one runs per runtime directory: it holds an exclusive lock on a file there for
+its whole life, and only the lock's holder binds the socket.
 
 Peers:
-  * the host, through a liveness pipe: a disarm byte means "I cleaned up myself, go quietly";
-    end of file without it means the host died. The host's pid and create time are also
-    watched with psutil, so a reused pid cannot pass for the host;
-  * the manifest file the host keeps current (atomically replaced) naming exactly what the
-    session owns: container and network ids with their labels, the paths to remove, and where
-    the incident receipt goes;
-  * the Docker Engine, through the Docker SDK.
+  * each host, over one unix stream connection in the user's private runtime directory
+    (runtime_dir(): $REPLOY_WATCHDOG_DIR, else <tmp>/reploy-<uid>, mode 0700), kept open for
+    the whole session: `arm` names the run and its manifest and is answered `armed` once the
+    watchdog stands guard; `disarm` means "I cleaned up myself, forget the run"; the connection
+    ending without a disarm means the host died. The host is the connection's peer
+    (SO_PEERCRED), named by pid and create time, which is also re-checked every
+    HOST_CHECK_INTERVAL_S, so a reused pid cannot pass for a live host;
+  * the manifest each host keeps current (atomically replaced) naming exactly what its session
+    owns: container and network ids with their labels, the paths to remove, and where the
+    incident receipt goes. It is the durable record: when the host and the watchdog both died,
+    reconciliation works from it (and from labels);
+  * `reploy_watchdog.py clean`, one short-lived process per dead host's run: it imports the
+    Docker SDK (the watchdog never does: it spends its life waiting) and talks to the Engine
+    with the Docker environment of the host that armed the run.
 
-On a trigger it removes exactly what the manifest names (after checking each resource's run
-label, never by name alone), sweeps anything else carrying this run's label, removes the
-listed paths, verifies absence and writes a fixed-field JSON incident receipt (mode 0600).
-reploy.py reuses `reconcile_manifest` for orphans whose watchdog died too.
+A cleanup removes exactly what the manifest names (after checking each resource's run label,
+never by name alone), sweeps anything else carrying the run's label, removes the listed paths,
+verifies absence and writes a fixed-field JSON incident receipt (mode 0600). reploy.py arms
+through `arm` and reuses `reconcile_orphans` for runs whose host and watchdog both died.
+
+Reading order: constants, types, the protocol (codec and per-run state, no I/O), manifests and
+identities, cleanup, the runtime directory, the watchdog process, the host's end, CLI.
 """
 
 from __future__ import annotations
@@ -24,21 +37,28 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import enum
+import fcntl
 import json
 import os
+import re
 import selectors
 import shutil
 import signal
+import socket
+import struct
+import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Mapping, Optional, Union
 
 import psutil
 
-# The Docker SDK is imported only when there is something to clean up: a watchdog spends its
-# life waiting, and the SDK would double its memory for nothing (see cleanup()).
+# The Docker SDK is imported only by the cleanup code, which runs in `clean` processes (and in
+# reploy.py's reconciliation): the watchdog itself would double its memory for nothing.
 
 # ============================================================================================
 # Constants
@@ -49,6 +69,9 @@ __version__ = "0.1.0"
 
 MANIFEST_SCHEMA = "reploy-watchdog-manifest-v1"
 RECEIPT_SCHEMA = "reploy-incident-receipt-v1"
+#: The host <-> watchdog protocol. Its name is in the socket's and the lock's file names, so
+#: hosts of a release speaking another version meet a watchdog of their own.
+PROTOCOL = "reploy-watchdog-v1"
 LABEL_RUN = "io.reploy.session.live-run"
 #: "pid:create_time" of the host and of its watchdog, on every session container and network,
 #: so orphans can be recognised by label alone once both processes are gone.
@@ -56,25 +79,423 @@ LABEL_HOST = "io.reploy.session.host"
 LABEL_WATCHDOG = "io.reploy.session.watchdog"
 #: The workload deployment directory, where the manifest and the receipts live.
 LABEL_WORKLOAD_DIR = "io.reploy.session.workload-dir"
-#: The host writes this byte before closing the pipe when it cleaned up itself.
-DISARM_BYTE = b"D"
-#: How often the host's pid is re-checked while the pipe stays open.
+#: Names the runtime directory (absolute) instead of <tmp>/reploy-<uid>: tests and benchmarks
+#: point their hosts at a watchdog of their own with it.
+RUNTIME_DIR_ENV = "REPLOY_WATCHDOG_DIR"
+SOCKET_NAME = f"{PROTOCOL}.sock"
+LOCK_NAME = f"{PROTOCOL}.lock"
+#: One protocol message (a JSON line, newline included).
+MAX_MESSAGE_BYTES = 16 * 1024
+#: Bounds on an arm's Docker environment (the DOCKER_* variables the host's SDK reads).
+MAX_DOCKER_ENV_ENTRIES = 32
+MAX_DOCKER_ENV_VALUE_CHARS = 4096
+MAX_REFUSAL_CHARS = 1024
+MAX_PATH_CHARS = 4096
+#: How often each armed host's process is re-checked while its connection stays open.
 HOST_CHECK_INTERVAL_S = 1.0
+#: How long the watchdog outlives its last session, so back-to-back sessions share one.
+LINGER_S = 3.0
+#: The host's bound on arming: connecting, starting a watchdog when none answers, the answer.
+ARM_TIMEOUT_S = 20.0
+LISTEN_BACKLOG = 64
+#: `serve` exits with this when another watchdog holds the lock (serving, or on its way out).
+EXIT_BUSY = 3
 #: Docker calls made while cleaning up must not hang forever.
 DOCKER_TIMEOUT_S = 30
+RUN_ID = re.compile(r"[0-9a-f]{32}")
+IDENTITY = re.compile(r"[0-9]{1,10}:[0-9]{1,12}(\.[0-9]{1,20})?")
+DOCKER_ENV_NAME = re.compile(r"DOCKER_[A-Z0-9_]{1,64}")
+#: Bytes of a failed `serve`'s stderr repeated in the host's error.
+STDERR_TAIL_BYTES = 2000
 
 # ============================================================================================
 # Types
 # ============================================================================================
 
 
+class ProtocolError(ValueError):
+    """A peer sent what the protocol does not allow (the message says what)."""
+
+
+class WatchdogUnavailable(Exception):
+    """The host could not arm a watchdog; the message says why."""
+
+
+class MessageType(enum.Enum):
+    ARM = "arm"  # host -> watchdog: guard this run
+    DISARM = "disarm"  # host -> watchdog: the host cleaned up itself; forget the run
+    ARMED = "armed"  # watchdog -> host: on guard (names the watchdog process)
+    REFUSED = "refused"  # watchdog -> host: not armed, and why; the watchdog hangs up
+
+
+def _check_run_id(run_id: Any) -> None:
+    if not isinstance(run_id, str) or not RUN_ID.fullmatch(run_id):
+        raise ProtocolError("run_id must be 32 lowercase hex digits")
+
+
+@dataclass(frozen=True)
+class Arm:
+    run_id: str
+    manifest: str  # the absolute path manifest_path_for() gives this run
+    docker_env: tuple[tuple[str, str], ...]  # sorted (name, value) pairs
+
+    def __post_init__(self) -> None:
+        _check_run_id(self.run_id)
+        path = self.manifest
+        if not isinstance(path, str) or len(path) > MAX_PATH_CHARS or "\0" in path or (
+                not os.path.isabs(path) or os.path.normpath(path) != path):
+            raise ProtocolError("manifest must be a normalised absolute path")
+        if Path(path).parts[-3:] != (".reploy", "watchdog", f"{self.run_id}.json") or len(
+                Path(path).parts) < 5:
+            raise ProtocolError("manifest must be WORKLOAD_DIR/.reploy/watchdog/RUN_ID.json")
+        if not isinstance(self.docker_env, tuple) or len(self.docker_env) > MAX_DOCKER_ENV_ENTRIES:
+            raise ProtocolError(f"docker_env holds at most {MAX_DOCKER_ENV_ENTRIES} variables")
+        for name, value in self.docker_env:
+            if not isinstance(name, str) or not DOCKER_ENV_NAME.fullmatch(name):
+                raise ProtocolError("docker_env names are DOCKER_* variables")
+            if not isinstance(value, str) or len(value) > MAX_DOCKER_ENV_VALUE_CHARS or (
+                    "\0" in value):
+                raise ProtocolError(f"docker_env values are strings of at most "
+                                    f"{MAX_DOCKER_ENV_VALUE_CHARS} characters")
+
+    @property
+    def manifest_path(self) -> Path:
+        return Path(self.manifest)
+
+
+@dataclass(frozen=True)
+class Disarm:
+    run_id: str
+
+    def __post_init__(self) -> None:
+        _check_run_id(self.run_id)
+
+
+@dataclass(frozen=True)
+class Armed:
+    run_id: str
+    watchdog: str  # process_identity() of the watchdog
+
+    def __post_init__(self) -> None:
+        _check_run_id(self.run_id)
+        if not isinstance(self.watchdog, str) or not IDENTITY.fullmatch(self.watchdog):
+            raise ProtocolError("watchdog must be a process identity, pid:create_time")
+
+
+@dataclass(frozen=True)
+class Refused:
+    message: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.message, str) or not 0 < len(self.message) <= MAX_REFUSAL_CHARS:
+            raise ProtocolError(f"message must be 1 to {MAX_REFUSAL_CHARS} characters")
+
+
+Message = Union[Arm, Disarm, Armed, Refused]
+MESSAGE_CLASSES: dict[MessageType, type] = {
+    MessageType.ARM: Arm, MessageType.DISARM: Disarm,
+    MessageType.ARMED: Armed, MessageType.REFUSED: Refused,
+}
+HOST_MESSAGES = frozenset({MessageType.ARM, MessageType.DISARM})
+WATCHDOG_MESSAGES = frozenset({MessageType.ARMED, MessageType.REFUSED})
+
+# ============================================================================================
+# The protocol: JSON lines, one validating parser, per-run state (no I/O below this point
+# until "Manifests")
+# ============================================================================================
+
+
+def encode(message: Message) -> bytes:
+    """One message as a compact JSON line."""
+    kind = next(k for k, cls in MESSAGE_CLASSES.items() if isinstance(message, cls))
+    fields_ = {name: getattr(message, name) for name in message.__dataclass_fields__}
+    if isinstance(message, Arm):
+        fields_["docker_env"] = dict(message.docker_env)
+    line = json.dumps({"type": kind.value, **fields_}, separators=(",", ":")).encode() + b"\n"
+    if len(line) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"a message is at most {MAX_MESSAGE_BYTES} bytes")
+    return line
+
+
+def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in obj:
+            raise ProtocolError(f"duplicate field {key!r}")
+        obj[key] = value
+    return obj
+
+
+def _reject_constant(name: str) -> Any:
+    raise ProtocolError(f"non-standard JSON constant {name}")
+
+
+def decode(line: bytes, allowed: frozenset[MessageType]) -> Message:
+    """The one parser: a JSON object line of a type in `allowed`, with exactly its fields."""
+    try:
+        obj = json.loads(line.decode("utf-8"), object_pairs_hook=_reject_duplicate_keys,
+                         parse_constant=_reject_constant)
+    except UnicodeDecodeError as e:
+        raise ProtocolError("a message must be UTF-8") from e
+    except json.JSONDecodeError as e:
+        raise ProtocolError(f"a message must be one JSON object: {e.msg}") from e
+    if not isinstance(obj, dict):
+        raise ProtocolError("a message must be a JSON object")
+    try:
+        kind = MessageType(obj.pop("type", None))
+    except ValueError as e:
+        raise ProtocolError("unknown or missing message type") from e
+    if kind not in allowed:
+        raise ProtocolError(f"{kind.value!r} is not sent by this peer")
+    cls = MESSAGE_CLASSES[kind]
+    if set(obj) != set(cls.__dataclass_fields__):
+        raise ProtocolError(f"{kind.value} takes exactly {sorted(cls.__dataclass_fields__)}")
+    if kind is MessageType.ARM:
+        if not isinstance(obj["docker_env"], dict):
+            raise ProtocolError("docker_env must be an object")
+        obj["docker_env"] = tuple(sorted(obj["docker_env"].items()))
+    return cls(**obj)  # type: ignore[no-any-return]
+
+
+class LineBuffer:
+    """Bytes in, complete lines out; a line longer than MAX_MESSAGE_BYTES is an error, and
+    what is left unterminated at the end of the stream is dropped (a half-written message
+    means nothing)."""
+
+    def __init__(self) -> None:
+        self.pending = b""
+
+    def feed(self, data: bytes) -> list[bytes]:
+        *lines, self.pending = (self.pending + data).split(b"\n")
+        if len(self.pending) >= MAX_MESSAGE_BYTES or any(
+                len(line) >= MAX_MESSAGE_BYTES for line in lines):
+            raise ProtocolError(f"a message is at most {MAX_MESSAGE_BYTES} bytes")
+        return lines
+
+
+class RunPhase(enum.Enum):
+    ARMED = "armed"  # its host's connection is open
+    DETACHED = "detached"  # its connection broke the protocol: the host's process alone is watched
+    CLEANING = "cleaning"  # its host died: a `clean` process runs
+
+
+class RunEvent(enum.Enum):
+    ARM = "arm"
+    DISARM = "disarm"
+    CONNECTION_ENDED = "connection-ended"
+    PROTOCOL_VIOLATION = "protocol-violation"
+    HOST_GONE = "host-gone"
+    CLEANED = "cleaned"
+
+
+#: A run's life in the watchdog. A run is armed by its host's connection and forgotten when
+#: the host disarms it. The connection ending without a disarm is the host's death: cleanup
+#: starts at once. A connection that breaks the protocol is hung up on, but its run stays
+#: guarded by the host's process identity (DETACHED) until that host arms it again over a new
+#: connection or dies. The host's process disappearing while armed or detached (checked every
+#: HOST_CHECK_INTERVAL_S) is a death too. None stands for "not known here".
+RUN_TRANSITIONS: dict[tuple[Optional[RunPhase], RunEvent], Optional[RunPhase]] = {
+    (None, RunEvent.ARM): RunPhase.ARMED,
+    (RunPhase.DETACHED, RunEvent.ARM): RunPhase.ARMED,
+    (RunPhase.ARMED, RunEvent.DISARM): None,
+    (RunPhase.ARMED, RunEvent.CONNECTION_ENDED): RunPhase.CLEANING,
+    (RunPhase.ARMED, RunEvent.PROTOCOL_VIOLATION): RunPhase.DETACHED,
+    (RunPhase.ARMED, RunEvent.HOST_GONE): RunPhase.CLEANING,
+    (RunPhase.DETACHED, RunEvent.HOST_GONE): RunPhase.CLEANING,
+    (RunPhase.CLEANING, RunEvent.CLEANED): None,
+}
+
+
+def next_phase(phase: Optional[RunPhase], event: RunEvent) -> Optional[RunPhase]:
+    """Apply one transition of RUN_TRANSITIONS; anything else is a bug of the caller."""
+    try:
+        return RUN_TRANSITIONS[(phase, event)]
+    except KeyError:
+        raise RuntimeError(f"no transition from {phase} on {event.value}") from None
+
+
+@dataclass
+class Run:
+    """One guarded run."""
+
+    run_id: str
+    manifest: Path
+    host: str  # the host's process identity
+    docker_env: tuple[tuple[str, str], ...]
+    phase: RunPhase
+    connection: Optional[int]  # the connection guarding it while ARMED
+
+
+@dataclass
+class Connection:
+    """One host connection: who is on the other end, and the run it armed."""
+
+    peer: str  # the peer's process identity, from SO_PEERCRED
+    buffer: LineBuffer = field(default_factory=LineBuffer)
+    run_id: Optional[str] = None
+    disarmed: bool = False
+
+
+@dataclass(frozen=True)
+class Reply:
+    connection: int
+    message: Message
+
+
+@dataclass(frozen=True)
+class Hangup:
+    """Close the connection; the core has already forgotten it."""
+
+    connection: int
+
+
+@dataclass(frozen=True)
+class Clean:
+    """The run's host died: clean up after it."""
+
+    run_id: str
+    manifest: Path
+    trigger: str
+    docker_env: tuple[tuple[str, str], ...]
+
+
+Action = Union[Reply, Hangup, Clean]
+
+
+class WatchdogCore:
+    """Every connection and run of the watchdog: events in, actions out, no I/O.
+
+    `read_manifest` is the seam to the disk: an arm is accepted only when its manifest reads
+    as a manifest of that run naming the connection's peer as its host.
+    """
+
+    def __init__(self, identity: str, read_manifest: Callable[[Path], "Manifest"]) -> None:
+        self.identity = identity
+        self.read_manifest = read_manifest
+        self.connections: dict[int, Connection] = {}
+        self.runs: dict[str, Run] = {}
+
+    @property
+    def idle(self) -> bool:
+        """No connection, no run: nothing would be lost if the watchdog went away."""
+        return not self.connections and not self.runs
+
+    def transition(self, run: Run, event: RunEvent) -> None:
+        phase = next_phase(run.phase, event)
+        if phase is None:
+            del self.runs[run.run_id]
+        else:
+            run.phase = phase
+
+    def connected(self, connection: int, peer: str) -> None:
+        self.connections[connection] = Connection(peer)
+
+    def received(self, connection: int, data: bytes) -> list[Action]:
+        state = self.connections[connection]
+        actions: list[Action] = []
+        try:
+            for line in state.buffer.feed(data):
+                actions += self.handle(connection, state, decode(line, HOST_MESSAGES))
+                if connection not in self.connections:
+                    break
+        except ProtocolError as e:
+            actions += self.violation(connection, str(e))
+        return actions
+
+    def handle(self, connection: int, state: Connection, message: Message) -> list[Action]:
+        if isinstance(message, Arm):
+            if state.run_id is not None or state.disarmed:
+                raise ProtocolError("one arm per connection")
+            return self.arm(connection, state, message)
+        assert isinstance(message, Disarm)
+        if state.run_id != message.run_id or state.disarmed:
+            raise ProtocolError("disarm names no run this connection armed")
+        self.transition(self.runs[message.run_id], RunEvent.DISARM)
+        state.disarmed = True
+        return []
+
+    def arm(self, connection: int, state: Connection, message: Arm) -> list[Action]:
+        run = self.runs.get(message.run_id)
+        if run is not None and (run.phase is not RunPhase.DETACHED or run.host != state.peer):
+            return self.refuse(connection, f"run {message.run_id} is already {run.phase.value}")
+        try:
+            manifest = self.read_manifest(message.manifest_path)
+        except (OSError, ValueError) as e:
+            return self.refuse(connection, f"unreadable manifest: {e}")
+        if manifest.run_id != message.run_id or manifest.host != state.peer:
+            return self.refuse(connection, "the manifest names another run or another host")
+        phase = next_phase(run.phase if run else None, RunEvent.ARM)
+        assert phase is not None
+        run = Run(message.run_id, message.manifest_path, state.peer, message.docker_env, phase,
+                  connection)
+        self.runs[run.run_id] = run
+        state.run_id = run.run_id
+        return [Reply(connection, Armed(run.run_id, self.identity))]
+
+    def refuse(self, connection: int, reason: str) -> list[Action]:
+        """A well-formed arm that cannot be accepted: say why and hang up; nothing changes."""
+        del self.connections[connection]
+        return [Reply(connection, Refused(reason[:MAX_REFUSAL_CHARS])), Hangup(connection)]
+
+    def violation(self, connection: int, reason: str) -> list[Action]:
+        state = self.connections.pop(connection)
+        run = self.runs.get(state.run_id or "")
+        if run is not None and run.connection == connection and not state.disarmed:
+            self.transition(run, RunEvent.PROTOCOL_VIOLATION)
+            run.connection = None
+        return [Reply(connection, Refused(reason[:MAX_REFUSAL_CHARS])), Hangup(connection)]
+
+    def closed(self, connection: int) -> list[Action]:
+        """The connection ended (end of file, or an error reading it)."""
+        state = self.connections.pop(connection)
+        run = self.runs.get(state.run_id or "")
+        if run is None or run.connection != connection or state.disarmed:
+            return []  # never armed (a half-written arm included), or disarmed first
+        self.transition(run, RunEvent.CONNECTION_ENDED)
+        run.connection = None
+        return [Clean(run.run_id, run.manifest, "host-exited", run.docker_env)]
+
+    def check_hosts(self, alive: Callable[[str], bool]) -> list[Action]:
+        """Runs whose host's process is gone although no connection end said so."""
+        actions: list[Action] = []
+        for run in list(self.runs.values()):
+            if run.phase is RunPhase.CLEANING or alive(run.host):
+                continue
+            if run.connection is not None:
+                self.connections.pop(run.connection, None)
+                actions.append(Hangup(run.connection))
+                run.connection = None
+            self.transition(run, RunEvent.HOST_GONE)
+            actions.append(Clean(run.run_id, run.manifest, "host-process-gone", run.docker_env))
+        return actions
+
+    def cleaned(self, run_id: str) -> None:
+        self.transition(self.runs[run_id], RunEvent.CLEANED)
+
+
+# ============================================================================================
+# Manifests and process identities
+# ============================================================================================
+
+
+def _is_labels(value: Any) -> bool:
+    return isinstance(value, dict) and all(
+        isinstance(k, str) and isinstance(v, str) for k, v in value.items())
+
+
+def _is_owned(value: Any) -> bool:
+    return isinstance(value, dict) and all(
+        isinstance(k, str) and _is_labels(v) for k, v in value.items())
+
+
 @dataclass(frozen=True)
 class Manifest:
-    """What one session owns. Written by the host, read here only when acting."""
+    """What one session owns. Written by the host, read by the watchdog (on arm and when
+    acting) and by reconciliation."""
 
     run_id: str
     host: str  # process identity "pid:create_time"
-    watchdog: str  # likewise; "" until the host has started it
+    watchdog: str  # likewise; "" while no watchdog is responsible for the run
     containers: dict[str, dict[str, str]]  # container id -> labels
     #: network id -> labels. Hosts no longer create networks (a granted session's namespace is
     #: held by a container), but runs of earlier hosts on the same machine still name theirs,
@@ -85,14 +506,26 @@ class Manifest:
 
     @classmethod
     def load(cls, path: Path) -> "Manifest":
-        obj = json.loads(path.read_text())
-        if obj.pop("schema", None) != MANIFEST_SCHEMA:
-            raise ValueError(f"{path}: not a watchdog manifest")
+        """Raises OSError, or ValueError for anything but a manifest of this exact format (an
+        unknown or older one, a torn one), so no reader ever acts on a guess."""
         try:
-            obj["paths"] = tuple(obj["paths"])
-            return cls(**obj)
-        except (KeyError, TypeError) as e:
+            obj = json.loads(path.read_bytes())
+        except ValueError as e:
             raise ValueError(f"{path}: not a watchdog manifest ({e})") from e
+        fields_ = ("schema", "run_id", "host", "watchdog", "containers", "networks", "paths",
+                   "receipt_path")
+        if not isinstance(obj, dict) or obj.get("schema") != MANIFEST_SCHEMA or set(
+                obj) != set(fields_):
+            raise ValueError(f"{path}: not a {MANIFEST_SCHEMA} manifest")
+        if not (all(isinstance(obj[k], str) for k in ("run_id", "host", "watchdog",
+                                                      "receipt_path"))
+                and _is_owned(obj["containers"]) and _is_owned(obj["networks"])
+                and isinstance(obj["paths"], list)
+                and all(isinstance(p, str) for p in obj["paths"])):
+            raise ValueError(f"{path}: a {MANIFEST_SCHEMA} manifest with fields of wrong types")
+        del obj["schema"]
+        obj["paths"] = tuple(obj["paths"])
+        return cls(**obj)
 
     def to_json(self) -> dict[str, Any]:
         return {"schema": MANIFEST_SCHEMA, "run_id": self.run_id, "host": self.host,
@@ -228,11 +661,12 @@ def remove_owned(manifest: Manifest, client: Any) -> CleanupReport:
     return report
 
 
-def reconcile_manifest(manifest_path: Path, trigger: str) -> dict[str, Any]:
-    """Act on one manifest: clean up, write the receipt, drop the manifest. Returns the receipt."""
+def reconcile_manifest(manifest: Manifest, manifest_path: Path, trigger: str,
+                       notes: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Act on one manifest: clean up, write the receipt, drop the manifest. Returns the
+    receipt; `notes` are errors found before cleaning (they make it a failed cleanup)."""
     import docker
 
-    manifest = Manifest.load(manifest_path)
     try:
         client = docker.from_env(timeout=DOCKER_TIMEOUT_S)
         try:
@@ -245,6 +679,7 @@ def reconcile_manifest(manifest_path: Path, trigger: str) -> dict[str, Any]:
             with contextlib.suppress(OSError):
                 shutil.rmtree(path)
                 report.removed_paths.append(path)
+    errors = [*notes, *report.errors]
     receipt = {
         "schema": RECEIPT_SCHEMA,
         "run_id": manifest.run_id,
@@ -254,8 +689,8 @@ def reconcile_manifest(manifest_path: Path, trigger: str) -> dict[str, Any]:
         "removed": {"containers": report.removed_containers,
                     "networks": report.removed_networks,
                     "paths": report.removed_paths},
-        "cleanup_succeeded": not report.errors,
-        "errors": report.errors,
+        "cleanup_succeeded": not errors,
+        "errors": errors,
     }
     atomic_write_json(Path(manifest.receipt_path), receipt)
     with contextlib.suppress(FileNotFoundError):
@@ -268,8 +703,8 @@ def reconcile_orphans(client: Any, extra_manifests: tuple[Path, ...] = ()) -> li
 
     Runs are found by label and through `extra_manifests` (the manifests of deployments the
     caller is about to use, which also catch runs that died before creating anything). A run's
-    manifest is used when it still exists, else one is rebuilt from the labels. Returns the
-    receipts written.
+    manifest is used when it still exists, else one is rebuilt from the labels. A manifest that
+    does not read as one of this format is left alone. Returns the receipts written.
     """
     runs: dict[str, dict[str, dict[str, dict[str, str]]]] = {}
     for kind, listing in (("containers", client.api.containers(all=True, filters={"label": LABEL_RUN})),
@@ -297,53 +732,381 @@ def reconcile_orphans(client: Any, extra_manifests: tuple[Path, ...] = ()) -> li
                         for labels in [*owned["containers"].values(), *owned["networks"].values()]
                         if labels.get(LABEL_WORKLOAD_DIR)} | set(extra_manifests)):
         try:
-            abandoned = path.exists() and Manifest.load(path).abandoned
+            manifest = Manifest.load(path)
         except (OSError, ValueError):
-            continue  # unreadable: not ours to act on, and no reason to stop the others
-        if abandoned:
-            receipts.append(reconcile_manifest(path, "reconciled"))
+            continue  # gone, or not ours to act on, and no reason to stop the others
+        if manifest.abandoned:
+            receipts.append(reconcile_manifest(manifest, path, "reconciled"))
     return receipts
 
 
+def clean(manifest_path: Path, run_id: str, trigger: str) -> int:
+    """`reploy_watchdog.py clean`: the cleanup after one dead host's run. A manifest that no
+    longer reads as this run's (an unknown format, damage) still gets its run swept by label
+    and a receipt saying so."""
+    notes: tuple[str, ...] = ()
+    try:
+        manifest = Manifest.load(manifest_path)
+        if manifest.run_id != run_id:
+            raise ValueError(f"{manifest_path}: a manifest of run {manifest.run_id}")
+    except FileNotFoundError:
+        return 0  # the host, or a reconciliation, finished with the run meanwhile
+    except (OSError, ValueError) as e:
+        workload_dir = str(manifest_path.parents[2])
+        notes = (f"the manifest was unreadable, so only the run's label guided cleanup: {e}",)
+        manifest = Manifest(run_id=run_id, host="", watchdog="", containers={}, networks={},
+                            paths=(str(channel_dir_for(workload_dir, run_id)),),
+                            receipt_path=str(receipt_path_for(workload_dir, run_id)))
+    receipt = reconcile_manifest(manifest, manifest_path, trigger, notes)
+    return 0 if receipt["cleanup_succeeded"] else 1
+
+
 # ============================================================================================
-# The watch loop
+# The runtime directory: where hosts meet the watchdog
 # ============================================================================================
 
 
-def watch(liveness_fd: int, host: str) -> str:
-    """Block until the host disarms us ("disarmed") or dies (the trigger)."""
-    os.set_blocking(liveness_fd, False)
-    with selectors.DefaultSelector() as selector:
-        selector.register(liveness_fd, selectors.EVENT_READ)
+def runtime_dir(environ: Mapping[str, str] = os.environ) -> Path:
+    """$REPLOY_WATCHDOG_DIR (absolute), else <tmp>/reploy-<uid>: one per user, so each uid
+    running Reploy has a watchdog of its own that only it can reach."""
+    named = environ.get(RUNTIME_DIR_ENV)
+    if named:
+        if not os.path.isabs(named):
+            raise WatchdogUnavailable(f"{RUNTIME_DIR_ENV} must be an absolute path: {named!r}")
+        return Path(named)
+    return Path(tempfile.gettempdir()) / f"reploy-{os.getuid()}"
+
+
+def open_runtime_dir(path: Path) -> int:
+    """The runtime directory as a directory descriptor, created 0700 when missing. Refused
+    unless it is a directory (not a symlink) of this uid that nobody else may enter: anyone who
+    could enter it could stand in for the watchdog."""
+    try:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, 0o700)
+        dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        raise WatchdogUnavailable(f"runtime directory {path}: {e.strerror}") from e
+    info = os.fstat(dir_fd)
+    if info.st_uid != os.getuid() or info.st_mode & 0o077:
+        os.close(dir_fd)
+        raise WatchdogUnavailable(
+            f"runtime directory {path} must belong to uid {os.getuid()} with mode 0700 "
+            f"(it has uid {info.st_uid}, mode {info.st_mode & 0o777:o})")
+    return dir_fd
+
+
+def socket_path(dir_fd: int) -> str:
+    """The socket's path through /proc/self/fd, so a deep runtime directory cannot exceed
+    sun_path's 108 bytes."""
+    return f"/proc/self/fd/{dir_fd}/{SOCKET_NAME}"
+
+
+def peer_identity(sock: socket.socket) -> Optional[str]:
+    """The process identity of a connected peer of this uid, else None."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, _gid = struct.unpack("3i", creds)
+    if uid != os.getuid():
+        return None
+    try:
+        return process_identity(psutil.Process(pid))
+    except psutil.NoSuchProcess:
+        return None
+
+
+# ============================================================================================
+# The watchdog process
+# ============================================================================================
+
+
+class WatchdogProcess:
+    """One selector loop: the listener, every host connection, and a check of hosts and
+    cleanup processes each HOST_CHECK_INTERVAL_S. It returns once idle for LINGER_S."""
+
+    def __init__(self, listener: socket.socket, clock: Callable[[], float] = time.monotonic) -> None:
+        self.listener = listener
+        self.clock = clock
+        self.core = WatchdogCore(process_identity(), Manifest.load)
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(listener, selectors.EVENT_READ, None)
+        self.sockets: dict[int, socket.socket] = {}
+        self.cleaners: dict[str, subprocess.Popen[bytes]] = {}
+
+    def run(self) -> None:
+        next_check = self.clock() + HOST_CHECK_INTERVAL_S
+        idle_since = self.clock()
         while True:
-            if selector.select(HOST_CHECK_INTERVAL_S):
-                try:
-                    data = os.read(liveness_fd, 64)
-                except BlockingIOError:
-                    continue
-                if DISARM_BYTE in data:
-                    return "disarmed"
-                if not data:
-                    return "host-exited"
-            elif not identity_alive(host):
-                return "host-process-gone"
+            now = self.clock()
+            timeout = next_check - now
+            if self.core.idle:
+                timeout = min(timeout, idle_since + LINGER_S - now)
+            for key, _ in self.selector.select(max(timeout, 0)):
+                if key.data is None:
+                    self.accept()
+                else:
+                    self.read(key.data)
+            now = self.clock()
+            if now >= next_check:
+                self.apply(self.core.check_hosts(identity_alive))
+                self.reap()
+                next_check = now + HOST_CHECK_INTERVAL_S
+            if not self.core.idle:
+                idle_since = now
+            elif now - idle_since >= LINGER_S:
+                return
+
+    def accept(self) -> None:
+        try:
+            sock, _ = self.listener.accept()
+        except BlockingIOError:
+            return
+        peer = peer_identity(sock)
+        if peer is None:
+            sock.close()
+            return
+        sock.setblocking(False)
+        connection = sock.fileno()
+        self.sockets[connection] = sock
+        self.core.connected(connection, peer)
+        self.selector.register(sock, selectors.EVENT_READ, connection)
+
+    def read(self, connection: int) -> None:
+        sock = self.sockets.get(connection)
+        if sock is None:
+            return  # hung up on earlier in this pass
+        try:
+            data = sock.recv(MAX_MESSAGE_BYTES)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if data:
+            self.apply(self.core.received(connection, data))
+        else:
+            self.apply(self.core.closed(connection))
+            self.hang_up(connection)
+
+    def apply(self, actions: list[Action]) -> None:
+        for action in actions:
+            if isinstance(action, Reply):
+                try:  # one short line on a fresh connection: it fits in the socket buffer
+                    self.sockets[action.connection].send(encode(action.message))
+                except OSError:
+                    pass  # the peer is gone; its end of file says so next
+            elif isinstance(action, Hangup):
+                self.hang_up(action.connection)
+            else:
+                self.start_cleaner(action)
+
+    def hang_up(self, connection: int) -> None:
+        sock = self.sockets.pop(connection, None)
+        if sock is not None:
+            self.selector.unregister(sock)
+            sock.close()
+
+    def start_cleaner(self, action: Clean) -> None:
+        """A `clean` process with the Docker environment of the host that armed the run."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith("DOCKER_")}
+        env.update(action.docker_env)
+        try:
+            self.cleaners[action.run_id] = subprocess.Popen(
+                [sys.executable, str(Path(__file__).resolve()), "clean", "--manifest",
+                 str(action.manifest), "--run-id", action.run_id, "--trigger", action.trigger],
+                env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL)
+        except OSError:
+            # The manifest stays behind: the next reploy operation reconciles the run.
+            self.core.cleaned(action.run_id)
+
+    def reap(self) -> None:
+        for run_id, process in list(self.cleaners.items()):
+            if process.poll() is not None:
+                del self.cleaners[run_id]
+                self.core.cleaned(run_id)
+
+
+def serve(runtime: Path) -> int:
+    """`reploy_watchdog.py serve`: become this runtime directory's watchdog, unless one is.
+
+    The lock decides who: only its holder removes a stale socket and binds. Once the socket
+    listens, the process forks; the parent exits 0 (so the host that started it knows it can
+    connect) and the child, in a session of its own, is the watchdog. EXIT_BUSY when another
+    process holds the lock."""
+    dir_fd = open_runtime_dir(runtime)
+    lock_fd = os.open(LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                      dir_fd=dir_fd)
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return EXIT_BUSY
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(SOCKET_NAME, dir_fd=dir_fd)  # a dead watchdog's: we hold the lock now
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(socket_path(dir_fd))
+    listener.listen(LISTEN_BACKLOG)
+    listener.setblocking(False)
+    if os.fork() != 0:
+        os._exit(0)  # the starter's part is done: the socket listens
+    os.setsid()
+    os.chdir("/")
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
+    os.close(devnull)
+    try:
+        WatchdogProcess(listener).run()
+    finally:
+        # Hosts arriving from here on find no socket and start the next watchdog, which waits
+        # for our lock; one that connected just now is hung up on unanswered and retries.
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(SOCKET_NAME, dir_fd=dir_fd)
+        listener.close()
+    return 0
+
+
+# ============================================================================================
+# The host's end
+# ============================================================================================
+
+
+class WatchdogLink:
+    """A host's armed connection to the watchdog. The watchdog never speaks after `armed`,
+    so the link turning readable means it is gone (see ControlledSession.on_watchdog)."""
+
+    def __init__(self, sock: socket.socket, run_id: str, watchdog: str) -> None:
+        self.sock = sock
+        self.run_id = run_id
+        self.watchdog = watchdog  # the watchdog's process identity
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def disarm(self) -> None:
+        """Tell the watchdog the host cleaned up itself, and close. A watchdog already gone
+        has nothing to forget."""
+        with contextlib.suppress(OSError):
+            self.sock.sendall(encode(Disarm(self.run_id)))
+        self.close()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def arm(run_id: str, manifest: Path, environ: Mapping[str, str] = os.environ) -> WatchdogLink:
+    """Arm this user's watchdog for one run whose manifest is already written, starting the
+    watchdog when none answers. Raises WatchdogUnavailable."""
+    runtime = runtime_dir(environ)
+    docker_env = tuple(sorted((k, v) for k, v in environ.items() if k.startswith("DOCKER_")))
+    try:
+        request = encode(Arm(run_id, str(manifest), docker_env))
+    except ProtocolError as e:
+        raise WatchdogUnavailable(f"this run cannot be armed: {e}") from e
+    deadline = time.monotonic() + ARM_TIMEOUT_S
+    dir_fd = open_runtime_dir(runtime)
+    try:
+        while time.monotonic() < deadline:
+            sock = connect(dir_fd)
+            if sock is None:
+                start_watchdog(runtime, deadline)
+                continue
+            reply = exchange(sock, request, deadline)
+            if isinstance(reply, Armed) and reply.run_id == run_id:
+                sock.settimeout(None)
+                return WatchdogLink(sock, run_id, reply.watchdog)
+            sock.close()
+            if isinstance(reply, Refused):
+                raise WatchdogUnavailable(f"the watchdog refused to arm: {reply.message}")
+            if isinstance(reply, Armed):
+                raise WatchdogUnavailable(f"the watchdog armed another run, {reply.run_id}")
+            # No answer: that watchdog was on its way out; the next one will answer.
+    finally:
+        os.close(dir_fd)
+    raise WatchdogUnavailable(f"no watchdog answered within {ARM_TIMEOUT_S:.0f} s in {runtime}")
+
+
+def connect(dir_fd: int) -> Optional[socket.socket]:
+    """A connection to the watchdog, or None when none listens."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(socket_path(dir_fd))
+        return sock
+    except (FileNotFoundError, ConnectionRefusedError):
+        sock.close()
+        return None
+    except OSError as e:
+        sock.close()
+        raise WatchdogUnavailable(f"connect to the watchdog: {e}") from e
+
+
+def exchange(sock: socket.socket, request: bytes, deadline: float) -> Optional[Message]:
+    """Send the arm, read the one-line answer; None when the watchdog hung up unanswered."""
+    buffer = LineBuffer()
+    try:
+        sock.settimeout(max(deadline - time.monotonic(), 0.001))
+        sock.sendall(request)
+        while True:
+            data = sock.recv(MAX_MESSAGE_BYTES)
+            if not data:
+                return None
+            lines = buffer.feed(data)
+            if lines:
+                if len(lines) > 1 or buffer.pending:
+                    raise ProtocolError("the watchdog said more than one answer")
+                return decode(lines[0], WATCHDOG_MESSAGES)
+    except ConnectionError:
+        return None
+    except socket.timeout as e:
+        raise WatchdogUnavailable(f"the watchdog did not answer within {ARM_TIMEOUT_S:.0f} s") from e
+    except ProtocolError as e:
+        raise WatchdogUnavailable(f"the watchdog broke its protocol: {e}") from e
+
+
+def start_watchdog(runtime: Path, deadline: float) -> None:
+    """Run `reploy_watchdog.py serve`, detached: it returns once a watchdog listens (this one,
+    or one that already held the lock)."""
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "serve", "--runtime-dir", str(runtime)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            start_new_session=True)
+    except OSError as e:
+        raise WatchdogUnavailable(f"start the watchdog: {e}") from e
+    try:
+        _, stderr = proc.communicate(timeout=max(deadline - time.monotonic(), 0.001))
+    except subprocess.TimeoutExpired as e:
+        proc.kill()
+        proc.wait()
+        raise WatchdogUnavailable(f"the watchdog did not start within {ARM_TIMEOUT_S:.0f} s") from e
+    if proc.returncode not in (0, EXIT_BUSY):
+        raise WatchdogUnavailable(
+            f"the watchdog did not start (exit {proc.returncode}): "
+            f"{stderr[-STDERR_TAIL_BYTES:].decode(errors='replace').strip()}")
+
+
+# ============================================================================================
+# CLI
+# ============================================================================================
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="reploy_watchdog")
-    parser.add_argument("--manifest", type=Path, required=True)
-    parser.add_argument("--liveness-fd", type=int, required=True)
-    parser.add_argument("--host", required=True, help="the host's pid:create_time")
+    commands = parser.add_subparsers(dest="command", required=True)
+    p_serve = commands.add_parser("serve", help="be this runtime directory's watchdog")
+    p_serve.add_argument("--runtime-dir", type=Path, required=True)
+    p_clean = commands.add_parser("clean", help="clean up after one dead host's run")
+    p_clean.add_argument("--manifest", type=Path, required=True)
+    p_clean.add_argument("--run-id", required=True)
+    p_clean.add_argument("--trigger", required=True)
     args = parser.parse_args(argv)
     for signum in (signal.SIGINT, signal.SIGHUP, signal.SIGPIPE):
         signal.signal(signum, signal.SIG_IGN)
-    trigger = watch(args.liveness_fd, args.host)
-    if trigger == "disarmed":
-        return 0
-    if not args.manifest.exists():
-        return 0  # nothing was ever recorded, so nothing can be owned
-    receipt = reconcile_manifest(args.manifest, trigger)
-    return 0 if receipt["cleanup_succeeded"] else 1
+    if args.command == "clean":
+        return clean(args.manifest, args.run_id, args.trigger)
+    try:
+        return serve(args.runtime_dir)
+    except (WatchdogUnavailable, OSError) as e:
+        print(f"reploy_watchdog: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

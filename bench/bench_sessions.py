@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import importlib
 import itertools
 import json
@@ -44,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CONTROLLER_SOURCE = ROOT / "bench/controller"
 DRIVER_SOURCE = ROOT / "examples/controller/context/reploy_driver.py"
 WORKLOAD_BLUEPRINT = ROOT / "examples/workload/workload.blueprint.yaml"
-ROLE_FILES = ("reploy.py", "reploy_session_client.py", "reploy_watchdog.py")
+ROLE_FILES = ("reploy.py", "reploy_session_client.py", "reploy_watchdog.py", "agent.py")
 #: What a granted session adds: the endpoint the example workload declares.
 GRANT = ("--endpoint", "web")
 SDK_BASELINE = CONTROLLER_SOURCE / "sdk_baseline.py"
@@ -282,7 +283,9 @@ def stage_and_build(roles_dir: Path, blueprint: Path, directory: Path) -> Path:
 
 
 def prepare(work: Path) -> Bench:
-    """Copy the role files, then stage and build the bench controller and the workload."""
+    """Copy the role files, point the sessions at a watchdog of the bench's own (apart from
+    any live sessions on the machine), then stage and build the bench controller and the
+    workload."""
     roles_dir = work / "roles"
     roles_dir.mkdir()
     for name in ROLE_FILES:
@@ -291,12 +294,37 @@ def prepare(work: Path) -> Bench:
     shutil.copytree(CONTROLLER_SOURCE, source)
     shutil.copy2(DRIVER_SOURCE, source / "context")
     reploy = load_reploy(roles_dir)
+    os.environ[reploy.reploy_watchdog.RUNTIME_DIR_ENV] = str(watchdog_dir(work))
     return Bench(
         work=work, reploy=reploy, backend=reploy.DockerBackend(),
         controller_dir=stage_and_build(roles_dir, source / "bench.blueprint.yaml",
                                        work / "controller"),
         workload_dir=stage_and_build(roles_dir, WORKLOAD_BLUEPRINT, work / "workload"),
         numbers=itertools.count())
+
+
+def watchdog_dir(work: Path) -> Path:
+    return work / "watchdog"
+
+
+def await_watchdog_exit(bench: Bench) -> None:
+    """The bench's watchdog exits a few seconds after its last session; wait for its lock."""
+    runtime_dir = watchdog_dir(bench.work)
+    try:
+        fd = os.open(runtime_dir / bench.reploy.reploy_watchdog.LOCK_NAME, os.O_RDWR)
+    except FileNotFoundError:
+        return
+    deadline = time.monotonic() + PROCESS_TIMEOUT_S
+    try:
+        while time.monotonic() < deadline:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                time.sleep(0.05)  # polling for a condition, with a deadline
+        log(f"the watchdog of {runtime_dir} did not exit")
+    finally:
+        os.close(fd)
 
 
 def sweep(bench: Bench) -> list[str]:
@@ -358,11 +386,17 @@ def direct_stream(bench: Bench) -> dict[str, Any]:
                 "echo_ms": probe.echo_round_trips(ECHO_KEYSTROKES)}
 
 
-def host_rss_mib(pid: int) -> float:
-    """RSS of a session's host process and its watchdog (the host's only child)."""
-    host = psutil.Process(pid)
-    processes = [host, *host.children(recursive=True)]
-    return sum(process.memory_info().rss for process in processes) / MIB
+def watchdog_mib(bench: Bench) -> float:
+    """RSS of the machine's watchdog (the bench's own: see prepare()), found through the
+    live sessions' manifests, which name it."""
+    reploy_watchdog = bench.reploy.reploy_watchdog
+    manifests = (bench.reploy.load_deployment(bench.workload_dir).state_dir / "watchdog").glob(
+        "*.json")
+    identities = {reploy_watchdog.Manifest.load(path).watchdog for path in manifests}
+    if len(identities) != 1 or not reploy_watchdog.identity_alive(next(iter(identities))):
+        raise BenchFailed(f"the live sessions name no single live watchdog: {identities}")
+    pid = int(next(iter(identities)).split(":")[0])
+    return psutil.Process(pid).memory_info().rss / MIB
 
 
 def release(pending: Pending, output_dir: Path) -> None:
@@ -381,7 +415,8 @@ def release(pending: Pending, output_dir: Path) -> None:
 
 
 def density_mib(bench: Bench, count: int) -> list[float]:
-    """Host-side MiB per session while `count` sessions are live at once."""
+    """Host-side MiB per session while `count` sessions are live at once: its host's RSS plus
+    its share of the watchdog's (divided by the `count` sessions it serves)."""
     held: list[tuple[Pending, Path]] = []
     try:
         for _ in range(count):
@@ -392,7 +427,9 @@ def density_mib(bench: Bench, count: int) -> list[float]:
             held.append((bench.start_session("hold", output_dir=output_dir), output_dir))
         for _, output_dir in held:
             sdk_baseline.await_report(output_dir / bench_controller.HELD_NAME, HOLD_DEADLINE_S)
-        return [host_rss_mib(pending.proc.pid) for pending, _ in held]
+        watchdog_share_mib = watchdog_mib(bench) / count
+        return [psutil.Process(pending.proc.pid).memory_info().rss / MIB + watchdog_share_mib
+                for pending, _ in held]
     finally:
         for pending, output_dir in held:
             release(pending, output_dir)
@@ -450,6 +487,7 @@ def measure(bench: Bench) -> list[dict[str, Any]]:
 
 def main(argv: list[str]) -> int:
     work = Path(tempfile.mkdtemp(prefix="reploy-bench-"))
+    bench = None
     try:
         bench = prepare(work)
         try:
@@ -462,6 +500,8 @@ def main(argv: list[str]) -> int:
         log(f"failed: {e}")
         return 1
     finally:
+        if bench is not None:
+            await_watchdog_exit(bench)
         shutil.rmtree(work, ignore_errors=True)
     print_table(figures)
     return 0

@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +37,65 @@ LABEL_STATE_DIR = "io.reploy.serve.state-dir"
 SERVE_STATE_DIR_PREFIX = f"rs-{os.getpid()}-"
 
 
+#: The watchdog runtime directory of this pytest run (reploy_watchdog.RUNTIME_DIR_ENV names it
+#: to every host the tests start): the run's sessions share a watchdog of their own, apart from
+#: a developer's live sessions and from other runs. Short, for the socket path under it.
+WATCHDOG_DIR = Path(tempfile.gettempdir()) / f"rw-{os.getpid()}"
+WATCHDOG_DIR_ENV = "REPLOY_WATCHDOG_DIR"
+#: How long a watchdog may take to exit once its last session is gone (it lingers 3 s).
+WATCHDOG_EXIT_TIMEOUT_S = 30.0
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "docker: needs the real Docker engine")
+    WATCHDOG_DIR.mkdir(mode=0o700, exist_ok=True)
+    os.environ[WATCHDOG_DIR_ENV] = str(WATCHDOG_DIR)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    stop_watchdog(WATCHDOG_DIR)
+    shutil.rmtree(WATCHDOG_DIR, ignore_errors=True)
+
+
+def watchdog_running(runtime_dir: Path) -> bool:
+    """True while a watchdog holds the runtime directory's lock."""
+    import fcntl
+
+    import reploy_watchdog
+
+    try:
+        fd = os.open(runtime_dir / reploy_watchdog.LOCK_NAME, os.O_RDWR)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def wait_watchdog_exit(runtime_dir: Path, timeout_s: float = WATCHDOG_EXIT_TIMEOUT_S) -> bool:
+    """Wait (with a deadline) until no watchdog serves the runtime directory."""
+    deadline = time.monotonic() + timeout_s
+    while watchdog_running(runtime_dir):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)  # polling for a condition, with a deadline
+    return True
+
+
+def stop_watchdog(runtime_dir: Path) -> None:
+    """Let the runtime directory's watchdog exit on its own; kill it if it does not."""
+    import psutil
+
+    if wait_watchdog_exit(runtime_dir):
+        return
+    for process in psutil.process_iter(["cmdline"]):
+        cmdline = process.info["cmdline"] or []
+        if "serve" in cmdline and str(runtime_dir) in cmdline:
+            process.kill()
 
 
 def _engine() -> Any:
@@ -108,6 +166,16 @@ def docker_engine(docker_client: Any, tmp_path_factory: pytest.TempPathFactory) 
     for rid, (kind, _) in left.items():
         remove_resource(docker_client, rid, kind)
     assert not left, f"session resources left behind: {[(k, r[:12]) for r, (k, _) in left.items()]}"
+
+
+@pytest.fixture
+def watchdog_dir() -> Any:
+    """A watchdog runtime directory of the test's own (pass it to hosts as
+    REPLOY_WATCHDOG_DIR); whatever watchdog it still has at the end is stopped."""
+    path = Path(tempfile.mkdtemp(prefix="rwt-"))
+    yield path
+    stop_watchdog(path)
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def run_reploy(*args: str, timeout: float = 180, **kwargs: Any) -> subprocess.CompletedProcess:

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import shutil
 import threading
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -21,11 +22,15 @@ import psutil
 import pytest
 
 import reploy_watchdog
-from conftest import LABEL_RUN, ROOT, run_reploy, stage_and_build
+from conftest import (
+    LABEL_RUN, ROOT, WATCHDOG_DIR_ENV, run_reploy, stage_and_build, wait_watchdog_exit,
+)
 
 pytestmark = pytest.mark.docker
 
 MOMENT_TIMEOUT_S = 60
+#: A dead host's receipt comes within seconds; this bound only keeps a broken run finite.
+RECEIPT_TIMEOUT_S = 60
 RECEIPT_FIELDS = {"schema", "run_id", "time", "trigger", "host", "removed",
                   "cleanup_succeeded", "errors"}
 GRANT = ("--endpoint", "web")
@@ -60,11 +65,13 @@ class HostRun:
             data = b""
             while not data.endswith(b"\n"):
                 ready, _, _ = select.select([fd], [], [], MOMENT_TIMEOUT_S)
-                assert ready, f"the controller never reached {expected!r}"
+                if not ready:
+                    raise AssertionError(f"the controller never reached {expected!r}: "
+                                         + self.stderr_tail())
                 chunk = os.read(fd, 100)
                 if not chunk and self.proc.poll() is not None:
                     raise AssertionError(f"the host ended before {expected!r}: "
-                                         + self.proc.stderr.read().decode()[-3000:])
+                                         + self.stderr_tail())
                 data += chunk
         finally:
             os.close(fd)
@@ -75,9 +82,12 @@ class HostRun:
             fifo.write(line + "\n")
 
     def manifest(self) -> reploy_watchdog.Manifest:
-        manifests = list((self.workload / ".reploy/watchdog").glob("*.json"))
+        """This host's manifest (sessions running at once share the workload's directory)."""
+        manifests = [m for m in map(reploy_watchdog.Manifest.load,
+                                    (self.workload / ".reploy/watchdog").glob("*.json"))
+                     if m.host.partition(":")[0] == str(self.proc.pid)]
         assert len(manifests) == 1, manifests
-        return reploy_watchdog.Manifest.load(manifests[0])
+        return manifests[0]
 
     def containers(self) -> dict[str, str]:
         """The session's containers, role -> id, as its manifest names them."""
@@ -94,6 +104,13 @@ class HostRun:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.communicate()
+
+    def stderr_tail(self) -> str:
+        """What the host said (its result, then its stderr), once it is killed or ended."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        stdout, stderr = self.proc.communicate()
+        return stdout.decode()[-1000:] + stderr.decode()[-3000:]
 
     def report(self) -> dict[str, Any]:
         return json.loads((self.out / "report.json").read_text())
@@ -143,27 +160,36 @@ def assert_nothing_left(docker_engine: Any, deployments: dict[str, Path], run_id
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("scenario,moment,grant", [
-    ("stall", "preparing", ()), ("hold", "active", ()), ("hold-terminating", "terminating", ()),
-    ("stall", "preparing", GRANT), ("hold", "active", GRANT)])
-def test_watchdog_cleans_up_after_host_sigkill(docker_engine: Any, deployments: dict[str, Path],
-                                               tmp_path: Path, host_runs: list[HostRun],
-                                               scenario: str, moment: str,
-                                               grant: tuple[str, ...]) -> None:
-    run = start(host_runs, deployments, tmp_path / "out", scenario, *grant)
-    run.wait_moment(moment)
-    manifest = run.manifest()
-    assert set(run.containers()) == session_roles(grant) and manifest.watchdog
-    watchdog = psutil.Process(int(manifest.watchdog.split(":")[0]))
-    assert watchdog.ppid() == run.proc.pid and os.getsid(watchdog.pid) == watchdog.pid
-    run.proc.kill()
-    run.proc.wait()
-    watchdog.wait(timeout=10)  # it acts within seconds of the host's death, then exits
-    receipt_path = deployments["workload"] / ".reploy/incidents" / f"{manifest.run_id}.json"
-    assert receipt_path.stat().st_mode & 0o777 == 0o600
-    receipt = json.loads(receipt_path.read_text())
-    assert set(receipt) == RECEIPT_FIELDS
-    assert receipt["run_id"] == manifest.run_id and receipt["trigger"] == "host-exited"
+def watchdog_env(watchdog_dir: Path) -> dict[str, str]:
+    """Hosts meeting the test's own watchdog, which the test may kill or watch exit."""
+    return {WATCHDOG_DIR_ENV: str(watchdog_dir)}
+
+
+def watchdog_of(manifest: reploy_watchdog.Manifest) -> psutil.Process:
+    """The live watchdog a manifest names (its identity checked, so not a reused pid)."""
+    assert reploy_watchdog.identity_alive(manifest.watchdog), manifest.watchdog
+    return psutil.Process(int(manifest.watchdog.split(":")[0]))
+
+
+def await_receipt(workload: Path, run_id: str) -> dict[str, Any]:
+    """The run's incident receipt once the watchdog's cleanup is over (the receipt written,
+    then the manifest dropped): within seconds of the death."""
+    path = workload / ".reploy/incidents" / f"{run_id}.json"
+    manifest = workload / ".reploy/watchdog" / f"{run_id}.json"
+    deadline = time.monotonic() + RECEIPT_TIMEOUT_S
+    while not path.exists() or manifest.exists():
+        assert time.monotonic() < deadline, f"no receipt for {run_id}"
+        time.sleep(0.05)  # polling for a condition, with a deadline
+    assert path.stat().st_mode & 0o777 == 0o600
+    receipt = json.loads(path.read_text())
+    assert set(receipt) == RECEIPT_FIELDS and receipt["run_id"] == run_id
+    return receipt
+
+
+def assert_cleaned_up_after_death(docker_engine: Any, deployments: dict[str, Path],
+                                  manifest: reploy_watchdog.Manifest) -> None:
+    receipt = await_receipt(deployments["workload"], manifest.run_id)
+    assert receipt["trigger"] == "host-exited", receipt
     assert receipt["cleanup_succeeded"] is True and receipt["errors"] == []
     assert sorted(receipt["removed"]["containers"]) == sorted(manifest.containers)
     assert str(deployments["workload"] / ".reploy/sessions" / manifest.run_id) in \
@@ -171,27 +197,140 @@ def test_watchdog_cleans_up_after_host_sigkill(docker_engine: Any, deployments: 
     assert_nothing_left(docker_engine, deployments, manifest.run_id)
 
 
+@pytest.mark.parametrize("scenario,moment,grant", [
+    ("stall", "preparing", ()), ("hold", "active", ()), ("hold-terminating", "terminating", ()),
+    ("stall", "preparing", GRANT), ("hold", "active", GRANT)])
+def test_watchdog_cleans_up_after_host_sigkill(docker_engine: Any, deployments: dict[str, Path],
+                                               tmp_path: Path, host_runs: list[HostRun],
+                                               watchdog_dir: Path, scenario: str, moment: str,
+                                               grant: tuple[str, ...]) -> None:
+    run = start(host_runs, deployments, tmp_path / "out", scenario, *grant,
+                env=watchdog_env(watchdog_dir))
+    run.wait_moment(moment)
+    manifest = run.manifest()
+    assert set(run.containers()) == session_roles(grant)
+    watchdog = watchdog_of(manifest)  # detached: a session of its own, not the host's child
+    assert os.getsid(watchdog.pid) == watchdog.pid and watchdog.ppid() != run.proc.pid
+    assert str(watchdog_dir) in watchdog.cmdline()
+    run.proc.kill()
+    run.proc.wait()
+    assert_cleaned_up_after_death(docker_engine, deployments, manifest)
+    assert wait_watchdog_exit(watchdog_dir)  # it served this session only: it is gone too
+
+
 @pytest.mark.parametrize("grant", [(), GRANT])
 def test_cleanup_reconciles_when_host_and_watchdog_both_die(
         docker_engine: Any, deployments: dict[str, Path], tmp_path: Path,
-        host_runs: list[HostRun], grant: tuple[str, ...]) -> None:
-    run = start(host_runs, deployments, tmp_path / "out", "hold", *grant)
+        host_runs: list[HostRun], watchdog_dir: Path, grant: tuple[str, ...]) -> None:
+    run = start(host_runs, deployments, tmp_path / "out", "hold", *grant,
+                env=watchdog_env(watchdog_dir))
     run.wait_moment("active")
     manifest = run.manifest()
     assert set(run.containers()) == session_roles(grant)
-    os.kill(int(manifest.watchdog.split(":")[0]), signal.SIGKILL)
+    # Both die at once, as in a crash that takes the machine's processes: the watchdog is
+    # stopped first, so it neither acts on the host's death nor leaves the host a link end
+    # to re-arm on, then both are killed.
+    watchdog = watchdog_of(manifest)
+    watchdog.suspend()
     run.proc.kill()
     run.proc.wait()
-    assert docker_engine.containers.list(all=True,
-                                         filters={"label": f"{LABEL_RUN}={manifest.run_id}"})
+    watchdog.kill()
+    watchdog.wait(MOMENT_TIMEOUT_S)
     proc = run_reploy("controlled-session", "cleanup", "--workload-dir",
                       str(deployments["workload"]))
     result = json.loads(proc.stdout)
     assert proc.returncode == 0 and result["ok"] is True
-    [receipt] = [r for r in result["receipts"] if r["run_id"] == manifest.run_id]
+    # The receipt is reconciliation's, not the watchdog's: this cleanup's, or (on a machine
+    # where other Reploy runs share the engine) that of another reploy command that
+    # reconciled the abandoned run first.
+    [receipt] = [r for r in result["receipts"] if r["run_id"] == manifest.run_id] or [
+        await_receipt(deployments["workload"], manifest.run_id)]
     assert receipt["trigger"] == "reconciled"
     assert sorted(receipt["removed"]["containers"]) == sorted(manifest.containers)
     assert_nothing_left(docker_engine, deployments, manifest.run_id)
+
+
+def test_one_watchdog_guards_concurrent_sessions_and_cleans_up_only_the_dead(
+        docker_engine: Any, deployments: dict[str, Path], tmp_path: Path,
+        host_runs: list[HostRun], watchdog_dir: Path) -> None:
+    """Five sessions at once, one watchdog: two hosts are killed at different phases
+    (preparing, active); exactly their runs get receipts, the other three finish ok."""
+    env = watchdog_env(watchdog_dir)
+    plans = [("stall", "preparing"), ("hold", "active")] + [("hold-then-exit", "active")] * 3
+    runs = [start(host_runs, deployments, tmp_path / f"out{i}", scenario, env=env)
+            for i, (scenario, _) in enumerate(plans)]
+    for run, (_, moment) in zip(runs, plans):
+        run.wait_moment(moment)
+    manifests = [run.manifest() for run in runs]
+    assert len({m.watchdog for m in manifests}) == 1 and watchdog_of(manifests[0])
+    for run in runs[:2]:
+        run.proc.kill()
+        run.proc.wait()
+    for manifest in manifests[:2]:
+        assert_cleaned_up_after_death(docker_engine, deployments, manifest)
+    for run in runs[2:]:
+        run.answer()
+    for run, manifest in zip(runs[2:], manifests[2:]):
+        code, result, _ = run.finish()
+        assert code == 0 and result["ok"] is True, result
+        assert_nothing_left(docker_engine, deployments, manifest.run_id)
+    incidents = deployments["workload"] / ".reploy/incidents"
+    ours = {m.run_id for m in manifests}
+    assert {p.stem for p in incidents.glob("*.json")} & ours == {m.run_id for m in manifests[:2]}
+    assert wait_watchdog_exit(watchdog_dir)  # the last session ended: so does the watchdog
+
+
+@pytest.mark.parametrize("end", ["host-finishes", "host-killed"])
+def test_a_watchdog_killed_mid_session_is_replaced(
+        docker_engine: Any, deployments: dict[str, Path], tmp_path: Path,
+        host_runs: list[HostRun], watchdog_dir: Path, end: str) -> None:
+    """The host sees its watchdog's link end and re-arms a successor with its manifest; the
+    successor guards the session from then on."""
+    run = start(host_runs, deployments, tmp_path / "out", "hold-then-exit",
+                env=watchdog_env(watchdog_dir))
+    run.wait_moment("active")
+    first = run.manifest()
+    watchdog_of(first).kill()
+    deadline = time.monotonic() + RECEIPT_TIMEOUT_S
+    while (second := run.manifest()).watchdog in ("", first.watchdog):
+        assert time.monotonic() < deadline, "the host never re-armed"
+        time.sleep(0.05)  # polling for a condition, with a deadline
+    assert watchdog_of(second) and second.containers == first.containers
+    if end == "host-killed":
+        run.proc.kill()
+        run.proc.wait()
+        assert_cleaned_up_after_death(docker_engine, deployments, second)
+    else:
+        run.answer()
+        code, result, stderr = run.finish()
+        assert code == 0 and result["ok"] is True, result
+        assert "its successor now guards this session" in stderr
+        assert_nothing_left(docker_engine, deployments, first.run_id)
+        assert not (deployments["workload"] / ".reploy/incidents" / f"{first.run_id}.json").exists()
+    assert wait_watchdog_exit(watchdog_dir)
+
+
+def test_manifests_of_other_formats_are_left_alone(docker_engine: Any,
+                                                   deployments: dict[str, Path],
+                                                   tmp_path: Path) -> None:
+    """Reconciliation and sessions go on past manifests they cannot read, touching none."""
+    manifests_dir = deployments["workload"] / ".reploy/watchdog"
+    manifests_dir.mkdir(parents=True, exist_ok=True)
+    junk = {f"{'e' * 31}{i}.json": body for i, body in enumerate(
+        [b"{", b"[]", json.dumps({"schema": "reploy-watchdog-manifest-v9"}).encode(),
+         json.dumps({"schema": reploy_watchdog.MANIFEST_SCHEMA, "run_id": 1}).encode()])}
+    for name, body in junk.items():
+        (manifests_dir / name).write_bytes(body)
+    try:
+        proc = run_reploy("controlled-session", "cleanup", "--workload-dir",
+                          str(deployments["workload"]))
+        assert proc.returncode == 0 and json.loads(proc.stdout)["ok"] is True, proc.stderr
+        code, result, _ = run_to_end(deployments, tmp_path / "out", "exit-code")
+        assert result["session_result"]["cause"] == "workload-exit", result
+        assert all((manifests_dir / name).read_bytes() == body for name, body in junk.items())
+    finally:
+        for name in junk:
+            (manifests_dir / name).unlink()
 
 
 # ---------------------------------------------------------------------------------------------
