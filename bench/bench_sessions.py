@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CONTROLLER_SOURCE = ROOT / "bench/controller"
 DRIVER_SOURCE = ROOT / "examples/controller/context/reploy_driver.py"
 WORKLOAD_BLUEPRINT = ROOT / "examples/workload/workload.blueprint.yaml"
-ROLE_FILES = ("reploy.py", "reploy_session_client.py", "reploy_watchdog.py")
+ROLE_FILES = ("reploy.py", "reploy_session_client.py", "reploy_watchdog.py", "agent.py")
 #: What a granted session adds: the endpoint the example workload declares.
 GRANT = ("--endpoint", "web")
 SDK_BASELINE = CONTROLLER_SOURCE / "sdk_baseline.py"
