@@ -34,7 +34,6 @@ import fcntl
 import json
 import os
 import re
-import secrets
 import selectors
 import signal
 import socket
@@ -1176,7 +1175,8 @@ class Broker:
         self.stdin_fd = stdin_fd
         self.stdin_lines = LineReader()
         self.attach_deadline_s = attach_deadline_s
-        self.dir = os.path.join(home, BROKER_DIR_PREFIX + secrets.token_hex(16))
+        # os.urandom, not secrets: the same bytes, without the imports every start would pay.
+        self.dir = os.path.join(home, BROKER_DIR_PREFIX + os.urandom(16).hex())
         self.socket_path = os.path.join(self.dir, "terminal.sock")
         self.listener: Optional[socket.socket] = None
         self.selector = selectors.DefaultSelector()
