@@ -116,6 +116,12 @@ PYTHON_PROBE_TIMEOUT_S = 60
 CHANNEL_CLOSE_S = 2.0
 #: The notice tag prefix of ControlledSession.call_off_loop's calls.
 CALL_TAG = "call:"
+#: A read from the workload's PTY this large means it is writing in bulk (the Engine hands
+#: output over in chunks of about 4 KiB): the PTY is then read again only after
+#: OUTPUT_COALESCE_S, so a flood crosses to the attachment in frames of tens of KiB instead of
+#: thousands of 4 KiB ones. Small output (an echo, a prompt) still goes at once.
+OUTPUT_BULK_READ_BYTES = 1024
+OUTPUT_COALESCE_S = 0.001
 #: A session without endpoint grants: each container has a network namespace of its own
 #: holding nothing but `lo`.
 NETWORK_NONE = "none"
@@ -1555,21 +1561,29 @@ def _attachment_problem(sock: socket.socket, uid: int, gid: int) -> Optional[str
     return None
 
 
-def watch(selector: selectors.BaseSelector, sock: socket.socket,
-          handler: Callable[[int], None], events: int) -> None:
-    """Set the selector's interest in `sock`, handler(mask) being called when it is ready; no
-    events, no interest. Only a change costs a system call."""
-    try:
-        key = selector.get_key(sock)
-    except KeyError:
-        key = None
-    if not events:
-        if key is not None:
-            selector.unregister(sock)
-    elif key is None:
-        selector.register(sock, events, handler)
-    elif key.events != events:
-        selector.modify(sock, events, handler)
+class Interest:
+    """What the selector loop waits for on each socket whose interest changes as it runs.
+    `set` touches the selector only on a change: each change is a system call, and even
+    asking the selector what it holds costs more than a keystroke's other work."""
+
+    def __init__(self, selector: selectors.BaseSelector) -> None:
+        self.selector = selector
+        self.events: dict[socket.socket, int] = {}
+
+    def set(self, sock: socket.socket, handler: Callable[[int], None], events: int) -> None:
+        """handler(mask) runs when `sock` is ready for `events`; no events, no interest."""
+        current = self.events.get(sock, 0)
+        if events == current:
+            return
+        if not events:
+            self.selector.unregister(sock)
+            del self.events[sock]
+            return
+        if current:
+            self.selector.modify(sock, events, handler)
+        else:
+            self.selector.register(sock, events, handler)
+        self.events[sock] = events
 
 
 class TerminalRelay:
@@ -1582,18 +1596,24 @@ class TerminalRelay:
     TERMINAL_QUEUE_BYTES of output waits for the attachment, the attachment only while less
     than that much input waits for the PTY; past it the kernel's socket buffers hold the
     writer back. Every write is tried at once, so a keystroke or an echo never waits for
-    another pass of the loop. With no attachment left (it ended or failed), output is read
-    and dropped, and noted as lost: the workload never stalls on a controller that went.
+    another pass of the loop; bulk output is coalesced (OUTPUT_COALESCE_S), which spares every
+    process on the way a wakeup per Engine chunk. With no attachment left (it ended or
+    failed), output is read and dropped, and noted as lost: the workload never stalls on a
+    controller that went.
     """
 
-    def __init__(self, selector: selectors.BaseSelector, active: Callable[[], bool],
+    def __init__(self, interest: Interest, active: Callable[[], bool],
                  resize: Callable[[int, int], None]) -> None:
-        self.selector = selector
+        self.interest = interest
         self.active = active
         self.resize = resize
         self.pty: Optional[socket.socket] = None
         self.pty_eof = False
         self.pty_input = bytearray()
+        #: After a bulk read, when the PTY may be read again (time.monotonic()).
+        self.read_after_s = 0.0
+        #: set_interest held the PTY's read back for that: the loop must wake for it.
+        self.read_held = False
         #: The attachment's connection: OUTPUT and OUTPUT_END out, INPUT and RESIZE in.
         self.terminal: Optional[wire.FramedConnection] = None
         self.attached = False
@@ -1619,14 +1639,26 @@ class TerminalRelay:
         """What the loop waits for, from what is queued each way."""
         queue_bytes = wire.TERMINAL_QUEUE_BYTES
         if self.terminal is not None:
-            watch(self.selector, self.terminal.sock, self.on_terminal, (
+            self.interest.set(self.terminal.sock, self.on_terminal, (
                 selectors.EVENT_READ if len(self.pty_input) < queue_bytes else 0) | (
                 selectors.EVENT_WRITE if self.terminal.wants_write else 0))
+        self.read_held = False
         if self.pty is not None and not self.pty_eof:
             events = selectors.EVENT_WRITE if self.pty_input else 0
             if self.terminal is None or self.terminal.pending_bulk_bytes < queue_bytes:
-                events |= selectors.EVENT_READ
-            watch(self.selector, self.pty, self.on_pty, events)
+                if time.monotonic() >= self.read_after_s:
+                    events |= selectors.EVENT_READ
+                else:
+                    self.read_held = True
+            self.interest.set(self.pty, self.on_pty, events)
+
+    def timeout(self, timeout: Optional[float]) -> Optional[float]:
+        """The loop's select timeout, cut short to wake for the PTY read that set_interest
+        held back (at once, if its time came meanwhile)."""
+        if not self.read_held:
+            return timeout
+        wait_s = max(0.0, self.read_after_s - time.monotonic())
+        return wait_s if timeout is None else min(timeout, wait_s)
 
     @property
     def delivered(self) -> bool:
@@ -1643,13 +1675,13 @@ class TerminalRelay:
 
     def close_pty(self) -> None:
         if self.pty is not None:
-            watch(self.selector, self.pty, self.on_pty, 0)
+            self.interest.set(self.pty, self.on_pty, 0)
             self.pty.close()
             self.pty = None
 
     def close_terminal(self) -> None:
         if self.terminal is not None:
-            watch(self.selector, self.terminal.sock, self.on_terminal, 0)
+            self.interest.set(self.terminal.sock, self.on_terminal, 0)
             self.terminal.close()
             self.terminal = None
 
@@ -1668,8 +1700,10 @@ class TerminalRelay:
                 data = b""
             if not data:
                 self.pty_eof = True
-                watch(self.selector, self.pty, self.on_pty, 0)
+                self.interest.set(self.pty, self.on_pty, 0)
                 return
+            if len(data) >= OUTPUT_BULK_READ_BYTES:
+                self.read_after_s = time.monotonic() + OUTPUT_COALESCE_S
             self.send_output(data)
 
     def write_pty(self) -> None:
@@ -1791,7 +1825,8 @@ class ControlledSession:
         self.listener: Optional[socket.socket] = None
         self.channel: Optional[wire.FramedConnection] = None
         self.channel_lost: Optional[str] = None
-        self.relay = TerminalRelay(self.selector, lambda: self.machine.phase is Phase.ACTIVE,
+        self.interest = Interest(self.selector)
+        self.relay = TerminalRelay(self.interest, lambda: self.machine.phase is Phase.ACTIVE,
                                    self.resize_workload)
         #: Why the handed-over attachment was refused, if it was.
         self.attachment_refused: Optional[str] = None
@@ -2157,10 +2192,10 @@ class ControlledSession:
     def loop_once(self, timeout: Optional[float]) -> None:
         """One pass, fixed order: set interest, select, then handle what is ready."""
         if self.channel is not None:
-            watch(self.selector, self.channel.sock, self.on_channel, selectors.EVENT_READ | (
+            self.interest.set(self.channel.sock, self.on_channel, selectors.EVENT_READ | (
                 selectors.EVENT_WRITE if self.channel.wants_write else 0))
         self.relay.set_interest()
-        for key, mask in self.selector.select(timeout):
+        for key, mask in self.selector.select(self.relay.timeout(timeout)):
             key.data(mask)
 
     def on_signal(self, _mask: int) -> None:
@@ -2251,7 +2286,7 @@ class ControlledSession:
         self.close_listener()  # exactly one peer; the path is gone from now on
         self.channel = wire.FramedConnection(
             conn, descriptor_kinds=frozenset({FrameKind.ATTACHED}))
-        self.selector.register(conn, selectors.EVENT_READ, self.on_channel)
+        self.interest.set(conn, self.on_channel, selectors.EVENT_READ)
 
     def close_listener(self) -> None:
         if self.listener is None:
@@ -2286,7 +2321,7 @@ class ControlledSession:
     def lose_channel(self, reason: str) -> None:
         if self.channel is None:
             return
-        self.selector.unregister(self.channel.sock)
+        self.interest.set(self.channel.sock, self.on_channel, 0)
         self.channel.close()
         self.channel = None
         self.channel_lost = reason
@@ -2560,7 +2595,7 @@ class ControlledSession:
         self.wait_until(lambda: self.channel is None or self.channel.eof, deadline,
                         stop_on_latch=False)
         if self.channel is not None:
-            self.selector.unregister(self.channel.sock)
+            self.interest.set(self.channel.sock, self.on_channel, 0)
             self.channel.close()
             self.channel = None
 

@@ -847,6 +847,7 @@ class FrameKind(enum.IntEnum):
 
 
 _HEADER = struct.Struct(">IB")  # payload length, kind
+_FRAME_KINDS = {kind.value: kind for kind in FrameKind}  # a dict lookup, not an enum call
 
 
 @dataclass(frozen=True)
@@ -879,21 +880,33 @@ class FrameDecoder:
         self._buffer = bytearray()
 
     def feed(self, data: bytes) -> list[Frame]:
-        self._buffer += data
+        """The frames `data` completes. Each payload is copied once, and what is left of an
+        incomplete frame is kept (the common case, whole frames and nothing left over, keeps
+        nothing)."""
+        if self._buffer:
+            self._buffer += data
+            buffer: bytes | bytearray = self._buffer
+        else:
+            buffer = data
         frames: list[Frame] = []
-        while len(self._buffer) >= _HEADER.size:
-            length, kind = _HEADER.unpack_from(self._buffer)
-            if length > MAX_FRAME_PAYLOAD_BYTES:
-                raise FramingError(f"frame of {length} bytes exceeds the bound")
-            try:
-                frame_kind = FrameKind(kind)
-            except ValueError as e:
-                raise FramingError(f"unknown frame kind {kind}") from e
-            end = _HEADER.size + length
-            if len(self._buffer) < end:
-                break
-            frames.append(Frame(frame_kind, bytes(self._buffer[_HEADER.size:end])))
-            del self._buffer[:end]
+        start, size = 0, len(buffer)
+        with memoryview(buffer) as view:
+            while size - start >= _HEADER.size:
+                length, kind = _HEADER.unpack_from(buffer, start)
+                if length > MAX_FRAME_PAYLOAD_BYTES:
+                    raise FramingError(f"frame of {length} bytes exceeds the bound")
+                frame_kind = _FRAME_KINDS.get(kind)
+                if frame_kind is None:
+                    raise FramingError(f"unknown frame kind {kind}")
+                end = start + _HEADER.size + length
+                if size < end:
+                    break
+                frames.append(Frame(frame_kind, bytes(view[start + _HEADER.size:end])))
+                start = end
+        if buffer is self._buffer:
+            del self._buffer[:start]
+        elif start < size:
+            self._buffer += data[start:]
         return frames
 
     @property
@@ -907,6 +920,9 @@ class FrameDecoder:
 
 #: Ancillary room for MAX_RECEIVED_DESCRIPTORS descriptors in one read.
 _DESCRIPTOR_SPACE = socket.CMSG_SPACE(MAX_RECEIVED_DESCRIPTORS * array.array("i").itemsize)
+#: recvmsg's flags, as plain ints: these run for every frame, and enum flags are slow.
+_CLOSE_ON_EXEC = int(socket.MSG_CMSG_CLOEXEC)
+_TRUNCATED = int(socket.MSG_CTRUNC)
 
 
 def close_descriptors(descriptors: Iterable[int]) -> None:
@@ -1013,16 +1029,16 @@ class FramedConnection:
         Raises FramingError (having closed every descriptor it held) on a protocol violation."""
         try:
             data, ancillary, flags, _ = self.sock.recvmsg(
-                TERMINAL_CHUNK_BYTES * 2, _DESCRIPTOR_SPACE, socket.MSG_CMSG_CLOEXEC)
+                TERMINAL_CHUNK_BYTES * 2, _DESCRIPTOR_SPACE, _CLOSE_ON_EXEC)
         except (BlockingIOError, InterruptedError):
             return []
         except ConnectionResetError:
             data, ancillary, flags = b"", [], 0
             self.reset = True
-        received = received_descriptors(ancillary)
+        received = received_descriptors(ancillary) if ancillary else []
         frames: list[Frame] = []
         try:
-            if flags & socket.MSG_CTRUNC:
+            if flags & _TRUNCATED:
                 raise FramingError(
                     f"more than {MAX_RECEIVED_DESCRIPTORS} descriptors arrived in one read")
             if not data:
@@ -1033,8 +1049,9 @@ class FramedConnection:
                     raise FramingError("a descriptor arrived with no frame")
                 return []
             frames = self.decoder.feed(data)
-            frames = self._claim(frames, received)
-            received = []
+            if received or self._unclaimed:
+                frames = self._claim(frames, received)
+                received = []
             for frame in frames:
                 if frame.descriptors and frame.kind not in self.descriptor_kinds:
                     raise FramingError(f"a descriptor arrived with a {frame.kind.name} frame")

@@ -39,7 +39,7 @@ class RelayHarness:
         self.selector = selectors.DefaultSelector()
         self.active = False
         self.resizes: list[tuple[int, int]] = []
-        self.relay = reploy.TerminalRelay(self.selector, lambda: self.active,
+        self.relay = reploy.TerminalRelay(reploy.Interest(self.selector), lambda: self.active,
                                           lambda columns, rows: self.resizes.append(
                                               (columns, rows)))
         pty_end, self.engine = socket.socketpair()
@@ -56,7 +56,7 @@ class RelayHarness:
             remaining = deadline - time.monotonic()
             assert remaining > 0, f"the relay never got to: {what}"
             self.relay.set_interest()
-            for key, mask in self.selector.select(min(remaining, 0.05)):
+            for key, mask in self.selector.select(self.relay.timeout(min(remaining, 0.05))):
                 key.data(mask)
 
     def attach_process(self) -> AttachProcess:
@@ -151,6 +151,35 @@ def test_output_reaches_the_real_attach_whole_and_in_order(harness: RelayHarness
     harness.relay.end_output(DRAINED)
     harness.pump(lambda: attach.proc.poll() is not None, "end the attachment")
     assert attach.finish() == 0
+
+
+def test_bulk_output_is_coalesced_and_an_echo_is_not(harness: RelayHarness) -> None:
+    """A large read puts the next one off for OUTPUT_COALESCE_S (a flood then crosses in big
+    frames); a small one (an echo, a prompt) does not, and nothing is held back for long."""
+    peer = harness.attach_raw()
+    received = bytearray()
+
+    def arrived(count: int) -> Callable[[], bool]:
+        def condition() -> bool:
+            if select.select([peer.sock], [], [], 0)[0]:
+                peer.receive_once(time.monotonic() + WAIT_S)  # readable: it does not wait
+            while peer.frames:
+                received.extend(peer.frames.popleft().payload)
+            return len(received) >= count
+        return condition
+
+    harness.engine.sendall(b"$")
+    harness.pump(arrived(1), "pass the echo on")
+    assert harness.relay.read_after_s == 0.0
+    before = time.monotonic()
+    harness.engine.sendall(b"x" * reploy.OUTPUT_BULK_READ_BYTES)
+    harness.pump(lambda: harness.relay.read_after_s > 0, "read the bulk")
+    assert harness.relay.read_after_s >= before + reploy.OUTPUT_COALESCE_S
+    harness.engine.sendall(b"y" * reploy.OUTPUT_BULK_READ_BYTES)
+    harness.pump(arrived(1 + 2 * reploy.OUTPUT_BULK_READ_BYTES),
+                 "deliver the rest once the pause is over")
+    assert bytes(received) == (b"$" + b"x" * reploy.OUTPUT_BULK_READ_BYTES
+                               + b"y" * reploy.OUTPUT_BULK_READ_BYTES)
 
 
 def test_the_pty_is_not_read_while_the_attachment_lags(harness: RelayHarness) -> None:
