@@ -1599,4 +1599,9 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Everything main() opened is closed and written; the interpreter's own teardown is all
+    # that remains, and a session's end waits for it twice (attach's exit, the broker's).
+    os._exit(exit_code)
