@@ -926,6 +926,7 @@ _TRUNCATED = int(socket.MSG_CTRUNC)
 
 
 def close_descriptors(descriptors: Iterable[int]) -> None:
+    """Close each one; one already closed is no error (cleanup paths may meet it twice)."""
     for descriptor in descriptors:
         try:
             os.close(descriptor)
