@@ -29,7 +29,7 @@ from reploy_session_client import (
     Opened, Ready, RecoveryAction, Resize, SessionResult, Status, Terminate, Terminated,
     Terminating, WorkloadExit, WorkloadOutputsFinalized, decode_message, encode_json_frame,
 )
-from test_attach import CLIENT, AttachProcess
+from test_attach import CLIENT, AttachProcess, collect_input
 from test_broker_rules import TERMINATED as STARTUP_FAILURE_TERMINATED
 from test_framing import WAIT_S, FramePeer, closed_at_the_other_end
 
@@ -216,16 +216,6 @@ def send_output(terminal: FramePeer, data: bytes) -> None:
         terminal.send(FrameKind.OUTPUT, data[start:start + TERMINAL_CHUNK_BYTES])
 
 
-def receive_input(terminal: FramePeer, count_bytes: int) -> bytes:
-    """INPUT bytes from the attachment, as the host receives them; any other frame fails."""
-    data = b""
-    while len(data) < count_bytes:
-        frame = terminal.next_frame()
-        assert frame.kind is FrameKind.INPUT, frame
-        data += frame.payload
-    return data
-
-
 def test_full_session_through_the_real_attach(harness: BrokerHarness) -> None:
     path = harness.broker_ready()
     directory = os.path.dirname(path)
@@ -249,7 +239,7 @@ def test_full_session_through_the_real_attach(harness: BrokerHarness) -> None:
 
     typed = b"echo typed\r\x03\x04"
     attach.write(typed)
-    assert receive_input(terminal, len(typed)) == typed
+    assert collect_input(terminal, len(typed)) == typed
 
     harness.send_events(*TO_FINALIZED[:2])
     terminal.send_json(FrameKind.OUTPUT_END, {"status": "drained"})
