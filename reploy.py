@@ -181,8 +181,12 @@ PYTHON_PROBE_TIMEOUT_S = 60
 CHANNEL_CLOSE_S = 2.0
 #: The notice tag prefix of ControlledSession.call_off_loop's calls.
 CALL_TAG = "call:"
-#: Output frames queued toward the controller before we stop reading the PTY.
-CHANNEL_BULK_HIGH_WATER_BYTES = 4 * wire.TERMINAL_CHUNK_BYTES
+#: A read from the workload's PTY this large means it is writing in bulk (the Engine hands
+#: output over in chunks of about 4 KiB): the PTY is then read again only after
+#: OUTPUT_COALESCE_S, so a flood crosses to the attachment in frames of tens of KiB instead of
+#: thousands of 4 KiB ones. Small output (an echo, a prompt) still goes at once.
+OUTPUT_BULK_READ_BYTES = 1024
+OUTPUT_COALESCE_S = 0.001
 #: A session without endpoint grants: each container has a network namespace of its own
 #: holding nothing but `lo`.
 NETWORK_NONE = "none"
@@ -272,6 +276,10 @@ class PlanRejected(ReployError):
 
 class StartupFailure(ReployError):
     """The session could not reach ready."""
+
+
+class AttachmentRefused(ReployError):
+    """What the broker handed over is not an attachment's connection."""
 
 
 # ============================================================================================
@@ -1585,13 +1593,279 @@ class Watchdog:
                 self.manifest_path.unlink()
 
 
+def attachment_socket(descriptors: tuple[int, ...], uid: int, gid: int) -> socket.socket:
+    """The attachment's connection the broker handed over, once it proves to be what one must
+    be: exactly one descriptor, a connected unix stream socket whose peer runs as the
+    controller's uid:gid. Raises AttachmentRefused, having closed every descriptor."""
+    if len(descriptors) != 1:
+        wire.close_descriptors(descriptors)
+        raise AttachmentRefused(f"{len(descriptors)} descriptors instead of one")
+    try:
+        sock = socket.socket(fileno=descriptors[0])  # ENOTSOCK: it is not a socket at all
+    except OSError as e:
+        wire.close_descriptors(descriptors)
+        raise AttachmentRefused("not a socket") from e
+    try:
+        problem = _attachment_problem(sock, uid, gid)
+    except OSError as e:  # getpeername: ENOTCONN, nobody at the other end
+        problem = f"not a connected socket ({e.strerror})"
+    if problem is not None:
+        sock.close()
+        raise AttachmentRefused(problem)
+    return sock
+
+
+def _attachment_problem(sock: socket.socket, uid: int, gid: int) -> Optional[str]:
+    if sock.getsockopt(socket.SOL_SOCKET, socket.SO_DOMAIN) != socket.AF_UNIX:
+        return "not a unix socket"
+    if sock.getsockopt(socket.SOL_SOCKET, socket.SO_TYPE) != socket.SOCK_STREAM:
+        return "not a stream socket"
+    if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+        return "a listening socket, not a connection"
+    sock.getpeername()
+    _pid, peer_uid, peer_gid = struct.unpack("3i", sock.getsockopt(
+        socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    if (peer_uid, peer_gid) != (uid, gid):
+        return f"its peer runs as {peer_uid}:{peer_gid}, not as the controller's {uid}:{gid}"
+    return None
+
+
+class Interest:
+    """What the selector loop waits for on each socket whose interest changes as it runs.
+    `set` touches the selector only on a change: each change is a system call, and even
+    asking the selector what it holds costs more than a keystroke's other work."""
+
+    def __init__(self, selector: selectors.BaseSelector) -> None:
+        self.selector = selector
+        self.events: dict[socket.socket, int] = {}
+
+    def set(self, sock: socket.socket, handler: Callable[[int], None], events: int) -> None:
+        """handler(mask) runs when `sock` is ready for `events`; no events, no interest."""
+        current = self.events.get(sock, 0)
+        if events == current:
+            return
+        if not events:
+            self.selector.unregister(sock)
+            del self.events[sock]
+            return
+        if current:
+            self.selector.modify(sock, events, handler)
+        else:
+            self.selector.register(sock, events, handler)
+        self.events[sock] = events
+
+
+class TerminalRelay:
+    """Terminal bytes between the workload's PTY (the Engine's attach stream: raw bytes) and the
+    attachment's own connection, which the broker handed over (frames): no broker hop, no
+    Engine call. The session drives it from its selector loop, says when input and resizes
+    may pass (`active`: from ready until termination begins) and does the resizing.
+
+    Memory is bounded by what each side has queued: the PTY is read only while less than
+    TERMINAL_QUEUE_BYTES of output waits for the attachment, the attachment only while less
+    than that much input waits for the PTY; past it the kernel's socket buffers hold the
+    writer back. Every write is tried at once, so a keystroke or an echo never waits for
+    another pass of the loop; bulk output is coalesced (OUTPUT_COALESCE_S), which spares every
+    process on the way a wakeup per Engine chunk. With no attachment left (it ended or
+    failed), output is read and dropped, and noted as lost: the workload never stalls on a
+    controller that went.
+    """
+
+    def __init__(self, interest: Interest, active: Callable[[], bool],
+                 resize: Callable[[int, int], None]) -> None:
+        self.interest = interest
+        self.active = active
+        self.resize = resize
+        self.pty: Optional[socket.socket] = None
+        self.pty_eof = False
+        self.pty_input = bytearray()
+        #: After a bulk read, when the PTY may be read again (time.monotonic()).
+        self.read_after_s = 0.0
+        #: set_interest held the PTY's read back for that: the loop must wake for it.
+        self.read_held = False
+        #: The attachment's connection: OUTPUT and OUTPUT_END out, INPUT and RESIZE in.
+        self.terminal: Optional[wire.FramedConnection] = None
+        self.attached = False
+        #: Output the attachment never got (it ended first).
+        self.output_lost = False
+        #: The OUTPUT_END frame, once output finalization is decided.
+        self.output_end: Optional[bytes] = None
+
+    # -- the two ends -----------------------------------------------------------------------
+
+    def open_pty(self, pty: socket.socket) -> None:
+        """The Engine's attach stream of the workload (non-blocking)."""
+        self.pty = pty
+
+    def adopt(self, sock: socket.socket) -> None:
+        """The attachment's connection, checked (attachment_socket) and ours from now on."""
+        self.attached = True
+        self.terminal = wire.FramedConnection(sock)
+        if self.output_end is not None:  # output was finalized before the attachment came
+            self.send_output_end()
+
+    def set_interest(self) -> None:
+        """What the loop waits for, from what is queued each way."""
+        queue_bytes = wire.TERMINAL_QUEUE_BYTES
+        if self.terminal is not None:
+            self.interest.set(self.terminal.sock, self.on_terminal, (
+                selectors.EVENT_READ if len(self.pty_input) < queue_bytes else 0) | (
+                selectors.EVENT_WRITE if self.terminal.wants_write else 0))
+        self.read_held = False
+        if self.pty is not None and not self.pty_eof:
+            events = selectors.EVENT_WRITE if self.pty_input else 0
+            if self.terminal is None or self.terminal.pending_bulk_bytes < queue_bytes:
+                if time.monotonic() >= self.read_after_s:
+                    events |= selectors.EVENT_READ
+                else:
+                    self.read_held = True
+            self.interest.set(self.pty, self.on_pty, events)
+
+    def timeout(self, timeout: Optional[float]) -> Optional[float]:
+        """The loop's select timeout, cut short to wake for the PTY read that set_interest
+        held back (at once, if its time came meanwhile)."""
+        if not self.read_held:
+            return timeout
+        wait_s = max(0.0, self.read_after_s - time.monotonic())
+        return wait_s if timeout is None else min(timeout, wait_s)
+
+    @property
+    def delivered(self) -> bool:
+        """Every byte read from the PTY is written to the attachment, or has nowhere to go."""
+        return self.terminal is None or not self.terminal.wants_write
+
+    def end_output(self, status: Status) -> None:
+        """Output finalization is decided: the attachment gets its end of output after the
+        last byte, then our side of its connection is closed (it reads to the end and goes)."""
+        fields_ = {"status": status.kind, **({"reason": status.reason} if status.reason else {})}
+        self.output_end = wire.encode_json_frame(FrameKind.OUTPUT_END, fields_)
+        if self.terminal is not None:
+            self.send_output_end()
+
+    def close_pty(self) -> None:
+        if self.pty is not None:
+            self.interest.set(self.pty, self.on_pty, 0)
+            self.pty.close()
+            self.pty = None
+
+    def close_terminal(self) -> None:
+        if self.terminal is not None:
+            self.interest.set(self.terminal.sock, self.on_terminal, 0)
+            self.terminal.close()
+            self.terminal = None
+
+    # -- the workload's side ----------------------------------------------------------------
+
+    def on_pty(self, mask: int) -> None:
+        assert self.pty is not None
+        if mask & selectors.EVENT_WRITE and self.pty_input:
+            self.write_pty()
+        if mask & selectors.EVENT_READ:
+            try:
+                data = self.pty.recv(wire.TERMINAL_CHUNK_BYTES)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                data = b""
+            if not data:
+                self.pty_eof = True
+                self.interest.set(self.pty, self.on_pty, 0)
+                return
+            if len(data) >= OUTPUT_BULK_READ_BYTES:
+                self.read_after_s = time.monotonic() + OUTPUT_COALESCE_S
+            self.send_output(data)
+
+    def write_pty(self) -> None:
+        """Queued input to the workload's PTY, as much as it takes now."""
+        assert self.pty is not None
+        try:
+            sent = self.pty.send(self.pty_input)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            sent = len(self.pty_input)  # the PTY is gone; the bytes have nowhere to go
+        del self.pty_input[:sent]
+
+    # -- the attachment's side --------------------------------------------------------------
+
+    def on_terminal(self, mask: int) -> None:
+        terminal = self.terminal
+        assert terminal is not None
+        try:
+            if mask & selectors.EVENT_WRITE:
+                self.flush_terminal()
+            if mask & selectors.EVENT_READ and self.terminal is not None:
+                for frame in terminal.receive():
+                    self.on_terminal_frame(frame)
+                if terminal.eof:
+                    self.lose_terminal("the attachment closed its connection")
+        except wire.ProtocolError as e:
+            self.lose_terminal(f"attachment protocol violation: {e.message}")
+        except OSError as e:
+            self.lose_terminal(f"attachment failed: {e}")
+
+    def on_terminal_frame(self, frame: wire.Frame) -> None:
+        """Input reaches the shell only while the session is active, as does a resize: the
+        command line's size holds until ready, and once termination begins nothing changes."""
+        if frame.kind is FrameKind.INPUT:
+            if self.active() and self.pty is not None and not self.pty_eof:
+                self.pty_input += frame.payload
+                self.write_pty()
+        elif frame.kind is FrameKind.RESIZE:
+            try:
+                size = frame.json()
+                resize = wire.Resize(columns=size.get("columns"), rows=size.get("rows"))
+            except wire.ProtocolError as e:
+                log(f"ignoring the attachment's resize: {e.message}")
+                return
+            if self.active():
+                self.resize(resize.columns, resize.rows)
+        else:
+            raise wire.FramingError(f"unexpected {frame.kind.name} frame from the attachment")
+
+    def send_output(self, data: bytes) -> None:
+        if self.terminal is None:
+            self.output_lost = True
+            return
+        self.terminal.send(wire.encode_frame(FrameKind.OUTPUT, data), urgent=False)
+        self.flush_terminal()
+
+    def send_output_end(self) -> None:
+        assert self.terminal is not None and self.output_end is not None
+        self.terminal.send(self.output_end, urgent=False)
+        self.flush_terminal()
+
+    def flush_terminal(self) -> None:
+        """Write what the kernel takes; once the end of output is written, end our side."""
+        terminal = self.terminal
+        assert terminal is not None
+        try:
+            terminal.flush()
+            if self.output_end is not None and not terminal.wants_write:
+                terminal.close_write()
+        except OSError as e:
+            self.lose_terminal(f"attachment write failed: {e}")
+
+    def lose_terminal(self, reason: str) -> None:
+        """The attachment's connection ended or failed: what it had yet to get is lost."""
+        terminal = self.terminal
+        if terminal is None:
+            return
+        if terminal.wants_write:
+            self.output_lost = True
+        if self.output_end is None:  # after its end of output, an ending is no news
+            log(reason)
+        self.close_terminal()
+
+
 class ControlledSession:
     """One run of `reploy controlled-session run`, from planning to the delivery tail.
 
     The phases are sequential code; waiting happens in `wait_until`, which runs one selector
-    loop (channel, workload PTY, wait-thread notices, signals) until a condition holds or a
-    deadline passes. The loop never decides the lifecycle on its own: it records facts
-    (requests, EOFs, exits, signals) and latches causes through the LifecycleMachine.
+    loop (the channel, the TerminalRelay's PTY and attachment, wait-thread notices, signals)
+    until a condition holds or a deadline passes. The loop never decides the lifecycle on its
+    own: it records facts (requests, EOFs, exits, signals) and latches causes through the
+    LifecycleMachine.
     """
 
     def __init__(self, options: RunOptions, plan: SessionPlan, backend: DockerBackend,
@@ -1606,23 +1880,25 @@ class ControlledSession:
         self.watchdog = Watchdog(plan.run_id, plan.workload.dir)
         self.notifier = Notifier()
         self.selector = selectors.DefaultSelector()
-        self.selector.register(self.notifier.read_fd, selectors.EVENT_READ, "notice")
-        self.selector.register(wakeup.read_fd, selectors.EVENT_READ, "signal")
+        self.selector.register(self.notifier.read_fd, selectors.EVENT_READ, self.on_notice)
+        self.selector.register(wakeup.read_fd, selectors.EVENT_READ, self.on_signal)
         #: The signal that cancelled the session (it latched host-cancel, or stopped planning).
         self.cancelled_by: Optional[int] = None
         #: Why the latched cause happened, in words (startup-failed and lost reasons use it).
         self.cause_detail = ""
         #: What off_loop() calls reported, by tag.
         self.call_results: dict[str, Any] = {}
+        #: What to do on the loop the moment a call reports, by tag (see begin_call).
+        self.call_handlers: dict[str, Callable[[Any], None]] = {}
         self.calls_started = 0
         self.listener: Optional[socket.socket] = None
         self.channel: Optional[wire.FramedConnection] = None
         self.channel_lost: Optional[str] = None
-        self.pty: Optional[socket.socket] = None
-        self.pty_eof = False
-        self.pty_input = bytearray()
-        self.output_window = wire.DataWindow()
-        self.attached = False
+        self.interest = Interest(self.selector)
+        self.relay = TerminalRelay(self.interest, lambda: self.machine.phase is Phase.ACTIVE,
+                                   self.resize_workload)
+        #: Why the handed-over attachment was refused, if it was.
+        self.attachment_refused: Optional[str] = None
         self.complete_received = False
         self.ack_received = False
         self.workload_exit: Optional[int] = None
@@ -1665,8 +1941,8 @@ class ControlledSession:
                 return self.result
             startup_deadline = time.monotonic() + self.options.timeout_s("--startup-timeout")
             try:
-                self.prepare(controller_image)
-                self.start(startup_deadline)
+                workload = self.prepare(controller_image)
+                self.start(workload, startup_deadline)
                 self.wait_until(lambda: False)  # active: until a cause is latched
             except (StartupFailure, BackendError, OSError) as e:
                 if self.machine.cause in (None, Cause.STARTUP_FAILURE):
@@ -1741,8 +2017,8 @@ class ControlledSession:
                     detail = self.backend.log_tail(container_id).decode(errors="replace").strip()
         if code is None:
             return False  # cancelled: the delivery tail removes the probe
-        cleanup = self.remove_containers((PROBE_ROLE,), time.monotonic()
-                                         + self.options.timeout_s("--cleanup-timeout"))
+        cleanup = self.await_removals(self.begin_removal(PROBE_ROLE), time.monotonic()
+                                      + self.options.timeout_s("--cleanup-timeout"))
         if code != 0:
             with contextlib.suppress(BackendError):
                 self.backend.remove_image(image_id)
@@ -1758,8 +2034,17 @@ class ControlledSession:
         """Run a blocking Engine call in a thread while the loop goes on (signals, the
         channel). (True, its value or BackendError) once it returns; (False, None) when the
         deadline passed or (with stop_on_latch) a cause was latched first."""
+        return self.await_call(self.begin_call(what, call), deadline, stop_on_latch)
+
+    def begin_call(self, what: str, call: Callable[[docker.APIClient], Any],
+                   on_done: Optional[Callable[[Any], None]] = None) -> str:
+        """Start a blocking Engine call in a thread, so other work overlaps it; its tag, for
+        await_call. `on_done` gets its value (or BackendError) on the loop as soon as it
+        reports, awaited or not."""
         self.calls_started += 1
         tag = f"{CALL_TAG}{self.calls_started}"
+        if on_done is not None:
+            self.call_handlers[tag] = on_done
 
         def guarded(api: docker.APIClient) -> Any:
             try:
@@ -1768,6 +2053,11 @@ class ControlledSession:
                 raise BackendError(f"{what}: {e}") from e
 
         self.backend.in_thread(tag, guarded, self.notifier.report)
+        return tag
+
+    def await_call(self, tag: str, deadline: Optional[float],
+                   stop_on_latch: bool) -> tuple[bool, Any]:
+        """The result of begin_call's call, as call_off_loop says."""
         if not self.wait_until(lambda: tag in self.call_results, deadline, stop_on_latch):
             return False, None
         return True, self.call_results.pop(tag)
@@ -1780,18 +2070,11 @@ class ControlledSession:
             raise value
         return value if finished else None
 
-    def bounded_call(self, what: str, call: Callable[[docker.APIClient], Any],
-                     deadline: float) -> Optional[str]:
-        """A cleanup call that may not outlast `deadline`: None when it succeeded, else what
-        went wrong (its error, or that it did not finish in time)."""
-        finished, value = self.call_off_loop(what, call, deadline, stop_on_latch=False)
-        if not finished:
-            return f"{what}: not finished within the cleanup timeout"
-        return str(value) if isinstance(value, BaseException) else None
-
     # -- preparing --------------------------------------------------------------------------
 
-    def prepare(self, controller_image: str) -> None:
+    def prepare(self, controller_image: str) -> ContainerSpec:
+        """The channel, the outputs, the holder and the controller; returns the workload's
+        spec, which start() creates while the controller starts."""
         plan = self.plan
         controller_runtime = plan.controller_blueprint.runtime
         self.open_channel(controller_runtime)
@@ -1818,17 +2101,17 @@ class ControlledSession:
             network_mode = f"container:{holder_id}"
         joined = network_mode != NETWORK_NONE
         self.acquire_container(ContainerSpec(
+            role="controller", image_id=controller_image, command=plan.controller_argv,
+            runtime=controller_runtime, environment=environment,
+            labels=self.labels("controller"), network_mode=network_mode, mounts=tuple(mounts),
+            hostname=None if joined else "controller", init=True))
+        return ContainerSpec(
             role="workload", image_id=plan.workload.current.image_id,  # type: ignore[union-attr]
             command=(WORKLOAD_SHELL,), runtime=plan.workload_blueprint.runtime,
             environment={"HOME": CONTAINER_HOME, "TERM": WORKLOAD_TERM},
             labels=self.labels("workload"), network_mode=network_mode,
             tty=True, hostname=None if joined else WORKLOAD_HOST,
-            console_size=(self.options.columns, self.options.rows)))
-        self.acquire_container(ContainerSpec(
-            role="controller", image_id=controller_image, command=plan.controller_argv,
-            runtime=controller_runtime, environment=environment,
-            labels=self.labels("controller"), network_mode=network_mode, mounts=tuple(mounts),
-            hostname=None if joined else "controller", init=True))
+            console_size=(self.options.columns, self.options.rows))
 
     def acquire_container(self, spec: ContainerSpec) -> str:
         container_id = self.backend.create(spec)
@@ -1875,7 +2158,7 @@ class ControlledSession:
         listener.listen(1)
         listener.setblocking(False)
         self.listener = listener
-        self.selector.register(listener, selectors.EVENT_READ, "listener")
+        self.selector.register(listener, selectors.EVENT_READ, self.on_listener)
 
     def prepare_outputs(self, runtime: Runtime) -> list[tuple[Mount, tuple[str, str]]]:
         """Mount the controller-only output destination, if one was requested."""
@@ -1899,15 +2182,25 @@ class ControlledSession:
 
     # -- starting ---------------------------------------------------------------------------
 
-    def start(self, deadline: float) -> None:
+    def start(self, workload: ContainerSpec, deadline: float) -> None:
+        """Start the session, overlapping what may overlap: while the controller starts, the
+        workload is created and attached to. The workload itself starts only once the
+        attachment is connected: a controller that never attaches leaves no workload process
+        behind."""
         backend, plan = self.backend, self.plan
         holder_id = self.owned.containers.get("holder")
         if holder_id is not None:  # its namespace must exist before anything joins it
             backend.start(holder_id)
             backend.wait_in_thread(holder_id, self.notifier.report, "holder")
         controller_id = self.owned.containers["controller"]
-        backend.start(controller_id)
-        self.controller_started = True
+        controller_start = self.begin_call("start the controller",
+                                           lambda api: api.start(controller_id))
+        try:
+            workload_id = self.acquire_container(workload)
+            # Attached before it starts: no byte is missed.
+            self.relay.open_pty(backend.attach_pty(workload_id))
+        finally:
+            self.await_controller_start(controller_start, deadline)
         backend.wait_in_thread(controller_id, self.notifier.report, "controller")
         if not self.wait_until(lambda: self.channel is not None, deadline):
             raise StartupFailure(self.startup_shortfall("the controller did not connect"))
@@ -1915,11 +2208,8 @@ class ControlledSession:
             operations=wire.OPERATIONS, endpoints=plan.endpoints,
             columns=self.options.columns, rows=self.options.rows,
             output_finalization_timeout_milliseconds=OUTPUT_FINALIZATION_TIMEOUT_MS))
-        if not self.wait_until(lambda: self.attached, deadline):
+        if not self.wait_until(lambda: self.relay.attached, deadline):
             raise StartupFailure(self.startup_shortfall("no terminal attachment connected"))
-        workload_id = self.owned.containers["workload"]
-        self.pty = backend.attach_pty(workload_id)  # attach before start: no byte is missed
-        self.selector.register(self.pty, selectors.EVENT_READ, "pty")
         backend.start(workload_id)
         self.workload_started = True
         backend.resize(workload_id, self.options.columns, self.options.rows)
@@ -1929,8 +2219,20 @@ class ControlledSession:
         self.machine.ready()
         self.send_event(wire.Ready())
 
+    def await_controller_start(self, tag: str, deadline: float) -> None:
+        """The controller's start call, begun in start(): it is not cut short (the controller
+        may be running once it returns, and the delivery tail must know)."""
+        finished, value = self.await_call(tag, deadline, stop_on_latch=False)
+        if isinstance(value, BackendError):
+            raise value
+        self.controller_started = True  # or still starting, past the deadline: stop it later
+        if not finished:
+            raise StartupFailure("the controller did not start within the startup timeout")
+
     def startup_shortfall(self, what: str) -> str:
         """Why startup stopped short, in the words most useful to the user."""
+        if self.attachment_refused:
+            return self.attachment_refused
         if self.holder_lost:
             return f"{what}: {self.holder_lost}"
         if self.controller_exit is not None:
@@ -1965,33 +2267,11 @@ class ControlledSession:
     def loop_once(self, timeout: Optional[float]) -> None:
         """One pass, fixed order: set interest, select, then handle what is ready."""
         if self.channel is not None:
-            events = selectors.EVENT_READ | (
-                selectors.EVENT_WRITE if self.channel.wants_write else 0)
-            self.selector.modify(self.channel.sock, events, "channel")
-        if self.pty is not None and not self.pty_eof:
-            events = selectors.EVENT_WRITE if self.pty_input else 0
-            if self.output_window.available_bytes > 0 and (
-                    self.channel is None
-                    or self.channel.pending_bulk_bytes < CHANNEL_BULK_HIGH_WATER_BYTES):
-                events |= selectors.EVENT_READ
-            self.watch_pty(events)
-        for key, mask in self.selector.select(timeout):
-            handler = getattr(self, f"on_{key.data}")
-            handler(mask)
-
-    def watch_pty(self, events: int) -> None:
-        assert self.pty is not None
-        try:
-            key = self.selector.get_key(self.pty)
-        except KeyError:
-            key = None
-        if not events:
-            if key is not None:
-                self.selector.unregister(self.pty)
-        elif key is None:
-            self.selector.register(self.pty, events, "pty")
-        elif key.events != events:
-            self.selector.modify(self.pty, events, "pty")
+            self.interest.set(self.channel.sock, self.on_channel, selectors.EVENT_READ | (
+                selectors.EVENT_WRITE if self.channel.wants_write else 0))
+        self.relay.set_interest()
+        for key, mask in self.selector.select(self.relay.timeout(timeout)):
+            key.data(mask)
 
     def on_signal(self, _mask: int) -> None:
         """SIGINT/SIGTERM cancel the session, if nothing else ended it first: only then does
@@ -2038,6 +2318,9 @@ class ControlledSession:
                 log(f"could not kill the workload: {value}")
             elif tag.startswith(CALL_TAG):
                 self.call_results[tag] = value
+                handler = self.call_handlers.pop(tag, None)
+                if handler is not None:
+                    handler(value)
 
     def lose_holder(self, value: Any) -> None:
         """The holder of a granted session's network namespace exited or was removed.
@@ -2083,8 +2366,9 @@ class ControlledSession:
             return
         self.peer_cred = (pid, uid, gid)
         self.close_listener()  # exactly one peer; the path is gone from now on
-        self.channel = wire.FramedConnection(conn)
-        self.selector.register(conn, selectors.EVENT_READ, "channel")
+        self.channel = wire.FramedConnection(
+            conn, descriptor_kinds=frozenset({FrameKind.ATTACHED}))
+        self.interest.set(conn, self.on_channel, selectors.EVENT_READ)
 
     def close_listener(self) -> None:
         if self.listener is None:
@@ -2103,8 +2387,12 @@ class ControlledSession:
             if mask & selectors.EVENT_WRITE:
                 channel.flush()
             if mask & selectors.EVENT_READ:
-                for frame in channel.receive():
-                    self.on_frame(frame)
+                frames = iter(channel.receive())
+                try:
+                    for frame in frames:
+                        self.on_frame(frame)
+                finally:  # frames a failure left unhandled keep no descriptor open
+                    wire.close_descriptors(d for frame in frames for d in frame.descriptors)
                 if channel.eof:
                     self.lose_channel("the controller closed the session channel")
         except wire.ProtocolError as e:
@@ -2115,7 +2403,7 @@ class ControlledSession:
     def lose_channel(self, reason: str) -> None:
         if self.channel is None:
             return
-        self.selector.unregister(self.channel.sock)
+        self.interest.set(self.channel.sock, self.on_channel, 0)
         self.channel.close()
         self.channel = None
         self.channel_lost = reason
@@ -2125,26 +2413,41 @@ class ControlledSession:
             self.latch(Cause.CONTROLLER_LOST, reason)
 
     def on_frame(self, frame: wire.Frame) -> None:
-        if frame.kind is FrameKind.INPUT:
-            if self.pty is not None and not self.pty_eof and self.machine.phase is Phase.ACTIVE:
-                self.pty_input += frame.payload
-            else:
-                self.send_frame(wire.credit_frame(len(frame.payload)))  # dropped: refund it
-        elif frame.kind is FrameKind.CREDIT:
-            self.output_window.grant(frame)
-        elif frame.kind is FrameKind.ATTACHED:
-            frame.json()
-            self.attached = True
+        """A frame from the broker: the attachment's hand-over, or a public request."""
+        if frame.kind is FrameKind.ATTACHED:
+            self.adopt_attachment(frame)
         elif frame.kind is FrameKind.REQUEST:
             self.on_request(wire.decode_message(frame.payload + b"\n", wire.Direction.REQUEST))
         else:
             raise wire.FramingError(f"unexpected {frame.kind.name} frame from the controller")
 
+    def adopt_attachment(self, frame: wire.Frame) -> None:
+        """The broker handed over the attachment's own connection: terminal bytes go straight
+        between it and the engine from now on. A connection that is not what an attachment's
+        must be is refused, and startup fails closed."""
+        try:
+            if self.relay.attached or self.attachment_refused:
+                raise wire.FramingError("a second attachment was handed over")
+            if frame.json() != {}:
+                raise wire.FramingError("an ATTACHED frame carries an empty object")
+        except wire.ProtocolError:
+            wire.close_descriptors(frame.descriptors)
+            raise
+        runtime = self.plan.controller_blueprint.runtime
+        try:
+            sock = attachment_socket(frame.descriptors, runtime.uid, runtime.gid)
+        except AttachmentRefused as e:
+            self.attachment_refused = f"the terminal attachment was refused: {e}"
+            log(self.attachment_refused)
+            if self.machine.phase is Phase.PREPARING:
+                self.latch(Cause.STARTUP_FAILURE, self.attachment_refused)
+            return
+        self.relay.adopt(sock)
+
     def on_request(self, request: wire.Message) -> None:
         if isinstance(request, wire.Resize):
             if self.machine.phase is Phase.ACTIVE:
-                self.backend.resize(self.owned.containers["workload"], request.columns,
-                                    request.rows)
+                self.resize_workload(request.columns, request.rows)
         elif isinstance(request, wire.Terminate):
             if self.machine.phase is Phase.ACTIVE:
                 self.latch(Cause.CONTROLLER_TERMINATE)
@@ -2153,39 +2456,17 @@ class ControlledSession:
         elif isinstance(request, wire.AcknowledgeTerminated):
             self.ack_received = True
 
-    def on_pty(self, mask: int) -> None:
-        assert self.pty is not None
-        if mask & selectors.EVENT_WRITE and self.pty_input:
-            try:
-                sent = self.pty.send(self.pty_input)
-            except (BlockingIOError, InterruptedError):
-                sent = 0
-            except OSError:
-                sent = len(self.pty_input)  # the PTY is gone; the bytes have nowhere to go
-            if sent:
-                del self.pty_input[:sent]
-                self.send_frame(wire.credit_frame(sent))
-        if mask & selectors.EVENT_READ:
-            want = min(self.output_window.available_bytes, wire.TERMINAL_CHUNK_BYTES)
-            try:
-                data = self.pty.recv(want)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:
-                data = b""
-            if not data:
-                self.pty_eof = True
-                self.watch_pty(0)
-                return
-            self.output_window.take(len(data))
-            self.send_frame(wire.encode_frame(FrameKind.OUTPUT, data), urgent=False)
-
-    def send_frame(self, frame: bytes, urgent: bool = True) -> None:
-        if self.channel is not None:
-            self.channel.send(frame, urgent)
+    def resize_workload(self, columns: int, rows: int) -> None:
+        """A resize the session honours (a structured one, or the attachment's SIGWINCH)."""
+        try:
+            self.backend.resize(self.owned.containers["workload"], columns, rows)
+        except BackendError as e:  # e.g. racing the workload's exit: not fatal
+            log(f"could not resize the workload's terminal: {e}")
 
     def send_event(self, event: wire.Message) -> None:
-        self.send_frame(wire.encode_frame(FrameKind.EVENT, wire.encode_compact(event.to_json())))
+        if self.channel is not None:
+            self.channel.send(wire.encode_frame(FrameKind.EVENT,
+                                                wire.encode_compact(event.to_json())))
 
     # -- terminating ------------------------------------------------------------------------
 
@@ -2195,7 +2476,9 @@ class ControlledSession:
         Every workload fact goes out before workload-outputs-finalized: the drain's outcome
         is decided at its deadline, then the exit is awaited (a failed drain abandons the PTY
         so the Engine can finish it), announced if seen, and the workload status fixed; only
-        then is finalization announced. After it the controller hears only `terminated`."""
+        then is finalization announced. After it the controller hears only `terminated`.
+        The workload's removal runs while the controller finalizes; it ends before
+        `terminated`, as the contract wants."""
         machine = self.machine
         cause = machine.cause
         assert cause is not None
@@ -2210,10 +2493,11 @@ class ControlledSession:
         self.workload_status = self.final_workload_status()
         self.announce_workload_exit()
         self.announce_outputs_finalized(output_status)
+        self.relay.close_pty()
+        cleanup_deadline = time.monotonic() + self.options.timeout_s("--cleanup-timeout")
+        removal = self.begin_removal("workload")
         controller_finalization = self.controller_finalization()
-        self.close_pty()
-        workload_cleanup = self.remove_containers(
-            ("workload",), time.monotonic() + self.options.timeout_s("--cleanup-timeout"))
+        workload_cleanup = self.await_removals(removal, cleanup_deadline)
         observation = Status.of("runtime_observation", "maintained")
         if self.observation_lost:
             observation = Status.of("runtime_observation", "lost", reason=self.observation_lost)
@@ -2273,50 +2557,43 @@ class ControlledSession:
         return Status.of("process", "unavailable",
                          reason=f"the workload's exit was not observed within {timeout}")
 
-    def close_pty(self) -> None:
-        if self.pty is not None:
-            self.watch_pty(0)
-            self.pty.close()
-            self.pty = None
-
     def workload_gone(self) -> bool:
         return self.workload_exit is not None or self.observation_lost is not None
 
     def finalize_output(self, deadline: float) -> Status:
         """Drain the PTY to EOF within the host-owned deadline: drained or failed (decided
         here, announced by announce_outputs_finalized once the workload facts are out). A
-        workload that never started produced no output: there is nothing left undelivered."""
-        if self.pty is not None:
+        workload that never started produced no output: there is nothing left undelivered.
+        Drained means the attachment got every byte: output it could not take fails it."""
+        relay = self.relay
+        if self.workload_started:
             # The exit is awaited too (it follows EOF closely), so workload-exit normally
             # precedes workload-outputs-finalized; EOF alone decides whether output drained.
-            self.wait_until(
-                lambda: self.pty_eof and self.workload_gone() and (
-                    self.channel is None or not self.channel.wants_write),
-                deadline, stop_on_latch=False)
-        delivered = self.channel is None or not self.channel.wants_write
+            self.wait_until(lambda: relay.pty_eof and self.workload_gone() and relay.delivered,
+                            deadline, stop_on_latch=False)
         if self.observation_lost:
             reason = f"the runtime observation was lost: {self.observation_lost}"
-        elif self.pty is None:
+        elif not self.workload_started:
             return Status.of("output_finalization", "drained")
-        elif not self.pty_eof:
+        elif not relay.pty_eof:
             reason = (f"terminal output did not reach end of file within "
                       f"{OUTPUT_FINALIZATION_TIMEOUT_MS // 1000} s of termination")
-        elif not delivered:
-            reason = "terminal output could not be delivered to the controller in time"
-        elif self.channel is None and self.machine.reached_ready:
-            reason = "the controller channel was lost before terminal output was delivered"
+        elif relay.output_lost:
+            reason = "the terminal attachment ended before it had all of the terminal output"
+        elif not relay.delivered:
+            reason = "terminal output could not be delivered to the attachment in time"
         else:
             return Status.of("output_finalization", "drained")
-        self.close_pty()  # abandon what is left, so the Engine can finish the exit
+        relay.close_pty()  # abandon what is left, so the Engine can finish the exit
         return failed("output_finalization", reason)
 
     def announce_outputs_finalized(self, status: Status) -> None:
         """The attachment's end of output, then (after ready) the public event."""
-        fields_ = {"status": status.kind, **({"reason": status.reason} if status.reason else {})}
         self.finalization_announced = True
-        self.send_frame(wire.encode_json_frame(FrameKind.OUTPUT_END, fields_), urgent=False)
+        self.relay.end_output(status)
         if self.machine.reached_ready:
-            self.send_event(wire.WorkloadOutputsFinalized(**fields_))
+            self.send_event(wire.WorkloadOutputsFinalized(
+                status=status.kind, reason=status.reason))
 
     def controller_finalization(self) -> Status:
         """Whether the controller finalized its artifacts: `complete` (after ready), or the
@@ -2341,20 +2618,34 @@ class ControlledSession:
         return Status.of("controller_finalization", "finalization-timeout",
                          reason=f"no complete within {format_duration(int(timeout_s * 1000))}")
 
-    def remove_containers(self, roles: tuple[str, ...], deadline: float) -> Status:
-        """Remove these containers, each call bounded by `deadline` (it runs off the loop)."""
-        failures = []
-        for role in roles:
-            container_id = self.owned.containers.get(role)
-            if container_id is None:
-                continue
-            error = self.bounded_call(f"remove the {role} container",
+    def begin_removal(self, *roles: str) -> dict[str, str]:
+        """Start removing these containers (the ones this run owns), all at once and off the
+        loop; their call tags by role, for await_removals. Each one removed leaves the
+        watchdog's manifest at once, so it stays a true record however long nobody awaits."""
+
+        def forget(role: str) -> Callable[[Any], None]:
+            def removed(value: Any) -> None:
+                if not isinstance(value, BaseException):
+                    del self.owned.containers[role]
+                    self.watchdog.record_owned(self.owned)
+            return removed
+
+        return {role: self.begin_call(f"remove the {role} container",
                                       lambda api, cid=container_id: remove_container_quietly(
-                                          api, cid), deadline)
-            if error:
-                failures.append(error)
-            else:
-                del self.owned.containers[role]
+                                          api, cid), forget(role))
+                for role in roles
+                if (container_id := self.owned.containers.get(role)) is not None}
+
+    def await_removals(self, removals: dict[str, str], deadline: float) -> Status:
+        """The outcome of begin_removal's calls, none awaited past `deadline`."""
+        failures = []
+        for role, tag in removals.items():
+            finished, value = self.await_call(tag, deadline, stop_on_latch=False)
+            if not finished:
+                failures.append(f"remove the {role} container: not finished within the cleanup "
+                                "timeout")
+            elif isinstance(value, BaseException):
+                failures.append(str(value))
         return failed("cleanup", "; ".join(failures)) if failures else succeeded()
 
     def deliver_result(self, session_result: SessionResult) -> None:
@@ -2382,11 +2673,11 @@ class ControlledSession:
         if channel is None:
             return
         with contextlib.suppress(OSError):
-            channel.sock.shutdown(socket.SHUT_WR)
+            channel.close_write()
         self.wait_until(lambda: self.channel is None or self.channel.eof, deadline,
                         stop_on_latch=False)
         if self.channel is not None:
-            self.selector.unregister(self.channel.sock)
+            self.interest.set(self.channel.sock, self.on_channel, 0)
             self.channel.close()
             self.channel = None
 
@@ -2397,6 +2688,10 @@ class ControlledSession:
         began = time.monotonic()
         deadline = began + cleanup_s
         self.close_channel(min(deadline, began + CHANNEL_CLOSE_S))
+        # The attachment may still be reading its end of output: give it the same time.
+        self.wait_until(lambda: self.relay.delivered, min(deadline, began + CHANNEL_CLOSE_S),
+                        stop_on_latch=False)
+        self.relay.close_terminal()
         self.close_listener()
         session_ran = self.result.session_result is not None
         failures: list[str] = []
@@ -2419,10 +2714,10 @@ class ControlledSession:
                     "process", "unavailable", reason="the controller's exit was not observed")
             self.copy_controller_log(controller_id, deadline)
         # The holder goes last: it must outlive the containers that joined its namespace.
-        roles = tuple(sorted(self.owned.containers, key=lambda role: role == "holder"))
-        status = self.remove_containers(roles, deadline)
-        if status.kind != "succeeded":
-            failures.append(status.reason or "remove containers")
+        for roles in ([role for role in self.owned.containers if role != "holder"], ["holder"]):
+            status = self.await_removals(self.begin_removal(*roles), deadline)
+            if status.kind != "succeeded":
+                failures.append(status.reason or "remove containers")
         self.publish_output()
         for attribute in ("channel_dir", "output_staging_dir"):
             path = getattr(self.owned, attribute)

@@ -10,7 +10,9 @@ Peers:
   * the host (reploy.py) over the private channel named by REPLOY_SESSION_SOCKET;
   * the controller program over stdin/stdout, speaking the public JSON Lines stream
     `reploy-controlled-session-client-v1`;
-  * one `attach` process over the broker's private terminal socket.
+  * one `attach` process, which connects to the broker's private terminal socket. The broker
+    hands that connection to the host over the channel (SCM_RIGHTS) and keeps no copy, so
+    terminal bytes flow attach <-> host <-> engine with no broker hop.
 
 This file is also the single home of the wire formats both sides share: the public stream codec
 and the private channel framing. The host imports it (it must ship beside reploy.py anyway,
@@ -24,13 +26,14 @@ the private framing, then the I/O adapters (broker loop, attach loop) and the CL
 from __future__ import annotations
 
 import argparse
+import array
+import collections
 import enum
 import errno
 import fcntl
 import json
 import os
 import re
-import secrets
 import selectors
 import signal
 import socket
@@ -40,8 +43,8 @@ import termios
 import time
 import tty
 import unicodedata
-from dataclasses import dataclass, field, fields
-from typing import Any, Callable, ClassVar, Iterator, Optional
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Callable, ClassVar, Iterable, Iterator, Optional
 
 # ============================================================================================
 # Constants
@@ -60,10 +63,15 @@ MAX_LINE_BYTES = 1024 * 1024
 MAX_FRAME_PAYLOAD_BYTES = 1024 * 1024
 #: The fixed broker deadline for the attachment to connect after broker-ready.
 ATTACH_DEADLINE_S = 10.0
-#: Terminal bytes a sender may have in flight before the receiver grants more credit.
-DATA_WINDOW_BYTES = 1024 * 1024
 #: The largest terminal chunk put in one frame or read in one call.
 TERMINAL_CHUNK_BYTES = 64 * 1024
+#: Terminal bytes a relay queues toward a slow peer before it stops reading their source. Past
+#: it the kernel's socket buffers carry the backpressure on to the writer, so memory stays
+#: bounded with no credit frames; lifecycle events travel on another connection altogether.
+TERMINAL_QUEUE_BYTES = 4 * TERMINAL_CHUNK_BYTES
+#: Descriptors one read makes room for: more than the one a hand-over carries, so extra ones
+#: are seen and closed; more than this is refused whole (the kernel flags the truncation).
+MAX_RECEIVED_DESCRIPTORS = 8
 #: Terminal dimensions accepted anywhere (columns and rows alike).
 MIN_DIMENSION, MAX_DIMENSION = 1, 65535
 #: Every reason and message on the public stream and in the host result is safe text this long
@@ -816,34 +824,39 @@ class BrokerRules:
 
 
 # ============================================================================================
-# The private framing (host <-> broker, broker <-> attach)
+# The private framing (host <-> broker, host <-> attach)
 # ============================================================================================
 
 
 class FrameKind(enum.IntEnum):
-    """One byte naming what a frame carries. Terminal bytes never share a frame with JSON."""
+    """One byte naming what a frame carries. Terminal bytes never share a frame with JSON.
+
+    Two connections carry frames. The channel (host <-> broker) carries EVENT, REQUEST and
+    ATTACHED; the terminal connection (host <-> attach), which the broker hands to the host
+    inside ATTACHED, carries OUTPUT, OUTPUT_END, INPUT and RESIZE. Lifecycle events and
+    terminal bytes never share a connection either, so no flood of output can delay an event.
+    """
 
     EVENT = 1  # host -> broker: one public event object (JSON)
-    OUTPUT = 2  # host -> broker -> attach: workload terminal bytes
-    OUTPUT_END = 3  # host -> broker -> attach: {"status": "drained"|"failed", "reason"?}
-    REQUEST = 4  # broker -> host: one public request object (JSON)
-    INPUT = 5  # attach -> broker -> host: terminal input bytes
-    CREDIT = 6  # either way: {"bytes": n}, more room for the peer's terminal bytes
-    ATTACHED = 7  # broker -> host: {} the attachment is connected; the workload may start
-    RESIZE = 8  # attach -> broker: {"columns": c, "rows": r} from SIGWINCH
+    REQUEST = 2  # broker -> host: one public request object (JSON)
+    ATTACHED = 3  # broker -> host: {}, carrying the attachment's connection (SCM_RIGHTS)
+    OUTPUT = 4  # host -> attach: workload terminal bytes
+    OUTPUT_END = 5  # host -> attach: {"status": "drained"|"failed", "reason"?}
+    INPUT = 6  # attach -> host: terminal input bytes
+    RESIZE = 7  # attach -> host: {"columns": c, "rows": r} from SIGWINCH
 
 
-STRUCTURED_FRAMES = frozenset(
-    {FrameKind.EVENT, FrameKind.OUTPUT_END, FrameKind.REQUEST, FrameKind.CREDIT,
-     FrameKind.ATTACHED, FrameKind.RESIZE}
-)
 _HEADER = struct.Struct(">IB")  # payload length, kind
+_FRAME_KINDS = {kind.value: kind for kind in FrameKind}  # a dict lookup, not an enum call
 
 
 @dataclass(frozen=True)
 class Frame:
     kind: FrameKind
     payload: bytes
+    #: Descriptors that arrived with the frame (see FramedConnection.receive). Whoever takes
+    #: the frame owns them and closes what it does not keep.
+    descriptors: tuple[int, ...] = ()
 
     def json(self) -> dict[str, Any]:
         """The payload of a structured frame, parsed strictly."""
@@ -867,21 +880,33 @@ class FrameDecoder:
         self._buffer = bytearray()
 
     def feed(self, data: bytes) -> list[Frame]:
-        self._buffer += data
+        """The frames `data` completes. Each payload is copied once, and what is left of an
+        incomplete frame is kept (the common case, whole frames and nothing left over, keeps
+        nothing)."""
+        if self._buffer:
+            self._buffer += data
+            buffer: bytes | bytearray = self._buffer
+        else:
+            buffer = data
         frames: list[Frame] = []
-        while len(self._buffer) >= _HEADER.size:
-            length, kind = _HEADER.unpack_from(self._buffer)
-            if length > MAX_FRAME_PAYLOAD_BYTES:
-                raise FramingError(f"frame of {length} bytes exceeds the bound")
-            try:
-                frame_kind = FrameKind(kind)
-            except ValueError as e:
-                raise FramingError(f"unknown frame kind {kind}") from e
-            end = _HEADER.size + length
-            if len(self._buffer) < end:
-                break
-            frames.append(Frame(frame_kind, bytes(self._buffer[_HEADER.size:end])))
-            del self._buffer[:end]
+        start, size = 0, len(buffer)
+        with memoryview(buffer) as view:
+            while size - start >= _HEADER.size:
+                length, kind = _HEADER.unpack_from(buffer, start)
+                if length > MAX_FRAME_PAYLOAD_BYTES:
+                    raise FramingError(f"frame of {length} bytes exceeds the bound")
+                frame_kind = _FRAME_KINDS.get(kind)
+                if frame_kind is None:
+                    raise FramingError(f"unknown frame kind {kind}")
+                end = start + _HEADER.size + length
+                if size < end:
+                    break
+                frames.append(Frame(frame_kind, bytes(view[start + _HEADER.size:end])))
+                start = end
+        if buffer is self._buffer:
+            del self._buffer[:start]
+        elif start < size:
+            self._buffer += data[start:]
         return frames
 
     @property
@@ -889,60 +914,64 @@ class FrameDecoder:
         return len(self._buffer)
 
 
-def chunks(data: bytes, size: int = TERMINAL_CHUNK_BYTES) -> Iterator[bytes]:
-    for start in range(0, len(data), size):
-        yield data[start:start + size]
-
-
-class DataWindow:
-    """Credit-based flow control for terminal bytes, one direction.
-
-    The sender may have at most DATA_WINDOW_BYTES unacknowledged; the receiver grants credit
-    after it has passed bytes on. Structured frames are never held back by it, which is how
-    lifecycle events keep priority over a flood of output.
-    """
-
-    def __init__(self, window_bytes: int = DATA_WINDOW_BYTES) -> None:
-        self.available_bytes = window_bytes
-
-    def take(self, wanted_bytes: int) -> int:
-        granted = min(wanted_bytes, self.available_bytes)
-        self.available_bytes -= granted
-        return granted
-
-    def grant(self, frame: Frame) -> None:
-        count = frame.json().get("bytes")
-        if not _is_int(count) or count <= 0 or count > DATA_WINDOW_BYTES:
-            raise FramingError("credit must be a positive byte count within the window")
-        self.available_bytes += count
-        if self.available_bytes > DATA_WINDOW_BYTES:
-            raise FramingError("credit beyond the window")
-
-
-def credit_frame(count_bytes: int) -> bytes:
-    return encode_json_frame(FrameKind.CREDIT, {"bytes": count_bytes})
-
-
 # ============================================================================================
-# I/O adapters: a non-blocking framed connection
+# I/O adapters: a non-blocking framed connection that can pass descriptors
 # ============================================================================================
+
+#: Ancillary room for MAX_RECEIVED_DESCRIPTORS descriptors in one read.
+_DESCRIPTOR_SPACE = socket.CMSG_SPACE(MAX_RECEIVED_DESCRIPTORS * array.array("i").itemsize)
+#: recvmsg's flags, as plain ints: these run for every frame, and enum flags are slow.
+_CLOSE_ON_EXEC = int(socket.MSG_CMSG_CLOEXEC)
+_TRUNCATED = int(socket.MSG_CTRUNC)
+
+
+def close_descriptors(descriptors: Iterable[int]) -> None:
+    """Close each one; one already closed is no error (cleanup paths may meet it twice)."""
+    for descriptor in descriptors:
+        try:
+            os.close(descriptor)
+        except OSError:
+            pass
+
+
+def received_descriptors(ancillary: list[tuple[int, int, bytes]]) -> list[int]:
+    """Every descriptor recvmsg installed, whatever else the ancillary data held."""
+    descriptors = array.array("i")
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            descriptors.frombytes(data[:len(data) - len(data) % descriptors.itemsize])
+    return list(descriptors)
 
 
 class FramedConnection:
-    """A non-blocking stream socket carrying frames, with a priority lane for structured frames.
+    """A non-blocking unix stream socket carrying frames, with a priority lane for structured
+    frames, and descriptors passed with frames (SCM_RIGHTS).
 
     `send` queues; `flush` writes what the kernel accepts. Structured frames jump ahead of
-    queued terminal bytes (never ahead of a frame already partly written).
+    queued terminal bytes (never ahead of a frame already partly written). `hand_over` queues a
+    frame that carries descriptors: they are ours to close from then on, and are closed as soon
+    as the kernel holds them.
+
+    `receive` reads with MSG_CMSG_CLOEXEC. The kernel delivers descriptors with the bytes of the
+    send that carried them and ends that read there, so each descriptor belongs to the frame
+    holding the last byte read with it. A descriptor on a frame whose kind is not in
+    `descriptor_kinds`, or that no frame claims, is closed and refused (FramingError): nothing
+    received is ever left open by accident.
     """
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket,
+                 descriptor_kinds: frozenset[FrameKind] = frozenset()) -> None:
         sock.setblocking(False)
         self.sock = sock
+        self.descriptor_kinds = descriptor_kinds
         self.decoder = FrameDecoder()
-        self._urgent: list[bytes] = []
-        self._bulk: list[bytes] = []
+        self._urgent: collections.deque[tuple[bytes, tuple[int, ...]]] = collections.deque()
+        self._bulk: collections.deque[bytes] = collections.deque()
         self.pending_bulk_bytes = 0
         self._current = memoryview(b"")
+        self._current_descriptors: tuple[int, ...] = ()
+        #: Received descriptors waiting for the frame they arrived inside to complete.
+        self._unclaimed: list[int] = []
         self.eof = False
         self.reset = False  # the peer went away without a clean close
         self.write_closed = False
@@ -952,10 +981,14 @@ class FramedConnection:
 
     def send(self, frame: bytes, urgent: bool = True) -> None:
         if urgent:
-            self._urgent.append(frame)
+            self._urgent.append((frame, ()))
         else:
             self._bulk.append(frame)
             self.pending_bulk_bytes += len(frame)
+
+    def hand_over(self, frame: bytes, descriptors: tuple[int, ...]) -> None:
+        """Queue a structured frame carrying these descriptors, which we now own."""
+        self._urgent.append((frame, descriptors))
 
     @property
     def wants_write(self) -> bool:
@@ -966,33 +999,85 @@ class FramedConnection:
         while True:
             if not self._current:
                 if self._urgent:
-                    self._current = memoryview(self._urgent.pop(0))
+                    frame, self._current_descriptors = self._urgent.popleft()
+                    self._current = memoryview(frame)
                 elif self._bulk:
-                    self._current = memoryview(self._bulk.pop(0))
+                    self._current = memoryview(self._bulk.popleft())
                     self.pending_bulk_bytes -= len(self._current)
                 else:
                     return
             try:
-                sent = self.sock.send(self._current)
+                if self._current_descriptors:
+                    sent = self.sock.sendmsg([self._current], [(
+                        socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                        array.array("i", self._current_descriptors))])
+                    close_descriptors(self._current_descriptors)  # the kernel holds them now
+                    self._current_descriptors = ()
+                else:
+                    sent = self.sock.send(self._current)
             except (BlockingIOError, InterruptedError):
                 return
             self._current = self._current[sent:]
 
+    def close_write(self) -> None:
+        """End our side of the stream (the peer reads to its end); we may go on reading."""
+        if not self.write_closed:
+            self.write_closed = True
+            self.sock.shutdown(socket.SHUT_WR)
+
     def receive(self) -> list[Frame]:
-        """Read what is available and return complete frames; sets `eof` on end of stream."""
+        """Read what is available and return complete frames; sets `eof` on end of stream.
+        Raises FramingError (having closed every descriptor it held) on a protocol violation."""
         try:
-            data = self.sock.recv(TERMINAL_CHUNK_BYTES * 2)
+            data, ancillary, flags, _ = self.sock.recvmsg(
+                TERMINAL_CHUNK_BYTES * 2, _DESCRIPTOR_SPACE, _CLOSE_ON_EXEC)
         except (BlockingIOError, InterruptedError):
             return []
         except ConnectionResetError:
-            data = b""
+            data, ancillary, flags = b"", [], 0
             self.reset = True
-        if not data:
-            self.eof = True
-            if self.decoder.pending_bytes:
-                raise FramingError("channel closed inside a frame")
-            return []
-        return self.decoder.feed(data)
+        received = received_descriptors(ancillary) if ancillary else []
+        frames: list[Frame] = []
+        try:
+            if flags & _TRUNCATED:
+                raise FramingError(
+                    f"more than {MAX_RECEIVED_DESCRIPTORS} descriptors arrived in one read")
+            if not data:
+                self.eof = True
+                if self.decoder.pending_bytes:
+                    raise FramingError("channel closed inside a frame")
+                if self._unclaimed or received:
+                    raise FramingError("a descriptor arrived with no frame")
+                return []
+            frames = self.decoder.feed(data)
+            if received or self._unclaimed:
+                frames = self._claim(frames, received)
+                received = []
+            for frame in frames:
+                if frame.descriptors and frame.kind not in self.descriptor_kinds:
+                    raise FramingError(f"a descriptor arrived with a {frame.kind.name} frame")
+        except FramingError:
+            close_descriptors(received)
+            close_descriptors(d for frame in frames for d in frame.descriptors)
+            close_descriptors(self._unclaimed)
+            self._unclaimed = []
+            raise
+        return frames
+
+    def _claim(self, frames: list[Frame], received: list[int]) -> list[Frame]:
+        """Give waiting descriptors to the first frame completed now (it holds the bytes they
+        came with), and those of this read to the frame holding its last byte: the last one
+        completed, or, when that frame is still incomplete, the next to complete."""
+        if self._unclaimed and frames:
+            frames[0] = replace(frames[0], descriptors=tuple(self._unclaimed))
+            self._unclaimed = []
+        if received:
+            if frames and not self.decoder.pending_bytes:
+                frames[-1] = replace(frames[-1],
+                                     descriptors=frames[-1].descriptors + tuple(received))
+            else:
+                self._unclaimed += received
+        return frames
 
     def drain_blocking(self, deadline: float) -> bool:
         """Flush everything before `deadline`; True if all was written."""
@@ -1007,10 +1092,18 @@ class FramedConnection:
         return True
 
     def close(self) -> None:
+        """Close the socket and every descriptor still held; idempotent."""
         try:
             self.sock.close()
         except OSError:
             pass
+        close_descriptors(self._current_descriptors)
+        close_descriptors(d for _, descriptors in self._urgent for d in descriptors)
+        close_descriptors(self._unclaimed)
+        self._current, self._current_descriptors, self._unclaimed = memoryview(b""), (), []
+        self._urgent.clear()
+        self._bulk.clear()
+        self.pending_bulk_bytes = 0
 
 
 # ============================================================================================
@@ -1083,12 +1176,13 @@ class BrokerExit(Exception):
 
 
 class Broker:
-    """The `client` mode: relays between the host channel, the controller's stdin/stdout and
-    one attachment. One selector loop; every fatal condition ends in BrokerExit.
+    """The `client` mode: the public stream on the controller's stdin/stdout, the host channel
+    and the one attachment. One selector loop; every fatal condition ends in BrokerExit.
 
-    Terminal bytes are flow-controlled both ways (DataWindow): output is credited back to the
-    host only once it is queued toward the attachment, input is read from the attachment only
-    while the host has granted room. Structured frames are never held back.
+    Terminal bytes never pass through the broker: it hands the attachment's connection to the
+    host in an ATTACHED frame (SCM_RIGHTS) and closes its own copy at once, so they flow
+    attach <-> host directly. The broker keeps everything else: broker-ready, the
+    one-attachment rule and its deadline, the public stream's rules, events and requests.
     """
 
     def __init__(self, host: socket.socket, home: str, stdin_fd: int, stdout_fd: int,
@@ -1099,16 +1193,10 @@ class Broker:
         self.stdin_fd = stdin_fd
         self.stdin_lines = LineReader()
         self.attach_deadline_s = attach_deadline_s
-        self.dir = os.path.join(home, BROKER_DIR_PREFIX + secrets.token_hex(16))
+        # os.urandom, not secrets: the same bytes, without the imports every start would pay.
+        self.dir = os.path.join(home, BROKER_DIR_PREFIX + os.urandom(16).hex())
         self.socket_path = os.path.join(self.dir, "terminal.sock")
         self.listener: Optional[socket.socket] = None
-        self.attach: Optional[FramedConnection] = None
-        self.attach_events = 0  # what the selector watches on the attachment (0: unregistered)
-        self.attach_gone = False
-        self.output_to_attach = bytearray()  # from the host, not yet framed for the attachment
-        self.output_end: Optional[bytes] = None  # the host's OUTPUT_END payload, once sent
-        self.input_to_host = bytearray()  # from the attachment, waiting for host credit
-        self.input_window = DataWindow()  # our room for INPUT frames toward the host
         self.selector = selectors.DefaultSelector()
 
     # -- setup and teardown -----------------------------------------------------------------
@@ -1145,9 +1233,7 @@ class Broker:
             os.rmdir(self.dir)
         except OSError:
             pass
-        for conn in (self.attach, self.host):
-            if conn is not None:
-                conn.close()
+        self.host.close()
         self.selector.close()
 
     # -- the loop ---------------------------------------------------------------------------
@@ -1164,7 +1250,8 @@ class Broker:
             self.selector.register(self.stdin_fd, selectors.EVENT_READ, "stdin")
             self.selector.register(self.host.sock, selectors.EVENT_READ, "host")
             while True:
-                self._pump()
+                self.selector.modify(self.host.sock, selectors.EVENT_READ | (
+                    selectors.EVENT_WRITE if self.host.wants_write else 0), "host")
                 timeout = None
                 if self.listener is not None:
                     timeout = attach_deadline - time.monotonic()
@@ -1195,50 +1282,6 @@ class Broker:
                 self._flush_host()
             if mask & selectors.EVENT_READ:
                 self._read_host()
-        elif what == "attach":
-            if mask & selectors.EVENT_WRITE:
-                self._flush_attach()
-            if mask & selectors.EVENT_READ and not self.attach_gone:
-                self._read_attach()
-
-    def _pump(self) -> None:
-        """Move queued terminal bytes as far as credit allows, then set selector interest."""
-        while self.input_to_host:
-            granted = self.input_window.take(min(len(self.input_to_host), TERMINAL_CHUNK_BYTES))
-            if not granted:
-                break
-            self.host.send(encode_frame(FrameKind.INPUT, bytes(self.input_to_host[:granted])),
-                           urgent=False)
-            del self.input_to_host[:granted]
-        attach = self.attach
-        if attach is not None and not self.attach_gone:
-            while self.output_to_attach and attach.pending_bulk_bytes < 4 * TERMINAL_CHUNK_BYTES:
-                piece = bytes(self.output_to_attach[:TERMINAL_CHUNK_BYTES])
-                del self.output_to_attach[:len(piece)]
-                attach.send(encode_frame(FrameKind.OUTPUT, piece), urgent=False)
-                self.host.send(credit_frame(len(piece)))
-            if not self.output_to_attach and self.output_end is not None and (
-                    not attach.write_closed):
-                attach.send(encode_frame(FrameKind.OUTPUT_END, self.output_end), urgent=False)
-                attach.write_closed = True
-            events = selectors.EVENT_WRITE if attach.wants_write else 0
-            if len(self.input_to_host) < DATA_WINDOW_BYTES:
-                events |= selectors.EVENT_READ
-            self._watch_attach(events)
-        self.selector.modify(self.host.sock, selectors.EVENT_READ | (
-            selectors.EVENT_WRITE if self.host.wants_write else 0), "host")
-
-    def _watch_attach(self, events: int) -> None:
-        assert self.attach is not None
-        if events == self.attach_events:
-            return
-        if not events:
-            self.selector.unregister(self.attach.sock)
-        elif not self.attach_events:
-            self.selector.register(self.attach.sock, events, "attach")
-        else:
-            self.selector.modify(self.attach.sock, events, "attach")
-        self.attach_events = events
 
     # -- host side --------------------------------------------------------------------------
 
@@ -1263,22 +1306,11 @@ class Broker:
                 code="host_channel_lost", message="the host closed the session channel early"))
 
     def _on_host_frame(self, frame: Frame) -> None:
-        if frame.kind is FrameKind.EVENT:
-            event = decode_message(frame.payload + b"\n", Direction.EVENT)
-            self.rules.observe_event(event)
-            self.emit(event)
-        elif frame.kind is FrameKind.OUTPUT:
-            if self.attach_gone:
-                self.host.send(credit_frame(len(frame.payload)))  # nobody left to show it to
-            else:
-                self.output_to_attach += frame.payload
-        elif frame.kind is FrameKind.OUTPUT_END:
-            frame.json()
-            self.output_end = frame.payload
-        elif frame.kind is FrameKind.CREDIT:
-            self.input_window.grant(frame)
-        else:
+        if frame.kind is not FrameKind.EVENT:
             raise FramingError(f"unexpected {frame.kind.name} frame from the host")
+        event = decode_message(frame.payload + b"\n", Direction.EVENT)
+        self.rules.observe_event(event)
+        self.emit(event)
 
     # -- controller side --------------------------------------------------------------------
 
@@ -1300,6 +1332,7 @@ class Broker:
             request = decode_message(line, Direction.REQUEST)
             if self.rules.check_request(request) is RequestVerdict.FORWARD:
                 self.host.send(encode_frame(FrameKind.REQUEST, encode_compact(request.to_json())))
+                self._flush_host()
 
     def emit(self, event: Message) -> None:
         try:
@@ -1314,69 +1347,18 @@ class Broker:
         except OSError:
             pass
 
-    # -- attachment side --------------------------------------------------------------------
+    # -- the attachment ---------------------------------------------------------------------
 
     def _accept_attach(self) -> None:
+        """The one attachment: its connection goes to the host, and none stays here."""
         assert self.listener is not None
         try:
             conn, _ = self.listener.accept()
         except (BlockingIOError, InterruptedError):
             return
         self.close_listener()  # exactly one attachment; no reconnect in v1
-        self.attach = FramedConnection(conn)
-        self.host.send(encode_json_frame(FrameKind.ATTACHED, {}))
-
-    def _read_attach(self) -> None:
-        assert self.attach is not None
-        try:
-            frames = self.attach.receive()
-        except FramingError as e:
-            self._lose_attach(str(e))
-            return
-        for frame in frames:
-            if frame.kind is FrameKind.INPUT:
-                self.input_to_host += frame.payload
-            elif frame.kind is FrameKind.RESIZE:
-                self._forward_attach_resize(frame)
-            else:
-                self._lose_attach(f"unexpected {frame.kind.name} frame from the attachment")
-                return
-        if self.attach.eof:
-            self._lose_attach(None)
-
-    def _forward_attach_resize(self, frame: Frame) -> None:
-        """SIGWINCH from the attachment. The CLI's size wins until ready; after termination
-        begins there is nothing left to resize."""
-        try:
-            obj = frame.json()
-            resize = Resize(columns=obj.get("columns"), rows=obj.get("rows"))
-        except ProtocolError as e:
-            print(f"reploy-session-client: ignoring attachment resize: {e.message}",
-                  file=sys.stderr)
-            return
-        if "ready" in self.rules.seen and not self.rules.seen & {"terminating", "terminated"}:
-            self.host.send(encode_frame(FrameKind.REQUEST, encode_compact(resize.to_json())))
-
-    def _flush_attach(self) -> None:
-        assert self.attach is not None
-        try:
-            self.attach.flush()
-        except OSError as e:
-            self._lose_attach(f"attachment write failed: {e}")
-
-    def _lose_attach(self, reason: Optional[str]) -> None:
-        """The attachment ended. Its unsent output is released so the host never stalls."""
-        if self.attach is None or self.attach_gone:
-            return
-        self._watch_attach(0)
-        self.attach_gone = True
-        self.attach.close()
-        released = len(self.output_to_attach)
-        if released:
-            self.host.send(credit_frame(min(released, DATA_WINDOW_BYTES)))
-            self.output_to_attach.clear()
-        if reason is not None:
-            print(f"reploy-session-client: attachment lost: {reason}", file=sys.stderr)
+        self.host.hand_over(encode_json_frame(FrameKind.ATTACHED, {}), (conn.detach(),))
+        self._flush_host()
 
 
 def _unlink_quietly(path: str) -> None:
@@ -1499,29 +1481,47 @@ def run_attach(socket_path: str, stdin_fd: int, stdout_fd: int) -> int:
 
 def _attach_loop(conn: FramedConnection, stdin_fd: int, stdout_fd: int,
                  wakeup: SignalWakeup, is_tty: bool) -> int:
+    """One selector loop: stdin and signals go to the host, its frames to stdout. Each frame
+    is written at once (a keystroke never waits for another pass of the loop). Stdin is read
+    only while less than TERMINAL_QUEUE_BYTES waits for the host, so a host that stops reading
+    holds stdin back instead of growing our memory. A size goes only with SIGWINCH: until our
+    terminal changes, the session's own size (--columns/--rows) holds."""
+
+    def send(frame: bytes, urgent: bool = True) -> None:
+        conn.send(frame, urgent)
+        conn.flush()
+
     def send_size() -> None:
         size = terminal_size(stdin_fd) if is_tty else None
         if size is not None:
-            conn.send(encode_json_frame(FrameKind.RESIZE, {"columns": size[0], "rows": size[1]}))
+            send(encode_json_frame(FrameKind.RESIZE, {"columns": size[0], "rows": size[1]}))
 
-    send_size()
     sel = selectors.DefaultSelector()
-    sel.register(conn.sock, selectors.EVENT_READ, "conn")
+    conn_events = selectors.EVENT_READ
+    sel.register(conn.sock, conn_events, "conn")
     sel.register(wakeup.read_fd, selectors.EVENT_READ, "signal")
-    stdin_registered = True
     os.set_blocking(stdin_fd, True)
-    sel.register(stdin_fd, selectors.EVENT_READ, "stdin")
+    stdin_open, stdin_watched = True, False
     try:
         while True:
-            sel.modify(conn.sock, selectors.EVENT_READ | (
-                selectors.EVENT_WRITE if conn.wants_write else 0), "conn")
+            events = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.wants_write else 0)
+            if events != conn_events:
+                sel.modify(conn.sock, events, "conn")
+                conn_events = events
+            wanted = stdin_open and conn.pending_bulk_bytes < TERMINAL_QUEUE_BYTES
+            if wanted != stdin_watched:
+                if wanted:
+                    sel.register(stdin_fd, selectors.EVENT_READ, "stdin")
+                else:
+                    sel.unregister(stdin_fd)
+                stdin_watched = wanted
             for key, mask in sel.select():
                 if key.data == "signal":
                     for signum in wakeup.drain():
                         if signum == signal.SIGWINCH:
                             send_size()
                         elif signum == signal.SIGINT:
-                            conn.send(encode_frame(FrameKind.INPUT, b"\x03"))  # Ctrl-C
+                            send(encode_frame(FrameKind.INPUT, b"\x03"))  # Ctrl-C
                         else:
                             return 1
                 elif key.data == "stdin":
@@ -1532,10 +1532,9 @@ def _attach_loop(conn: FramedConnection, stdin_fd: int, stdout_fd: int,
                             raise
                         data = b""
                     if data:
-                        conn.send(encode_frame(FrameKind.INPUT, data), urgent=False)
-                    elif stdin_registered:
-                        sel.unregister(stdin_fd)
-                        stdin_registered = False
+                        send(encode_frame(FrameKind.INPUT, data), urgent=False)
+                    else:
+                        stdin_open = False
                 else:
                     if mask & selectors.EVENT_WRITE:
                         conn.flush()
@@ -1543,10 +1542,6 @@ def _attach_loop(conn: FramedConnection, stdin_fd: int, stdout_fd: int,
                         outcome = _attach_receive(conn, stdout_fd)
                         if outcome is not None:
                             return outcome
-            # Hold stdin while output-bound frames pile up: the broker's window bounds us.
-            if stdin_registered and conn.pending_bulk_bytes > DATA_WINDOW_BYTES:
-                sel.unregister(stdin_fd)
-                stdin_registered = False
     except OSError as e:
         print(f"reploy-session-client attach: {e}", file=sys.stderr)
         return 1
@@ -1558,22 +1553,24 @@ def _attach_receive(conn: FramedConnection, stdout_fd: int) -> Optional[int]:
     """Write received terminal bytes out; return an exit code when the stream ended."""
     try:
         frames = conn.receive()
-    except FramingError as e:
+        for frame in frames:
+            if frame.kind is FrameKind.OUTPUT:
+                write_all(stdout_fd, frame.payload)
+            elif frame.kind is FrameKind.OUTPUT_END:
+                status = frame.json()
+                if status.get("status") == "drained":
+                    return 0
+                print(f"reploy-session-client attach: terminal output finalization failed: "
+                      f"{status.get('reason', 'unknown')}", file=sys.stderr)
+                return 1
+            else:
+                raise FramingError(f"unexpected {frame.kind.name} frame from the host")
+    except ProtocolError as e:
         print(f"reploy-session-client attach: {e.message}", file=sys.stderr)
         return 1
-    for frame in frames:
-        if frame.kind is FrameKind.OUTPUT:
-            write_all(stdout_fd, frame.payload)
-        elif frame.kind is FrameKind.OUTPUT_END:
-            status = frame.json()
-            if status.get("status") == "drained":
-                return 0
-            print(f"reploy-session-client attach: terminal output finalization failed: "
-                  f"{status.get('reason', 'unknown')}", file=sys.stderr)
-            return 1
     if conn.eof:
-        print("reploy-session-client attach: the broker closed before output was finalized",
-              file=sys.stderr)
+        print("reploy-session-client attach: the host closed the terminal connection before "
+              "output was finalized", file=sys.stderr)
         return 1
     return None
 
@@ -1603,4 +1600,9 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Everything main() opened is closed and written; the interpreter's own teardown is all
+    # that remains, and a session's end waits for it twice (attach's exit, the broker's).
+    os._exit(exit_code)

@@ -1,8 +1,10 @@
-"""The real `attach --socket PATH` subprocess against a fake broker socket run by the test.
+"""The real `attach --socket PATH` subprocess against a socket run by the test, which plays
+the broker's listener and then the host (to which the broker hands the connection over).
 
 Pipe mode (stdin is not a TTY): bytes relayed both ways, SIGINT becomes a typed Ctrl-C, exit 0
-only after a drained end. PTY mode (stdin is a PTY that is attach's controlling terminal): raw
-mode on and restored, SIGWINCH becomes a RESIZE frame, a typed 0x03 is just a byte.
+only after a drained end, stdin held back while the host does not read. PTY mode (stdin is a
+PTY that is attach's controlling terminal): raw mode on and restored, SIGWINCH (and only
+SIGWINCH) becomes a RESIZE frame, a typed 0x03 is just a byte.
 
 Also home of AttachProcess, which test_broker.py uses to run the real attach.
 """
@@ -22,13 +24,14 @@ import sys
 import tempfile
 import termios
 import threading
+import time
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
 
 import pytest
 
-from reploy_session_client import FrameKind
-from test_framing import WAIT_S, FramePeer
+from reploy_session_client import TERMINAL_QUEUE_BYTES, FrameKind, encode_json_frame
+from test_framing import WAIT_S, FramePeer, closed_at_the_other_end
 
 CLIENT = Path(__file__).resolve().parent.parent / "reploy_session_client.py"
 
@@ -113,7 +116,8 @@ Start = Callable[..., tuple[AttachProcess, FramePeer]]
 
 @pytest.fixture
 def fake_broker() -> Iterator[Start]:
-    """start(**AttachProcess options) runs attach against a listening socket, returns both ends."""
+    """start(**AttachProcess options) runs attach against a listening socket, returns both ends
+    (the test's end speaks as the host does once the broker handed the connection over)."""
     directory = tempfile.mkdtemp(prefix="ra-")
     path = os.path.join(directory, "terminal.sock")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -183,20 +187,74 @@ def test_failed_output_finalization_exits_1(fake_broker: Start) -> None:
     assert "drain expired" in attach.stderr()
 
 
-def test_broker_closing_without_an_end_exits_1(fake_broker: Start) -> None:
+def test_host_closing_without_an_end_exits_1(fake_broker: Start) -> None:
     attach, peer = fake_broker()
     peer.send(FrameKind.OUTPUT, b"cut short")
     peer.close()
     assert attach.finish() == 1
     assert attach.output == b"cut short"
-    assert "closed before output was finalized" in attach.stderr()
+    assert "closed the terminal connection before output was finalized" in attach.stderr()
 
 
-def test_a_malformed_frame_from_the_broker_exits_1(fake_broker: Start) -> None:
+def test_a_malformed_frame_from_the_host_exits_1(fake_broker: Start) -> None:
     attach, peer = fake_broker()
     peer.sock.sendall((0).to_bytes(4, "big") + bytes([99]))
     assert attach.finish() == 1
     assert "unknown frame kind 99" in attach.stderr()
+
+
+@pytest.mark.parametrize("kind", [FrameKind.INPUT, FrameKind.EVENT, FrameKind.RESIZE])
+def test_a_frame_the_host_never_sends_exits_1(fake_broker: Start, kind: FrameKind) -> None:
+    attach, peer = fake_broker()
+    peer.send(FrameKind.OUTPUT, b"before")
+    peer.send(kind, b"{}")
+    peer.send(FrameKind.OUTPUT, b"after")  # never written: the stream is refused at once
+    assert attach.finish() == 1
+    assert attach.output == b"before"
+    assert f"unexpected {kind.name} frame" in attach.stderr()
+
+
+def test_a_descriptor_sent_to_attach_is_refused_and_closed(fake_broker: Start) -> None:
+    attach, peer = fake_broker()
+    near, far = socket.socketpair()
+    with far:
+        peer.send_with_descriptors(encode_json_frame(FrameKind.OUTPUT_END, DRAINED),
+                                   [near.fileno()])
+        near.close()
+        assert attach.finish() == 1
+        assert "a descriptor arrived with a OUTPUT_END frame" in attach.stderr()
+        assert closed_at_the_other_end(far)
+
+
+def test_stdin_is_held_back_while_the_host_does_not_read_then_flows_again(
+        fake_broker: Start) -> None:
+    """Backpressure with no credit frames: the host stops reading, attach stops reading its
+    stdin once its queue is full (so our writes into its stdin pipe block), and once the host
+    reads again every byte arrives, in order, and stdin flows again."""
+    attach, peer = fake_broker()
+    synchronise(attach, peer)
+    assert attach.proc.stdin is not None
+    stdin_fd = attach.proc.stdin.fileno()
+    os.set_blocking(stdin_fd, False)
+    pattern = bytes(range(256)) * 256  # 64 KiB, every byte value
+    written = 0
+    deadline = time.monotonic() + WAIT_S
+    while True:  # until attach stops taking stdin: our pipe stays full
+        assert written < 256 * TERMINAL_QUEUE_BYTES, "attach never held stdin back"
+        try:
+            written += os.write(stdin_fd, pattern[written % len(pattern):])
+            deadline = time.monotonic() + 0.5
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                break
+            select.select([], [stdin_fd], [], deadline - time.monotonic())
+    received = collect_input(peer, written)
+    assert received == (pattern * (written // len(pattern) + 2))[:written]
+    os.set_blocking(stdin_fd, True)
+    attach.write(b"and more")  # stdin is read again
+    assert collect_input(peer, 8) == b"and more"
+    peer.send_json(FrameKind.OUTPUT_END, DRAINED)
+    assert attach.finish() == 0
 
 
 def test_no_broker_socket_exits_1() -> None:
@@ -254,12 +312,11 @@ def test_pty_mode_raw_resize_and_typed_ctrl_c(fake_broker: Start,
     before = termios.tcgetattr(slave_fd)
     assert before[3] & termios.ICANON and before[3] & termios.ISIG
     attach, peer = fake_broker(stdin=slave_fd, wrapper=AS_CONTROLLING_TTY, new_session=True)
-
-    # The first frame is the starting size; by then the terminal is raw.
-    assert resize_frame(peer) == {"columns": 100, "rows": 30}
+    synchronise(attach, peer)  # its loop runs: the terminal is raw by now
     raw = termios.tcgetattr(slave_fd)
     assert not raw[3] & (termios.ICANON | termios.ECHO | termios.ISIG)
 
+    # No size went out on its own (the session's --columns/--rows hold); SIGWINCH sends one.
     set_window_size(master_fd, 120, 40)  # the kernel sends SIGWINCH to attach
     assert resize_frame(peer) == {"columns": 120, "rows": 40}
 
@@ -270,5 +327,5 @@ def test_pty_mode_raw_resize_and_typed_ctrl_c(fake_broker: Start,
     peer.send(FrameKind.OUTPUT, b"bye")
     peer.send_json(FrameKind.OUTPUT_END, DRAINED)
     assert attach.finish() == 0
-    assert attach.output == b"bye"
+    assert attach.output == b"syncbye"
     assert termios.tcgetattr(slave_fd) == before

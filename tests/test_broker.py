@@ -1,7 +1,9 @@
 """The broker (`client` mode) over real unix sockets and pipes, with the real attach; no Docker.
 
 The test plays the host on one end of a socketpair, speaking the private framing, and the
-controller on the broker's stdin/stdout pipes. Broker.run() runs in a thread.
+controller on the broker's stdin/stdout pipes. Broker.run() runs in a thread. The broker hands
+the attachment's connection to the host (SCM_RIGHTS) and keeps no copy: the test, as the host,
+then talks to the attachment over that very connection, with no broker in between.
 """
 
 from __future__ import annotations
@@ -22,14 +24,14 @@ from typing import Iterator, Optional
 import pytest
 
 from reploy_session_client import (
-    ATTACH_DEADLINE_S, DATA_WINDOW_BYTES, SESSION_SOCKET_ENV, AcknowledgeTerminated, Broker,
-    BrokerReady, Cause, ClientError, Complete, DataWindow, Diagnostic, Direction, Frame,
-    FrameKind, Message, Opened, Ready, RecoveryAction, Resize, SessionResult, Status, Terminate,
-    Terminated, Terminating, WorkloadExit, WorkloadOutputsFinalized, chunks, decode_message,
+    ATTACH_DEADLINE_S, SESSION_SOCKET_ENV, TERMINAL_CHUNK_BYTES, AcknowledgeTerminated, Broker,
+    BrokerReady, Cause, ClientError, Complete, Diagnostic, Direction, Frame, FrameKind, Message,
+    Opened, Ready, RecoveryAction, Resize, SessionResult, Status, Terminate, Terminated,
+    Terminating, WorkloadExit, WorkloadOutputsFinalized, decode_message, encode_json_frame,
 )
-from test_attach import CLIENT, AttachProcess
+from test_attach import CLIENT, AttachProcess, collect_input
 from test_broker_rules import TERMINATED as STARTUP_FAILURE_TERMINATED
-from test_framing import WAIT_S, FramePeer
+from test_framing import WAIT_S, FramePeer, closed_at_the_other_end
 
 OPENED = Opened(operations=("input", "resize", "terminate", "complete"), endpoints=(),
                 columns=80, rows=24, output_finalization_timeout_milliseconds=30000)
@@ -56,8 +58,8 @@ class BrokerHarness:
         self.stdout_r, self.stdout_w = os.pipe()
         self.open_fds = {self.stdin_r, self.stdin_w, self.stdout_r, self.stdout_w}
         self.stdout_buffer = b""
-        self.output_window = DataWindow()  # the host's room for OUTPUT frames
-        self.attachments: list[FramePeer] = []
+        self.attachments: list[FramePeer] = []  # test-driven attachments: their own ends
+        self.terminals: list[FramePeer] = []  # the host's ends, as the broker handed them over
         self.processes: list[AttachProcess] = []
         self.broker = Broker(broker_end, self.home, self.stdin_r, self.stdout_w,
                              attach_deadline_s=attach_deadline_s)
@@ -105,12 +107,8 @@ class BrokerHarness:
     # -- the host's side ----------------------------------------------------------------------
 
     def host_frame(self) -> Frame:
-        """The next frame from the broker; CREDIT frames refill the output window on the way."""
-        while True:
-            frame = self.host.next_frame()
-            if frame.kind is not FrameKind.CREDIT:
-                return frame
-            self.output_window.grant(frame)
+        """The next frame from the broker."""
+        return self.host.next_frame()
 
     def send_events(self, *events: Message) -> None:
         """Host events reach the controller in order, byte for byte."""
@@ -119,58 +117,40 @@ class BrokerHarness:
         for event in events:
             assert self.next_line() == event.encode()
 
-    def send_output(self, data: bytes) -> None:
-        """Terminal bytes in OUTPUT frames, never more than the broker's credit allows."""
-        for piece in chunks(data):
-            self.await_credit(len(piece))
-            self.output_window.take(len(piece))
-            self.host.send(FrameKind.OUTPUT, piece)
-
-    def await_credit(self, count_bytes: int) -> None:
-        while self.output_window.available_bytes < count_bytes:
-            frame = self.host.next_frame()
-            assert frame.kind is FrameKind.CREDIT, f"{frame.kind.name} while awaiting credit"
-            self.output_window.grant(frame)
-
-    def receive_input(self, count_bytes: int) -> bytes:
-        """INPUT bytes the broker forwards, each credited back as the host does."""
-        data = b""
-        while len(data) < count_bytes:
-            frame = self.host_frame()
-            assert frame.kind is FrameKind.INPUT, frame
-            self.host.send_json(FrameKind.CREDIT, {"bytes": len(frame.payload)})
-            data += frame.payload
-        return data
-
     def expect_request(self, request: Message) -> None:
         frame = self.host_frame()
         assert (frame.kind, frame.payload) == (FrameKind.REQUEST, request.encode()[:-1])
 
-    def expect_attached(self) -> None:
+    def expect_attached(self) -> FramePeer:
+        """ATTACHED, carrying exactly one descriptor: the attachment's connection, a connected
+        unix stream socket. Returns the host's end of it."""
         frame = self.host_frame()
         assert (frame.kind, frame.payload) == (FrameKind.ATTACHED, b"{}")
+        assert len(self.host.descriptors) == 1, self.host.descriptors
+        sock = socket.socket(fileno=self.host.descriptors.pop())
+        assert (sock.family, sock.type) == (socket.AF_UNIX, socket.SOCK_STREAM)
+        self.terminals.append(FramePeer(sock))
+        return self.terminals[-1]
 
     # -- attachments ------------------------------------------------------------------------
 
-    def attach_raw(self, path: str) -> FramePeer:
-        """A test-driven attachment speaking the framing directly."""
+    def attach_raw(self, path: str) -> tuple[FramePeer, FramePeer]:
+        """A test-driven attachment: (its own end, the host's end the broker handed over)."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.connect(path)
         self.attachments.append(FramePeer(sock))
-        self.expect_attached()
-        return self.attachments[-1]
+        return self.attachments[-1], self.expect_attached()
 
-    def attach_process(self, path: str) -> AttachProcess:
-        """The real `attach --socket PATH`, in pipe mode."""
+    def attach_process(self, path: str) -> tuple[AttachProcess, FramePeer]:
+        """The real `attach --socket PATH`, in pipe mode, and the host's end of it."""
         self.processes.append(AttachProcess(path))
-        self.expect_attached()
-        return self.processes[-1]
+        return self.processes[-1], self.expect_attached()
 
-    def up_to_ready(self) -> FramePeer:
+    def up_to_ready(self) -> tuple[FramePeer, FramePeer]:
         """broker-ready, a raw attachment, opened, ready."""
-        attachment = self.attach_raw(self.broker_ready())
+        ends = self.attach_raw(self.broker_ready())
         self.send_events(OPENED, Ready())
-        return attachment
+        return ends
 
     # -- the end ----------------------------------------------------------------------------
 
@@ -197,7 +177,7 @@ class BrokerHarness:
         assert self.finish() == 1
         frames = self.host.read_until_eof()
         assert not os.path.exists(self.broker.dir)
-        return [f for f in frames if f.kind is not FrameKind.CREDIT]
+        return frames
 
     def _close_fd(self, fd: int) -> None:
         if fd in self.open_fds:
@@ -210,8 +190,8 @@ class BrokerHarness:
         self.thread.join(WAIT_S)
         for process in self.processes:
             process.close()
-        for attachment in self.attachments:
-            attachment.close()
+        for peer in self.attachments + self.terminals:
+            peer.close()
         for fd in list(self.open_fds):
             self._close_fd(fd)
         shutil.rmtree(self.home)
@@ -230,6 +210,12 @@ def harness() -> Iterator[BrokerHarness]:
 # --------------------------------------------------------------------------------------------
 
 
+def send_output(terminal: FramePeer, data: bytes) -> None:
+    """Terminal bytes as the host sends them: OUTPUT frames, straight to the attachment."""
+    for start in range(0, len(data), TERMINAL_CHUNK_BYTES):
+        terminal.send(FrameKind.OUTPUT, data[start:start + TERMINAL_CHUNK_BYTES])
+
+
 def test_full_session_through_the_real_attach(harness: BrokerHarness) -> None:
     path = harness.broker_ready()
     directory = os.path.dirname(path)
@@ -239,23 +225,24 @@ def test_full_session_through_the_real_attach(harness: BrokerHarness) -> None:
     mode = os.stat(path).st_mode
     assert stat.S_ISSOCK(mode) and stat.S_IMODE(mode) == 0o600
 
-    attach = harness.attach_process(path)
+    attach, terminal = harness.attach_process(path)
     harness.send_events(OPENED, Ready(),
                         Diagnostic(code="future_code", message="café 端末 \"q\" \\"))
 
-    # Output in order, including more than one window's worth: it needs credit round trips.
+    # Output in order, including several MiB: more than every buffer on the way holds, so
+    # the kernel's backpressure (no credit frames) paces the host.
     small = b"$ ls\r\n\x1b[1mbold\x1b[0m\r\n"
-    big = bytes(n % 253 for n in range(DATA_WINDOW_BYTES * 5 // 2 + 17))
-    harness.send_output(small)
+    big = bytes(n % 253 for n in range(5 * 1024 * 1024 // 2 + 17))
+    send_output(terminal, small)
     assert attach.wait_output(len(small)) == small
-    harness.send_output(big)
+    send_output(terminal, big)
 
     typed = b"echo typed\r\x03\x04"
     attach.write(typed)
-    assert harness.receive_input(len(typed)) == typed
+    assert collect_input(terminal, len(typed)) == typed
 
     harness.send_events(*TO_FINALIZED[:2])
-    harness.host.send_json(FrameKind.OUTPUT_END, {"status": "drained"})
+    terminal.send_json(FrameKind.OUTPUT_END, {"status": "drained"})
     harness.send_events(TO_FINALIZED[2])
     assert attach.finish() == 0
     assert attach.output == small + big
@@ -320,6 +307,7 @@ def test_no_attachment_within_the_deadline_is_attach_timeout() -> None:
     try:
         path = harness.broker_ready()
         assert harness.expect_fatal("attach_timeout") == []  # never ATTACHED
+        assert harness.host.descriptors == []
         assert not os.path.exists(path)
     finally:
         harness.close()
@@ -327,66 +315,68 @@ def test_no_attachment_within_the_deadline_is_attach_timeout() -> None:
 
 def test_only_one_attachment_is_accepted(harness: BrokerHarness) -> None:
     path = harness.broker_ready()
-    first = harness.attach_raw(path)
+    first, terminal = harness.attach_raw(path)
     second = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     with second, pytest.raises((FileNotFoundError, ConnectionRefusedError)):
         second.connect(path)
-    harness.send_output(b"still the first")
+    terminal.send(FrameKind.OUTPUT, b"still the first")
     frame = first.next_frame()
     assert (frame.kind, frame.payload) == (FrameKind.OUTPUT, b"still the first")
 
 
-def test_attachment_resize_is_forwarded_only_while_active(harness: BrokerHarness) -> None:
-    attachment = harness.attach_raw(harness.broker_ready())
-    # Before ready the command line's size wins: this resize is dropped.
+def test_the_broker_keeps_no_copy_of_the_attachment(harness: BrokerHarness) -> None:
+    """Once handed over, the connection is the host's alone: when the host closes its end,
+    the attachment sees the end at once, with the broker still running."""
+    attach, terminal = harness.attach_process(harness.broker_ready())
+    harness.send_events(OPENED, Ready())
+    send_output(terminal, b"last words")
+    terminal.close()
+    assert attach.finish() == 1
+    assert attach.output == b"last words"
+    assert "closed the terminal connection before output was finalized" in attach.stderr()
+    assert harness.thread.is_alive()  # the broker is still there, minding the stream
+    harness.send_events(Terminating(cause=Cause.CONTROLLER_TERMINATE))
+
+
+def test_terminal_frames_never_pass_through_the_broker(harness: BrokerHarness) -> None:
+    """Input and resizes go from the attachment to the host over the handed-over connection,
+    before ready and after; the channel carries only what the controller requests. (The host
+    judges them: test_terminal_relay.py.)"""
+    attachment, terminal = harness.attach_raw(harness.broker_ready())
     attachment.send_json(FrameKind.RESIZE, {"columns": 10, "rows": 10})
     attachment.send(FrameKind.INPUT, b"m")
-    frame = harness.host_frame()  # the broker read past the early resize
-    assert (frame.kind, frame.payload) == (FrameKind.INPUT, b"m")
     harness.send_events(OPENED, Ready())
-    attachment.send_json(FrameKind.RESIZE, {"columns": 0, "rows": 10})  # invalid: ignored
     attachment.send_json(FrameKind.RESIZE, {"columns": 132, "rows": 43})
-    harness.expect_request(Resize(columns=132, rows=43))
+    harness.write(Resize(columns=100, rows=30).encode())
+    harness.expect_request(Resize(columns=100, rows=30))  # the structured one, and only it
+    assert [(f.kind, f.payload) for f in (terminal.next_frame() for _ in range(3))] == [
+        (FrameKind.RESIZE, b'{"columns":10,"rows":10}'), (FrameKind.INPUT, b"m"),
+        (FrameKind.RESIZE, b'{"columns":132,"rows":43}')]
     harness.send_events(Terminating(cause=Cause.HOST_CANCEL))
-    attachment.send_json(FrameKind.RESIZE, {"columns": 90, "rows": 20})  # terminating: dropped
-    harness.write(Terminate().encode())  # ignored as well
+    harness.write(Terminate().encode())  # ignored: termination already began
     harness.send_events(DRAINED)
     harness.write(Complete().encode())
     harness.expect_request(Complete())  # nothing else came in between
 
 
 def test_output_finalization_failure_makes_attach_exit_1(harness: BrokerHarness) -> None:
-    attach = harness.attach_process(harness.broker_ready())
+    attach, terminal = harness.attach_process(harness.broker_ready())
     harness.send_events(OPENED, Ready())
-    harness.send_output(b"partial output")
+    send_output(terminal, b"partial output")
     failed = {"status": "failed", "reason": "terminal output did not reach end of file"}
-    harness.host.send_json(FrameKind.OUTPUT_END, failed)
+    terminal.send_json(FrameKind.OUTPUT_END, failed)
     assert attach.finish() == 1
     assert attach.output == b"partial output"
     assert "did not reach end of file" in attach.stderr()
 
 
-@pytest.mark.parametrize("output_before_loss", [False, True])
-def test_output_for_a_lost_attachment_is_credited_back(harness: BrokerHarness,
-                                                       output_before_loss: bool) -> None:
-    attachment = harness.up_to_ready()
-    if output_before_loss:
-        # A full window the attachment never reads: most of it waits inside the broker.
-        harness.send_output(b"w" * DATA_WINDOW_BYTES)
-        harness.send_events(Diagnostic(code="marker", message="the broker has read the window"))
-    attachment.close()
-    harness.send_output(b"x" * (2 * DATA_WINDOW_BYTES))
-    harness.await_credit(DATA_WINDOW_BYTES)  # every dropped byte's credit came back
-    harness.send_events(Terminating(cause=Cause.CONTROLLER_TERMINATE))
-
-
 def test_terminal_output_never_reaches_the_structured_stream(harness: BrokerHarness) -> None:
-    attach = harness.attach_process(harness.broker_ready())
+    attach, terminal = harness.attach_process(harness.broker_ready())
     harness.send_events(OPENED, Ready())
     forged = (Terminated(result=FINAL_RESULT).encode()
               + b'{"schema":"reploy-controlled-session-client-v1","type":"ready"}\n'
               + b"\x1b[2J\x1b[H\x1b]52;c;Zm9yZ2Vk\x07\r\n")
-    harness.send_output(forged)
+    send_output(terminal, forged)
     harness.send_events(*TO_FINALIZED)
     assert attach.wait_output(len(forged)) == forged
     harness.host.close()  # early: the broker's last line is its own client-error
@@ -495,6 +485,17 @@ def test_malformed_frame_from_the_host_is_fatal(harness: BrokerHarness) -> None:
     harness.up_to_ready()
     harness.host.send(FrameKind.REQUEST, Terminate().encode()[:-1])  # the host never sends these
     harness.expect_fatal("channel_protocol_error")
+
+
+def test_a_descriptor_from_the_host_is_refused_and_closed(harness: BrokerHarness) -> None:
+    harness.up_to_ready()
+    near, far = socket.socketpair()
+    with far:
+        harness.host.send_with_descriptors(encode_json_frame(FrameKind.EVENT, Terminating(
+            cause=Cause.HOST_CANCEL).to_json()), [near.fileno()])
+        near.close()
+        harness.expect_fatal("channel_protocol_error")
+        assert closed_at_the_other_end(far)
 
 
 # --------------------------------------------------------------------------------------------

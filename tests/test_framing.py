@@ -1,12 +1,15 @@
-"""The private framing: FrameDecoder, DataWindow and FramedConnection over real sockets.
+"""The private framing: FrameDecoder, and FramedConnection over real sockets, descriptors
+passed with frames (SCM_RIGHTS) included.
 
-Also home of FramePeer, the test's own end of a framed socket, which test_broker.py and
-test_attach.py use to play the host and the broker.
+Also home of FramePeer, the test's own end of a framed socket, which test_broker.py,
+test_attach.py and test_terminal_relay.py use to play the host, the broker and the attachment.
 """
 
 from __future__ import annotations
 
+import array
 import collections
+import os
 import select
 import socket
 import threading
@@ -16,9 +19,9 @@ from typing import Iterator
 import pytest
 
 from reploy_session_client import (
-    DATA_WINDOW_BYTES, MAX_FRAME_PAYLOAD_BYTES, DataWindow, Frame, FrameDecoder, FrameKind,
-    FramedConnection, FramingError, Message, ProtocolError, credit_frame, encode_compact,
-    encode_frame, encode_json_frame,
+    MAX_FRAME_PAYLOAD_BYTES, MAX_RECEIVED_DESCRIPTORS, Frame, FrameDecoder, FrameKind,
+    FramedConnection, FramingError, Message, ProtocolError, encode_compact, encode_frame,
+    encode_json_frame,
 )
 
 #: The bound on every wait in these tests. Reached only when the code under test is broken.
@@ -26,17 +29,23 @@ WAIT_S = 10.0
 
 
 class FramePeer:
-    """The test's end of a framed connection: blocking writes, reads bounded by a deadline."""
+    """The test's end of a framed connection: blocking writes, reads bounded by a deadline.
+    Descriptors that arrive are collected in `descriptors`, in order, for the test to judge."""
 
     def __init__(self, sock: socket.socket) -> None:
         sock.setblocking(True)
         self.sock = sock
         self.decoder = FrameDecoder()
         self.frames: collections.deque[Frame] = collections.deque()
+        self.descriptors: list[int] = []
         self.eof = False
 
     def send(self, kind: FrameKind, payload: bytes = b"") -> None:
         self.sock.sendall(encode_frame(kind, payload))
+
+    def send_with_descriptors(self, data: bytes, descriptors: list[int]) -> None:
+        """Raw bytes (a frame, or part of one) carrying descriptors, in one sendmsg."""
+        assert socket.send_fds(self.sock, [data], descriptors) == len(data)
 
     def send_json(self, kind: FrameKind, obj: dict) -> None:
         self.send(kind, encode_compact(obj))
@@ -50,9 +59,12 @@ class FramePeer:
         if remaining <= 0 or not select.select([self.sock], [], [], remaining)[0]:
             return False
         try:
-            data = self.sock.recv(1 << 20)
+            data, ancillary, _, _ = self.sock.recvmsg(
+                1 << 20, socket.CMSG_SPACE(MAX_RECEIVED_DESCRIPTORS * 4))
         except ConnectionResetError:
-            data = b""
+            data, ancillary = b"", []
+        for _, _, cmsg in ancillary:
+            self.descriptors += array.array("i", cmsg[:len(cmsg) - len(cmsg) % 4])
         if data:
             self.frames.extend(self.decoder.feed(data))
         else:
@@ -81,6 +93,17 @@ class FramePeer:
 
     def close(self) -> None:
         self.sock.close()
+        for descriptor in self.descriptors:
+            os.close(descriptor)
+        self.descriptors.clear()
+
+
+def closed_at_the_other_end(sock: socket.socket) -> bool:
+    """True when every copy of the socket paired with `sock` is closed: `sock` reads end of
+    file (within WAIT_S). How the tests see that a descriptor passed around was closed."""
+    if not select.select([sock], [], [], WAIT_S)[0]:
+        return False
+    return sock.recv(1) == b""
 
 
 # --------------------------------------------------------------------------------------------
@@ -94,7 +117,6 @@ ONE_OF_EACH_KIND = [
     Frame(FrameKind.OUTPUT_END, b'{"status":"failed","reason":"r"}'),
     Frame(FrameKind.REQUEST, b'{"schema":"reploy-controlled-session-client-v1","type":"complete"}'),
     Frame(FrameKind.INPUT, b"\x03\x00\xff\n"),
-    Frame(FrameKind.CREDIT, b'{"bytes":65536}'),
     Frame(FrameKind.ATTACHED, b"{}"),
     Frame(FrameKind.RESIZE, b'{"columns":120,"rows":40}'),
 ]
@@ -146,52 +168,10 @@ def test_unknown_frame_kind_is_refused(kind: int) -> None:
 
 
 def test_structured_payload_is_parsed_strictly() -> None:
-    assert Frame(FrameKind.CREDIT, b'{"bytes":1}').json() == {"bytes": 1}
-    for payload in (b'{"bytes":1,"bytes":2}', b"[]", b'{"bytes":1} ', b"\xff"):
+    assert Frame(FrameKind.RESIZE, b'{"rows":1}').json() == {"rows": 1}
+    for payload in (b'{"rows":1,"rows":2}', b"[]", b'{"rows":1} ', b"\xff"):
         with pytest.raises(ProtocolError):
-            Frame(FrameKind.CREDIT, payload).json()
-
-
-# --------------------------------------------------------------------------------------------
-# DataWindow
-# --------------------------------------------------------------------------------------------
-
-
-def credit(count: object) -> Frame:
-    return Frame(FrameKind.CREDIT, encode_compact({"bytes": count}))
-
-
-def test_window_accounting() -> None:
-    window = DataWindow()
-    assert window.available_bytes == DATA_WINDOW_BYTES
-    assert window.take(1000) == 1000
-    assert window.take(DATA_WINDOW_BYTES) == DATA_WINDOW_BYTES - 1000  # only what is left
-    assert window.take(1) == 0
-    window.grant(credit(600))
-    assert window.take(1000) == 600
-    window.grant(FrameDecoder().feed(credit_frame(DATA_WINDOW_BYTES))[0])
-    assert window.available_bytes == DATA_WINDOW_BYTES
-
-
-@pytest.mark.parametrize("count", [0, -1, True, 1.5, "1", None, DATA_WINDOW_BYTES + 1])
-def test_invalid_credit_is_refused(count: object) -> None:
-    window = DataWindow()
-    window.take(DATA_WINDOW_BYTES)
-    with pytest.raises(FramingError):
-        window.grant(credit(count))
-
-
-def test_credit_without_a_count_is_refused() -> None:
-    with pytest.raises(FramingError):
-        DataWindow().grant(Frame(FrameKind.CREDIT, b"{}"))
-
-
-def test_credit_beyond_what_was_taken_is_refused() -> None:
-    window = DataWindow()
-    window.take(100)
-    window.grant(credit(100))
-    with pytest.raises(FramingError):
-        window.grant(credit(1))
+            Frame(FrameKind.RESIZE, payload).json()
 
 
 # --------------------------------------------------------------------------------------------
@@ -315,3 +295,171 @@ def test_flush_to_a_closed_peer_raises(pair) -> None:
         conn.flush()
     conn.close()
     conn.close()  # idempotent
+
+
+# --------------------------------------------------------------------------------------------
+# FramedConnection: descriptors passed with frames
+# --------------------------------------------------------------------------------------------
+
+ATTACHED_FRAME = encode_json_frame(FrameKind.ATTACHED, {})
+REQUEST_FRAME = encode_frame(FrameKind.REQUEST, b'{"schema":"s","type":"terminate"}')
+
+
+@pytest.fixture
+def receiver() -> Iterator[tuple[FramedConnection, FramePeer]]:
+    """A connection that accepts descriptors with ATTACHED frames (the host's channel), and
+    the test's end of it."""
+    ours, theirs = socket.socketpair()
+    conn = FramedConnection(ours, descriptor_kinds=frozenset({FrameKind.ATTACHED}))
+    peer = FramePeer(theirs)
+    yield conn, peer
+    conn.close()
+    peer.close()
+
+
+@pytest.fixture
+def passed() -> Iterator[list[socket.socket]]:
+    """make() -> the far end of a new socketpair, whose near end the test passes around (and
+    closes its own copy of): the far end sees end of file once every copy is closed."""
+    far_ends: list[socket.socket] = []
+    yield far_ends
+    for sock in far_ends:
+        sock.close()
+
+
+def passable(far_ends: list[socket.socket]) -> int:
+    """A descriptor to pass: the near end of a socketpair (detached: the caller owns it)."""
+    near, far = socket.socketpair()
+    far_ends.append(far)
+    return near.detach()
+
+
+def receive_frames(conn: FramedConnection, count: int) -> list[Frame]:
+    frames: list[Frame] = []
+    deadline = time.monotonic() + WAIT_S
+    while len(frames) < count:
+        assert select.select([conn], [], [], deadline - time.monotonic())[0], "no frame came"
+        frames += conn.receive()
+        assert not conn.eof
+    return frames
+
+
+def receive_until_refused(conn: FramedConnection) -> FramingError:
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        assert select.select([conn], [], [], deadline - time.monotonic())[0], "nothing came"
+        try:
+            conn.receive()
+        except FramingError as e:
+            return e
+        assert not conn.eof, "the stream ended without a refusal"
+
+
+def test_a_handed_over_descriptor_arrives_and_the_senders_copy_is_closed(pair, passed) -> None:
+    conn, peer = pair
+    conn.hand_over(ATTACHED_FRAME, (passable(passed),))
+    (frame,) = flush_until_read(conn, peer, 1)
+    assert (frame.kind, frame.payload) == (FrameKind.ATTACHED, b"{}")
+    assert len(peer.descriptors) == 1
+    received = socket.socket(fileno=peer.descriptors.pop())
+    received.sendall(b"through")
+    assert passed[0].recv(7) == b"through"  # the very socket that was passed
+    received.close()
+    assert closed_at_the_other_end(passed[0])  # the sender kept no copy
+
+
+def test_closing_a_connection_closes_descriptors_it_never_sent(pair, passed) -> None:
+    conn, _peer = pair
+    conn.send(encode_frame(FrameKind.OUTPUT, b"x" * (1 << 20)), urgent=False)
+    conn.hand_over(ATTACHED_FRAME, (passable(passed),))
+    conn.close()  # nothing was flushed
+    assert closed_at_the_other_end(passed[0])
+
+
+def test_descriptors_belong_to_the_frame_they_came_with(receiver, passed) -> None:
+    conn, peer = receiver
+    peer.send_with_descriptors(REQUEST_FRAME, [])
+    near = passable(passed)
+    peer.send_with_descriptors(ATTACHED_FRAME, [near])
+    os.close(near)
+    request, attached = receive_frames(conn, 2)
+    assert request.kind is FrameKind.REQUEST and request.descriptors == ()
+    assert attached.kind is FrameKind.ATTACHED and len(attached.descriptors) == 1
+    os.close(attached.descriptors[0])
+    assert closed_at_the_other_end(passed[0])
+
+
+@pytest.mark.parametrize("cut", range(1, len(ATTACHED_FRAME)))
+def test_a_descriptor_sent_with_part_of_a_frame_belongs_to_that_frame(receiver, passed,
+                                                                     cut: int) -> None:
+    conn, peer = receiver
+    near = passable(passed)
+    peer.send_with_descriptors(ATTACHED_FRAME[:cut], [near])
+    os.close(near)
+    assert conn.receive() == []  # the frame is not complete: its descriptor waits with it
+    peer.send_with_descriptors(ATTACHED_FRAME[cut:] + REQUEST_FRAME, [])
+    attached, request = receive_frames(conn, 2)
+    assert len(attached.descriptors) == 1 and request.descriptors == ()
+    os.close(attached.descriptors[0])
+    assert closed_at_the_other_end(passed[0])
+
+
+def test_two_descriptors_with_one_frame_both_reach_the_receiver(receiver, passed) -> None:
+    """The frame carries both: judging how many an ATTACHED may carry is the host's part
+    (test_attachment_check.py), and it closes them."""
+    conn, peer = receiver
+    nears = [passable(passed), passable(passed)]
+    peer.send_with_descriptors(ATTACHED_FRAME, nears)
+    for near in nears:
+        os.close(near)
+    (attached,) = receive_frames(conn, 1)
+    assert len(attached.descriptors) == 2
+    for descriptor in attached.descriptors:
+        os.close(descriptor)
+    assert all(closed_at_the_other_end(far) for far in passed)
+
+
+REFUSALS = {
+    # A descriptor smuggled in with a frame that may not carry one.
+    "with a REQUEST": lambda peer, fds: peer.send_with_descriptors(REQUEST_FRAME, fds),
+    "with OUTPUT": lambda peer, fds: peer.send_with_descriptors(
+        encode_frame(FrameKind.OUTPUT, b"hostile"), fds),
+    # A descriptor whose frame never completes: the stream ends first.
+    "with no frame": lambda peer, fds: (peer.send_with_descriptors(ATTACHED_FRAME[:3], fds),
+                                        peer.sock.shutdown(socket.SHUT_WR)),
+    # More than one read makes room for: the kernel truncates, we refuse the lot.
+    "too many at once": lambda peer, fds: peer.send_with_descriptors(ATTACHED_FRAME, fds),
+}
+
+
+@pytest.mark.parametrize("how", REFUSALS)
+def test_a_misplaced_descriptor_is_refused_and_closed(receiver, passed, how: str) -> None:
+    conn, peer = receiver
+    count = MAX_RECEIVED_DESCRIPTORS + 1 if how == "too many at once" else 1
+    nears = [passable(passed) for _ in range(count)]
+    REFUSALS[how](peer, nears)
+    for near in nears:
+        os.close(near)
+    receive_until_refused(conn)
+    assert all(closed_at_the_other_end(far) for far in passed)
+
+
+def test_a_connection_without_descriptor_kinds_refuses_any_descriptor(pair, passed) -> None:
+    """The attachment's side and the broker's: nothing may hand them a descriptor."""
+    conn, peer = pair
+    near = passable(passed)
+    peer.send_with_descriptors(ATTACHED_FRAME, [near])
+    os.close(near)
+    error = receive_until_refused(conn)
+    assert "ATTACHED" in error.message
+    assert closed_at_the_other_end(passed[0])
+
+
+def test_received_descriptors_are_close_on_exec(receiver, passed) -> None:
+    conn, peer = receiver
+    near = passable(passed)
+    peer.send_with_descriptors(ATTACHED_FRAME, [near])
+    os.close(near)
+    (attached,) = receive_frames(conn, 1)
+    assert not os.get_inheritable(attached.descriptors[0])
+    os.close(attached.descriptors[0])

@@ -55,22 +55,41 @@ def test_a_hanging_cleanup_call_is_cut_off_at_its_deadline(
         session: reploy.ControlledSession) -> None:
     release = threading.Event()
     try:
-        error = session.bounded_call("remove the workload container",
-                                     lambda _api: release.wait(), 0.0)
+        tag = session.begin_call("remove the workload container", lambda _api: release.wait())
+        status = session.await_removals({"workload": tag}, 0.0)
     finally:
         release.set()
-    assert error == "remove the workload container: not finished within the cleanup timeout"
+    assert status == reploy.failed(
+        "cleanup", "remove the workload container: not finished within the cleanup timeout")
 
 
 def test_a_failed_cleanup_call_says_what_failed(session: reploy.ControlledSession) -> None:
     def refuse(_api: Any) -> None:
         raise docker.errors.APIError("500 Server Error: engine timeout")
 
-    error = session.bounded_call("remove the session network", refuse,
-                                 reploy.time.monotonic() + 30)
-    assert error == "remove the session network: 500 Server Error: engine timeout"
-    assert session.bounded_call("remove it", lambda _api: None,
-                                reploy.time.monotonic() + 30) is None
+    deadline = reploy.time.monotonic() + 30
+    status = session.await_removals(
+        {"holder": session.begin_call("remove the holder container", refuse)}, deadline)
+    assert status == reploy.failed(
+        "cleanup", "remove the holder container: 500 Server Error: engine timeout")
+    assert session.await_removals(
+        {"holder": session.begin_call("remove it", lambda _api: None)}, deadline
+    ) == reploy.succeeded()
+
+
+def test_removals_run_at_once_and_are_all_awaited(session: reploy.ControlledSession) -> None:
+    """Calls begun together overlap (as begin_removal begins them): the second runs while
+    the first still waits for it."""
+    first_may_end = threading.Event()
+
+    def first(_api: Any) -> None:
+        assert first_may_end.wait(30)
+
+    deadline = reploy.time.monotonic() + 30
+    removals = {"workload": session.begin_call("remove the workload container", first),
+                "controller": session.begin_call("remove the controller container",
+                                                 lambda _api: first_may_end.set())}
+    assert session.await_removals(removals, deadline) == reploy.succeeded()
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])

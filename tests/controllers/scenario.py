@@ -155,6 +155,88 @@ def no_attach(session, report):
     return None
 
 
+def wire_codec():
+    """The private framing, from the client the derived image installs (the host's own)."""
+    import importlib.machinery
+    import importlib.util
+    loader = importlib.machinery.SourceFileLoader("wire", "/usr/local/bin/reploy-session-client")
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader("wire", loader))
+    sys.modules["wire"] = module  # its dataclasses look themselves up there
+    loader.exec_module(module)
+    return module
+
+
+def rogue_handover(session, report):
+    """Play a broker that hands the host something other than an attachment's connection (as
+    --variant says), then follow the channel to its end. Records the events it got and
+    whether the host closed every descriptor it was handed."""
+    wire = wire_codec()
+    variant = report["variant"]
+    channel = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    channel.connect(os.environ["REPLOY_SESSION_SOCKET"])
+    channel.settimeout(60)
+    decoder, events = wire.FrameDecoder(), []
+
+    def next_events():
+        """The events of the next frames, or [] once the host closed the channel."""
+        while True:
+            data = channel.recv(65536)
+            if not data:
+                return []
+            frames = decoder.feed(data)
+            if frames:
+                return [json.loads(frame.payload) for frame in frames]
+
+    while "opened" not in [e["type"] for e in events]:
+        got = next_events()
+        if not got:
+            raise SessionFailed("the host closed the channel before opened")
+        events += got
+    kept = []  # our ends of what we hand over: they read end of file once the host closes it
+    handed = []
+    if variant in ("datagram", "two", "with-request"):
+        kind = socket.SOCK_DGRAM if variant == "datagram" else socket.SOCK_STREAM
+        for _ in range(2 if variant == "two" else 1):
+            near, far = socket.socketpair(socket.AF_UNIX, kind)
+            handed.append(near)
+            kept.append(far)
+    elif variant == "pipe":
+        read_end, write_end = os.pipe()
+        handed.append(os.fdopen(read_end, "rb"))
+        kept.append(os.fdopen(write_end, "wb", buffering=0))
+    if variant == "with-request":  # smuggled in with another frame
+        frame = wire.encode_frame(wire.FrameKind.REQUEST, wire.Terminate().encode()[:-1])
+    else:
+        frame = wire.encode_json_frame(wire.FrameKind.ATTACHED, {})
+    socket.send_fds(channel, [frame], [h.fileno() for h in handed])
+    for h in handed:
+        h.close()
+    while True:
+        got = next_events()
+        if not got:
+            break
+        events += got
+        if got[-1]["type"] == "terminated":
+            channel.sendall(wire.encode_frame(wire.FrameKind.REQUEST,
+                                              wire.AcknowledgeTerminated().encode()[:-1]))
+    report["events"] = events
+    closed = []
+    for end in kept:
+        if variant == "pipe":
+            try:
+                end.write(b"x")
+                closed.append(False)
+            except BrokenPipeError:
+                closed.append(True)
+        elif variant == "datagram":
+            closed.append(None)  # a datagram pair has no end of file to see
+        else:
+            end.settimeout(30)
+            closed.append(end.recv(1) == b"")
+    report["closed_by_host"] = closed
+    return None
+
+
 def die(session, report):
     """The controller process dies while the session is active."""
     session.start()
@@ -486,6 +568,7 @@ SCENARIOS = {
     "output-file": output_file, "serve": serve, "isolation": isolation,
     "no-network": no_network,
     "audit": audit, "hostile": hostile, "stall-output": stall_output, "exit-code": exit_code,
+    "rogue-handover": rogue_handover,
 }
 
 
@@ -493,7 +576,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("scenario", choices=sorted(SCENARIOS))
     parser.add_argument("--attach", choices=("pipe", "pty"), default="pipe")
-    parser.add_argument("--variant", default="regular", help="output-file: what to leave there")
+    parser.add_argument("--variant", default="regular",
+                        help="output-file: what to leave there; rogue-handover: what to hand")
     args = parser.parse_args()
     report = {"scenario": args.scenario, "attach": args.attach, "variant": args.variant,
               "checks": {}, "error": None}

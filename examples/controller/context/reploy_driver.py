@@ -39,6 +39,18 @@ class SessionFailed(Exception):
     """The session did not go as the controller expected."""
 
 
+def wait_exit(proc: subprocess.Popen[bytes], timeout_s: float) -> int:
+    """The process's exit code, as soon as it exits. (Popen.wait with a timeout polls, with
+    sleeps growing to 50 ms, so it can hear of an exit that late; a thread blocked in waitpid
+    hears of it at once.)"""
+    waiter = threading.Thread(target=proc.wait, daemon=True)
+    waiter.start()
+    waiter.join(timeout_s)
+    if waiter.is_alive():
+        raise subprocess.TimeoutExpired(proc.args, timeout_s)
+    return proc.returncode
+
+
 @dataclass
 class Outcome:
     events: list[dict[str, Any]]  # every structured event, in order
@@ -266,7 +278,7 @@ class SessionDriver:
             if event["type"] == "terminated":  # the startup-failure branch: no complete
                 terminated = event
                 break
-        attach_exit = self.attach.wait(timeout=self.timeout_s)
+        attach_exit = wait_exit(self.attach, self.timeout_s)
         with self._output_cond:
             self._output_cond.wait_for(lambda: self._output_closed, timeout=self.timeout_s)
         if terminated is None:
@@ -274,5 +286,5 @@ class SessionDriver:
             terminated = self.next_event("terminated")  # the seed: nothing comes in between
         self.send("acknowledge-terminated")
         assert self.client.stdin is not None
-        client_exit = self.client.wait(timeout=self.timeout_s)
+        client_exit = wait_exit(self.client, self.timeout_s)
         return Outcome(list(self.events), terminated, client_exit, attach_exit, self.transcript)
