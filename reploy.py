@@ -5884,8 +5884,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             emit(build(args.dir, backend))
         else:
             receipts = reconcile(DockerBackend(), args.workload_dir)
-            emit({"schema": CLEANUP_SCHEMA, "ok": all(r["cleanup_succeeded"] for r in receipts),
-                  "error": None, "receipts": receipts})
+            cleaned = all(r["cleanup_succeeded"] for r in receipts)
+            emit({"schema": CLEANUP_SCHEMA, "ok": cleaned, "error": None, "receipts": receipts})
+            if not cleaned:  # what remains is named in the receipts; the caller must see it
+                return EXIT_FAILED
     except ReployError as e:
         print(f"reploy: {args.command}: {e}", file=sys.stderr)
         emit({"schema": schema, "ok": False, "error": str(e)})

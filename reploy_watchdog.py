@@ -51,7 +51,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Union
 
@@ -663,8 +663,10 @@ def remove_owned(manifest: Manifest, client: Any) -> CleanupReport:
 
 def reconcile_manifest(manifest: Manifest, manifest_path: Path, trigger: str,
                        notes: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Act on one manifest: clean up, write the receipt, drop the manifest. Returns the
-    receipt; `notes` are errors found before cleaning (they make it a failed cleanup)."""
+    """Act on one manifest: clean up, write the receipt, and drop the manifest, or, when
+    something could not be removed, leave one naming only what remains, for the next
+    reconciliation. Returns the receipt; `notes` are errors found before cleaning (they make
+    it a failed cleanup)."""
     import docker
 
     try:
@@ -693,8 +695,17 @@ def reconcile_manifest(manifest: Manifest, manifest_path: Path, trigger: str,
         "errors": errors,
     }
     atomic_write_json(Path(manifest.receipt_path), receipt)
-    with contextlib.suppress(FileNotFoundError):
-        manifest_path.unlink()
+    if errors:
+        atomic_write_json(manifest_path, replace(
+            manifest, watchdog="",
+            containers={k: v for k, v in manifest.containers.items()
+                        if k not in report.removed_containers},
+            networks={k: v for k, v in manifest.networks.items()
+                      if k not in report.removed_networks},
+            paths=tuple(p for p in manifest.paths if p not in report.removed_paths)).to_json())
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            manifest_path.unlink()
     return receipt
 
 

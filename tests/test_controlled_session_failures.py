@@ -572,6 +572,9 @@ def test_cleanup_failure_is_a_fact_and_can_be_reconciled(docker_engine: Any,
     run.answer()
     try:
         code, result, _ = run.finish()
+        # While the path stays pinned, reconciling fails too, and says so in its exit code.
+        stuck = run_reploy("controlled-session", "cleanup", "--workload-dir",
+                           str(deployments["workload"]))
     finally:
         subprocess.run(["chattr", "-i", str(pin)], check=True)
     assert code == 1 and result["ok"] is False
@@ -579,8 +582,13 @@ def test_cleanup_failure_is_a_fact_and_can_be_reconciled(docker_engine: Any,
     assert result["delivery_tail_cleanup_status"]["kind"] == "failed"
     assert "pinned" in result["delivery_tail_cleanup_status"]["message"]
     assert result["delivery_tail_recovery_action"] == "reconcile-next-operation"
+    assert stuck.returncode == 1, stuck.stderr
+    stuck_report = json.loads(stuck.stdout)
+    assert stuck_report["ok"] is False
+    assert [r["cleanup_succeeded"] for r in stuck_report["receipts"]] == [False]
     proc = run_reploy("controlled-session", "cleanup", "--workload-dir",
                       str(deployments["workload"]))
+    assert proc.returncode == 0, proc.stderr
     [receipt] = json.loads(proc.stdout)["receipts"]
     assert receipt["run_id"] == manifest.run_id and receipt["cleanup_succeeded"] is True
     assert_nothing_left(docker_engine, deployments, manifest.run_id)

@@ -415,8 +415,11 @@ def test_a_dead_host_gets_its_receipt_even_without_an_engine(watchdog_dir: Path,
     host.wait()
     receipt_path = wd.receipt_path_for(str(tmp_path), RUN_A)
     manifest_path_a = wd.manifest_path_for(str(tmp_path), RUN_A)
-    wait_for(lambda: receipt_path.exists() and not manifest_path_a.exists(),
-             "the receipt, then the manifest dropped")
+    # What could not be removed stays in the manifest, for the next reconciliation.
+    wait_for(lambda: receipt_path.exists() and wd.Manifest.load(manifest_path_a).paths == (),
+             "the receipt, then the manifest narrowed to what remains")
+    remaining = wd.Manifest.load(manifest_path_a)
+    assert list(remaining.containers) == ["c" * 64] and remaining.watchdog == ""
     receipt = json.loads(receipt_path.read_text())
     assert set(receipt) == RECEIPT_FIELDS and receipt["run_id"] == RUN_A
     assert receipt["trigger"] == "host-exited" and receipt["cleanup_succeeded"] is False
