@@ -115,7 +115,6 @@ import signal
 import socket
 import stat
 import struct
-import subprocess
 import tarfile
 import tempfile
 import threading
@@ -1240,55 +1239,6 @@ def regular_file_size(dir_fd: int, name: str) -> Optional[int]:
     return st.st_size
 
 
-def remove_entry(dir_fd: int, name: str) -> None:
-    """Removes `name` from a directory, whatever it is, following no symlink: a directory with
-    everything below it. shutil.rmtree is fd-based too, but (Python 3.11) recurses once per
-    level: a tree a container nests a few thousand levels deep made it raise RecursionError,
-    and that session could never be deleted. Here the walk is a loop that keeps one fd open;
-    it climbs back through '..', checked against the identity it recorded on the way down."""
-    if not stat.S_ISDIR(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
-        os.unlink(name, dir_fd=dir_fd)
-        return
-    fd = os.open(name, agent_role.DIR_OPEN_FLAGS, dir_fd=dir_fd)
-    above: list[tuple[str, list[str], tuple[int, int]]] = []  # (name, parent's rest, parent's id)
-    try:
-        pending = _remove_files(fd)
-        while pending or above:
-            if pending:
-                below = pending.pop()
-                above.append((below, pending, _identity(fd)))
-                child = os.open(below, agent_role.DIR_OPEN_FLAGS, dir_fd=fd)
-                os.close(fd)
-                fd = child
-                pending = _remove_files(fd)
-                continue
-            below, pending, parent = above.pop()
-            up = os.open("..", agent_role.DIR_OPEN_FLAGS, dir_fd=fd)
-            os.close(fd)
-            fd = up
-            if _identity(fd) != parent:
-                raise ContainerPathError(errno.ESTALE, f"{name}: a directory moved during removal")
-            os.rmdir(below, dir_fd=fd)
-    finally:
-        os.close(fd)
-    os.rmdir(name, dir_fd=dir_fd)
-
-
-def _remove_files(dir_fd: int) -> list[str]:
-    """Unlinks every entry of a directory that is not a directory; returns the directories."""
-    with os.scandir(dir_fd) as scan:
-        entries = [(entry.name, entry.is_dir(follow_symlinks=False)) for entry in scan]
-    for name, is_dir in entries:
-        if not is_dir:
-            os.unlink(name, dir_fd=dir_fd)
-    return [name for name, is_dir in entries if is_dir]
-
-
-def _identity(fd: int) -> tuple[int, int]:
-    st = os.fstat(fd)
-    return st.st_dev, st.st_ino
-
-
 def publish_regular_file(staging: Path, destination: Path) -> None:
     """Hard-links the regular file DESTINATION.name of a staging dir at DESTINATION, never
     clobbering (FileExistsError). The entry is checked on an fd, and the link kept only if it
@@ -1299,22 +1249,12 @@ def publish_regular_file(staging: Path, destination: Path) -> None:
         try:
             os.link(destination.name, destination, src_dir_fd=staging_fd, follow_symlinks=False)
             linked = os.stat(destination, follow_symlinks=False)
-            if (linked.st_dev, linked.st_ino) != _identity(fd):
+            if (linked.st_dev, linked.st_ino) != reploy_watchdog.fd_identity(fd):
                 os.unlink(destination)
                 raise ContainerPathError(errno.ESTALE, f"{destination.name} changed while it was "
                                                        "published")
         finally:
             os.close(fd)
-
-
-def remove_tree(path: Path) -> None:
-    """rm -r PATH (see remove_entry), PATH's parent being the host's; FileNotFoundError when
-    there is nothing there."""
-    parent = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        remove_entry(parent, path.name)
-    finally:
-        os.close(parent)
 
 
 # ============================================================================================
@@ -2723,7 +2663,7 @@ class ControlledSession:
             path = getattr(self.owned, attribute)
             try:
                 if path is not None:
-                    remove_tree(path)
+                    reploy_watchdog.remove_tree(path)
                 setattr(self.owned, attribute, None)
             except FileNotFoundError:
                 setattr(self.owned, attribute, None)
@@ -4260,7 +4200,7 @@ class SessionManager:
         session_id = lease.record.id
         self._remove_containers(session_id)
         try:
-            remove_tree(self.config.session_dir(session_id))
+            reploy_watchdog.remove_tree(self.config.session_dir(session_id))
         except FileNotFoundError:
             pass
         except OSError as e:
@@ -4369,7 +4309,7 @@ class SessionManager:
                 for name in os.listdir(dir_fd):
                     if (name.startswith("checkpoint-") and name.endswith(".tar")
                             and name != record.archive):
-                        remove_entry(dir_fd, name)
+                        reploy_watchdog.remove_entry(dir_fd, name)
         except OSError as e:
             log(f"serve: session {record.id}: old checkpoint archives stay: {e}")
 
@@ -4399,7 +4339,7 @@ class SessionManager:
                              last_access=self.clock(), busy_at=None, idle_blocked_by=())
         if archive:  # the session dir holds the restored state now
             with contextlib.suppress(OSError), opened_dir(self.config.session_dir(record.id)) as fd:
-                remove_entry(fd, archive)
+                reploy_watchdog.remove_entry(fd, archive)
         return record
 
     def _relaunch_if_lost(self, session_id: str) -> bool:

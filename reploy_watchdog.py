@@ -38,14 +38,15 @@ import argparse
 import contextlib
 import datetime
 import enum
+import errno
 import fcntl
 import json
 import os
 import re
 import selectors
-import shutil
 import signal
 import socket
+import stat
 import struct
 import subprocess
 import sys
@@ -77,6 +78,8 @@ LABEL_RUN = "io.reploy.session.live-run"
 #: so orphans can be recognised by label alone once both processes are gone.
 LABEL_HOST = "io.reploy.session.host"
 LABEL_WATCHDOG = "io.reploy.session.watchdog"
+#: How removal opens a directory of a tree a container could write: never through a symlink.
+DIR_OPEN_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 #: The workload deployment directory, where the manifest and the receipts live.
 LABEL_WORKLOAD_DIR = "io.reploy.session.workload-dir"
 #: Names the runtime directory (absolute) instead of <tmp>/reploy-<uid>: tests and benchmarks
@@ -607,6 +610,66 @@ def channel_dir_for(workload_dir: str, run_id: str) -> Path:
 # ============================================================================================
 
 
+def remove_tree(path: Path) -> None:
+    """rm -r PATH (see remove_entry), PATH's parent being the host's; FileNotFoundError when
+    there is nothing there."""
+    parent = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        remove_entry(parent, path.name)
+    finally:
+        os.close(parent)
+
+
+def remove_entry(dir_fd: int, name: str) -> None:
+    """Removes `name` from a directory, whatever it is, following no symlink: a directory with
+    everything below it. shutil.rmtree is fd-based too, but (Python 3.11) recurses once per
+    level: a tree a container nests a few thousand levels deep made it raise RecursionError,
+    and that session could never be deleted. Here the walk is a loop that keeps one fd open;
+    it climbs back through '..', checked against the identity it recorded on the way down."""
+    if not stat.S_ISDIR(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
+        os.unlink(name, dir_fd=dir_fd)
+        return
+    fd = os.open(name, DIR_OPEN_FLAGS, dir_fd=dir_fd)
+    above: list[tuple[str, list[str], tuple[int, int]]] = []  # (name, parent's rest, parent's id)
+    try:
+        pending = _unlink_non_directories(fd)
+        while pending or above:
+            if pending:
+                below = pending.pop()
+                above.append((below, pending, fd_identity(fd)))
+                child = os.open(below, DIR_OPEN_FLAGS, dir_fd=fd)
+                os.close(fd)
+                fd = child
+                pending = _unlink_non_directories(fd)
+                continue
+            below, pending, parent = above.pop()
+            up = os.open("..", DIR_OPEN_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = up
+            if fd_identity(fd) != parent:
+                raise OSError(errno.ESTALE, f"{name}: a directory moved during removal")
+            os.rmdir(below, dir_fd=fd)
+    finally:
+        os.close(fd)
+    os.rmdir(name, dir_fd=dir_fd)
+
+
+def _unlink_non_directories(dir_fd: int) -> list[str]:
+    """Unlinks every entry of a directory that is not a directory; returns the directories."""
+    with os.scandir(dir_fd) as scan:
+        entries = [(entry.name, entry.is_dir(follow_symlinks=False)) for entry in scan]
+    for name, is_dir in entries:
+        if not is_dir:
+            os.unlink(name, dir_fd=dir_fd)
+    return [name for name, is_dir in entries if is_dir]
+
+
+def fd_identity(fd: int) -> tuple[int, int]:
+    """What names one file however it is reached: its device and inode."""
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
+
+
 def remove_owned(manifest: Manifest, client: Any) -> CleanupReport:
     """Remove what the manifest names and anything else labelled with its run; verify."""
     import docker.errors
@@ -648,7 +711,7 @@ def remove_owned(manifest: Manifest, client: Any) -> CleanupReport:
     for path in manifest.paths:
         if os.path.lexists(path):
             try:
-                shutil.rmtree(path)
+                remove_tree(Path(path))
                 report.removed_paths.append(path)
             except OSError as e:
                 report.errors.append(f"remove {path}: {e}")
@@ -679,7 +742,7 @@ def reconcile_manifest(manifest: Manifest, manifest_path: Path, trigger: str,
         report = CleanupReport(errors=[f"the Docker engine failed: {e}"])
         for path in manifest.paths:  # what needs no engine is still cleaned up
             with contextlib.suppress(OSError):
-                shutil.rmtree(path)
+                remove_tree(Path(path))
                 report.removed_paths.append(path)
     errors = [*notes, *report.errors]
     receipt = {

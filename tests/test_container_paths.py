@@ -24,6 +24,7 @@ import pytest
 
 import agent
 import reploy
+import reploy_watchdog
 from agent_fixtures.harness import AGENT_PY
 
 CANARY = b"CANARY-host-secret-0123456789\n"
@@ -289,8 +290,24 @@ def make_deep_tree(root: Path, depth: int) -> None:
 
 def test_a_tree_deeper_than_the_recursion_limit_is_removed(box: Path) -> None:
     make_deep_tree(box, sys.getrecursionlimit() * 3)
-    reploy.remove_tree(box)
+    reploy_watchdog.remove_tree(box)
     assert not os.path.lexists(box)
+
+
+def test_a_dead_hosts_deep_output_staging_is_removed_by_its_reconciliation(
+        box: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The watchdog and `controlled-session cleanup` remove a controller-written tree the same
+    way (here with no engine to answer, so only the paths can go)."""
+    make_deep_tree(box, sys.getrecursionlimit() * 3)
+    monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path}/no-engine.sock")
+    manifest_path = tmp_path / "manifest.json"
+    manifest = reploy_watchdog.Manifest(
+        run_id="f" * 32, host="", watchdog="", containers={}, networks={}, paths=(str(box),),
+        receipt_path=str(tmp_path / "receipt.json"))
+    receipt = reploy_watchdog.reconcile_manifest(manifest, manifest_path, "reconciled")
+    assert receipt["removed"]["paths"] == [str(box)] and not os.path.lexists(box)
+    assert receipt["cleanup_succeeded"] is False  # the engine's part could not be checked
+    assert reploy_watchdog.Manifest.load(manifest_path).paths == ()
 
 
 def test_removal_follows_no_link_and_empties_every_kind_of_entry(
@@ -306,7 +323,7 @@ def test_removal_follows_no_link_and_empties_every_kind_of_entry(
     make_socket(box / "sub" / "deeper" / "sock")
     os.link(box / "sub" / "fifo", box / "hard-link")
     (box / "sub" / "deeper").chmod(0o000)  # root removes it all the same
-    reploy.remove_tree(box)
+    reploy_watchdog.remove_tree(box)
     assert not os.path.lexists(box)
     assert canary.read_bytes() == CANARY and (outside / "keep").read_bytes() == b"keep"
     assert canary_socket.path.exists() and canary_socket.connections() == 0
@@ -319,14 +336,14 @@ def test_removing_an_entry_that_is_a_link_to_a_directory_removes_the_link_only(
     (outside / "keep").write_bytes(b"keep")
     (box / "checkpoint-x.tar").symlink_to(outside)
     with reploy.opened_dir(box) as dir_fd:
-        reploy.remove_entry(dir_fd, "checkpoint-x.tar")
+        reploy_watchdog.remove_entry(dir_fd, "checkpoint-x.tar")
     assert not os.path.lexists(box / "checkpoint-x.tar")
     assert (outside / "keep").read_bytes() == b"keep"
 
 
 def test_remove_tree_of_nothing_is_file_not_found(box: Path) -> None:
     with pytest.raises(FileNotFoundError):
-        reploy.remove_tree(box / "missing")
+        reploy_watchdog.remove_tree(box / "missing")
 
 
 # -- publication of a staged file --------------------------------------------------------------
