@@ -1869,7 +1869,7 @@ class ControlledSession:
                 self.result.error = f"plan rejected: the watchdog could not be armed: {e}"
                 self.result.controller_output = requested_output_status(self.options)
                 return self.result
-            self.selector.register(self.watchdog.link, selectors.EVENT_READ, "watchdog")
+            self.selector.register(self.watchdog.link, selectors.EVENT_READ, self.on_watchdog)
             try:
                 controller_image = self.plan_images()
             except (PlanRejected, BackendError, OSError) as e:
@@ -2231,7 +2231,7 @@ class ControlledSession:
         assert self.watchdog.link is not None
         self.selector.unregister(self.watchdog.link)
         if self.watchdog.rearm():
-            self.selector.register(self.watchdog.link, selectors.EVENT_READ, "watchdog")
+            self.selector.register(self.watchdog.link, selectors.EVENT_READ, self.on_watchdog)
 
     def on_notice(self, _mask: int) -> None:
         for tag, value in self.notifier.drain():

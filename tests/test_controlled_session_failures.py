@@ -189,7 +189,10 @@ def await_receipt(workload: Path, run_id: str) -> dict[str, Any]:
 
 
 def assert_cleaned_up_after_death(docker_engine: Any, deployments: dict[str, Path],
-                                  manifest: reploy_watchdog.Manifest) -> None:
+                                  manifest: reploy_watchdog.Manifest,
+                                  moment: str = "active") -> None:
+    """The run's receipt says the watchdog removed what the manifest named, and nothing of
+    the run remains; `moment` is the phase the host died in."""
     receipt = await_receipt(deployments["workload"], manifest.run_id)
     assert receipt["trigger"] == "host-exited", receipt
     assert receipt["cleanup_succeeded"] is True and receipt["errors"] == []
@@ -221,7 +224,7 @@ def test_watchdog_cleans_up_after_host_sigkill(docker_engine: Any, deployments: 
     assert str(watchdog_dir) in watchdog.cmdline()
     run.proc.kill()
     run.proc.wait()
-    assert_cleaned_up_after_death(docker_engine, deployments, manifest)
+    assert_cleaned_up_after_death(docker_engine, deployments, manifest, moment)
     assert wait_watchdog_exit(watchdog_dir)  # it served this session only: it is gone too
 
 
