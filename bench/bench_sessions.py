@@ -481,7 +481,6 @@ def measure(bench: Bench) -> list[dict[str, Any]]:
         log(f"host memory with {count} live session(s)")
         figures.append(figure(f"host_rss_per_session_{count}", "MiB", density_mib(bench, count),
                               sdk_rss_mib))
-    # SSE fan-out figures (DESIGN.md, Performance) join here once `reploy serve` exists.
     return figures
 
 
