@@ -13,6 +13,7 @@ neither fail nor sweep each other; in CI nothing else runs anyway.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -31,6 +32,9 @@ sys.path.insert(0, str(ROOT))
 LABEL_RUN = "io.reploy.session.live-run"
 LABEL_WORKLOAD_DIR = "io.reploy.session.workload-dir"
 LABEL_STATE_DIR = "io.reploy.serve.state-dir"
+LABEL_DEPLOYMENT = "io.reploy.deployment"
+#: How deep below the base temp dir a staged deployment's state file is looked for.
+STAGED_STATE_MAX_DEPTH = 6
 #: Where this run's `serve` processes keep their state (tests/serve_harness.py): short, for the
 #: unix socket paths under it, and named by this pytest process, so that a managed-session
 #: container tells which run it belongs to.
@@ -144,7 +148,7 @@ def remove_resource(client: Any, resource_id: str, kind: str) -> None:
 
 
 @pytest.fixture(scope="session")
-def docker_client() -> Any:
+def docker_client(tmp_path_factory: pytest.TempPathFactory) -> Any:
     import reploy_watchdog
 
     client = _engine()
@@ -152,7 +156,36 @@ def docker_client() -> Any:
     # starts clean; live sessions of other runs are not touched.
     reploy_watchdog.reconcile_orphans(client)
     yield client
+    remove_built_images(client, staged_deployment_ids(tmp_path_factory.getbasetemp()))
     client.close()
+
+
+def staged_deployment_ids(basetemp: Path) -> set[str]:
+    """The deployments this run staged: each `.reploy/state.json` a few levels below the base
+    temp dir (tests stage there). The walk stops at STAGED_STATE_MAX_DEPTH, so the deep trees
+    some tests build cost nothing."""
+    ids: set[str] = set()
+    pending = [(basetemp, 0)]
+    while pending:
+        directory, depth = pending.pop()
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            ids.add(json.loads((directory / ".reploy/state.json").read_text())["deployment_id"])
+        if depth < STAGED_STATE_MAX_DEPTH:
+            with contextlib.suppress(OSError), os.scandir(directory) as entries:
+                pending += [(Path(entry.path), depth + 1) for entry in entries
+                            if entry.is_dir(follow_symlinks=False)]
+    return ids
+
+
+def remove_built_images(client: Any, deployment_ids: set[str]) -> None:
+    """The images `build` made for those deployments, and the derived controller images made
+    from them (they carry the same label): a test run leaves no images of its own behind."""
+    import docker.errors
+
+    for image in client.api.images(filters={"label": LABEL_DEPLOYMENT}):
+        if (image.get("Labels") or {}).get(LABEL_DEPLOYMENT) in deployment_ids:
+            with contextlib.suppress(docker.errors.APIError):  # gone, or still in use
+                client.api.remove_image(image["Id"], force=True)
 
 
 @pytest.fixture
