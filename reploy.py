@@ -2836,15 +2836,15 @@ SSE_STATE_CHECK_S = 1.0
 #: exec: the HTTP call answers once the command ends; meanwhile each agent long-poll waits this
 #: long (under the agent's 5 s handler bound), and the client's connection is checked between.
 EXEC_POLL_MS = 4000
-DEFAULT_EXEC_TIMEOUT_MS = 60_000
-MAX_EXEC_TIMEOUT_MS = 24 * 3600 * 1000
-#: The agent's bounds (docs/agent.md): stdin travels in one request line, output is kept per
-#: stream up to the cap.
-MAX_EXEC_STDIN_BYTES = 512 * 1024
-DEFAULT_EXEC_OUTPUT_BYTES = 1024 * 1024
-MAX_EXEC_OUTPUT_BYTES = 4 * 1024 * 1024
-#: Files move through the agent's socket in chunks whose base64 fits its 1 MiB request line.
-TRANSFER_CHUNK_BYTES = 752 * 1024
+#: The agent's exec and transfer bounds (docs/agent.md), which it alone defines: stdin travels
+#: in one request line, output is kept per stream up to the cap, files move in chunks whose
+#: base64 fits its 1 MiB request line.
+DEFAULT_EXEC_TIMEOUT_MS = agent_role.DEFAULT_EXEC_TIMEOUT_MS
+MAX_EXEC_TIMEOUT_MS = agent_role.MAX_EXEC_TIMEOUT_MS
+MAX_EXEC_STDIN_BYTES = agent_role.MAX_EXEC_STDIN_BYTES
+DEFAULT_EXEC_OUTPUT_BYTES = agent_role.DEFAULT_EXEC_OUTPUT_CAP_BYTES
+MAX_EXEC_OUTPUT_BYTES = agent_role.MAX_EXEC_OUTPUT_CAP_BYTES
+TRANSFER_CHUNK_BYTES = agent_role.MAX_TRANSFER_CHUNK_BYTES
 MAX_UPLOAD_BYTES = 8 * 1024 * 1024 * 1024
 #: A listing answers at most this many entries (then `truncated`), gathered from at most this
 #: much of the agent's JSON (as many entries with the longest names and link targets fit).
