@@ -1537,8 +1537,11 @@ def command_processes(leader: int) -> dict[int, ProcessFacts]:
 
 
 def kill_command(leader: int) -> bool:
-    """SIGKILL to every process of an exec (see command_processes); True when any was still alive."""
-    alive = [pid for pid, facts in command_processes(leader).items() if not facts.zombie]
+    """SIGKILL to every process of an exec (see command_processes); True when any was still alive. The leader goes
+    first: a shell whose child died first could otherwise exit on its own (137) before its own SIGKILL arrives, and
+    the result would report an exit code where the command was killed."""
+    alive = sorted((pid for pid, facts in command_processes(leader).items() if not facts.zombie),
+                   key=lambda pid: pid != leader)
     for pid in alive:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
