@@ -31,6 +31,7 @@ import base64
 import codecs
 import collections
 import contextlib
+import ctypes
 import dataclasses
 import enum
 import errno
@@ -142,6 +143,10 @@ COPY_CHUNK_BYTES = 1 * MIB
 
 # exec: commands run beside the workload, each in its own process session
 MAX_RUNNING_EXECS = 8  #: one more is refused with server_unavailable
+#: kill_command's passes over an exec's processes: each pass kills what the last one found, and what they forked or
+#: orphaned meanwhile comes up in the next; a command forking faster than that is bounded by the pid limit.
+KILL_PASSES = 64
+PR_SET_CHILD_SUBREAPER = 36  #: prctl(2), linux/prctl.h
 MAX_FINISHED_EXECS = 64  #: finished results kept for exec_wait; the oldest goes first
 FINISHED_EXEC_KEEP_S = 300.0  #: a finished result nobody released is dropped after this
 DEFAULT_EXEC_TIMEOUT_MS = 60_000
@@ -1536,16 +1541,47 @@ def command_processes(leader: int) -> dict[int, ProcessFacts]:
     return {pid: table[pid] for pid in found}
 
 
-def kill_command(leader: int) -> bool:
-    """SIGKILL to every process of an exec (see command_processes); True when any was still alive. The leader goes
-    first: a shell whose child died first could otherwise exit on its own (137) before its own SIGKILL arrives, and
-    the result would report an exit code where the command was killed."""
-    alive = sorted((pid for pid, facts in command_processes(leader).items() if not facts.zombie),
-                   key=lambda pid: pid != leader)
-    for pid in alive:
+def kill_command(leader: int, leader_running: bool) -> bool:
+    """SIGKILL to every process of an exec (see command_processes); True when any was still alive.
+
+    A running leader is stopped first and killed last. Stopped, it can neither exit on its own (a shell whose child
+    died first would exit 137, and the result would report an exit code for a killed command) nor fork; and being
+    the exec's subreaper (spawn_exec), it takes in whatever a dying descendant orphans, so each pass finds those too,
+    until only the leader is left. A leader that has exited (and was reaped) is never signalled: its pid may be
+    another process's by now."""
+    if leader_running:
         with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    return bool(alive)
+            os.kill(leader, signal.SIGSTOP)
+    alive = False
+    for _ in range(KILL_PASSES):
+        others = [pid for pid, facts in command_processes(leader).items() if pid != leader and not facts.zombie]
+        if not others:
+            break
+        alive = True
+        for pid in others:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    if leader_running:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(leader, signal.SIGKILL)
+            alive = True
+    return alive
+
+
+def exec_preparer() -> Callable[[], None]:
+    """What an exec's child runs before exec: reset_child_signals, and PR_SET_CHILD_SUBREAPER, which execve keeps, so
+    that a descendant orphaned by its parent (a `(setsid cmd &)`) is re-parented to the command, not to the
+    container's init, and kill_command can still find it. libc is looked up here, in the agent, not in the child."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return reset_child_signals
+
+    def prepare() -> None:
+        reset_child_signals()
+        prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+    return prepare
 
 
 def signal_session(session_id: int, signum: int) -> None:
@@ -2678,7 +2714,7 @@ def spawn_exec(config: AgentConfig, params: ExecParams) -> subprocess.Popen[byte
         return subprocess.Popen(list(params.argv), stdin=subprocess.DEVNULL if params.stdin is None else subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
                                 cwd=f"/proc/self/fd/{cwd_fd}",  # the child's own copy of the confined fd
-                                start_new_session=True, preexec_fn=reset_child_signals)
+                                start_new_session=True, preexec_fn=exec_preparer())
     except OSError as e:
         raise CommandError(f"cannot run {params.argv[0]!r}: {e.strerror}") from e
     finally:
@@ -2775,7 +2811,7 @@ class ExecProcess:
         if self.ended_at is not None:
             return False
         self.killed = True
-        kill_command(self.proc.pid)
+        kill_command(self.proc.pid, leader_running=True)
         return True
 
     def tick(self, now: float) -> None:
@@ -2785,12 +2821,12 @@ class ExecProcess:
             self.ended_at, self.drain_until = now, now + PIPE_DRAIN_S
         elif self.ended_at is None and now >= self.timeout_at and not self.timed_out:
             self.timed_out = True
-            kill_command(self.proc.pid)
+            kill_command(self.proc.pid, leader_running=True)
         if self.ended_at is None:
             return
         # What the command left: killed on every pass until none is left, since a process forking while we
         # killed can leave a new one behind.
-        alive = kill_command(self.proc.pid)
+        alive = kill_command(self.proc.pid, leader_running=False)
         assert self.drain_until is not None
         if (not self._pipes and not alive) or now >= self.drain_until:
             self._finish(now)
@@ -2817,7 +2853,7 @@ class ExecProcess:
 
     def stop(self, now: float) -> None:
         """Shutdown: the whole command killed, reaped, its pipes closed."""
-        kill_command(self.proc.pid)
+        kill_command(self.proc.pid, leader_running=self.ended_at is None)
         self.proc.wait()
         self._finish(now)
 

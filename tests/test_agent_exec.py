@@ -75,6 +75,24 @@ def test_a_timeout_kills_everything_it_started(shell):
     assert marked(seconds) == []  # the result is final only once nothing of it is left
 
 
+@pytest.mark.parametrize("end", ["timeout", "exec_kill"])
+def test_an_orphan_that_left_the_session_is_killed_too(shell, end):
+    """`(setsid sleep &)`: the sleep leaves the session and its parent exits at once, so neither the session nor the
+    parent chain leads to it, unless the command is its subreaper."""
+    seconds = unique_sleep()
+    exec_id = exec_start(shell, ["sh", "-c", f"(setsid sleep {seconds} &); sleep {seconds}"],
+                         timeout_ms=60_000 if end == "exec_kill" else 3_000)
+    wait_until(lambda: sleeps(seconds) == 2, "both sleeps")
+    orphan = next(p for p in marked(seconds) if p.info["cmdline"][:1] == ["sleep"] and os.getsid(p.pid) == p.pid)
+    [leader] = [p for p in marked(seconds) if p.info["cmdline"][:2] == ["sh", "-c"]]
+    assert orphan.ppid() == leader.pid  # its own parent is gone: the command, its subreaper, took it in
+    if end == "exec_kill":
+        assert shell.result("exec_kill", exec_id=exec_id)["killed"] is True
+    result = exec_finish(shell, exec_id)
+    assert result["signal"] == "SIGKILL" and result["timed_out"] is (end == "timeout")
+    assert marked(seconds) == []
+
+
 def test_what_a_command_leaves_running_is_killed_when_it_exits(shell):
     seconds = unique_sleep()
     result = run_exec(shell, ["sh", "-c", f"sleep {seconds} > /dev/null 2>&1 & echo started"])
