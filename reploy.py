@@ -4811,23 +4811,22 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base's name
         pass  # request lines would only repeat what the client knows; errors are logged
 
-    def do_GET(self) -> None:
-        self.dispatch("GET")
+    def __getattr__(self, name: str) -> Callable[[], None]:
+        """do_METHOD for every method, so each request meets decide_access first: GET, POST,
+        PUT, DELETE, a CORS preflight (OPTIONS, refused like any foreign request) and also the
+        ones no route takes (HEAD, TRACE...), which the stdlib would answer 501 before the Host
+        check, and which end as 404 or 405 here."""
+        if not name.startswith("do_"):
+            raise AttributeError(name)
+        return lambda: self.dispatch(name[len("do_"):])
 
-    def do_POST(self) -> None:
-        self.dispatch("POST")
-
-    def do_DELETE(self) -> None:
-        self.dispatch("DELETE")
-
-    def do_PUT(self) -> None:
-        self.dispatch("PUT")
-
-    def do_PATCH(self) -> None:
-        self.dispatch("PATCH")
-
-    def do_OPTIONS(self) -> None:
-        self.dispatch("OPTIONS")  # a CORS preflight: refused like any other foreign request
+    def send_error(self, code: int, message: Optional[str] = None,
+                   explain: Optional[str] = None) -> None:
+        """The stdlib's own refusals (a request line or headers it cannot parse, before any
+        check can run) in the API's shape, on a connection that then closes."""
+        self.close_connection = True
+        self.send_json(code, {"error": message or http.HTTPStatus(code).phrase},
+                       {"Connection": "close"})
 
     def end_headers(self) -> None:
         self.send_header("Referrer-Policy", "no-referrer")
@@ -4899,7 +4898,8 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
         for name, value in (headers or {}).items():
             self.send_header(name, value)
         self.end_headers()
-        self.wfile.write(data)
+        if self.command != "HEAD":  # a HEAD answer is the headers alone
+            self.wfile.write(data)
 
     def send_login(self) -> None:
         """The login path's answer: the cookie, and a redirect to a URL without the token

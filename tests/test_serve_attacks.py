@@ -245,6 +245,48 @@ def test_dns_rebinding_with_and_without_a_cookie(serve_factory: Callable[..., Se
     assert b"rebound" not in api.read_all(sid)
 
 
+def test_methods_without_a_route_meet_the_same_checks(
+        serve_factory: Callable[..., ServeProcess]) -> None:
+    """HEAD, TRACE, WebDAV's verbs: no route takes them, yet a foreign Host still gets 421,
+    and every refusal is {"error": ...} (the stdlib's own answer is a 501 HTML page, sent
+    before the Host is looked at)."""
+    server = serve_factory()
+    api, port = server.api, server.api.port
+    for method in ("HEAD", "TRACE", "PROPFIND", "BREW"):
+        for path in ("/", "/api/v1/sessions", "/login"):
+            status, headers, raw = api.request(method, path, headers={"Host": f"evil.example:{port}"})
+            assert status == 421, (method, path, status)
+            assert headers["content-type"] == "application/json"
+            if method != "HEAD":  # a HEAD answer has the headers only
+                assert set(json.loads(raw)) == {"error"}, raw
+        assert api.request(method, "/api/v1/sessions", auth=False)[0] == 401, method
+        assert api.request(method, "/api/v1/sessions", headers={
+            "Origin": "http://evil.example"})[0] == 403, method
+        status, headers, raw = api.request(method, "/api/v1/sessions")
+        assert status == 405 and set(headers["allow"].split(", ")) == {"GET", "POST"}, (
+            method, status, headers)
+    # The connection stays usable after a HEAD: its answer carried no body.
+    conn = http.client.HTTPConnection(api.host, port, timeout=60)
+    try:
+        for method in ("HEAD", "GET"):
+            conn.request(method, "/api/v1/sessions", headers=api.auth_headers)
+            response = conn.getresponse()
+            assert (method, response.status) in (("HEAD", 405), ("GET", 200))
+            assert (response.read() == b"") == (method == "HEAD")
+    finally:
+        conn.close()
+    # What the stdlib refuses before any check can run (a header line over its 64 KiB) is JSON
+    # too. The line ends where the stdlib stops reading, so no unread byte resets the answer.
+    with socket.create_connection((api.host, port), timeout=60) as raw_client:
+        raw_client.sendall(b"GET / HTTP/1.1\r\n" + b"X-Long: ".ljust(65537, b"a"))
+        answer = b""
+        while chunk := raw_client.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 431 ") and b"Content-Type: application/json" in head
+    assert set(json.loads(body)) == {"error"}, answer
+
+
 def test_credentials_login_and_headers(serve_factory: Callable[..., ServeProcess]) -> None:
     server = serve_factory()
     api, token, base = server.api, server.ready["token"], server.ready["url"]
