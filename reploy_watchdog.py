@@ -1164,6 +1164,7 @@ def start_watchdog(runtime: Path, deadline: float) -> None:
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="reploy_watchdog")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     p_serve = commands.add_parser("serve", help="be this runtime directory's watchdog")
     p_serve.add_argument("--runtime-dir", type=Path, required=True)

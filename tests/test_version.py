@@ -28,6 +28,7 @@ def test_the_four_role_files_carry_one_version() -> None:
     ("reploy.py", "reploy"),
     ("reploy_session_client.py", "reploy-session-client"),
     ("agent.py", "agent.py"),
+    ("reploy_watchdog.py", "reploy_watchdog"),
 ])
 def test_version_flag_prints_it_and_exits_0(script: str, prog: str) -> None:
     # An engine address that cannot answer: --version must not need Docker.
