@@ -5472,24 +5472,29 @@ class ApiCallError(ReployError):
 def run_session_client(args: argparse.Namespace, token: Optional[str]) -> int:
     """`reploy session ACTION`: one API call, its JSON document on stdout; exit 1 on an error
     status (the document then carries `error` and `status`). `exec --raw` instead passes the
-    command's output through and exits with its code; `cp` copies files."""
+    command's output through and exits with its code; `cp` copies files (to `-`, stdout
+    carries only the data and an error goes to stderr)."""
     client = ApiClient(args.server, token)
     raw = args.session_action == "exec" and args.raw
+    # `cp ID:PATH -` streams the data itself to stdout: no summary line may follow it there.
+    data_to_stdout = args.session_action == "cp" and args.copy_destination == (None, "", "-")
     try:
         if args.session_action == "cp":
-            emit(copy_files(client, args.copy_source, args.copy_destination))
+            summary = copy_files(client, args.copy_source, args.copy_destination)
+            if not data_to_stdout:
+                emit(summary)
             return EXIT_OK
         method, path, body = client_request(args)
         timeout_s = body["timeoutMs"] / 1000 + 60 if args.session_action == "exec" else 120
         document = client.json(method, path, body, timeout_s)
     except ApiCallError as e:
         if not raw:
-            emit(e.document)
+            emit(e.document, to_stderr=data_to_stdout)
             return EXIT_FAILED
         print(f"reploy: session exec: {e}", file=sys.stderr)
         return 126 if e.document["status"] == 422 else EXIT_FAILED  # 126: cannot run, as docker exec
     except (ReployError, OSError) as e:
-        emit({"error": str(e), "status": None})
+        emit({"error": str(e), "status": None}, to_stderr=data_to_stdout)
         return EXIT_FAILED
     if not raw:
         emit(document)
@@ -5767,9 +5772,10 @@ def parse_run_options(args: argparse.Namespace, command: list[str]) -> RunOption
         timeouts_ms=timeouts, command=tuple(command))
 
 
-def emit(obj: dict[str, Any]) -> None:
-    sys.stdout.buffer.write(wire.encode_compact(printable_json(obj)) + b"\n")
-    sys.stdout.buffer.flush()
+def emit(obj: dict[str, Any], to_stderr: bool = False) -> None:
+    stream = sys.stderr if to_stderr else sys.stdout
+    stream.buffer.write(wire.encode_compact(printable_json(obj)) + b"\n")
+    stream.buffer.flush()
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -195,6 +195,13 @@ def test_files_in_and_out(serve_factory: Callable[..., ServeProcess], docker_eng
     assert (out / "sub/b.sh").stat().st_mode & 0o777 == 0o755
     proc = cli(server, "cp", f"{sid}:tree/a.txt", str(tmp_path))
     assert proc.returncode == 0 and (tmp_path / "a.txt").read_text() == "alpha\n"
+    # To stdout (`-`) the data is all there is: a file's bytes, a directory's tar, no summary line.
+    proc = cli(server, "cp", f"{sid}:tree/a.txt", "-")
+    assert proc.returncode == 0 and proc.stdout == b"alpha\n", proc.stderr
+    proc = cli(server, "cp", f"{sid}:tree", "-")
+    with tarfile.open(fileobj=io.BytesIO(proc.stdout)) as archive:
+        assert sorted(archive.getnames()) == ["a.txt", "link", "sub", "sub/b.sh"]
+    assert proc.stdout.endswith(b"\0" * 512)
     # A directory downloads as a tar; the home is reachable too.
     status, data, content_type = get(api, sid, "tree")
     with tarfile.open(fileobj=io.BytesIO(data)) as archive:
