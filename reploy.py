@@ -5496,6 +5496,9 @@ def run_session_client(args: argparse.Namespace, token: Optional[str]) -> int:
     except (ReployError, OSError) as e:
         emit({"error": str(e), "status": None}, to_stderr=data_to_stdout)
         return EXIT_FAILED
+    except KeyboardInterrupt:  # Ctrl-C: the dropped connection ends the exec or transfer in the session
+        print(f"reploy: session {args.session_action}: interrupted", file=sys.stderr)
+        return EXIT_FOR_SIGNAL[signal.SIGINT]
     if not raw:
         emit(document)
         return EXIT_OK

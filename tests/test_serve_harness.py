@@ -11,6 +11,7 @@ import http.client
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 import tarfile
@@ -287,3 +288,14 @@ def test_session_exec_cli(serve_factory: Callable[..., ServeProcess], docker_eng
     assert missing.returncode == 126 and b"cannot run" in missing.stderr and missing.stdout == b""
     usage = cli(server, "exec", sid, "--", )
     assert usage.returncode == 2 and usage.stdout == b""
+    # Ctrl-C: exit 130 with a one-line message (no traceback), and the command goes with the connection.
+    marker = f"302.{uuid.uuid4().int % 10**9:09d}"
+    interrupted = subprocess.Popen([sys.executable, str(ROOT / "reploy.py"), "session", "exec", "--server",
+                                    server.ready["url"], sid, "--", "sleep", marker],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=server.client_env())
+    wait_until(lambda: any(marker in c for c in container_commands(docker_engine, server, sid)), "the sleep")
+    interrupted.send_signal(signal.SIGINT)
+    out, err = interrupted.communicate(timeout=30)
+    assert (interrupted.returncode, out, err) == (130, b"", b"reploy: session exec: interrupted\n")
+    wait_until(lambda: not any(marker in c for c in container_commands(docker_engine, server, sid)),
+               "the sleep to be killed after the CLI was interrupted")
