@@ -3831,22 +3831,23 @@ def decide_access(method: str, target: str, headers: Sequence[tuple[str, str]],
     has_body = (_single_header(headers, "content-length") or "0").strip() != "0" or (
         _single_header(headers, "transfer-encoding") is not None)
     content_type = _single_header(headers, "content-type")
-    if has_body and not (_is_json_media_type(content_type)
-                         or _takes_raw_body(method, path, content_type)):
-        raise UnsupportedMediaType("request bodies must be Content-Type: application/json")
+    raw_types = _raw_body_types(method, path)
+    media_type = (content_type or "").partition(";")[0].strip().lower()
+    if has_body and not (_is_json_media_type(content_type) or media_type in raw_types):
+        raise UnsupportedMediaType("request bodies must be Content-Type: "
+                                   + " or ".join(raw_types or ("application/json",)))
     return Access.ROUTE
 
 
-def _takes_raw_body(method: str, path: str, content_type: Optional[str]) -> bool:
-    """Whether the request goes to a route that takes raw bytes (RAW_BODY_ROUTES: the upload
-    route) in one of its content types. Those are not CORS-safelisted, and PUT never is, so a
-    page elsewhere still cannot send them without a preflight, which gets no CORS answer."""
+def _raw_body_types(method: str, path: str) -> tuple[str, ...]:
+    """The content types of raw bytes the request's route takes (RAW_BODY_ROUTES: the upload
+    route), else none. Those are not CORS-safelisted, and PUT never is, so a page elsewhere
+    still cannot send them without a preflight, which gets no CORS answer."""
     try:
         handler, _ = match_route(method, path[len(API_PREFIX):])
     except ServeError:
-        return False
-    media_type = (content_type or "").partition(";")[0].strip().lower()
-    return media_type in RAW_BODY_ROUTES.get(handler, ())
+        return ()
+    return RAW_BODY_ROUTES.get(handler, ())
 
 
 # ============================================================================================
