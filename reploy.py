@@ -5457,6 +5457,36 @@ class ApiClient:
             raise ApiCallError({"error": f"no answer from {self.server}: "
                                          f"{getattr(e, 'reason', e)}", "status": None}) from None
 
+    def upload(self, path: str, source: Any, headers: dict[str, str], timeout_s: float) -> dict[str, Any]:
+        """PUT a streamed body and return the JSON answer. Unlike urlopen, it still reads an
+        answer the server sent before taking the whole body (a 507 or 413 checked up front)."""
+        import http.client
+
+        url = urllib.parse.urlsplit(self.server.rstrip("/") + API_PREFIX + path)
+        connection_type = http.client.HTTPSConnection if url.scheme == "https" else http.client.HTTPConnection
+        connection = connection_type(url.hostname, url.port, timeout=timeout_s,
+                                     blocksize=TRANSFER_CHUNK_BYTES)
+        if self.token is not None:
+            headers = {**headers, "Authorization": f"Bearer {self.token}"}
+        try:
+            try:
+                connection.request("PUT", url.path + (f"?{url.query}" if url.query else ""), source, headers)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # refused before the whole body was sent: its answer is waiting
+            response = connection.getresponse()
+            status, raw = response.status, response.read()
+        except (OSError, http.client.HTTPException) as e:
+            raise ApiCallError({"error": f"no answer from {self.server}: {e}", "status": None}) from None
+        finally:
+            connection.close()
+        try:
+            document = json.loads(raw)
+        except ValueError:
+            document = {"error": f"HTTP {status}"}
+        if status >= 400:
+            raise ApiCallError({**document, "status": status})
+        return document
+
     def json(self, method: str, path: str, body: Optional[dict[str, Any]] = None,
              timeout_s: float = 120) -> dict[str, Any]:
         data = wire.encode_compact(body) if body is not None else None
@@ -5613,10 +5643,9 @@ def copy_to_session(client: ApiClient, local: str, session_id: str, root: str,
             size_bytes = source.seek(0, os.SEEK_END)
             source.seek(0)
             content_type = "application/x-tar" if kind == "tree" else "application/octet-stream"
-            with client.open("PUT", _file_route("files", session_id, root, path, mode), source,
-                             {"Content-Type": content_type, "Content-Length": str(size_bytes)},
-                             timeout_s=600) as response:
-                result = json.loads(response.read())
+            result = client.upload(_file_route("files", session_id, root, path, mode), source,
+                                   {"Content-Type": content_type, "Content-Length": str(size_bytes)},
+                                   timeout_s=600)
     return {"source": local, "destination": f"{session_id}:{path}", "kind": kind,
             "bytes": size_bytes, "result": result}
 

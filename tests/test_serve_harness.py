@@ -214,6 +214,10 @@ def test_files_in_and_out(serve_factory: Callable[..., ServeProcess], docker_eng
     with open(big, "rb") as body:
         status, error = put(api, sid, "huge.bin", io.BytesIO(body.read(60 << 20)), 60 << 20, query="?root=home")
     assert status == 507 and "not enough space" in error["error"]
+    # The CLI reads that early answer too, though the server refused before taking the body.
+    proc = cli(server, "cp", str(big), f"{sid}:~/huge.bin")
+    assert proc.returncode == 1 and json.loads(proc.stdout)["status"] == 507, proc.stdout
+    assert "not enough space" in json.loads(proc.stdout)["error"]
     assert sh(api, sid, 'ls -A "$HOME"') == ".profile\n"
 
 
