@@ -5076,8 +5076,7 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
         self.send_header("Content-Disposition",
                          f"attachment; filename*=UTF-8''{urllib.parse.quote(name)}")
         self.send_header("Cache-Control", "no-store")
-        self.send_header("X-Content-Type-Options", "nosniff")
-        self.end_headers()
+        self.end_headers()  # adds nosniff, as on every answer
         try:
             for chunk in chunks:
                 self.wfile.write(chunk)

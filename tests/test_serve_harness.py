@@ -208,6 +208,11 @@ def test_files_in_and_out(serve_factory: Callable[..., ServeProcess], docker_eng
     with tarfile.open(fileobj=io.BytesIO(data)) as archive:
         assert sorted(archive.getnames()) == ["a.txt", "link", "sub", "sub/b.sh"]
     assert content_type == "application/x-tar"
+    conn = http.client.HTTPConnection(api.host, api.port, timeout=120)
+    conn.request("GET", f"/api/v1/sessions/{sid}/files/tree/a.txt", headers=api.auth_headers)
+    response = conn.getresponse()
+    assert response.read() == b"alpha\n" and response.headers.get_all("X-Content-Type-Options") == ["nosniff"]
+    conn.close()
     assert put(api, sid, ".profile", b"export X=1\n", 11, query="?root=home")[0] == 201
     assert sh(api, sid, 'cat "$HOME/.profile"') == "export X=1\n"
     # The home is a 64 MiB tmpfs: 60 MiB would leave less than the agent keeps free.
