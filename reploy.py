@@ -3831,22 +3831,23 @@ def decide_access(method: str, target: str, headers: Sequence[tuple[str, str]],
     has_body = (_single_header(headers, "content-length") or "0").strip() != "0" or (
         _single_header(headers, "transfer-encoding") is not None)
     content_type = _single_header(headers, "content-type")
-    if has_body and not (_is_json_media_type(content_type)
-                         or _takes_raw_body(method, path, content_type)):
-        raise UnsupportedMediaType("request bodies must be Content-Type: application/json")
+    raw_types = _raw_body_types(method, path)
+    media_type = (content_type or "").partition(";")[0].strip().lower()
+    if has_body and not (_is_json_media_type(content_type) or media_type in raw_types):
+        raise UnsupportedMediaType("request bodies must be Content-Type: "
+                                   + " or ".join(raw_types or ("application/json",)))
     return Access.ROUTE
 
 
-def _takes_raw_body(method: str, path: str, content_type: Optional[str]) -> bool:
-    """Whether the request goes to a route that takes raw bytes (RAW_BODY_ROUTES: the upload
-    route) in one of its content types. Those are not CORS-safelisted, and PUT never is, so a
-    page elsewhere still cannot send them without a preflight, which gets no CORS answer."""
+def _raw_body_types(method: str, path: str) -> tuple[str, ...]:
+    """The content types of raw bytes the request's route takes (RAW_BODY_ROUTES: the upload
+    route), else none. Those are not CORS-safelisted, and PUT never is, so a page elsewhere
+    still cannot send them without a preflight, which gets no CORS answer."""
     try:
         handler, _ = match_route(method, path[len(API_PREFIX):])
     except ServeError:
-        return False
-    media_type = (content_type or "").partition(";")[0].strip().lower()
-    return media_type in RAW_BODY_ROUTES.get(handler, ())
+        return ()
+    return RAW_BODY_ROUTES.get(handler, ())
 
 
 # ============================================================================================
@@ -5075,8 +5076,7 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
         self.send_header("Content-Disposition",
                          f"attachment; filename*=UTF-8''{urllib.parse.quote(name)}")
         self.send_header("Cache-Control", "no-store")
-        self.send_header("X-Content-Type-Options", "nosniff")
-        self.end_headers()
+        self.end_headers()  # adds nosniff, as on every answer
         try:
             for chunk in chunks:
                 self.wfile.write(chunk)
@@ -5456,6 +5456,36 @@ class ApiClient:
             raise ApiCallError({"error": f"no answer from {self.server}: "
                                          f"{getattr(e, 'reason', e)}", "status": None}) from None
 
+    def upload(self, path: str, source: Any, headers: dict[str, str], timeout_s: float) -> dict[str, Any]:
+        """PUT a streamed body and return the JSON answer. Unlike urlopen, it still reads an
+        answer the server sent before taking the whole body (a 507 or 413 checked up front)."""
+        import http.client
+
+        url = urllib.parse.urlsplit(self.server.rstrip("/") + API_PREFIX + path)
+        connection_type = http.client.HTTPSConnection if url.scheme == "https" else http.client.HTTPConnection
+        connection = connection_type(url.hostname, url.port, timeout=timeout_s,
+                                     blocksize=TRANSFER_CHUNK_BYTES)
+        if self.token is not None:
+            headers = {**headers, "Authorization": f"Bearer {self.token}"}
+        try:
+            try:
+                connection.request("PUT", url.path + (f"?{url.query}" if url.query else ""), source, headers)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # refused before the whole body was sent: its answer is waiting
+            response = connection.getresponse()
+            status, raw = response.status, response.read()
+        except (OSError, http.client.HTTPException) as e:
+            raise ApiCallError({"error": f"no answer from {self.server}: {e}", "status": None}) from None
+        finally:
+            connection.close()
+        try:
+            document = json.loads(raw)
+        except ValueError:
+            document = {"error": f"HTTP {status}"}
+        if status >= 400:
+            raise ApiCallError({**document, "status": status})
+        return document
+
     def json(self, method: str, path: str, body: Optional[dict[str, Any]] = None,
              timeout_s: float = 120) -> dict[str, Any]:
         data = wire.encode_compact(body) if body is not None else None
@@ -5472,25 +5502,33 @@ class ApiCallError(ReployError):
 def run_session_client(args: argparse.Namespace, token: Optional[str]) -> int:
     """`reploy session ACTION`: one API call, its JSON document on stdout; exit 1 on an error
     status (the document then carries `error` and `status`). `exec --raw` instead passes the
-    command's output through and exits with its code; `cp` copies files."""
+    command's output through and exits with its code; `cp` copies files (to `-`, stdout
+    carries only the data and an error goes to stderr)."""
     client = ApiClient(args.server, token)
     raw = args.session_action == "exec" and args.raw
+    # `cp ID:PATH -` streams the data itself to stdout: no summary line may follow it there.
+    data_to_stdout = args.session_action == "cp" and args.copy_destination == (None, "", "-")
     try:
         if args.session_action == "cp":
-            emit(copy_files(client, args.copy_source, args.copy_destination))
+            summary = copy_files(client, args.copy_source, args.copy_destination)
+            if not data_to_stdout:
+                emit(summary)
             return EXIT_OK
         method, path, body = client_request(args)
         timeout_s = body["timeoutMs"] / 1000 + 60 if args.session_action == "exec" else 120
         document = client.json(method, path, body, timeout_s)
     except ApiCallError as e:
         if not raw:
-            emit(e.document)
+            emit(e.document, to_stderr=data_to_stdout)
             return EXIT_FAILED
         print(f"reploy: session exec: {e}", file=sys.stderr)
         return 126 if e.document["status"] == 422 else EXIT_FAILED  # 126: cannot run, as docker exec
     except (ReployError, OSError) as e:
-        emit({"error": str(e), "status": None})
+        emit({"error": str(e), "status": None}, to_stderr=data_to_stdout)
         return EXIT_FAILED
+    except KeyboardInterrupt:  # Ctrl-C: the dropped connection ends the exec or transfer in the session
+        print(f"reploy: session {args.session_action}: interrupted", file=sys.stderr)
+        return EXIT_FOR_SIGNAL[signal.SIGINT]
     if not raw:
         emit(document)
         return EXIT_OK
@@ -5604,10 +5642,9 @@ def copy_to_session(client: ApiClient, local: str, session_id: str, root: str,
             size_bytes = source.seek(0, os.SEEK_END)
             source.seek(0)
             content_type = "application/x-tar" if kind == "tree" else "application/octet-stream"
-            with client.open("PUT", _file_route("files", session_id, root, path, mode), source,
-                             {"Content-Type": content_type, "Content-Length": str(size_bytes)},
-                             timeout_s=600) as response:
-                result = json.loads(response.read())
+            result = client.upload(_file_route("files", session_id, root, path, mode), source,
+                                   {"Content-Type": content_type, "Content-Length": str(size_bytes)},
+                                   timeout_s=600)
     return {"source": local, "destination": f"{session_id}:{path}", "kind": kind,
             "bytes": size_bytes, "result": result}
 
@@ -5767,9 +5804,10 @@ def parse_run_options(args: argparse.Namespace, command: list[str]) -> RunOption
         timeouts_ms=timeouts, command=tuple(command))
 
 
-def emit(obj: dict[str, Any]) -> None:
-    sys.stdout.buffer.write(wire.encode_compact(printable_json(obj)) + b"\n")
-    sys.stdout.buffer.flush()
+def emit(obj: dict[str, Any], to_stderr: bool = False) -> None:
+    stream = sys.stderr if to_stderr else sys.stdout
+    stream.buffer.write(wire.encode_compact(printable_json(obj)) + b"\n")
+    stream.buffer.flush()
 
 
 def main(argv: Optional[list[str]] = None) -> int:

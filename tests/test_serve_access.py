@@ -241,6 +241,18 @@ def test_refusals_carry_their_headers_and_never_a_credential() -> None:
     assert refused.value.response_headers() == {"Allow": "GET"}
 
 
+def test_a_refused_body_names_the_types_its_route_takes() -> None:
+    headers = [("Host", "127.0.0.1:8080"), ("Authorization", f"Bearer {TOKEN}"),
+               ("Content-Type", "text/plain"), ("Content-Length", "1")]
+    with pytest.raises(reploy.UnsupportedMediaType) as upload:
+        reploy.decide_access("PUT", f"/api/v1/sessions/{SID}/files/a.txt", headers, POLICY)
+    assert str(upload.value) == ("request bodies must be Content-Type: application/octet-stream"
+                                 " or application/x-tar")
+    with pytest.raises(reploy.UnsupportedMediaType) as other:
+        reploy.decide_access("POST", f"/api/v1/sessions/{SID}/exec", headers, POLICY)
+    assert str(other.value) == "request bodies must be Content-Type: application/json"
+
+
 def test_a_foreign_host_is_named_but_bounded() -> None:
     with pytest.raises(reploy.MisdirectedRequest) as info:
         reploy.decide_access("GET", "/", [("Host", "evil.example:8080")], POLICY)

@@ -11,6 +11,7 @@ import http.client
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 import tarfile
@@ -195,17 +196,33 @@ def test_files_in_and_out(serve_factory: Callable[..., ServeProcess], docker_eng
     assert (out / "sub/b.sh").stat().st_mode & 0o777 == 0o755
     proc = cli(server, "cp", f"{sid}:tree/a.txt", str(tmp_path))
     assert proc.returncode == 0 and (tmp_path / "a.txt").read_text() == "alpha\n"
+    # To stdout (`-`) the data is all there is: a file's bytes, a directory's tar, no summary line.
+    proc = cli(server, "cp", f"{sid}:tree/a.txt", "-")
+    assert proc.returncode == 0 and proc.stdout == b"alpha\n", proc.stderr
+    proc = cli(server, "cp", f"{sid}:tree", "-")
+    with tarfile.open(fileobj=io.BytesIO(proc.stdout)) as archive:
+        assert sorted(archive.getnames()) == ["a.txt", "link", "sub", "sub/b.sh"]
+    assert proc.stdout.endswith(b"\0" * 512)
     # A directory downloads as a tar; the home is reachable too.
     status, data, content_type = get(api, sid, "tree")
     with tarfile.open(fileobj=io.BytesIO(data)) as archive:
         assert sorted(archive.getnames()) == ["a.txt", "link", "sub", "sub/b.sh"]
     assert content_type == "application/x-tar"
+    conn = http.client.HTTPConnection(api.host, api.port, timeout=120)
+    conn.request("GET", f"/api/v1/sessions/{sid}/files/tree/a.txt", headers=api.auth_headers)
+    response = conn.getresponse()
+    assert response.read() == b"alpha\n" and response.headers.get_all("X-Content-Type-Options") == ["nosniff"]
+    conn.close()
     assert put(api, sid, ".profile", b"export X=1\n", 11, query="?root=home")[0] == 201
     assert sh(api, sid, 'cat "$HOME/.profile"') == "export X=1\n"
     # The home is a 64 MiB tmpfs: 60 MiB would leave less than the agent keeps free.
     with open(big, "rb") as body:
         status, error = put(api, sid, "huge.bin", io.BytesIO(body.read(60 << 20)), 60 << 20, query="?root=home")
     assert status == 507 and "not enough space" in error["error"]
+    # The CLI reads that early answer too, though the server refused before taking the body.
+    proc = cli(server, "cp", str(big), f"{sid}:~/huge.bin")
+    assert proc.returncode == 1 and json.loads(proc.stdout)["status"] == 507, proc.stdout
+    assert "not enough space" in json.loads(proc.stdout)["error"]
     assert sh(api, sid, 'ls -A "$HOME"') == ".profile\n"
 
 
@@ -280,3 +297,14 @@ def test_session_exec_cli(serve_factory: Callable[..., ServeProcess], docker_eng
     assert missing.returncode == 126 and b"cannot run" in missing.stderr and missing.stdout == b""
     usage = cli(server, "exec", sid, "--", )
     assert usage.returncode == 2 and usage.stdout == b""
+    # Ctrl-C: exit 130 with a one-line message (no traceback), and the command goes with the connection.
+    marker = f"302.{uuid.uuid4().int % 10**9:09d}"
+    interrupted = subprocess.Popen([sys.executable, str(ROOT / "reploy.py"), "session", "exec", "--server",
+                                    server.ready["url"], sid, "--", "sleep", marker],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=server.client_env())
+    wait_until(lambda: any(marker in c for c in container_commands(docker_engine, server, sid)), "the sleep")
+    interrupted.send_signal(signal.SIGINT)
+    out, err = interrupted.communicate(timeout=30)
+    assert (interrupted.returncode, out, err) == (130, b"", b"reploy: session exec: interrupted\n")
+    wait_until(lambda: not any(marker in c for c in container_commands(docker_engine, server, sid)),
+               "the sleep to be killed after the CLI was interrupted")
