@@ -5156,17 +5156,23 @@ def serve_access_from(args: argparse.Namespace) -> ServeAccess:
     return ServeAccess(host, int(port), tuple(names), token_file.absolute())
 
 
-def read_token(path: Path) -> str:
+def read_token(path: Path, must_own: bool = False) -> str:
     """The token a token file holds (one line). CredentialError when the file cannot be read,
-    is open to other users, or holds anything else; the message never quotes the file."""
+    is open to other users, belongs to another user (`must_own`: serve's own secret, which
+    another user could otherwise plant where --token-file points), or holds anything else;
+    the message never quotes the file."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError as e:
         raise CredentialError(f"cannot read the token file {path}: {e.strerror}") from None
     try:
-        mode = os.fstat(fd).st_mode
+        facts = os.fstat(fd)
+        mode = facts.st_mode
         if not stat.S_ISREG(mode):
             raise CredentialError(f"the token file {path} is not a regular file")
+        if must_own and facts.st_uid != os.geteuid():
+            raise CredentialError(f"the token file {path} belongs to uid {facts.st_uid}, not to "
+                                  "this user")
         if mode & 0o077:
             raise CredentialError(f"the token file {path} is open to other users "
                                   f"(mode {stat.S_IMODE(mode):04o}); chmod 600 it")
@@ -5198,7 +5204,7 @@ def load_or_create_token(path: Path) -> str:
                 os.link(aside, path)
         finally:
             aside.unlink(missing_ok=True)
-    return read_token(path)
+    return read_token(path, must_own=True)
 
 
 def machine_names() -> list[str]:

@@ -357,6 +357,20 @@ def test_unusable_token_files_are_refused_without_quoting_them(
     assert not content.strip() or content.strip()[:20] not in str(info.value)
 
 
+def test_a_token_file_of_another_user_is_not_serves(tmp_path: Path) -> None:
+    """A --token-file in a directory others can write: a file someone else planted there
+    (private, well formed) would hand them the server."""
+    path = tmp_path / "token"
+    path.write_text(TOKEN + "\n")
+    path.chmod(0o600)
+    os.chown(path, os.geteuid() + 4242, -1)
+    with pytest.raises(reploy.CredentialError, match="belongs to uid") as info:
+        reploy.load_or_create_token(path)
+    assert TOKEN[:20] not in str(info.value)
+    os.chown(path, os.geteuid(), -1)
+    assert reploy.load_or_create_token(path) == TOKEN
+
+
 def test_a_token_path_that_is_no_file_is_refused(tmp_path: Path) -> None:
     with pytest.raises(reploy.CredentialError, match="not a regular file"):
         reploy.read_token(tmp_path)
