@@ -112,7 +112,8 @@ def test_relaunch_of_a_running_shell_kills_its_jobs(shell):
 
 
 def test_reads_replay_from_zero_and_offsets_past_the_end_reset(shell):
-    shell.result("message", text="echo replay")
+    # The sleep holds the next prompt back, so the log stays as it is while it is read.
+    shell.result("message", text="echo replay; sleep 60")
     shell.read_until(b"replay\r\n")
     first = shell.read_bytes()
     assert shell.read_bytes() == first  # reading does not consume
