@@ -2547,6 +2547,8 @@ class AgentWorkload(Workload):
         if log.capped:
             raise CommandError(f"the cumulative output cap of {log.cap_bytes} bytes is reached; this session "
                                "takes no more messages")
+        if "\0" in text:
+            raise RequestError("params.text: an agent prompt cannot hold a NUL")  # it becomes an argv element
         idle = self._run is None and not self._queue
         self._queue.push(text)
         self._start_next(now)

@@ -174,6 +174,16 @@ def test_a_missing_agent_command_fails_the_turn_and_the_session_goes_on(start_ag
     assert fake.status()["turn_state"] == "idle"
 
 
+def test_a_prompt_holding_a_nul_is_refused_and_the_session_goes_on(fake):
+    """A prompt becomes an argv element, which cannot hold a NUL: refused up front, no turn begun."""
+    assert fake.error("message", text="say a\0b") == {
+        "code": "invalid_request", "message": "params.text: an agent prompt cannot hold a NUL"}
+    assert not [e for e in fake.events() if e["type"] == "turn_start"]
+    assert fake.status()["queue_depth"] == 0
+    run_prompt(fake, "say after", b"after\n")
+    assert [e["outcome"] for e in turn_ends(fake)] == ["completed"]
+
+
 def test_relaunch_forgets_the_conversation(fake):
     run_prompt(fake, "say one", b"one\n")
     assert fake.status()["continue"] is True

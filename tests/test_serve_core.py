@@ -513,6 +513,17 @@ def test_openapi_documents_exactly_the_routes() -> None:
                                                    if r.required}
 
 
+def test_openapi_states_each_pattern_and_reserved_value_the_server_applies() -> None:
+    """A client validating against the spec refuses what the server refuses (422), no more, no less."""
+    schema = json.loads((ROOT / "web/openapi.json").read_text())["components"]["schemas"]["CreateSession"]
+    for field, rule in reploy.BODY_RULES["create"].items():
+        documented = schema["properties"][field]
+        if rule.pattern is not None and field != "deployment":  # a deployment is a name from /config
+            assert documented["pattern"] in (f"^{rule.pattern.pattern}$", f"^({rule.pattern.pattern})$"), field
+        for value in rule.reserved:
+            assert {"not": {"enum": [value]}} in documented.get("allOf", []), (field, value)
+
+
 # -- the `session` client and `serve` usage ---------------------------------------------------
 
 
