@@ -96,6 +96,8 @@ MAX_READ_WAIT_MS = 4000  #: a long-poll ends before HANDLER_TIMEOUT_S would
 
 # Queues (the agent's prompts and the shell's held messages share one bounded queue type)
 MAX_PROMPT_BYTES = 1 * MIB
+#: An agent prompt is one argv element of the agent command: Linux refuses one of MAX_ARG_STRLEN (128 KiB) or more.
+MAX_ARGV_PROMPT_BYTES = 128 * KIB - 1
 MAX_QUEUED_PROMPTS = 64
 MAX_QUEUED_BYTES = 8 * MIB
 
@@ -2549,6 +2551,9 @@ class AgentWorkload(Workload):
                                "takes no more messages")
         if "\0" in text:
             raise RequestError("params.text: an agent prompt cannot hold a NUL")  # it becomes an argv element
+        if len(text.encode()) > MAX_ARGV_PROMPT_BYTES:  # refused now, not as a failed start later
+            raise RequestError(f"too large: an agent prompt is at most {MAX_ARGV_PROMPT_BYTES} bytes (the agent "
+                               "command takes it as one argument, which Linux bounds)")
         idle = self._run is None and not self._queue
         self._queue.push(text)
         self._start_next(now)

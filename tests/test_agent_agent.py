@@ -184,6 +184,17 @@ def test_a_prompt_holding_a_nul_is_refused_and_the_session_goes_on(fake):
     assert [e["outcome"] for e in turn_ends(fake)] == ["completed"]
 
 
+def test_the_longest_prompt_an_argument_takes_runs_and_a_longer_one_is_refused_up_front(fake):
+    """A prompt is one argv element of the agent command; Linux refuses one of 128 KiB or more, so the agent says so
+    when the prompt comes, instead of accepting it and failing to start the run."""
+    longest = "say " + "x" * (agent.MAX_ARGV_PROMPT_BYTES - 4)
+    error = fake.error("message", text=longest + "x")
+    assert error["code"] == "invalid_request" and error["message"].startswith("too large:")
+    assert not [e for e in fake.events() if e["type"] == "turn_start"]
+    run_prompt(fake, longest, b"x" * 1000)
+    assert [e["outcome"] for e in turn_ends(fake)] == ["completed"]
+
+
 def test_relaunch_forgets_the_conversation(fake):
     run_prompt(fake, "say one", b"one\n")
     assert fake.status()["continue"] is True
