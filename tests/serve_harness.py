@@ -175,7 +175,8 @@ def session_containers(client: Any, state_dir: Path, session_id: Optional[str] =
     labels = [f"{LABEL_STATE_DIR}={state_dir}"]
     if session_id:
         labels.append(f"io.reploy.session.live-run={session_id}")
-    return client.containers.list(all=True, filters={"label": labels})
+    # The SDK inspects each listed container: one the server removes meanwhile is skipped, not an error.
+    return client.containers.list(all=True, filters={"label": labels}, ignore_removed=True)
 
 
 def sweep_killed_runs(client: Any) -> None:
