@@ -1329,6 +1329,11 @@ def admit(options: RunOptions) -> tuple[Deployment, Deployment]:
             raise AdmissionError(f"--output-file: {options.output_file.parent} is not a directory")
         if os.path.lexists(options.output_file):
             raise AdmissionError(f"--output-file: {options.output_file} already exists")
+    if options.output_dir is not None:  # created at preparation, under its nearest existing path
+        existing = next(path for path in (options.output_dir, *options.output_dir.parents)
+                        if os.path.lexists(path))
+        if not existing.is_dir():
+            raise AdmissionError(f"--output-dir: {existing} exists and is not a directory")
     return controller, workload
 
 
@@ -2104,8 +2109,14 @@ class ControlledSession:
         """Mount the controller-only output destination, if one was requested."""
         options = self.options
         if options.output_dir is not None:
-            options.output_dir.mkdir(parents=True, exist_ok=True)
-            os.chown(options.output_dir, runtime.uid, runtime.gid)
+            try:
+                options.output_dir.mkdir(parents=True, exist_ok=True)
+                os.chown(options.output_dir, runtime.uid, runtime.gid)
+            except OSError as e:  # a startup failure; the requested output still has a fate
+                self.result.controller_output = Status.of(
+                    "controller_output", "failed",
+                    reason=f"could not prepare the output directory: {e.strerror or e}")
+                raise
             self.result.controller_output = Status.of("controller_output", "directory-retained")
             return [(Mount(str(options.output_dir.resolve()), OUTPUT_DIR_MOUNT, False),
                      ("REPLOY_OUTPUT_DIR", OUTPUT_DIR_MOUNT))]

@@ -193,6 +193,19 @@ def test_output_file_needs_parent_and_no_destination(tmp_path: Path) -> None:
     assert "already exists" in error
 
 
+def test_output_dir_that_is_not_a_directory_is_refused_at_admission(tmp_path: Path) -> None:
+    """Refused before the session owns anything, as --output-file's checks are; not a startup
+    failure with an errno and a null controller_output."""
+    controller = staged(tmp_path, CONTROLLER, "c")
+    workload = staged(tmp_path, WORKLOAD, "w")
+    (tmp_path / "a-file").write_text("")
+    for destination in (tmp_path / "a-file", tmp_path / "a-file/below"):
+        error = admission_error(run_reploy(*run_args(
+            controller, workload, "--output-dir", str(destination), "--", "run-controller")))
+        assert error == f"admission rejected: --output-dir: {tmp_path / 'a-file'} exists and " \
+            "is not a directory"
+
+
 def test_root_controller_cannot_use_outputs(tmp_path: Path) -> None:
     source = tmp_path / "src"
     shutil.copytree(CONTROLLER.parent, source)

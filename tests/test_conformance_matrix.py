@@ -348,6 +348,22 @@ def test_startup_failure_when_the_controller_exits_first(
     assert "exited with code 5" in result["error"] and exit_code == 1
 
 
+def test_startup_failure_when_the_output_directory_cannot_be_created(
+        docker_engine: Any, matrix: dict[str, Path], tmp_path: Path) -> None:
+    """Its nearest existing path is a directory (admission passes), but mkdir fails at
+    preparation: the requested output is reported `failed` with its reason, never null."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "reploy.py"), "controlled-session", "run",
+         "--controller-dir", str(matrix["consumer"]), "--workload-dir", str(matrix["workload"]),
+         "--output-dir", f"/proc/reploy-no-such-dir-{tmp_path.name}", "--", "consume", "exit 0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=240)
+    result = rules.check_result_line(proc.stdout)
+    assert_startup_failure(result)
+    output = result["controller_output"]
+    assert output["kind"] == "failed" and "output directory" in output["reason"], output
+    assert proc.returncode == 1 and result["ok"] is False
+
+
 # ---------------------------------------------------------------------------------------------
 # Plan rejections: nothing of the session ran
 # ---------------------------------------------------------------------------------------------
