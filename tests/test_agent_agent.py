@@ -132,19 +132,6 @@ def test_queue_limits_and_interrupt_then_the_next_prompt_runs(fake):
     assert turn_ends(fake)[0]["outcome"] == "interrupted"
 
 
-def test_queued_bytes_limit_is_its_own_error(fake):
-    fake.result("message", text="hang")
-    fake.read_until(b"working")
-    prompt = "say " + "p" * (1000 * 1024 - 4)
-    accepted = 0
-    while "result" in (reply := fake.call("message", text=prompt)):
-        accepted += 1
-    assert accepted == agent.MAX_QUEUED_BYTES // len(prompt)
-    assert reply["error"]["code"] == "server_unavailable"
-    assert "would exceed 8388608 bytes" in reply["error"]["message"]
-    assert fake.status()["queue_bytes"] == accepted * len(prompt)
-
-
 def test_interrupt_kills_grandchildren(fake, short_dir):
     pid_file = short_dir / "grandchild.pid"
     fake.result("message", text=f"grandchild {pid_file}")

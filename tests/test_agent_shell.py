@@ -72,6 +72,20 @@ def test_message_while_a_job_runs_is_queued_then_delivered_after_interrupt(shell
     assert turns[1] == {**turns[1], "type": "turn_end", "turn": turns[0]["seq"], "outcome": "interrupted"}
 
 
+def test_queued_bytes_limit_is_its_own_error(shell):
+    """The queue's total bound (an agent's prompts, below one argument each, meet its count bound first)."""
+    shell.result("message", text="cat")
+    shell.wait_status(lambda s: s["turn_state"] == "in_progress", "cat in the foreground")
+    message = "echo " + "p" * (1000 * 1024 - 5)
+    accepted = 0
+    while "result" in (reply := shell.call("message", text=message)):
+        accepted += 1
+    assert accepted == agent.MAX_QUEUED_BYTES // len(message)
+    assert reply["error"]["code"] == "server_unavailable"
+    assert "would exceed 8388608 bytes" in reply["error"]["message"]
+    assert shell.status()["queue_bytes"] == accepted * len(message)
+
+
 def test_queued_messages_are_delivered_in_order(shell):
     shell.result("message", text="cat")
     shell.wait_status(lambda s: s["turn_state"] == "in_progress", "cat in the foreground")
