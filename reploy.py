@@ -2801,8 +2801,9 @@ SESSION_MOUNT = "/mnt/reploy-session"
 MANAGED_ROLE = "managed"
 #: Names the state dir whose sessions a container belongs to, so each `serve` sweeps only its own.
 LABEL_STATE_DIR = "io.reploy.serve.state-dir"
-SOCKET_NAME = "control.sock"
-OUTPUT_LOG_NAME = "output.log"
+#: The agent's control socket and output log in a session directory (agent.py names them).
+SOCKET_NAME = agent_role.SOCKET_NAME
+OUTPUT_LOG_NAME = agent_role.LOG_NAME
 
 DEFAULT_LISTEN = "127.0.0.1:8080"
 DEFAULT_IDLE_AFTER_MS = 15 * 60_000
@@ -2832,10 +2833,12 @@ AGENT_MAX_RESPONSE_BYTES = 4 * 1024 * 1024
 MAX_BODY_BYTES = 8 * 1024 * 1024
 BODY_READ_TIMEOUT_S = 30.0
 #: A prompt or one write, decoded (the agent's own prompt bound).
-MAX_PAYLOAD_BYTES = 1024 * 1024
-MAX_READ_BYTES = 512 * 1024
-DEFAULT_READ_BYTES = 64 * 1024
-MAX_READ_WAIT_MS = 4000
+MAX_PAYLOAD_BYTES = agent_role.MAX_PROMPT_BYTES
+#: `read`'s bounds are the agent's, which serves it.
+MIN_READ_BYTES = agent_role.MIN_READ_BYTES
+MAX_READ_BYTES = agent_role.MAX_READ_BYTES
+DEFAULT_READ_BYTES = agent_role.DEFAULT_READ_BYTES
+MAX_READ_WAIT_MS = agent_role.MAX_READ_WAIT_MS
 #: One SSE output event carries at most this many payload bytes.
 SSE_CHUNK_BYTES = 64 * 1024
 #: How often an SSE stream looks at the output log's length.
@@ -3456,12 +3459,12 @@ BODY_RULES: dict[str, dict[str, FieldRule]] = {
                "model": MODEL_RULE,
                "deployment": FieldRule(str, pattern=_NAME)},
     "read": {"offset": FieldRule(int, minimum=0, maximum=2**62),
-             "maxBytes": FieldRule(int, minimum=4, maximum=MAX_READ_BYTES),
+             "maxBytes": FieldRule(int, minimum=MIN_READ_BYTES, maximum=MAX_READ_BYTES),
              "waitMs": FieldRule(int, minimum=0, maximum=MAX_READ_WAIT_MS)},
     "write": {"dataBase64": FieldRule(str, True)},
     "message": {"text": FieldRule(str, True)},
-    "resize": {"columns": FieldRule(int, True, minimum=1, maximum=65535),
-               "rows": FieldRule(int, True, minimum=1, maximum=65535)},
+    "resize": {"columns": FieldRule(int, True, minimum=1, maximum=agent_role.MAX_TERMINAL_SIDE),
+               "rows": FieldRule(int, True, minimum=1, maximum=agent_role.MAX_TERMINAL_SIDE)},
     "exec": {"argv": FieldRule(list, True), "cwd": FieldRule(str), "env": FieldRule(dict),
              "stdinBase64": FieldRule(str),
              "timeoutMs": FieldRule(int, minimum=1, maximum=MAX_EXEC_TIMEOUT_MS),
@@ -4639,7 +4642,7 @@ class SessionManager:
         snapshotted session): the caller falls back to polling the file."""
         try:
             agent_call(session_dir, "read",
-                       {"offset": cursor, "max_bytes": 4, "wait_ms": SSE_LONG_POLL_MS},
+                       {"offset": cursor, "max_bytes": MIN_READ_BYTES, "wait_ms": SSE_LONG_POLL_MS},
                        timeout_s=SSE_LONG_POLL_MS / 1000 + 1.0)
             return True
         except AgentCallError:
