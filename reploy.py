@@ -2845,8 +2845,6 @@ SSE_CHUNK_BYTES = 64 * 1024
 SSE_POLL_S = 0.02
 #: How long one SSE wake-up long-poll waits in the agent before the stream looks again.
 SSE_LONG_POLL_MS = 1000
-#: The session JSON's lifecycle facts refresh at most this often in a stream.
-SSE_STATE_CHECK_S = 1.0
 #: exec: the HTTP call answers once the command ends; meanwhile each agent long-poll waits this
 #: long (under the agent's 5 s handler bound), and the client's connection is checked between.
 EXEC_POLL_MS = 4000
