@@ -2874,7 +2874,7 @@ _MODEL = re.compile(r"~[A-Za-z0-9][A-Za-z0-9._:/-]{0,126}|[A-Za-z0-9][A-Za-z0-9.
 #: Seed 002's alias for "the platform's default model": what GET /config shows when no default
 #: is configured, and reserved: never a catalog entry, a --default-model or a session's model.
 PLATFORM_DEFAULT_MODEL = "platform-default"
-_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_ENV_NAME = agent_role.ENV_NAME_RE  #: what the agent accepts as a variable name
 #: The credential of one state dir (see "who may drive serve"): STATE_DIR/token, mode 0600.
 TOKEN_FILE_NAME = "token"
 TOKEN_BYTES = 32
@@ -5423,7 +5423,7 @@ def raw_exec_exit_code(result: dict[str, Any]) -> int:
         return 128
 
 
-_COPY_OPERAND = re.compile(r"([0-9a-f]{16}):(.*)", re.DOTALL)
+_COPY_OPERAND = re.compile(rf"({_SESSION_ID.pattern}):(.*)", re.DOTALL)
 
 
 def parse_copy_operand(text: str) -> tuple[Optional[str], str, str]:
