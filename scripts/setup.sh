@@ -12,6 +12,8 @@ PYTHON_IMAGE=reploy-base/python:bookworm-1
 BROWSER_IMAGE=reploy-base/browser:bookworm-1
 # Bookworm's Node.js is 18; later playwright-core releases refuse it.
 PLAYWRIGHT_CORE_VERSION=1.48.2
+# What the Python image holds beyond minbase; the browser image holds these too.
+PYTHON_IMAGE_PACKAGES=python3,bsdextrautils,asciinema
 DOCKERD_LOG=/var/log/reploy-dockerd.log
 # debootstrap's Debian mirror: REPLOY_DEBIAN_MIRROR, else the archive this machine's apt uses.
 DEBIAN_MIRROR=${REPLOY_DEBIAN_MIRROR:-$(python3 scripts/debian_mirror.py 2>/dev/null || true)}
@@ -101,7 +103,7 @@ build_python_image() {
   log "building $PYTHON_IMAGE with debootstrap from $DEBIAN_MIRROR (about a minute)"
   local root; root=$(mktemp -d)
   trap 'rm -rf "$root"' RETURN
-  debootstrap --variant=minbase --include=python3,bsdextrautils,asciinema \
+  debootstrap --variant=minbase --include="$PYTHON_IMAGE_PACKAGES" \
     bookworm "$root" "$DEBIAN_MIRROR" >/dev/null
   rm -rf "$root"/var/cache/apt/archives/*.deb "$root"/var/lib/apt/lists/*
   tar -C "$root" -c . | docker import \
@@ -123,7 +125,7 @@ build_browser_image() {
     # dbus-x11 provides the session bus Chromium's dconf-service depends on; without it
     # debootstrap cannot configure Chromium (and apt would repair that with systemd).
     quietly debootstrap --variant=minbase \
-      --include=python3,bsdextrautils,asciinema,chromium,nodejs,dbus-x11 \
+      --include="$PYTHON_IMAGE_PACKAGES",chromium,nodejs,dbus-x11 \
       bookworm "$root" "$DEBIAN_MIRROR"
     mount -t proc proc "$root/proc"
     # npm is needed only here: it installs the one pinned package, then leaves with its
