@@ -357,6 +357,9 @@ CREATE = reploy.BODY_RULES["create"]
     (b'{"workload": "shell"}', reploy.BadRequest),
     (b'{"name": "a", "workload": "shell", "model": NaN}', reploy.BadRequest),
     (b'\xff', reploy.BadRequest),
+    (b"[" * 100_000 + b"]" * 100_000, reploy.BadRequest),  # nesting past the recursion limit
+    (b'{"name": ' + b"1" * 5000 + b', "workload": "shell"}', reploy.BadRequest),  # past int()'s digits
+    (b'{"name": "\\ud800", "workload": "shell"}', reploy.BadRequest),  # a lone surrogate
     (b'{"name": "a", "workload": "vm"}', reploy.Unprocessable),
     (b'{"name": "../x", "workload": "shell"}', reploy.Unprocessable),
     (b'{"name": "a", "workload": "agent", "model": "bad model"}', reploy.Unprocessable),
