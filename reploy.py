@@ -2832,8 +2832,11 @@ AGENT_MAX_RESPONSE_BYTES = 4 * 1024 * 1024
 #: JSON bodies: the wire bound and how long a client may take to send one.
 MAX_BODY_BYTES = 8 * 1024 * 1024
 BODY_READ_TIMEOUT_S = 30.0
-#: A prompt or one write, decoded (the agent's own prompt bound).
+#: A prompt, UTF-8 (the agent's own prompt bound).
 MAX_PAYLOAD_BYTES = agent_role.MAX_PROMPT_BYTES
+#: One write, decoded: it travels as base64 in the agent's one request line, as an upload chunk
+#: does, so it is bounded as a chunk is (more answered 422 or 503 from the agent, not 413).
+MAX_WRITE_BYTES = agent_role.MAX_TRANSFER_CHUNK_BYTES
 #: `read`'s bounds are the agent's, which serves it.
 MIN_READ_BYTES = agent_role.MIN_READ_BYTES
 MAX_READ_BYTES = agent_role.MAX_READ_BYTES
@@ -3517,8 +3520,8 @@ def decode_payload(text: str, what: str) -> bytes:
         data = base64.b64decode(text, validate=True)
     except ValueError:
         raise BadRequest(f"{what}: not base64") from None
-    if len(data) > MAX_PAYLOAD_BYTES:
-        raise PayloadTooLarge(f"{what}: more than {MAX_PAYLOAD_BYTES} bytes")
+    if len(data) > MAX_WRITE_BYTES:
+        raise PayloadTooLarge(f"{what}: more than {MAX_WRITE_BYTES} bytes")
     return data
 
 

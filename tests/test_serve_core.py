@@ -19,6 +19,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import agent  # noqa: E402
 import reploy  # noqa: E402
 from reploy import SessionEvent as E, SessionState as S  # noqa: E402
 
@@ -445,6 +446,16 @@ def test_payloads_are_base64_and_bounded() -> None:
         reploy.decode_payload("not base64!", "d")
     with pytest.raises(reploy.PayloadTooLarge):
         reploy.decode_payload(base64.b64encode(b"x" * (reploy.MAX_PAYLOAD_BYTES + 1)).decode(), "d")
+
+
+def test_the_largest_write_fits_the_agents_request_line() -> None:
+    """serve refuses (413) every write the agent could not take in one request line."""
+    data = reploy.decode_payload(base64.b64encode(b"\xff" * reploy.MAX_WRITE_BYTES).decode(), "d")
+    line = json.dumps({"id": "serve", "method": "write",
+                       "params": {"data_b64": base64.b64encode(data).decode()}}, separators=(",", ":"))
+    assert len(line.encode()) <= agent.MAX_REQUEST_BYTES
+    with pytest.raises(reploy.PayloadTooLarge):
+        reploy.decode_payload(base64.b64encode(b"x" * (reploy.MAX_WRITE_BYTES + 1)).decode(), "d")
 
 
 def test_session_json_has_no_secret_and_counts_down_from_last_access() -> None:
