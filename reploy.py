@@ -2080,9 +2080,8 @@ class ControlledSession:
 
     def open_channel(self, runtime: Runtime) -> None:
         """The private channel: a 0700 dir and a 0600 socket owned by the controller's uid:gid."""
-        sessions = self.plan.workload.state_dir / "sessions"
-        sessions.mkdir(parents=True, exist_ok=True)
-        channel_dir = sessions / self.plan.run_id
+        channel_dir = reploy_watchdog.channel_dir_for(str(self.plan.workload.dir), self.plan.run_id)
+        channel_dir.parent.mkdir(parents=True, exist_ok=True)
         channel_dir.mkdir(mode=0o700)
         self.owned.channel_dir = channel_dir
         os.chown(channel_dir, runtime.uid, runtime.gid)
@@ -2738,7 +2737,7 @@ def reconcile(backend: DockerBackend, workload_dirs: list[Path]) -> list[dict[st
     """Clean up after sessions whose host and watchdog both died; every reploy operation that
     touches Docker does this first, so such leftovers never accumulate."""
     manifests = tuple(path for directory in workload_dirs for path in sorted(
-        (directory.resolve() / STATE_DIRNAME / "watchdog").glob("*.json")))
+        reploy_watchdog.manifest_dir_for(str(directory.resolve())).glob("*.json")))
     try:
         receipts = reploy_watchdog.reconcile_orphans(backend.client, manifests)
     except (docker.errors.DockerException, OSError, ValueError) as e:

@@ -593,8 +593,12 @@ def identity_alive(identity: str) -> bool:
         return False
 
 
+def manifest_dir_for(workload_dir: str) -> Path:
+    return Path(workload_dir) / ".reploy" / "watchdog"
+
+
 def manifest_path_for(workload_dir: str, run_id: str) -> Path:
-    return Path(workload_dir) / ".reploy" / "watchdog" / f"{run_id}.json"
+    return manifest_dir_for(workload_dir) / f"{run_id}.json"
 
 
 def receipt_path_for(workload_dir: str, run_id: str) -> Path:
