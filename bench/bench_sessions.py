@@ -45,14 +45,14 @@ ROOT = Path(__file__).resolve().parents[1]
 CONTROLLER_SOURCE = ROOT / "bench/controller"
 DRIVER_SOURCE = ROOT / "examples/controller/context/reploy_driver.py"
 WORKLOAD_BLUEPRINT = ROOT / "examples/workload/workload.blueprint.yaml"
-ROLE_FILES = ("reploy.py", "reploy_session_client.py", "reploy_watchdog.py", "agent.py")
 #: What a granted session adds: the endpoint the example workload declares.
 GRANT = ("--endpoint", "web")
 SDK_BASELINE = CONTROLLER_SOURCE / "sdk_baseline.py"
 sys.path[:0] = [str(CONTROLLER_SOURCE), str(CONTROLLER_SOURCE / "context"),
-                str(DRIVER_SOURCE.parent)]
+                str(DRIVER_SOURCE.parent), str(ROOT / "scripts")]
 
 import bench_controller  # noqa: E402  (its Probe measures the direct-attach baselines)
+from bundle import ROLE_FILES  # noqa: E402  (the role files a release ships; copied as a set)
 import sdk_baseline  # noqa: E402  (the SDK baseline's engine calls, for the direct attach too)
 
 MIB = bench_controller.MIB
