@@ -2859,7 +2859,7 @@ MAX_EXEC_STDIN_BYTES = agent_role.MAX_EXEC_STDIN_BYTES
 DEFAULT_EXEC_OUTPUT_BYTES = agent_role.DEFAULT_EXEC_OUTPUT_CAP_BYTES
 MAX_EXEC_OUTPUT_BYTES = agent_role.MAX_EXEC_OUTPUT_CAP_BYTES
 TRANSFER_CHUNK_BYTES = agent_role.MAX_TRANSFER_CHUNK_BYTES
-MAX_UPLOAD_BYTES = 8 * 1024 * 1024 * 1024
+MAX_UPLOAD_BYTES = agent_role.MAX_TRANSFER_BYTES
 #: A listing answers at most this many entries (then `truncated`), gathered from at most this
 #: much of the agent's JSON (as many entries with the longest names and link targets fit).
 MAX_LIST_ENTRIES = 10_000
