@@ -4240,9 +4240,15 @@ class SessionManager:
         with self.leased(session_id) as lease:
             if lease.record.state is SessionState.SNAPSHOT:
                 return lease.record
-            self._require_free_space()
-            lease.apply(SessionEvent.CHECKPOINT, archive=f"checkpoint-v{lease.record.version + 1}.tar")
-            return self._finish_snapshot(lease)
+            return self._snapshot(lease)
+
+    def _snapshot(self, lease: Lease) -> SessionRecord:
+        """active or idle -> snapshot, into the agent's checkpoint-<id>.tar, the id naming the
+        record's next version so each snapshot has an archive of its own."""
+        self._require_free_space()
+        lease.apply(SessionEvent.CHECKPOINT,
+                    archive=f"{agent_role.CHECKPOINT_PREFIX}v{lease.record.version + 1}.tar")
+        return self._finish_snapshot(lease)
 
     def _finish_snapshot(self, lease: Lease, ask: bool = True) -> SessionRecord:
         """Snapshotting, from wherever it stands. A checkpoint already in flight (one a dead
@@ -4259,7 +4265,7 @@ class SessionManager:
                 self.backend.unpause(record.container_id)
                 self._await_checkpoint_in_flight(lease)
                 if ask and self._archive_bytes(record) is None:
-                    checkpoint_id = record.archive[len("checkpoint-"):-len(".tar")]
+                    checkpoint_id = record.archive[len(agent_role.CHECKPOINT_PREFIX):-len(".tar")]
                     agent_call(session_dir, "checkpoint", {"id": checkpoint_id})
             archive_bytes = self._archive_bytes(record)
         except AgentCallError as e:
@@ -4307,7 +4313,7 @@ class SessionManager:
         try:
             with opened_dir(self.config.session_dir(record.id)) as dir_fd:
                 for name in os.listdir(dir_fd):
-                    if (name.startswith("checkpoint-") and name.endswith(".tar")
+                    if (name.startswith(agent_role.CHECKPOINT_PREFIX) and name.endswith(".tar")
                             and name != record.archive):
                         reploy_watchdog.remove_entry(dir_fd, name)
         except OSError as e:
@@ -4672,10 +4678,7 @@ class SessionManager:
                 with self.leased(record.id, wait_s=0) as lease:
                     decision = self._reap_decision(lease.record)
                     if decision.action is ReapAction.SNAPSHOT:
-                        self._require_free_space()
-                        lease.apply(SessionEvent.CHECKPOINT,
-                                    archive=f"checkpoint-v{lease.record.version + 1}.tar")
-                        self._finish_snapshot(lease)
+                        self._snapshot(lease)
                     elif decision.action in (ReapAction.PAUSE, ReapAction.FORCE_PAUSE):
                         self._pause(lease, decision)
             except (ServeError, BackendError) as e:
