@@ -18,18 +18,26 @@ class ApiError extends Error {
   constructor(message, status) { super(message); this.status = status; }
 }
 
+// One request: a 401 shows the login screen, an error status throws ApiError with the server's message.
+async function request(url, init) {
+  const response = await fetch(url, init);
+  if (response.status === 401) loginScreen();
+  if (!response.ok) {
+    let doc = {};
+    try { doc = await response.json(); } catch (_) { doc = { error: response.statusText }; }
+    throw new ApiError(doc.error || response.statusText, response.status);
+  }
+  return response;
+}
+
 async function api(method, path, body) {
   const init = { method, headers: {} };
   if (body !== undefined) {
     init.headers["Content-Type"] = "application/json";
     init.body = JSON.stringify(body);
   }
-  const response = await fetch(API + path, init);
-  if (response.status === 401) loginScreen();
-  let doc = {};
-  try { doc = await response.json(); } catch (_) { doc = { error: response.statusText }; }
-  if (!response.ok) throw new ApiError(doc.error || response.statusText, response.status);
-  return doc;
+  const response = await request(API + path, init);
+  try { return await response.json(); } catch (_) { return { error: response.statusText }; }
 }
 
 function h(tag, attrs = {}, ...children) {

@@ -1,7 +1,7 @@
 // The Files panel of a session's workspace screen: browse the workspace (or home), download a file
 // (or a directory as a tar), upload by picking or dropping files into the folder shown. Every call
 // is an access, so the panel loads only when opened. Loaded before app.js, whose helpers (API, api,
-// h) it uses when called.
+// request, h) it uses when called.
 "use strict";
 
 function encodePath(path) {
@@ -97,13 +97,8 @@ function filesPanel(id) {
     for (const file of Array.from(files)) {
       note.textContent = `uploading ${file.name} (${fileSize(file.size)})…`;
       try {
-        const response = await fetch(fileUrl(joinPath(state.path, file.name)), {
+        await request(fileUrl(joinPath(state.path, file.name)), {
           method: "PUT", headers: { "Content-Type": "application/octet-stream" }, body: file });
-        if (!response.ok) {
-          let doc = {};
-          try { doc = await response.json(); } catch (_) { doc = { error: response.statusText }; }
-          throw new ApiError(doc.error || response.statusText, response.status);
-        }
       } catch (e) { note.textContent = `${file.name}: ${e.message}`; await load(); return; }
     }
     await load();
