@@ -862,7 +862,7 @@ def open_runtime_dir(path: Path) -> int:
     try:
         with contextlib.suppress(FileExistsError):
             os.mkdir(path, 0o700)
-        dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        dir_fd = os.open(path, DIR_OPEN_FLAGS)
     except OSError as e:
         raise WatchdogUnavailable(f"runtime directory {path}: {e.strerror}") from e
     info = os.fstat(dir_fd)
