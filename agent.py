@@ -127,6 +127,7 @@ DEFAULT_CUMULATIVE_CAP_BYTES = 256 * MIB
 DEFAULT_RUN_TIMEOUT_S = 3600.0
 KILL_GRACE_S = 2.0  #: SIGTERM, then SIGKILL after this
 PIPE_DRAIN_S = 2.0  #: after the command exits, its pipes get this long to reach EOF
+MAX_HELD_STDERR_CHARS = 64 * KIB  #: stderr held back while stdout is mid-line; past this it goes out anyway
 MIN_SECRET_CHARS = 4  #: shorter values would redact ordinary text
 REDACTED = "[REDACTED]"
 
@@ -944,6 +945,43 @@ class TextPipe:
         return self._redactor.feed(self._decoder.finish()) + self._redactor.finish()
 
 
+class LineMerger:
+    """Merges a run's stdout and stderr text into one log without tearing lines.
+
+    The two pipes have no order between them, so a diagnostic could land in the middle of a reply line. stdout (the
+    reply, streamed as it comes) goes straight through; stderr goes out a whole line at a time, and only while the
+    log stands at a line start. What stderr holds back is bounded: past MAX_HELD_STDERR_CHARS it goes out at once,
+    after a line break. Each call is told whether the log stands at a line start, since others write to it too.
+    """
+
+    def __init__(self, max_held_chars: int = MAX_HELD_STDERR_CHARS) -> None:
+        self._max_held_chars = max_held_chars
+        self._held = ""  # stderr text not yet passed on
+
+    def stdout(self, text: str, at_line_start: bool) -> str:
+        if text:
+            at_line_start = text.endswith("\n")
+        return text + self._release(at_line_start, whole_lines_only=True)
+
+    def stderr(self, text: str, at_line_start: bool) -> str:
+        self._held += text
+        return self._release(at_line_start, whole_lines_only=len(self._held) <= self._max_held_chars)
+
+    def finish(self, at_line_start: bool) -> str:
+        """Everything still held, once both pipes are done."""
+        return self._release(at_line_start, whole_lines_only=False)
+
+    def _release(self, at_line_start: bool, whole_lines_only: bool) -> str:
+        if whole_lines_only and not at_line_start:
+            return ""
+        cut = self._held.rfind("\n") + 1 if whole_lines_only else len(self._held)
+        if not cut:
+            return ""
+        out = ("" if at_line_start else "\n") + self._held[:cut]
+        self._held = self._held[cut:]
+        return out
+
+
 # ======================================================================================================================
 # Pure core: the bounded queue, the command template
 # ======================================================================================================================
@@ -1257,10 +1295,14 @@ class OutputLog:
         self._write(kept + self._cap_marker if self.capped else kept)
         return len(kept)
 
+    @property
+    def at_line_start(self) -> bool:
+        return self._last_byte in (b"", b"\n")
+
     def append_marker(self, text: str) -> None:
         """A `[reploy: ...]` line of our own, starting on a fresh line."""
         newline = "\n" if self.text else "\r\n"
-        lead = "" if self._last_byte in (b"", b"\n") else newline
+        lead = "" if self.at_line_start else newline
         self.append(f"{lead}[reploy: {text}]{newline}".encode())
 
     def read(self, offset_bytes: int, max_bytes: int) -> LogSlice:
@@ -2505,7 +2547,9 @@ class _Run:
     proc: subprocess.Popen[bytes]
     turn_id: int
     pipes: dict[int, TextPipe]  # open stdout/stderr fds -> their text pipeline
+    stderr_fd: int
     timeout_at: float
+    merger: LineMerger = dataclasses.field(default_factory=LineMerger)
     emitted_bytes: int = 0
     capped: bool = False
     stop_reason: Optional[str] = None  # set once we decide to end it: interrupted, timeout, relaunch, shutdown
@@ -2619,7 +2663,7 @@ class AgentWorkload(Workload):
                 proc.stdout.fileno(): TextPipe(StreamJsonProjector(), Redactor(self._secrets)),
                 proc.stderr.fileno(): TextPipe(Utf8Normaliser(), Redactor(self._secrets)),
             }
-            self._run = _Run(proc, turn_id, pipes, now + config.run_timeout_s)
+            self._run = _Run(proc, turn_id, pipes, proc.stderr.fileno(), now + config.run_timeout_s)
             for fd in pipes:
                 os.set_blocking(fd, False)
                 self._ctx.reactor.watch(fd, selectors.EVENT_READ, lambda mask, fd=fd: self._on_pipe(fd))
@@ -2632,13 +2676,18 @@ class AgentWorkload(Workload):
         except BlockingIOError:
             return
         if data:
-            self._emit(run, run.pipes[fd].feed(data))
+            self._emit_from(run, fd, run.pipes[fd].feed(data))
         else:
             self._close_pipe(run, fd)
 
     def _close_pipe(self, run: _Run, fd: int) -> None:
         self._ctx.reactor.unwatch(fd)
-        self._emit(run, run.pipes.pop(fd).finish())
+        self._emit_from(run, fd, run.pipes.pop(fd).finish())
+
+    def _emit_from(self, run: _Run, fd: int, text: str) -> None:
+        at_line_start = self._ctx.log.at_line_start
+        self._emit(run, run.merger.stderr(text, at_line_start) if fd == run.stderr_fd
+                   else run.merger.stdout(text, at_line_start))
 
     def _emit(self, run: _Run, text: str) -> None:
         """Run output into the log, bounded by the per-run cap (the log itself enforces the cumulative one)."""
@@ -2665,6 +2714,7 @@ class AgentWorkload(Workload):
     def _finish(self, run: _Run) -> None:
         for fd in list(run.pipes):
             self._close_pipe(run, fd)
+        self._emit(run, run.merger.finish(self._ctx.log.at_line_start))
         for pipe in (run.proc.stdout, run.proc.stderr):
             if pipe is not None:
                 pipe.close()

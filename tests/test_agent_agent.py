@@ -74,9 +74,11 @@ def test_a_failed_first_run_does_not_enable_continue(fake):
     assert turn_ends(fake)[-1]["outcome"] == "failed" and turn_ends(fake)[-1]["exit_code"] == 3
 
 
-def test_stderr_is_kept_and_plain_lines_pass_through(fake):
+def test_stderr_is_kept_whole_beside_the_reply_and_plain_lines_pass_through(fake):
+    """The diagnostic comes while the reply's line is open; whichever pipe the agent reads first, neither line is
+    torn."""
     text = run_prompt(fake, "stderr diagnostics here", b"after stderr\n")
-    assert "diagnostics here\n" in text
+    assert sorted(text.splitlines(keepends=True)) == ["after stderr\n", "diagnostics here\n"]
     text = run_prompt(fake, "plain not json at all", b"not json at all\n")
     assert text.endswith("not json at all\n")
 

@@ -300,6 +300,66 @@ def test_projector_skips_an_over_long_line_with_one_marker():
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# Merging a run's stdout and stderr into one log
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def merge(steps, log: str = "", max_held_chars: int = agent.MAX_HELD_STDERR_CHARS) -> str:
+    """Drives a LineMerger the way the agent does: each call told whether the log so far ends a line."""
+    merger = agent.LineMerger(max_held_chars)
+    for stream, text in steps:
+        at_line_start = log == "" or log.endswith("\n")
+        log += merger.stdout(text, at_line_start) if stream == "out" else merger.stderr(text, at_line_start)
+    return log + merger.finish(log == "" or log.endswith("\n"))
+
+
+def test_a_stderr_line_waits_for_the_reply_line_it_arrived_in_to_end():
+    assert merge([("out", "after"), ("err", "diagnostics here\n"), ("out", " stderr"), ("out", "\n")]) == \
+        "after stderr\ndiagnostics here\n"
+
+
+def test_stderr_goes_out_a_whole_line_at_a_time():
+    merger = agent.LineMerger()
+    assert merger.stderr("one\ntw", True) == "one\n"
+    assert merger.stderr("o\nthr", True) == "two\n"
+    assert merger.finish(True) == "thr"
+
+
+def test_what_stderr_holds_at_the_end_goes_out_after_a_line_break():
+    assert merge([("out", "reply"), ("err", "partial"), ("err", " diag\n")]) == "reply\npartial diag\n"
+
+
+def test_held_stderr_is_bounded_and_then_goes_out_after_a_line_break():
+    merger = agent.LineMerger(max_held_chars=8)
+    assert merger.stderr("1234\n", False) == ""
+    assert merger.stderr("5678", False) == "\n1234\n5678"
+    assert merger.finish(False) == ""
+
+
+def test_a_log_that_does_not_end_a_line_holds_stderr_back_even_before_any_stdout():
+    assert merge([("err", "diag\n")], log="[earlier") == "[earlier\ndiag\n"
+    merger = agent.LineMerger()
+    assert merger.stderr("diag\n", False) == "" and merger.stdout("", True) == "diag\n"
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["out", "err"]), st.text("ab\n", max_size=6)), max_size=12))
+def test_no_line_mixes_the_two_streams_whatever_the_arrival_order(steps):
+    """Tag each stream's characters apart (stdout a/b, stderr A/B); no merged line may hold both kinds, and each
+    stream's text comes out whole and in order."""
+    tagged = [(stream, text if stream == "out" else text.upper()) for stream, text in steps]
+    merged = merge(tagged)
+    stdout_text = "".join(text for stream, text in tagged if stream == "out")
+    stderr_text = "".join(text for stream, text in tagged if stream == "err")
+    for line in merged.split("\n"):
+        assert not (set(line) & set("ab") and set(line) & set("AB")), merged
+    assert [c for c in merged if c in "ab"] == [c for c in stdout_text if c in "ab"]
+    assert [c for c in merged if c in "AB"] == [c for c in stderr_text if c in "AB"]
+    expected_lines = [line for line in (stdout_text + "\n" + stderr_text).split("\n") if line]
+    assert sorted(line for line in merged.split("\n") if line) == sorted(expected_lines)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # The queue and the command template
 
 

@@ -5,7 +5,7 @@ Invoked like the real one (`[--continue] [--model M] ... -- PROMPT`); the prompt
 
   say TEXT          one assistant message, TEXT split into several text_delta events, then a result
   args              says its own argv as JSON (so tests see --continue and --model)
-  stderr TEXT       TEXT on stderr, then a short message on stdout
+  stderr TEXT       "after stderr" on stdout in two deltas, with TEXT on stderr in between (mid-line)
   plain TEXT        TEXT as a non-JSON stdout line
   result TEXT       only a result event
   secret            the value of FAKE_SECRET, split across two deltas and two writes, and on stderr in two writes
@@ -33,10 +33,13 @@ def stream(event: dict) -> None:
     emit({"type": "stream_event", "event": event})
 
 
-def say(*pieces: str) -> None:
+def say(*pieces: str, between=lambda: None) -> None:
+    """One assistant message of these text deltas, calling between() between each two."""
     stream({"type": "message_start", "message": {"role": "assistant"}})
     stream({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}})
-    for piece in pieces:
+    for number, piece in enumerate(pieces):
+        if number:
+            between()
         stream({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": piece}})
     stream({"type": "content_block_stop", "index": 0})
     stream({"type": "message_stop"})
@@ -64,9 +67,10 @@ def main() -> int:
     elif scenario == "args":
         say(json.dumps(argv))
     elif scenario == "stderr":
-        sys.stderr.write(argument + "\n")
-        sys.stderr.flush()
-        say("after stderr")
+        def diagnose() -> None:
+            time.sleep(0.05)  # the fake's own pacing, so the agent likely reads "after " before the diagnostic
+            write_raw(sys.stderr, (argument + "\n").encode())
+        say("after ", "stderr", between=diagnose)
     elif scenario == "plain":
         print(argument, flush=True)
     elif scenario == "result":
