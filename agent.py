@@ -96,8 +96,14 @@ MAX_READ_WAIT_MS = 4000  #: a long-poll ends before HANDLER_TIMEOUT_S would
 
 # Queues (the agent's prompts and the shell's held messages share one bounded queue type)
 MAX_PROMPT_BYTES = 1 * MIB
-#: An agent prompt is one argv element of the agent command: Linux refuses one of MAX_ARG_STRLEN (128 KiB) or more.
+#: An agent prompt is one argv element of the agent command: Linux refuses one of MAX_ARG_STRLEN (128 KiB) or more,
+#: so a longer prompt goes to the command's stdin instead.
 MAX_ARGV_PROMPT_BYTES = 128 * KIB - 1
+#: A message longer than one request line holds is sent as a draft in parts of at most this (UTF-8): escaped as JSON
+#: (at most 6 bytes per byte) a part still fits the line.
+MAX_MESSAGE_PART_BYTES = 128 * KIB
+MAX_OPEN_DRAFTS = 4
+DRAFT_IDLE_S = 60.0  #: a draft untouched this long is dropped
 MAX_QUEUED_PROMPTS = 64
 MAX_QUEUED_BYTES = 8 * MIB
 
@@ -289,6 +295,7 @@ class TurnState(enum.Enum):
 class Delivery(enum.Enum):
     DISPATCHED = "dispatched"
     QUEUED = "queued"
+    DRAFTED = "drafted"  # a part of a long message, kept until its last part arrives
 
 
 class Outcome(enum.Enum):
@@ -316,6 +323,8 @@ class NoParams:
 @dataclasses.dataclass(frozen=True)
 class MessageParams:
     text: str
+    draft_id: Optional[str]  # the draft this part continues
+    more: bool  # whether more parts follow (then the text is kept in a draft, not delivered)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -563,7 +572,11 @@ class _Field:
 
 #: The parameters each method accepts: the one table the parser reads. Unknown fields are rejected.
 _PARAM_SCHEMAS: dict[Method, tuple[type, tuple[_Field, ...]]] = {
-    Method.MESSAGE: (MessageParams, (_Field("text", "text", _FieldKind.TEXT),)),
+    Method.MESSAGE: (MessageParams, (
+        _Field("text", "text", _FieldKind.TEXT),
+        _Field("draft", "draft_id", _FieldKind.HANDLE, optional=True),
+        _Field("more", "more", _FieldKind.BOOL, False),
+    )),
     Method.INTERRUPT: (NoParams, ()),
     Method.RELAUNCH: (NoParams, ()),
     Method.STATUS: (NoParams, ()),
@@ -1018,6 +1031,64 @@ class PromptQueue:
         return text
 
 
+@dataclasses.dataclass
+class _Draft:
+    parts: list[str]
+    size_bytes: int
+    touched_at: float
+
+
+class MessageDrafts:
+    """Long messages arriving in parts (each part its own request), at most MAX_OPEN_DRAFTS at once, each at most
+    MAX_PROMPT_BYTES whole and dropped after DRAFT_IDLE_S untouched. The whole message is delivered by the caller."""
+
+    def __init__(self, new_id: Callable[[], str], max_open: int = MAX_OPEN_DRAFTS,
+                 max_bytes: int = MAX_PROMPT_BYTES) -> None:
+        self._new_id = new_id
+        self._max_open = max_open
+        self._max_bytes = max_bytes
+        self._drafts: dict[str, _Draft] = {}
+
+    def add(self, draft_id: Optional[str], text: str, now: float) -> tuple[str, int]:
+        """Appends a part (opening a draft when draft_id is None); returns the draft's id and size so far."""
+        if draft_id is None:
+            if len(self._drafts) >= self._max_open:
+                raise UnavailableError(f"drafts are full: {self._max_open} long messages are being sent")
+            draft_id = self._new_id()
+            self._drafts[draft_id] = _Draft([], 0, now)
+        draft = self._draft(draft_id)
+        size = draft.size_bytes + len(text.encode())
+        if size > self._max_bytes:
+            del self._drafts[draft_id]
+            raise RequestError(f"too large: a message is at most {self._max_bytes} bytes; the draft is dropped")
+        draft.parts.append(text)
+        draft.size_bytes, draft.touched_at = size, now
+        return draft_id, size
+
+    def take(self, draft_id: str, text: str) -> str:
+        """The whole message, its last part appended; the draft is closed."""
+        draft = self._draft(draft_id)
+        del self._drafts[draft_id]
+        if draft.size_bytes + len(text.encode()) > self._max_bytes:
+            raise RequestError(f"too large: a message is at most {self._max_bytes} bytes; the draft is dropped")
+        return "".join(draft.parts) + text
+
+    def expire(self, now: float) -> None:
+        for draft_id, draft in list(self._drafts.items()):
+            if now - draft.touched_at >= DRAFT_IDLE_S:
+                del self._drafts[draft_id]
+
+    def next_deadline(self) -> Optional[float]:
+        return min((d.touched_at + DRAFT_IDLE_S for d in self._drafts.values()), default=None)
+
+    def _draft(self, draft_id: str) -> _Draft:
+        try:
+            return self._drafts[draft_id]
+        except KeyError:
+            raise CommandError(f"no such draft {draft_id} (a draft untouched for {DRAFT_IDLE_S:g} s is dropped)") \
+                from None
+
+
 def validate_command_template(argv: Iterable[str]) -> tuple[str, ...]:
     """Checks an agent argv template: `{prompt}` exactly once; `{continue}` and `{model}` at most once each."""
     argv = tuple(argv)
@@ -1030,14 +1101,22 @@ def validate_command_template(argv: Iterable[str]) -> tuple[str, ...]:
     return argv
 
 
-def expand_command(template: tuple[str, ...], prompt: str, model: Optional[str], resume: bool) -> list[str]:
-    """`{continue}` becomes --continue or nothing, `{model}` becomes --model M or nothing, `{prompt}` the prompt."""
+def expand_command(template: tuple[str, ...], prompt: Optional[str], model: Optional[str], resume: bool) -> list[str]:
+    """`{continue}` becomes --continue or nothing, `{model}` becomes --model M or nothing, `{prompt}` the prompt.
+
+    A prompt that goes on stdin instead (None here: too long for one argument) leaves `{prompt}` out, and a `--`
+    just before it, so the command sees no prompt argument (`claude -p` then reads its prompt from stdin)."""
     expansions = {
         "{continue}": ["--continue"] if resume else [],
         "{model}": ["--model", model] if model else [],
-        "{prompt}": [prompt],
+        "{prompt}": [prompt] if prompt is not None else [],
     }
-    return [part for arg in template for part in expansions.get(arg, [arg])]
+    argv = []
+    for index, arg in enumerate(template):
+        if prompt is None and arg == "--" and template[index + 1:index + 2] == ("{prompt}",):
+            continue
+        argv += expansions.get(arg, [arg])
+    return argv
 
 
 # ======================================================================================================================
@@ -2594,10 +2673,7 @@ class AgentWorkload(Workload):
             raise CommandError(f"the cumulative output cap of {log.cap_bytes} bytes is reached; this session "
                                "takes no more messages")
         if "\0" in text:
-            raise RequestError("params.text: an agent prompt cannot hold a NUL")  # it becomes an argv element
-        if len(text.encode()) > MAX_ARGV_PROMPT_BYTES:  # refused now, not as a failed start later
-            raise RequestError(f"too large: an agent prompt is at most {MAX_ARGV_PROMPT_BYTES} bytes (the agent "
-                               "command takes it as one argument, which Linux bounds)")
+            raise RequestError("params.text: an agent prompt cannot hold a NUL")  # it may become an argv element
         idle = self._run is None and not self._queue
         self._queue.push(text)
         self._start_next(now)
@@ -2648,12 +2724,14 @@ class AgentWorkload(Workload):
         while self._run is None and self._queue and not self._stopping:
             prompt = self._queue.pop()
             turn_id = self._ctx.outbox.start_turn(workload=self.kind.value, prompt_bytes=len(prompt.encode()))
-            argv = expand_command(config.agent_argv, prompt, config.model, self._state.resume)
+            on_stdin = len(prompt.encode()) > MAX_ARGV_PROMPT_BYTES
+            argv = expand_command(config.agent_argv, None if on_stdin else prompt, config.model, self._state.resume)
             try:
-                proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                        stderr=subprocess.PIPE, cwd=config.workspace_dir,
-                                        env=dict(os.environ, HOME=str(config.home_dir)), start_new_session=True,
-                                        preexec_fn=reset_child_signals)
+                with prompt_input(config.session_dir, prompt if on_stdin else None) as stdin:
+                    proc = subprocess.Popen(argv, stdin=stdin, stdout=subprocess.PIPE,
+                                            stderr=subprocess.PIPE, cwd=config.workspace_dir,
+                                            env=dict(os.environ, HOME=str(config.home_dir)), start_new_session=True,
+                                            preexec_fn=reset_child_signals)
             except OSError as e:
                 self._ctx.log.append_marker(f"cannot start the agent command: {e}")
                 self._ctx.outbox.end_turn(turn_id, Outcome.FAILED, reason="spawn_failed")
@@ -2758,6 +2836,19 @@ class AgentWorkload(Workload):
 # ======================================================================================================================
 # Harness verbs: commands run beside the workload (exec) and files moved in and out (transfers)
 # ======================================================================================================================
+
+
+@contextlib.contextmanager
+def prompt_input(session_dir: Path, prompt: Optional[str]) -> Iterator[int]:
+    """The agent command's stdin: /dev/null, or the prompt in an unnamed file of the session dir (a file, not a
+    pipe, so a megabyte needs no writer beside the loop and the command reads it at its own pace)."""
+    if prompt is None:
+        yield subprocess.DEVNULL
+        return
+    with tempfile.TemporaryFile(dir=session_dir) as file:
+        file.write(prompt.encode())
+        file.seek(0)
+        yield file.fileno()
 
 
 def spawn_exec(config: AgentConfig, params: ExecParams) -> subprocess.Popen[bytes]:
@@ -3566,6 +3657,7 @@ class AgentServer:
             Method.TRANSFER_CLOSE: self._transfer_close,
         }
         self.execs = ExecTable(config, self._reactor)
+        self.drafts = MessageDrafts(lambda: secrets.token_hex(8))
         self._listener = OwnedSocket(config.session_dir / SOCKET_NAME)
         self.tcp_listener: Optional[TcpListener] = None
         try:
@@ -3634,6 +3726,7 @@ class AgentServer:
         self._note_busy(now)
         self.execs.tick(now)
         self.transfers.tick(now)
+        self.drafts.expire(now)
         if self.job is not None and self.job.finished and self.job.abandoned:
             self.job.discard()
             self.job = None
@@ -3651,7 +3744,7 @@ class AgentServer:
         times += [conn.pending.wake_at for conn in self._connections if conn.pending and conn.pending.wake_at]
         if self._workload is not None:
             times.append(self._workload.next_deadline(now))
-        times += [self.execs.next_deadline(now), self.transfers.next_deadline()]
+        times += [self.execs.next_deadline(now), self.transfers.next_deadline(), self.drafts.next_deadline()]
         return min((t for t in times if t is not None), default=None)
 
     def _signals(self) -> "_SignalWakeup":
@@ -3824,7 +3917,12 @@ class AgentServer:
 
     def _message(self, params: MessageParams, now: float) -> dict[str, Any]:
         workload = self._admitting()
-        delivery = workload.message(params.text, now)
+        if params.more:
+            draft_id, size = self.drafts.add(params.draft_id, params.text, now)
+            return {"delivery": Delivery.DRAFTED.value, "draft": draft_id, "draft_bytes": size,
+                    "queue_depth": workload.queue_depth}
+        text = params.text if params.draft_id is None else self.drafts.take(params.draft_id, params.text)
+        delivery = workload.message(text, now)
         return {"delivery": delivery.value, "queue_depth": workload.queue_depth}
 
     def _interrupt(self, params: NoParams, now: float) -> dict[str, Any]:

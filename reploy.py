@@ -2831,10 +2831,12 @@ AGENT_MAX_RESPONSE_BYTES = 4 * 1024 * 1024
 #: JSON bodies: the wire bound and how long a client may take to send one.
 MAX_BODY_BYTES = 8 * 1024 * 1024
 BODY_READ_TIMEOUT_S = 30.0
-#: A prompt, UTF-8 (the agent's own prompt bound).
+#: A message or an agent session's prompt, UTF-8 (the agent's own bound); longer than one agent
+#: request line holds, it goes to the agent in parts of MAX_MESSAGE_PART_BYTES.
 MAX_PAYLOAD_BYTES = agent_role.MAX_PROMPT_BYTES
-#: One write, decoded: it travels as base64 in the agent's one request line, as an upload chunk
-#: does, so it is bounded as a chunk is (more answered 422 or 503 from the agent, not 413).
+MAX_MESSAGE_PART_BYTES = agent_role.MAX_MESSAGE_PART_BYTES
+#: One shell write, decoded: it travels as base64 in the agent's one request line, as an upload
+#: chunk does, so it is bounded as a chunk is (more answered 422 or 503 from the agent, not 413).
 MAX_WRITE_BYTES = agent_role.MAX_TRANSFER_CHUNK_BYTES
 #: `read`'s bounds are the agent's, which serves it.
 MIN_READ_BYTES = agent_role.MIN_READ_BYTES
@@ -3513,15 +3515,27 @@ def check_field(name: str, value: Any, rule: FieldRule) -> None:
         raise Unprocessable(f"{name}: {value!r} is reserved")
 
 
-def decode_payload(text: str, what: str) -> bytes:
+def decode_payload(text: str, what: str, limit_bytes: int) -> bytes:
     """Base64 from a body, bounded after decoding."""
     try:
         data = base64.b64decode(text, validate=True)
     except ValueError:
         raise BadRequest(f"{what}: not base64") from None
-    if len(data) > MAX_WRITE_BYTES:
-        raise PayloadTooLarge(f"{what}: more than {MAX_WRITE_BYTES} bytes")
+    if len(data) > limit_bytes:
+        raise PayloadTooLarge(f"{what}: more than {limit_bytes} bytes")
     return data
+
+
+def message_parts(text: str, part_bytes: int = MAX_MESSAGE_PART_BYTES) -> list[str]:
+    """A message cut, between code points, into parts of at most part_bytes (UTF-8): each fits the
+    agent's request line, which one message of up to MAX_PAYLOAD_BYTES does not."""
+    data, parts = text.encode(), []
+    while True:
+        part = agent_role.utf8_prefix(data, part_bytes)
+        parts.append(part.decode())
+        data = data[len(part):]
+        if not data:
+            return parts
 
 
 def exec_params(fields: dict[str, Any]) -> dict[str, Any]:
@@ -4410,8 +4424,19 @@ class SessionManager:
                 text = data.decode("utf-8")
             except UnicodeDecodeError:
                 raise Unprocessable("dataBase64: an agent session's prompt must be UTF-8") from None
-            return self.call(session_id, "message", {"text": text})
+            return self.message(session_id, text)
+        if len(data) > MAX_WRITE_BYTES:
+            raise PayloadTooLarge(f"dataBase64: a shell write is at most {MAX_WRITE_BYTES} bytes")
         return self.call(session_id, "write", {"data_b64": base64.b64encode(data).decode()})
+
+    def message(self, session_id: str, text: str) -> dict[str, Any]:
+        """One message (an agent's prompt, a shell's line), sent as the agent's draft in parts
+        when one request line cannot hold it."""
+        *leading, last = message_parts(text)
+        draft: dict[str, str] = {}
+        for part in leading:
+            draft = {"draft": self.call(session_id, "message", {"text": part, "more": True, **draft})["draft"]}
+        return self.call(session_id, "message", {"text": last, **draft})
 
     # -- the harness verbs: exec and files, each an access at every step ---------------------
 
@@ -4992,14 +5017,14 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
 
     def api_write(self, sid: str, body: bytes, _query: str) -> tuple[int, dict[str, Any]]:
         fields = parse_body(body, BODY_RULES["write"])
-        data = decode_payload(fields["dataBase64"], "dataBase64")
+        data = decode_payload(fields["dataBase64"], "dataBase64", MAX_PAYLOAD_BYTES)
         return 200, _camel_keys(self.manager.write(sid, data))
 
     def api_message(self, sid: str, body: bytes, _query: str) -> tuple[int, dict[str, Any]]:
         fields = parse_body(body, BODY_RULES["message"])
         if len(fields["text"].encode()) > MAX_PAYLOAD_BYTES:  # parse_body refused lone surrogates
             raise PayloadTooLarge(f"text: more than {MAX_PAYLOAD_BYTES} bytes")
-        return 200, _camel_keys(self.manager.call(sid, "message", {"text": fields["text"]}))
+        return 200, _camel_keys(self.manager.message(sid, fields["text"]))
 
     def api_interrupt(self, sid: str, body: bytes, _query: str) -> tuple[int, dict[str, Any]]:
         parse_body(body, BODY_RULES["empty"])

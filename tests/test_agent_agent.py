@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -173,15 +174,48 @@ def test_a_prompt_holding_a_nul_is_refused_and_the_session_goes_on(fake):
     assert [e["outcome"] for e in turn_ends(fake)] == ["completed"]
 
 
-def test_the_longest_prompt_an_argument_takes_runs_and_a_longer_one_is_refused_up_front(fake):
-    """A prompt is one argv element of the agent command; Linux refuses one of 128 KiB or more, so the agent says so
-    when the prompt comes, instead of accepting it and failing to start the run."""
-    longest = "say " + "x" * (agent.MAX_ARGV_PROMPT_BYTES - 4)
-    error = fake.error("message", text=longest + "x")
+def measured(fake, prompt: str) -> dict:
+    """Runs the fake's `measure` scenario on prompt, sent as one message or as a draft in parts when it is longer
+    than a part; what the command said it received."""
+    before = len(turn_ends(fake))
+    data = prompt.encode()
+    step = agent.MAX_MESSAGE_PART_BYTES
+    if len(data) <= step:
+        reply = fake.result("message", text=prompt)
+    else:
+        parts = [data[i:i + step].decode() for i in range(0, len(data), step)]  # ASCII: any cut is a boundary
+        draft = None
+        for part in parts[:-1]:
+            answer = fake.result("message", text=part, more=True, **({"draft": draft} if draft else {}))
+            assert answer["delivery"] == "drafted"
+            draft = answer["draft"]
+        assert answer["draft_bytes"] == len(data) - len(parts[-1].encode())
+        reply = fake.result("message", text=parts[-1], draft=draft)
+    assert reply["delivery"] in ("dispatched", "queued")
+    fake.wait_status(lambda s: s["turn_state"] == "idle" and len(turn_ends(fake)) > before, "the run to finish")
+    return json.loads(fake.read_bytes().decode().splitlines()[-1])
+
+
+def test_a_prompt_too_long_for_one_argument_goes_to_the_command_on_stdin(fake):
+    """Linux refuses one argument of 128 KiB or more, so a longer prompt goes on stdin, with `-- {prompt}` left out of
+    the argv; up to seed 002's 1 MiB, sent in parts."""
+    for size, via in ((agent.MAX_ARGV_PROMPT_BYTES, "argv"), (agent.MAX_ARGV_PROMPT_BYTES + 1, "stdin"),
+                      (agent.MAX_PROMPT_BYTES, "stdin")):
+        prompt = "measure " + "x" * (size - len("measure "))
+        assert measured(fake, prompt) == {"via": via, "bytes": size,
+                                          "sha256": hashlib.sha256(prompt.encode()).hexdigest()}
+    assert [e["outcome"] for e in turn_ends(fake)] == ["completed"] * 3
+
+
+def test_a_message_over_the_limit_is_refused_and_its_draft_dropped(fake):
+    part = "x" * agent.MAX_MESSAGE_PART_BYTES
+    draft = fake.result("message", text=part, more=True)["draft"]
+    for _ in range(agent.MAX_PROMPT_BYTES // agent.MAX_MESSAGE_PART_BYTES - 1):
+        fake.result("message", text=part, more=True, draft=draft)
+    error = fake.error("message", text="x", draft=draft)
     assert error["code"] == "invalid_request" and error["message"].startswith("too large:")
+    assert fake.error("message", text="x", draft=draft)["code"] == "command_error"  # gone
     assert not [e for e in fake.events() if e["type"] == "turn_start"]
-    run_prompt(fake, longest, b"x" * 1000)
-    assert [e["outcome"] for e in turn_ends(fake)] == ["completed"]
 
 
 def test_relaunch_forgets_the_conversation(fake):

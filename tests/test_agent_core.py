@@ -58,7 +58,9 @@ def parse(document) -> agent.Request:
 
 
 @pytest.mark.parametrize("method, params, expected", [
-    ("message", {"text": "hi"}, agent.MessageParams("hi")),
+    ("message", {"text": "hi"}, agent.MessageParams("hi", None, False)),
+    ("message", {"text": "hi", "draft": "0123456789abcdef", "more": True},
+     agent.MessageParams("hi", "0123456789abcdef", True)),
     ("interrupt", {}, agent.NoParams()),
     ("relaunch", {}, agent.NoParams()),
     ("status", {}, agent.NoParams()),
@@ -97,6 +99,8 @@ def test_requests_without_a_readable_id_answer_with_an_empty_id(line):
     ({"id": "9", "method": "message", "params": {}}, "params.text is required"),
     ({"id": "9", "method": "message", "params": {"text": ""}}, "params.text must not be empty"),
     ({"id": "9", "method": "message", "params": {"text": 5}}, "params.text must be a string"),
+    ({"id": "9", "method": "message", "params": {"text": "x", "draft": "../x"}}, "params.draft must"),
+    ({"id": "9", "method": "message", "params": {"text": "x", "more": 1}}, "params.more must"),
     ({"id": "9", "method": "read", "params": {"offset": True}}, "params.offset must be an integer"),
     ({"id": "9", "method": "read", "params": {"offset": -1}}, "params.offset must be between"),
     ({"id": "9", "method": "read", "params": {"max_bytes": 3}}, "params.max_bytes must be between"),
@@ -393,6 +397,49 @@ def test_default_command_matches_the_claude_code_invocation():
                     "--include-partial-messages", "--", "do it"]
     resumed = agent.expand_command(agent.DEFAULT_AGENT_ARGV, "-x", "opus", True)
     assert resumed[:4] == ["claude", "--continue", "--model", "opus"] and resumed[-2:] == ["--", "-x"]
+
+
+def test_a_prompt_on_stdin_leaves_the_prompt_and_the_dashes_before_it_out():
+    assert agent.expand_command(agent.DEFAULT_AGENT_ARGV, None, None, False) == [
+        "claude", "--permission-mode", "auto", "-p", "--output-format", "stream-json", "--verbose",
+        "--include-partial-messages"]
+    assert agent.expand_command(("c", "--", "x", "{prompt}"), None, None, False) == ["c", "--", "x"]
+    assert agent.expand_command(("c", "{prompt}", "--"), None, None, False) == ["c", "--"]
+
+
+def drafts(**kwargs) -> agent.MessageDrafts:
+    ids = iter(f"{n:016x}" for n in range(100))
+    return agent.MessageDrafts(lambda: next(ids), **kwargs)
+
+
+def test_a_draft_collects_its_parts_and_is_closed_by_the_last():
+    table = drafts()
+    assert table.add(None, "ab", 0.0) == ("0000000000000000", 2)
+    assert table.add("0000000000000000", "é", 1.0) == ("0000000000000000", 4)
+    assert table.take("0000000000000000", "!") == "abé!"
+    with pytest.raises(agent.CommandError, match="no such draft"):
+        table.take("0000000000000000", "x")
+
+
+def test_drafts_are_bounded_in_number_and_size_and_expire():
+    table = drafts(max_open=2, max_bytes=4)
+    first, _ = table.add(None, "a", 0.0)
+    second, _ = table.add(None, "b", 5.0)
+    with pytest.raises(agent.UnavailableError, match="drafts are full"):
+        table.add(None, "c", 5.0)
+    with pytest.raises(agent.RequestError, match="too large"):
+        table.add(first, "xxxx", 5.0)  # 5 bytes: dropped
+    with pytest.raises(agent.RequestError, match="too large"):
+        table.take(second, "xxxx")
+    assert table.next_deadline() is None
+    third, _ = table.add(None, "c", 10.0)
+    assert table.next_deadline() == 10.0 + agent.DRAFT_IDLE_S
+    table.expire(10.0 + agent.DRAFT_IDLE_S - 0.001)
+    assert table.take(third, "d") == "cd"
+    fourth, _ = table.add(None, "e", 20.0)
+    table.expire(20.0 + agent.DRAFT_IDLE_S)
+    with pytest.raises(agent.CommandError, match="no such draft"):
+        table.add(fourth, "f", 21.0)
 
 
 @pytest.mark.parametrize("template", [[], ["claude"], ["c", "{prompt}", "{prompt}"], ["c", "{model}", "{model}",

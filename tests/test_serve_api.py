@@ -4,6 +4,7 @@ containers, the error mapping, and the `reploy session` CLI on the same API."""
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import os
 import subprocess
@@ -147,8 +148,18 @@ def test_agent_session_streams_and_redacts(serve_factory: Callable[..., ServePro
     api.wait_output(sid, "via write é\n".encode())
     status, raw = api.raw("POST", f"/api/v1/sessions/{sid}/write", b'{"dataBase64": "/w=="}')
     assert status == 422 and "UTF-8" in json.loads(raw)["error"]
+    # Seed 002's 1 MiB prompt, through write and through message: it reaches the agent command whole
+    # (in parts to the agent, then on the command's stdin, one argument being too small for it).
+    for route in ("write", "message"):
+        prompt = f"measure {route} ".ljust(1024 * 1024, "x")
+        body = {"dataBase64": base64.b64encode(prompt.encode()).decode()} if route == "write" else {"text": prompt}
+        assert api.call("POST", f"/sessions/{sid}/{route}", body)["delivery"] in ("dispatched", "queued")
+        digest = hashlib.sha256(prompt.encode()).hexdigest()
+        api.wait_output(sid, f'{{"via": "stdin", "bytes": {1024 * 1024}, "sha256": "{digest}"}}\n'.encode())
     huge = base64.b64encode(b"x" * (1024 * 1024 + 1)).decode()
     assert api.raw("POST", f"/api/v1/sessions/{sid}/write", json.dumps({"dataBase64": huge}).encode())[0] == 413
+    too_long = json.dumps({"text": "x" * (1024 * 1024 + 1)}).encode()
+    assert api.raw("POST", f"/api/v1/sessions/{sid}/message", too_long)[0] == 413
     # Resizes are for shells.
     assert api.raw("POST", f"/api/v1/sessions/{sid}/resize", b'{"columns": 9, "rows": 9}')[0] == 422
 

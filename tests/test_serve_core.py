@@ -441,21 +441,36 @@ def test_valid_bodies_and_ranges() -> None:
 
 
 def test_payloads_are_base64_and_bounded() -> None:
-    assert reploy.decode_payload(base64.b64encode(b"ls\r").decode(), "d") == b"ls\r"
+    assert reploy.decode_payload(base64.b64encode(b"ls\r").decode(), "d", 3) == b"ls\r"
     with pytest.raises(reploy.BadRequest):
-        reploy.decode_payload("not base64!", "d")
+        reploy.decode_payload("not base64!", "d", 3)
     with pytest.raises(reploy.PayloadTooLarge):
-        reploy.decode_payload(base64.b64encode(b"x" * (reploy.MAX_PAYLOAD_BYTES + 1)).decode(), "d")
+        reploy.decode_payload(base64.b64encode(b"x" * 4).decode(), "d", 3)
 
 
-def test_the_largest_write_fits_the_agents_request_line() -> None:
-    """serve refuses (413) every write the agent could not take in one request line."""
-    data = reploy.decode_payload(base64.b64encode(b"\xff" * reploy.MAX_WRITE_BYTES).decode(), "d")
-    line = json.dumps({"id": "serve", "method": "write",
-                       "params": {"data_b64": base64.b64encode(data).decode()}}, separators=(",", ":"))
-    assert len(line.encode()) <= agent.MAX_REQUEST_BYTES
-    with pytest.raises(reploy.PayloadTooLarge):
-        reploy.decode_payload(base64.b64encode(b"x" * (reploy.MAX_WRITE_BYTES + 1)).decode(), "d")
+def request_line_bytes(method: str, params: dict) -> int:
+    """A request line as the agent's contract counts it (the JSON object, newline excluded), in
+    whatever escaping a JSON encoder may choose: here the widest, ASCII-only."""
+    return len(json.dumps({"id": "serve", "method": method, "params": params}).encode())
+
+
+def test_the_largest_shell_write_fits_the_agents_request_line() -> None:
+    data = b"\xff" * reploy.MAX_WRITE_BYTES
+    assert request_line_bytes("write", {"data_b64": base64.b64encode(data).decode()}) <= agent.MAX_REQUEST_BYTES
+
+
+@pytest.mark.parametrize("unit", ["\x01", "é", "€", "😀", "a\x01😀"])
+def test_a_message_of_the_largest_size_is_cut_into_parts_each_request_line_holds(unit: str) -> None:
+    """A 1 MiB message travels as the agent's draft; every part, however its characters escape,
+    fits one request line, and the parts put together are the message."""
+    text = unit * (reploy.MAX_PAYLOAD_BYTES // len(unit.encode()))
+    parts = reploy.message_parts(text)
+    assert "".join(parts) == text and all(parts)
+    for part in parts:
+        assert len(part.encode()) <= reploy.MAX_MESSAGE_PART_BYTES
+        line = request_line_bytes("message", {"text": part, "draft": "0" * 16, "more": True})
+        assert line <= agent.MAX_REQUEST_BYTES
+    assert reploy.message_parts("short") == ["short"]
 
 
 def test_session_json_has_no_secret_and_counts_down_from_last_access() -> None:

@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
 """A stand-in for the Claude Code CLI in agent.py's tests: it speaks stream-json and never calls a model.
 
-Invoked like the real one (`[--continue] [--model M] ... -- PROMPT`); the prompt names a scenario and its argument:
+Invoked like the real one (`[--continue] [--model M] ... -- PROMPT`, or with no `-- PROMPT` and the prompt on stdin);
+the prompt names a scenario and its argument:
 
   say TEXT          one assistant message, TEXT split into several text_delta events, then a result
   args              says its own argv as JSON (so tests see --continue and --model)
+  measure ...       says how the prompt came (argv or stdin), its size in bytes and its sha256, as JSON
   stderr TEXT       "after stderr" on stdout in two deltas, with TEXT on stderr in between (mid-line)
   plain TEXT        TEXT as a non-JSON stdout line
   result TEXT       only a result event
@@ -17,6 +19,7 @@ Invoked like the real one (`[--continue] [--model M] ... -- PROMPT`); the prompt
   write FILE TEXT   writes TEXT into FILE (relative to the workspace), says done
 """
 
+import hashlib
 import json
 import os
 import subprocess
@@ -58,7 +61,10 @@ def wait_forever() -> None:
 
 def main() -> int:
     argv = sys.argv[1:]
-    prompt = argv[argv.index("--") + 1]
+    if "--" in argv:
+        prompt, via = argv[argv.index("--") + 1], "argv"
+    else:
+        prompt, via = sys.stdin.buffer.read().decode(), "stdin"
     scenario, _, argument = prompt.partition(" ")
     emit({"type": "system", "subtype": "init", "session_id": "fake"})
     if scenario == "say":
@@ -66,6 +72,9 @@ def main() -> int:
         say(argument[:third], argument[third:2 * third], argument[2 * third:])
     elif scenario == "args":
         say(json.dumps(argv))
+    elif scenario == "measure":
+        data = prompt.encode()
+        say(json.dumps({"via": via, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}))
     elif scenario == "stderr":
         def diagnose() -> None:
             time.sleep(0.05)  # the fake's own pacing, so the agent likely reads "after " before the diagnostic
