@@ -62,7 +62,7 @@ import docker.models.containers  # noqa: E402
 import psutil  # noqa: E402
 
 import reploy  # noqa: E402
-from conftest import stage_and_build  # noqa: E402
+from conftest import remove_built_images, stage_and_build, staged_deployment_ids  # noqa: E402
 from serve_harness import DEADLINE_S, Api, ServeProcess, wait_until  # noqa: E402
 
 
@@ -467,6 +467,7 @@ def main() -> int:
         api.delete_all()
         server.stop()
         left = sweep(client, server.state_dir)
+        remove_built_images(client, staged_deployment_ids(base))  # staged anew each run: never reused
         shutil.rmtree(base, ignore_errors=True)
     if left:
         print(f"bench_serve: FAILED: left behind and now removed: {left}", file=sys.stderr, flush=True)
