@@ -5373,10 +5373,21 @@ def client_request(args: argparse.Namespace) -> tuple[str, str, Optional[dict[st
         data = sys.stdin.buffer.read() if args.data == "-" else args.data.encode()
         return "POST", f"/sessions/{sid}/write", {"dataBase64": base64.b64encode(data).decode()}
     if action == "message":
-        return "POST", f"/sessions/{sid}/message", {"text": args.text}
+        return "POST", f"/sessions/{sid}/message", {"text": message_text(args.text)}
     if action == "exec":
         return "POST", f"/sessions/{sid}/exec", args.exec_body
     return "POST", f"/sessions/{sid}/{action}", {}
+
+
+def message_text(argument: str) -> str:
+    """The text of `session message`: the argument, or for `-` stdin (Linux bounds one argument
+    below 128 KiB; a message may be 1 MiB)."""
+    if argument != "-":
+        return argument
+    try:
+        return sys.stdin.buffer.read().decode("utf-8").removesuffix("\n")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"session message: stdin is not UTF-8 ({e.reason} at byte {e.start})") from None
 
 
 def session_token(args: argparse.Namespace) -> Optional[str]:
@@ -5556,6 +5567,9 @@ def run_session_client(args: argparse.Namespace, token: Optional[str]) -> int:
             return EXIT_FAILED
         print(f"reploy: session exec: {e}", file=sys.stderr)
         return 126 if e.document["status"] == 422 else EXIT_FAILED  # 126: cannot run, as docker exec
+    except UsageError as e:
+        print(f"reploy: {e}", file=sys.stderr)
+        return EXIT_USAGE
     except (ReployError, OSError) as e:
         emit({"error": str(e), "status": None}, to_stderr=data_to_stdout)
         return EXIT_FAILED
@@ -5740,7 +5754,8 @@ def add_serve_parsers(commands: Any) -> None:
     write.add_argument("data", help="the bytes to type (UTF-8); - reads them from stdin")
     message = actions.add_parser("message", parents=[common])
     message.add_argument("id")
-    message.add_argument("text")
+    message.add_argument("text", help="a prompt (agent) or one line (shell); - reads it from stdin "
+                         "(UTF-8, one trailing newline dropped), for texts an argument cannot hold")
     run = actions.add_parser(
         "exec", parents=[common], usage="reploy session exec ID [--cwd DIR] [--timeout 60s] "
         "[--env K=V] [--stdin] [--raw] -- CMD [ARG ...]",

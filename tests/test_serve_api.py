@@ -156,6 +156,16 @@ def test_agent_session_streams_and_redacts(serve_factory: Callable[..., ServePro
         assert api.call("POST", f"/sessions/{sid}/{route}", body)["delivery"] in ("dispatched", "queued")
         digest = hashlib.sha256(prompt.encode()).hexdigest()
         api.wait_output(sid, f'{{"via": "stdin", "bytes": {1024 * 1024}, "sha256": "{digest}"}}\n'.encode())
+    # The CLI reads a prompt that one argument cannot hold from stdin (`-`), one trailing newline dropped.
+    prompt = "measure cli ".ljust(200 * 1024, "y")
+    code, sent = cli(server, "message", sid, "-", stdin=(prompt + "\n").encode())
+    assert code == 0 and sent["delivery"] in ("dispatched", "queued")
+    digest = hashlib.sha256(prompt.encode()).hexdigest()
+    api.wait_output(sid, f'{{"via": "stdin", "bytes": {200 * 1024}, "sha256": "{digest}"}}\n'.encode())
+    not_utf8 = subprocess.run([sys.executable, str(ROOT / "reploy.py"), "session", "message", sid, "-", "--server",
+                               server.ready["url"]], input=b"say \xff", capture_output=True, timeout=120,
+                              env=server.client_env())
+    assert (not_utf8.returncode, not_utf8.stdout) == (2, b"") and b"not UTF-8" in not_utf8.stderr
     huge = base64.b64encode(b"x" * (1024 * 1024 + 1)).decode()
     assert api.raw("POST", f"/api/v1/sessions/{sid}/write", json.dumps({"dataBase64": huge}).encode())[0] == 413
     too_long = json.dumps({"text": "x" * (1024 * 1024 + 1)}).encode()
