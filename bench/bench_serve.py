@@ -62,6 +62,7 @@ import docker.models.containers  # noqa: E402
 import psutil  # noqa: E402
 
 import reploy  # noqa: E402
+import reploy_serve  # noqa: E402
 from conftest import remove_built_images, stage_and_build, staged_deployment_ids  # noqa: E402
 from serve_harness import DEADLINE_S, Api, ServeProcess, wait_until  # noqa: E402
 
@@ -99,12 +100,12 @@ def sdk_baseline(workload: Path, rounds: int) -> list[float]:
         shutil.chown(session_dir, runtime.uid, runtime.gid)
         spec = reploy.ContainerSpec(
             role="managed", image_id=deployment.current.image_id,
-            command=("python3", reploy.AGENT_MOUNT, "serve", "--session-dir", reploy.SESSION_MOUNT,
+            command=("python3", reploy_serve.AGENT_MOUNT, "serve", "--session-dir", reploy_serve.SESSION_MOUNT,
                      "--workload", "shell", "--home", reploy.CONTAINER_HOME),
             runtime=runtime, environment={"HOME": reploy.CONTAINER_HOME},
             labels=BASELINE_LABELS,
-            mounts=(reploy.Mount(str(reploy.AGENT_SOURCE), reploy.AGENT_MOUNT, True),
-                    reploy.Mount(str(session_dir), reploy.SESSION_MOUNT, False)), init=True)
+            mounts=(reploy.Mount(str(reploy_serve.AGENT_SOURCE), reploy_serve.AGENT_MOUNT, True),
+                    reploy.Mount(str(session_dir), reploy_serve.SESSION_MOUNT, False)), init=True)
         start = time.perf_counter()
         container_id = backend.create(spec)
         try:
@@ -119,9 +120,9 @@ def sdk_baseline(workload: Path, rounds: int) -> list[float]:
 
 def _answers(session_dir: Path) -> bool:
     try:
-        reploy.agent_call(session_dir, "status", {})
+        reploy_serve.agent_call(session_dir, "status", {})
         return True
-    except reploy.AgentCallError:
+    except reploy_serve.AgentCallError:
         return False
 
 
@@ -134,7 +135,7 @@ FANOUT_STREAMS = (1, 10, 50)
 #: Bytes asked of one read on a socket, of the agent's log per long-poll.
 READ_CHUNK_BYTES = 64 * 1024
 #: How long the baseline's long-poll `read` waits in the agent: what serve's own streams ask.
-LONG_POLL_MS = reploy.SSE_LONG_POLL_MS
+LONG_POLL_MS = reploy_serve.SSE_LONG_POLL_MS
 #: An SSE figure's writes come in this many blocks a side (`--rounds` writes each), alternating.
 SSE_BLOCKS = 4
 
@@ -227,7 +228,7 @@ class AgentPoller(LogReader):
     def _ask(self) -> None:
         self._pending = b""
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.connect(f"/proc/self/fd/{self._dir_fd}/{reploy.SOCKET_NAME}")
+        self.sock.connect(f"/proc/self/fd/{self._dir_fd}/{reploy_serve.SOCKET_NAME}")
         self.sock.sendall(json.dumps({"id": "b", "method": "read", "params": {
             "offset": self.cursor, "max_bytes": READ_CHUNK_BYTES, "wait_ms": LONG_POLL_MS}}).encode()
             + b"\n")
@@ -368,7 +369,7 @@ def sse_delivery(api: Api, server: ServeProcess, sid: str, streams: int, blocks:
     alternate in `blocks` blocks of `block_rounds` writes; between them serve has ended every
     stream (the store's viewer rows are gone), so neither side competes with the other."""
     session_dir = server.state_dir / "sessions" / sid
-    store = reploy.SessionStore(server.state_dir / "sessions.db")
+    store = reploy_serve.SessionStore(server.state_dir / "sessions.db")
     api_write = functools.partial(api.write, sid)
 
     def log(offset: int) -> bytes:
@@ -384,12 +385,12 @@ def sse_delivery(api: Api, server: ServeProcess, sid: str, streams: int, blocks:
     via_sse: list[float] = []
     via_agent: list[float] = []
     for _ in range(blocks):
-        offset = reploy.agent_call(session_dir, "status", {})["log_bytes"]
+        offset = reploy_serve.agent_call(session_dir, "status", {})["log_bytes"]
         with opened(streams, functools.partial(SseReader, api, sid, offset), log) as fanout:
             wait_until(lambda: viewers() == streams, f"{streams} viewers of session {sid}")
             via_sse += timed(fanout, api_write)
         wait_until(lambda: viewers() == 0, f"serve to end session {sid}'s streams")
-        offset = reploy.agent_call(session_dir, "status", {})["log_bytes"]
+        offset = reploy_serve.agent_call(session_dir, "status", {})["log_bytes"]
         with opened(streams, functools.partial(AgentPoller, session_dir, offset), log) as fanout:
             via_agent += timed(fanout, baseline_write)
     return via_sse, via_agent
@@ -398,7 +399,7 @@ def sse_delivery(api: Api, server: ServeProcess, sid: str, streams: int, blocks:
 def agent_writer(server: ServeProcess, sid: str) -> Callable[[bytes], None]:
     """A write straight on the agent's control socket, no HTTP or serve in between."""
     session_dir = server.state_dir / "sessions" / sid
-    return lambda data: reploy.agent_call(session_dir, "write", {"data_b64": base64.b64encode(data).decode()})
+    return lambda data: reploy_serve.agent_call(session_dir, "write", {"data_b64": base64.b64encode(data).decode()})
 
 
 def main() -> int:
@@ -427,7 +428,7 @@ def main() -> int:
             figure(f"serve_sse_delivery_streams_{streams}", "ms",
                    *sse_delivery(api, server, sessions[0], streams, SSE_BLOCKS, rounds,
                                  functools.partial(api.write, sessions[0])))
-        manager_view = reploy.SessionStore(base / "state" / "sessions.db")
+        manager_view = reploy_serve.SessionStore(base / "state" / "sessions.db")
         container = client.containers.get(manager_view.get(sessions[0]).container_id)
         exec_times, sdk_exec_times = exec_round_trips(api, sessions[0], container, rounds * 4)
         figure("serve_exec_true", "ms", exec_times, sdk_exec_times)
@@ -479,7 +480,7 @@ def sweep(client: docker.DockerClient, state_dir: Path) -> list[str]:
     """Remove whatever this run's sessions or baselines left, and name it: there should be
     nothing, since serve and the baselines remove their own containers."""
     left = []
-    for labels in (BASELINE_LABELS, {reploy.LABEL_STATE_DIR: str(state_dir)}):
+    for labels in (BASELINE_LABELS, {reploy_serve.LABEL_STATE_DIR: str(state_dir)}):
         for container in client.containers.list(
                 all=True, filters={"label": [f"{key}={value}" for key, value in labels.items()]}):
             left.append(f"container {container.short_id} {container.labels}")
@@ -580,7 +581,7 @@ def session_memory(client: docker.DockerClient, api: Api, server: ServeProcess,
     all are idle (paused by the reaper's step). The sessions are deleted at the end."""
     serve = psutil.Process(server.proc.pid)
     rss_before = serve.memory_info().rss
-    store = reploy.SessionStore(server.state_dir / "sessions.db")
+    store = reploy_serve.SessionStore(server.state_dir / "sessions.db")
     sids: list[str] = []
 
     def per_session(what: str) -> list[float]:
@@ -598,7 +599,7 @@ def session_memory(client: docker.DockerClient, api: Api, server: ServeProcess,
         active = per_session("active")
         for sid in sids:
             _force_idle(server.state_dir, sid)
-            if store.get(sid).state is not reploy.SessionState.IDLE:
+            if store.get(sid).state is not reploy_serve.SessionState.IDLE:
                 raise BenchFailed(f"session {sid} is {store.get(sid).state.value}, not idle, after the pause")
         idle = per_session("idle")
     finally:
@@ -645,7 +646,7 @@ def bare_shell_memory(client: docker.DockerClient, workload: Path, count: int) -
 def _force_idle(state_dir: Path, sid: str) -> None:
     """The reaper's idle step, run now: a SessionManager on the same state dir (the store's
     leases keep it from clashing with the running serve)."""
-    manager = reploy.SessionManager(reploy.ServeConfig(state_dir=state_dir, workload_dirs=()),
+    manager = reploy_serve.SessionManager(reploy_serve.ServeConfig(state_dir=state_dir, workload_dirs=()),
                                     reploy.DockerBackend())
     try:
         with manager.leased(sid) as lease:  # paused with the facts the reaper would record

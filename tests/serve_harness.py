@@ -123,7 +123,8 @@ class Api:
 
 
 class ServeProcess:
-    """One `python3 reploy.py serve` child on a loopback port."""
+    """One `python3 reploy.py serve` child on a loopback port. reploy.py hands `serve` over to
+    reploy_serve.py by executing it in the same process: the start line's pid shows it."""
 
     def __init__(self, state_dir: Path, workload_dir: Path, *extra: str,
                  env: Optional[dict[str, str]] = None) -> None:
@@ -143,6 +144,7 @@ class ServeProcess:
             raise AssertionError(f"serve did not start: {self.stderr}")
         self.ready = json.loads(line)
         assert self.ready["ok"], self.ready
+        assert self.ready["pid"] == self.proc.pid, "the hand-over to reploy_serve.py is an exec"
         self.api = Api(self.ready["url"], self.ready["token"])
 
     @property

@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import reploy  # noqa: E402
+import reploy_serve  # noqa: E402
 
 
 def request(method: str, **params: object) -> agent.Request:
@@ -193,28 +194,28 @@ def test_archive_limits() -> None:
 
 
 def test_exec_bodies_become_agent_params() -> None:
-    fields = reploy.parse_body(b'{"argv": ["sh", "-c", "exit 3"], "env": {"A": "b"}, "timeoutMs": 5, '
-                               b'"stdinBase64": "aGk="}', reploy.BODY_RULES["exec"])
-    assert reploy.exec_params(fields) == {
+    fields = reploy_serve.parse_body(b'{"argv": ["sh", "-c", "exit 3"], "env": {"A": "b"}, "timeoutMs": 5, '
+                               b'"stdinBase64": "aGk="}', reploy_serve.BODY_RULES["exec"])
+    assert reploy_serve.exec_params(fields) == {
         "argv": ["sh", "-c", "exit 3"], "cwd": "", "env": {"A": "b"}, "timeout_ms": 5,
         "output_cap_bytes": 1024 * 1024, "stdin_b64": "aGk="}
-    with pytest.raises(reploy.BadRequest, match="argv: must be an array"):
-        reploy.parse_body(b'{"argv": "true"}', reploy.BODY_RULES["exec"])
-    with pytest.raises(reploy.BadRequest, match="non-empty array of strings"):
-        reploy.exec_params({"argv": ["a", 1]})
-    with pytest.raises(reploy.BadRequest, match="every value must be a string"):
-        reploy.exec_params({"argv": ["a"], "env": {"A": 1}})
-    with pytest.raises(reploy.Unprocessable):
-        reploy.parse_body(b'{"argv": ["a"], "timeoutMs": 0}', reploy.BODY_RULES["exec"])
-    big = base64.b64encode(b"x" * (reploy.MAX_EXEC_STDIN_BYTES + 1)).decode()
-    with pytest.raises(reploy.PayloadTooLarge):
-        reploy.exec_params({"argv": ["a"], "stdinBase64": big})
+    with pytest.raises(reploy_serve.BadRequest, match="argv: must be an array"):
+        reploy_serve.parse_body(b'{"argv": "true"}', reploy_serve.BODY_RULES["exec"])
+    with pytest.raises(reploy_serve.BadRequest, match="non-empty array of strings"):
+        reploy_serve.exec_params({"argv": ["a", 1]})
+    with pytest.raises(reploy_serve.BadRequest, match="every value must be a string"):
+        reploy_serve.exec_params({"argv": ["a"], "env": {"A": 1}})
+    with pytest.raises(reploy_serve.Unprocessable):
+        reploy_serve.parse_body(b'{"argv": ["a"], "timeoutMs": 0}', reploy_serve.BODY_RULES["exec"])
+    big = base64.b64encode(b"x" * (reploy_serve.MAX_EXEC_STDIN_BYTES + 1)).decode()
+    with pytest.raises(reploy_serve.PayloadTooLarge):
+        reploy_serve.exec_params({"argv": ["a"], "stdinBase64": big})
 
 
 def test_exec_results_keep_streams_apart_as_text_and_exact_bytes() -> None:
     final = {"exec_id": "e", "exit_code": None, "signal": "SIGKILL", "timed_out": True, "killed": False,
              "duration_ms": 12.5, "stdout_truncated": True, "stderr_truncated": False}
-    result = reploy.exec_result_json(final, b"out\xff", b"err")
+    result = reploy_serve.exec_result_json(final, b"out\xff", b"err")
     assert result == {"execId": "e", "exitCode": None, "signal": "SIGKILL", "timedOut": True,
                       "killed": False, "durationMs": 12.5,
                       "stdout": "out\ufffd", "stdoutBase64": base64.b64encode(b"out\xff").decode(),
@@ -229,7 +230,7 @@ def test_exec_results_keep_streams_apart_as_text_and_exact_bytes() -> None:
     ({"timedOut": True, "exitCode": None, "signal": "SIGKILL"}, 124),
 ])
 def test_raw_exec_exit_codes_follow_the_shell(result: dict[str, object], code: int) -> None:
-    assert reploy.raw_exec_exit_code(result) == code
+    assert reploy_serve.raw_exec_exit_code(result) == code
 
 
 # -- serve: file routes, queries and the error mapping -------------------------------------------
@@ -237,27 +238,27 @@ def test_raw_exec_exit_codes_follow_the_shell(result: dict[str, object], code: i
 
 def test_file_routes_carry_a_path_with_slashes() -> None:
     sid = "0123456789abcdef"
-    assert reploy.match_route("GET", f"/sessions/{sid}/files/a/b%20c.txt") == ("get_file", sid)
-    assert reploy.match_route("PUT", f"/sessions/{sid}/files/a") == ("put_file", sid)
-    assert reploy.match_route("GET", f"/sessions/{sid}/list") == ("list_files", sid)
-    assert reploy.match_route("POST", f"/sessions/{sid}/exec") == ("exec", sid)
-    with pytest.raises(reploy.MethodNotAllowed):
-        reploy.match_route("DELETE", f"/sessions/{sid}/files/a")
-    assert reploy.file_route_path(f"/sessions/{sid}/files/a/b%20c.txt?root=home") == "a/b c.txt"
-    assert reploy.file_route_path(f"/sessions/{sid}/list") == ""
-    assert reploy.file_route_path(f"/sessions/{sid}/files/..%2Fetc") == "../etc"  # refused by the agent
-    assert set(reploy.RAW_BODY_ROUTES) == {"put_file"}
+    assert reploy_serve.match_route("GET", f"/sessions/{sid}/files/a/b%20c.txt") == ("get_file", sid)
+    assert reploy_serve.match_route("PUT", f"/sessions/{sid}/files/a") == ("put_file", sid)
+    assert reploy_serve.match_route("GET", f"/sessions/{sid}/list") == ("list_files", sid)
+    assert reploy_serve.match_route("POST", f"/sessions/{sid}/exec") == ("exec", sid)
+    with pytest.raises(reploy_serve.MethodNotAllowed):
+        reploy_serve.match_route("DELETE", f"/sessions/{sid}/files/a")
+    assert reploy_serve.file_route_path(f"/sessions/{sid}/files/a/b%20c.txt?root=home") == "a/b c.txt"
+    assert reploy_serve.file_route_path(f"/sessions/{sid}/list") == ""
+    assert reploy_serve.file_route_path(f"/sessions/{sid}/files/..%2Fetc") == "../etc"  # refused by the agent
+    assert set(reploy_serve.RAW_BODY_ROUTES) == {"put_file"}
 
 
 def test_file_queries() -> None:
-    assert reploy.file_query("") == ("workspace", None)
-    assert reploy.file_query("root=home&mode=0755") == ("home", 0o755)
-    with pytest.raises(reploy.Unprocessable):
-        reploy.file_query("root=etc")
-    with pytest.raises(reploy.Unprocessable):
-        reploy.file_query("mode=0999")
-    with pytest.raises(reploy.BadRequest):
-        reploy.file_query("follow=1")
+    assert reploy_serve.file_query("") == ("workspace", None)
+    assert reploy_serve.file_query("root=home&mode=0755") == ("home", 0o755)
+    with pytest.raises(reploy_serve.Unprocessable):
+        reploy_serve.file_query("root=etc")
+    with pytest.raises(reploy_serve.Unprocessable):
+        reploy_serve.file_query("mode=0999")
+    with pytest.raises(reploy_serve.BadRequest):
+        reploy_serve.file_query("follow=1")
 
 
 @pytest.mark.parametrize(("code", "message", "status"), [
@@ -272,7 +273,7 @@ def test_file_queries() -> None:
     ("server_unavailable", "8 execs are running", 503),
 ])
 def test_agent_errors_map_to_statuses(code: str, message: str, status: int) -> None:
-    assert reploy.serve_error_for(reploy.AgentCallError(code, message)).status == status
+    assert reploy_serve.serve_error_for(reploy_serve.AgentCallError(code, message)).status == status
 
 
 # -- the `session exec` and `session cp` clients ---------------------------------------------------
@@ -283,26 +284,26 @@ def exec_args(**extra: object) -> SimpleNamespace:
 
 
 def test_session_exec_bodies() -> None:
-    body = reploy.exec_request_body(exec_args(cwd="src", env=["A=1", "B=x=y"], timeout="5m"), ["make", "test"])
+    body = reploy_serve.exec_request_body(exec_args(cwd="src", env=["A=1", "B=x=y"], timeout="5m"), ["make", "test"])
     assert body == {"argv": ["make", "test"], "timeoutMs": 300_000, "cwd": "src", "env": {"A": "1", "B": "x=y"}}
     args = SimpleNamespace(session_action="exec", id="x", exec_body=body)
-    assert reploy.client_request(args) == ("POST", "/sessions/x/exec", body)
+    assert reploy_serve.client_request(args) == ("POST", "/sessions/x/exec", body)
     for bad, argv in ((exec_args(), []), (exec_args(env=["=1"]), ["a"]), (exec_args(timeout="2d"), ["a"]),
                       (exec_args(timeout="25h"), ["a"])):
         with pytest.raises(reploy.UsageError):
-            reploy.exec_request_body(bad, argv)
+            reploy_serve.exec_request_body(bad, argv)
 
 
 def test_copy_operands() -> None:
     sid = "0123456789abcdef"
-    assert reploy.parse_copy_operand(f"{sid}:src/a.txt") == (sid, "workspace", "src/a.txt")
-    assert reploy.parse_copy_operand(f"{sid}:") == (sid, "workspace", "")
-    assert reploy.parse_copy_operand(f"{sid}:~/.config") == (sid, "home", ".config")
-    assert reploy.parse_copy_operand(f"{sid}:~") == (sid, "home", "")
-    assert reploy.parse_copy_operand("./0123456789abcdef:x") == (None, "", "./0123456789abcdef:x")
-    assert reploy.parse_copy_operand("-") == (None, "", "-")
+    assert reploy_serve.parse_copy_operand(f"{sid}:src/a.txt") == (sid, "workspace", "src/a.txt")
+    assert reploy_serve.parse_copy_operand(f"{sid}:") == (sid, "workspace", "")
+    assert reploy_serve.parse_copy_operand(f"{sid}:~/.config") == (sid, "home", ".config")
+    assert reploy_serve.parse_copy_operand(f"{sid}:~") == (sid, "home", "")
+    assert reploy_serve.parse_copy_operand("./0123456789abcdef:x") == (None, "", "./0123456789abcdef:x")
+    assert reploy_serve.parse_copy_operand("-") == (None, "", "-")
     with pytest.raises(reploy.UsageError, match="relative to its workspace"):
-        reploy.parse_copy_operand(f"{sid}:/etc/passwd")
+        reploy_serve.parse_copy_operand(f"{sid}:/etc/passwd")
 
 
 def test_an_archive_built_by_write_tree_tar_passes_the_upload_rules(tmp_path: Path) -> None:
@@ -325,21 +326,21 @@ def test_an_archive_built_by_write_tree_tar_passes_the_upload_rules(tmp_path: Pa
 
 def test_only_the_upload_route_takes_raw_bodies_past_the_access_check() -> None:
     token = "t" * 40
-    policy = reploy.AccessPolicy.for_server(token, 8080, frozenset({"127.0.0.1"}))
+    policy = reploy_serve.AccessPolicy.for_server(token, 8080, frozenset({"127.0.0.1"}))
     sid = "0123456789abcdef"
 
     def decide(method: str, target: str, content_type: str) -> object:
         headers = [("Host", "127.0.0.1:8080"), ("Authorization", f"Bearer {token}"),
                    ("Content-Type", content_type), ("Content-Length", "5")]
-        return reploy.decide_access(method, target, headers, policy)
+        return reploy_serve.decide_access(method, target, headers, policy)
 
     for content_type in ("application/octet-stream", "application/x-tar", "application/x-tar; x=1"):
-        assert decide("PUT", f"/api/v1/sessions/{sid}/files/a/b?root=home", content_type) is reploy.Access.ROUTE
+        assert decide("PUT", f"/api/v1/sessions/{sid}/files/a/b?root=home", content_type) is reploy_serve.Access.ROUTE
     for method, target, content_type in (
             ("PUT", f"/api/v1/sessions/{sid}/files/a", "text/plain"),
             ("POST", f"/api/v1/sessions/{sid}/exec", "application/octet-stream"),
             ("POST", f"/api/v1/sessions/{sid}/write", "application/x-tar"),
             ("GET", f"/api/v1/sessions/{sid}/files/a", "application/octet-stream"),
             ("PUT", "/api/v1/sessions/not-an-id/files/a", "application/octet-stream")):
-        with pytest.raises(reploy.UnsupportedMediaType):
+        with pytest.raises(reploy_serve.UnsupportedMediaType):
             decide(method, target, content_type)

@@ -19,23 +19,23 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import reploy  # noqa: E402
-from reploy import Access  # noqa: E402
+import reploy_serve  # noqa: E402
+from reploy_serve import Access  # noqa: E402
 from serve_harness import LoopbackSite  # noqa: E402
 
 TOKEN = "k" * 20 + "Q7-x_" + "z" * 18  # 43 characters, like a generated one
 EXTRA_HOST = "reploy.proxy.test"
-POLICY = reploy.AccessPolicy.for_server(TOKEN, 8080, reploy.allowed_hosts(
+POLICY = reploy_serve.AccessPolicy.for_server(TOKEN, 8080, reploy_serve.allowed_hosts(
     "127.0.0.1", (), (EXTRA_HOST,)))
 SID = "0123456789abcdef"
 
 
 def decide(method: str, target: str, headers: list[tuple[str, str]],
-           policy: reploy.AccessPolicy = POLICY) -> Any:
+           policy: reploy_serve.AccessPolicy = POLICY) -> Any:
     """The decision as the oracle states it: an Access, or the refusing status."""
     try:
-        return reploy.decide_access(method, target, headers, policy)
-    except reploy.ServeError as e:
+        return reploy_serve.decide_access(method, target, headers, policy)
+    except reploy_serve.ServeError as e:
         return e.status
 
 
@@ -222,10 +222,10 @@ def test_edges(target: str, headers: list[tuple[str, str]], status: Any) -> None
 
 def test_refusals_carry_their_headers_and_never_a_credential() -> None:
     try:
-        reploy.decide_access("GET", f"/api/v1/sessions?token={TOKEN}",
+        reploy_serve.decide_access("GET", f"/api/v1/sessions?token={TOKEN}",
                              [("Host", "127.0.0.1:8080"), ("Cookie", f"{POLICY.cookie_name}=x")],
                              POLICY)
-    except reploy.Unauthorized as e:
+    except reploy_serve.Unauthorized as e:
         assert e.response_headers() == {"WWW-Authenticate": 'Bearer realm="reploy"'}
         assert "not accepted" in str(e) and TOKEN not in str(e)
     else:
@@ -233,40 +233,40 @@ def test_refusals_carry_their_headers_and_never_a_credential() -> None:
     for target, headers in (("/login?token=" + TOKEN[:-1], [("Host", "127.0.0.1:8080")]),
                             ("/api/v1/sessions", [("Host", "127.0.0.1:8080"),
                                                   ("Authorization", f"Bearer {TOKEN[:-1]}")])):
-        with pytest.raises(reploy.Unauthorized) as info:
-            reploy.decide_access("GET", target, headers, POLICY)
+        with pytest.raises(reploy_serve.Unauthorized) as info:
+            reploy_serve.decide_access("GET", target, headers, POLICY)
         assert TOKEN[:-1] not in str(info.value) and POLICY.cookie_value not in str(info.value)
-    with pytest.raises(reploy.MethodNotAllowed) as refused:
-        reploy.decide_access("POST", f"/login?token={TOKEN}", [("Host", "127.0.0.1:8080")], POLICY)
+    with pytest.raises(reploy_serve.MethodNotAllowed) as refused:
+        reploy_serve.decide_access("POST", f"/login?token={TOKEN}", [("Host", "127.0.0.1:8080")], POLICY)
     assert refused.value.response_headers() == {"Allow": "GET"}
 
 
 def test_a_refused_body_names_the_types_its_route_takes() -> None:
     headers = [("Host", "127.0.0.1:8080"), ("Authorization", f"Bearer {TOKEN}"),
                ("Content-Type", "text/plain"), ("Content-Length", "1")]
-    with pytest.raises(reploy.UnsupportedMediaType) as upload:
-        reploy.decide_access("PUT", f"/api/v1/sessions/{SID}/files/a.txt", headers, POLICY)
+    with pytest.raises(reploy_serve.UnsupportedMediaType) as upload:
+        reploy_serve.decide_access("PUT", f"/api/v1/sessions/{SID}/files/a.txt", headers, POLICY)
     assert str(upload.value) == ("request bodies must be Content-Type: application/octet-stream"
                                  " or application/x-tar")
-    with pytest.raises(reploy.UnsupportedMediaType) as other:
-        reploy.decide_access("POST", f"/api/v1/sessions/{SID}/exec", headers, POLICY)
+    with pytest.raises(reploy_serve.UnsupportedMediaType) as other:
+        reploy_serve.decide_access("POST", f"/api/v1/sessions/{SID}/exec", headers, POLICY)
     assert str(other.value) == "request bodies must be Content-Type: application/json"
 
 
 def test_a_foreign_host_is_named_but_bounded() -> None:
-    with pytest.raises(reploy.MisdirectedRequest) as info:
-        reploy.decide_access("GET", "/", [("Host", "evil.example:8080")], POLICY)
+    with pytest.raises(reploy_serve.MisdirectedRequest) as info:
+        reploy_serve.decide_access("GET", "/", [("Host", "evil.example:8080")], POLICY)
     assert "'evil.example:8080'" in str(info.value) and "--allow-host" in str(info.value)
-    with pytest.raises(reploy.MisdirectedRequest) as info:
-        reploy.decide_access("GET", "/", [("Host", "e" * 5000)], POLICY)
+    with pytest.raises(reploy_serve.MisdirectedRequest) as info:
+        reploy_serve.decide_access("GET", "/", [("Host", "e" * 5000)], POLICY)
     assert len(str(info.value)) < 300
 
 
 def test_the_policy_keeps_its_secrets_out_of_reprs_and_cookies() -> None:
     assert POLICY.cookie_name == "reploy-8080"
     assert TOKEN not in POLICY.cookie_value and len(POLICY.cookie_value) == 64
-    assert POLICY.cookie_value == reploy.AccessPolicy.for_server(TOKEN, 9, frozenset()).cookie_value
-    assert POLICY.cookie_value != reploy.AccessPolicy.for_server(TOKEN + "x", 8080,
+    assert POLICY.cookie_value == reploy_serve.AccessPolicy.for_server(TOKEN, 9, frozenset()).cookie_value
+    assert POLICY.cookie_value != reploy_serve.AccessPolicy.for_server(TOKEN + "x", 8080,
                                                                  frozenset()).cookie_value
     assert TOKEN not in repr(POLICY) and POLICY.cookie_value not in repr(POLICY)
 
@@ -277,7 +277,7 @@ def test_the_policy_keeps_its_secrets_out_of_reprs_and_cookies() -> None:
     ("reploy.proxy.test:65535", ("reploy.proxy.test", 65535)),
 ])
 def test_host_headers_split(text: str, split: tuple[str, Optional[int]]) -> None:
-    assert reploy.split_authority(text) == split
+    assert reploy_serve.split_authority(text) == split
 
 
 # -- the Host allowlist per listen address ----------------------------------------------------
@@ -297,13 +297,13 @@ MACHINE = ("vm", "192.0.2.2", "fd00::2", "127.0.0.1", "::1")
 ])
 def test_allowed_hosts_follow_the_listen_address(listen: str, extra: tuple[str, ...],
                                                  allowed: set[str]) -> None:
-    machine = () if reploy.is_loopback_listen(listen) else MACHINE
-    assert reploy.allowed_hosts(listen, machine, extra) == allowed
+    machine = () if reploy_serve.is_loopback_listen(listen) else MACHINE
+    assert reploy_serve.allowed_hosts(listen, machine, extra) == allowed
 
 
 def test_only_loopback_listens_stay_on_the_machine() -> None:
-    assert all(map(reploy.is_loopback_listen, ("localhost", "127.0.0.1", "127.9.9.9", "::1")))
-    assert not any(map(reploy.is_loopback_listen, ("0.0.0.0", "::", "192.0.2.2", "fd00::2")))
+    assert all(map(reploy_serve.is_loopback_listen, ("localhost", "127.0.0.1", "127.9.9.9", "::1")))
+    assert not any(map(reploy_serve.is_loopback_listen, ("0.0.0.0", "::", "192.0.2.2", "fd00::2")))
 
 
 # -- token files ------------------------------------------------------------------------------
@@ -311,12 +311,12 @@ def test_only_loopback_listens_stay_on_the_machine() -> None:
 
 def test_the_token_is_made_once_private_and_strong(tmp_path: Path) -> None:
     path = tmp_path / "token"
-    token = reploy.load_or_create_token(path)
+    token = reploy_serve.load_or_create_token(path)
     assert oct(path.stat().st_mode & 0o777) == "0o600"
-    assert len(token) >= 43 and reploy._TOKEN.fullmatch(token)  # 32 random bytes, URL-safe base64
+    assert len(token) >= 43 and reploy_serve._TOKEN.fullmatch(token)  # 32 random bytes, URL-safe base64
     assert path.read_text() == token + "\n"
-    assert reploy.load_or_create_token(path) == token  # reused
-    assert reploy.load_or_create_token(tmp_path / "other") != token
+    assert reploy_serve.load_or_create_token(path) == token  # reused
+    assert reploy_serve.load_or_create_token(tmp_path / "other") != token
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other", "token"]  # nothing left aside
 
 
@@ -326,7 +326,7 @@ def test_servers_starting_together_agree_on_one_token(tmp_path: Path) -> None:
 
     def start() -> None:
         barrier.wait()
-        tokens.append(reploy.load_or_create_token(tmp_path / "token"))
+        tokens.append(reploy_serve.load_or_create_token(tmp_path / "token"))
 
     threads = [threading.Thread(target=start) for _ in range(8)]
     for thread in threads:
@@ -351,8 +351,8 @@ def test_unusable_token_files_are_refused_without_quoting_them(
     path = tmp_path / "token"
     path.write_text(content)
     path.chmod(mode)
-    with pytest.raises(reploy.CredentialError) as info:
-        reploy.load_or_create_token(path)
+    with pytest.raises(reploy_serve.CredentialError) as info:
+        reploy_serve.load_or_create_token(path)
     assert complaint in str(info.value)
     assert not content.strip() or content.strip()[:20] not in str(info.value)
 
@@ -364,20 +364,20 @@ def test_a_token_file_of_another_user_is_not_serves(tmp_path: Path) -> None:
     path.write_text(TOKEN + "\n")
     path.chmod(0o600)
     os.chown(path, os.geteuid() + 4242, -1)
-    with pytest.raises(reploy.CredentialError, match="belongs to uid") as info:
-        reploy.load_or_create_token(path)
+    with pytest.raises(reploy_serve.CredentialError, match="belongs to uid") as info:
+        reploy_serve.load_or_create_token(path)
     assert TOKEN[:20] not in str(info.value)
     os.chown(path, os.geteuid(), -1)
-    assert reploy.load_or_create_token(path) == TOKEN
+    assert reploy_serve.load_or_create_token(path) == TOKEN
 
 
 def test_a_token_path_that_is_no_file_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(reploy.CredentialError, match="not a regular file"):
-        reploy.read_token(tmp_path)
-    with pytest.raises(reploy.CredentialError, match="cannot read"):
-        reploy.read_token(tmp_path / "missing")
-    with pytest.raises(reploy.CredentialError, match="cannot make the token file"):
-        reploy.load_or_create_token(tmp_path / "missing" / "token")
+    with pytest.raises(reploy_serve.CredentialError, match="not a regular file"):
+        reploy_serve.read_token(tmp_path)
+    with pytest.raises(reploy_serve.CredentialError, match="cannot read"):
+        reploy_serve.read_token(tmp_path / "missing")
+    with pytest.raises(reploy_serve.CredentialError, match="cannot make the token file"):
+        reploy_serve.load_or_create_token(tmp_path / "missing" / "token")
 
 
 # -- the CLI: serve's listen options, the session client's token ------------------------------
@@ -453,11 +453,11 @@ def test_openapi_documents_the_credentials_and_the_refusals() -> None:
     assert schemes["bearer"] == {**schemes["bearer"], "type": "http", "scheme": "bearer"}
     assert (schemes["loginCookie"]["type"], schemes["loginCookie"]["in"]) == ("apiKey", "cookie")
     assert spec["security"] == [{"bearer": []}, {"loginCookie": []}]
-    statuses = {"401": reploy.Unauthorized, "403": reploy.Forbidden,
-                "415": reploy.UnsupportedMediaType, "421": reploy.MisdirectedRequest}
+    statuses = {"401": reploy_serve.Unauthorized, "403": reploy_serve.Forbidden,
+                "415": reploy_serve.UnsupportedMediaType, "421": reploy_serve.MisdirectedRequest}
     for code, error in statuses.items():
         assert str(error.status) == code
-    for method, path, _ in reploy.API_ROUTES:
+    for method, path, _ in reploy_serve.API_ROUTES:
         documented = spec["paths"][path][method.lower()]["responses"]
         wanted = {"401", "403", "421"} | ({"415"} if method == "POST" else set())
         assert wanted <= set(documented), (method, path)

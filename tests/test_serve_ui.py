@@ -191,19 +191,19 @@ def hold_snapshotting(state_dir: Path, sid: str) -> Callable[[], None]:
     import socket
     import time
 
-    import reploy
+    import reploy_serve
     import reploy_watchdog
 
-    store = reploy.SessionStore(state_dir / "sessions.db")
+    store = reploy_serve.SessionStore(state_dir / "sessions.db")
     owner = f"{socket.gethostname()}/{reploy_watchdog.process_identity()}/ui-test"
     assert store.acquire(sid, owner, time.time())
     record = store.get(sid)
-    held = store.save(record, reploy.apply_session_event(record, reploy.SessionEvent.CHECKPOINT, time.time(),
+    held = store.save(record, reploy_serve.apply_session_event(record, reploy_serve.SessionEvent.CHECKPOINT, time.time(),
                                                          archive="checkpoint-held.tar"), owner, time.time())
 
     def roll_back() -> None:
         now = time.time()
-        store.save(held, reploy.apply_session_event(held, reploy.SessionEvent.ROLLBACK, now, archive=None),
+        store.save(held, reploy_serve.apply_session_event(held, reploy_serve.SessionEvent.ROLLBACK, now, archive=None),
                    owner, now)
         store.release(sid, owner)
         store.close()

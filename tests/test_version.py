@@ -1,4 +1,4 @@
-"""One release version: the same `__version__` in the four role files, shown by `--version`."""
+"""One release version: the same `__version__` in the five role files, shown by `--version`."""
 
 from __future__ import annotations
 
@@ -13,19 +13,21 @@ from conftest import ROOT
 
 import agent
 import reploy
+import reploy_serve
 import reploy_session_client
 import reploy_watchdog
 
 
-def test_the_four_role_files_carry_one_version() -> None:
+def test_the_five_role_files_carry_one_version() -> None:
     versions = {module.__name__: module.__version__
-                for module in (reploy, reploy_session_client, reploy_watchdog, agent)}
+                for module in (reploy, reploy_serve, reploy_session_client, reploy_watchdog, agent)}
     assert len(set(versions.values())) == 1, versions
     assert re.fullmatch(r"\d+\.\d+\.\d+", reploy.__version__)
 
 
 @pytest.mark.parametrize("script,prog", [
     ("reploy.py", "reploy"),
+    ("reploy_serve.py", "reploy"),
     ("reploy_session_client.py", "reploy-session-client"),
     ("agent.py", "agent.py"),
     ("reploy_watchdog.py", "reploy_watchdog"),
