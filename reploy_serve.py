@@ -47,6 +47,7 @@ import contextlib
 import enum
 import hashlib
 import hmac
+import http.client
 import http.server
 import ipaddress
 import json
@@ -151,6 +152,18 @@ SSE_LONG_POLL_MS = 1000
 #: exec: the HTTP call answers once the command ends; meanwhile each agent long-poll waits this
 #: long (under the agent's 5 s handler bound), and the client's connection is checked between.
 EXEC_POLL_MS = 4000
+#: Deadlines of the loops that wait on an agent (see "the harness verbs"): an exec's result is
+#: awaited for its own timeout plus this (the agent kills it at its timeout); a listing's pages
+#: for this long; an upload's commit for a base plus its size at a slow disk's rate; a
+#: download's next byte for this long.
+EXEC_END_GRACE_S = 30.0
+LIST_TIMEOUT_S = 60.0
+UPLOAD_COMMIT_BASE_S = 120.0
+UPLOAD_COMMIT_MIN_BYTES_PER_S = 16 * 1024 * 1024
+DOWNLOAD_STALL_S = 60.0
+#: The least time between two polls of one loop when the previous one brought nothing (the
+#: agent's own long-polls take up to 4 s; only a hostile agent answers "not yet" at once).
+AGENT_POLL_MIN_S = 0.25
 #: The agent's exec and transfer bounds (docs/agent.md), which it alone defines: stdin travels
 #: in one request line, output is kept per stream up to the cap, files move in chunks whose
 #: base64 fits its 1 MiB request line.
@@ -161,10 +174,11 @@ DEFAULT_EXEC_OUTPUT_BYTES = agent_role.DEFAULT_EXEC_OUTPUT_CAP_BYTES
 MAX_EXEC_OUTPUT_BYTES = agent_role.MAX_EXEC_OUTPUT_CAP_BYTES
 TRANSFER_CHUNK_BYTES = agent_role.MAX_TRANSFER_CHUNK_BYTES
 MAX_UPLOAD_BYTES = agent_role.MAX_TRANSFER_BYTES
-#: A listing answers at most this many entries (then `truncated`), gathered from at most this
-#: much of the agent's JSON (as many entries with the longest names and link targets fit).
+#: What a tar adds to its files' bytes, at most, per entry (a header, and padding to 512).
+TAR_BYTES_PER_ENTRY = 1024
+#: A listing answers at most this many entries (then `truncated`); the answer parser bounds
+#: each one (a name, a link target), so a listing's memory is bounded too.
 MAX_LIST_ENTRIES = 10_000
-MAX_LIST_JSON_BYTES = 64 * 1024 * 1024
 #: Routes whose body is raw bytes streamed to the agent, not JSON, and the content types each
 #: accepts (the upload route: a file, or a tar to extract). Every other body is JSON.
 RAW_BODY_ROUTES: dict[str, tuple[str, ...]] = {
@@ -185,11 +199,11 @@ TOKEN_BYTES = 32
 #: cookie or a percent-encoded URL could not carry.
 _TOKEN = re.compile(r"[A-Za-z0-9._~+/=-]{32,512}")
 MAX_TOKEN_FILE_BYTES = 4096
-#: The browser's way in: GET /login?token=T sets the cookie and redirects to /.
-LOGIN_PATH = "/login"
-#: The cookie is named per port (cookies ignore ports) and holds a value derived from the token.
-COOKIE_PREFIX = "reploy-"
-COOKIE_CONTEXT = b"reploy-serve-cookie-v1"
+#: The browser's way in: the UI at this fragment keeps the token in the tab's sessionStorage
+#: (scoped to scheme, host and port) and clears the address bar. A fragment never reaches a
+#: server or a Referer header; no credential ever lives in a cookie, which every port of a
+#: host would receive.
+LOGIN_FRAGMENT = "/#token="
 #: The Host names a loopback listen answers for (lowercase, IPv6 without brackets).
 LOOPBACK_HOST_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 
@@ -259,7 +273,29 @@ class ServiceUnavailable(ServeError):
 
 
 class InsufficientStorage(ServeError):
+    """No room: the state dir's file system, or the session's disk quota (the agent's
+    `disk_full`)."""
+
     status = 507
+
+
+class BadGateway(ServeError):
+    """The session's agent gave an answer that is not one (see "the agent's answers")."""
+
+    status = 502
+
+
+class GatewayTimeout(ServeError):
+    """The session's agent did not finish within the deadline of a loop that waits on it."""
+
+    status = 504
+
+
+class UnsafeHeader(ServeError):
+    """A response header that would not be one header line (serve's own bug: every value it
+    sends is checked before)."""
+
+    status = 500
 
 
 class Unauthorized(ServeError):
@@ -971,45 +1007,30 @@ def sse_cursor(last_event_id: Optional[str], query_offset: Optional[str]) -> int
 #
 #   1. Host must name this server: one of the listen address's own names, or --allow-host
 #      (421 otherwise). A rebound page still sends its own name, so this stops DNS rebinding,
-#      even for a client holding a stolen cookie.
-#   2. The UI's static files need no credentials (they hold no data). GET /login?token=T with
-#      the right token sets the browser's cookie and redirects to / (the adapter does that).
+#      even for a client holding a stolen token.
+#   2. The UI's static files need no credentials (they hold no data). The browser's login URL
+#      carries the token in its fragment (LOGIN_FRAGMENT), which only the UI reads.
 #   3. Under /api/v1, a browser request from elsewhere is refused (403): an Origin other than
-#      this server's own, or Sec-Fetch-Site saying another site. Pages on another port of the
-#      same loopback address are *same-site*, so the SameSite=Strict cookie reaches us from
-#      them; this check is what stops them.
-#   4. Then credentials (401): `Authorization: Bearer TOKEN`, which alone decides when present,
-#      or the cookie. A token in an API query string is never one.
+#      this server's own, or Sec-Fetch-Site saying another site (pages on another port of the
+#      same loopback address are *same-site*).
+#   4. Then credentials (401): `Authorization: Bearer TOKEN`, the only kind there is: no
+#      cookie, and a token in an API query string is never one. A browser attaches nothing
+#      by itself, so a page elsewhere cannot borrow the user's credential; only the UI, from
+#      its own tab's sessionStorage, sends it.
 #   5. A body must be application/json (415): the only kinds a page can send across origins
 #      without a preflight (forms, text/plain) are refused, and preflights get no CORS headers.
 #      The one exception is the upload route (RAW_BODY_ROUTES), which takes raw bytes as
 #      application/octet-stream or application/x-tar in a PUT, itself never preflight-free.
 #
-# Tokens and cookie values are compared in constant time. No message names a credential.
-
-
-class Access(enum.Enum):
-    """What the HTTP adapter does with a request that passed the checks."""
-
-    ROUTE = "route"  # serve it: a static file, or an authenticated API call
-    LOGIN = "login"  # /login with the right token: set the cookie, 303 to /
+# Tokens are compared in constant time. No message names a credential.
 
 
 @dataclass(frozen=True)
 class AccessPolicy:
-    """One server's credentials and names. The cookie holds a value derived from the token, so
-    the token itself never lives in the browser; its name carries the port, because cookies
-    ignore ports and two servers on one machine must not overwrite each other's."""
+    """One server's credential and names."""
 
     token: str = field(repr=False)
-    cookie_name: str
-    cookie_value: str = field(repr=False)
     allowed_hosts: frozenset[str]
-
-    @classmethod
-    def for_server(cls, token: str, port: int, allowed_hosts: frozenset[str]) -> "AccessPolicy":
-        value = hmac.new(token.encode(), COOKIE_CONTEXT, hashlib.sha256).hexdigest()
-        return cls(token, f"{COOKIE_PREFIX}{port}", value, allowed_hosts)
 
 
 def is_loopback_listen(host: str) -> bool:
@@ -1077,19 +1098,6 @@ def _single_header(headers: Sequence[tuple[str, str]], name: str) -> Optional[st
     return values[0] if values else None
 
 
-def _cookie_values(headers: Sequence[tuple[str, str]], name: str) -> list[str]:
-    """Every value the Cookie headers give `name` (a page elsewhere on this host may have set
-    another cookie of the same name: any one of them may be ours)."""
-    values = []
-    for key, header in headers:
-        if key.lower() == "cookie":
-            for pair in header.split(";"):
-                cookie, separator, value = pair.strip().partition("=")
-                if separator and cookie == name:
-                    values.append(value)
-    return values
-
-
 def _is_json_media_type(content_type: Optional[str]) -> bool:
     media_type, _, parameters = (content_type or "").partition(";")
     return media_type.strip().lower() == "application/json" and parameters.strip().lower() in (
@@ -1101,9 +1109,10 @@ UNAUTHORIZED_MESSAGE = ("authentication required: send Authorization: Bearer TOK
 
 
 def decide_access(method: str, target: str, headers: Sequence[tuple[str, str]],
-                  policy: AccessPolicy) -> Access:
-    """Route or log in, or raise the ServeError that refuses the request (the rules above).
-    `target` is the request target as sent (path and query); `headers` every header line."""
+                  policy: AccessPolicy) -> None:
+    """Returns when the request may be routed, else raises the ServeError that refuses it (the
+    rules above). `target` is the request target as sent (path and query); `headers` every
+    header line."""
     if not target.startswith("/"):
         raise BadRequest("the request target must be a path (this server is not a proxy)")
     host = _single_header(headers, "host")
@@ -1114,31 +1123,21 @@ def decide_access(method: str, target: str, headers: Sequence[tuple[str, str]],
         raise MisdirectedRequest(f"this server does not answer for Host {host[:100]!r} "
                                  "(a reverse proxy's name needs --allow-host)")
     path, _, query = target.partition("?")
-    if path == LOGIN_PATH:
-        if method != "GET":
-            raise MethodNotAllowed(f"{method} is not allowed here (allowed: GET)", ("GET",))
-        tokens = urllib.parse.parse_qs(query, keep_blank_values=True).get("token", [])
-        if len(tokens) != 1 or not same_secret(tokens[0], policy.token):
-            raise Unauthorized("this login link's token is wrong; open the login_url printed "
-                               "by `reploy serve`")
-        return Access.LOGIN
     if not is_api_path(path):
-        return Access.ROUTE
+        return
     origin = _single_header(headers, "origin")
     if origin is not None and not is_same_origin(origin, host_name, host_port):
         raise Forbidden("requests from another origin are refused")
     if (_single_header(headers, "sec-fetch-site") or "").lower() in ("cross-site", "same-site"):
         raise Forbidden("requests from another site are refused")
     authorization = _single_header(headers, "authorization")
-    if authorization is not None:
-        scheme, _, credential = authorization.strip().partition(" ")
-        if scheme.lower() != "bearer" or not same_secret(credential.strip(), policy.token):
-            raise Unauthorized("wrong credentials: " + UNAUTHORIZED_MESSAGE)
-    elif not any(same_secret(value, policy.cookie_value)
-                 for value in _cookie_values(headers, policy.cookie_name)):
+    if authorization is None:
         in_url = "token" in urllib.parse.parse_qs(query, keep_blank_values=True)
         raise Unauthorized(UNAUTHORIZED_MESSAGE + (" (a token in an API URL is not accepted)"
                                                    if in_url else ""))
+    scheme, _, credential = authorization.strip().partition(" ")
+    if scheme.lower() != "bearer" or not same_secret(credential.strip(), policy.token):
+        raise Unauthorized("wrong credentials: " + UNAUTHORIZED_MESSAGE)
     has_body = (_single_header(headers, "content-length") or "0").strip() != "0" or (
         _single_header(headers, "transfer-encoding") is not None)
     content_type = _single_header(headers, "content-type")
@@ -1147,7 +1146,6 @@ def decide_access(method: str, target: str, headers: Sequence[tuple[str, str]],
     if has_body and not (_is_json_media_type(content_type) or media_type in raw_types):
         raise UnsupportedMediaType("request bodies must be Content-Type: "
                                    + " or ".join(raw_types or ("application/json",)))
-    return Access.ROUTE
 
 
 def _raw_body_types(method: str, path: str) -> tuple[str, ...]:
@@ -1162,13 +1160,465 @@ def _raw_body_types(method: str, path: str) -> tuple[str, ...]:
 
 
 # ============================================================================================
+# the agent's answers (pure)
+# ============================================================================================
+#
+# Every answer of every agent is hostile input: the session's workload may have found a way to
+# answer in its agent's place, and a broken agent is no better. So each answer family (one per
+# verb of docs/agent.md) has one strict parser here, and nothing else reads an answer. A parser
+# checks the type, range or enum of every field serve uses, checks what the request fixes (the
+# offset asked for, the id it named, the bytes it sent), decodes base64 once, and returns a new
+# dict holding only what it checked: a field it does not know is never passed on. Names of
+# directory entries are single path components (no `/`, NUL or control character, not `.` or
+# `..`), since the UI builds URLs from them. An answer that fails is an AgentCallError with the
+# code INVALID_ANSWER, which fails that one request with 502 and changes nothing else.
+
+
+class AnswerInvalid(ValueError):
+    """One field of an answer does not fit its rule (the message says which, never its value)."""
+
+
+#: The error codes an agent may answer with (docs/agent.md), plus `disk_full`: its session's
+#: disk quota is used up.
+AGENT_ERROR_CODES = frozenset({"invalid_request", "command_error", "timeout", "server_unavailable",
+                               "disk_full"})
+#: serve's own code for an answer that is not one: never an agent's (those are checked above).
+INVALID_ANSWER = "invalid_answer"
+#: The longest agent error message passed on (longer ones are cut, and marked so).
+MAX_AGENT_MESSAGE_CHARS = 2000
+MAX_FILE_SIZE_BYTES = 2**63 - 1
+MAX_PID = 2**22  # Linux's pid_max ceiling
+_HANDLE_ID = agent_role.HANDLE_ID_RE  #: exec and transfer ids
+_SHA256_HEX = agent_role.SHA256_HEX_RE
+_SIGNAL_NAME = re.compile(r"SIG[A-Z0-9]{1,12}")
+#: C0 and C1 controls and DEL: never in an entry name, a link target or a path serve passes on.
+_CONTROL_CHARACTERS = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+ENTRY_TYPES = ("file", "directory", "symlink", "fifo", "socket", "char-device", "block-device",
+               "unknown")
+Check = Callable[[Any], Any]
+
+
+def _integer(low: int, high: int) -> Check:
+    def check(value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise AnswerInvalid(f"is not an integer from {low} to {high}")
+        return value
+    return check
+
+
+def _number(low: float, high: float) -> Check:
+    def check(value: Any) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+            raise AnswerInvalid(f"is not a number from {low:g} to {high:g}")
+        return value
+    return check
+
+
+def _boolean(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise AnswerInvalid("is not true or false")
+    return value
+
+
+def _one_of(*choices: str) -> Check:
+    def check(value: Any) -> str:
+        if value not in choices or not isinstance(value, str):
+            raise AnswerInvalid(f"is not one of {', '.join(choices)}")
+        return value
+    return check
+
+
+def _matching(pattern: re.Pattern[str]) -> Check:
+    def check(value: Any) -> str:
+        if not isinstance(value, str) or not pattern.fullmatch(value):
+            raise AnswerInvalid(f"does not match {pattern.pattern}")
+        return value
+    return check
+
+
+def _nullable(inner: Check) -> Check:
+    def check(value: Any) -> Any:
+        return None if value is None else inner(value)
+    return check
+
+
+def _text(max_bytes: int) -> Check:
+    """Any text (terminal output is what it is), bounded."""
+    def check(value: Any) -> str:
+        if not isinstance(value, str) or len(value.encode("utf-8", "surrogatepass")) > max_bytes:
+            raise AnswerInvalid(f"is not a string of at most {max_bytes} bytes")
+        return value
+    return check
+
+
+def _plain_text(max_bytes: int) -> Check:
+    """Text without NUL or any control character (a path, a link target), bounded."""
+    bounded = _text(max_bytes)
+
+    def check(value: Any) -> str:
+        if _CONTROL_CHARACTERS.search(bounded(value)):
+            raise AnswerInvalid("holds a control character")
+        return value
+    return check
+
+
+def _base64(max_bytes: int) -> Check:
+    """Base64 of at most max_bytes: the decoded bytes are what serve keeps."""
+    def check(value: Any) -> bytes:
+        if not isinstance(value, str) or len(value) > 4 * -(-max_bytes // 3):
+            raise AnswerInvalid(f"is not base64 of at most {max_bytes} bytes")
+        try:
+            data = base64.b64decode(value, validate=True)
+        except ValueError:
+            raise AnswerInvalid("is not base64") from None
+        if len(data) > max_bytes:
+            raise AnswerInvalid(f"is not base64 of at most {max_bytes} bytes")
+        return data
+    return check
+
+
+def is_entry_name(name: Any) -> bool:
+    """A directory entry's name as the UI may put it in a URL: one path component."""
+    return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name
+            and not _CONTROL_CHARACTERS.search(name)
+            and len(name.encode("utf-8", "surrogatepass")) <= agent_role.MAX_NAME_BYTES)
+
+
+def _entry_name(value: Any) -> str:
+    if not is_entry_name(value):
+        raise AnswerInvalid("is not one path component (no /, NUL or control character, "
+                            "not . or ..)")
+    return value
+
+
+@dataclass(frozen=True)
+class AnswerField:
+    """One field of an answer: its wire name, its check, whether it must be there, and the name
+    serve keeps it under (base64 fields are kept decoded, under a name without _b64)."""
+
+    name: str
+    check: Check
+    required: bool = True
+    keep_as: Optional[str] = None
+
+
+def _parse_fields(document: Any, fields: Sequence[AnswerField], where: str) -> dict[str, Any]:
+    """The checked fields of one JSON object, and nothing else of it."""
+    if not isinstance(document, dict):
+        raise AnswerInvalid(f"{where} is not an object")
+    parsed: dict[str, Any] = {}
+    for rule in fields:
+        if rule.name not in document:
+            if rule.required:
+                raise AnswerInvalid(f"{where}.{rule.name} is missing")
+            continue
+        try:
+            parsed[rule.keep_as or rule.name] = rule.check(document[rule.name])
+        except AnswerInvalid as e:
+            raise AnswerInvalid(f"{where}.{rule.name} {e}") from None
+    return parsed
+
+
+_ENTRY_FIELDS = (
+    AnswerField("name", _text(agent_role.MAX_NAME_BYTES)),  # checked per use: see below
+    AnswerField("type", _one_of(*ENTRY_TYPES)),
+    AnswerField("size", _integer(0, MAX_FILE_SIZE_BYTES)),
+    AnswerField("mode", _integer(0, 0o7777)),
+    AnswerField("mtime", _number(-2.0**40, 2.0**40)),
+    AnswerField("target", _plain_text(agent_role.MAX_PATH_BYTES), required=False),
+)
+
+
+def parse_entry(document: Any, where: str, name: Optional[str] = None) -> dict[str, Any]:
+    """A `stat` or `list` entry. A listed entry's name is one path component; the entry a path
+    names (`name` given) bears that path's last component, or `.` for the root."""
+    entry = _parse_fields(document, _ENTRY_FIELDS, where)
+    if name is None:
+        try:
+            _entry_name(entry["name"])
+        except AnswerInvalid as e:
+            raise AnswerInvalid(f"{where}.name {e}") from None
+    elif entry["name"] != name:
+        raise AnswerInvalid(f"{where}.name is not the name of the path asked for")
+    if "target" in entry and entry["type"] != "symlink":
+        raise AnswerInvalid(f"{where}.target is only for a symlink")
+    return entry
+
+
+def _entries(value: Any) -> list[dict[str, Any]]:
+    if not isinstance(value, list) or len(value) > agent_role.MAX_LIST_ENTRIES:
+        raise AnswerInvalid(f"is not an array of at most {agent_role.MAX_LIST_ENTRIES} entries")
+    entries = [parse_entry(item, f"[{index}]") for index, item in enumerate(value)]
+    if len({entry["name"] for entry in entries}) != len(entries):
+        raise AnswerInvalid("names one entry twice")
+    return entries
+
+
+def _path_parts(params: dict[str, Any]) -> tuple[str, ...]:
+    """The components of the path a request named, as the agent reads them."""
+    return agent_role.parse_relative_path(params.get("path", ""))
+
+
+def _named_entry(params: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
+    """An answer's `entry` for the path the request named (the root's is `.`)."""
+    parts = _path_parts(params)
+    return parse_entry(answer.get("entry"), "entry", parts[-1] if parts else ".")
+
+
+def _require(condition: bool, reason: str) -> None:
+    if not condition:
+        raise AnswerInvalid(reason)
+
+
+_COUNT = _integer(0, 2**62)
+_OFFSET = _integer(0, 2**62)
+_SIDE = _integer(1, agent_role.MAX_TERMINAL_SIDE)
+_PID = _integer(1, MAX_PID)
+_ROOT = _one_of("workspace", "home")
+
+#: The fields of each verb's result (docs/agent.md), besides `type`. Optional fields are the
+#: ones a workload kind, a state, or an older agent may leave out.
+ANSWER_FIELDS: dict[str, tuple[AnswerField, ...]] = {
+    "status": (
+        AnswerField("workload", _one_of("shell", "agent")),
+        AnswerField("turn_state", _one_of("idle", "in_progress", "waiting")),
+        AnswerField("busy", _boolean, required=False),
+        AnswerField("quiet_ms", _COUNT, required=False),
+        AnswerField("pid", _nullable(_PID), required=False),
+        AnswerField("queue_depth", _COUNT, required=False),
+        AnswerField("queue_bytes", _COUNT, required=False),
+        AnswerField("log_bytes", _COUNT, required=False),
+        AnswerField("log_capped", _boolean, required=False),
+        AnswerField("admission_open", _boolean, required=False),
+        AnswerField("awaiting_restore", _boolean, required=False),
+        AnswerField("running", _boolean, required=False),
+        AnswerField("exit_code", _nullable(_integer(-255, 255)), required=False),
+        AnswerField("columns", _SIDE, required=False),
+        AnswerField("rows", _SIDE, required=False),
+        AnswerField("continue", _boolean, required=False)),
+    "read": (
+        AnswerField("offset", _OFFSET), AnswerField("next_offset", _OFFSET),
+        AnswerField("length", _OFFSET), AnswerField("reset", _boolean),
+        AnswerField("data_b64", _base64(MAX_READ_BYTES), required=False, keep_as="data"),
+        AnswerField("text", _text(MAX_READ_BYTES), required=False)),
+    "write": (AnswerField("bytes", _COUNT),),
+    "message": (
+        AnswerField("delivery", _one_of("dispatched", "queued", "drafted")),
+        AnswerField("queue_depth", _COUNT),
+        AnswerField("draft", _matching(_HANDLE_ID), required=False),
+        AnswerField("draft_bytes", _COUNT, required=False)),
+    "interrupt": (AnswerField("cancelled", _boolean),),
+    "relaunch": (AnswerField("pid", _nullable(_PID)),),
+    "resize": (AnswerField("columns", _SIDE), AnswerField("rows", _SIDE)),
+    "checkpoint": (
+        AnswerField("id", _matching(agent_role.CHECKPOINT_ID_RE)),
+        AnswerField("path", _plain_text(agent_role.MAX_PATH_BYTES)), AnswerField("bytes", _COUNT), AnswerField("log_bytes", _COUNT),
+        AnswerField("skipped_entries", _COUNT)),
+    "suspend": (AnswerField("seq", _COUNT),),
+    "exec": (AnswerField("exec_id", _matching(_HANDLE_ID)), AnswerField("pid", _PID)),
+    "exec_wait": (
+        AnswerField("exec_id", _matching(_HANDLE_ID)), AnswerField("running", _boolean),
+        AnswerField("pid", _PID), AnswerField("exit_code", _nullable(_integer(0, 255))),
+        AnswerField("signal", _nullable(_matching(_SIGNAL_NAME))),
+        AnswerField("timed_out", _boolean), AnswerField("killed", _boolean),
+        AnswerField("duration_ms", _number(0, 2.0**53)),
+        *(field for stream in ("stdout", "stderr") for field in (
+            AnswerField(f"{stream}_b64", _base64(agent_role.EXEC_PAGE_BYTES), keep_as=stream),
+            AnswerField(f"{stream}_next_offset", _integer(0, MAX_EXEC_OUTPUT_BYTES)),
+            AnswerField(f"{stream}_bytes", _integer(0, MAX_EXEC_OUTPUT_BYTES)),
+            AnswerField(f"{stream}_truncated", _boolean)))),
+    "exec_kill": (AnswerField("exec_id", _matching(_HANDLE_ID)), AnswerField("killed", _boolean)),
+    "stat": (AnswerField("root", _ROOT), AnswerField("path", _plain_text(agent_role.MAX_PATH_BYTES))),
+    "list": (AnswerField("root", _ROOT), AnswerField("path", _plain_text(agent_role.MAX_PATH_BYTES)),
+             AnswerField("entries", _entries), AnswerField("total", _COUNT),
+             AnswerField("next_offset", _COUNT)),
+    "upload": (AnswerField("transfer_id", _matching(_HANDLE_ID)),
+               AnswerField("chunk_bytes", _integer(1, TRANSFER_CHUNK_BYTES))),
+    "upload_write": (AnswerField("transfer_id", _matching(_HANDLE_ID)), AnswerField("bytes", _COUNT)),
+    "upload_commit": (
+        AnswerField("transfer_id", _matching(_HANDLE_ID)), AnswerField("done", _boolean),
+        AnswerField("root", _ROOT, required=False),
+        AnswerField("path", _plain_text(agent_role.MAX_PATH_BYTES), required=False),
+        AnswerField("kind", _one_of("file", "tar"), required=False),
+        AnswerField("bytes", _integer(0, MAX_UPLOAD_BYTES), required=False),
+        AnswerField("entries", _integer(0, agent_role.MAX_ARCHIVE_ENTRIES), required=False),
+        AnswerField("sha256", _matching(_SHA256_HEX), required=False)),
+    "download": (AnswerField("transfer_id", _matching(_HANDLE_ID)),
+                 AnswerField("kind", _one_of("file", "tar")),
+                 AnswerField("size", _nullable(_integer(0, MAX_UPLOAD_BYTES)))),
+    "download_read": (
+        AnswerField("transfer_id", _matching(_HANDLE_ID)), AnswerField("offset", _OFFSET),
+        AnswerField("next_offset", _OFFSET), AnswerField("eof", _boolean),
+        AnswerField("data_b64", _base64(TRANSFER_CHUNK_BYTES), keep_as="data")),
+    "transfer_close": (AnswerField("transfer_id", _matching(_HANDLE_ID)),
+                       AnswerField("closed", _boolean)),
+}
+
+
+def _check_read(params: dict[str, Any], answer: dict[str, Any], raw: dict[str, Any]) -> None:
+    _require(("data" in answer) != ("text" in answer), "read: exactly one of data_b64 and text")
+    payload = answer["data"] if "data" in answer else answer["text"].encode("utf-8")
+    _require(answer["offset"] == params.get("offset", 0), "read: offset is not the one asked for")
+    _require(len(payload) <= params.get("max_bytes", DEFAULT_READ_BYTES),
+             "read: more bytes than asked for")
+    if answer["reset"]:
+        _require(not payload and answer["next_offset"] == answer["length"] < answer["offset"],
+                 "read: a reset carries no bytes and points at the log's end")
+    else:
+        _require(answer["next_offset"] == answer["offset"] + len(payload) <= answer["length"],
+                 "read: next_offset is not offset plus the bytes, within the log")
+
+
+def _check_write(params: dict[str, Any], answer: dict[str, Any], raw: dict[str, Any]) -> None:
+    _require(answer["bytes"] == len(base64.b64decode(params["data_b64"])),
+             "write: bytes is not the number sent")
+
+
+def _check_message(params: dict[str, Any], answer: dict[str, Any], raw: dict[str, Any]) -> None:
+    drafted = answer["delivery"] == "drafted"
+    _require(drafted == bool(params.get("more")), "message: drafted exactly when more is sent")
+    _require(drafted == ("draft" in answer) == ("draft_bytes" in answer),
+             "message: a draft answer carries its draft and draft_bytes")
+    _require(not (drafted and "draft" in params) or answer["draft"] == params["draft"],
+             "message: the draft is not the one named")
+
+
+def _check_resize(params: dict[str, Any], answer: dict[str, Any], raw: dict[str, Any]) -> None:
+    _require((answer["columns"], answer["rows"]) == (params["columns"], params["rows"]),
+             "resize: not the size asked for")
+
+
+def _check_checkpoint(params: dict[str, Any], answer: dict[str, Any], raw: dict[str, Any]) -> None:
+    _require(answer["id"] == params["id"], "checkpoint: not the id asked for")
+
+
+def _check_exec_wait(params: dict[str, Any], answer: dict[str, Any], raw: dict[str, Any]) -> None:
+    _require(answer["exec_id"] == params["exec_id"], "exec_wait: not the exec asked for")
+    if answer["running"]:
+        _require(answer["exit_code"] is None and answer["signal"] is None,
+                 "exec_wait: a running command has no exit code or signal")
+    else:
+        _require((answer["exit_code"] is None) != (answer["signal"] is None),
+                 "exec_wait: an ended command has an exit code or a signal, not both")
+    for stream in ("stdout", "stderr"):
+        start = params.get(f"{stream}_offset", 0)
+        _require(answer[f"{stream}_next_offset"] == start + len(answer[stream])
+                 <= answer[f"{stream}_bytes"],
+                 f"exec_wait: {stream}_next_offset is not the offset plus the bytes, within the total")
+
+
+def _check_exec_kill(params: dict[str, Any], answer: dict[str, Any], raw: dict[str, Any]) -> None:
+    _require(answer["exec_id"] == params["exec_id"], "exec_kill: not the exec asked for")
+
+
+def _check_path_answer(params: dict[str, Any], answer: dict[str, Any], raw: dict[str, Any]) -> None:
+    """stat and list: the root and path asked for, and the entry the path names."""
+    parts = _path_parts(params)
+    _require(answer["root"] == params.get("root", "workspace") and
+             answer["path"] == agent_role.shown_path(parts), "not the root and path asked for")
+    answer["entry"] = _named_entry(params, raw)
+
+
+def _check_list(params: dict[str, Any], answer: dict[str, Any], raw: dict[str, Any]) -> None:
+    _check_path_answer(params, answer, raw)
+    _require(answer["entry"]["type"] == "directory" or not answer["entries"],
+             "list: only a directory has entries")
+    _require(answer["next_offset"] == params.get("offset", 0) + len(answer["entries"]),
+             "list: next_offset is not the offset plus the entries")
+
+
+def _check_transfer(params: dict[str, Any], answer: dict[str, Any], raw: dict[str, Any]) -> None:
+    _require(answer["transfer_id"] == params["transfer_id"], "not the transfer asked for")
+
+
+def _check_upload_write(params: dict[str, Any], answer: dict[str, Any], raw: dict[str, Any]) -> None:
+    _check_transfer(params, answer, raw)
+    _require(answer["bytes"] == params["offset"] + len(base64.b64decode(params["data_b64"])),
+             "upload_write: bytes is not what was staged")
+
+
+def _check_upload_commit(params: dict[str, Any], answer: dict[str, Any], raw: dict[str, Any]) -> None:
+    _check_transfer(params, answer, raw)
+    facts = ("root", "path", "kind", "bytes", "entries", "sha256")
+    _require(all(name in answer for name in facts) if answer["done"]
+             else not any(name in answer for name in facts),
+             "upload_commit: a done answer has its result, and only a done one")
+    _require(not answer["done"] or answer["sha256"] == params.get("sha256", answer["sha256"]),
+             "upload_commit: not the sha256 sent")
+
+
+def _check_download(params: dict[str, Any], answer: dict[str, Any], raw: dict[str, Any]) -> None:
+    answer["entry"] = _named_entry(params, raw)
+    wanted = {"file": "file", "tar": "directory"}[answer["kind"]]
+    _require(answer["entry"]["type"] == wanted, "download: the kind does not fit the entry")
+    _require((answer["size"] is None) == (answer["kind"] == "tar"),
+             "download: a file has a size, a tar has none")
+
+
+def _check_download_read(params: dict[str, Any], answer: dict[str, Any], raw: dict[str, Any]) -> None:
+    _check_transfer(params, answer, raw)
+    _require(answer["offset"] == params["offset"] and
+             answer["next_offset"] == answer["offset"] + len(answer["data"]),
+             "download_read: not the offset asked for, or next_offset is not it plus the bytes")
+
+
+#: What each answer must agree on with its request, or within itself, beyond its fields' rules.
+ANSWER_CHECKS: dict[str, Callable[[dict[str, Any], dict[str, Any], dict[str, Any]], None]] = {
+    "read": _check_read, "write": _check_write, "message": _check_message,
+    "resize": _check_resize, "checkpoint": _check_checkpoint, "exec_wait": _check_exec_wait,
+    "exec_kill": _check_exec_kill, "stat": _check_path_answer, "list": _check_list,
+    "upload_write": _check_upload_write, "upload_commit": _check_upload_commit,
+    "download": _check_download, "download_read": _check_download_read,
+    "transfer_close": _check_transfer,
+}
+
+
+def parse_agent_result(method: str, params: dict[str, Any], result: Any) -> dict[str, Any]:
+    """A result of `method` asked with `params`: the checked fields only. AnswerInvalid says why
+    it is not one."""
+    _require(isinstance(result, dict) and result.get("type") == method,
+             f"the result is not an object of type {method}")
+    answer = _parse_fields(result, ANSWER_FIELDS[method], method)
+    if method in ANSWER_CHECKS:
+        ANSWER_CHECKS[method](params, answer, result)
+    return answer
+
+
+def safe_message(text: str, limit_chars: int = MAX_AGENT_MESSAGE_CHARS) -> str:
+    """An agent's error message as serve passes it on (to a client, to its own log): control
+    characters shown as escapes, at most limit_chars."""
+    shown = _CONTROL_CHARACTERS.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+    return shown if len(shown) <= limit_chars else shown[:limit_chars] + "..."
+
+
+def parse_agent_response(method: str, params: dict[str, Any], line: bytes) -> dict[str, Any]:
+    """One response line of the agent: the checked result, or the agent's own error as
+    AgentCallError (a code of AGENT_ERROR_CODES, a safe message). AnswerInvalid when it is
+    neither."""
+    try:
+        document = wire.parse_strict_object(line.removesuffix(b"\n"))
+    except wire.ProtocolError as e:
+        raise AnswerInvalid(f"the answer is not one JSON object ({e})") from None
+    _require(document.get("id") == "serve" and set(document) in ({"id", "result"}, {"id", "error"}),
+             "the answer is not {id, result} or {id, error} for this request")
+    if "error" in document:
+        error = document["error"]
+        _require(isinstance(error, dict) and set(error) == {"code", "message"}
+                 and error["code"] in AGENT_ERROR_CODES and isinstance(error["message"], str),
+                 "the error is not {code, message} with a documented code")
+        raise AgentCallError(error["code"], safe_message(error["message"]))
+    return parse_agent_result(method, params, document["result"])
+
+
+# ============================================================================================
 # the agent's control socket (client side)
 # ============================================================================================
 
 
 class AgentCallError(ReployError):
-    """The agent answered with an error (docs/agent.md codes), or did not answer at all
-    (`transport` is then True and the code is server_unavailable)."""
+    """The agent answered with an error (docs/agent.md codes), gave an answer that is not one
+    (code INVALID_ANSWER), or did not answer at all (`transport` is then True and the code is
+    server_unavailable)."""
 
     def __init__(self, code: str, message: str, transport: bool = False) -> None:
         super().__init__(message)
@@ -1178,11 +1628,11 @@ class AgentCallError(ReployError):
 
 def agent_call(session_dir: Path, method: str, params: dict[str, Any],
                timeout_s: float = AGENT_CALL_TIMEOUT_S) -> dict[str, Any]:
-    """One request on DIR/control.sock; the result, or AgentCallError. The session can write
-    DIR and run its own server in the agent's place, so the socket is reached only as a socket
-    (connect_unix_at: never through a symlink), the whole call has one deadline (a peer that
-    trickles bytes cannot hold the caller, the reaper among them), and the answer must be a
-    response object with an object inside."""
+    """One request on DIR/control.sock; its checked result (parse_agent_response), or
+    AgentCallError. The session can write DIR and run its own server in the agent's place, so
+    the socket is reached only as a socket (connect_unix_at: never through a symlink), the
+    whole call has one deadline (a peer that trickles bytes cannot hold the caller, the reaper
+    among them), and the answer is bounded and parsed as hostile input."""
     line = wire.encode_compact({"id": "serve", "method": method, "params": params}) + b"\n"
     deadline = time.monotonic() + timeout_s
     response = bytearray()
@@ -1191,28 +1641,37 @@ def agent_call(session_dir: Path, method: str, params: dict[str, Any],
             connection = agent_role.connect_unix_at(dir_fd, SOCKET_NAME, timeout_s)
         with connection as sock:
             sock.sendall(line)
-            while not response.endswith(b"\n") and len(response) < AGENT_MAX_RESPONSE_BYTES:
+            while len(response) <= AGENT_MAX_RESPONSE_BYTES:
                 sock.settimeout(max(deadline - time.monotonic(), 0.001))
                 chunk = sock.recv(256 * 1024)
-                if not chunk:
-                    break
                 response += chunk
-        doc = json.loads(response)
-    except (OSError, ValueError, RecursionError) as e:  # RecursionError: JSON nested too deep
+                if not chunk or b"\n" in chunk:
+                    break
+    except OSError as e:
         raise AgentCallError("server_unavailable", f"the session agent does not answer: {e}",
                              transport=True) from e
-    if isinstance(doc, dict) and isinstance(doc.get("error"), dict):
-        error = doc["error"]
-        raise AgentCallError(str(error.get("code")), str(error.get("message")))
-    if not (isinstance(doc, dict) and isinstance(doc.get("result"), dict)):
-        raise AgentCallError("server_unavailable", "the session agent's answer is not a response")
-    return doc["result"]
+    answer, newline, rest = bytes(response).partition(b"\n")
+    if not newline and len(response) <= AGENT_MAX_RESPONSE_BYTES:
+        raise AgentCallError("server_unavailable", "the session agent hung up before it answered",
+                             transport=True)
+    try:
+        _require(len(answer) < AGENT_MAX_RESPONSE_BYTES,
+                 f"the answer is longer than {AGENT_MAX_RESPONSE_BYTES} bytes")
+        _require(not rest, "bytes follow the answer's line")
+        return parse_agent_response(method, params, answer)
+    except AnswerInvalid as e:
+        raise AgentCallError(INVALID_ANSWER, f"the session agent's answer to {method} is invalid: "
+                                             f"{e}") from None
 
 
 def serve_error_for(error: AgentCallError) -> ServeError:
     """The agent's blame-split codes, as HTTP statuses. The file and exec verbs name some
     failures in stable words (docs/agent.md, "Errors of the harness verbs"), mapped first."""
     message, text = f"agent: {error}", str(error)
+    if error.code == INVALID_ANSWER:
+        return BadGateway(text)
+    if error.code == "disk_full":
+        return InsufficientStorage(message)
     if error.code == "command_error" and text.startswith("no such file or directory"):
         return PathNotFound(message)
     if text.startswith("not enough space"):
@@ -1229,10 +1688,46 @@ def serve_error_for(error: AgentCallError) -> ServeError:
     return ServiceUnavailable(message)
 
 
-def _camel_keys(result: dict[str, Any]) -> dict[str, Any]:
-    return {re.sub(r"_([a-z])", lambda m: m.group(1).upper(), k): v
-            for k, v in result.items() if k != "type"}
+class ClientGone(ReployError):
+    """The HTTP client closed its connection while serve waited on the agent for it."""
 
+
+class AgentWait:
+    """One serve loop that waits on an agent (see "the harness verbs"). check(), before each
+    poll, raises when the client went away, serve is stopping or the deadline passed;
+    not_yet(), after an answer that brought nothing, waits out the rest of AGENT_POLL_MIN_S
+    since that poll. The clock is a seam."""
+
+    def __init__(self, what: str, deadline: float, client_gone: Callable[[], bool],
+                 stopping: threading.Event, clock: Callable[[], float] = time.monotonic) -> None:
+        self.what = what
+        self.deadline = deadline
+        self.client_gone = client_gone
+        self.stopping = stopping
+        self.clock = clock
+        self.polled_at = clock()
+
+    def renew(self, timeout_s: float) -> None:
+        """Progress: the deadline starts again from now."""
+        self.deadline = self.clock() + timeout_s
+
+    def check(self) -> None:
+        if self.client_gone():
+            raise ClientGone(f"the client went away; serve stopped waiting for {self.what}")
+        if self.stopping.is_set():
+            raise ServiceUnavailable(f"serve is stopping; it stopped waiting for {self.what}")
+        if self.clock() >= self.deadline:
+            raise GatewayTimeout(f"the session agent did not finish {self.what} in time")
+        self.polled_at = self.clock()
+
+    def not_yet(self) -> None:
+        rest_s = self.polled_at + AGENT_POLL_MIN_S - self.clock()
+        if rest_s > 0:
+            self.stopping.wait(rest_s)
+
+
+def _camel_keys(result: dict[str, Any]) -> dict[str, Any]:
+    return {re.sub(r"_([a-z])", lambda m: m.group(1).upper(), k): v for k, v in result.items()}
 
 # ============================================================================================
 # Docker orchestration
@@ -1256,6 +1751,9 @@ class ServeConfig:
     sse_keepalive_s: float = DEFAULT_SSE_KEEPALIVE_MS / 1000
     max_sessions: int = DEFAULT_MAX_SESSIONS
     min_free_bytes: int = DEFAULT_MIN_FREE_MIB * 1024 * 1024
+    #: Each session's disk quota, reported in GET /config (None: no quota), which `session cp`
+    #: bounds what it takes out of a session by.
+    session_disk_bytes: Optional[int] = None
 
     @property
     def sessions_dir(self) -> Path:
@@ -1271,6 +1769,37 @@ class ServeConfig:
     @property
     def reap_policy(self) -> ReapPolicy:
         return ReapPolicy(self.idle_after_s, self.snapshot_after_s, self.max_busy_s)
+
+
+class StateDirError(ReployError):
+    """A state directory (or its sessions directory) that serve cannot trust."""
+
+
+def prepare_state_dir(state_dir: Path) -> None:
+    """STATE_DIR and STATE_DIR/sessions, made (0700) when missing. Each must be a directory of
+    this user that no one else may write: another user who could would swap sessions.db (a
+    record with another image or mount) or a session's directory, or plant links where serve
+    writes. The state dir may be reached through a symlink of the user's; its sessions
+    directory may not be one. StateDirError says which and why; the state dir is kept 0700."""
+    for path, what, follow in ((state_dir, "state directory", True),
+                               (state_dir / "sessions", "sessions directory", False)):
+        try:
+            path.mkdir(mode=0o700, parents=follow)
+        except FileExistsError:
+            pass
+        except OSError as e:
+            raise StateDirError(f"cannot make the {what} {path}: {e.strerror}") from None
+        facts = os.stat(path) if follow else os.lstat(path)
+        if not stat.S_ISDIR(facts.st_mode):
+            raise StateDirError(f"the {what} {path} is not a directory")
+        if facts.st_uid != os.geteuid():
+            raise StateDirError(f"the {what} {path} belongs to uid {facts.st_uid}, not to this "
+                                f"user (uid {os.geteuid()}); use a directory of your own")
+        if facts.st_mode & 0o022:
+            raise StateDirError(f"the {what} {path} is writable by others (mode "
+                                f"{stat.S_IMODE(facts.st_mode):04o}); chmod go-w it, or use "
+                                "another")
+    os.chmod(state_dir, 0o700)
 
 
 class Lease:
@@ -1308,8 +1837,7 @@ class SessionManager:
         self.config = config
         self.backend = backend
         self.clock = clock
-        config.sessions_dir.mkdir(parents=True, exist_ok=True)
-        os.chmod(config.state_dir, 0o700)
+        prepare_state_dir(config.state_dir)
         self.store = SessionStore(config.state_dir / "sessions.db")
         self.host = socket.gethostname()
         self.identity = reploy_watchdog.process_identity()
@@ -1736,30 +2264,49 @@ class SessionManager:
             draft = {"draft": self.call(session_id, "message", {"text": part, "more": True, **draft})["draft"]}
         return self.call(session_id, "message", {"text": last, **draft})
 
-    # -- the harness verbs: exec and files, each an access at every step ---------------------
+    # -- the harness verbs: exec and files -------------------------------------------------
+    #
+    # Each starts with an access (self.call), then waits on the agent in a loop of polls (exec
+    # output, list pages, upload chunks and commit, download chunks). Every such loop runs
+    # under an AgentWait: a deadline, the client's presence and serve's own stop, and a least
+    # interval between polls that answered "not yet", so an agent answering that at once, for
+    # ever, can neither pin the thread nor make it spin.
+
+    def _poll(self, session_id: str, method: str, params: dict[str, Any]) -> dict[str, Any]:
+        """One more agent request within an operation the access already opened."""
+        try:
+            return agent_call(self.config.session_dir(session_id), method, params)
+        except AgentCallError as e:
+            raise serve_error_for(e) from e
+
+    def _wait(self, what: str, timeout_s: float, client_gone: Callable[[], bool]) -> "AgentWait":
+        return AgentWait(what, time.monotonic() + timeout_s, client_gone, self.stopping)
 
     def exec(self, session_id: str, params: dict[str, Any],
              client_gone: Callable[[], bool]) -> dict[str, Any]:
         """Runs one command in the session's container and waits for its result. The agent
-        answers within 5 s, so the wait is a chain of long-polls; between them a client that
-        went away, or serve stopping, kills the command's whole process group."""
+        answers within 5 s, so the wait is a chain of long-polls; a client that went away,
+        serve stopping, or the command outliving its own timeout by EXEC_END_GRACE_S (the
+        agent kills it at its timeout) kills the command's whole process group."""
         exec_id = self.call(session_id, "exec", params)["exec_id"]
+        wait = self._wait(f"the command {exec_id}", params["timeout_ms"] / 1000 + EXEC_END_GRACE_S,
+                          client_gone)
         output: dict[str, bytearray] = {"stdout": bytearray(), "stderr": bytearray()}
         try:
             while True:
-                if client_gone() or self.stopping.is_set():
-                    raise ServiceUnavailable("the client went away or serve is stopping; the "
-                                             "command was killed")
-                page = self.call(session_id, "exec_wait", {
+                wait.check()
+                page = self._poll(session_id, "exec_wait", {
                     "exec_id": exec_id, "wait_ms": EXEC_POLL_MS, "release": True,
                     "stdout_offset": len(output["stdout"]), "stderr_offset": len(output["stderr"])})
                 for name, data in output.items():
-                    data += base64.b64decode(page[f"{name}_b64"])
-                    if len(data) > params["output_cap_bytes"]:  # a hostile agent's, unbounded
-                        raise ServiceUnavailable("the session agent sent more output than the cap")
+                    data += page[name]
+                    if page[f"{name}_bytes"] > params["output_cap_bytes"]:  # a hostile agent's
+                        raise BadGateway("the session agent sent more output than the cap")
                 if not page["running"] and all(len(data) == page[f"{name}_bytes"]
                                                for name, data in output.items()):
                     return exec_result_json(page, bytes(output["stdout"]), bytes(output["stderr"]))
+                if page["running"] or not (page["stdout"] or page["stderr"]):
+                    wait.not_yet()
         except BaseException:
             with contextlib.suppress(AgentCallError):
                 agent_call(self.config.session_dir(session_id), "exec_kill", {"exec_id": exec_id})
@@ -1768,21 +2315,24 @@ class SessionManager:
     def stat_file(self, session_id: str, root: str, path: str) -> dict[str, Any]:
         return self.call(session_id, "stat", {"root": root, "path": path})["entry"]
 
-    def list_files(self, session_id: str, root: str, path: str) -> dict[str, Any]:
+    def list_files(self, session_id: str, root: str, path: str,
+                   client_gone: Callable[[], bool] = lambda: False) -> dict[str, Any]:
         """A path's entry and, for a directory, its entries (at most MAX_LIST_ENTRIES)."""
         entry = self.stat_file(session_id, root, path)
         entries: Optional[list[dict[str, Any]]] = None
         truncated = False
         if entry["type"] == "directory":
+            wait = self._wait(f"the listing of {path or root}", LIST_TIMEOUT_S, client_gone)
             entries = []
-            listed_bytes = 0
+            names: set[str] = set()
             while True:
-                page = self.call(session_id, "list", {"root": root, "path": path,
+                wait.check()
+                page = self._poll(session_id, "list", {"root": root, "path": path,
                                                       "offset": len(entries)})
+                names.update(item["name"] for item in page["entries"])
                 entries += page["entries"]
-                listed_bytes += len(wire.encode_compact(page["entries"]))
-                if listed_bytes > MAX_LIST_JSON_BYTES:  # only a hostile agent's pages grow so
-                    raise ServiceUnavailable("the session agent's listing is too large")
+                if len(names) != len(entries):
+                    raise BadGateway("the session agent's listing names one entry twice")
                 if not page["entries"] or len(entries) >= min(page["total"], MAX_LIST_ENTRIES):
                     break
             truncated = len(entries) < page["total"]
@@ -1791,11 +2341,13 @@ class SessionManager:
                 "truncated": truncated}
 
     def upload(self, session_id: str, root: str, path: str, kind: str, mode: Optional[int],
-               size_bytes: int, source: Any) -> dict[str, Any]:
+               size_bytes: int, source: Any,
+               client_gone: Callable[[], bool] = lambda: False) -> dict[str, Any]:
         """Streams size_bytes from `source` into the session: staged by the agent chunk by
         chunk (never the whole body in memory here), then committed with its sha256. A refused
         or broken upload is closed and leaves nothing behind. One chunk is in flight while the
-        next is read and encoded."""
+        next is read and encoded. The commit is awaited until its deadline (UPLOAD_COMMIT_*)
+        while the client is there; a client that left stops the wait, not the commit."""
         free = shutil.disk_usage(self.config.state_dir).free
         if free - size_bytes < self.config.min_free_bytes:
             raise InsufficientStorage(f"not enough space: {free // (1024 * 1024)} MiB free under "
@@ -1818,42 +2370,65 @@ class SessionManager:
                               "data_b64": base64.b64encode(chunk).decode("ascii")}
                     if in_flight is not None:
                         in_flight.result()  # in order: the agent takes chunks at its length
-                    in_flight = sender.submit(self.call, session_id, "upload_write", params)
+                    in_flight = sender.submit(self._poll, session_id, "upload_write", params)
                     sent += len(chunk)
                 if in_flight is not None:
                     in_flight.result()
+            wait = self._wait(f"the commit of {path or root}",
+                              UPLOAD_COMMIT_BASE_S + size_bytes / UPLOAD_COMMIT_MIN_BYTES_PER_S,
+                              client_gone)
+            commit = {"transfer_id": transfer_id, "sha256": digest.hexdigest()}
             while True:
-                result = self.call(session_id, "upload_commit", {"transfer_id": transfer_id,
-                                                                 "sha256": digest.hexdigest()})
+                wait.check()
+                result = self._poll(session_id, "upload_commit", commit)
                 if result["done"]:
+                    if (result["root"], result["kind"], result["bytes"]) != (root, kind, size_bytes):
+                        raise BadGateway("the session agent's commit is not of this upload")
                     return _camel_keys(result)
+                wait.not_yet()
         except BaseException:
             with contextlib.suppress(AgentCallError):
                 agent_call(self.config.session_dir(session_id), "transfer_close",
                            {"transfer_id": transfer_id})
             raise
 
-    def download(self, session_id: str, root: str,
-                 path: str) -> tuple[dict[str, Any], Generator[bytes, None, None]]:
+    def download(self, session_id: str, root: str, path: str,
+                 client_gone: Callable[[], bool] = lambda: False,
+                 ) -> tuple[dict[str, Any], Generator[bytes, None, None]]:
         """Opens a file (or a directory, as a tar) for reading: its description, and its bytes
-        chunk by chunk as the agent serves them."""
+        chunk by chunk as the agent serves them. A file yields exactly its announced size; a
+        tar at most MAX_UPLOAD_BYTES (the agent's own bound). The chunks stop with BadGateway
+        past either, or with GatewayTimeout when no byte came for DOWNLOAD_STALL_S."""
         opened = self.call(session_id, "download", {"root": root, "path": path})
         transfer_id = opened["transfer_id"]
+        limit_bytes = opened["size"] if opened["size"] is not None else MAX_UPLOAD_BYTES
 
         def read(offset: int) -> dict[str, Any]:
-            return self.call(session_id, "download_read",
-                             {"transfer_id": transfer_id, "offset": offset})
+            return self._poll(session_id, "download_read",
+                              {"transfer_id": transfer_id, "offset": offset})
 
         def chunks() -> Generator[bytes, None, None]:
             """One read ahead: the next chunk is asked for while this one is sent."""
+            wait = self._wait(f"the download of {path or root}", DOWNLOAD_STALL_S, client_gone)
             try:
                 with concurrent.futures.ThreadPoolExecutor(1, "download") as reader:
                     ahead = reader.submit(read, 0)
                     while True:
                         page = ahead.result()
+                        if page["next_offset"] > limit_bytes:
+                            raise BadGateway(f"the session agent sent more than {limit_bytes} "
+                                             "bytes")
+                        if page["eof"] and opened["size"] is not None and (
+                                page["next_offset"] != opened["size"]):
+                            raise BadGateway("the session agent ended the file before its size")
+                        if page["data"]:
+                            wait.renew(DOWNLOAD_STALL_S)
+                        elif not page["eof"]:
+                            wait.not_yet()
                         if not page["eof"]:
+                            wait.check()
                             ahead = reader.submit(read, page["next_offset"])
-                        yield base64.b64decode(page["data_b64"])
+                        yield page["data"]
                         if page["eof"]:
                             return
             finally:
@@ -1868,9 +2443,12 @@ class SessionManager:
         record = self.record(session_id)
         agent_status = None
         if record.state is SessionState.ACTIVE:
-            with contextlib.suppress(AgentCallError):
+            try:
                 agent_status = _camel_keys(agent_call(
                     self.config.session_dir(session_id), "status", {}))
+            except AgentCallError as e:  # no answer, or a refusal: no status; a bad one: 502
+                if e.code == INVALID_ANSWER:
+                    raise serve_error_for(e) from e
         return {"session": self.session_json(record), "agent": agent_status}
 
     def session_json(self, record: SessionRecord) -> dict[str, Any]:
@@ -2070,8 +2648,17 @@ FILE_ROUTE_PARTS = ("files", "list")
 STATIC_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
                 ".css": "text/css; charset=utf-8", ".json": "application/json",
                 ".svg": "image/svg+xml", "": "text/plain; charset=utf-8"}
+#: The UI's own files: scripts and styles from here only.
 CONTENT_SECURITY_POLICY = ("default-src 'self'; style-src 'self' 'unsafe-inline'; "
                            "img-src 'self' data:; object-src 'none'; frame-ancestors 'none'")
+#: Every other response (the API's JSON, downloads, the stream, every error): nothing may load
+#: and, opened as a page, it runs in a sandbox with an origin of its own, so even bytes a
+#: session chose can never act in this server's origin.
+API_CONTENT_SECURITY_POLICY = "default-src 'none'; sandbox"
+#: What a response header's name and value may hold (RFC 9110: a token; visible ASCII, spaces
+#: and tabs).
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+_HEADER_VALUE = re.compile(r"[\t\x20-\x7e]*")
 
 
 def match_route(method: str, path: str) -> tuple[str, Optional[str]]:
@@ -2121,7 +2708,7 @@ class ServeHTTPServer(http.server.ThreadingHTTPServer):
         super().__init__(address, ApiHandler)
         self.manager = manager
         self.static = static
-        self.policy = AccessPolicy.for_server(token, self.server_address[1], hosts)
+        self.policy = AccessPolicy(token, hosts)
 
 
 class ApiHandler(http.server.BaseHTTPRequestHandler):
@@ -2154,9 +2741,28 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
         self.send_json(code, {"error": message or http.HTTPStatus(code).phrase},
                        {"Connection": "close"})
 
+    def send_response(self, code: int, message: Optional[str] = None) -> None:
+        self.header_names: set[str] = set()
+        super().send_response(code, message)
+
+    def send_header(self, keyword: str, value: str) -> None:
+        """The one place every response header passes: a name or value that would not be one
+        header line (a CR or LF ends it early, and what follows writes headers or a body of its
+        own) drops the response begun so far, unsent, and raises UnsafeHeader."""
+        if not _HEADER_NAME.fullmatch(keyword) or not _HEADER_VALUE.fullmatch(str(value)):
+            self._headers_buffer: list[bytes] = []
+            raise UnsafeHeader(f"a response header {keyword[:40]!r} would hold a control "
+                               "character; nothing of that response was sent")
+        self.header_names.add(keyword.lower())
+        super().send_header(keyword, value)
+
     def end_headers(self) -> None:
+        """Every response: no Referer leaves the UI, nothing is sniffed into another type, and
+        anything but the UI's own files (which name their policy) can never run as a page."""
         self.send_header("Referrer-Policy", "no-referrer")
         self.send_header("X-Content-Type-Options", "nosniff")
+        if "content-security-policy" not in self.header_names:
+            self.send_header("Content-Security-Policy", API_CONTENT_SECURITY_POLICY)
         super().end_headers()
 
     @property
@@ -2167,13 +2773,10 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
         path, _, query = self.path.partition("?")
         try:
             try:
-                access = decide_access(method, self.path, self.headers.items(), self.server.policy)
+                decide_access(method, self.path, self.headers.items(), self.server.policy)
             except ServeError:
                 self.close_connection = True  # its body, if any, is never read
                 raise
-            if access is Access.LOGIN:
-                self.send_login()
-                return
             if path == API_PREFIX + "/openapi.json" or not is_api_path(path):
                 self.read_body()
                 self.serve_static(method, path)
@@ -2188,7 +2791,7 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
             self.send_json(e.status, {"error": str(e)}, e.response_headers())
         except BackendError as e:
             self.send_json(503, {"error": str(e)})
-        except (BrokenPipeError, ConnectionResetError, socket.timeout):
+        except (BrokenPipeError, ConnectionResetError, socket.timeout, ClientGone):
             self.close_connection = True
         except Exception as e:  # noqa: BLE001 - a bug answers 500 and keeps the server up
             log(f"serve: internal error on {method} {path}: {e!r}")
@@ -2227,18 +2830,6 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
         if self.command != "HEAD":  # a HEAD answer is the headers alone
             self.wfile.write(data)
 
-    def send_login(self) -> None:
-        """The login path's answer: the cookie, and a redirect to a URL without the token
-        (no-store and no-referrer keep the token out of caches and Referer headers)."""
-        policy = self.server.policy
-        self.send_response(303)
-        self.send_header("Location", "/")
-        self.send_header("Set-Cookie", f"{policy.cookie_name}={policy.cookie_value}; "
-                                       "HttpOnly; SameSite=Strict; Path=/")
-        self.send_header("Cache-Control", "no-store")
-        self.send_header("Content-Length", "0")
-        self.end_headers()
-
     def serve_static(self, method: str, path: str) -> None:
         if path == "/api/v1/openapi.json":
             path = "/openapi.json"
@@ -2270,7 +2861,8 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
                      "maxBusySeconds": config.max_busy_s,
                      "limits": {"maxBodyBytes": MAX_BODY_BYTES,
                                 "maxPayloadBytes": MAX_PAYLOAD_BYTES,
-                                "maxReadBytes": MAX_READ_BYTES}}
+                                "maxReadBytes": MAX_READ_BYTES,
+                                "sessionDiskBytes": config.session_disk_bytes}}
 
     def api_create_session(self, _sid: None, body: bytes, _query: str) -> tuple[int, dict[str, Any]]:
         fields = parse_body(body, BODY_RULES["create"])
@@ -2302,10 +2894,7 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
         result = self.manager.call(sid, "read", {
             "offset": fields.get("offset", 0), "max_bytes": fields.get("maxBytes", DEFAULT_READ_BYTES),
             "wait_ms": fields.get("waitMs", 0)})
-        if "text" in result:
-            payload = result["text"].encode()
-        else:
-            payload = base64.b64decode(result["data_b64"])
+        payload = result["text"].encode() if "text" in result else result["data"]
         document = {"offset": result["offset"], "nextOffset": result["next_offset"],
                     "length": result["length"], "reset": result["reset"],
                     "payloadBase64": base64.b64encode(payload).decode("ascii")}
@@ -2360,7 +2949,8 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
         root, mode = file_query(query)
         if mode is not None:
             raise BadRequest("mode: only for uploads")
-        return 200, self.manager.list_files(sid, root, file_route_path(self.api_path))
+        return 200, self.manager.list_files(sid, root, file_route_path(self.api_path),
+                                            self.client_gone)
 
     def api_put_file(self, sid: str, _body: bytes, query: str) -> tuple[int, dict[str, Any]]:
         """Raw bytes streamed in: application/octet-stream makes one file, application/x-tar is
@@ -2375,7 +2965,7 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
         kind = "tar" if content_type == "application/x-tar" else "file"
         try:
             result = self.manager.upload(sid, root, file_route_path(self.api_path), kind, mode,
-                                         size_bytes, self.rfile)
+                                         size_bytes, self.rfile, self.client_gone)
         except BaseException:
             self.close_connection = True  # the rest of the body may still be on its way
             raise
@@ -2388,8 +2978,13 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
         if mode is not None:
             raise BadRequest("mode: only for uploads")
         path = file_route_path(self.api_path)
-        opened, chunks = self.manager.download(sid, root, path)
+        opened, chunks = self.manager.download(sid, root, path, self.client_gone)
         name = (path.rstrip("/").rpartition("/")[2] or root) + (".tar" if opened["kind"] == "tar" else "")
+        try:
+            first = next(chunks)  # before the headers: a refused first answer is still an error
+        except BaseException:
+            chunks.close()
+            raise
         self.send_response(200)
         self.send_header("Content-Type", "application/x-tar" if opened["kind"] == "tar"
                          else "application/octet-stream")
@@ -2401,8 +2996,9 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
         self.send_header("Content-Disposition",
                          f"attachment; filename*=UTF-8''{urllib.parse.quote(name)}")
         self.send_header("Cache-Control", "no-store")
-        self.end_headers()  # adds nosniff, as on every answer
+        self.end_headers()  # adds nosniff and the sandbox, as on every answer
         try:
+            self.wfile.write(first)
             for chunk in chunks:
                 self.wfile.write(chunk)
         except (ReployError, OSError) as e:  # the headers are out: end the body short instead
@@ -2483,11 +3079,12 @@ def serve_access_from(args: argparse.Namespace) -> ServeAccess:
 
 def read_token(path: Path, must_own: bool = False) -> str:
     """The token a token file holds (one line). CredentialError when the file cannot be read,
-    is open to other users, belongs to another user (`must_own`: serve's own secret, which
-    another user could otherwise plant where --token-file points), or holds anything else;
-    the message never quotes the file."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    is not a regular file (a FIFO or a device would hold the reader), is open to other users,
+    belongs to another user (`must_own`: serve's own secret, which another user could
+    otherwise plant where --token-file points), or holds anything else; the message never
+    quotes the file."""
+    try:  # non-blocking: a FIFO opens at once, and fstat then refuses it
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as e:
         raise CredentialError(f"cannot read the token file {path}: {e.strerror}") from None
     try:
@@ -2608,7 +3205,7 @@ def run_serve(config: ServeConfig, access: ServeAccess) -> int:
     """`reploy serve`: API and UI on one port until SIGTERM or SIGINT. Sessions outlive it.
     The start line carries the token and the browser's login_url; stderr never does."""
     try:
-        config.state_dir.mkdir(parents=True, exist_ok=True)
+        prepare_state_dir(config.state_dir)  # before the token is written into it
         token = load_or_create_token(access.token_file)
         hosts = allowed_hosts(access.host, () if is_loopback_listen(access.host)
                               else machine_names(), access.allow_hosts)
@@ -2630,7 +3227,7 @@ def run_serve(config: ServeConfig, access: ServeAccess) -> int:
     authority = f"[{bound_host}]" if ":" in bound_host else bound_host
     url = f"http://{authority}:{bound_port}"
     emit({"schema": SERVE_SCHEMA, "ok": True, "error": None, "url": url,
-          "login_url": f"{url}{LOGIN_PATH}?token={urllib.parse.quote(token, safe='')}",
+          "login_url": f"{url}{LOGIN_FRAGMENT}{urllib.parse.quote(token, safe='')}",
           "token": token, "token_file": str(access.token_file),
           "state_dir": str(config.state_dir), "pid": os.getpid()})
     log(f"serving the API and UI on {url}; browsers log in through login_url (stdout), "
@@ -2647,6 +3244,18 @@ def run_serve(config: ServeConfig, access: ServeAccess) -> int:
     threads[1].join(timeout=AGENT_CALL_TIMEOUT_S + 5)
     manager.close()
     return EXIT_OK
+
+
+#: What the answer of each `reploy session` action holds at least (web/openapi.json), in one of
+#: its shapes: an answer without it came from something else than serve.
+SESSION_ANSWER_KEYS: dict[str, tuple[tuple[str, ...], ...]] = {
+    **{action: (("id", "state"),) for action in ("create", "get", "switch", "snapshot")},
+    "list": (("sessions",),), "delete": (("id", "deleted"),), "status": (("session", "agent"),),
+    "read": (("offset", "nextOffset", "payloadBase64"),),
+    "write": (("bytes",), ("delivery", "queueDepth")),  # a shell's keystrokes; an agent's prompt
+    "message": (("delivery", "queueDepth"),), "interrupt": (("cancelled",),), "relaunch": (("pid",),),
+    "exec": (("exitCode", "signal", "timedOut", "stdoutBase64", "stderrBase64"),),
+}
 
 
 def client_request(args: argparse.Namespace) -> tuple[str, str, Optional[dict[str, Any]]]:
@@ -2686,6 +3295,29 @@ def message_text(argument: str) -> str:
         return sys.stdin.buffer.read().decode("utf-8").removesuffix("\n")
     except UnicodeDecodeError as e:
         raise UsageError(f"session message: stdin is not UTF-8 ({e.reason} at byte {e.start})") from None
+
+
+def session_server(args: argparse.Namespace) -> str:
+    """The server `reploy session` talks to: --server, else $REPLOY_SERVER, else the default
+    listen address. UsageError for anything but an http(s) URL of a host, and for plain http
+    beyond loopback without --allow-plain-http: the token would cross the network in clear."""
+    text = args.server or os.environ.get("REPLOY_SERVER") or f"http://{DEFAULT_LISTEN}"
+    try:
+        url = urllib.parse.urlsplit(text)
+        host = url.hostname if url.port != 0 else None  # .port raises for one that is not a port
+    except ValueError:
+        raise UsageError(f"--server: {text!r} is not http(s)://HOST[:PORT]") from None
+    if url.scheme not in ("http", "https") or not host or url.username or url.query or url.fragment:
+        raise UsageError(f"--server: {text!r} is not http(s)://HOST[:PORT]")
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if url.scheme == "http" and not loopback and not args.allow_plain_http:
+        raise UsageError(f"--server {text}: plain http beyond loopback would send the token in "
+                         "clear; use https (a TLS proxy in front of serve), or say "
+                         "--allow-plain-http")
+    return text
 
 
 def session_token(args: argparse.Namespace) -> Optional[str]:
@@ -2734,19 +3366,6 @@ def exec_request_body(args: argparse.Namespace, command: list[str]) -> dict[str,
     return body
 
 
-def raw_exec_exit_code(result: dict[str, Any]) -> int:
-    """`session exec --raw`'s exit code, as a shell reports a command: its exit code, 128+N
-    after signal N, 124 after the timeout (as timeout(1))."""
-    if result["timedOut"]:
-        return 124
-    if result["exitCode"] is not None:
-        return int(result["exitCode"])
-    try:
-        return 128 + signal.Signals[result["signal"]].value
-    except KeyError:
-        return 128
-
-
 _COPY_OPERAND = re.compile(rf"({_SESSION_ID.pattern}):(.*)", re.DOTALL)
 
 
@@ -2765,13 +3384,46 @@ def parse_copy_operand(text: str) -> tuple[Optional[str], str, str]:
     return session_id, root, path
 
 
+class ApiCallError(ReployError):
+    """An API call that failed: `document` is the server's {"error"} with its `status` (None
+    when nothing answered, or when what answered is not a reploy serve)."""
+
+    def __init__(self, document: dict[str, Any]) -> None:
+        super().__init__(document["error"])
+        self.document = document
+
+
 class ApiClient:
     """`reploy session`'s HTTP: the token as Bearer on every call, errors as ApiCallError with
-    the server's {"error"} document and status (None when nothing answered)."""
+    the server's {"error"} document and status. Whatever answers is checked: an answer that is
+    not a JSON object from reploy serve (some other server on the port) is one clear error."""
 
-    def __init__(self, server: Optional[str], token: Optional[str]) -> None:
-        self.server = server or os.environ.get("REPLOY_SERVER") or f"http://{DEFAULT_LISTEN}"
+    def __init__(self, server: str, token: Optional[str]) -> None:
+        self.server = server
         self.token = token
+
+    def unexpected(self, status: Optional[int], why: str) -> ApiCallError:
+        return ApiCallError({"error": f"{self.server} did not answer as reploy serve does "
+                                      f"({why}); is --server right?", "status": status})
+
+    def _document(self, raw: bytes, status: int, content_type: str) -> dict[str, Any]:
+        """A JSON object answer, or ApiCallError."""
+        if content_type.partition(";")[0].strip().lower() != "application/json":
+            shown = safe_message(content_type[:60]) or "none"
+            raise self.unexpected(status, f"HTTP {status} with Content-Type {shown}")
+        try:
+            return wire.parse_strict_object(raw)
+        except wire.ProtocolError as e:
+            raise self.unexpected(status, f"HTTP {status}, {e}") from None
+
+    def _error(self, status: int, raw: bytes, content_type: str) -> ApiCallError:
+        document = self._document(raw, status, content_type)
+        if not isinstance(document.get("error"), str):
+            return self.unexpected(status, f"HTTP {status} without an error message")
+        message = safe_message(document["error"])
+        if status == 401 and self.token is None:
+            message += " (this client sends $REPLOY_TOKEN or --token-file)"
+        return ApiCallError({"error": message, "status": status})
 
     def open(self, method: str, path: str, data: Any = None, headers: Optional[dict[str, str]] = None,
              timeout_s: float = 120) -> Any:
@@ -2786,23 +3438,16 @@ class ApiClient:
         try:
             return urllib.request.urlopen(request, timeout=timeout_s)
         except urllib.error.HTTPError as e:
-            try:
-                document = json.loads(e.read())
-            except ValueError:
-                document = {"error": e.reason}
-            if e.code == 401 and self.token is None:
-                document["error"] = (f"{document.get('error')} "
-                                     "(this client sends $REPLOY_TOKEN or --token-file)")
-            raise ApiCallError({**document, "status": e.code}) from None
-        except (urllib.error.URLError, OSError) as e:
+            with e:
+                raise self._error(e.code, e.read(MAX_BODY_BYTES),
+                                  e.headers.get("Content-Type", "")) from None
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
             raise ApiCallError({"error": f"no answer from {self.server}: "
                                          f"{getattr(e, 'reason', e)}", "status": None}) from None
 
     def upload(self, path: str, source: Any, headers: dict[str, str], timeout_s: float) -> dict[str, Any]:
         """PUT a streamed body and return the JSON answer. Unlike urlopen, it still reads an
         answer the server sent before taking the whole body (a 507 or 413 checked up front)."""
-        import http.client
-
         url = urllib.parse.urlsplit(self.server.rstrip("/") + API_PREFIX + path)
         connection_type = http.client.HTTPSConnection if url.scheme == "https" else http.client.HTTPConnection
         connection = connection_type(url.hostname, url.port, timeout=timeout_s,
@@ -2815,41 +3460,57 @@ class ApiClient:
             except (BrokenPipeError, ConnectionResetError):
                 pass  # refused before the whole body was sent: its answer is waiting
             response = connection.getresponse()
-            status, raw = response.status, response.read()
+            status, raw = response.status, response.read(MAX_BODY_BYTES)
+            content_type = response.getheader("Content-Type", "")
         except (OSError, http.client.HTTPException) as e:
             raise ApiCallError({"error": f"no answer from {self.server}: {e}", "status": None}) from None
         finally:
             connection.close()
-        try:
-            document = json.loads(raw)
-        except ValueError:
-            document = {"error": f"HTTP {status}"}
         if status >= 400:
-            raise ApiCallError({**document, "status": status})
-        return document
+            raise self._error(status, raw, content_type)
+        return self._document(raw, status, content_type)
 
     def json(self, method: str, path: str, body: Optional[dict[str, Any]] = None,
              timeout_s: float = 120) -> dict[str, Any]:
         data = wire.encode_compact(body) if body is not None else None
         with self.open(method, path, data, {"Content-Type": "application/json"}, timeout_s) as response:
-            return json.loads(response.read())
+            try:
+                raw = response.read(MAX_BODY_BYTES)
+            except (OSError, http.client.HTTPException) as e:
+                raise ApiCallError({"error": f"{self.server} broke off its answer: {e}",
+                                    "status": response.status}) from None
+            return self._document(raw, response.status, response.headers.get("Content-Type", ""))
+
+    def field(self, document: dict[str, Any], name: str, check: Check) -> Any:
+        """One field of an answer the client acts on, checked (the server may not be serve)."""
+        try:
+            if name not in document:
+                raise AnswerInvalid("is missing")
+            return check(document[name])
+        except AnswerInvalid as e:
+            raise self.unexpected(None, f"{name} {e}") from None
 
 
-class ApiCallError(ReployError):
-    def __init__(self, document: dict[str, Any]) -> None:
-        super().__init__(document["error"])
-        self.document = document
+class Terminated(BaseException):
+    """SIGTERM while `reploy session` runs: raised like KeyboardInterrupt (so every `finally`
+    runs: a spool is removed, a connection dropped), never caught as an error."""
+
+
+def _raise_terminated(signum: int, _frame: Any) -> None:
+    raise Terminated(signum)
 
 
 def run_session_client(args: argparse.Namespace, token: Optional[str]) -> int:
     """`reploy session ACTION`: one API call, its JSON document on stdout; exit 1 on an error
     status (the document then carries `error` and `status`). `exec --raw` instead passes the
     command's output through and exits with its code; `cp` copies files (to `-`, stdout
-    carries only the data and an error goes to stderr)."""
-    client = ApiClient(args.server, token)
+    carries only the data and an error goes to stderr). SIGINT and SIGTERM end it with
+    128+N once what it was writing is removed."""
+    client = ApiClient(args.server_url, token)
     raw = args.session_action == "exec" and args.raw
     # `cp ID:PATH -` streams the data itself to stdout: no summary line may follow it there.
     data_to_stdout = args.session_action == "cp" and args.copy_destination == (None, "", "-")
+    signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         if args.session_action == "cp":
             summary = copy_files(client, args.copy_source, args.copy_destination)
@@ -2859,6 +3520,11 @@ def run_session_client(args: argparse.Namespace, token: Optional[str]) -> int:
         method, path, body = client_request(args)
         timeout_s = body["timeoutMs"] / 1000 + 60 if args.session_action == "exec" else 120
         document = client.json(method, path, body, timeout_s)
+        shapes = SESSION_ANSWER_KEYS[args.session_action]
+        if not any(all(key in document for key in shape) for shape in shapes):
+            raise client.unexpected(None, f"an answer without {' and '.join(shapes[0])}")
+        if raw:
+            stdout, stderr, exit_code = raw_exec_result(client, document)
     except ApiCallError as e:
         if not raw:
             emit(e.document, to_stderr=data_to_stdout)
@@ -2871,17 +3537,42 @@ def run_session_client(args: argparse.Namespace, token: Optional[str]) -> int:
     except (ReployError, OSError) as e:
         emit({"error": str(e), "status": None}, to_stderr=data_to_stdout)
         return EXIT_FAILED
-    except KeyboardInterrupt:  # Ctrl-C: the dropped connection ends the exec or transfer in the session
-        print(f"reploy: session {args.session_action}: interrupted", file=sys.stderr)
-        return EXIT_FOR_SIGNAL[signal.SIGINT]
+    except (KeyboardInterrupt, Terminated) as e:  # the dropped connection ends the exec or transfer
+        signum = signal.SIGINT if isinstance(e, KeyboardInterrupt) else signal.SIGTERM
+        print(f"reploy: session {args.session_action}: {'interrupted' if signum == signal.SIGINT else 'terminated'}",
+              file=sys.stderr)
+        return EXIT_FOR_SIGNAL[signum]
     if not raw:
         emit(document)
         return EXIT_OK
-    sys.stdout.buffer.write(base64.b64decode(document["stdoutBase64"]))
+    sys.stdout.buffer.write(stdout)
     sys.stdout.buffer.flush()
-    sys.stderr.buffer.write(base64.b64decode(document["stderrBase64"]))
+    sys.stderr.buffer.write(stderr)
     sys.stderr.buffer.flush()
-    return raw_exec_exit_code(document)
+    return exit_code
+
+
+def raw_exec_result(client: ApiClient, result: dict[str, Any]) -> tuple[bytes, bytes, int]:
+    """`session exec --raw`'s stdout, stderr and exit code, from an answer checked first."""
+    stdout = client.field(result, "stdoutBase64", _base64(MAX_EXEC_OUTPUT_BYTES))
+    stderr = client.field(result, "stderrBase64", _base64(MAX_EXEC_OUTPUT_BYTES))
+    client.field(result, "exitCode", _nullable(_integer(0, 255)))
+    client.field(result, "signal", _nullable(_matching(_SIGNAL_NAME)))
+    client.field(result, "timedOut", _boolean)
+    return stdout, stderr, raw_exec_exit_code(result)
+
+
+def raw_exec_exit_code(result: dict[str, Any]) -> int:
+    """`session exec --raw`'s exit code, as a shell reports a command: its exit code, 128+N
+    after signal N, 124 after the timeout (as timeout(1))."""
+    if result["timedOut"]:
+        return 124
+    if result["exitCode"] is not None:
+        return int(result["exitCode"])
+    try:
+        return 128 + signal.Signals[result["signal"]].value
+    except KeyError:
+        return 128
 
 
 def copy_files(client: ApiClient, source: tuple[Optional[str], str, str],
@@ -2908,52 +3599,86 @@ def _file_route(kind: str, session_id: str, root: str, path: str,
 
 def _remote_entry(client: ApiClient, session_id: str, root: str,
                   path: str) -> Optional[dict[str, Any]]:
-    """The entry at a session path, or None when there is none."""
+    """The entry at a session path (its type and mode checked), or None when there is none."""
     try:
-        return client.json("GET", _file_route("list", session_id, root, path))["entry"]
+        listing = client.json("GET", _file_route("list", session_id, root, path))
     except ApiCallError as e:
         if e.document["status"] == 404 and "no such file" in str(e):
             return None
         raise
+    entry = client.field(listing, "entry", lambda value: _parse_fields(value, _ENTRY_FIELDS, "entry"))
+    return entry
+
+
+def copy_limit_bytes(client: ApiClient) -> int:
+    """The most `session cp` takes out of a session before it stops: the session's disk quota
+    as serve reports it (GET /config, limits.sessionDiskBytes), plus the tar's own overhead,
+    and never more than the agent's bound on one download (MAX_UPLOAD_BYTES)."""
+    limits = client.field(client.json("GET", "/config"), "limits",
+                          lambda value: _parse_fields(value, (AnswerField(
+                              "sessionDiskBytes", _nullable(_COUNT), required=False),), "limits"))
+    quota_bytes = limits.get("sessionDiskBytes")
+    if quota_bytes is None:
+        return MAX_UPLOAD_BYTES
+    return min(quota_bytes + agent_role.MAX_ARCHIVE_ENTRIES * TAR_BYTES_PER_ENTRY, MAX_UPLOAD_BYTES)
+
+
+def copy_bounded(source: Any, sink: Any, limit_bytes: int, what: str) -> int:
+    """Copies until the end of `source`; ReployError past limit_bytes (the caller removes what
+    was written). Returns the bytes copied."""
+    copied = 0
+    while chunk := source.read(TRANSFER_CHUNK_BYTES):
+        copied += len(chunk)
+        if copied > limit_bytes:
+            raise ReployError(f"{what} exceeds {limit_bytes} bytes; nothing was kept")
+        sink.write(chunk)
+    return copied
 
 
 def copy_from_session(client: ApiClient, session_id: str, root: str, path: str,
                       local: str) -> dict[str, Any]:
     """Session -> here. A file is written under a temporary name and renamed; a directory comes
     as a tar, vetted like any untrusted archive (agent.py's rules) and merged in, so a refused
-    archive writes nothing."""
+    archive writes nothing. What is spooled is bounded by copy_limit_bytes() and removed on
+    any error, SIGINT or SIGTERM."""
     entry = _remote_entry(client, session_id, root, path)
     if entry is None:
         raise ReployError(f"{session_id}:{path}: no such file or directory")
     kind = "tree" if entry["type"] == "directory" else "file"
     source = f"{session_id}:{path}"
+    limit_bytes = copy_limit_bytes(client)
     with client.open("GET", _file_route("files", session_id, root, path), timeout_s=600) as response:
         if local == "-":
             shutil.copyfileobj(response, sys.stdout.buffer, TRANSFER_CHUNK_BYTES)
             sys.stdout.buffer.flush()
             return {"source": source, "destination": "-", "kind": kind}
+        announced = response.headers.get("Content-Length")
+        if announced is not None and (not announced.isdigit() or int(announced) > limit_bytes):
+            raise ReployError(f"{source}: the download announces more than {limit_bytes} bytes")
         target = Path(local)
         if target.is_dir():
             target = target / (Path(path).name or root)
         if not target.parent.is_dir():
             raise ReployError(f"{target.parent}: no such directory")
-        with tempfile.NamedTemporaryFile(dir=target.parent, prefix=".reploy-cp-",
-                                         delete=False) as spool:
-            try:
-                shutil.copyfileobj(response, spool, TRANSFER_CHUNK_BYTES)
-                spool.flush()
+        spool_fd, spool_name = -1, ""
+        try:
+            spool_fd, spool_name = tempfile.mkstemp(dir=target.parent, prefix=".reploy-cp-")
+            with os.fdopen(spool_fd, "wb") as spool:
+                copied = copy_bounded(response, spool, limit_bytes, f"{source}: the download")
                 if kind == "file":
                     os.fchmod(spool.fileno(), agent_role.sane_mode(entry["mode"], directory=False))
-                    os.replace(spool.name, target)
+                    spool.flush()
+                    os.replace(spool_name, target)
                     return {"source": source, "destination": str(target), "kind": kind,
-                            "bytes": spool.tell()}
-                entries = agent_role.extract_upload(Path(spool.name), target.parent,
-                                                    (target.name,), f"{Path(spool.name).name}.d")
-            except agent_role.AgentError as e:
-                raise ReployError(f"{source}: {e}") from e
-            finally:
+                            "bytes": copied}
+            entries = agent_role.extract_upload(Path(spool_name), target.parent, (target.name,),
+                                                f"{Path(spool_name).name}.d")
+        except agent_role.AgentError as e:
+            raise ReployError(f"{source}: {e}") from e
+        finally:
+            if spool_name:
                 with contextlib.suppress(FileNotFoundError):
-                    os.unlink(spool.name)
+                    os.unlink(spool_name)
     return {"source": source, "destination": str(target), "kind": kind, "entries": entries}
 
 
@@ -2964,7 +3689,7 @@ def copy_to_session(client: ApiClient, local: str, session_id: str, root: str,
     mode = None
     with tempfile.TemporaryFile(prefix="reploy-cp-") as spool:
         if local == "-":
-            shutil.copyfileobj(sys.stdin.buffer, spool, TRANSFER_CHUNK_BYTES)
+            copy_bounded(sys.stdin.buffer, spool, MAX_UPLOAD_BYTES, "the tar on stdin")
             source, kind = spool, "tree"
         else:
             local_path = Path(local)
@@ -3043,6 +3768,8 @@ def build_parser() -> ArgumentParser:
                         help=f"default $REPLOY_SERVER or http://{DEFAULT_LISTEN}")
     common.add_argument("--token-file", type=Path, metavar="FILE",
                         help="the server's token file (default: the token in $REPLOY_TOKEN)")
+    common.add_argument("--allow-plain-http", action="store_true",
+                        help="send the token over plain http to a server beyond loopback")
     create = actions.add_parser("create", parents=[common])
     create.add_argument("--name", required=True)
     create.add_argument("--workload", choices=("shell", "agent"), default="shell")
@@ -3097,6 +3824,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.command == "serve":
             serve_config, serve_access = serve_config_from(args), serve_access_from(args)
         else:
+            args.server_url = session_server(args)
             token = session_token(args)
             if args.session_action == "exec":
                 args.exec_body = exec_request_body(args, command)

@@ -1,13 +1,15 @@
 """Who may drive `reploy serve`, without Docker: the access rules (decide_access) over every
 combination of method, path, Host, Origin, Sec-Fetch-Site, credentials and body, judged by an
-oracle written from the rules of issue 11 (not from the code); the parsers at their edges; the
-Host allowlist per listen address; token files; and the CLI's token and listen options."""
+oracle written from the rules of issues 11 and 21 (not from the code); the parsers at their
+edges; the Host allowlist per listen address; token files and state directories; the one place
+response headers pass; and the CLI's token, server and answer handling."""
 
 from __future__ import annotations
 
 import itertools
 import json
 import os
+import stat
 import subprocess
 import sys
 import threading
@@ -20,42 +22,40 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import reploy_serve  # noqa: E402
-from reploy_serve import Access  # noqa: E402
 from serve_harness import LoopbackSite  # noqa: E402
 
 TOKEN = "k" * 20 + "Q7-x_" + "z" * 18  # 43 characters, like a generated one
 EXTRA_HOST = "reploy.proxy.test"
-POLICY = reploy_serve.AccessPolicy.for_server(TOKEN, 8080, reploy_serve.allowed_hosts(
-    "127.0.0.1", (), (EXTRA_HOST,)))
+POLICY = reploy_serve.AccessPolicy(TOKEN, reploy_serve.allowed_hosts("127.0.0.1", (), (EXTRA_HOST,)))
 SID = "0123456789abcdef"
+ROUTE = "route"  #: the decision to serve the request
 
 
 def decide(method: str, target: str, headers: list[tuple[str, str]],
            policy: reploy_serve.AccessPolicy = POLICY) -> Any:
-    """The decision as the oracle states it: an Access, or the refusing status."""
+    """The decision as the oracle states it: ROUTE, or the refusing status."""
     try:
-        return reploy_serve.decide_access(method, target, headers, policy)
+        reploy_serve.decide_access(method, target, headers, policy)
     except reploy_serve.ServeError as e:
         return e.status
+    return ROUTE
 
 
 # -- the rules, over every combination --------------------------------------------------------
 #
-# The oracle below restates the issue's rules in order: a missing Host is malformed (400); a
-# Host that is not one of the server's names is 421; /login with the right token logs in
-# (only GET: 405), with anything else 401; other paths outside /api/v1 need nothing; under
-# /api/v1 a foreign Origin or a cross-site/same-site Sec-Fetch-Site is 403; then missing or
-# wrong credentials 401 (an Authorization header alone decides when present; a token in the
-# query string never counts); then a body that is not JSON 415.
+# The oracle below restates the issues' rules in order: a missing Host is malformed (400); a
+# Host that is not one of the server's names is 421; paths outside /api/v1 need nothing (there
+# is no login path: the login URL's token is in its fragment, which never reaches a server);
+# under /api/v1 a foreign Origin or a cross-site/same-site Sec-Fetch-Site is 403; then a
+# missing or wrong `Authorization: Bearer` 401 (the only credential: no cookie, and a token in
+# the query string never counts); then a body that is not JSON 415.
 
 METHODS = ("GET", "POST", "DELETE", "OPTIONS")
-#: target -> its kind: "static", "api", "login-good", "login-bad"
+#: target -> its kind: "static", "api"
 TARGETS = {
     "/": "static", "/app.js": "static", "/api/v1x": "static", "/api/v1/openapi.json": "api",
     "/api/v1": "api", "/api/v1/sessions": "api", f"/api/v1/sessions/{SID}/stream?offset=0": "api",
-    f"/api/v1/sessions?token={TOKEN}": "api",
-    f"/login?token={TOKEN}": "login-good", "/login?token=" + TOKEN[:-1]: "login-bad",
-    "/login": "login-bad", f"/login?token={TOKEN}&token={TOKEN}": "login-bad",
+    f"/api/v1/sessions?token={TOKEN}": "api", f"/login?token={TOKEN}": "static", "/login": "static",
 }
 #: Host header -> whether it names this server (None: no Host header)
 HOSTS = {
@@ -76,14 +76,9 @@ CREDENTIALS = {
     "bearer-longer": ([("Authorization", f"Bearer {TOKEN}x")], False),
     "bearer-empty": ([("Authorization", "Bearer")], False),
     "basic": ([("Authorization", "Basic " + TOKEN)], False),
-    "cookie": ([("Cookie", f"{POLICY.cookie_name}={POLICY.cookie_value}")], True),
-    "cookie-among-others": ([("Cookie", f"a=1; {POLICY.cookie_name}=x; "
-                                        f"{POLICY.cookie_name}={POLICY.cookie_value}; b=2")], True),
-    "cookie-is-the-token": ([("Cookie", f"{POLICY.cookie_name}={TOKEN}")], False),
-    "cookie-of-another-port": ([("Cookie", f"reploy-9999={POLICY.cookie_value}")], False),
-    "cookie-truncated": ([("Cookie", f"{POLICY.cookie_name}={POLICY.cookie_value[:-1]}")], False),
-    "wrong-bearer-good-cookie": ([("Authorization", "Bearer nope"),
-                                  ("Cookie", f"{POLICY.cookie_name}={POLICY.cookie_value}")], False),
+    "cookie-is-the-token": ([("Cookie", f"reploy-8080={TOKEN}")], False),
+    "cookie-named-token": ([("Cookie", f"a=1; token={TOKEN}; b=2")], False),
+    "bearer-and-a-cookie": ([("Authorization", f"Bearer {TOKEN}"), ("Cookie", "reploy-8080=x")], True),
 }
 #: name -> (headers, whether it is an acceptable body)
 BODIES = {
@@ -106,19 +101,15 @@ def oracle(method: str, kind: str, host: Optional[str], origin: Optional[str],
         return 400
     if not HOSTS[host]:
         return 421
-    if kind == "login-good":
-        return Access.LOGIN if method == "GET" else 405
-    if kind == "login-bad":
-        return 401 if method == "GET" else 405
     if kind == "static":
-        return Access.ROUTE
+        return ROUTE
     if origin not in (None, SAME) or site in ("same-site", "cross-site"):
         return 403
     if not CREDENTIALS[credential][1]:
         return 401
     if not BODIES[body][1]:
         return 415
-    return Access.ROUTE
+    return ROUTE
 
 
 def test_every_combination_follows_the_rules() -> None:
@@ -162,8 +153,8 @@ GOOD = [("Authorization", f"Bearer {TOKEN}")]
     ("/", [("Host", "::1")], 400),
     ("/", [("Host", "user@127.0.0.1")], 400),
     ("/", [("Host", "127.0.0.1/x")], 400),
-    # The static shell and the login path need no credentials, the API does, at any depth.
-    ("/index.html", [("Host", "127.0.0.1:8080")], Access.ROUTE),
+    # The static shell needs no credentials, the API does, at any depth.
+    ("/index.html", [("Host", "127.0.0.1:8080")], ROUTE),
     ("/api/v1/", [("Host", "127.0.0.1:8080")], 401),
     ("/api/v1/sessions/x/../../../app.js", [("Host", "127.0.0.1:8080")], 401),
     # A token in the query string is no credential, whatever it is called.
@@ -172,7 +163,7 @@ GOOD = [("Authorization", f"Bearer {TOKEN}")]
                                          ("Authorization", "Bearer x")], 401),
     # Bearer takes the token after one scheme word; surrounding spaces do not matter.
     ("/api/v1/sessions", [("Host", "127.0.0.1:8080"), ("Authorization", f"  BEARER   {TOKEN} ")],
-     Access.ROUTE),
+     ROUTE),
     ("/api/v1/sessions", [("Host", "127.0.0.1:8080"), ("Authorization", f"Bearer {TOKEN} x")], 401),
     ("/api/v1/sessions", [("Host", "127.0.0.1:8080"), ("Authorization", f"Token {TOKEN}")], 401),
     ("/api/v1/sessions", [("Host", "127.0.0.1:8080"), ("Authorization", "Bearer \udcff" * 3)], 401),
@@ -180,26 +171,26 @@ GOOD = [("Authorization", f"Bearer {TOKEN}")]
                           ("Authorization", "Bearer " + "é" * 43)], 401),
     # Header names are case-insensitive.
     ("/api/v1/sessions", [("HOST", "127.0.0.1:8080"), ("authorization", f"Bearer {TOKEN}")],
-     Access.ROUTE),
+     ROUTE),
     ("/api/v1/sessions", [("host", "127.0.0.1:8080"), ("ORIGIN", "http://evil.example"), *GOOD], 403),
     # A same-origin page: default ports on either side, https through a TLS proxy.
     ("/api/v1/sessions", [("Host", "127.0.0.1"), ("Origin", "http://127.0.0.1:80"), *GOOD],
-     Access.ROUTE),
+     ROUTE),
     ("/api/v1/sessions", [("Host", "127.0.0.1:80"), ("Origin", "http://127.0.0.1"), *GOOD],
-     Access.ROUTE),
+     ROUTE),
     ("/api/v1/sessions", [("Host", EXTRA_HOST), ("Origin", f"https://{EXTRA_HOST}"), *GOOD],
-     Access.ROUTE),
+     ROUTE),
     ("/api/v1/sessions", [("Host", EXTRA_HOST), ("Origin", f"https://{EXTRA_HOST}:443"), *GOOD],
-     Access.ROUTE),
+     ROUTE),
     ("/api/v1/sessions", [("Host", "[::1]:8080"), ("Origin", "http://[::1]:8080"), *GOOD],
-     Access.ROUTE),
+     ROUTE),
     # The scheme is not compared: no other page can be served on this server's own port.
     ("/api/v1/sessions", [("Host", "127.0.0.1:8080"), ("Origin", "https://127.0.0.1:8080"), *GOOD],
-     Access.ROUTE),
+     ROUTE),
     ("/api/v1/sessions", [("Host", "127.0.0.1"), ("Origin", "https://127.0.0.1"), *GOOD],
-     Access.ROUTE),
+     ROUTE),
     ("/api/v1/sessions", [("Host", "LOCALHOST:8080"), ("Origin", "http://localhost:8080"), *GOOD],
-     Access.ROUTE),
+     ROUTE),
     # ... and every other page: another port, scheme, name, or a malformed Origin.
     ("/api/v1/sessions", [("Host", "127.0.0.1:8080"), ("Origin", "http://localhost:8080"), *GOOD], 403),
     ("/api/v1/sessions", [("Host", "127.0.0.1"), ("Origin", "https://127.0.0.1:80"), *GOOD], 403),
@@ -209,11 +200,8 @@ GOOD = [("Authorization", f"Bearer {TOKEN}")]
     ("/api/v1/sessions", [("Host", "127.0.0.1:8080"), ("Origin", "127.0.0.1:8080"), *GOOD], 403),
     ("/api/v1/sessions", [("Host", "127.0.0.1:8080"), ("Origin", ""), *GOOD], 403),
     ("/api/v1/sessions", [("Host", "127.0.0.1:8080"), ("Sec-Fetch-Site", "Cross-Site"), *GOOD], 403),
-    # The login path answers GET only, with exactly one right token.
-    (f"/login?token={TOKEN}&other=1", [("Host", "127.0.0.1:8080")], Access.LOGIN),
-    (f"/login?token={TOKEN}%20", [("Host", "127.0.0.1:8080")], 401),
-    ("/login?token=", [("Host", "127.0.0.1:8080")], 401),
-    (f"/login/?token={TOKEN}", [("Host", "127.0.0.1:8080")], Access.ROUTE),  # a static 404
+    # No path logs in: /login is a static path (404), whatever its query.
+    (f"/login?token={TOKEN}", [("Host", "127.0.0.1:8080")], ROUTE),
     (f"/login?token={TOKEN}", [("Host", "evil.example")], 421),
 ])
 def test_edges(target: str, headers: list[tuple[str, str]], status: Any) -> None:
@@ -223,22 +211,16 @@ def test_edges(target: str, headers: list[tuple[str, str]], status: Any) -> None
 def test_refusals_carry_their_headers_and_never_a_credential() -> None:
     try:
         reploy_serve.decide_access("GET", f"/api/v1/sessions?token={TOKEN}",
-                             [("Host", "127.0.0.1:8080"), ("Cookie", f"{POLICY.cookie_name}=x")],
-                             POLICY)
+                                   [("Host", "127.0.0.1:8080"), ("Cookie", f"token={TOKEN}")], POLICY)
     except reploy_serve.Unauthorized as e:
         assert e.response_headers() == {"WWW-Authenticate": 'Bearer realm="reploy"'}
         assert "not accepted" in str(e) and TOKEN not in str(e)
     else:
         raise AssertionError("no 401")
-    for target, headers in (("/login?token=" + TOKEN[:-1], [("Host", "127.0.0.1:8080")]),
-                            ("/api/v1/sessions", [("Host", "127.0.0.1:8080"),
-                                                  ("Authorization", f"Bearer {TOKEN[:-1]}")])):
-        with pytest.raises(reploy_serve.Unauthorized) as info:
-            reploy_serve.decide_access("GET", target, headers, POLICY)
-        assert TOKEN[:-1] not in str(info.value) and POLICY.cookie_value not in str(info.value)
-    with pytest.raises(reploy_serve.MethodNotAllowed) as refused:
-        reploy_serve.decide_access("POST", f"/login?token={TOKEN}", [("Host", "127.0.0.1:8080")], POLICY)
-    assert refused.value.response_headers() == {"Allow": "GET"}
+    with pytest.raises(reploy_serve.Unauthorized) as info:
+        reploy_serve.decide_access("GET", "/api/v1/sessions", [
+            ("Host", "127.0.0.1:8080"), ("Authorization", f"Bearer {TOKEN[:-1]}")], POLICY)
+    assert TOKEN[:-1] not in str(info.value)
 
 
 def test_a_refused_body_names_the_types_its_route_takes() -> None:
@@ -262,13 +244,8 @@ def test_a_foreign_host_is_named_but_bounded() -> None:
     assert len(str(info.value)) < 300
 
 
-def test_the_policy_keeps_its_secrets_out_of_reprs_and_cookies() -> None:
-    assert POLICY.cookie_name == "reploy-8080"
-    assert TOKEN not in POLICY.cookie_value and len(POLICY.cookie_value) == 64
-    assert POLICY.cookie_value == reploy_serve.AccessPolicy.for_server(TOKEN, 9, frozenset()).cookie_value
-    assert POLICY.cookie_value != reploy_serve.AccessPolicy.for_server(TOKEN + "x", 8080,
-                                                                 frozenset()).cookie_value
-    assert TOKEN not in repr(POLICY) and POLICY.cookie_value not in repr(POLICY)
+def test_the_policy_keeps_its_secret_out_of_its_repr() -> None:
+    assert TOKEN not in repr(POLICY)
 
 
 @pytest.mark.parametrize(("text", "split"), [
@@ -450,9 +427,8 @@ def test_the_session_client_refuses_unusable_tokens(args: list[str], env: dict[s
 def test_openapi_documents_the_credentials_and_the_refusals() -> None:
     spec = json.loads((ROOT / "web/openapi.json").read_text())
     schemes = spec["components"]["securitySchemes"]
-    assert schemes["bearer"] == {**schemes["bearer"], "type": "http", "scheme": "bearer"}
-    assert (schemes["loginCookie"]["type"], schemes["loginCookie"]["in"]) == ("apiKey", "cookie")
-    assert spec["security"] == [{"bearer": []}, {"loginCookie": []}]
+    assert schemes == {"bearer": {**schemes["bearer"], "type": "http", "scheme": "bearer"}}
+    assert spec["security"] == [{"bearer": []}]
     statuses = {"401": reploy_serve.Unauthorized, "403": reploy_serve.Forbidden,
                 "415": reploy_serve.UnsupportedMediaType, "421": reploy_serve.MisdirectedRequest}
     for code, error in statuses.items():
@@ -461,3 +437,314 @@ def test_openapi_documents_the_credentials_and_the_refusals() -> None:
         documented = spec["paths"][path][method.lower()]["responses"]
         wanted = {"401", "403", "421"} | ({"415"} if method == "POST" else set())
         assert wanted <= set(documented), (method, path)
+    # Issue 21: every response carries the sandbox; every route that asks a session's agent
+    # documents the refused answer (502) and the full quota (507).
+    asks_the_agent = {("POST", "read"), ("POST", "write"), ("POST", "message"), ("POST", "interrupt"),
+                      ("POST", "relaunch"), ("POST", "resize"), ("GET", "status"), ("POST", "exec"),
+                      ("GET", "list_files"), ("GET", "get_file"), ("PUT", "put_file"), ("POST", "snapshot")}
+    for method, path, handler in reploy_serve.API_ROUTES:
+        responses = spec["paths"][path][method.lower()]["responses"]
+        if (method, handler) in asks_the_agent:
+            assert {"502", "507"} <= set(responses), (method, path)
+        for code, response in responses.items():
+            response = spec["components"]["responses"][response["$ref"].rpartition("/")[2]] \
+                if "$ref" in response else response
+            assert {"Content-Security-Policy", "X-Content-Type-Options"} <= set(response["headers"]), (
+                method, path, code)
+    download = spec["paths"]["/sessions/{id}/files/{path}"]["get"]["responses"]["200"]
+    assert set(download["content"]) == {"application/octet-stream", "application/x-tar"}
+    assert "Content-Disposition" in download["headers"]
+
+
+# -- the one place response headers pass (issue 21, attack 1) ---------------------------------
+
+
+class Sink:
+    """What a handler writes its response to."""
+
+    def __init__(self) -> None:
+        self.data = b""
+
+    def write(self, data: bytes) -> None:
+        self.data += data
+
+    def flush(self) -> None:
+        pass
+
+
+def response_handler() -> reploy_serve.ApiHandler:
+    """An ApiHandler in the middle of answering a GET, writing to a Sink (no socket)."""
+    handler = reploy_serve.ApiHandler.__new__(reploy_serve.ApiHandler)
+    handler.request_version, handler.requestline, handler.command = "HTTP/1.1", "GET / HTTP/1.1", "GET"
+    handler.client_address = ("127.0.0.1", 1)
+    handler.wfile = Sink()
+    return handler
+
+
+@pytest.mark.parametrize(("name", "value"), [
+    ("Content-Length", "5\r\nContent-Type: text/html"), ("Content-Length", "5\nX: y"),
+    ("Content-Length", "5\rX: y"), ("X-Name", "a\x00b"), ("X-Name", "caf\u00e9"),
+    ("Content-Type\r\nX-Injected", "1"), ("Bad Name", "1"), ("", "1"),
+])
+def test_no_header_can_carry_a_line_break_or_a_control_character(name: str, value: str) -> None:
+    handler = response_handler()
+    handler.send_response(200)
+    handler.send_header("Content-Type", "application/octet-stream")
+    with pytest.raises(reploy_serve.UnsafeHeader) as refused:
+        handler.send_header(name, value)
+    assert refused.value.status == 500
+    # The response begun is dropped, unsent; an error can be answered in its place.
+    handler.send_json(refused.value.status, {"error": str(refused.value)})
+    sent = handler.wfile.data
+    assert sent.startswith(b"HTTP/1.1 500 ") and b"200" not in sent.split(b"\r\n")[0]
+    assert b"application/octet-stream" not in sent and b"text/html" not in sent
+    assert b"Content-Security-Policy: default-src 'none'; sandbox\r\n" in sent
+
+
+def test_every_response_gets_the_sandbox_unless_it_names_its_own_policy() -> None:
+    handler = response_handler()
+    handler.send_response(200)
+    handler.send_header("Content-Type", "application/x-tar")
+    handler.end_headers()
+    handler.send_response(200)
+    handler.send_header("Content-Security-Policy", reploy_serve.CONTENT_SECURITY_POLICY)
+    handler.end_headers()
+    first, second = handler.wfile.data.split(b"\r\n\r\n")[:2]
+    assert b"Content-Security-Policy: default-src 'none'; sandbox" in first
+    assert b"X-Content-Type-Options: nosniff" in first and b"X-Content-Type-Options: nosniff" in second
+    assert second.count(b"Content-Security-Policy") == 1 and b"sandbox" not in second
+
+
+# -- state directories and token files serve trusts (issue 21, attack 7) -----------------------
+
+
+def serve_start(state_dir: Path, *extra: str) -> subprocess.CompletedProcess:
+    """A serve start that fails before any Docker call: the workload dir is empty."""
+    return run_reploy("serve", "--listen", "127.0.0.1:0", "--state-dir", str(state_dir),
+                      "--workload-dir", str(state_dir.parent), *extra)
+
+
+def foreign(path: Path) -> None:
+    os.chown(path, os.geteuid() + 4242, os.getegid() + 4242)
+
+
+@pytest.mark.parametrize(("arrange", "complaint"), [
+    (lambda d: (d.mkdir(mode=0o700), foreign(d)), "the state directory {d} belongs to uid"),
+    (lambda d: (d.mkdir(), d.chmod(0o777)), "the state directory {d} is writable by others (mode 0777)"),
+    (lambda d: (d.mkdir(), d.chmod(0o770)), "the state directory {d} is writable by others (mode 0770)"),
+    (lambda d: (d.mkdir(mode=0o700), (d / "sessions").mkdir(), foreign(d / "sessions")),
+     "the sessions directory {d}/sessions belongs to uid"),
+    (lambda d: (d.mkdir(mode=0o700), (d / "sessions").mkdir(), (d / "sessions").chmod(0o757)),
+     "the sessions directory {d}/sessions is writable by others"),
+    (lambda d: (d.mkdir(mode=0o700), (d.parent / "elsewhere").mkdir(), (d / "sessions").symlink_to(
+        d.parent / "elsewhere")), "the sessions directory {d}/sessions is not a directory"),
+    (lambda d: (d.mkdir(mode=0o700), (d / "token").write_text(TOKEN + "\n"), (d / "token").chmod(0o600),
+                foreign(d / "token")), "the token file {d}/token belongs to uid"),
+    (lambda d: (d.mkdir(mode=0o700), (d / "token").write_text(TOKEN + "\n"), (d / "token").chmod(0o622)),
+     "the token file {d}/token is open to other users"),
+])
+def test_serve_refuses_a_state_dir_or_token_file_it_cannot_trust(
+        tmp_path: Path, arrange: Any, complaint: str) -> None:
+    state_dir = tmp_path / "state"
+    arrange(state_dir)
+    proc = serve_start(state_dir)
+    assert proc.returncode == 1, proc.stderr
+    assert complaint.format(d=state_dir) in proc.stderr.decode(), proc.stderr
+    assert json.loads(proc.stdout)["ok"] is False and TOKEN.encode() not in proc.stdout + proc.stderr
+    if "token file" in complaint:
+        assert (state_dir / "token").read_text() == TOKEN + "\n"
+    else:  # no secret was written where serve does not trust, and no store opened
+        assert not (state_dir / "token").exists() and not (state_dir / "sessions.db").exists()
+
+
+def test_a_missing_state_dir_is_made_private(tmp_path: Path) -> None:
+    state_dir = tmp_path / "a" / "state"
+    reploy_serve.prepare_state_dir(state_dir)
+    for path in (state_dir, state_dir / "sessions"):
+        facts = path.stat()
+        assert (facts.st_uid, stat.S_IMODE(facts.st_mode) & 0o077) == (os.geteuid(), 0), path
+    reploy_serve.prepare_state_dir(state_dir)  # and accepted as it is
+
+
+# -- the session client: its token, its server, and whatever answers (attacks 6 and 9) ---------
+
+
+def test_the_token_is_read_only_from_a_regular_file(tmp_path: Path, recorder: LoopbackSite) -> None:
+    """A FIFO (the attack of issue 21: the CLI hung for ever) and a device fail at once."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    linked = tmp_path / "linked"
+    real = tmp_path / "real"
+    real.write_text(TOKEN + "\n")
+    real.chmod(0o600)
+    linked.symlink_to(real)
+    for path, complaint in ((fifo, b"not a regular file"), (Path("/dev/zero"), b"not a regular file"),
+                            (tmp_path, b"not a regular file")):
+        proc = run_reploy("session", "list", "--server", recorder.url, "--token-file", str(path))
+        assert (proc.returncode, proc.stdout) == (2, b"") and complaint in proc.stderr, proc.stderr
+        with pytest.raises(reploy_serve.CredentialError, match="not a regular file"):
+            reploy_serve.read_token(path)
+    assert recorder.requests == []
+    proc = run_reploy("session", "list", "--server", recorder.url, "--token-file", str(linked))
+    assert proc.returncode == 0 and recorder.requests[-1]["Authorization"] == f"Bearer {TOKEN}"
+
+
+def resolves_to_loopback(name: str) -> bool:
+    import ipaddress
+    import socket
+    try:
+        return all(ipaddress.ip_address(info[4][0]).is_loopback for info in socket.getaddrinfo(name, 80))
+    except OSError:
+        return False
+
+
+def test_plain_http_beyond_loopback_needs_the_users_word(recorder: LoopbackSite) -> None:
+    """The token is the whole credential: over plain http to another machine it would cross
+    the network in clear. Loopback (by address or `localhost`) and https need no flag."""
+    import socket
+    port = recorder.url.rpartition(":")[2]
+    for server in ("http://192.0.2.1:8080", "http://[2001:db8::1]:8080", f"http://{socket.gethostname()}:{port}",
+                   "http://127.0.0.1.nip.io:8080"):
+        proc = run_reploy("session", "list", "--server", server, env={"REPLOY_TOKEN": TOKEN})
+        assert (proc.returncode, proc.stdout) == (2, b""), (server, proc.stderr)
+        assert b"--allow-plain-http" in proc.stderr and TOKEN.encode() not in proc.stderr
+    proc = run_reploy("session", "list", env={"REPLOY_TOKEN": TOKEN, "REPLOY_SERVER": "http://192.0.2.1"})
+    assert proc.returncode == 2 and b"--allow-plain-http" in proc.stderr
+    for server in ("ftp://127.0.0.1", "http://", "http://u:p@127.0.0.1:1", "http://127.0.0.1:99999",
+                   "http://127.0.0.1/x?token=1"):
+        proc = run_reploy("session", "list", "--server", server, env={"REPLOY_TOKEN": TOKEN})
+        assert proc.returncode == 2 and b"is not http(s)://HOST[:PORT]" in proc.stderr, server
+    assert recorder.requests == []
+    for server in (recorder.url, f"http://localhost:{port}"):
+        assert run_reploy("session", "list", "--server", server, env={"REPLOY_TOKEN": TOKEN}).returncode == 0
+    if resolves_to_loopback(socket.gethostname()):  # said so: the same machine by another name
+        proc = run_reploy("session", "list", "--allow-plain-http", "--server",
+                          f"http://{socket.gethostname()}:{port}", env={"REPLOY_TOKEN": TOKEN})
+        assert proc.returncode == 0, proc.stderr
+
+
+class OtherServer:
+    """Some other server on the port `reploy session` talks to (attack 9), answering every
+    method and path alike with `answer` = (status, content type, body), or streaming zeros for
+    ever when the body is None; it records what it was sent."""
+
+    def __init__(self, answer: tuple[int, str, Optional[bytes]],
+                 pages: Optional[dict[str, tuple[int, str, bytes]]] = None) -> None:
+        import http.server
+
+        self.answer, self.pages = answer, pages or {}
+        self.requests: list[tuple[str, str, dict[str, str]]] = []
+        self.hung_up = threading.Event()
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def respond(self) -> None:
+                outer.requests.append((self.command, self.path, dict(self.headers.items())))
+                length = int(self.headers.get("Content-Length") or 0)
+                while length > 0:
+                    length -= len(self.rfile.read(min(length, 1 << 20)))
+                status, content_type, body = outer.pages.get(self.path.partition("?")[0], outer.answer)
+                self.send_response(status)
+                self.send_header("Content-Type", content_type)
+                if body is not None:
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                    return
+                self.send_header("Connection", "close")
+                self.end_headers()
+                try:
+                    while True:
+                        self.wfile.write(b"\0" * (1 << 20))
+                except OSError:
+                    outer.hung_up.set()
+
+            do_GET = do_POST = do_PUT = do_DELETE = respond
+
+            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base's
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.parametrize("answer", [
+    (200, "text/html", b"<html>not reploy</html>"), (404, "text/html", b"<h1>Not Found</h1>"),
+    (500, "text/plain", b"oops"), (200, "application/json", b"[1, 2]"),
+    (200, "application/json", b'{"unexpected": true}'), (403, "application/json", b'{"error": 5}'),
+    (200, "application/json", b"\xff\xfe"), (200, "application/json", b'{"a": 1} {"b": 2}'),
+])
+def test_another_server_on_the_port_is_one_clear_error(tmp_path: Path, answer: tuple[int, str, bytes]) -> None:
+    """Attack 9: whatever answers in serve's place, every command says so once and exits 1,
+    never with a traceback."""
+    other = OtherServer(answer)
+    local = tmp_path / "local.txt"
+    local.write_text("local\n")
+    try:
+        for command in (["list"], ["get", SID], ["message", SID, "hi"], ["exec", SID, "--raw", "--", "true"],
+                        ["cp", f"{SID}:f.txt", str(tmp_path / "out")], ["cp", str(local), f"{SID}:f.txt"]):
+            proc = run_reploy("session", command[0], "--server", other.url, *command[1:],
+                              env={"REPLOY_TOKEN": TOKEN})
+            assert proc.returncode == 1, (command, proc.stdout, proc.stderr)
+            assert b"Traceback" not in proc.stderr, (command, proc.stderr)
+            said = proc.stderr if "--raw" in command else proc.stdout
+            assert b"did not answer as reploy serve does" in said and said.count(b"\n") == 1, (command, said)
+            if "--raw" not in command:
+                document = json.loads(proc.stdout)
+                assert set(document) == {"error", "status"}
+        assert not (tmp_path / "out").exists()
+    finally:
+        other.close()
+
+
+def test_session_cp_stops_at_the_quota_serve_reports(tmp_path: Path) -> None:
+    """Attack 6: a directory's tar that never ends. `session cp` spools at most the session's
+    quota (GET /config) plus a tar's overhead, then stops, says so, and leaves nothing; a
+    download that announces more is refused before anything is spooled."""
+    quota = 1 << 20
+    config = json.dumps({"limits": {"sessionDiskBytes": quota}}).encode()
+    entry = {"name": "d", "type": "directory", "size": 0, "mode": 0o755, "mtime": 0}
+    listing = json.dumps({"root": "workspace", "path": "d", "entry": entry, "entries": [],
+                          "truncated": False}).encode()
+    other = OtherServer((200, "application/x-tar", None), {
+        "/api/v1/config": (200, "application/json", config),
+        f"/api/v1/sessions/{SID}/list/d": (200, "application/json", listing)})
+    out = tmp_path / "out"
+    out.mkdir()
+    limit = quota + reploy_serve.agent_role.MAX_ARCHIVE_ENTRIES * reploy_serve.TAR_BYTES_PER_ENTRY
+    try:
+        proc = run_reploy("session", "cp", f"{SID}:d", str(out), "--server", other.url,
+                          env={"REPLOY_TOKEN": TOKEN})
+        assert proc.returncode == 1 and b"Traceback" not in proc.stderr
+        assert json.loads(proc.stdout)["error"] == f"{SID}:d: the download exceeds {limit} bytes; nothing was kept"
+        assert list(out.iterdir()) == []
+        assert other.hung_up.wait(30)  # the CLI stopped reading
+    finally:
+        other.close()
+    announced = OtherServer((200, "application/octet-stream", b""), {
+        "/api/v1/config": (200, "application/json", config),
+        f"/api/v1/sessions/{SID}/list/f": (200, "application/json", listing.replace(b'"directory"', b'"file"'))})
+    try:
+        # The body is empty, but the header announces 1 TiB: refused before a byte is read.
+        announced.pages[f"/api/v1/sessions/{SID}/files/f"] = (200, "application/octet-stream", b"")
+        original = announced.server.RequestHandlerClass.send_header
+
+        def send_header(handler: Any, name: str, value: str) -> None:
+            original(handler, name, str(1 << 40) if name == "Content-Length" and handler.path.endswith("/files/f")
+                     else value)
+        announced.server.RequestHandlerClass.send_header = send_header  # type: ignore[method-assign]
+        proc = run_reploy("session", "cp", f"{SID}:f", str(out), "--server", announced.url,
+                          env={"REPLOY_TOKEN": TOKEN})
+        assert proc.returncode == 1 and b"announces more than" in proc.stdout, proc.stdout
+        assert list(out.iterdir()) == []
+    finally:
+        announced.close()

@@ -1,9 +1,11 @@
-"""Attacks on a real `reploy serve` (issue 11), from where a workstation is exposed: pages in
-the user's own browser (headless Chromium, logged in, so its cookie is there) served from
-another loopback origin or reached through DNS rebinding, and a raw HTTP client that plays the
-rebinding page or guesses credentials. Each test checks that nothing was created, read or typed,
-and that the server itself refused (the status Chromium received), not only the browser's CORS
-rules. Also: the login path, the token file and the listen addresses.
+"""Attacks on a real `reploy serve` (issues 11 and 21), from where a workstation is exposed:
+pages in the user's own browser (headless Chromium, logged in, so its tab holds the token)
+served from another loopback origin or reached through DNS rebinding, and a raw HTTP client
+that plays the rebinding page or guesses credentials. Each test checks that nothing was
+created, read or typed, and that the server itself refused (the status Chromium received), not
+only the browser's CORS rules. Also: the login URL and where its token goes (issue 21's attack
+3: a cookie reached every port of the host), the headers of every response, the token file and
+the listen addresses.
 """
 
 from __future__ import annotations
@@ -94,18 +96,20 @@ def hostile_site() -> Iterator[LoopbackSite]:
 
 def requests_to(browser: Browser, base_url: str) -> list[dict[str, Any]]:
     """What Chromium's network events say about each request to base_url: method, path, the
-    status the server answered (None: the browser never got one), whether our login cookie went
-    along, the response's header names, and the CORS error if any."""
+    status the server answered (None: the browser never got one), whether any credential went
+    along (a cookie or an Authorization header), the response's header names, and the CORS
+    error if any."""
     seen: dict[str, dict[str, Any]] = {}
     for event in browser.events:
         params = event["params"]
         entry = seen.setdefault(params.get("requestId", ""), {
-            "status": None, "cookie": False, "headers": [], "cors": None})
+            "status": None, "credential": False, "headers": [], "cors": None})
         if event["method"] == "Network.requestWillBeSent":
             entry["method"], entry["url"] = params["request"]["method"], params["request"]["url"]
         elif event["method"] == "Network.requestWillBeSentExtraInfo":
-            entry["cookie"] |= any(c["cookie"]["name"].startswith("reploy-") and not c["blockedReasons"]
-                                   for c in params.get("associatedCookies", []))
+            sent = {name.lower() for name in params.get("headers", {})}
+            entry["credential"] |= bool(params.get("associatedCookies")) or bool(
+                {"cookie", "authorization"} & sent)
         elif event["method"] == "Network.responseReceivedExtraInfo":
             entry["status"] = params["statusCode"]
             entry["headers"] = [name.lower() for name in params["headers"]]
@@ -125,7 +129,7 @@ def test_a_page_on_another_loopback_origin_gets_nothing(
     server = serve_factory()
     base = server.ready["url"]
     sid, _ = server.api.shell_ran("victim", "echo secret-$((6*7))", b"secret-42\r\n$ ")
-    log_in(attack_browser, server)  # the worst case: the browser holds the login cookie
+    log_in(attack_browser, server)  # the worst case: the user is logged in in this browser
     attack_browser.navigate("about:blank")  # the UI's own polling ends here
     attack_browser.wait_for("location.href === 'about:blank'", "a blank page")
     attack_browser.call("Network.enable")
@@ -144,8 +148,9 @@ def test_a_page_on_another_loopback_origin_gets_nothing(
     assert session_ids(server) == [sid]
     output = server.api.read_all(sid)
     assert b"secret-42" in output and b"pwned-by-page" not in output
-    # The server refused every request itself, though Chromium sent the login cookie with the
-    # same-site ones; only the preflighted JSON POST and DELETE never left the browser.
+    # The server refused every request itself; no credential went along with any (the token
+    # lives in the UI's tab, for its origin alone); only the preflighted JSON POST and DELETE
+    # never left the browser.
     assert {e["status"] for e in attempts} == {403, None}, attempts
     unsent = [e for e in attempts if e["status"] is None]
     assert sorted((e["method"], e["cors"]) for e in unsent) == [
@@ -153,7 +158,7 @@ def test_a_page_on_another_loopback_origin_gets_nothing(
     assert sorted(e["method"] for e in attempts if e["status"] == 403) == [
         "GET", "GET", "GET", "OPTIONS", "OPTIONS", "POST", "POST", "POST", "POST"]
     sent = [e for e in attempts if e["status"] and e["method"] != "OPTIONS"]  # preflights: none
-    assert len(sent) == 7 and all(e["cookie"] for e in sent), attempts
+    assert len(sent) == 7 and not any(e["credential"] for e in attempts), attempts
     assert not [h for e in attempts for h in e["headers"] if h.startswith("access-control-")]
 
 
@@ -165,6 +170,10 @@ def test_a_rebound_page_in_the_browser_gets_nothing(
     # After rebinding, the attacker's page runs in the origin http://rebind.test:PORT, which now
     # resolves to the server: to the browser, every request below is same-origin.
     rebound = f"http://{REBOUND}:{server.api.port}"
+    # The attacker's page would come from its own server before the rebinding; here the page is
+    # serve's own 421 answer, whose sandbox would stop the page's scripts: CSP is lifted so it
+    # stands in for the attacker's page (the server's refusals below are what is tested).
+    attack_browser.call("Page.setBypassCSP", enabled=True)
     attack_browser.navigate(rebound + "/")
     attack_browser.wait_for(f"location.href === {json.dumps(rebound + '/')} && "
                             "document.readyState === 'complete'", "the rebound origin")
@@ -191,14 +200,92 @@ def test_a_rebound_page_in_the_browser_gets_nothing(
     assert b"pwned-by-rebinding" not in server.api.read_all(sid)
 
 
+def test_the_browser_credential_stays_on_its_port(
+        serve_factory: Callable[..., ServeProcess], attack_browser: Browser,
+        hostile_site: LoopbackSite) -> None:
+    """Attack 3: after login, a page on another port of the same loopback address (any local
+    listener, which any page can bounce the browser to) received the login cookie, and the
+    cookie drove the API. Now the token lives in the UI tab's sessionStorage, for serve's origin
+    alone: that page gets no credential, reads nothing, and the address bar, the tab's history
+    and the cookie jar never hold the token. Log out forgets it."""
+    server = serve_factory()
+    token, url = server.ready["token"], server.ready["url"]
+    server.api.create("victim")
+    assert urllib.parse.urlsplit(server.ready["login_url"]).fragment == "token=" + token
+    log_in(attack_browser, server)
+    history = [e["url"] for e in attack_browser.call("Page.getNavigationHistory")["entries"]]
+    assert token not in json.dumps(history) and attack_browser.evaluate("location.href") == url + "/"
+    assert attack_browser.evaluate("sessionStorage.getItem('reploy-token')") == token
+    assert attack_browser.call("Storage.getCookies")["cookies"] == []
+    # The UI sends it as a header, the stream included.
+    attack_browser.navigate(url + "/#/")
+    attack_browser.wait_for("document.querySelectorAll('tr[data-session]').length === 1", "the sessions")
+
+    page = b"""<!doctype html><script>
+      window.seen = [document.cookie, sessionStorage.length, localStorage.length];
+    </script>"""
+    attack_browser.navigate(hostile_site.publish("/bounced", "text/html", page))
+    seen = attack_browser.wait_for("window.seen", "the other port's page")
+    assert seen == ["", 0, 0]
+    [request] = [r for r in hostile_site.requests if r]
+    assert not {"cookie", "authorization"} & {name.lower() for name in request}
+    assert token not in json.dumps(hostile_site.requests)
+
+    # Back on serve's origin the tab is still logged in; log out forgets the token.
+    attack_browser.navigate(url + "/#/")
+    attack_browser.wait_for("document.querySelectorAll('tr[data-session]').length === 1", "the sessions again")
+    attack_browser.evaluate("document.querySelector('[data-test=logout]').click()")
+    attack_browser.wait_for("!!document.querySelector('[data-test=login-screen]')", "the login note")
+    assert attack_browser.evaluate("sessionStorage.getItem('reploy-token')") is None
+    attack_browser.navigate(url + "/#/new")
+    attack_browser.wait_for("!!document.querySelector('[data-test=login-screen]')", "still logged out")
+
+
+#: The headers every API response carries, whatever it is: nothing in it can run as a page.
+SANDBOXED = {"content-security-policy": "default-src 'none'; sandbox", "x-content-type-options": "nosniff",
+             "referrer-policy": "no-referrer"}
+
+
+def test_every_response_is_sandboxed_and_never_sniffed(serve_factory: Callable[..., ServeProcess]) -> None:
+    """Item 3 of issue 21: JSON answers and errors of every kind, the stream and downloads carry
+    the sandbox; downloads are attachments of a binary type; the UI's own files keep theirs."""
+    server = serve_factory()
+    api, port = server.api, server.api.port
+    sid = api.create("files")["id"]
+    assert api.call("POST", f"/sessions/{sid}/exec", {"argv": ["sh", "-c", "mkdir d && echo hi > d/f.html"]})[
+        "exitCode"] == 0
+    seen = []
+    for method, path, headers, body in (
+            ("GET", "/api/v1/sessions", {}, None),
+            ("GET", f"/api/v1/sessions/{sid}/files/d/f.html", {}, None),
+            ("GET", f"/api/v1/sessions/{sid}/files/d", {}, None),
+            ("GET", f"/api/v1/sessions/{sid}/list/d", {}, None),
+            ("GET", "/api/v1/sessions/0123456789abcdef", {}, None),  # 404
+            ("DELETE", "/api/v1/config", {}, None),  # 405
+            ("POST", "/api/v1/sessions", {"Content-Type": "text/plain"}, b"x"),  # 415
+            ("GET", "/api/v1/sessions", {"Origin": "http://evil.example"}, None),  # 403
+            ("GET", "/api/v1/sessions", {"Host": f"evil.example:{port}"}, None),  # 421
+            ("GET", "/login?token=x", {}, None)):  # 404: no such path
+        status, response_headers, raw = api.request(method, path, body, headers=headers)
+        seen.append((path, status))
+        assert {k: response_headers.get(k) for k in SANDBOXED} == SANDBOXED, (path, status, response_headers)
+        if "/files/" in path:
+            kind = "application/x-tar" if path.endswith("/d") else "application/octet-stream"
+            assert (status, response_headers["content-type"]) == (200, kind), path
+            assert response_headers["content-disposition"].startswith("attachment; "), path
+        else:
+            assert response_headers["content-type"] == "application/json", (path, response_headers)
+    assert [status for _, status in seen] == [200, 200, 200, 200, 404, 405, 415, 403, 421, 404]
+    status, headers, _ = api.request("GET", "/api/v1/sessions", auth=False)
+    assert status == 401 and {k: headers.get(k) for k in SANDBOXED} == SANDBOXED
+    # The UI's own files: their own policy, scripts from this origin only.
+    for path in ("/", "/app.js"):
+        status, headers, _ = api.request("GET", path, auth=False)
+        assert status == 200 and headers["content-security-policy"].startswith("default-src 'self'")
+        assert headers["x-content-type-options"] == "nosniff"
+
+
 # -- a raw HTTP client ------------------------------------------------------------------------
-
-
-def login_cookie(api: Api, token: str) -> str:
-    """`name=value` of the cookie the login path sets."""
-    status, headers, _ = api.request("GET", "/login?token=" + urllib.parse.quote(token), auth=False)
-    assert status == 303, status
-    return headers["set-cookie"].split(";")[0]
 
 
 def test_the_issue_requests_are_refused(serve_factory: Callable[..., ServeProcess]) -> None:
@@ -220,12 +307,11 @@ def test_the_issue_requests_are_refused(serve_factory: Callable[..., ServeProces
     assert token not in server.stderr
 
 
-def test_dns_rebinding_with_and_without_a_cookie(serve_factory: Callable[..., ServeProcess]) -> None:
+def test_dns_rebinding_with_and_without_the_token(serve_factory: Callable[..., ServeProcess]) -> None:
     server = serve_factory()
     api, token, port = server.api, server.ready["token"], server.api.port
     sid = api.create("victim")["id"]
-    credentials = {"none": {}, "cookie": {"Cookie": login_cookie(api, token)},
-                   "bearer": dict(api.auth_headers)}
+    credentials = {"none": {}, "bearer": dict(api.auth_headers)}
     for host in (f"evil.example:{port}", "evil.example", f"127.0.0.1.evil.example:{port}",
                  f"localhost.:{port}", f"[::2]:{port}"):
         for name, headers in credentials.items():
@@ -305,34 +391,22 @@ def test_credentials_login_and_headers(serve_factory: Callable[..., ServeProcess
     assert status(Authorization=token) == 401
     assert status(f"{sessions}?token={token}") == 401
     assert status(f"/api/v1/sessions/{sid}/stream?token={token}") == 401
-    assert status(Cookie=f"reploy-{api.port}={token}") == 401  # the cookie is not the token
+    for cookie in (f"reploy-{api.port}={token}", f"token={token}"):  # a cookie is never one
+        assert status(Cookie=cookie) == 401
     assert status(Authorization=f"Bearer {token}") == 200
     status_code, headers, raw = api.request("GET", sessions, auth=False)
     assert headers["www-authenticate"].startswith("Bearer") and "login_url" in json.loads(raw)["error"]
-    # The login path: a wrong token sets nothing; the right one sets an HttpOnly, SameSite=Strict
-    # cookie holding something else than the token, and redirects to a URL without it.
-    for wrong in (token[:-1], ""):
-        code, headers, _ = api.request("GET", f"/login?token={wrong}", auth=False)
-        assert code == 401 and "set-cookie" not in headers
-    assert api.request("POST", f"/login?token={token}", b"{}", auth=False)[0] == 405
-    code, headers, raw = api.request("GET", f"/login?token={token}", auth=False)
-    assert (code, headers["location"], raw) == (303, "/", b"")
-    attributes = [part.strip() for part in headers["set-cookie"].split(";")]
-    name, _, value = attributes[0].partition("=")
-    assert name == f"reploy-{api.port}" and sorted(attributes[1:]) == ["HttpOnly", "Path=/",
-                                                                        "SameSite=Strict"]
-    assert token not in json.dumps(headers) and len(value) >= 32
-    assert headers["cache-control"] == "no-store" and headers["referrer-policy"] == "no-referrer"
-    cookie = attributes[0]
-    assert status(Cookie=cookie) == 200
-    assert status(Cookie=f"other=1; {cookie}") == 200
-    assert status(Cookie=cookie, Authorization="Bearer wrong") == 401  # a header alone decides
-    assert status(Cookie=cookie[:-1]) == 401
-    # The cookie carries the stream (EventSource cannot send headers).
+    # There is no login path that sets anything: the login URL's token is in its fragment,
+    # which the UI alone reads. A token in a query logs nothing in and sets no cookie.
+    for method in ("GET", "POST"):
+        code, headers, _ = api.request(method, f"/login?token={token}", auth=False)
+        assert code in (404, 405) and "set-cookie" not in headers and "location" not in headers
+    # The stream takes the Bearer header like every call (the UI reads it with fetch).
     conn = http.client.HTTPConnection(api.host, api.port, timeout=30)
-    conn.request("GET", f"/api/v1/sessions/{sid}/stream?offset=0", headers={"Cookie": cookie})
+    conn.request("GET", f"/api/v1/sessions/{sid}/stream?offset=0", headers=api.auth_headers)
     response = conn.getresponse()
     assert response.status == 200 and response.getheader("Content-Type") == "text/event-stream"
+    assert response.getheader("Content-Security-Policy") == "default-src 'none'; sandbox"
     conn.close()
     # The UI's shell loads without credentials; its data does not.
     for path in ("/", "/index.html", "/app.js", "/openapi.json"):
@@ -345,9 +419,8 @@ def test_credentials_login_and_headers(serve_factory: Callable[..., ServeProcess
         code, _, raw = api.request("POST", sessions, body, headers={"Content-Type": content_type})
         assert code == 415 and "application/json" in json.loads(raw)["error"], content_type
     # The UI's own requests pass: same Origin, same-origin fetch metadata.
-    code, _, _ = api.request("POST", f"/api/v1/sessions/{sid}/read", b"{}", auth=False, headers={
-        "Cookie": cookie, "Origin": base, "Sec-Fetch-Site": "same-origin",
-        "Content-Type": "application/json; charset=UTF-8"})
+    code, _, _ = api.request("POST", f"/api/v1/sessions/{sid}/read", b"{}", headers={
+        "Origin": base, "Sec-Fetch-Site": "same-origin", "Content-Type": "application/json; charset=UTF-8"})
     assert code == 200
     # No response ever carries a CORS header, a preflight least of all.
     for method, headers in (("OPTIONS", {"Origin": "http://127.0.0.1:1",
@@ -358,7 +431,7 @@ def test_credentials_login_and_headers(serve_factory: Callable[..., ServeProcess
         assert code in (403, 405, 200), (method, headers, code)
         assert not [h for h in response_headers if h.startswith("access-control-")]
     assert session_ids(server) == [sid]
-    assert token not in server.stderr and cookie.partition("=")[2] not in server.stderr
+    assert token not in server.stderr
 
 
 def test_the_token_file(serve_factory: Callable[..., ServeProcess], tmp_path: Path) -> None:
@@ -367,7 +440,7 @@ def test_the_token_file(serve_factory: Callable[..., ServeProcess], tmp_path: Pa
     assert server.ready["token"] == token_file.read_text().strip()
     assert oct(token_file.stat().st_mode & 0o777) == "0o600"
     assert server.ready["token_file"] == str(token_file)
-    assert server.ready["login_url"] == (f"{server.ready['url']}/login?token="
+    assert server.ready["login_url"] == (f"{server.ready['url']}/#token="
                                          + urllib.parse.quote(server.ready["token"], safe=""))
     sid = server.api.create("kept")["id"]
     server.stop()

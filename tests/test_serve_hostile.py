@@ -5,8 +5,8 @@ A session's user runs anything as the runtime uid in its container (here through
 route), and the session dir is bind-mounted there read-write at /mnt/reploy-session. So the
 session replaces output.log, events.jsonl, agent-state.json, checkpoint archives and
 control.sock with symlinks to a canary the test made on the host (a root-only file, a listening
-unix socket), with FIFOs and directories, nests a tree deeper than Python's recursion limit, or
-serves its own answers on the control socket. Each test checks that no canary byte appears in
+unix socket), with FIFOs and directories, or nests a tree deeper than Python's recursion limit
+(answers of a server in the agent's place: test_serve_hostile_answers.py). Each test checks that no canary byte appears in
 any API answer, SSE stream, snapshot archive or restored container, that the canary socket never
 gets a connection, and that serve goes on: that session fails with a clear status, the others
 (and the reaper) keep being served.
@@ -24,7 +24,7 @@ from typing import Any, Callable
 import pytest
 
 from serve_harness import (  # noqa: F401  (fixtures)
-    Api, ServeProcess, managed_workload, serve_factory, sse_events, wait_until,
+    Api, ServeProcess, managed_workload, serve_factory, sse_events,
 )
 from test_container_paths import (  # noqa: F401  (fixtures)
     CANARY, CanarySocket, canary, canary_socket,
@@ -33,61 +33,6 @@ from test_container_paths import (  # noqa: F401  (fixtures)
 pytestmark = pytest.mark.docker
 
 SESSION_MOUNT = "/mnt/reploy-session"
-
-#: The session's own server on control.sock, started from an exec: it forks into its own
-#: session (so it outlives the exec), binds beside control.sock and renames over it, then tells
-#: the exec to end. It answers every request as argv[1] says.
-FAKE_AGENT = r"""
-import base64, json, os, socket, sys, threading, time
-mode, path = sys.argv[1], "/mnt/reploy-session/control.sock"
-ready_r, ready_w = os.pipe()
-if os.fork():
-    os.close(ready_w)
-    os.read(ready_r, 1)
-    sys.exit(0)
-os.setsid()
-null = os.open("/dev/null", os.O_RDWR)
-for fd in (0, 1, 2):
-    os.dup2(null, fd)
-server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-server.bind(path + ".new")
-server.listen(16)
-os.rename(path + ".new", path)
-os.write(ready_w, b"!")
-ANSWERS = {"list": b'{"id":"serve","result":[]}\n', "deep": b"[" * 200000 + b"\n",
-           "no-result": b'{"id":"serve"}\n'}
-PAGE = base64.b64encode(b"x" * (1 << 20)).decode()
-BIG_ENTRY = {"name": "x" * (3 << 20), "type": "file", "size": 0, "mode": 420, "mtime": 0}
-pages = []
-def flood(request):
-    method = json.loads(request)["method"]
-    if method == "exec":
-        return {"exec_id": "flood"}
-    if method == "stat":
-        return {"entry": {**BIG_ENTRY, "name": ".", "type": "directory"}}
-    if method == "list":  # one huge entry a page; after 40 pages (past any bound) none
-        pages.append(1)
-        return {"entries": [BIG_ENTRY] if len(pages) <= 40 else [], "total": 10 ** 9}
-    return {"running": True, "stdout_b64": PAGE, "stderr_b64": "", "stdout_bytes": 0, "stderr_bytes": 0}
-def answer(connection):
-    try:
-        request = connection.recv(1 << 20)
-        if mode == "trickle":  # one byte at a time, each well inside any per-read timeout
-            while True:
-                connection.sendall(b" ")
-                time.sleep(0.5)
-        if mode == "flood":  # exec output without end
-            connection.sendall(json.dumps({"id": "serve", "result": flood(request)}).encode() + b"\n")
-            return
-        connection.sendall(ANSWERS[mode])
-    except OSError:
-        pass
-    finally:
-        connection.close()
-while True:
-    connection, _ = server.accept()
-    threading.Thread(target=answer, args=(connection,), daemon=True).start()
-"""
 
 
 def run(api: Api, sid: str, script: str, *args: str, expect_exit: int = 0) -> dict[str, Any]:
@@ -204,43 +149,6 @@ def test_a_fifo_output_log_does_not_hold_the_stream(
     assert "output.log is a fifo, not a regular file" in server.stderr
     assert b"fine" in json.dumps(run(api, sid, "echo fine")).encode()
     api.call("DELETE", f"/sessions/{sid}")
-
-
-@pytest.mark.parametrize("mode", ["list", "deep", "no-result", "trickle"])
-def test_its_own_server_on_the_control_socket_fails_only_that_session(
-        serve_factory: Callable[..., ServeProcess], docker_engine: Any, mode: str) -> None:
-    """The reaper asks every active session for its status each pass: answers that are not
-    responses, JSON nested past the recursion limit or bytes trickled forever cost that session
-    its answer, never the reaper, which still pauses an idle bystander."""
-    server = serve_factory("--idle-after", "1s")
-    api = server.api
-    sid = api.create("hostile")["id"]
-    run(api, sid, 'python3 -c "$1" "$2"', FAKE_AGENT, mode)
-    bystander = api.create("bystander")["id"]
-    wait_until(lambda: api.get(bystander)["state"] == "idle" and api.get(sid)["state"] == "idle",
-               "the reaper to pause both sessions", timeout_s=60)
-    status, document = answer(api, "POST", f"/sessions/{sid}/write",
-                              {"dataBase64": base64.b64encode(b"id\r").decode()})
-    assert status == 503 and "agent" in document["error"]
-    assert "Exception in thread" not in server.stderr and "internal error" not in server.stderr
-    api.write(bystander, b"echo bystander-$((6*7))\r")
-    api.wait_output(bystander, b"bystander-42")
-
-
-def test_exec_output_and_listings_past_their_bounds_from_its_own_server_are_refused(
-        serve_factory: Callable[..., ServeProcess], docker_engine: Any) -> None:
-    """The agent keeps at most the cap of each exec stream and pages listings in bounded
-    JSON; a server that sends more without end would grow serve's memory (one process for
-    every session) for as long as the client waits."""
-    server = serve_factory()
-    api = server.api
-    sid = api.create("hostile")["id"]
-    run(api, sid, 'python3 -c "$1" "$2"', FAKE_AGENT, "flood")
-    status, document = answer(api, "POST", f"/sessions/{sid}/exec",
-                              {"argv": ["true"], "maxOutputBytes": 65536})
-    assert status == 503 and "more output than the cap" in document["error"]
-    status, document = answer(api, "GET", f"/sessions/{sid}/list/")
-    assert status == 503 and "listing is too large" in document["error"]
 
 
 def test_junk_in_the_session_dir_does_not_stop_snapshot_restore_or_delete(

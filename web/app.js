@@ -3,14 +3,39 @@
 // sessions, a prompt and live transcript for agent sessions, and a restore screen for
 // snapshotted ones. Output arrives over the passive SSE stream; opening a workspace is an
 // explicit access (POST /switch), which resumes an idle session.
-// Credentials: the HttpOnly cookie that `reploy serve`'s login_url sets, sent by the browser
-// with every same-origin request (EventSource included); this script never sees a token. Any
-// 401 replaces the screen with a note to open the login URL.
+// Credentials: `reploy serve`'s login_url carries the token in its fragment (/#token=...),
+// which no server and no Referer ever sees. This script moves it into this tab's
+// sessionStorage (scoped to this scheme, host and port: no other port of the host can read it),
+// clears the address bar, and sends it as `Authorization: Bearer` on every request, the stream
+// included (read with fetch). Nothing lives in a cookie, so nothing reaches another port of the
+// host. "Log out" forgets it; any 401 replaces the screen with a note to open the login URL.
 "use strict";
 
 const API = "/api/v1";
 const POLL_MS = 2000;
 const STATUS_POLL_MS = 1000;
+const TOKEN_KEY = "reploy-token";
+const TOKEN_FRAGMENT = "#token=";
+
+// ---- credentials ----------------------------------------------------------------------------
+
+// The login URL's token into sessionStorage, and out of the address bar and the tab's history.
+function takeTokenFromAddress() {
+  if (!location.hash.startsWith(TOKEN_FRAGMENT)) return;
+  const token = decodeURIComponent(location.hash.slice(TOKEN_FRAGMENT.length));
+  history.replaceState(null, "", location.pathname);
+  if (/^[A-Za-z0-9._~+/=-]{32,512}$/.test(token)) sessionStorage.setItem(TOKEN_KEY, token);
+}
+
+function authorized(init = {}) {
+  const token = sessionStorage.getItem(TOKEN_KEY);
+  return { ...init, headers: { ...(init.headers || {}), ...(token ? { Authorization: `Bearer ${token}` } : {}) } };
+}
+
+function logOut() {
+  sessionStorage.removeItem(TOKEN_KEY);
+  loginScreen();
+}
 
 // ---- helpers --------------------------------------------------------------------------------
 
@@ -18,9 +43,10 @@ class ApiError extends Error {
   constructor(message, status) { super(message); this.status = status; }
 }
 
-// One request: a 401 shows the login screen, an error status throws ApiError with the server's message.
+// One request with the credential: a 401 shows the login screen, an error status throws
+// ApiError with the server's message.
 async function request(url, init) {
-  const response = await fetch(url, init);
+  const response = await fetch(url, authorized(init));
   if (response.status === 401) loginScreen();
   if (!response.ok) {
     let doc = {};
@@ -78,6 +104,43 @@ function clock(seconds) {
   return m >= 60 ? `${Math.floor(m / 60)}h${String(m % 60).padStart(2, "0")}m` : `${m}:${String(s).padStart(2, "0")}`;
 }
 
+// Reads a server-sent event stream with fetch (EventSource cannot send the credential): on(type,
+// data) for each event, onEnd(error or null) once it ends by itself. close() ends it quietly.
+// The stream is serve's own format: "\n"-ended lines, `event:` and `data:` fields, comments.
+function openStream(url, on, onEnd) {
+  const abort = new AbortController();
+  (async () => {
+    try {
+      const response = await fetch(url, authorized({ signal: abort.signal, headers: { Accept: "text/event-stream" } }));
+      if (response.status === 401) loginScreen();
+      if (!response.ok || !response.body) throw new ApiError(`the stream answered ${response.status}`, response.status);
+      const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
+      let buffer = "", type = "message", data = [];
+      for (;;) {
+        const { value, done } = await reader.read();
+        if (done) break;
+        buffer += value;
+        let end;
+        while ((end = buffer.indexOf("\n")) >= 0) {
+          const line = buffer.slice(0, end).replace(/\r$/, "");
+          buffer = buffer.slice(end + 1);
+          const colon = line.indexOf(":");
+          const field = colon < 0 ? line : line.slice(0, colon);
+          const text = colon < 0 ? "" : line.slice(colon + 1).replace(/^ /, "");
+          if (line === "") {
+            if (data.length) on(type, data.join("\n"));
+            type = "message";
+            data = [];
+          } else if (field === "event") type = text;
+          else if (field === "data") data.push(text);
+        }
+      }
+      if (!abort.signal.aborted) onEnd(null);
+    } catch (e) { if (!abort.signal.aborted) onEnd(e); }
+  })();
+  return { close: () => abort.abort() };
+}
+
 function badge(state) { return h("span", { class: `badge ${state}`, "data-test": "state" }, state); }
 
 // ---- router ---------------------------------------------------------------------------------
@@ -88,7 +151,7 @@ let loggedOut = false; // once the API said 401, only the login note shows
 
 function show(...nodes) { if (!loggedOut) view.replaceChildren(...nodes); }
 
-// The API needs the login cookie: stop the current screen and say how to get it.
+// The API needs the token: stop the current screen and say how to give it.
 function loginScreen() {
   if (teardown) { teardown(); teardown = null; }
   if (loggedOut) return;
@@ -96,14 +159,15 @@ function loginScreen() {
   view.replaceChildren(h("div", { class: "login", "data-test": "login-screen" },
     h("h1", {}, "Log in"),
     h("p", {}, "Open the login URL printed by ", h("code", {}, "reploy serve"),
-      " (the login_url of its start line) in this browser, then come back here."),
-    h("p", { class: "muted" }, "It is this server's address followed by /login?token= and the " +
-      "token in the server's state directory (STATE_DIR/token).")));
+      " (the login_url of its start line) in this tab."),
+    h("p", { class: "muted" }, "It is this server's address followed by /#token= and the " +
+      "token in the server's state directory (STATE_DIR/token). The token stays in this tab only.")));
 }
 
 function route() {
   if (teardown) { teardown(); teardown = null; }
-  loggedOut = false; // navigating tries again (the cookie may have been set meanwhile)
+  takeTokenFromAddress();
+  loggedOut = false; // navigating tries again (the login URL may have been opened meanwhile)
   const hash = location.hash || "#/";
   const session = hash.match(/^#\/s\/([0-9a-f]{16})$/);
   for (const link of document.querySelectorAll("[data-nav]")) {
@@ -115,6 +179,7 @@ function route() {
 }
 
 window.addEventListener("hashchange", route);
+document.querySelector("[data-test=logout]").addEventListener("click", logOut);
 
 // ---- sessions list --------------------------------------------------------------------------
 
@@ -303,32 +368,31 @@ function follow(id, sink, status, cleanups, isClosed) {
     status.textContent = `waiting for the session: ${current.state}…`;
     later(recover, POLL_MS);
   };
+  const reread = async () => {
+    sink.reset();
+    cursor = 0;
+    try {
+      for (;;) {
+        const page = await api("POST", `/sessions/${id}/read`, { offset: cursor, maxBytes: 524288 });
+        sink.write(base64ToBytes(page.payloadBase64));
+        cursor = page.nextOffset;
+        if (cursor >= page.length) break;
+      }
+    } catch (e) { status.textContent = e.message; }
+    if (!isClosed()) open();
+  };
   const open = () => {
-    source = new EventSource(`${API}/sessions/${id}/stream?offset=${cursor}`);
-    source.addEventListener("output", (event) => {
-      const chunk = JSON.parse(event.data);
-      if (chunk.offset !== cursor) return; // overlap after a reconnect: already shown
-      sink.write(base64ToBytes(chunk.payloadBase64));
-      cursor = chunk.nextOffset;
-    });
-    source.addEventListener("reset", async () => {
-      source.close();
-      sink.reset();
-      cursor = 0;
-      try {
-        for (;;) {
-          const page = await api("POST", `/sessions/${id}/read`, { offset: cursor, maxBytes: 524288 });
-          sink.write(base64ToBytes(page.payloadBase64));
-          cursor = page.nextOffset;
-          if (cursor >= page.length) break;
-        }
-      } catch (e) { status.textContent = e.message; }
-      if (!isClosed()) open();
-    });
-    source.onerror = () => {
-      source.close();
-      if (!isClosed()) recover();
-    };
+    source = openStream(`${API}/sessions/${id}/stream?offset=${cursor}`, (type, data) => {
+      if (type === "output") {
+        const chunk = JSON.parse(data);
+        if (chunk.offset !== cursor) return; // overlap after a reconnect: already shown
+        sink.write(base64ToBytes(chunk.payloadBase64));
+        cursor = chunk.nextOffset;
+      } else if (type === "reset") {
+        source.close();
+        reread();
+      }
+    }, () => { if (!isClosed()) recover(); });
   };
   open();
   cleanups.push(() => { if (source) source.close(); clearTimeout(retry); });
@@ -348,6 +412,33 @@ async function relaunch(id, status) {
   catch (e) { status.textContent = e.message; return false; }
 }
 
+// What the terminal does with a link the workload printed (an OSC 8 hyperlink, which xterm.js
+// offers on click; plain URLs are not made links at all). The workload chose it, so a link to
+// this server itself (any of its loopback names, on its port) is refused: opened with the
+// user's session it would act for the workload. Another http(s) link opens only when the user
+// says so, in a new tab with no opener and no Referer.
+function workloadLinks(status) {
+  const loopback = ["localhost", "127.0.0.1", "[::1]"];
+  const port = (url) => url.port || (url.protocol === "https:" ? "443" : "80");
+  const isThisServer = (url) => url.origin === location.origin ||
+    (port(url) === port(location) && loopback.includes(url.hostname) && loopback.includes(location.hostname));
+  return {
+    allowNonHttpProtocols: false,
+    activate(_event, text) {
+      let url;
+      try { url = new URL(text); } catch (_) { return; }
+      if (!["http:", "https:"].includes(url.protocol)) return;
+      if (isThisServer(url)) {
+        status.textContent = `refused a link the session printed to this server itself: ${url.href}`;
+        return;
+      }
+      if (confirm(`The session printed a link to ${url.href}\n\nOpen it in a new tab?`)) {
+        window.open(url.href, "_blank", "noopener,noreferrer");
+      }
+    },
+  };
+}
+
 function shellView(id, toolbar, status, cleanups) {
   const frame = h("div", { class: "terminal-frame", "data-test": "terminal" });
   // Once the shell has exited every keystroke is refused: offer a new one in its place.
@@ -360,7 +451,8 @@ function shellView(id, toolbar, status, cleanups) {
   const exited = h("div", { class: "notice", "data-test": "exited", hidden: true }, exitNote, relaunchButton);
   show(toolbar, exited, frame, status);
   const term = new Terminal({ cursorBlink: true, fontSize: 14, fontFamily: "DejaVu Sans Mono, monospace",
-                              scrollback: 5000, theme: { background: "#000000" } });
+                              scrollback: 5000, theme: { background: "#000000" },
+                              linkHandler: workloadLinks(status) });
   term.open(frame);
   window.reployTerminal = term; // for tests and the console
 

@@ -2,10 +2,22 @@
 // (or a directory as a tar), upload by picking or dropping files into the folder shown. Every call
 // is an access, so the panel loads only when opened. Loaded before app.js, whose helpers (API, api,
 // request, h) it uses when called.
+// Names come from the session (its listing), so no URL is built from one unchecked: each segment
+// must be one file name (no "/", NUL or control character, not "." or "..", which a browser would
+// resolve, and so move the request to another path, even to another session) and is then
+// percent-encoded.
 "use strict";
 
+function isEntryName(name) {
+  return typeof name === "string" && name !== "" && name !== "." && name !== ".." &&
+    !/[/\x00-\x1f\x7f-\x9f]/.test(name);
+}
+
 function encodePath(path) {
-  return path.split("/").filter(Boolean).map(encodeURIComponent).join("/");
+  return path.split("/").filter(Boolean).map((part) => {
+    if (!isEntryName(part)) throw new Error(`refused: ${JSON.stringify(part)} is not a file name`);
+    return encodeURIComponent(part);
+  }).join("/");
 }
 
 function joinPath(...parts) {
@@ -72,16 +84,20 @@ function filesPanel(id) {
     const entries = listing.entries || [];
     rows.replaceChildren(...up, ...entries.map((entry) => {
       const path = joinPath(state.path, entry.name);
+      const usable = isEntryName(entry.name);
       let name;
-      if (entry.type === "directory") {
+      if (!usable) {
+        name = h("span", { class: "error" }, `refused name ${JSON.stringify(entry.name)}`);
+      } else if (entry.type === "directory") {
         name = h("a", { href: "#", "data-test": "files-dir", onclick: (e) => { e.preventDefault(); go(path); } }, `${entry.name}/`);
       } else if (entry.type === "file") {
-        name = h("a", { href: fileUrl(path), download: entry.name, "data-test": "files-file" }, entry.name);
+        name = h("a", { href: "#", "data-test": "files-file", onclick: (e) => { e.preventDefault(); download(path, entry.name); } }, entry.name);
       } else {
         name = h("span", { class: "muted" }, entry.name + (entry.target ? ` → ${entry.target}` : ` (${entry.type})`));
       }
-      const tar = entry.type === "directory"
-        ? h("a", { href: fileUrl(path), download: `${entry.name}.tar`, class: "muted", title: "download as a tar" }, "tar") : "";
+      const tar = usable && entry.type === "directory"
+        ? h("a", { href: "#", class: "muted", title: "download as a tar",
+                   onclick: (e) => { e.preventDefault(); download(path, `${entry.name}.tar`); } }, "tar") : "";
       return h("tr", { "data-entry": entry.name },
         h("td", {}, name),
         h("td", { class: "muted" }, entry.type === "file" ? fileSize(entry.size) : ""),
@@ -90,6 +106,20 @@ function filesPanel(id) {
         h("td", { class: "files-tar" }, tar));
     }));
     if (!entries.length) rows.append(h("tr", {}, h("td", { colspan: 5, class: "empty" }, "Empty folder.")));
+  }
+
+  // A download carries the credential, so it is fetched here and handed to the browser whole.
+  async function download(path, name) {
+    note.textContent = `downloading ${name}…`;
+    try {
+      const blob = await (await request(fileUrl(path))).blob();
+      const link = h("a", { href: URL.createObjectURL(blob), download: name, hidden: true });
+      document.body.append(link);
+      link.click();
+      link.remove();
+      setTimeout(() => URL.revokeObjectURL(link.href), 60000);
+      note.textContent = "";
+    } catch (e) { note.textContent = `${name}: ${e.message}`; }
   }
 
   // Each file is streamed as the request body (no base64, no reading it whole here).

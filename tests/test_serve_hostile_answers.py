@@ -1,0 +1,333 @@
+"""A real `reploy serve` against a hostile stand-in agent (standin_agent.py: a server of the test's
+own on a real session's control socket, relaying what it does not answer to the real agent), for
+every answer family serve reads: each invalid answer fails its one request with 502 and a clear
+error, and the session, its record, the other sessions and the reaper go on. Also the attacks of
+issue 21 that rode on such answers: a download size that wrote headers (1), an entry name that
+reached another session (2), an upload commit that never ended (4), and `session cp` spooling an
+endless archive (6).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pytest
+
+import reploy_serve
+from serve_harness import (  # noqa: F401  (fixtures)
+    ROOT, Api, ServeProcess, managed_workload, serve_factory, sse_events, wait_until,
+)
+from standin_agent import StandInAgent, control_socket
+
+pytestmark = pytest.mark.docker
+
+TID = "ab" * 8  #: a transfer or exec id the stand-in hands out
+FILE_ENTRY = {"name": "f.txt", "type": "file", "size": 5, "mode": 0o644, "mtime": 0}
+DIR_ENTRY = {"name": "d", "type": "directory", "size": 0, "mode": 0o755, "mtime": 0}
+#: What attack 1's download answered as its size: a Content-Length, then headers and a page.
+INJECTED_SIZE = ("48\r\nContent-Type: text/html\r\n\r\n"
+                 "<script>document.title='pwned'</script><!--")
+
+
+@pytest.fixture
+def hostile(serve_factory: Callable[..., ServeProcess], docker_engine: Any,
+            ) -> Iterator[tuple[ServeProcess, str, str, StandInAgent]]:
+    """A serve with a target session whose agent the stand-in answers for, and a bystander."""
+    server = serve_factory()
+    sid = server.api.create("target")["id"]
+    bystander = server.api.create("bystander")["id"]
+    server.api.wait_output(sid, b"$ ")
+    stand = StandInAgent(control_socket(server.state_dir, sid))
+    yield server, sid, bystander, stand
+    stand.close()
+
+
+def answer(api: Api, method: str, path: str, body: Any = None, raw: bytes = b"",
+           content_type: str = "application/json") -> tuple[int, dict[str, Any]]:
+    """(status, JSON document) of one API call."""
+    data = raw or (None if body is None else json.dumps(body).encode())
+    status, headers, response = api.request(method, "/api/v1" + path, data,
+                                            headers={"Content-Type": content_type} if data else None)
+    assert headers["content-type"] == "application/json", (path, headers)
+    return status, json.loads(response)
+
+
+def still_serving(server: ServeProcess, sid: str, bystander: str) -> None:
+    """The target session still works through the relay, the bystander on its own, and serve
+    logged no internal error."""
+    api = server.api
+    assert api.get(sid)["state"] == "active"
+    api.write(sid, b"echo target-$((6*7))\r")
+    api.wait_output(sid, b"target-42")
+    api.write(bystander, b"echo bystander-$((6*7))\r")
+    api.wait_output(bystander, b"bystander-42")
+    assert "Traceback" not in server.stderr and "internal error" not in server.stderr
+
+
+def commit_of(request: dict[str, Any], sha256: str) -> dict[str, Any]:
+    return {"transfer_id": request["params"]["transfer_id"], "done": True, "root": "workspace",
+            "path": "u.txt", "kind": "file", "bytes": 5, "entries": 1, "sha256": sha256}
+
+
+#: (what, the API request, the stand-in's answers by method). Each answer breaks one rule of
+#: docs/agent.md; the request must fail with 502.
+FAMILIES: list[tuple[str, tuple[str, str, Any], dict[str, Any]]] = [
+    ("read: more bytes than next_offset says", ("POST", "/read", {"offset": 0}),
+     {"read": {"offset": 0, "next_offset": 3, "length": 9, "reset": False,
+               "data_b64": base64.b64encode(b"abcd").decode()}}),
+    ("write: bytes is not a count", ("POST", "/write", {"dataBase64": "aWQN"}),
+     {"write": {"bytes": "3\r\nX-Injected: 1"}}),
+    ("message: an unknown delivery", ("POST", "/message", {"text": "id"}),
+     {"message": {"delivery": "<script>", "queue_depth": 0}}),
+    ("interrupt: cancelled is not a boolean", ("POST", "/interrupt", {}), {"interrupt": {"cancelled": "yes"}}),
+    ("relaunch: a pid that is none", ("POST", "/relaunch", {}), {"relaunch": {"pid": -1}}),
+    ("resize: another size", ("POST", "/resize", {"columns": 90, "rows": 30}),
+     {"resize": {"columns": 1, "rows": 1}}),
+    ("status: an unknown turn state", ("GET", "/status", None),
+     {"status": {"workload": "shell", "turn_state": "pwned"}}),
+    ("exec: an id that is a path", ("POST", "/exec", {"argv": ["true"]}),
+     {"exec": {"exec_id": "../../x", "pid": 1}}),
+    ("exec_wait: both an exit code and a signal", ("POST", "/exec", {"argv": ["true"]}),
+     {"exec_wait": lambda r: {
+         "exec_id": r["params"]["exec_id"], "running": False, "pid": 1, "exit_code": 0,
+         "signal": "SIGKILL", "timed_out": False, "killed": False, "duration_ms": 1,
+         **{f"{s}_{k}": v for s in ("stdout", "stderr")
+            for k, v in (("b64", ""), ("next_offset", 0), ("bytes", 0), ("truncated", False))}}}),
+    ("stat: an entry named with a path", ("GET", "/list/f.txt", None),
+     {"stat": {"root": "workspace", "path": "f.txt", "entry": {**FILE_ENTRY, "name": "../f.txt"}}}),
+    ("list: an entry name with a newline", ("GET", "/list/", None),
+     {"list": lambda r: {"root": "workspace", "path": ".",
+                         "entry": {**DIR_ENTRY, "name": "."}, "total": 1, "next_offset": 1,
+                         "entries": [{**FILE_ENTRY, "name": "a\nb"}]}}),
+    ("download: a size with CR LF", ("GET", "/files/f.txt", None),
+     {"download": {"transfer_id": TID, "kind": "file", "size": INJECTED_SIZE, "entry": FILE_ENTRY}}),
+    ("download_read: more bytes than the size", ("GET", "/files/f.txt", None),
+     {"download": {"transfer_id": TID, "kind": "file", "size": 5, "entry": FILE_ENTRY},
+      "download_read": {"transfer_id": TID, "offset": 0, "next_offset": 10, "eof": True,
+                        "data_b64": base64.b64encode(b"0123456789").decode()}}),
+    ("upload: an id that is none", ("PUT", "/files/u.txt", b"hello"),
+     {"upload": {"transfer_id": "x", "chunk_bytes": 1}}),
+    ("upload_write: bytes that were not sent", ("PUT", "/files/u.txt", b"hello"),
+     {"upload_write": lambda r: {"transfer_id": r["params"]["transfer_id"], "bytes": 999}}),
+    ("upload_commit: another digest", ("PUT", "/files/u.txt", b"hello"),
+     {"upload_commit": lambda r: commit_of(r, "0" * 64)}),
+    ("upload_commit: another upload's result", ("PUT", "/files/u.txt", b"hello"),
+     {"upload_commit": lambda r: {**commit_of(r, hashlib.sha256(b"hello").hexdigest()), "bytes": 4}}),
+    ("checkpoint: another id", ("POST", "/snapshot", {}),
+     {"checkpoint": {"id": "other", "path": "x", "bytes": 1, "log_bytes": 1, "skipped_entries": 0}}),
+]
+
+
+def test_every_answer_family_fails_only_its_request(
+        hostile: tuple[ServeProcess, str, str, StandInAgent]) -> None:
+    server, sid, bystander, stand = hostile
+    api = server.api
+    for what, (method, path, body), answers in FAMILIES:
+        stand.answers.update(answers)
+        raw = body if isinstance(body, bytes) else b""
+        status, document = answer(api, method, f"/sessions/{sid}{path}", None if raw else body, raw,
+                                  "application/octet-stream" if raw else "application/json")
+        stand.answers.clear()
+        assert status == 502, (what, status, document)
+        assert "session agent" in document["error"], (what, document)
+        assert api.get(sid)["state"] == "active", what
+    assert not json.dumps(api.call("POST", f"/sessions/{sid}/exec",
+                                   {"argv": ["ls", "-a"]})["stdout"]).count("u.txt")
+    still_serving(server, sid, bystander)
+
+
+def test_a_download_size_cannot_write_headers(
+        hostile: tuple[ServeProcess, str, str, StandInAgent]) -> None:
+    """Attack 1: the size of a download holding CR LF, headers and a page. serve refuses the
+    answer; the response is the API's JSON error, in a sandbox, and nothing of the page."""
+    server, sid, bystander, stand = hostile
+    stand.answers["download"] = {"transfer_id": TID, "kind": "file", "size": INJECTED_SIZE,
+                                 "entry": {**FILE_ENTRY, "name": "report.html"}}
+    with socket.create_connection((server.api.host, server.api.port), timeout=30) as connection:
+        connection.sendall(f"GET /api/v1/sessions/{sid}/files/report.html HTTP/1.1\r\n"
+                           f"Host: 127.0.0.1:{server.api.port}\r\n"
+                           f"Authorization: Bearer {server.ready['token']}\r\n"
+                           "Connection: close\r\n\r\n".encode())
+        response = b""
+        while chunk := connection.recv(65536):
+            response += chunk
+    head, _, body = response.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {line.partition(":")[0].lower(): line.partition(":")[2].strip() for line in lines[1:]}
+    assert lines[0].startswith("HTTP/1.1 502 ")
+    assert headers["content-type"] == "application/json"
+    assert headers["content-security-policy"] == "default-src 'none'; sandbox"
+    assert headers["x-content-type-options"] == "nosniff"
+    assert b"text/html" not in response and b"<script>" not in response
+    assert "size" in json.loads(body)["error"]
+    still_serving(server, sid, bystander)
+
+
+def test_an_entry_name_cannot_reach_another_session(
+        hostile: tuple[ServeProcess, str, str, StandInAgent]) -> None:
+    """Attack 2 at the API: a listing that names `../../OTHER/files/drop` is refused whole, so
+    no client ever builds a URL from it (the UI's own check: test_serve_ui.py)."""
+    server, sid, bystander, stand = hostile
+    name = f"../../{bystander}/files/drop"
+    stand.answers["list"] = lambda r: {"root": "workspace", "path": ".", "entry": {**DIR_ENTRY, "name": "."},
+                                       "entries": [{**DIR_ENTRY, "name": name}], "total": 1, "next_offset": 1}
+    status, document = answer(server.api, "GET", f"/sessions/{sid}/list/")
+    assert status == 502 and "one path component" in document["error"]
+    assert name not in json.dumps(document)
+    still_serving(server, sid, bystander)
+
+
+def test_an_upload_commit_that_never_ends_stops_with_its_client(
+        hostile: tuple[ServeProcess, str, str, StandInAgent]) -> None:
+    """Attack 4: the agent answers upload_commit with done:false at once, for ever. serve asks
+    at a bounded pace while the client waits, and stops (closing the transfer) once it left."""
+    server, sid, bystander, stand = hostile
+    stand.answers["upload_commit"] = lambda r: {"transfer_id": r["params"]["transfer_id"], "done": False}
+    connection = socket.create_connection((server.api.host, server.api.port), timeout=30)
+    connection.sendall(f"PUT /api/v1/sessions/{sid}/files/f.txt HTTP/1.1\r\n"
+                       f"Host: 127.0.0.1:{server.api.port}\r\n"
+                       f"Authorization: Bearer {server.ready['token']}\r\n"
+                       "Content-Type: application/octet-stream\r\nContent-Length: 5\r\n\r\nhello".encode())
+    wait_until(lambda: stand.count("upload_commit") >= 3, "serve to ask for the commit")
+    started, first = time.monotonic(), stand.count("upload_commit")
+    wait_until(lambda: stand.count("upload_commit") >= first + 8, "more commit polls")
+    polls, elapsed = stand.count("upload_commit") - first, time.monotonic() - started
+    assert polls <= elapsed / reploy_serve.AGENT_POLL_MIN_S + 2, (polls, elapsed)  # paced, never spinning
+    connection.close()  # the client leaves
+    wait_until(lambda: stand.count("transfer_close") == 1, "serve to give the transfer up")
+    after = stand.count("upload_commit")
+    server.api.call("GET", f"/sessions/{sid}/status")  # a round trip through the stand-in
+    assert stand.count("upload_commit") == after
+    still_serving(server, sid, bystander)
+
+
+def trickle(stand: StandInAgent) -> Callable[[dict[str, Any]], Iterator[bytes]]:
+    def pieces(_request: dict[str, Any]) -> Iterator[bytes]:
+        while not stand.stopping.wait(0.5):  # each byte well inside any per-read timeout
+            yield b" "
+    return pieces
+
+
+@pytest.mark.parametrize("mode", ["not-a-response", "deep", "no-result", "trickle"])
+def test_hostile_status_answers_cost_that_session_its_answer_never_the_reaper(
+        serve_factory: Callable[..., ServeProcess], docker_engine: Any, mode: str) -> None:
+    """The reaper asks every active session for its status each pass: answers that are not
+    responses, JSON nested past the recursion limit or bytes trickled forever cost that session
+    its answer, never the reaper, which still pauses an idle bystander."""
+    server = serve_factory("--idle-after", "1s")
+    api = server.api
+    sid = api.create("hostile")["id"]
+    stand = StandInAgent(control_socket(server.state_dir, sid))
+    try:
+        reply = {"not-a-response": b'{"id":"serve","result":[]}\n', "deep": b"[" * 200000 + b"\n",
+                 "no-result": b'{"id":"serve"}\n', "trickle": trickle(stand)}[mode]
+        stand.answers.update({"status": reply, "write": reply})
+        bystander = api.create("bystander")["id"]
+        wait_until(lambda: api.get(bystander)["state"] == "idle" and api.get(sid)["state"] == "idle",
+                   "the reaper to pause both sessions", timeout_s=60)
+        status, document = answer(api, "POST", f"/sessions/{sid}/write",
+                                  {"dataBase64": base64.b64encode(b"id\r").decode()})
+        assert (status, "agent" in document["error"]) == ((503 if mode == "trickle" else 502), True)
+        assert "Exception in thread" not in server.stderr and "internal error" not in server.stderr
+        api.write(bystander, b"echo bystander-$((6*7))\r")
+        api.wait_output(bystander, b"bystander-42")
+    finally:
+        stand.close()
+
+
+def test_exec_output_and_listings_past_their_bounds_are_refused(
+        hostile: tuple[ServeProcess, str, str, StandInAgent]) -> None:
+    """Pages that are each well-formed but never end: exec output past the cap asked for, and
+    a listing that claims 10**9 entries. serve's memory stays bounded: the exec fails, the
+    listing stops at MAX_LIST_ENTRIES."""
+    server, sid, bystander, stand = hostile
+    page = base64.b64encode(b"x" * (256 * 1024)).decode()
+
+    def flood(request: dict[str, Any]) -> dict[str, Any]:
+        offset = request["params"]["stdout_offset"]
+        return {"exec_id": request["params"]["exec_id"], "running": True, "pid": 1, "exit_code": None,
+                "signal": None, "timed_out": False, "killed": False, "duration_ms": 1,
+                "stdout_b64": page, "stdout_next_offset": offset + 256 * 1024,
+                "stdout_bytes": offset + 256 * 1024, "stdout_truncated": False,
+                "stderr_b64": "", "stderr_next_offset": 0, "stderr_bytes": 0, "stderr_truncated": False}
+
+    def pages(request: dict[str, Any]) -> dict[str, Any]:
+        offset = request["params"]["offset"]
+        entries = [{**FILE_ENTRY, "name": f"{offset + i:09d}"} for i in range(1000)]
+        return {"root": "workspace", "path": ".", "entry": {**DIR_ENTRY, "name": "."},
+                "entries": entries, "total": 10**9, "next_offset": offset + 1000}
+
+    stand.answers.update({"exec_wait": flood, "list": pages})
+    status, document = answer(server.api, "POST", f"/sessions/{sid}/exec",
+                              {"argv": ["true"], "maxOutputBytes": 65536})
+    assert status == 502 and "more output than the cap" in document["error"]
+    listing = server.api.call("GET", f"/sessions/{sid}/list/")
+    assert listing["truncated"] and len(listing["entries"]) == reploy_serve.MAX_LIST_ENTRIES
+    assert stand.count("list") == reploy_serve.MAX_LIST_ENTRIES // 1000
+    stand.answers.clear()
+    still_serving(server, sid, bystander)
+
+
+def test_a_stream_outlives_hostile_wakeups(
+        hostile: tuple[ServeProcess, str, str, StandInAgent]) -> None:
+    """The stream's long-poll wake-ups are agent `read`s: invalid ones only send it back to
+    watching the output log, and it still delivers."""
+    server, sid, bystander, stand = hostile
+    stand.answers["read"] = b'{"id":"serve","result":{"type":"read","offset":"\\r\\n"}}\n'
+    start = server.api.call("GET", f"/sessions/{sid}/status")["agent"]["logBytes"]
+    server.api.write(sid, b"echo streamed-$((6*7))\r")
+    events = sse_events(server.api, sid, offset=start,
+                        until=lambda got: b"streamed-42" in b"".join(
+                            base64.b64decode(e["data"]["payloadBase64"]) for e in got
+                            if e.get("event") == "output"))
+    assert any(e.get("event") == "output" for e in events) and stand.count("read") >= 1
+    stand.answers.clear()
+    still_serving(server, sid, bystander)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_session_cp_from_an_endless_archive_leaves_no_spool_on_a_signal(
+        hostile: tuple[ServeProcess, str, str, StandInAgent], tmp_path: Path, signum: int) -> None:
+    """Attack 6: `session cp ID:DIR` of a tree whose tar never ends. The spool grows only up to
+    the bound (test_serve_access.py checks the bound against a server of its own), and SIGTERM
+    or SIGINT removes it before the CLI exits 128+N."""
+    server, sid, bystander, stand = hostile
+    chunk = base64.b64encode(b"\0" * (752 * 1024)).decode()
+    stand.answers.update({
+        "stat": {"root": "workspace", "path": "d", "entry": DIR_ENTRY},
+        "list": {"root": "workspace", "path": "d", "entry": DIR_ENTRY, "entries": [], "total": 0,
+                 "next_offset": 0},
+        "download": {"transfer_id": TID, "kind": "tar", "size": None, "entry": DIR_ENTRY},
+        "download_read": lambda r: {"transfer_id": TID, "offset": r["params"]["offset"],
+                                    "next_offset": r["params"]["offset"] + 752 * 1024, "eof": False,
+                                    "data_b64": chunk}})
+    out = tmp_path / "out"
+    out.mkdir()
+    cli = subprocess.Popen([sys.executable, str(ROOT / "reploy.py"), "session", "cp", "--server",
+                            server.ready["url"], f"{sid}:d", str(out)], env=server.client_env(),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        wait_until(lambda: any(p.stat().st_size > 8 << 20 for p in out.glob(".reploy-cp-*")),
+                   "the spool to grow")
+        cli.send_signal(signum)
+        stdout, stderr = cli.communicate(timeout=60)
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+            cli.wait()
+    assert cli.returncode == 128 + signum, stderr
+    assert list(out.iterdir()) == [] and stdout == b""
+    assert b"Traceback" not in stderr
+    stand.answers.clear()
+    still_serving(server, sid, bystander)
