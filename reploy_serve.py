@@ -20,22 +20,25 @@ Peers:
 
 Theory of operation. Each session is one container from a workload deployment's current
 generation, running agent.py with the session directory bind-mounted; `serve` talks to the
-agent only through that directory's control socket and treats every answer as hostile input.
+agent only through that directory's control socket and treats every answer as hostile input
+(checked field by field before any of it reaches a response, a header or the UI; every wait
+on an agent has a deadline and ends with its client).
 Every session record lives in SQLite under --state-dir, and every change of state is a
 compare-and-swap under a lease, so several `serve` processes can share one state dir without
 ever acting twice on one session. States: active -> idle (container paused) -> snapshot
 (checkpoint archive kept, container removed); any access brings a session back. A reaper
 thread applies the idle policy; an HTTP server thread per request does the rest. Only the
-user drives it: a per-state-dir token, a Host allowlist, an Origin check and JSON-only bodies
-(see "who may drive serve" below).
+user drives it: a per-state-dir token sent as Bearer (never a cookie), a Host allowlist, an
+Origin check and JSON-only bodies (see "who may drive serve" below); every API response is
+sandboxed so that nothing a session chose can run as a page in serve's origin.
 
 Machine output is one JSON document on stdout; human text goes to stderr.
 
 Reading order: constants and errors, the session state machine (pure), the reaper's decision
 (pure), the store (SQLite with compare-and-swap and leases), request bodies and responses
-(pure), the SSE encoder (pure), who may drive serve (pure), the agent's control socket (client
-side), the Docker orchestration, the HTTP adapter, then `serve`, the `session` client and the
-CLI.
+(pure), the SSE encoder (pure), who may drive serve (pure), the agent's answers (pure: one
+parser per answer family), the agent's control socket (client side), the Docker orchestration,
+the HTTP adapter, then `serve`, the `session` client and the CLI.
 """
 
 from __future__ import annotations
@@ -130,6 +133,9 @@ AGENT_CALL_TIMEOUT_S = 10.0
 AGENT_MAX_RESPONSE_BYTES = 4 * 1024 * 1024
 #: JSON bodies: the wire bound and how long a client may take to send one.
 MAX_BODY_BYTES = 8 * 1024 * 1024
+#: The most of one API answer `reploy session` reads: the largest serve sends (an exec's two
+#: 4 MiB streams as escaped text and base64, a listing of MAX_LIST_ENTRIES) fits.
+MAX_ANSWER_BYTES = 128 * 1024 * 1024
 BODY_READ_TIMEOUT_S = 30.0
 #: A message or an agent session's prompt, UTF-8 (the agent's own bound); longer than one agent
 #: request line holds, it goes to the agent in parts of MAX_MESSAGE_PART_BYTES.
@@ -1284,13 +1290,6 @@ def is_entry_name(name: Any) -> bool:
             and len(name.encode("utf-8", "surrogatepass")) <= agent_role.MAX_NAME_BYTES)
 
 
-def _entry_name(value: Any) -> str:
-    if not is_entry_name(value):
-        raise AnswerInvalid("is not one path component (no /, NUL or control character, "
-                            "not . or ..)")
-    return value
-
-
 @dataclass(frozen=True)
 class AnswerField:
     """One field of an answer: its wire name, its check, whether it must be there, and the name
@@ -1333,12 +1332,10 @@ def parse_entry(document: Any, where: str, name: Optional[str] = None) -> dict[s
     """A `stat` or `list` entry. A listed entry's name is one path component; the entry a path
     names (`name` given) bears that path's last component, or `.` for the root."""
     entry = _parse_fields(document, _ENTRY_FIELDS, where)
-    if name is None:
-        try:
-            _entry_name(entry["name"])
-        except AnswerInvalid as e:
-            raise AnswerInvalid(f"{where}.name {e}") from None
-    elif entry["name"] != name:
+    if name is None and not is_entry_name(entry["name"]):
+        raise AnswerInvalid(f"{where}.name is not one path component (no /, NUL or control "
+                            "character, not . or ..)")
+    if name is not None and entry["name"] != name:
         raise AnswerInvalid(f"{where}.name is not the name of the path asked for")
     if "target" in entry and entry["type"] != "symlink":
         raise AnswerInvalid(f"{where}.target is only for a symlink")
@@ -3411,6 +3408,8 @@ class ApiClient:
         if content_type.partition(";")[0].strip().lower() != "application/json":
             shown = safe_message(content_type[:60]) or "none"
             raise self.unexpected(status, f"HTTP {status} with Content-Type {shown}")
+        if len(raw) > MAX_ANSWER_BYTES:
+            raise self.unexpected(status, f"an answer longer than {MAX_ANSWER_BYTES} bytes")
         try:
             return wire.parse_strict_object(raw)
         except wire.ProtocolError as e:
@@ -3439,7 +3438,7 @@ class ApiClient:
             return urllib.request.urlopen(request, timeout=timeout_s)
         except urllib.error.HTTPError as e:
             with e:
-                raise self._error(e.code, e.read(MAX_BODY_BYTES),
+                raise self._error(e.code, e.read(MAX_ANSWER_BYTES + 1),
                                   e.headers.get("Content-Type", "")) from None
         except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
             raise ApiCallError({"error": f"no answer from {self.server}: "
@@ -3460,7 +3459,7 @@ class ApiClient:
             except (BrokenPipeError, ConnectionResetError):
                 pass  # refused before the whole body was sent: its answer is waiting
             response = connection.getresponse()
-            status, raw = response.status, response.read(MAX_BODY_BYTES)
+            status, raw = response.status, response.read(MAX_ANSWER_BYTES + 1)
             content_type = response.getheader("Content-Type", "")
         except (OSError, http.client.HTTPException) as e:
             raise ApiCallError({"error": f"no answer from {self.server}: {e}", "status": None}) from None
@@ -3475,7 +3474,7 @@ class ApiClient:
         data = wire.encode_compact(body) if body is not None else None
         with self.open(method, path, data, {"Content-Type": "application/json"}, timeout_s) as response:
             try:
-                raw = response.read(MAX_BODY_BYTES)
+                raw = response.read(MAX_ANSWER_BYTES + 1)
             except (OSError, http.client.HTTPException) as e:
                 raise ApiCallError({"error": f"{self.server} broke off its answer: {e}",
                                     "status": response.status}) from None
