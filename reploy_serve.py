@@ -1249,9 +1249,14 @@ def _nullable(inner: Check) -> Check:
 
 
 def _text(max_bytes: int) -> Check:
-    """Any text (terminal output is what it is), bounded."""
+    """Any text (terminal output is what it is) that UTF-8 can hold (no lone surrogate escape),
+    bounded."""
     def check(value: Any) -> str:
-        if not isinstance(value, str) or len(value.encode("utf-8", "surrogatepass")) > max_bytes:
+        try:
+            size_bytes = len(value.encode("utf-8")) if isinstance(value, str) else max_bytes + 1
+        except UnicodeEncodeError:
+            raise AnswerInvalid("holds a lone surrogate escape") from None
+        if size_bytes > max_bytes:
             raise AnswerInvalid(f"is not a string of at most {max_bytes} bytes")
         return value
     return check
@@ -1466,9 +1471,13 @@ def _check_read(params: dict[str, Any], answer: dict[str, Any], raw: dict[str, A
                  "read: next_offset is not offset plus the bytes, within the log")
 
 
+def _base64_bytes(text: str) -> int:
+    """How many bytes a valid base64 text (one we sent) decodes to, without decoding it."""
+    return len(text) // 4 * 3 - text[-2:].count("=")
+
+
 def _check_write(params: dict[str, Any], answer: dict[str, Any], raw: dict[str, Any]) -> None:
-    _require(answer["bytes"] == len(base64.b64decode(params["data_b64"])),
-             "write: bytes is not the number sent")
+    _require(answer["bytes"] == _base64_bytes(params["data_b64"]), "write: bytes is not the number sent")
 
 
 def _check_message(params: dict[str, Any], answer: dict[str, Any], raw: dict[str, Any]) -> None:
@@ -1530,7 +1539,7 @@ def _check_transfer(params: dict[str, Any], answer: dict[str, Any], raw: dict[st
 
 def _check_upload_write(params: dict[str, Any], answer: dict[str, Any], raw: dict[str, Any]) -> None:
     _check_transfer(params, answer, raw)
-    _require(answer["bytes"] == params["offset"] + len(base64.b64decode(params["data_b64"])),
+    _require(answer["bytes"] == params["offset"] + _base64_bytes(params["data_b64"]),
              "upload_write: bytes is not what was staged")
 
 
@@ -1593,7 +1602,8 @@ def parse_agent_response(method: str, params: dict[str, Any], line: bytes) -> di
     AgentCallError (a code of AGENT_ERROR_CODES, a safe message). AnswerInvalid when it is
     neither."""
     try:
-        document = wire.parse_strict_object(line.removesuffix(b"\n"))
+        # Every string kept is checked to be writable by its field's rule (_text, patterns).
+        document = wire.parse_strict_object(line.removesuffix(b"\n"), writable=False)
     except wire.ProtocolError as e:
         raise AnswerInvalid(f"the answer is not one JSON object ({e})") from None
     _require(document.get("id") == "serve" and set(document) in ({"id", "result"}, {"id", "error"}),
@@ -1601,9 +1611,13 @@ def parse_agent_response(method: str, params: dict[str, Any], line: bytes) -> di
     if "error" in document:
         error = document["error"]
         _require(isinstance(error, dict) and set(error) == {"code", "message"}
-                 and error["code"] in AGENT_ERROR_CODES and isinstance(error["message"], str),
-                 "the error is not {code, message} with a documented code")
-        raise AgentCallError(error["code"], safe_message(error["message"]))
+                 and error["code"] in AGENT_ERROR_CODES, "the error is not {code, message} with a "
+                 "documented code")
+        try:
+            message = _text(AGENT_MAX_RESPONSE_BYTES)(error["message"])
+        except AnswerInvalid as e:
+            raise AnswerInvalid(f"error.message {e}") from None
+        raise AgentCallError(error["code"], safe_message(message))
     return parse_agent_result(method, params, document["result"])
 
 

@@ -134,8 +134,10 @@ _STRICT_DECODER = json.JSONDecoder(
 )
 
 
-def parse_strict_object(data: bytes) -> dict[str, Any]:
-    """Decode exactly one JSON object from UTF-8 bytes; anything else is a ProtocolError."""
+def parse_strict_object(data: bytes, *, writable: bool = True) -> dict[str, Any]:
+    """Decode exactly one JSON object from UTF-8 bytes; anything else is a ProtocolError.
+    `writable=False` skips checking that the object can be written back (no lone surrogate
+    escape): a reader that checks each string it keeps saves encoding a large object twice."""
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -150,6 +152,8 @@ def parse_strict_object(data: bytes) -> dict[str, Any]:
         raise ProtocolError("invalid_request", "trailing data after the JSON object")
     if not isinstance(obj, dict):
         raise ProtocolError("invalid_request", "a message must be a JSON object")
+    if not writable:
+        return obj
     try:
         encode_compact(obj)  # a lone surrogate escape (\ud800) decodes but can never be written
     except UnicodeEncodeError as e:

@@ -160,9 +160,10 @@ def test_only_what_was_checked_is_passed_on(real_exchanges: list[Exchange]) -> N
         assert not {"injected", "Content-Type"} & set(exchange.parse(extra)), exchange.method
 
 
-#: Out of range for every documented field, whatever its kind.
+#: Out of range for every documented field, whatever its kind (a lone surrogate escape is
+#: valid JSON that UTF-8 cannot hold).
 HOSTILE_VALUES = ("5\r\nContent-Type: text/html\r\n\r\n<script>document.title='pwned'</script>" * 3,
-                  {"nested": 1}, [1], 2**64, -2**64, 1e300)
+                  "\udc80", {"nested": 1}, [1], 2**64, -2**64, 1e300)
 #: Names that are not one path component, and so never a listed entry's.
 HOSTILE_NAMES = ("..", ".", "", "../../0123456789abcdef/files/drop", "a/b", "a\x00b", "a\nb", "a\rb",
                  "\x1b]8;;http://x\x1b\\", "a\x7fb", "a\x85b", "x" * 256)
@@ -312,6 +313,7 @@ STATUS = {"type": "status", "workload": "shell", "turn_state": "idle"}
     b'{"id":"serve","result":' + json.dumps({**STATUS, "quiet_ms": float("nan")}).encode() + b"}\n",
     b'{"id":"serve","result":{"type":"status","workload":"shell","turn_state":"\\ud800"}}\n',
     b'{"id":"serve","error":{"code":"pwned","message":"no"}}\n',
+    b'{"id":"serve","error":{"code":"command_error","message":"no \\udc80"}}\n',
     b'{"id":"serve","error":{"code":"command_error","message":"no","x":1}}\n',
     b'{"id":"serve","result":' + json.dumps(STATUS).encode() + b"} trailing\n",
     b'{"id":"serve","result":' + json.dumps(STATUS).encode() + b"}\n" + b" " * 4,
