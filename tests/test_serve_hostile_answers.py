@@ -26,7 +26,7 @@ import pytest
 
 import reploy_serve
 from serve_harness import (  # noqa: F401  (fixtures)
-    ROOT, Api, ServeProcess, managed_workload, serve_factory, sse_events, wait_until,
+    ROOT, Api, ServeProcess, in_thread, managed_workload, serve_factory, sse_events, wait_until,
 )
 from standin_agent import StandInAgent, control_socket
 
@@ -286,12 +286,16 @@ def test_a_stream_outlives_hostile_wakeups(
     server, sid, bystander, stand = hostile
     stand.answers["read"] = b'{"id":"serve","result":{"type":"read","offset":"\\r\\n"}}\n'
     start = server.api.call("GET", f"/sessions/{sid}/status")["agent"]["logBytes"]
+
+    def delivered(events: list[dict[str, Any]]) -> bool:
+        return b"streamed-42" in b"".join(base64.b64decode(e["data"]["payloadBase64"])
+                                          for e in events if e.get("event") == "output")
+
+    stream, box = in_thread(lambda: sse_events(server.api, sid, offset=start, until=delivered))
+    wait_until(lambda: stand.count("read") >= 2, "the stream to wait on hostile wake-ups")
     server.api.write(sid, b"echo streamed-$((6*7))\r")
-    events = sse_events(server.api, sid, offset=start,
-                        until=lambda got: b"streamed-42" in b"".join(
-                            base64.b64decode(e["data"]["payloadBase64"]) for e in got
-                            if e.get("event") == "output"))
-    assert any(e.get("event") == "output" for e in events) and stand.count("read") >= 1
+    stream.join(timeout=60)
+    assert box and not isinstance(box[0], BaseException) and delivered(box[0]), box
     stand.answers.clear()
     still_serving(server, sid, bystander)
 
