@@ -604,7 +604,7 @@ def session_memory(client: docker.DockerClient, api: Api, server: ServeProcess,
         idle = per_session("idle")
     finally:
         for sid in sids:
-            api.call("DELETE", f"/sessions/{sid}")
+            api.call("DELETE", f"/sessions/{sid}", expect=204)
     return active, idle
 
 

@@ -41,6 +41,14 @@ DEADLINE_S = 30.0
 LABEL_STATE_DIR = "io.reploy.serve.state-dir"
 
 
+def seconds(stamp: str) -> float:
+    """A Session's date-time (RFC 3339, UTC, `Z`) as a Unix time."""
+    import datetime
+
+    assert stamp.endswith("Z"), stamp
+    return datetime.datetime.fromisoformat(stamp[:-1] + "+00:00").timestamp()
+
+
 def wait_until(condition: Callable[[], Any], what: str, timeout_s: float = DEADLINE_S) -> Any:
     """agent_fixtures.harness.wait_until, with the longer deadline containers need."""
     return agent_harness.wait_until(condition, what, timeout_s)
