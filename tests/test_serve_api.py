@@ -151,6 +151,11 @@ def test_agent_session_streams_and_redacts(serve_factory: Callable[..., ServePro
     written = api.call("POST", f"/sessions/{sid}/write", {"payload": "say via write é"})
     assert written["path"] == "active" and written["session"]["id"] == sid and set(written) == {"session", "path"}
     api.wait_output(sid, "via write é\n".encode())
+    # claude-code cursors fall between code points; an offset inside one is the client's error.
+    history = api.call("POST", f"/sessions/{sid}/read", {"offset": 0})["payload"]
+    inside = len(history[:history.index("é")].encode()) + 1
+    status, raw = api.raw("POST", f"/api/v1/sessions/{sid}/read", json.dumps({"offset": inside}).encode())
+    assert status == 400 and "UTF-8 boundary" in json.loads(raw)["error"]
     status, raw = api.raw("POST", f"/api/v1/sessions/{sid}/write", b'{"payload": "say \\u0000"}')
     assert status == 400 and "NUL" in json.loads(raw)["error"]
     # Seed 002's 1 MiB prompt, through write and through message: it reaches the agent command whole
