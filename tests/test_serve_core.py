@@ -23,6 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 import agent  # noqa: E402
 import reploy  # noqa: E402
+import session_platform_rules  # noqa: E402  (the reference's route table, not production's)
 import reploy_serve  # noqa: E402
 from reploy_serve import SessionEvent as E, SessionState as S  # noqa: E402
 
@@ -714,13 +715,7 @@ def test_routes_match_and_refuse() -> None:
 
 
 #: Seed 002's routes (the compatibility reference, section 1), each with its operationId there.
-SEED_002_ROUTES = {("GET", "/healthz"): "health", ("GET", "/config"): "getRuntimeConfig",
-                   ("GET", "/sessions"): "listSessions", ("POST", "/sessions"): "createSession",
-                   ("GET", "/sessions/{id}"): "getSession", ("DELETE", "/sessions/{id}"): "deleteSession",
-                   ("GET", "/sessions/{id}/stream"): "streamSessionOutput",
-                   ("POST", "/sessions/{id}/read"): "readSession", ("POST", "/sessions/{id}/write"): "writeSession",
-                   ("POST", "/sessions/{id}/switch"): "switchSession",
-                   ("POST", "/sessions/{id}/snapshot"): "snapshotSession"}
+SEED_002_ROUTES = session_platform_rules.ROUTES
 
 
 def test_openapi_documents_exactly_the_routes_serve_has() -> None:
