@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import codecs
 import concurrent.futures
 import contextlib
 import datetime
@@ -157,6 +158,9 @@ MAX_OFFSET = 2**63 - 1
 #: A text payload stands in this one byte for each byte of shell output that is not UTF-8, so
 #: its UTF-8 length stays the cursor's advance (see text_payload).
 SUBSTITUTE_CHAR = "?"
+#: A read's answer is encoded and sent this many bytes of output at a time (a multiple of 3, so
+#: base64 pieces join).
+READ_SLICE_BYTES = 3 * 256 * 1024
 #: One SSE output event carries at most this many payload bytes.
 SSE_CHUNK_BYTES = 64 * 1024
 #: How often an SSE stream looks at the output log's length, and at its session's state (it
@@ -1035,7 +1039,8 @@ def utf8_pending_bytes(data: bytes) -> int:
         lead = data[-back]
         if 0x80 <= lead <= 0xBF:
             continue  # a continuation byte: its lead is further back
-        need = 2 if 0xC2 <= lead <= 0xDF else 3 if 0xE0 <= lead <= 0xEF else 4 if 0xF0 <= lead <= 0xF4 else 0
+        need = (2 if 0xC2 <= lead <= 0xDF else 3 if 0xE0 <= lead <= 0xEF
+                else 4 if 0xF0 <= lead <= 0xF4 else 0)
         if back >= need:
             return 0  # ASCII, an invalid lead, or a sequence with all its bytes
         low, high = _UTF8_SECOND_BYTE.get(lead, (0x80, 0xBF))
@@ -1046,16 +1051,45 @@ def utf8_pending_bytes(data: bytes) -> int:
 _SUBSTITUTES = {0xDC80 + byte: SUBSTITUTE_CHAR for byte in range(128)}
 
 
+def text_pieces(data: bytes) -> Iterator[str]:
+    """Output bytes as seed 002's text `payload`, a slice of at most READ_SLICE_BYTES at a
+    time, whose UTF-8 length is exactly the bytes' length. The rule: every complete, valid UTF-8
+    sequence is itself; every byte of an invalid one is SUBSTITUTE_CHAR, one byte for one byte.
+    Give it the bytes up to text_cut: a code point they end inside of is the next read's. Agent
+    (claude-code) output is valid UTF-8 whose cursors fall between code points, so for it the
+    text is the bytes exactly."""
+    # surrogateescape turns each byte of an invalid sequence into one lone surrogate, U+DC80+b;
+    # the incremental decoder keeps a sequence cut between two slices whole.
+    decoder = codecs.getincrementaldecoder("utf-8")("surrogateescape")
+    for start in range(0, len(data), READ_SLICE_BYTES):
+        end = start + READ_SLICE_BYTES
+        yield decoder.decode(data[start:end], final=end >= len(data)).translate(_SUBSTITUTES)
+
+
+def text_cut(data: bytes) -> int:
+    """Where a text payload of `data` ends: before a code point the bytes end inside of and
+    later bytes can still complete (utf8_pending_bytes: at most 3, which the next read has)."""
+    return len(data) - utf8_pending_bytes(data)
+
+
 def text_payload(data: bytes) -> tuple[str, int]:
-    """Output bytes as seed 002's text `payload`, whose UTF-8 length is exactly the cursor's
-    advance, and that advance. The rule: the text stops before a code point that the bytes end
-    inside of and later bytes can still complete (utf8_pending_bytes: at most 3, which the next
-    read returns); every complete, valid UTF-8 sequence is itself; every byte of an invalid one
-    is SUBSTITUTE_CHAR, one byte for one byte. Agent (claude-code) output is valid UTF-8 whose
-    cursors fall between code points, so for it the text is the bytes exactly."""
-    kept = len(data) - utf8_pending_bytes(data)
-    # surrogateescape turns each byte of an invalid sequence into one lone surrogate, U+DC80+b.
-    return data[:kept].decode("utf-8", "surrogateescape").translate(_SUBSTITUTES), kept
+    """The whole text payload of `data` and the cursor's advance (text_pieces, text_cut)."""
+    kept = text_cut(data)
+    return "".join(text_pieces(data[:kept])), kept
+
+
+def read_result_json(head: dict[str, Any], data: bytes) -> Iterator[bytes]:
+    """A ReadResult's JSON in pieces: `head` (session, path, nextOffset), then `payload`, the
+    text of `data` (all of it: cut it with text_cut first), then Reploy's `payloadBase64`, the
+    same bytes. A piece holds at most one slice, so an answer of the log's whole cap is never
+    whole in memory."""
+    yield wire.encode_compact(head)[:-1] + b',"payload":"'
+    for piece in text_pieces(data):
+        yield json.dumps(piece, ensure_ascii=False)[1:-1].encode()  # as encode_compact, unquoted
+    yield b'","payloadBase64":"'
+    for start in range(0, len(data), READ_SLICE_BYTES):  # a multiple of 3: pieces join whole
+        yield base64.b64encode(data[start:start + READ_SLICE_BYTES])
+    yield b'"}'
 
 
 @dataclass(frozen=True)
@@ -1072,7 +1106,7 @@ class LogPage:
     def from_result(cls, result: dict[str, Any], offset_bytes: int, max_bytes: int,
                     text: bool) -> "LogPage":
         """An agent's answer is hostile input: anything but a consistent page of at most
-        max_bytes (a code point more for text) from offset_bytes is ServiceUnavailable."""
+        max_bytes from offset_bytes is ServiceUnavailable."""
         length, next_offset, past_end = (result.get(k) for k in ("length", "next_offset", "reset"))
         payload = result.get("text" if text else "data_b64")
         if not (isinstance(past_end, bool) and isinstance(payload, str) and all(
@@ -1085,7 +1119,7 @@ class LogPage:
             raise ServiceUnavailable("the session agent's read answer is malformed") from None
         consistent = (next_offset == length < offset_bytes and not data if past_end else
                       next_offset == offset_bytes + len(data) <= length
-                      and len(data) <= max_bytes + 3)
+                      and len(data) <= max_bytes)
         if not consistent:
             raise ServiceUnavailable("the session agent's read answer is inconsistent")
         return cls(offset_bytes, data, length, past_end)
@@ -1918,7 +1952,7 @@ class SessionManager:
             raise serve_error_for(e) from e
 
     def read(self, session_id: str, offset_bytes: int,
-             wait_ms: int) -> tuple[SessionRecord, str, bytes, int]:
+             wait_ms: int) -> tuple[SessionRecord, str, bytearray, int]:
         """Seed 002's read, an access: (record, branch, the log's bytes from offset_bytes, the
         cursor after them). They run to the log's length as the first agent page gave it (from
         0: the whole history), gathered page by page through the agent's bounded `read`, and
@@ -1936,7 +1970,7 @@ class SessionManager:
             except Unprocessable as e:  # claude-code output: an offset inside a code point
                 raise BadRequest(f"offset: {e}") from e
             if page.past_end and end_bytes is None:
-                return record, branch, b"", page.length_bytes
+                return record, branch, data, page.length_bytes
             if end_bytes is None:
                 end_bytes = page.length_bytes
                 if end_bytes > LOG_CAP_BYTES[record.spec.workload]:
@@ -1945,7 +1979,7 @@ class SessionManager:
                 raise ServiceUnavailable("the session's output log shrank while it was read")
             data += page.data
             cursor += len(page.data)
-        return record, branch, bytes(data), cursor
+        return record, branch, data, cursor
 
     def write(self, session_id: str, payload: str) -> tuple[SessionRecord, str]:
         """Seed 002's write, an access: (record, branch). A shell's payload goes to its
@@ -2528,6 +2562,23 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
         if self.command != "HEAD":  # a HEAD answer is the headers alone
             self.wfile.write(data)
 
+    def send_json_pieces(self, status: int, pieces: Iterable[bytes]) -> None:
+        """A JSON answer sent piece by piece as it is encoded: chunked (HTTP/1.1), else ended
+        by closing the connection."""
+        chunked = self.request_version == "HTTP/1.1"
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Cache-Control", "no-store")
+        self.send_header("Transfer-Encoding" if chunked else "Connection",
+                         "chunked" if chunked else "close")
+        self.end_headers()
+        self.close_connection = self.close_connection or not chunked
+        for piece in pieces:
+            if piece:
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece) if chunked else piece)
+        if chunked:
+            self.wfile.write(b"0\r\n\r\n")
+
     def send_login(self) -> None:
         """The login path's answer: the cookie, and a redirect to a URL without the token
         (no-store and no-referrer keep the token out of caches and Referer headers)."""
@@ -2606,16 +2657,16 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
         return 200, self.manager.session_json(self.manager.snapshot(sid))
 
     @spec_statuses
-    def api_read(self, sid: str, body: bytes, _query: str) -> tuple[int, dict[str, Any]]:
-        """Seed 002's ReadResult, plus payloadBase64: the same bytes exactly (text_payload)."""
+    def api_read(self, sid: str, body: bytes, _query: str) -> None:
+        """Seed 002's ReadResult, plus payloadBase64: the same bytes exactly (read_result_json),
+        sent as it is encoded."""
         fields = parse_body(body, BODY_RULES["read"])
         offset = fields.get("offset", 0)
         record, branch, data, end = self.manager.read(sid, offset, fields.get("waitMs", 0))
-        payload, kept = text_payload(data)
-        return 200, {"session": self.manager.session_json(record),
-                     "path": access_path(branch, "read"), "payload": payload,
-                     "nextOffset": offset + kept if data else end,
-                     "payloadBase64": base64.b64encode(data[:kept]).decode("ascii")}
+        kept = text_cut(data)
+        head = {"session": self.manager.session_json(record), "path": access_path(branch, "read"),
+                "nextOffset": offset + kept if data else end}
+        self.send_json_pieces(200, read_result_json(head, memoryview(data)[:kept]))
 
     @spec_statuses
     def api_write(self, sid: str, body: bytes, _query: str) -> tuple[int, dict[str, Any]]:

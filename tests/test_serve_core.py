@@ -611,6 +611,25 @@ def test_text_payload_split_anywhere_joins_to_the_whole() -> None:
         assert first + second == whole, cut
 
 
+@pytest.mark.parametrize("cut", [0, 1, 2, 3])
+def test_a_read_answer_is_encoded_in_slices_that_join_to_the_whole(cut: int) -> None:
+    """Slices of READ_SLICE_BYTES cut code points and escapes anywhere; the pieces still make
+    one JSON document whose payload is the whole text and whose payloadBase64 is the bytes."""
+    slice_bytes = reploy_serve.READ_SLICE_BYTES
+    unit = "€😀\x1b\"\\\n".encode() + b"\xff"
+    data = b"x" * cut + unit * (2 * slice_bytes // len(unit) + 3)
+    head = {"session": {"id": "s"}, "path": "active", "nextOffset": 9}
+    pieces = list(reploy_serve.read_result_json(head, memoryview(data)))
+    assert len(pieces) > 4 and max(map(len, pieces)) <= 6 * slice_bytes  # never the whole answer at once
+    document = json.loads(b"".join(pieces))
+    assert list(document) == ["session", "path", "nextOffset", "payload", "payloadBase64"]
+    assert document["payload"] == data.decode("utf-8", "surrogateescape").replace("\udcff", "?")
+    assert len(document["payload"].encode()) == len(data)
+    assert base64.b64decode(document["payloadBase64"]) == data
+    assert b"".join(reploy_serve.read_result_json(head, memoryview(b""))) == (
+        b'{"session":{"id":"s"},"path":"active","nextOffset":9,"payload":"","payloadBase64":""}')
+
+
 # -- agent read pages are hostile input ----------------------------------------------------------
 
 
