@@ -311,3 +311,35 @@ def test_busy_agent_queue_interrupt_and_snapshot_conflict(
     assert api.get(sid)["state"] == "active"
     assert api.call("POST", f"/sessions/{sid}/interrupt", {})["cancelled"] is True
     api.wait_output(sid, b"[reploy: interrupted]")
+
+
+def argv_of_next_run(server: ServeProcess, sid: str) -> list[str]:
+    """The argv of the agent command's next run (the fake CLI's `args` says it)."""
+    api = server.api
+    runs = api.read_all(sid).count(b'"args"]')
+    api.call("POST", f"/sessions/{sid}/message", {"text": "args"})
+    out = wait_until(lambda: (lambda o: o if o.count(b'"args"]') > runs else None)(api.read_all(sid)),
+                     "the run's argv")
+    return json.loads([line for line in out.split(b"\n") if line.endswith(b'"args"]')][-1])
+
+
+def test_platform_default_is_resolved_at_every_container_start(
+        serve_factory: Callable[..., ServeProcess], docker_engine: Any) -> None:
+    """Seed 002: a claude-code session made without a model keeps the platform-default alias,
+    and each start of its container resolves it to the default of the serve starting it; a
+    model given at create always wins."""
+    first = serve_factory("--default-model", "m-first")
+    alias = first.api.create("alias", "claude-code")
+    pinned = first.api.create("pinned", "claude-code", model="m-pinned")
+    assert (alias["model"], pinned["model"]) == ("platform-default", "m-pinned")
+    assert "m-first" in argv_of_next_run(first, alias["id"])
+    assert "m-pinned" in argv_of_next_run(first, pinned["id"])
+    for model, extra in (("m-second", ("--default-model", "m-second")), (None, ())):
+        for sid in (alias["id"], pinned["id"]):
+            first.api.call("POST", f"/sessions/{sid}/snapshot", {})
+        first.stop()
+        first = serve_factory(*extra, state_dir=first.state_dir)
+        argv = argv_of_next_run(first, alias["id"])  # an access: the container starts again
+        assert (model in argv) if model else ("--model" not in argv), argv
+        assert "m-pinned" in argv_of_next_run(first, pinned["id"])
+        assert first.api.get(alias["id"])["model"] == "platform-default"
