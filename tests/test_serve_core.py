@@ -833,6 +833,17 @@ def test_session_client_without_a_server_prints_one_error_document(entry: str) -
     assert "error" in json.loads(proc.stdout)
 
 
+@pytest.mark.parametrize(("words", "stdin", "complaint"), [
+    (["write", "0123456789abcdef", "-"], b"ls \xff\r", b"stdin is not UTF-8"),  # a payload is text
+    (["create", "--name", "n", "--workload-type", "agent"], b"", b"invalid choice"),  # the wire's names
+    (["read", "0123456789abcdef", "--max-bytes", "4"], b"", b"unrecognized arguments"),
+])
+def test_session_client_usage_errors_send_nothing(words: list[str], stdin: bytes, complaint: bytes) -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "reploy.py"), "session", *words, "--server",
+                           "http://127.0.0.1:9"], input=stdin, capture_output=True, timeout=60)
+    assert (proc.returncode, proc.stdout) == (2, b"") and complaint in proc.stderr, proc.stderr
+
+
 @pytest.mark.parametrize("words", [["serve", "--help"], ["session", "--help"],
                                    ["session", "exec", "--help"]])
 def test_reploy_py_hands_serve_and_session_to_the_control_plane_unchanged(words: list[str]) -> None:
