@@ -384,7 +384,7 @@ def test_serve_listen_usage_errors(extra: list[str], complaint: bytes, tmp_path:
 def recorder() -> Iterator[LoopbackSite]:
     """A stand-in server whose session list is empty; it records what the client sent."""
     with LoopbackSite() as site:
-        site.publish("/api/v1/sessions", "application/json", b'{"sessions": [], "now": 0}')
+        site.publish("/api/v1/sessions", "application/json", b'{"sessions": []}')
         yield site
 
 
@@ -403,7 +403,7 @@ def test_the_session_client_sends_the_token_it_is_given(recorder: LoopbackSite,
                    env={"REPLOY_TOKEN": TOKEN}),
     ]
     assert [p.returncode for p in runs] == [0, 0, 0]
-    assert [json.loads(p.stdout) for p in runs] == [{"sessions": [], "now": 0}] * 3
+    assert [json.loads(p.stdout) for p in runs] == [{"sessions": []}] * 3
     assert [seen.get("Authorization") for seen in recorder.requests] == [
         None, f"Bearer {TOKEN}", f"Bearer {other}"]
     assert all(TOKEN not in p.stderr.decode() + p.stdout.decode() for p in runs)
@@ -437,11 +437,12 @@ def test_openapi_documents_the_credentials_and_the_refusals() -> None:
         documented = spec["paths"][path][method.lower()]["responses"]
         wanted = {"401", "403", "421"} | ({"415"} if method == "POST" else set())
         assert wanted <= set(documented), (method, path)
-    # Issue 21: every response carries the sandbox; every route that asks a session's agent
-    # documents the refused answer (502) and the full quota (507).
-    asks_the_agent = {("POST", "read"), ("POST", "write"), ("POST", "message"), ("POST", "interrupt"),
-                      ("POST", "relaunch"), ("POST", "resize"), ("GET", "status"), ("POST", "exec"),
-                      ("GET", "list_files"), ("GET", "get_file"), ("PUT", "put_file"), ("POST", "snapshot")}
+    # Issue 21: every response carries the sandbox; every one of Reploy's own routes that asks a
+    # session's agent documents the refused answer (502) and the full quota (507) (seed 002's
+    # routes answer the spec's statuses, anything else 500).
+    asks_the_agent = {("POST", "message"), ("POST", "interrupt"), ("POST", "relaunch"), ("POST", "resize"),
+                      ("GET", "status"), ("POST", "exec"), ("GET", "list_files"), ("GET", "get_file"),
+                      ("PUT", "put_file")}
     for method, path, handler in reploy_serve.API_ROUTES:
         responses = spec["paths"][path][method.lower()]["responses"]
         if (method, handler) in asks_the_agent:
@@ -708,7 +709,7 @@ def test_another_server_on_the_port_is_one_clear_error(tmp_path: Path, answer: t
 
 def test_session_cp_stops_at_the_quota_serve_reports(tmp_path: Path) -> None:
     """Attack 6: a directory's tar that never ends. `session cp` spools at most the session's
-    quota (GET /config) plus a tar's overhead, then stops, says so, and leaves nothing; a
+    quota (GET /server) plus a tar's overhead, then stops, says so, and leaves nothing; a
     download that announces more is refused before anything is spooled."""
     quota = 1 << 20
     config = json.dumps({"limits": {"sessionDiskBytes": quota}}).encode()
@@ -716,7 +717,7 @@ def test_session_cp_stops_at_the_quota_serve_reports(tmp_path: Path) -> None:
     listing = json.dumps({"root": "workspace", "path": "d", "entry": entry, "entries": [],
                           "truncated": False}).encode()
     other = OtherServer((200, "application/x-tar", None), {
-        "/api/v1/config": (200, "application/json", config),
+        "/api/v1/server": (200, "application/json", config),
         f"/api/v1/sessions/{SID}/list/d": (200, "application/json", listing)})
     out = tmp_path / "out"
     out.mkdir()
@@ -731,7 +732,7 @@ def test_session_cp_stops_at_the_quota_serve_reports(tmp_path: Path) -> None:
     finally:
         other.close()
     announced = OtherServer((200, "application/octet-stream", b""), {
-        "/api/v1/config": (200, "application/json", config),
+        "/api/v1/server": (200, "application/json", config),
         f"/api/v1/sessions/{SID}/list/f": (200, "application/json", listing.replace(b'"directory"', b'"file"'))})
     try:
         # The body is empty, but the header announces 1 TiB: refused before a byte is read.
