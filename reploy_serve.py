@@ -1604,7 +1604,8 @@ ANSWER_FIELDS: dict[str, tuple[AnswerField, ...]] = {
     "resize": (AnswerField("columns", _SIDE), AnswerField("rows", _SIDE)),
     "checkpoint": (
         AnswerField("id", _matching(agent_role.CHECKPOINT_ID_RE)),
-        AnswerField("path", _plain_text(agent_role.MAX_PATH_BYTES)), AnswerField("bytes", _COUNT), AnswerField("log_bytes", _COUNT),
+        AnswerField("path", _plain_text(agent_role.MAX_PATH_BYTES)), AnswerField("bytes", _COUNT),
+        AnswerField("log_bytes", _COUNT),
         AnswerField("skipped_entries", _COUNT)),
     "suspend": (AnswerField("seq", _COUNT),),
     "exec": (AnswerField("exec_id", _matching(_HANDLE_ID)), AnswerField("pid", _PID)),
@@ -1667,7 +1668,8 @@ def _base64_bytes(text: str) -> int:
 
 
 def _check_write(params: dict[str, Any], answer: dict[str, Any], raw: dict[str, Any]) -> None:
-    _require(answer["bytes"] == _base64_bytes(params["data_b64"]), "write: bytes is not the number sent")
+    _require(answer["bytes"] == _base64_bytes(params["data_b64"]),
+             "write: bytes is not the number sent")
 
 
 def _check_message(params: dict[str, Any], answer: dict[str, Any], raw: dict[str, Any]) -> None:
@@ -1700,7 +1702,8 @@ def _check_exec_wait(params: dict[str, Any], answer: dict[str, Any], raw: dict[s
         start = params.get(f"{stream}_offset", 0)
         _require(answer[f"{stream}_next_offset"] == start + len(answer[stream])
                  <= answer[f"{stream}_bytes"],
-                 f"exec_wait: {stream}_next_offset is not the offset plus the bytes, within the total")
+                 f"exec_wait: {stream}_next_offset is not the offset plus the bytes, within "
+                 "the total")
 
 
 def _check_exec_kill(params: dict[str, Any], answer: dict[str, Any], raw: dict[str, Any]) -> None:
@@ -3928,8 +3931,8 @@ def run_session_client(args: argparse.Namespace, token: Optional[str]) -> int:
         return EXIT_FAILED
     except (KeyboardInterrupt, Terminated) as e:  # the dropped connection ends the exec or transfer
         signum = signal.SIGINT if isinstance(e, KeyboardInterrupt) else signal.SIGTERM
-        print(f"reploy: session {args.session_action}: {'interrupted' if signum == signal.SIGINT else 'terminated'}",
-              file=sys.stderr)
+        what = "interrupted" if signum == signal.SIGINT else "terminated"
+        print(f"reploy: session {args.session_action}: {what}", file=sys.stderr)
         return EXIT_FOR_SIGNAL[signum]
     if not raw:
         emit(document)
@@ -3995,8 +3998,7 @@ def _remote_entry(client: ApiClient, session_id: str, root: str,
         if e.document["status"] == 404 and "no such file" in str(e):
             return None
         raise
-    entry = client.field(listing, "entry", lambda value: _parse_fields(value, _ENTRY_FIELDS, "entry"))
-    return entry
+    return client.field(listing, "entry", lambda value: _parse_fields(value, _ENTRY_FIELDS, "entry"))
 
 
 def copy_limit_bytes(client: ApiClient) -> int:
