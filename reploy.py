@@ -2811,11 +2811,41 @@ def run_controlled_session(options: RunOptions) -> tuple[RunResult, Optional[int
 # ============================================================================================
 
 
+class StoreOnce(argparse.Action):
+    """`store` for an option that takes one value: given twice, it is a usage error rather
+    than the last one silently winning. (Its default must be None: that is how it tells.)"""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: Optional[str] = None) -> None:
+        if getattr(namespace, self.dest, None) is not None:
+            parser.error(f"{option_string or self.dest} was given more than once")
+        setattr(namespace, self.dest, values)
+
+
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse that raises UsageError instead of exiting, so main() owns exit codes."""
+    """argparse that raises UsageError instead of exiting, so main() owns exit codes; that
+    takes no abbreviated option (`--work` is not `--workload-dir`); and whose single-valued
+    options may be given once."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
+        self.register("action", None, StoreOnce)
+        self.register("action", "store", StoreOnce)
 
     def error(self, message: str) -> Any:
         raise UsageError(message)
+
+
+_ASCII_NUMBER = re.compile(r"[0-9]{1,10}")
+
+
+def ascii_number(text: str) -> int:
+    """A command-line number: ASCII digits only (int() would also take `8_0`, ` 80`, `+80`
+    and digits of other scripts)."""
+    if not _ASCII_NUMBER.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number written in ASCII digits")
+    return int(text)
 
 
 def build_parser() -> ArgumentParser:
@@ -2843,14 +2873,14 @@ def build_parser() -> ArgumentParser:
     run.add_argument("--controller-dir", type=Path, required=True)
     run.add_argument("--workload-dir", type=Path, required=True)
     run.add_argument("--endpoint", action="append", default=[], metavar="ID")
-    run.add_argument("--columns", type=int)
-    run.add_argument("--rows", type=int)
+    run.add_argument("--columns", type=ascii_number)
+    run.add_argument("--rows", type=ascii_number)
     outputs = run.add_mutually_exclusive_group()
     outputs.add_argument("--output-file", type=Path)
     outputs.add_argument("--output-dir", type=Path)
     for option in TIMEOUT_OPTIONS:
-        run.add_argument(option.flag, default=format_duration(option.default_ms),
-                         metavar="DURATION")
+        run.add_argument(option.flag, metavar="DURATION",
+                         help=f"default {format_duration(option.default_ms)}")
     return parser
 
 
@@ -2867,6 +2897,9 @@ def parse_run_options(args: argparse.Namespace, command: list[str]) -> RunOption
     timeouts: dict[str, int] = {}
     for option in TIMEOUT_OPTIONS:
         text = getattr(args, option.flag[2:].replace("-", "_"))
+        if text is None:
+            timeouts[option.flag] = option.default_ms
+            continue
         try:
             ms = parse_duration_ms(text)
         except ValueError as e:

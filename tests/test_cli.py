@@ -54,7 +54,21 @@ def run_args(controller: Path, workload: Path, *extra: str) -> list[str]:
     (["--columns", "100", "--", "x"], "--columns and --rows go together"),
     (["--columns", "0", "--rows", "10", "--", "x"], "--columns must be from 1 to 65535"),
     (["--columns", "10", "--rows", "65536", "--", "x"], "--rows must be from 1 to 65535"),
-    (["--columns", "ten", "--rows", "10", "--", "x"], "invalid int value"),
+    (["--columns", "ten", "--rows", "10", "--", "x"], "'ten' is not a number written in ASCII"),
+    (["--columns", "8_0", "--rows", "24", "--", "x"], "'8_0' is not a number written in ASCII"),
+    (["--columns", "80", "--rows", "\u0662\u0664", "--", "x"], "--rows: '\u0662\u0664' is not"),
+    (["--columns", "+80", "--rows", "24", "--", "x"], "'+80' is not a number"),
+    (["--columns", " 80", "--rows", "24", "--", "x"], "' 80' is not a number"),
+    (["--columns", "80\n", "--rows", "24", "--", "x"], "is not a number"),
+    (["--columns", "\uff18\uff10", "--rows", "24", "--", "x"], "is not a number"),  # fullwidth
+    (["--columns", "80", "--columns", "80", "--rows", "24", "--", "x"],
+     "--columns was given more than once"),
+    (["--startup-timeout", "20s", "--startup-timeout", "30s", "--", "x"],
+     "--startup-timeout was given more than once"),
+    (["--output-dir", "a", "--output-dir", "b", "--", "x"], "--output-dir was given more than once"),
+    (["--workload-dir", "w2", "--", "x"], "--workload-dir was given more than once"),
+    (["--work", "w", "--", "x"], "unrecognized arguments: --work"),
+    (["--col", "80", "--rows", "24", "--", "x"], "unrecognized arguments: --col"),
     (["--startup-timeout", "14s", "--", "x"], "outside 15s through 5m"),
     (["--startup-timeout", "6m", "--", "x"], "outside 15s through 5m"),
     (["--termination-grace", "99ms", "--", "x"], "outside 100ms through 1m"),
@@ -75,6 +89,27 @@ def test_usage_errors_exit_2_with_nothing_on_stdout(tmp_path: Path, extra: list[
     assert proc.returncode == 2
     assert proc.stdout == b""
     assert message in proc.stderr.decode()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["stage", "a.yaml", "--dir", "x", "--dir", "y"], "--dir was given more than once"),
+    (["stage", "a.yaml", "--di", "x"], "the following arguments are required: --dir"),
+    (["build", "--dir", "x", "--dir", "y"], "--dir was given more than once"),
+    (["controlled-session", "cleanup", "--workload", "x"], "unrecognized arguments: --workload"),
+])
+def test_every_command_refuses_abbreviations_and_repeated_options(argv: list[str],
+                                                                  message: str) -> None:
+    proc = run_reploy(*argv)
+    assert proc.returncode == 2 and proc.stdout == b""
+    assert message in proc.stderr.decode()
+
+
+def test_a_repeatable_option_may_be_repeated(tmp_path: Path) -> None:
+    """--endpoint (a grant each) and cleanup's --workload-dir are lists, not single values."""
+    proc = run_reploy(*run_args(tmp_path / "c", tmp_path / "w", "--endpoint", "a",
+                                "--endpoint", "b", "--", "x"))
+    assert proc.returncode == 1 and json.loads(proc.stdout)["error"].startswith(
+        "admission rejected")
 
 
 def test_missing_required_directories_is_usage_error() -> None:
