@@ -13,9 +13,7 @@ from pathlib import Path
 import pytest
 
 import contract_rules
-from conftest import ROOT, run_reploy
-
-SHARED = Path("/work/shared/conformance/reploy-v1")
+from conftest import ROOT, require_shared_fixture, run_reploy
 
 CONTROLLER = ROOT / "examples/controller/controller.blueprint.yaml"
 WORKLOAD = ROOT / "examples/workload/workload.blueprint.yaml"
@@ -126,10 +124,20 @@ def admission_error(proc) -> str:  # noqa: ANN001
     return result["error"]
 
 
-#: The shared golden fixture's plan-rejected line: the shape every plan rejection prints.
-GOLDEN_PLAN_REJECTED = next(
-    json.loads(line) for line in (SHARED / "run-results-v1.jsonl").read_text().splitlines()
-    if json.loads(line)["error"] == "plan rejected")
+def plan_rejected_line(path: Path) -> dict:
+    """A fixture file's plan-rejected line."""
+    return next(json.loads(line) for line in path.read_text().splitlines()
+                if json.loads(line)["error"].startswith("plan rejected"))
+
+
+#: The project's own plan-rejected fixture line: the shape every plan rejection prints. It is
+#: the shared golden fixture's shape (test_the_plan_rejected_shape_is_the_shared_one).
+GOLDEN_PLAN_REJECTED = plan_rejected_line(ROOT / "testdata/controlled-session/run-results.jsonl")
+
+
+def test_the_plan_rejected_shape_is_the_shared_one() -> None:
+    shared = plan_rejected_line(require_shared_fixture("run-results-v1.jsonl"))
+    assert {**shared, "error": None} == {**GOLDEN_PLAN_REJECTED, "error": None}
 
 
 def plan_rejection(proc, output: str = "not-requested") -> str:  # noqa: ANN001

@@ -25,6 +25,7 @@ import pytest
 
 import contract_rules as rules
 from conftest import LABEL_RUN, ROOT, stage_and_build
+from test_cli import GOLDEN_PLAN_REJECTED
 from test_controlled_session_failures import MOMENT_TIMEOUT_S, HostRun
 
 pytestmark = pytest.mark.docker
@@ -368,9 +369,6 @@ def test_startup_failure_when_the_output_directory_cannot_be_created(
 # Plan rejections: nothing of the session ran
 # ---------------------------------------------------------------------------------------------
 
-GOLDEN_PLAN_REJECTED = next(
-    json.loads(line) for line in Path("/work/shared/conformance/reploy-v1/run-results-v1.jsonl")
-    .read_text().splitlines() if json.loads(line)["error"] == "plan rejected")
 
 
 def assert_plan_rejected(result: dict[str, Any], output: str = "directory-retained") -> None:
