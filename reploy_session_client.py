@@ -749,7 +749,9 @@ class BrokerRules:
     before terminating (cause workload-exit) or after it. complete is allowed once, only after
     both terminating and workload-outputs-finalized; acknowledge-terminated once, only after
     terminated. Every workload fact comes before workload-outputs-finalized: after it (when
-    the controller sends complete) the only event is terminated. resize is valid from ready
+    the controller sends complete) the only event is terminated, and after terminated there is
+    none, not even a client-error: a later failure is said on stderr and in the broker's exit
+    code. resize is valid from ready
     until termination begins; later resizes are a benign
     race and ignored. terminate is valid from ready on and idempotent. Anything else is fatal.
     """
@@ -776,7 +778,7 @@ class BrokerRules:
             and not seen & {"workload-outputs-finalized", "terminated"},
             "terminated": "opened" in seen and "terminated" not in seen
             and ("ready" not in seen or "workload-outputs-finalized" in seen),
-            "client-error": True,
+            "client-error": "terminated" not in seen,  # terminated is the last event
         }[kind]
         if not allowed:
             raise ProtocolError("host_protocol_error", f"host event {kind} out of lifecycle order")
@@ -821,6 +823,11 @@ class BrokerRules:
     @property
     def acknowledged(self) -> bool:
         return "acknowledge-terminated" in self.sent
+
+    @property
+    def terminated(self) -> bool:
+        """`terminated` was emitted: it is the stream's last event, whatever happens next."""
+        return "terminated" in self.seen
 
 
 # ============================================================================================
@@ -1311,6 +1318,10 @@ class Broker:
         event = decode_message(frame.payload + b"\n", Direction.EVENT)
         self.rules.observe_event(event)
         self.emit(event)
+        if self.rules.terminated:
+            # The session is over: no attachment can matter now, and its deadline must not
+            # end the broker while the controller acknowledges.
+            self.close_listener()
 
     # -- controller side --------------------------------------------------------------------
 
@@ -1341,7 +1352,12 @@ class Broker:
             raise BrokerExit(1) from e
 
     def emit_error(self, error: ClientError) -> None:
+        """A fatal failure: on stderr, and as a public client-error unless `terminated` was
+        already emitted, after which the stream carries no event at all (the exit code says
+        the broker failed)."""
         print(f"reploy-session-client: {error.code}: {error.message}", file=sys.stderr)
+        if self.rules.terminated:
+            return
         try:
             self.out.emit(error)
         except OSError:

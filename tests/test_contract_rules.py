@@ -190,6 +190,14 @@ BAD_SEQUENCES = {
     "an event after terminated": [
         *START, EXIT_0, event("terminating", cause="workload-exit"), FINALIZED, TERMINATED,
         event("diagnostic", code="x", message="m")],
+    "a client-error after terminated": [
+        *START, EXIT_0, event("terminating", cause="workload-exit"), FINALIZED, TERMINATED,
+        event("client-error", code="host_channel_lost", message="m")],
+    "a client-error after a startup failure's terminated": [
+        START[0], START[1], event("terminated", result=session(
+            cause="startup-failure", workload_status={"kind": "unavailable", "reason": "r"},
+            controller_finalization_status={"kind": "startup-failed", "reason": "r"})),
+        event("client-error", code="attach_timeout", message="m")],
     "workload-exit announcing unknown": [
         *START, event("workload-exit", status={"kind": "unknown"})],
 }
