@@ -5,6 +5,7 @@ Role: runs inside the controller container, installed as /usr/local/bin/reploy-s
 
   reploy-session-client client              the broker
   reploy-session-client attach --socket P   the byte-only terminal attachment
+  reploy-session-client probe               its version and sandbox, for the host's check
 
 Peers:
   * the host (reploy.py) over the private channel named by REPLOY_SESSION_SOCKET;
@@ -1592,6 +1593,32 @@ def _attach_receive(conn: FramedConnection, stdout_fd: int) -> Optional[int]:
 
 
 # ============================================================================================
+# The probe (`probe`): what the host checks before a controller image serves a session
+# ============================================================================================
+
+#: The lines of /proc/self/status that `probe` reports: the sandbox its process runs under.
+PROBE_STATUS_FIELDS = ("Seccomp", "NoNewPrivs", "CapInh", "CapPrm", "CapEff", "CapBnd",
+                       "CapAmb")
+
+
+def run_probe(stdout_fd: int) -> int:
+    """`reploy-session-client probe`: one JSON line saying that this client runs here (its
+    version, as --version says it) and under which identity and sandbox (seccomp mode,
+    no-new-privileges, the capability sets, from /proc/self/status). The host runs it in a
+    container made like the controller's and refuses an image or an engine that shows
+    anything else than what it asked for."""
+    status: dict[str, str] = {}
+    with open("/proc/self/status", encoding="ascii", errors="replace") as lines:
+        for line in lines:
+            name, _, value = line.partition(":")
+            if name in PROBE_STATUS_FIELDS:
+                status[name] = value.strip()
+    write_all(stdout_fd, encode_compact({"version": __version__, "uid": os.getuid(),
+                                         "gid": os.getgid(), "status": status}) + b"\n")
+    return 0
+
+
+# ============================================================================================
 # CLI
 # ============================================================================================
 
@@ -1605,6 +1632,8 @@ def build_parser() -> argparse.ArgumentParser:
     modes.add_parser("client", help="run the broker: JSON Lines on stdin/stdout")
     attach = modes.add_parser("attach", help="attach terminal bytes to the broker's socket")
     attach.add_argument("--socket", required=True, help="terminal_socket from broker-ready")
+    modes.add_parser("probe", help="print this client's version and the sandbox it runs under "
+                                   "(what the host checks before a session)")
     return parser
 
 
@@ -1612,6 +1641,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     if args.mode == "client":
         return run_client()
+    if args.mode == "probe":
+        return run_probe(sys.stdout.fileno())
     return run_attach(args.socket, sys.stdin.fileno(), sys.stdout.fileno())
 
 
