@@ -1155,9 +1155,10 @@ class Generation:
     """One build: its image and the exact blueprint it was built from.
 
     `blueprint_text` is that blueprint as recorded at build time (its sha256 is
-    `blueprint_digest`). A session takes its authority (commands, endpoints, runtime uid:gid)
-    from it, never from the staging directory's current blueprint.yaml, which may have changed
-    since without a rebuild. State written before it was recorded has None here.
+    `blueprint_digest`). A session takes everything that grants or refuses authority from
+    it (commands, executables, endpoints, the runtime: uid:gid, writable paths, limits; the
+    private environment), never from the staging directory's current files, which may have
+    changed since without a rebuild. State written before these were recorded has None here.
     """
 
     number: int
@@ -1166,6 +1167,9 @@ class Generation:
     blueprint_digest: str
     built_at: float
     blueprint_text: Optional[str] = None
+    #: Whether it was built with a private environment (a `.env` beside the blueprint, or
+    #: environment.private_env); None in state written before Reploy recorded it.
+    private_env: Optional[bool] = None
 
 
 #: state.json: each key with the type its value must have (None: may also be null).
@@ -1174,7 +1178,7 @@ STATE_FIELDS: dict[str, tuple[type, ...]] = {
     "staged_blueprint_digest": (str,)}
 GENERATION_FIELDS: dict[str, tuple[type, ...]] = {
     "number": (int,), "image_id": (str,), "reference": (str,), "blueprint_digest": (str,),
-    "built_at": (int, float), "blueprint_text": (str,)}
+    "built_at": (int, float), "blueprint_text": (str,), "private_env": (bool,)}
 _DEPLOYMENT_ID = re.compile(r"[0-9a-f]{32}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
@@ -1195,6 +1199,10 @@ class Deployment:
 
     @property
     def has_private_env(self) -> bool:
+        """Whether the current generation was built with a private environment; for one
+        recorded before Reploy kept that (or none at all), what the staging directory holds."""
+        if self.current is not None and self.current.private_env is not None:
+            return self.current.private_env
         return self.blueprint.private_env or (self.dir / PRIVATE_ENV_NAME).exists()
 
     def built_blueprint(self) -> Blueprint:
@@ -1238,7 +1246,8 @@ def _check_fields(obj: Any, fields_: dict[str, tuple[type, ...]], required: set[
     if missing:
         raise DeploymentError(f"{where}: missing key(s) {', '.join(sorted(missing))}")
     for key, value in obj.items():
-        if not isinstance(value, fields_[key]) or isinstance(value, bool):
+        if not isinstance(value, fields_[key]) or (
+                isinstance(value, bool) and bool not in fields_[key]):
             raise DeploymentError(f"{where}: {key} has the wrong type")
     return obj
 
@@ -1260,7 +1269,8 @@ def read_state(directory: Path) -> dict[str, Any]:
         raise DeploymentError(f"{path}: deployment_id is not 32 hex digits")
     generation = state["current_generation"]
     if generation is not None:
-        _check_fields(generation, GENERATION_FIELDS, set(GENERATION_FIELDS) - {"blueprint_text"},
+        _check_fields(generation, GENERATION_FIELDS,
+                      set(GENERATION_FIELDS) - {"blueprint_text", "private_env"},
                       f"{path}: current_generation")
         if not _SHA256.fullmatch(generation["blueprint_digest"]):
             raise DeploymentError(f"{path}: current_generation.blueprint_digest is not a sha256")
@@ -1340,7 +1350,8 @@ def build(directory: Path, backend: DockerBackend) -> dict[str, Any]:
         labels={LABEL_DEPLOYMENT: deployment.deployment_id, LABEL_GENERATION: str(number)},
     )
     generation = Generation(number, image_id, reference, hashlib.sha256(raw).hexdigest(),
-                            time.time(), blueprint_text)
+                            time.time(), blueprint_text, private_env=blueprint.private_env
+                            or (deployment.dir / PRIVATE_ENV_NAME).exists())
     state = read_state(deployment.dir)
     state["current_generation"] = generation.__dict__
     reploy_watchdog.atomic_write_json(state_path(deployment.dir), state, mode=0o644)
@@ -1503,19 +1514,47 @@ def admit(options: RunOptions) -> tuple[Deployment, Deployment]:
             raise AdmissionError(f"the {role} deployment {deployment.dir} has no built generation "
                                  "(run reploy build)")
         if deployment.has_private_env:
-            raise AdmissionError(f"the {role} deployment {deployment.dir} configures a private "
-                                 "environment; controlled sessions do not support it")
+            raise AdmissionError(f"the {role} deployment {deployment.dir} was built with a "
+                                 "private environment; controlled sessions do not support it")
     if options.output_file is not None:
-        if not options.output_file.parent.is_dir():
+        parent = output_path_stat("--output-file", options.output_file.parent, follow=True)
+        if parent is None or not stat.S_ISDIR(parent.st_mode):
             raise AdmissionError(f"--output-file: {options.output_file.parent} is not a directory")
-        if os.path.lexists(options.output_file):
+        if output_path_stat("--output-file", options.output_file, follow=False) is not None:
             raise AdmissionError(f"--output-file: {options.output_file} already exists")
     if options.output_dir is not None:  # created at preparation, under its nearest existing path
         existing = next(path for path in (options.output_dir, *options.output_dir.parents)
-                        if os.path.lexists(path))
-        if not existing.is_dir():
+                        if output_path_stat("--output-dir", path, follow=False) is not None)
+        found = output_path_stat("--output-dir", existing, follow=True)
+        if found is None or not stat.S_ISDIR(found.st_mode):
             raise AdmissionError(f"--output-dir: {existing} exists and is not a directory")
+        if existing != options.output_dir and not os.access(existing, os.W_OK | os.X_OK):
+            raise AdmissionError(f"--output-dir: cannot create {options.output_dir} in "
+                                 f"{existing}: Permission denied")
     return controller, workload
+
+
+def output_path_stat(flag: str, path: Path, follow: bool) -> Optional[os.stat_result]:
+    """The status of an output path (or of the link itself), None when nothing is there;
+    anything else, such as a parent this host may not search, refuses the request, naming
+    the path (not `internal error: PermissionError`)."""
+    try:
+        return os.stat(path, follow_symlinks=follow)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as e:
+        raise AdmissionError(f"{flag}: cannot reach {path}: {e.strerror or e}") from None
+
+
+def writable_by(st: os.stat_result, uid: int, gid: int) -> bool:
+    """Whether uid:gid may add entries to a directory with this owner and mode, by its
+    permission bits (the class that applies: owner, group or other); ACLs and supplementary
+    groups are not considered."""
+    if st.st_uid == uid:
+        return st.st_mode & 0o300 == 0o300
+    if st.st_gid == gid:
+        return st.st_mode & 0o030 == 0o030
+    return st.st_mode & 0o003 == 0o003
 
 
 def plan(options: RunOptions, controller: Deployment, workload: Deployment) -> SessionPlan:
@@ -1535,17 +1574,45 @@ def plan(options: RunOptions, controller: Deployment, workload: Deployment) -> S
             raise PlanRejected(f"endpoint {endpoint_id!r} is not declared by the workload")
         granted.append(wire.Endpoint(id=decl.id, scheme=decl.scheme, host=WORKLOAD_HOST,
                                      port=decl.port))
-    if (options.output_dir or options.output_file) and controller_blueprint.runtime.uid == 0:
+    runtime = controller_blueprint.runtime
+    if (options.output_dir or options.output_file) and runtime.uid == 0:
         raise PlanRejected("--output-dir and --output-file need a non-root controller runtime")
+    if options.output_dir is not None:  # an existing one is used as it is, never re-owned
+        try:
+            found = os.stat(options.output_dir)
+        except FileNotFoundError:
+            found = None  # preparation creates it, the controller's
+        except OSError as e:
+            raise PlanRejected(f"--output-dir: cannot reach {options.output_dir}: "
+                               f"{e.strerror or e}") from None
+        if found is not None and not writable_by(found, runtime.uid, runtime.gid):
+            raise PlanRejected(
+                f"--output-dir: the controller's runtime {runtime.user} cannot write "
+                f"{options.output_dir} (owner {found.st_uid}:{found.st_gid}, mode "
+                f"{stat.S_IMODE(found.st_mode):04o}); Reploy never changes an existing "
+                "directory's owner or mode")
     return SessionPlan(secrets.token_hex(16), controller, workload, controller_blueprint,
                        workload_blueprint, argv, tuple(granted))
+
+
+def make_output_dir(path: Path, runtime: Runtime) -> None:
+    """Create --output-dir for the controller (its runtime owns it), with any missing parent
+    (the host's). One that exists is used as it is: never re-owned or re-moded (planning
+    checked that the controller can write it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.mkdir(path)
+    except FileExistsError:
+        return
+    os.chown(path, runtime.uid, runtime.gid, follow_symlinks=False)
 
 
 def requested_output_status(options: RunOptions) -> Status:
     """controller_output for a session that never ran: what was requested, and its fate."""
     if options.output_dir is not None:
-        if options.output_dir.is_dir():
-            return Status.of("controller_output", "directory-retained")
+        with contextlib.suppress(OSError):
+            if stat.S_ISDIR(os.stat(options.output_dir).st_mode):
+                return Status.of("controller_output", "directory-retained")
         return Status.of("controller_output", "failed",
                          reason="the session ended before the output directory was created")
     if options.output_file is not None:
@@ -2360,12 +2427,11 @@ class ControlledSession:
         options = self.options
         if options.output_dir is not None:
             try:
-                options.output_dir.mkdir(parents=True, exist_ok=True)
-                os.chown(options.output_dir, runtime.uid, runtime.gid)
+                make_output_dir(options.output_dir, runtime)
             except OSError as e:  # a startup failure; the requested output still has a fate
                 self.result.controller_output = Status.of(
                     "controller_output", "failed",
-                    reason=f"could not prepare the output directory: {e.strerror or e}")
+                    reason=f"could not prepare the output directory: {error_text(e)}")
                 raise
             self.result.controller_output = Status.of("controller_output", "directory-retained")
             return [(Mount(str(options.output_dir.resolve()), OUTPUT_DIR_MOUNT, False),
@@ -2454,10 +2520,14 @@ class ControlledSession:
     def wait_until(self, condition: Callable[[], bool], deadline: Optional[float] = None,
                    stop_on_latch: bool = True) -> bool:
         """Run the loop until condition() (True), the deadline, or (if stop_on_latch) a cause
-        being latched (False): phases that must end on any cause wait with stop_on_latch."""
+        being latched (False): phases that must end on any cause wait with stop_on_latch.
+
+        A deadline is a barrier: a condition seen to hold only once it passed did not hold in
+        time (False), however the loop got there late (a host suspended and resumed, a slow
+        pass), so what came after a deadline never counts as before it."""
         while True:
             if condition():
-                return True
+                return deadline is None or time.monotonic() <= deadline
             if stop_on_latch and self.machine.cause is not None:
                 return False
             timeout = None if deadline is None else deadline - time.monotonic()
@@ -2729,7 +2799,8 @@ class ControlledSession:
             self.backend.kill(workload_id, "SIGTERM")
         except BackendError as e:
             log(f"could not signal the workload: {e}")
-        if self.wait_until(self.workload_gone, time.monotonic() + grace_s, stop_on_latch=False):
+        if self.wait_until(self.workload_gone, time.monotonic() + grace_s,
+                           stop_on_latch=False) or self.workload_gone():  # (seen late: gone)
             return
         log(f"workload still running after the {format_duration(int(grace_s * 1000))} grace; "
             "sending SIGKILL")
@@ -2764,23 +2835,34 @@ class ControlledSession:
         """Drain the PTY to EOF within the host-owned deadline: drained or failed (decided
         here, announced by announce_outputs_finalized once the workload facts are out). A
         workload that never started produced no output: there is nothing left undelivered.
-        Drained means the attachment got every byte: output it could not take fails it."""
+        Drained means the attachment got every byte: output it could not take fails it.
+
+        The decision rests on the relay's state as last seen before the deadline (`seen`,
+        taken only while the deadline has not passed): an end of file or a delivery observed
+        later, after a host resumed past the deadline, is not a drain."""
         relay = self.relay
-        if self.workload_started:
+        seen = {"eof": False, "lost": False, "delivered": False}
+
+        def drained() -> bool:
+            if time.monotonic() <= deadline:
+                seen.update(eof=relay.pty_eof, lost=relay.output_lost,
+                            delivered=relay.delivered)
             # The exit is awaited too (it follows EOF closely), so workload-exit normally
             # precedes workload-outputs-finalized; EOF alone decides whether output drained.
-            self.wait_until(lambda: relay.pty_eof and self.workload_gone() and relay.delivered,
-                            deadline, stop_on_latch=False)
+            return seen["eof"] and seen["delivered"] and self.workload_gone()
+
+        if self.workload_started:
+            self.wait_until(drained, deadline, stop_on_latch=False)
         if self.observation_lost:
             reason = f"the runtime observation was lost: {self.observation_lost}"
         elif not self.workload_started:
             return Status.of("output_finalization", "drained")
-        elif not relay.pty_eof:
+        elif not seen["eof"]:
             reason = (f"terminal output did not reach end of file within "
                       f"{OUTPUT_FINALIZATION_TIMEOUT_MS // 1000} s of termination")
-        elif relay.output_lost:
+        elif seen["lost"]:
             reason = "the terminal attachment ended before it had all of the terminal output"
-        elif not relay.delivered:
+        elif not seen["delivered"]:
             reason = "terminal output could not be delivered to the attachment in time"
         else:
             return Status.of("output_finalization", "drained")
