@@ -7,6 +7,7 @@ the production codec, so a shared misreading cannot make both sides agree on a w
   check_event_line(line)      one `reploy-controlled-session-client-v1` event -> dict
   check_request_line(line)    one request -> dict
   check_result_line(line)     the host's one `reploy-controlled-session-run-result-v1` -> dict
+  check_reploy_result_line    the same, as Reploy prints it: a safe-text error whenever not ok
   check_event_sequence(evts)  the lifecycle order a controller following the seed relies on
 
 Each raises ContractViolation naming the rule. Stdlib only.
@@ -242,6 +243,18 @@ def check_result(obj: Any) -> dict[str, Any]:
 
 def check_result_line(line: bytes) -> dict[str, Any]:
     return check_result(parse_line(line, limit=None))
+
+
+def check_reploy_result_line(line: bytes) -> dict[str, Any]:
+    """A result as Reploy prints it: check_result_line, and what upstream's own harness asks
+    beyond the public shapes (whose fixtures may carry ok:false with a null error): `error`
+    is null exactly when ok is true, and otherwise one line of safe text (issue 23)."""
+    obj = check_result_line(line)
+    if obj["ok"]:
+        _require(obj["error"] is None, "an ok result has a null error")
+    else:
+        check_safe_text(obj["error"], "error of a result that is not ok")
+    return obj
 
 
 # -- events and requests --------------------------------------------------------------------------

@@ -207,3 +207,28 @@ BAD_SEQUENCES = {
 def test_each_order_rule_refuses_its_violation(events: list[dict[str, Any]]) -> None:
     with pytest.raises(ContractViolation):
         rules.check_event_sequence(events)
+
+
+#: One violation per rule Reploy's own results keep beyond the public shapes (issue 23).
+BAD_REPLOY_RESULTS = {
+    "not ok without an error": {**GOOD_RESULT, "ok": False, "result_acknowledged": False},
+    "ok with an error": {**GOOD_RESULT, "error": "x", "ok": False} | {"ok": True},
+    "an error of two lines": {**GOOD_RESULT, "ok": False, "result_acknowledged": False,
+                              "error": "the controller did not\nacknowledge the result"},
+    "an error with an escape sequence": {**GOOD_RESULT, "ok": False, "error": "\x1b[2Jboom",
+                                         "result_acknowledged": False},
+    "an error past 512 bytes": {**GOOD_RESULT, "ok": False, "error": "x" * 513,
+                                "result_acknowledged": False},
+}
+
+
+@pytest.mark.parametrize("obj", BAD_REPLOY_RESULTS.values(), ids=BAD_REPLOY_RESULTS.keys())
+def test_each_reploy_result_rule_refuses_its_violation(obj: dict[str, Any]) -> None:
+    with pytest.raises(ContractViolation):
+        rules.check_reploy_result_line(line(obj))
+
+
+def test_reploy_results_accept_a_summary_and_an_ok_result() -> None:
+    rules.check_reploy_result_line(line(GOOD_RESULT))
+    rules.check_reploy_result_line(line({**GOOD_RESULT, "ok": False, "result_acknowledged": False,
+                                         "error": "the controller did not acknowledge the result"}))
