@@ -692,6 +692,9 @@ class RunResult:
     controller_output: Optional[Status] = None
     delivery_tail_cleanup_status: Optional[Status] = None
     delivery_tail_recovery_action: Optional[RecoveryAction] = None
+    #: The first SIGINT or SIGTERM that came before the result (its name), whatever it did:
+    #: a failed run's exit code comes from it, and its error names it. Not printed as a field.
+    received_signal: Optional[str] = None
 
     @property
     def ok(self) -> bool:
@@ -708,10 +711,6 @@ class RunResult:
             and self.delivery_tail_cleanup_status.kind == "succeeded"
             and self.delivery_tail_recovery_action is RecoveryAction.NONE
         )
-
-    #: The first SIGINT or SIGTERM that came before the result (its name), whatever it did:
-    #: a failed run's exit code comes from it, and its error names it.
-    signal: Optional[str] = None
 
     def failures(self) -> list[str]:
         """Each fact that keeps `ok` false, in words, the run's own error first. A fact the
@@ -732,8 +731,8 @@ class RunResult:
         tail = self.delivery_tail_cleanup_status
         if tail is not None and tail.kind != "succeeded":
             parts.append(stated("the delivery tail's cleanup failed", tail))
-        if parts and self.signal and self.signal not in parts[0]:
-            parts.append(f"received {self.signal}")  # it came once the run was ending anyway
+        if parts and self.received_signal and self.received_signal not in parts[0]:
+            parts.append(f"received {self.received_signal}")  # it came as the run ended anyway
         return parts
 
     def summary(self) -> Optional[str]:
@@ -993,8 +992,9 @@ class DockerBackend:
         otherwise a digest of what in its configuration the sandbox depends on, which keys
         the python probe's verdict (a reconfigured engine is probed again)."""
         info = self.client.info()
-        local = isinstance(self.api.get_adapter(self.api.base_url), docker.transport.UnixHTTPAdapter)
-        refusal = sandbox_refusal(info, local, sys.platform)
+        adapter = self.api.get_adapter(self.api.base_url)
+        refusal = sandbox_refusal(info, isinstance(adapter, docker.transport.UnixHTTPAdapter),
+                                  sys.platform)
         if refusal is not None:
             raise BackendError(f"refusing this Docker engine: {refusal}")
         facts = [info.get(key) for key in ("ID", "ServerVersion", "KernelVersion", "OSType")]
@@ -1646,7 +1646,8 @@ def probe_refusal(code: int, report: bytes, errors: bytes, runtime: Runtime) -> 
         detail = f": {last[0].decode(errors='replace')}" if last else ""
         return f"{CLIENT_NEEDS}; the probe exited with code {code}{detail}"
     problem = probe_problem(report, runtime)
-    return None if problem is None else f"the probe of the controller image failed closed: {problem}"
+    return None if problem is None else \
+        f"the probe of the controller image failed closed: {problem}"
 
 
 def probe_problem(report: bytes, runtime: Runtime) -> Optional[str]:
@@ -3300,7 +3301,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 result = RunResult(error=f"internal error: {e!r}")
             signals.drain()
             if signals.first is not None:
-                result.signal = signal.Signals(signals.first).name
+                result.received_signal = signal.Signals(signals.first).name
             result.error = result.summary()
             sys.stdout.buffer.write(result.encode())
             sys.stdout.buffer.flush()

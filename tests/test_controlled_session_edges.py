@@ -362,8 +362,8 @@ def test_an_engine_not_reached_through_a_local_unix_socket_is_refused(
     result = rules.check_reploy_result_line(proc.stdout)
     assert proc.returncode == 1 and relay.rewritten == 0  # refused before any container
     assert result["error"] == (
-        "plan rejected: refusing this Docker engine: it is not reached through a local unix socket (a remote engine cannot share this host's "
-        "files and sockets)"), result["error"]
+        "plan rejected: refusing this Docker engine: it is not reached through a local unix "
+        "socket (a remote engine cannot share this host's files and sockets)"), result["error"]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -214,10 +214,10 @@ FAILING_FACTS = {
                                         controller_finalization_status=STARTUP_FAILED)},
         ["startup failed: no attachment"]),
     "a signal that came while the session ended": (
-        {"result_acknowledged": False, "signal": "SIGTERM"},
+        {"result_acknowledged": False, "received_signal": "SIGTERM"},
         ["the controller did not acknowledge the result", "received SIGTERM"]),
     "a cancellation by a signal": (
-        {"error": "cancelled by SIGINT", "signal": "SIGINT",
+        {"error": "cancelled by SIGINT", "received_signal": "SIGINT",
          "session_result": clean_session(Cause.HOST_CANCEL)},
         ["cancelled by SIGINT"]),
     "two failures at once": (
@@ -236,7 +236,7 @@ def test_the_error_names_each_fact_that_made_ok_false(changes: dict[str, object]
 
 def test_an_ok_result_has_no_error() -> None:
     assert clean_result().summary() is None
-    assert clean_result(signal="SIGTERM").summary() is None  # it came, and changed nothing
+    assert clean_result(received_signal="SIGTERM").summary() is None  # it changed nothing
 
 
 def test_the_error_is_one_bounded_line_of_safe_text() -> None:
