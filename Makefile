@@ -6,7 +6,7 @@
 PYTHON ?= python3
 DEMO_DIR ?= $(CURDIR)/.reploy-demo
 
-.PHONY: setup demo test test-unit bench bench-agent clean-demo bundle
+.PHONY: setup setup-demo demo test test-unit bench bench-agent clean-demo bundle
 
 # Machine output only on stdout (`make demo | python3 -m json.tool` works): recipe lines are
 # not echoed, and everything but the session's result goes to stderr.
@@ -15,7 +15,11 @@ MAKEFLAGS += --no-print-directory
 setup:
 	@bash scripts/setup.sh >&2
 
-demo: setup
+# Only what the demo needs: no Chromium and no browser image (the tests' and examples').
+setup-demo:
+	@bash scripts/setup.sh demo >&2
+
+demo: setup-demo
 	@echo "demo: staging and building the example deployments" >&2
 	@$(PYTHON) reploy.py stage examples/controller/controller.blueprint.yaml --dir $(DEMO_DIR)/controller >&2
 	@$(PYTHON) reploy.py build --dir $(DEMO_DIR)/controller >&2

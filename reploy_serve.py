@@ -42,9 +42,12 @@ from __future__ import annotations
 
 import argparse
 import base64
+import codecs
 import concurrent.futures
 import contextlib
+import datetime
 import enum
+import functools
 import hashlib
 import hmac
 import http.server
@@ -134,18 +137,36 @@ BODY_READ_TIMEOUT_S = 30.0
 #: request line holds, it goes to the agent in parts of MAX_MESSAGE_PART_BYTES.
 MAX_PAYLOAD_BYTES = agent_role.MAX_PROMPT_BYTES
 MAX_MESSAGE_PART_BYTES = agent_role.MAX_MESSAGE_PART_BYTES
-#: One shell write, decoded: it travels as base64 in the agent's one request line, as an upload
-#: chunk does, so it is bounded as a chunk is (more answered 422 or 503 from the agent, not 413).
-MAX_WRITE_BYTES = agent_role.MAX_TRANSFER_CHUNK_BYTES
-#: `read`'s bounds are the agent's, which serves it.
+#: A shell write has no bound of its own (seed 002: the body's 8 MiB); it reaches the agent in
+#: parts of this many bytes, each travelling as base64 in the agent's one request line as an
+#: upload chunk does. A part the terminal's input buffer cannot take yet is offered again until
+#: the terminal has taken nothing for SHELL_INPUT_STALL_S.
+MAX_WRITE_PART_BYTES = agent_role.MAX_TRANSFER_CHUNK_BYTES
+SHELL_INPUT_STALL_S = 10.0
+SHELL_INPUT_POLL_S = 0.05
+#: The agent's `read` is bounded per call; `read` on the API pages through the log with it.
 MIN_READ_BYTES = agent_role.MIN_READ_BYTES
 MAX_READ_BYTES = agent_role.MAX_READ_BYTES
-DEFAULT_READ_BYTES = agent_role.DEFAULT_READ_BYTES
 MAX_READ_WAIT_MS = agent_role.MAX_READ_WAIT_MS
+#: One API read answers everything from its offset to the log's end, and the agent bounds the
+#: log by a cap (serve starts it with its defaults): so is one answer. An agent claiming a longer
+#: log is refused.
+LOG_CAP_BYTES = {"shell": agent_role.DEFAULT_SHELL_LOG_CAP_BYTES,
+                 "agent": agent_role.DEFAULT_CUMULATIVE_CAP_BYTES}
+#: Byte offsets are seed 002's int64.
+MAX_OFFSET = 2**63 - 1
+#: A text payload stands in this one byte for each byte of shell output that is not UTF-8, so
+#: its UTF-8 length stays the cursor's advance (see text_payload).
+SUBSTITUTE_CHAR = "?"
+#: A read's answer is encoded and sent this many bytes of output at a time (a multiple of 3, so
+#: base64 pieces join).
+READ_SLICE_BYTES = 3 * 256 * 1024
 #: One SSE output event carries at most this many payload bytes.
 SSE_CHUNK_BYTES = 64 * 1024
-#: How often an SSE stream looks at the output log's length.
+#: How often an SSE stream looks at the output log's length, and at its session's state (it
+#: ends once the session's container is gone: deleted or snapshotted).
 SSE_POLL_S = 0.02
+SSE_STATE_CHECK_S = 1.0
 #: How long one SSE wake-up long-poll waits in the agent before the stream looks again.
 SSE_LONG_POLL_MS = 1000
 #: exec: the HTTP call answers once the command ends; meanwhile each agent long-poll waits this
@@ -171,12 +192,21 @@ RAW_BODY_ROUTES: dict[str, tuple[str, ...]] = {
     "put_file": ("application/octet-stream", "application/x-tar"),
 }
 _SESSION_ID = re.compile(r"[0-9a-f]{16}")
-_SESSION_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9 ._-]{0,63}")
+#: What seed 002's server trims from a session's name: Unicode's White_Space, as Go's
+#: strings.TrimSpace (the peer's) has it. A name is whatever is left, if anything is.
+NAME_TRIM_CHARS = ("\t\n\v\f\r \x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006"
+                   "\u2007\u2008\u2009\u200a\u2028\u2029\u202f\u205f\u3000")
 #: Seed 002's model identifiers (an optional leading ~ for moving aliases).
 _MODEL = re.compile(r"~[A-Za-z0-9][A-Za-z0-9._:/-]{0,126}|[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")
-#: Seed 002's alias for "the platform's default model": what GET /config shows when no default
-#: is configured, and reserved: never a catalog entry, a --default-model or a session's model.
+#: Seed 002's alias for "the platform's default model": a claude-code session created without a
+#: model keeps it, and each start of its container resolves it to --default-model (or to the
+#: agent CLI's own default). GET /config shows it when no default is configured; it is never a
+#: catalog entry nor a --default-model.
 PLATFORM_DEFAULT_MODEL = "platform-default"
+#: Seed 002's workload types on the wire, and the agent's workload each one runs.
+WORKLOAD_TYPES = {"shell": "shell", "claude-code": "agent"}
+WIRE_WORKLOAD_TYPES = {workload: wire_name for wire_name, workload in WORKLOAD_TYPES.items()}
+DEFAULT_WORKLOAD_TYPE = "shell"
 _ENV_NAME = agent_role.ENV_NAME_RE  #: what the agent accepts as a variable name
 #: The credential of one state dir (see "who may drive serve"): STATE_DIR/token, mode 0600.
 TOKEN_FILE_NAME = "token"
@@ -241,7 +271,8 @@ class PayloadTooLarge(ServeError):
 
 
 class Unprocessable(ServeError):
-    """Well-formed, but a value is out of range or does not fit the session."""
+    """Valid input the session cannot take: a stream of a session without a container, or
+    (on Reploy's own routes) what the agent refuses, such as a path outside the workspace."""
 
     status = 422
 
@@ -356,6 +387,18 @@ SESSION_TRANSITIONS: dict[tuple[SessionState, SessionEvent], SessionState] = {
     (SessionState.DELETING, SessionEvent.DELETE): SessionState.DELETING,
 }
 STABLE_STATES = frozenset({SessionState.ACTIVE, SessionState.IDLE, SessionState.SNAPSHOT})
+#: What the API shows of a state: seed 002 knows only active, idle and snapshot. A step under way
+#: shows as the state the session is in for a client until the step ends (a snapshot's container
+#: runs until the archive is written; a restore's session has none until it answers), the step's
+#: name in the session's `phase`. A session being created or deleted is not shown at all: seed
+#: 002 stores a session only once its workload answers, and a deleted one is gone.
+WIRE_STATES: dict[SessionState, tuple[SessionState, Optional[str]]] = {
+    SessionState.ACTIVE: (SessionState.ACTIVE, None),
+    SessionState.IDLE: (SessionState.IDLE, None),
+    SessionState.SNAPSHOT: (SessionState.SNAPSHOT, None),
+    SessionState.SNAPSHOTTING: (SessionState.ACTIVE, "snapshotting"),
+    SessionState.RESTORING: (SessionState.SNAPSHOT, "restoring"),
+}
 
 
 class IllegalTransition(SessionConflict):
@@ -409,6 +452,7 @@ class SessionRecord:
     container_id: Optional[str] = None
     archive: Optional[str] = None  # checkpoint file name inside the session dir
     snapshot_bytes: Optional[int] = None
+    checkpoint_at: Optional[float] = None  # when the current archive was made
     lease_owner: Optional[str] = None
     lease_expires: float = 0.0
     busy_at: Optional[float] = None  # when the workload was last known busy (the reaper's facts)
@@ -531,7 +575,7 @@ def decide_reap(record: SessionRecord, facts: Optional[WorkloadFacts], viewers: 
 # the store (SQLite, compare-and-swap, leases)
 # ============================================================================================
 
-_STORE_SCHEMA_VERSION = 2
+_STORE_SCHEMA_VERSION = 3
 _STORE_DDL = """
 CREATE TABLE IF NOT EXISTS sessions (
     id TEXT PRIMARY KEY,
@@ -549,7 +593,8 @@ CREATE TABLE IF NOT EXISTS sessions (
     lease_expires REAL NOT NULL DEFAULT 0
 )"""
 #: Columns added after schema 1, each added in place to an older store when it opens.
-_STORE_ADDED_COLUMNS = (("busy_at", "REAL"), ("idle_blocked_by", "TEXT NOT NULL DEFAULT ''"))
+_STORE_ADDED_COLUMNS = (("busy_at", "REAL"), ("idle_blocked_by", "TEXT NOT NULL DEFAULT ''"),
+                        ("checkpoint_at", "REAL"))
 #: One row per open SSE stream, in whichever `serve` holds it: the reaper of every `serve`
 #: sharing the store counts them. A row expires unless its stream renews it.
 _VIEWERS_DDL = """
@@ -560,7 +605,7 @@ CREATE TABLE IF NOT EXISTS viewers (
 )"""
 _RECORD_COLUMNS = ("id", "name", "spec", "state", "version", "created_at", "last_access",
                    "state_since", "container_id", "archive", "snapshot_bytes", "lease_owner",
-                   "lease_expires", "busy_at", "idle_blocked_by")
+                   "lease_expires", "busy_at", "idle_blocked_by", "checkpoint_at")
 
 
 class SessionStore:
@@ -645,12 +690,13 @@ class SessionStore:
         with self._db() as db:
             cursor = db.execute(
                 "UPDATE sessions SET state = ?, version = ?, last_access = ?, state_since = ?, "
-                "container_id = ?, archive = ?, snapshot_bytes = ?, busy_at = ?, "
-                "idle_blocked_by = ? "
+                "container_id = ?, archive = ?, snapshot_bytes = ?, checkpoint_at = ?, "
+                "busy_at = ?, idle_blocked_by = ? "
                 "WHERE id = ? AND version = ? AND lease_owner = ? AND lease_expires > ?",
                 (new.state.value, new.version, new.last_access, new.state_since,
-                 new.container_id, new.archive, new.snapshot_bytes, new.busy_at,
-                 _blocks_to_text(new.idle_blocked_by), old.id, old.version, owner, now))
+                 new.container_id, new.archive, new.snapshot_bytes, new.checkpoint_at,
+                 new.busy_at, _blocks_to_text(new.idle_blocked_by), old.id, old.version, owner,
+                 now))
         if cursor.rowcount != 1:
             raise SessionConflict(f"session {old.id} changed under us (lost its lease or version)")
         return replace(new, lease_owner=owner)
@@ -747,21 +793,24 @@ class FieldRule:
     reserved: tuple[str, ...] = ()  # values the pattern allows that are refused anyway
 
 
-#: A model name, wherever one is given: a session's model, --default-model, a --models entry.
-MODEL_RULE = FieldRule(str, pattern=_MODEL, reserved=(PLATFORM_DEFAULT_MODEL,))
+#: A session's model (seed 002: the pattern; `platform-default` included, as the alias it is).
+SESSION_MODEL_RULE = FieldRule(str, pattern=_MODEL)
+#: A model of the server's own: --default-model, a --models entry. The alias names no model.
+MODEL_RULE = replace(SESSION_MODEL_RULE, reserved=(PLATFORM_DEFAULT_MODEL,))
 
 
-#: Request bodies by operation. Unknown fields, wrong types and missing fields are 400; a value
-#: of the right type that does not fit is 422.
+#: Request bodies by operation. Every field is optional unless marked; an unknown field, a
+#: missing one, a wrong JSON type (null included) and a value that does not fit are all 400,
+#: as seed 002 has it. `deployment` (create) and `waitMs` (read) are Reploy's optional
+#: additions; the other routes are Reploy's own.
 BODY_RULES: dict[str, dict[str, FieldRule]] = {
-    "create": {"name": FieldRule(str, True, pattern=_SESSION_NAME),
-               "workload": FieldRule(str, True, choices=("shell", "agent")),
-               "model": MODEL_RULE,
+    "create": {"name": FieldRule(str, True),
+               "workloadType": FieldRule(str, choices=tuple(WORKLOAD_TYPES)),
+               "model": SESSION_MODEL_RULE,
                "deployment": FieldRule(str, pattern=_NAME)},
-    "read": {"offset": FieldRule(int, minimum=0, maximum=2**62),
-             "maxBytes": FieldRule(int, minimum=MIN_READ_BYTES, maximum=MAX_READ_BYTES),
+    "read": {"offset": FieldRule(int, minimum=0, maximum=MAX_OFFSET),
              "waitMs": FieldRule(int, minimum=0, maximum=MAX_READ_WAIT_MS)},
-    "write": {"dataBase64": FieldRule(str, True)},
+    "write": {"payload": FieldRule(str)},
     "message": {"text": FieldRule(str, True)},
     "resize": {"columns": FieldRule(int, True, minimum=1, maximum=agent_role.MAX_TERMINAL_SIDE),
                "rows": FieldRule(int, True, minimum=1, maximum=agent_role.MAX_TERMINAL_SIDE)},
@@ -798,30 +847,44 @@ def parse_body(raw: bytes, rules: dict[str, FieldRule]) -> dict[str, Any]:
 
 
 def check_field(name: str, value: Any, rule: FieldRule) -> None:
-    """One value against its rule: BadRequest for a wrong type, Unprocessable for a value that
-    does not fit."""
+    """One value against its rule; BadRequest for what does not fit."""
     if isinstance(value, bool) or not isinstance(value, rule.kind):
         raise BadRequest(f"{name}: must be {_JSON_KIND_NAMES[rule.kind]}")
     if rule.minimum is not None and value < rule.minimum or (
             rule.maximum is not None and value > rule.maximum):
-        raise Unprocessable(f"{name}: must be from {rule.minimum} to {rule.maximum}")
+        raise BadRequest(f"{name}: must be from {rule.minimum} to {rule.maximum}")
     if rule.pattern is not None and not rule.pattern.fullmatch(value):
-        raise Unprocessable(f"{name}: {value[:80]!r} is not allowed")
+        raise BadRequest(f"{name}: {value[:80]!r} is not allowed")
     if rule.choices and value not in rule.choices:
-        raise Unprocessable(f"{name}: must be one of {', '.join(rule.choices)}")
+        raise BadRequest(f"{name}: must be one of {', '.join(rule.choices)}")
     if value in rule.reserved:
-        raise Unprocessable(f"{name}: {value!r} is reserved")
+        raise BadRequest(f"{name}: {value!r} is reserved")
 
 
-def decode_payload(text: str, what: str, limit_bytes: int) -> bytes:
-    """Base64 from a body, bounded after decoding."""
-    try:
-        data = base64.b64decode(text, validate=True)
-    except ValueError:
-        raise BadRequest(f"{what}: not base64") from None
-    if len(data) > limit_bytes:
-        raise PayloadTooLarge(f"{what}: more than {limit_bytes} bytes")
-    return data
+@dataclass(frozen=True)
+class CreateRequest:
+    """A valid create body: the trimmed name, the agent's workload, the model (claude-code
+    only: the one given, or the platform-default alias) and the deployment (None: the first)."""
+
+    name: str
+    workload: str
+    model: Optional[str]
+    deployment: Optional[str]
+
+    @classmethod
+    def from_fields(cls, fields: dict[str, Any]) -> "CreateRequest":
+        """Seed 002's rules, all checked before anything is provisioned."""
+        name = fields["name"].strip(NAME_TRIM_CHARS)
+        if not name:
+            raise BadRequest("name: must hold a character that is not white space")
+        workload_type = fields.get("workloadType", DEFAULT_WORKLOAD_TYPE)
+        workload = WORKLOAD_TYPES[workload_type]
+        model = fields.get("model")
+        if workload == "shell" and model is not None:
+            raise BadRequest("model: only claude-code sessions have a model")
+        if workload == "agent" and model is None:
+            model = PLATFORM_DEFAULT_MODEL
+        return cls(name, workload, model, fields.get("deployment"))
 
 
 def message_parts(text: str, part_bytes: int = MAX_MESSAGE_PART_BYTES) -> list[str]:
@@ -888,31 +951,66 @@ def file_query(query: str) -> tuple[str, Optional[int]]:
         raise BadRequest(f"unknown query parameter(s): {', '.join(unknown)}")
     root = (params.get("root") or ["workspace"])[-1]
     if root not in ("workspace", "home"):
-        raise Unprocessable("root: must be workspace or home")
+        raise BadRequest("root: must be workspace or home")
     mode_text = (params.get("mode") or [None])[-1]
     if mode_text is not None and not re.fullmatch(r"0?[0-7]{1,4}", mode_text):
-        raise Unprocessable("mode: an octal mode such as 0644")
+        raise BadRequest("mode: an octal mode such as 0644")
     return root, None if mode_text is None else int(mode_text, 8)
 
 
+def iso_time(seconds: float) -> str:
+    """A Unix time as seed 002's date-time: RFC 3339 in UTC, microseconds, `Z`."""
+    moment = datetime.datetime.fromtimestamp(seconds, datetime.timezone.utc)
+    return moment.isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+def is_shown(record: SessionRecord) -> bool:
+    """Whether the API shows the session at all (WIRE_STATES: not while created or deleted)."""
+    return record.state in WIRE_STATES
+
+
+def has_container(record: SessionRecord) -> bool:
+    """Whether the session has a container as a client sees it (seed 002's `pod`): active and
+    idle on the wire; a restore's has none until it is done, and a deleted one none at all."""
+    return record.state in (SessionState.ACTIVE, SessionState.IDLE, SessionState.SNAPSHOTTING)
+
+
 def session_json(record: SessionRecord, idle_after_s: float, snapshot_after_s: float) -> dict[str, Any]:
-    """A session as the API shows it. Nothing secret is in a record, so nothing leaks here. The
-    countdowns run from the idle clock's start (decide_reap) and stop while something blocks it."""
+    """A session as seed 002's Session has it, then Reploy's additions. No field is ever null:
+    one that does not apply is left out. Nothing secret is in a record, so nothing leaks here.
+    The countdowns run from the idle clock's start (decide_reap) and stop while something
+    blocks it."""
     spec = record.spec
-    idle_at = snapshot_at = None
+    state, phase = WIRE_STATES[record.state]
+    document: dict[str, Any] = {"id": record.id, "name": record.name,
+                                "workloadType": WIRE_WORKLOAD_TYPES[spec.workload],
+                                "state": state.value}
+    if spec.workload == "agent":  # a record from before the alias existed may hold none
+        document["model"] = spec.model or PLATFORM_DEFAULT_MODEL
+    if record.container_id and has_container(record):
+        document["pod"] = record.container_id
+    document["createdAt"] = iso_time(record.created_at)
+    document["lastAccess"] = iso_time(record.last_access)
+    if state is SessionState.SNAPSHOT and record.archive:
+        document["checkpoint"] = {"ref": record.archive, "sizeBytes": record.snapshot_bytes or 0,
+                                  "createdAt": iso_time(record.checkpoint_at or record.state_since)}
+    document.update({"deployment": spec.deployment, "generation": spec.generation,
+                     "version": record.version, "stateSince": iso_time(record.state_since)})
+    if phase is not None:
+        document["phase"] = phase
     blocked = record.idle_blocked_by if record.state in (SessionState.ACTIVE, SessionState.IDLE) else ()
+    document["idleBlockedBy"] = [block.value for block in blocked]
     idle_since = idle_clock_start(record.last_access, record.busy_at)
     if record.state is SessionState.ACTIVE and not blocked:
-        idle_at = idle_since + idle_after_s
+        document["idleAt"] = iso_time(idle_since + idle_after_s)
     if record.state in (SessionState.ACTIVE, SessionState.IDLE) and not blocked:
-        snapshot_at = idle_since + snapshot_after_s
-    return {"id": record.id, "name": record.name, "workload": spec.workload, "model": spec.model,
-            "deployment": spec.deployment, "generation": spec.generation,
-            "state": record.state.value, "version": record.version,
-            "createdAt": record.created_at, "lastAccess": record.last_access,
-            "stateSince": record.state_since, "idleAt": idle_at, "snapshotAt": snapshot_at,
-            "idleBlockedBy": [block.value for block in blocked],
-            "snapshotBytes": record.snapshot_bytes}
+        document["snapshotAt"] = iso_time(idle_since + snapshot_after_s)
+    return document
+
+
+def access_path(branch: str, verb: str) -> str:
+    """Seed 002's `path` of a read or write: the branch that served it."""
+    return branch if branch == "active" else f"{branch}->{verb}"
 
 
 def utf8_complete_prefix(data: bytes) -> bytes:
@@ -927,10 +1025,112 @@ def utf8_complete_prefix(data: bytes) -> bytes:
     return data
 
 
+#: The second byte of a UTF-8 sequence is narrower after these lead bytes (no overlong forms,
+#: no surrogates, nothing past U+10FFFF); after any other lead it is 0x80..0xBF, as is every
+#: later continuation byte.
+_UTF8_SECOND_BYTE = {0xE0: (0xA0, 0xBF), 0xED: (0x80, 0x9F), 0xF0: (0x90, 0xBF), 0xF4: (0x80, 0x8F)}
+
+
+def utf8_pending_bytes(data: bytes) -> int:
+    """How many bytes at the end of `data` begin a code point that later bytes can still
+    complete (0 to 3): a valid lead byte and the valid continuation bytes after it, fewer than
+    its sequence needs."""
+    for back in range(1, min(3, len(data)) + 1):
+        lead = data[-back]
+        if 0x80 <= lead <= 0xBF:
+            continue  # a continuation byte: its lead is further back
+        need = (2 if 0xC2 <= lead <= 0xDF else 3 if 0xE0 <= lead <= 0xEF
+                else 4 if 0xF0 <= lead <= 0xF4 else 0)
+        if back >= need:
+            return 0  # ASCII, an invalid lead, or a sequence with all its bytes
+        low, high = _UTF8_SECOND_BYTE.get(lead, (0x80, 0xBF))
+        return back if back == 1 or low <= data[-back + 1] <= high else 0
+    return 0
+
+
+_SUBSTITUTES = {0xDC80 + byte: SUBSTITUTE_CHAR for byte in range(128)}
+
+
+def text_pieces(data: bytes) -> Iterator[str]:
+    """Output bytes as seed 002's text `payload`, a slice of at most READ_SLICE_BYTES at a
+    time, whose UTF-8 length is exactly the bytes' length. The rule: every complete, valid UTF-8
+    sequence is itself; every byte of an invalid one is SUBSTITUTE_CHAR, one byte for one byte.
+    Give it the bytes up to text_cut: a code point they end inside of is the next read's. Agent
+    (claude-code) output is valid UTF-8 whose cursors fall between code points, so for it the
+    text is the bytes exactly."""
+    # surrogateescape turns each byte of an invalid sequence into one lone surrogate, U+DC80+b;
+    # the incremental decoder keeps a sequence cut between two slices whole.
+    decoder = codecs.getincrementaldecoder("utf-8")("surrogateescape")
+    for start in range(0, len(data), READ_SLICE_BYTES):
+        end = start + READ_SLICE_BYTES
+        yield decoder.decode(data[start:end], final=end >= len(data)).translate(_SUBSTITUTES)
+
+
+def text_cut(data: bytes) -> int:
+    """Where a text payload of `data` ends: before a code point the bytes end inside of and
+    later bytes can still complete (utf8_pending_bytes: at most 3, which the next read has)."""
+    return len(data) - utf8_pending_bytes(data)
+
+
+def text_payload(data: bytes) -> tuple[str, int]:
+    """The whole text payload of `data` and the cursor's advance (text_pieces, text_cut)."""
+    kept = text_cut(data)
+    return "".join(text_pieces(data[:kept])), kept
+
+
+def read_result_json(head: dict[str, Any], data: bytes) -> Iterator[bytes]:
+    """A ReadResult's JSON in pieces: `head` (session, path, nextOffset), then `payload`, the
+    text of `data` (all of it: cut it with text_cut first), then Reploy's `payloadBase64`, the
+    same bytes. A piece holds at most one slice, so an answer of the log's whole cap is never
+    whole in memory."""
+    yield wire.encode_compact(head)[:-1] + b',"payload":"'
+    for piece in text_pieces(data):
+        yield json.dumps(piece, ensure_ascii=False)[1:-1].encode()  # as encode_compact, unquoted
+    yield b'","payloadBase64":"'
+    for start in range(0, len(data), READ_SLICE_BYTES):  # a multiple of 3: pieces join whole
+        yield base64.b64encode(data[start:start + READ_SLICE_BYTES])
+    yield b'"}'
+
+
+@dataclass(frozen=True)
+class LogPage:
+    """One agent `read` answer, checked: the bytes from `offset`, and the log's length then.
+    `past_end`: the offset was beyond the log's length (no bytes)."""
+
+    offset_bytes: int
+    data: bytes
+    length_bytes: int
+    past_end: bool
+
+    @classmethod
+    def from_result(cls, result: dict[str, Any], offset_bytes: int, max_bytes: int,
+                    text: bool) -> "LogPage":
+        """An agent's answer is hostile input: anything but a consistent page of at most
+        max_bytes from offset_bytes is ServiceUnavailable."""
+        length, next_offset, past_end = (result.get(k) for k in ("length", "next_offset", "reset"))
+        payload = result.get("text" if text else "data_b64")
+        if not (isinstance(past_end, bool) and isinstance(payload, str) and all(
+                isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= MAX_OFFSET
+                for n in (length, next_offset)) and result.get("offset") == offset_bytes):
+            raise ServiceUnavailable("the session agent's read answer is malformed")
+        try:
+            data = payload.encode() if text else base64.b64decode(payload, validate=True)
+        except (ValueError, UnicodeEncodeError):
+            raise ServiceUnavailable("the session agent's read answer is malformed") from None
+        consistent = (next_offset == length < offset_bytes and not data if past_end else
+                      next_offset == offset_bytes + len(data) <= length
+                      and len(data) <= max_bytes)
+        if not consistent:
+            raise ServiceUnavailable("the session agent's read answer is inconsistent")
+        return cls(offset_bytes, data, length, past_end)
+
+
 # ============================================================================================
 # the SSE encoder (pure)
 # ============================================================================================
 
+#: A stream's first frame, and its heartbeat while no output comes (seed 002's peer sends both).
+SSE_CONNECTED = b": connected\n\n"
 SSE_KEEPALIVE = b": keepalive\n\n"
 
 
@@ -945,16 +1145,18 @@ def sse_output(offset_bytes: int, payload: bytes) -> bytes:
 
 
 def sse_reset(length_bytes: int) -> bytes:
-    """The cursor is ahead of the log: read again from 0 (POST /read) and reconnect."""
+    """The cursor is ahead of the log: the client reads again from 0 (POST /read); the stream
+    goes on from the log's length."""
     return f"id: {length_bytes}\nevent: reset\ndata: {{\"nextOffset\":{length_bytes}}}\n\n".encode()
 
 
 def sse_cursor(last_event_id: Optional[str], query_offset: Optional[str]) -> int:
-    """Where a stream starts: Last-Event-ID (a reconnect) wins over ?offset=; default 0."""
+    """Where a stream starts: Last-Event-ID (a reconnect) wins over ?offset= when it is present
+    and not empty; default 0. Each is seed 002's int64, at least 0."""
     for source, text in (("Last-Event-ID", last_event_id), ("offset", query_offset)):
         if text is None or text == "":
             continue
-        if not re.fullmatch(r"[0-9]{1,18}", text):
+        if not re.fullmatch(r"[0-9]{1,19}", text) or int(text) > MAX_OFFSET:
             raise BadRequest(f"{source}: not a byte offset")
         return int(text)
     return 0
@@ -1215,8 +1417,8 @@ def serve_error_for(error: AgentCallError) -> ServeError:
     message, text = f"agent: {error}", str(error)
     if error.code == "command_error" and text.startswith("no such file or directory"):
         return PathNotFound(message)
-    if text.startswith("not enough space"):
-        return InsufficientStorage(message)
+    if text.startswith("not enough space") or "cumulative output cap" in text:
+        return InsufficientStorage(message)  # the disk, or seed 002's output quota
     if text.startswith("too large"):
         return PayloadTooLarge(message)
     if error.code == "invalid_request" or "UTF-8 boundary" in text or text.startswith(
@@ -1326,6 +1528,17 @@ class SessionManager:
             raise SessionNotFound(f"no session {session_id}")
         return record
 
+    def shown_record(self, session_id: str) -> SessionRecord:
+        """The record as the API shows sessions (is_shown): one being created or deleted is
+        not found."""
+        record = self.record(session_id)
+        if not is_shown(record):
+            raise SessionNotFound(f"no session {session_id}")
+        return record
+
+    def shown_records(self) -> list[SessionRecord]:
+        return [record for record in self.store.list() if is_shown(record)]
+
     @contextlib.contextmanager
     def leased(self, session_id: str, wait_s: float = LEASE_WAIT_S) -> Iterator[Lease]:
         """Hold the session's lease (waiting up to wait_s for another holder), finishing or
@@ -1391,8 +1604,11 @@ class SessionManager:
         if spec.workload == "agent":
             if config.agent_command:
                 command += ["--agent-command", json.dumps(list(config.agent_command))]
-            if spec.model:
-                command += ["--model", spec.model]
+            # Seed 002: the platform-default alias is resolved at every start of the container.
+            model = (config.default_model if spec.model in (None, PLATFORM_DEFAULT_MODEL)
+                     else spec.model)
+            if model:
+                command += ["--model", model]
             for name in config.agent_env:
                 command += ["--redact-env", name]
                 environment[name] = os.environ.get(name, "")
@@ -1452,8 +1668,8 @@ class SessionManager:
                 raise ServiceUnavailable(f"workload deployment {directory}: {e}") from e
         chosen = next((d for d in found if name is None or d.blueprint.name == name), None)
         if chosen is None:
-            raise Unprocessable(f"deployment: {name!r} is not served here "
-                                f"({', '.join(d.blueprint.name for d in found)})")
+            raise BadRequest(f"deployment: {name!r} is not served here "
+                             f"({', '.join(d.blueprint.name for d in found)})")
         if chosen.current is None:
             raise ServiceUnavailable(f"the deployment {chosen.blueprint.name} is not built")
         if chosen.has_private_env:
@@ -1470,14 +1686,11 @@ class SessionManager:
 
     # -- the lifecycle ----------------------------------------------------------------------
 
-    def create(self, name: str, workload: str, model: Optional[str],
-               deployment_name: Optional[str]) -> SessionRecord:
-        if workload == "shell" and model is not None:
-            raise Unprocessable("model: only agent sessions have a model")
+    def create(self, request: CreateRequest) -> SessionRecord:
+        deployment = self._deployment(request.deployment)  # an unknown one is the client's 400
         if self.store.count() >= self.config.max_sessions:
             raise TooManyRequests(f"this server holds at most {self.config.max_sessions} sessions")
         self._require_free_space()
-        deployment = self._deployment(deployment_name)
         assert deployment.current is not None
         if not self.backend.image_exists(deployment.current.image_id):
             raise ServiceUnavailable(f"the image of {deployment.blueprint.name} is gone")
@@ -1486,13 +1699,12 @@ class SessionManager:
         except DeploymentError as e:
             raise ServiceUnavailable(f"workload deployment {deployment.dir}: {e}") from e
         spec = SessionSpec(
-            workload=workload,
-            model=(model or self.config.default_model) if workload == "agent" else None,
+            workload=request.workload, model=request.model,
             deployment=deployment.blueprint.name, deployment_id=deployment.deployment_id,
             image_id=deployment.current.image_id, generation=deployment.current.number,
             runtime=runtime)
         now, owner = self.clock(), self._owner()
-        record = SessionRecord(id=secrets.token_hex(8), name=name, spec=spec,
+        record = SessionRecord(id=secrets.token_hex(8), name=request.name, spec=spec,
                                state=SessionState.CREATING, version=1, created_at=now,
                                last_access=now, state_since=now, lease_owner=owner,
                                lease_expires=now + LEASE_TTL_S)
@@ -1608,7 +1820,7 @@ class SessionManager:
             raise
         self._remove_old_archives(record)
         return lease.apply(SessionEvent.CHECKPOINTED, container_id=None,
-                           snapshot_bytes=archive_bytes)
+                           snapshot_bytes=archive_bytes, checkpoint_at=self.clock())
 
     def _archive_bytes(self, record: SessionRecord) -> Optional[int]:
         """The size of the session's checkpoint archive, None while there is none. The session
@@ -1658,7 +1870,8 @@ class SessionManager:
                 lease.apply(SessionEvent.ROLLBACK, container_id=None)
             raise
         record = lease.apply(SessionEvent.STARTED, archive=None, snapshot_bytes=None,
-                             last_access=self.clock(), busy_at=None, idle_blocked_by=())
+                             checkpoint_at=None, last_access=self.clock(), busy_at=None,
+                             idle_blocked_by=())
         if archive:  # the session dir holds the restored state now
             with contextlib.suppress(OSError), opened_dir(self.config.session_dir(record.id)) as fd:
                 reploy_watchdog.remove_entry(fd, archive)
@@ -1687,18 +1900,37 @@ class SessionManager:
     # -- access -----------------------------------------------------------------------------
 
     def access(self, session_id: str) -> SessionRecord:
-        """An access (read, write, message, switch, ...): an idle session is resumed and a
+        """An access (read, write, message, exec, ...): an idle session is resumed and a
         snapshot restored, then last access is recorded."""
+        return self.access_branch(session_id)[0]
+
+    def access_branch(self, session_id: str) -> tuple[SessionRecord, str]:
+        """An access, and the branch that served it as seed 002's `path` names it: `active`,
+        `idle->active` or `snapshot->restore`."""
         while True:
             if _SESSION_ID.fullmatch(session_id) and self.store.touch(session_id, self.clock()):
-                return self.record(session_id)
+                return self.shown_record(session_id), "active"
             with self.leased(session_id) as lease:
                 if lease.record.state is SessionState.IDLE:
-                    return self._resume(lease)
+                    return self._resume(lease), "idle->active"
                 if lease.record.state is SessionState.SNAPSHOT:
-                    return self._restore(lease)
+                    return self._restore(lease), "snapshot->restore"
                 if lease.record.state is SessionState.ACTIVE:
-                    return lease.update(last_access=self.clock())
+                    return lease.update(last_access=self.clock()), "active"
+
+    def switch(self, session_id: str) -> SessionRecord:
+        """Seed 002's switch: an active session is left as it is, its last access too; an idle
+        one is resumed and a snapshot restored (each an access)."""
+        record = self.shown_record(session_id)
+        if record.state is SessionState.ACTIVE and lease_is_stale(
+                record.lease_owner, record.lease_expires, self.clock(), self.host):
+            return record
+        with self.leased(session_id) as lease:
+            if lease.record.state is SessionState.IDLE:
+                return self._resume(lease)
+            if lease.record.state is SessionState.SNAPSHOT:
+                return self._restore(lease)
+            return lease.record
 
     def call(self, session_id: str, method: str, params: dict[str, Any],
              workloads: tuple[str, ...] = ("shell", "agent")) -> dict[str, Any]:
@@ -1707,6 +1939,11 @@ class SessionManager:
         if record.spec.workload not in workloads:
             raise Unprocessable(f"{method} is for {' and '.join(workloads)} sessions")
         self.access(session_id)
+        return self._ask(session_id, method, params)
+
+    def _ask(self, session_id: str, method: str, params: dict[str, Any]) -> dict[str, Any]:
+        """One agent request of a session just accessed; asked again once when its container
+        was lost and a fresh one started (_relaunch_if_lost)."""
         session_dir = self.config.session_dir(session_id)
         try:
             return agent_call(session_dir, method, params)
@@ -1718,27 +1955,86 @@ class SessionManager:
         except AgentCallError as e:
             raise serve_error_for(e) from e
 
-    def write(self, session_id: str, data: bytes) -> dict[str, Any]:
-        """A shell's raw keystrokes; for an agent session (seed 002) the bytes are one prompt,
-        UTF-8, answered exactly as `message` answers it."""
-        if self.record(session_id).spec.workload == "agent":
+    def read(self, session_id: str, offset_bytes: int,
+             wait_ms: int) -> tuple[SessionRecord, str, bytearray, int]:
+        """Seed 002's read, an access: (record, branch, the log's bytes from offset_bytes, the
+        cursor after them). They run to the log's length as the first agent page gave it (from
+        0: the whole history), gathered page by page through the agent's bounded `read`, and
+        an honest agent's log is at most LOG_CAP_BYTES. An offset past the log's end gives no
+        bytes and the log's length. `wait_ms`: a read at the end waits that long for bytes."""
+        record, branch = self.access_branch(session_id)
+        text = record.spec.workload == "agent"
+        data, cursor, end_bytes = bytearray(), offset_bytes, None
+        while end_bytes is None or cursor < end_bytes:
+            params = {"offset": cursor, "max_bytes": MAX_READ_BYTES,
+                      "wait_ms": wait_ms if end_bytes is None else 0}
             try:
-                text = data.decode("utf-8")
-            except UnicodeDecodeError:
-                raise Unprocessable("dataBase64: an agent session's prompt must be UTF-8") from None
-            return self.message(session_id, text)
-        if len(data) > MAX_WRITE_BYTES:
-            raise PayloadTooLarge(f"dataBase64: a shell write is at most {MAX_WRITE_BYTES} bytes")
-        return self.call(session_id, "write", {"data_b64": base64.b64encode(data).decode()})
+                page = LogPage.from_result(self._ask(session_id, "read", params), cursor,
+                                           MAX_READ_BYTES, text)
+            except Unprocessable as e:  # claude-code output: an offset inside a code point
+                raise BadRequest(f"offset: {e}") from e
+            if page.past_end and end_bytes is None:
+                return record, branch, data, page.length_bytes
+            if end_bytes is None:
+                end_bytes = page.length_bytes
+                if end_bytes > LOG_CAP_BYTES[record.spec.workload]:
+                    raise ServiceUnavailable("the session agent's log is longer than its cap")
+            elif not page.data:  # an honest log only grows
+                raise ServiceUnavailable("the session's output log shrank while it was read")
+            data += page.data
+            cursor += len(page.data)
+        return record, branch, data, cursor
+
+    def write(self, session_id: str, payload: str) -> tuple[SessionRecord, str]:
+        """Seed 002's write, an access: (record, branch). A shell's payload goes to its
+        terminal as UTF-8 bytes; a claude-code session's is one prompt, refused before any
+        restore when it is over MAX_PAYLOAD_BYTES. An empty payload is the access alone."""
+        data = payload.encode()
+        workload = self.shown_record(session_id).spec.workload
+        if workload == "agent" and len(data) > MAX_PAYLOAD_BYTES:
+            raise PayloadTooLarge(f"payload: a claude-code prompt is at most {MAX_PAYLOAD_BYTES} "
+                                  "bytes of UTF-8")
+        record, branch = self.access_branch(session_id)
+        try:
+            if data and workload == "agent":
+                self._deliver(session_id, payload)
+            elif data:
+                self._type(session_id, data)
+        except Unprocessable as e:  # the agent refused the payload (say, a NUL in a prompt)
+            raise BadRequest(f"payload: {e}") from e
+        return record, branch
+
+    def _type(self, session_id: str, data: bytes) -> None:
+        """A shell's input, in parts of MAX_WRITE_PART_BYTES. A part the terminal's input
+        buffer cannot take yet is offered again, until the terminal has taken nothing for
+        SHELL_INPUT_STALL_S (then 429, saying how much it took)."""
+        sent, progress_at = 0, time.monotonic()
+        while sent < len(data):
+            part = data[sent:sent + MAX_WRITE_PART_BYTES]
+            try:
+                self._ask(session_id, "write", {"data_b64": base64.b64encode(part).decode("ascii")})
+            except TooManyRequests as e:
+                if time.monotonic() - progress_at >= SHELL_INPUT_STALL_S or self.stopping.is_set():
+                    raise TooManyRequests(f"the terminal took {sent} of {len(data)} bytes and no "
+                                          f"more for {SHELL_INPUT_STALL_S:.0f} s: {e}") from e
+                self.stopping.wait(SHELL_INPUT_POLL_S)
+                continue
+            sent += len(part)
+            progress_at = time.monotonic()
 
     def message(self, session_id: str, text: str) -> dict[str, Any]:
-        """One message (an agent's prompt, a shell's line), sent as the agent's draft in parts
-        when one request line cannot hold it."""
+        """One message (an agent's prompt, a shell's line), an access."""
+        self.access(session_id)
+        return self._deliver(session_id, text)
+
+    def _deliver(self, session_id: str, text: str) -> dict[str, Any]:
+        """A message to the agent, sent as its draft in parts when one request line cannot
+        hold it."""
         *leading, last = message_parts(text)
         draft: dict[str, str] = {}
         for part in leading:
-            draft = {"draft": self.call(session_id, "message", {"text": part, "more": True, **draft})["draft"]}
-        return self.call(session_id, "message", {"text": last, **draft})
+            draft = {"draft": self._ask(session_id, "message", {"text": part, "more": True, **draft})["draft"]}
+        return self._ask(session_id, "message", {"text": last, **draft})
 
     # -- the harness verbs: exec and files, each an access at every step ---------------------
 
@@ -1869,7 +2165,7 @@ class SessionManager:
 
     def status(self, session_id: str) -> dict[str, Any]:
         """Passive: asks an active session's agent, never resumes or restores one."""
-        record = self.record(session_id)
+        record = self.shown_record(session_id)
         agent_status = None
         if record.state is SessionState.ACTIVE:
             with contextlib.suppress(AgentCallError):
@@ -1882,8 +2178,9 @@ class SessionManager:
 
     def follow_output(self, record: SessionRecord, cursor: int, send: Callable[[bytes], None],
                       connected: Callable[[], bool] = lambda: True) -> None:
-        """The SSE stream: tail the session's output log from `cursor` until the client goes,
-        the session is deleted, or the cursor is ahead (reset). Passive: it reads the log file
+        """The SSE stream: tail the session's output log from `cursor` until the client goes or
+        the session's container does (deleted, snapshotted). A cursor ahead of the log gets a
+        `reset`, and the stream goes on from the log's length. Passive: it reads the log file
         in the session dir, so it never resumes, restores or touches the session. While it is
         open the store holds a viewer row for it, which keeps the reaper away (decide_reap)."""
         viewer = secrets.token_hex(8)
@@ -1897,16 +2194,20 @@ class SessionManager:
                      connected: Callable[[], bool], viewer: str) -> None:
         session_dir = self.config.session_dir(record.id)
         text = record.spec.workload == "agent"
-        last_sent = renewed = time.monotonic()
+        last_sent = renewed = checked = time.monotonic()
         refused = woke = False
         while not self.stopping.is_set() and connected():
             if time.monotonic() - renewed >= VIEWER_RENEW_S:
                 self.store.hold_viewer(viewer, record.id, self.clock())
                 renewed = time.monotonic()
+            if time.monotonic() - checked >= SSE_STATE_CHECK_S:
+                if not self.stream_goes_on(record.id):
+                    return
+                checked = time.monotonic()
             try:
                 length, data = self._read_output_log(session_dir, cursor)
             except FileNotFoundError:
-                if self.session_is_going(record.id):
+                if not self.stream_goes_on(record.id):
                     return  # deleted: the log goes before its directory, so no reset for it
                 length, data = 0, b""
             except OSError as e:  # the session put something else there: no bytes from it
@@ -1916,7 +2217,8 @@ class SessionManager:
                 length, data = cursor, b""
             if cursor > length:
                 send(sse_reset(length))
-                return
+                cursor = length
+                continue
             if text:  # every cursor we issue for agent text is a code-point boundary
                 data = utf8_complete_prefix(data)
             if data:
@@ -1935,10 +2237,11 @@ class SessionManager:
             if not woke:
                 self.stopping.wait(SSE_POLL_S)
 
-    def session_is_going(self, session_id: str) -> bool:
-        """Deleted, or being deleted: a stream of it ends instead of resetting."""
+    def stream_goes_on(self, session_id: str) -> bool:
+        """Whether a stream of the session goes on: not once its container is gone for a
+        client (seed 002: a reclaimed pod ends it), nor once it is deleted or being deleted."""
         record = self.store.get(session_id)
-        return record is None or record.state is SessionState.DELETING
+        return record is not None and has_container(record)
 
     @staticmethod
     def _read_output_log(session_dir: Path, cursor: int) -> tuple[int, bytes]:
@@ -2047,8 +2350,10 @@ class SessionManager:
 # the HTTP adapter (REST, SSE, the web UI's files)
 # ============================================================================================
 
-#: (method, path template under /api/v1, handler). web/openapi.json documents exactly these.
+#: (method, path template under /api/v1, handler). web/openapi.json documents exactly these:
+#: seed 002's routes first, then Reploy's own.
 API_ROUTES: tuple[tuple[str, str, str], ...] = (
+    ("GET", "/healthz", "healthz"),
     ("GET", "/config", "get_config"),
     ("POST", "/sessions", "create_session"),
     ("GET", "/sessions", "list_sessions"),
@@ -2059,6 +2364,7 @@ API_ROUTES: tuple[tuple[str, str, str], ...] = (
     ("GET", "/sessions/{id}/stream", "stream"),
     ("POST", "/sessions/{id}/switch", "switch"),
     ("POST", "/sessions/{id}/snapshot", "snapshot"),
+    ("GET", "/server", "get_server"),
     ("POST", "/sessions/{id}/message", "message"),
     ("POST", "/sessions/{id}/interrupt", "interrupt"),
     ("POST", "/sessions/{id}/relaunch", "relaunch"),
@@ -2069,6 +2375,17 @@ API_ROUTES: tuple[tuple[str, str, str], ...] = (
     ("GET", "/sessions/{id}/files/{path}", "get_file"),
     ("PUT", "/sessions/{id}/files/{path}", "put_file"),
 )
+#: The failure statuses seed 002's spec gives each of its routes. On these routes every other
+#: failure is a 500, as the peer answers it (spec_statuses); Reploy's own routes keep theirs.
+#: The refusals before any route runs (401, 403, 415, 421: "who may drive serve"), an unknown
+#: path or method (404, 405) and a body over the bound (413) are the same on every route.
+SPEC_ERROR_STATUSES: dict[str, frozenset[int]] = {
+    "healthz": frozenset(), "get_config": frozenset(), "list_sessions": frozenset(),
+    "create_session": frozenset({400, 413}), "get_session": frozenset({404}),
+    "delete_session": frozenset({404, 409}), "stream": frozenset({400, 404, 422}),
+    "read": frozenset({400, 404, 413}), "write": frozenset({400, 404, 413, 429, 507}),
+    "switch": frozenset({400, 404, 409, 413}), "snapshot": frozenset({400, 404, 409, 413}),
+}
 #: Routes whose last part is a path in the session's workspace (or home), slashes included.
 FILE_ROUTE_PARTS = ("files", "list")
 STATIC_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
@@ -2096,6 +2413,24 @@ def match_route(method: str, path: str) -> tuple[str, Optional[str]]:
         raise MethodNotAllowed(f"{method} is not allowed here (allowed: {', '.join(handlers)})",
                                tuple(handlers))
     return handlers[method], session_id
+
+
+def spec_statuses(handler: Callable[..., Any]) -> Callable[..., Any]:
+    """An api_ method of one of seed 002's routes: a failure whose status the spec does not
+    give the route (SPEC_ERROR_STATUSES) is answered 500, its message kept."""
+    allowed = SPEC_ERROR_STATUSES[handler.__name__[len("api_"):]]
+
+    @functools.wraps(handler)
+    def answer(*args: Any) -> Any:
+        try:
+            return handler(*args)
+        except ServeError as e:
+            if e.status in allowed:
+                raise
+            raise ServeError(str(e)) from e
+        except BackendError as e:
+            raise ServeError(str(e)) from e
+    return answer
 
 
 def load_static(web_dir: Path) -> dict[str, tuple[str, bytes]]:
@@ -2231,6 +2566,23 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
         if self.command != "HEAD":  # a HEAD answer is the headers alone
             self.wfile.write(data)
 
+    def send_json_pieces(self, status: int, pieces: Iterable[bytes]) -> None:
+        """A JSON answer sent piece by piece as it is encoded: chunked (HTTP/1.1), else ended
+        by closing the connection."""
+        chunked = self.request_version == "HTTP/1.1"
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Cache-Control", "no-store")
+        self.send_header("Transfer-Encoding" if chunked else "Connection",
+                         "chunked" if chunked else "close")
+        self.end_headers()
+        self.close_connection = self.close_connection or not chunked
+        for piece in pieces:
+            if piece:
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece) if chunked else piece)
+        if chunked:
+            self.wfile.write(b"0\r\n\r\n")
+
     def send_login(self) -> None:
         """The login path's answer: the cookie, and a redirect to a URL without the token
         (no-store and no-referrer keep the token out of caches and Referer headers)."""
@@ -2261,66 +2613,83 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
 
     # -- API handlers: (session id, raw body, query) -> (status, document) -----------------
 
+    # seed 002's routes (spec_statuses: only the spec's failure statuses, else 500)
+
+    @spec_statuses
+    def api_healthz(self, _sid: None, body: bytes, _query: str) -> tuple[int, dict[str, Any]]:
+        return 200, {"status": "ok"}
+
+    @spec_statuses
     def api_get_config(self, _sid: None, body: bytes, _query: str) -> tuple[int, dict[str, Any]]:
-        parse_body(body, BODY_RULES["empty"])
         config = self.manager.config
-        models = {"defaultModel": config.default_model or PLATFORM_DEFAULT_MODEL,
-                  "models": list(config.models)}
-        return 200, {"workloads": ["shell", "agent"],
+        return 200, {"claudeCode": {"defaultModel": config.default_model or PLATFORM_DEFAULT_MODEL,
+                                    "models": list(config.models)}}
+
+    @spec_statuses
+    def api_create_session(self, _sid: None, body: bytes, _query: str) -> tuple[int, dict[str, Any]]:
+        if not body.strip():
+            raise BadRequest("a create needs a body: {\"name\": ...}")
+        request = CreateRequest.from_fields(parse_body(body, BODY_RULES["create"]))
+        return 201, self.manager.session_json(self.manager.create(request))
+
+    @spec_statuses
+    def api_list_sessions(self, _sid: None, body: bytes, _query: str) -> tuple[int, dict[str, Any]]:
+        return 200, {"sessions": [self.manager.session_json(r) for r in self.manager.shown_records()]}
+
+    @spec_statuses
+    def api_get_session(self, sid: str, body: bytes, _query: str) -> tuple[int, dict[str, Any]]:
+        return 200, self.manager.session_json(self.manager.shown_record(sid))
+
+    @spec_statuses
+    def api_delete_session(self, sid: str, body: bytes, _query: str) -> None:
+        """204 and no body (seed 002)."""
+        self.manager.shown_record(sid)
+        self.manager.delete(sid)
+        self.send_response(204)
+        self.send_header("Cache-Control", "no-store")
+        self.end_headers()
+
+    @spec_statuses
+    def api_switch(self, sid: str, body: bytes, _query: str) -> tuple[int, dict[str, Any]]:
+        parse_body(body, BODY_RULES["empty"])
+        return 200, self.manager.session_json(self.manager.switch(sid))
+
+    @spec_statuses
+    def api_snapshot(self, sid: str, body: bytes, _query: str) -> tuple[int, dict[str, Any]]:
+        parse_body(body, BODY_RULES["empty"])
+        self.manager.shown_record(sid)
+        return 200, self.manager.session_json(self.manager.snapshot(sid))
+
+    @spec_statuses
+    def api_read(self, sid: str, body: bytes, _query: str) -> None:
+        """Seed 002's ReadResult, plus payloadBase64: the same bytes exactly (read_result_json),
+        sent as it is encoded."""
+        fields = parse_body(body, BODY_RULES["read"])
+        offset = fields.get("offset", 0)
+        record, branch, data, end = self.manager.read(sid, offset, fields.get("waitMs", 0))
+        kept = text_cut(data)
+        head = {"session": self.manager.session_json(record), "path": access_path(branch, "read"),
+                "nextOffset": offset + kept if data else end}
+        self.send_json_pieces(200, read_result_json(head, memoryview(data)[:kept]))
+
+    @spec_statuses
+    def api_write(self, sid: str, body: bytes, _query: str) -> tuple[int, dict[str, Any]]:
+        fields = parse_body(body, BODY_RULES["write"])
+        record, branch = self.manager.write(sid, fields.get("payload", ""))
+        return 200, {"session": self.manager.session_json(record),
+                     "path": access_path(branch, "write")}
+
+    # Reploy's own routes
+
+    def api_get_server(self, _sid: None, body: bytes, _query: str) -> tuple[int, dict[str, Any]]:
+        """What the UI needs besides seed 002's /config (which holds nothing else)."""
+        config = self.manager.config
+        return 200, {"workloadTypes": list(WORKLOAD_TYPES),
                      "deployments": self.manager.deployment_names(),
-                     "agent": models, "claudeCode": models,  # seed 002 reads claudeCode
                      "idleAfterSeconds": config.idle_after_s,
                      "snapshotAfterSeconds": config.snapshot_after_s,
                      "maxBusySeconds": config.max_busy_s,
-                     "limits": {"maxBodyBytes": MAX_BODY_BYTES,
-                                "maxPayloadBytes": MAX_PAYLOAD_BYTES,
-                                "maxReadBytes": MAX_READ_BYTES}}
-
-    def api_create_session(self, _sid: None, body: bytes, _query: str) -> tuple[int, dict[str, Any]]:
-        fields = parse_body(body, BODY_RULES["create"])
-        record = self.manager.create(fields["name"], fields["workload"], fields.get("model"),
-                                     fields.get("deployment"))
-        return 201, self.manager.session_json(record)
-
-    def api_list_sessions(self, _sid: None, body: bytes, _query: str) -> tuple[int, dict[str, Any]]:
-        return 200, {"sessions": [self.manager.session_json(r) for r in self.manager.store.list()],
-                     "now": self.manager.clock()}
-
-    def api_get_session(self, sid: str, body: bytes, _query: str) -> tuple[int, dict[str, Any]]:
-        return 200, self.manager.session_json(self.manager.record(sid))
-
-    def api_delete_session(self, sid: str, body: bytes, _query: str) -> tuple[int, dict[str, Any]]:
-        self.manager.delete(sid)
-        return 200, {"id": sid, "deleted": True}
-
-    def api_switch(self, sid: str, body: bytes, _query: str) -> tuple[int, dict[str, Any]]:
-        parse_body(body, BODY_RULES["empty"])
-        return 200, self.manager.session_json(self.manager.access(sid))
-
-    def api_snapshot(self, sid: str, body: bytes, _query: str) -> tuple[int, dict[str, Any]]:
-        parse_body(body, BODY_RULES["empty"])
-        return 200, self.manager.session_json(self.manager.snapshot(sid))
-
-    def api_read(self, sid: str, body: bytes, _query: str) -> tuple[int, dict[str, Any]]:
-        fields = parse_body(body, BODY_RULES["read"])
-        result = self.manager.call(sid, "read", {
-            "offset": fields.get("offset", 0), "max_bytes": fields.get("maxBytes", DEFAULT_READ_BYTES),
-            "wait_ms": fields.get("waitMs", 0)})
-        if "text" in result:
-            payload = result["text"].encode()
-        else:
-            payload = base64.b64decode(result["data_b64"])
-        document = {"offset": result["offset"], "nextOffset": result["next_offset"],
-                    "length": result["length"], "reset": result["reset"],
-                    "payloadBase64": base64.b64encode(payload).decode("ascii")}
-        if "text" in result:
-            document["text"] = result["text"]
-        return 200, document
-
-    def api_write(self, sid: str, body: bytes, _query: str) -> tuple[int, dict[str, Any]]:
-        fields = parse_body(body, BODY_RULES["write"])
-        data = decode_payload(fields["dataBase64"], "dataBase64", MAX_PAYLOAD_BYTES)
-        return 200, _camel_keys(self.manager.write(sid, data))
+                     "limits": {"maxBodyBytes": MAX_BODY_BYTES, "maxPromptBytes": MAX_PAYLOAD_BYTES}}
 
     def api_message(self, sid: str, body: bytes, _query: str) -> tuple[int, dict[str, Any]]:
         fields = parse_body(body, BODY_RULES["message"])
@@ -2415,28 +2784,38 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
         finally:
             chunks.close()  # the agent's transfer is closed now, not when this is collected
 
+    @spec_statuses
     def api_stream(self, sid: str, body: bytes, query: str) -> None:
+        """Seed 002's stream: the cursor is checked first (400), then the session (404), which
+        must have a container (422). The body is chunked (HTTP/1.1) and ends with the stream."""
         params = urllib.parse.parse_qs(query)
         cursor = sse_cursor(self.headers.get("Last-Event-ID"), (params.get("offset") or [None])[-1])
-        record = self.manager.record(sid)
+        record = self.manager.shown_record(sid)
+        if not has_container(record):
+            raise Unprocessable("the session is a snapshot and has no container to stream from: "
+                                "read, write or switch restores it")
+        chunked = self.request_version == "HTTP/1.1"
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Cache-Control", "no-store")
-        self.send_header("Connection", "close")
+        self.send_header("Cache-Control", "no-cache, no-transform")
         self.send_header("X-Accel-Buffering", "no")
+        self.send_header("Transfer-Encoding" if chunked else "Connection",
+                         "chunked" if chunked else "close")
         self.end_headers()
         self.close_connection = True
 
         def send(data: bytes) -> None:
-            self.wfile.write(data)
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data) if chunked else data)
             self.wfile.flush()
 
         def connected() -> bool:  # a client that went away shows as readable at end of file
             readable, _, _ = select.select([self.connection], [], [], 0)
             return not readable or self.connection.recv(1, socket.MSG_PEEK) != b""
 
-        send(b"retry: 1000\n\n")
+        send(SSE_CONNECTED)
         self.manager.follow_output(record, cursor, send, connected)
+        if chunked:
+            self.wfile.write(b"0\r\n\r\n")
 
 
 # ============================================================================================
@@ -2657,10 +3036,11 @@ def client_request(args: argparse.Namespace) -> tuple[str, str, Optional[dict[st
     """(method, path under /api/v1, body) for one `reploy session` action. Pure."""
     action, sid = args.session_action, getattr(args, "id", None)
     if action == "create":
-        body: dict[str, Any] = {"name": args.name, "workload": args.workload}
-        for key in ("model", "deployment"):
-            if getattr(args, key) is not None:
-                body[key] = getattr(args, key)
+        body: dict[str, Any] = {"name": args.name}
+        for key, value in (("workloadType", args.workload_type), ("model", args.model),
+                           ("deployment", args.deployment)):
+            if value is not None:
+                body[key] = value
         return "POST", "/sessions", body
     if action == "list":
         return "GET", "/sessions", None
@@ -2669,27 +3049,28 @@ def client_request(args: argparse.Namespace) -> tuple[str, str, Optional[dict[st
     if action == "status":
         return "GET", f"/sessions/{sid}/status", None
     if action == "read":
-        body = {"offset": args.offset, "maxBytes": args.max_bytes, "waitMs": args.wait_ms}
+        body = {"offset": args.offset, **({"waitMs": args.wait_ms} if args.wait_ms else {})}
         return "POST", f"/sessions/{sid}/read", body
     if action == "write":
-        data = sys.stdin.buffer.read() if args.data == "-" else args.data.encode()
-        return "POST", f"/sessions/{sid}/write", {"dataBase64": base64.b64encode(data).decode()}
+        return "POST", f"/sessions/{sid}/write", {"payload": text_argument(args.data, "write", False)}
     if action == "message":
-        return "POST", f"/sessions/{sid}/message", {"text": message_text(args.text)}
+        return "POST", f"/sessions/{sid}/message", {"text": text_argument(args.text, "message", True)}
     if action == "exec":
         return "POST", f"/sessions/{sid}/exec", args.exec_body
     return "POST", f"/sessions/{sid}/{action}", {}
 
 
-def message_text(argument: str) -> str:
-    """The text of `session message`: the argument, or for `-` stdin (Linux bounds one argument
-    below 128 KiB; a message may be 1 MiB)."""
+def text_argument(argument: str, action: str, drop_newline: bool) -> str:
+    """The text of `session write` or `message`: the argument, or for `-` stdin, which must be
+    UTF-8 (Linux bounds one argument below 128 KiB; a prompt may be 1 MiB). A message drops one
+    trailing newline; a write keeps every byte, as typing would."""
     if argument != "-":
         return argument
     try:
-        return sys.stdin.buffer.read().decode("utf-8").removesuffix("\n")
+        text = sys.stdin.buffer.read().decode("utf-8")
     except UnicodeDecodeError as e:
-        raise UsageError(f"session message: stdin is not UTF-8 ({e.reason} at byte {e.start})") from None
+        raise UsageError(f"session {action}: stdin is not UTF-8 ({e.reason} at byte {e.start})") from None
+    return text.removesuffix("\n") if drop_newline else text
 
 
 def session_token(args: argparse.Namespace) -> Optional[str]:
@@ -2833,10 +3214,12 @@ class ApiClient:
         return document
 
     def json(self, method: str, path: str, body: Optional[dict[str, Any]] = None,
-             timeout_s: float = 120) -> dict[str, Any]:
+             timeout_s: float = 120) -> Optional[dict[str, Any]]:
+        """The answer's JSON document; None for an answer without a body (204)."""
         data = wire.encode_compact(body) if body is not None else None
         with self.open(method, path, data, {"Content-Type": "application/json"}, timeout_s) as response:
-            return json.loads(response.read())
+            raw = response.read()
+            return json.loads(raw) if raw else None
 
 
 class ApiCallError(ReployError):
@@ -2863,6 +3246,8 @@ def run_session_client(args: argparse.Namespace, token: Optional[str]) -> int:
         method, path, body = client_request(args)
         timeout_s = body["timeoutMs"] / 1000 + 60 if args.session_action == "exec" else 120
         document = client.json(method, path, body, timeout_s)
+        if document is None:  # a delete's 204
+            document = {"id": args.id, "deleted": True}
     except ApiCallError as e:
         if not raw:
             emit(e.document, to_stderr=data_to_stdout)
@@ -3049,20 +3434,22 @@ def build_parser() -> ArgumentParser:
                         help="the server's token file (default: the token in $REPLOY_TOKEN)")
     create = actions.add_parser("create", parents=[common])
     create.add_argument("--name", required=True)
-    create.add_argument("--workload", choices=("shell", "agent"), default="shell")
-    create.add_argument("--model")
+    create.add_argument("--workload-type", choices=tuple(WORKLOAD_TYPES),
+                        help=f"default {DEFAULT_WORKLOAD_TYPE}")
+    create.add_argument("--model", help="claude-code only (default: the server's default model)")
     create.add_argument("--deployment")
     actions.add_parser("list", parents=[common])
     for name in ("get", "status", "interrupt", "relaunch", "switch", "snapshot", "delete"):
         actions.add_parser(name, parents=[common]).add_argument("id")
     read = actions.add_parser("read", parents=[common])
     read.add_argument("id")
-    read.add_argument("--offset", type=int, default=0)
-    read.add_argument("--max-bytes", type=int, default=DEFAULT_READ_BYTES)
-    read.add_argument("--wait-ms", type=int, default=0)
+    read.add_argument("--offset", type=int, default=0, help="from this byte offset to the end")
+    read.add_argument("--wait-ms", type=int, default=0,
+                      help="at the end of the output, wait this long for more")
     write = actions.add_parser("write", parents=[common])
     write.add_argument("id")
-    write.add_argument("data", help="the bytes to type (UTF-8); - reads them from stdin")
+    write.add_argument("data", help="the text to type (shell) or one prompt (claude-code); - reads "
+                       "it from stdin (UTF-8)")
     message = actions.add_parser("message", parents=[common])
     message.add_argument("id")
     message.add_argument("text", help="a prompt (agent) or one line (shell); - reads it from stdin "

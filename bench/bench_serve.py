@@ -84,7 +84,8 @@ BASELINE_LABELS = {"io.reploy.bench.serve-baseline": str(os.getpid())}
 
 
 def read_once(api: Api, sid: str) -> None:
-    api.call("POST", f"/sessions/{sid}/read", {"offset": 0, "maxBytes": 4})
+    """One access that reads nothing: a read past the end of the output."""
+    api.call("POST", f"/sessions/{sid}/read", {"offset": 2**62})
 
 
 def sdk_baseline(workload: Path, rounds: int) -> list[float]:
@@ -171,14 +172,14 @@ class LogReader:
 
 class SseReader(LogReader):
     """One `GET /sessions/{id}/stream?offset=` on a raw socket (so one selector serves them all);
-    any event but `output` is a failure."""
+    any event but `output` is a failure. It asks in HTTP/1.0, so the body is not chunked."""
 
     def __init__(self, api: Api, sid: str, offset: int) -> None:
         super().__init__(offset)
         self._pending = b""
         self._head_read = False
         self.sock = socket.create_connection((api.host, api.port), timeout=DEADLINE_S)
-        head = [f"GET /api/v1/sessions/{sid}/stream?offset={offset} HTTP/1.1",
+        head = [f"GET /api/v1/sessions/{sid}/stream?offset={offset} HTTP/1.0",
                 f"Host: {api.host}:{api.port}",
                 *(f"{name}: {value}" for name, value in api.auth_headers.items())]
         self.sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode())
@@ -189,7 +190,7 @@ class SseReader(LogReader):
         if not data:
             raise BenchFailed(f"an SSE stream ended at offset {self.cursor}")
         self._pending += data
-        if not self._head_read:  # the response's head; serve's opening `retry:` block makes it ready
+        if not self._head_read:  # the response's head; the stream's `: connected` makes it ready
             head, found, rest = self._pending.partition(b"\r\n\r\n")
             if not found:
                 return
@@ -201,13 +202,14 @@ class SseReader(LogReader):
             self._event(block)
 
     def _event(self, block: bytes) -> None:
+        if block == b": connected":
+            self.ready = True
+            return
         fields = dict(line.decode().partition(": ")[::2] for line in block.split(b"\n")
                       if not line.startswith(b":"))
         if not fields:
             return  # a keepalive comment
-        if "retry" in fields:
-            self.ready = True
-        elif fields.get("event") != "output":
+        if fields.get("event") != "output":
             raise BenchFailed(f"an SSE stream got an event other than output at offset "
                               f"{self.cursor}: {block!r}")
         else:
@@ -604,7 +606,7 @@ def session_memory(client: docker.DockerClient, api: Api, server: ServeProcess,
         idle = per_session("idle")
     finally:
         for sid in sids:
-            api.call("DELETE", f"/sessions/{sid}")
+            api.call("DELETE", f"/sessions/{sid}", expect=204)
     return active, idle
 
 

@@ -1,9 +1,21 @@
 #!/usr/bin/env bash
 # One-time, idempotent host set-up for Reploy on a Debian machine, run as root by `make setup`
-# (and therefore by `make demo` and `make test`). It installs what the project needs, starts a
-# Docker engine when none answers, and builds the offline base images, each cached by its tag.
+# (and therefore by `make test` and `make bench`) and, limited to what the demo needs, by
+# `make demo`. It installs what the project needs, starts a Docker engine when none answers,
+# and builds the offline base images, each cached by its tag.
+#
+#   setup.sh        everything: the run-time and test requirements, Chromium (the web UI's
+#                   browser tests), the busybox, Python and browser base images
+#   setup.sh demo   only what `make demo` needs: the run-time requirements, the engine, the
+#                   busybox and Python base images (no Chromium, no 1 GB browser image)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+MODE=${1:-all}
+case "$MODE" in
+  all|demo) ;;
+  *) printf 'usage: %s [demo]\n' "$0" >&2; exit 2 ;;
+esac
 
 log() { printf 'setup: %s\n' "$*" >&2; }
 
@@ -23,13 +35,17 @@ apt_packages_missing() {
   command -v dockerd >/dev/null 2>&1 || missing+=(docker.io)
   command -v debootstrap >/dev/null 2>&1 || missing+=(debootstrap)
   [ -x /bin/busybox ] || missing+=(busybox-static)
-  command -v chromium >/dev/null 2>&1 || missing+=(chromium)  # the web UI's browser tests
+  if [ "$MODE" = all ]; then
+    command -v chromium >/dev/null 2>&1 || missing+=(chromium)  # the web UI's browser tests
+  fi
   printf '%s\n' "${missing[@]}"
 }
 
 install_python_requirements() {
   # pip answers from the installed set without touching the network when every pin is met.
-  python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore -r requirements.txt
+  local requirements=requirements.txt
+  [ "$MODE" = demo ] && requirements=requirements-runtime.txt
+  python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore -r "$requirements"
 }
 
 install_debian_packages() {
@@ -158,5 +174,9 @@ install_python_requirements
 start_engine
 build_busybox_image
 build_python_image
+if [ "$MODE" = demo ]; then
+  log "ready for the demo: engine up, base images $BUSYBOX_IMAGE and $PYTHON_IMAGE present"
+  exit 0
+fi
 build_browser_image
 log "ready: engine up, base images $BUSYBOX_IMAGE, $PYTHON_IMAGE and $BROWSER_IMAGE present"

@@ -41,6 +41,14 @@ DEADLINE_S = 30.0
 LABEL_STATE_DIR = "io.reploy.serve.state-dir"
 
 
+def seconds(stamp: str) -> float:
+    """A Session's date-time (RFC 3339, UTC, `Z`) as a Unix time."""
+    import datetime
+
+    assert stamp.endswith("Z"), stamp
+    return datetime.datetime.fromisoformat(stamp[:-1] + "+00:00").timestamp()
+
+
 def wait_until(condition: Callable[[], Any], what: str, timeout_s: float = DEADLINE_S) -> Any:
     """agent_fixtures.harness.wait_until, with the longer deadline containers need."""
     return agent_harness.wait_until(condition, what, timeout_s)
@@ -78,28 +86,27 @@ class Api:
         return status, data
 
     def call(self, method: str, path: str, body: Any = None, expect: int = 200) -> Any:
+        """One JSON call that must answer `expect`: its document (None for an empty body)."""
         data = None if body is None else json.dumps(body).encode()
         status, raw = self.raw(method, "/api/v1" + path, data)
-        document = json.loads(raw)
+        document = json.loads(raw) if raw else None
         assert status == expect, f"{method} {path}: {status} {document}"
         return document
 
-    def create(self, name: str = "t", workload: str = "shell", **extra: Any) -> dict[str, Any]:
-        return self.call("POST", "/sessions", {"name": name, "workload": workload, **extra}, 201)
+    def create(self, name: str = "t", workload_type: Optional[str] = None, **extra: Any) -> dict[str, Any]:
+        """A session; without a workload type, seed 002's default (shell)."""
+        body = {"name": name, **({"workloadType": workload_type} if workload_type else {}), **extra}
+        return self.call("POST", "/sessions", body, 201)
 
     def get(self, sid: str) -> dict[str, Any]:
         return self.call("GET", f"/sessions/{sid}")
 
     def read_all(self, sid: str, offset: int = 0) -> bytes:
+        """The output from `offset` to its end as one read answers it: the exact bytes (ours,
+        payloadBase64), up to the cursor the answer gives."""
         import base64
 
-        out = b""
-        while True:
-            page = self.call("POST", f"/sessions/{sid}/read", {"offset": offset, "maxBytes": 524288})
-            out += base64.b64decode(page["payloadBase64"])
-            offset = page["nextOffset"]
-            if offset >= page["length"]:
-                return out
+        return base64.b64decode(self.call("POST", f"/sessions/{sid}/read", {"offset": offset})["payloadBase64"])
 
     def wait_output(self, sid: str, needle: bytes, timeout_s: float = DEADLINE_S) -> bytes:
         return wait_until(lambda: (lambda out: out if needle in out else None)(self.read_all(sid)),
@@ -113,13 +120,12 @@ class Api:
         return sid, self.wait_output(sid, until)
 
     def write(self, sid: str, data: bytes) -> None:
-        import base64
-
-        self.call("POST", f"/sessions/{sid}/write", {"dataBase64": base64.b64encode(data).decode()})
+        """Seed 002's write: the payload is text (UTF-8)."""
+        self.call("POST", f"/sessions/{sid}/write", {"payload": data.decode()})
 
     def delete_all(self) -> None:
         for session in self.call("GET", "/sessions")["sessions"]:
-            self.call("DELETE", f"/sessions/{session['id']}")
+            self.call("DELETE", f"/sessions/{session['id']}", expect=204)
 
 
 class ServeProcess:
@@ -275,7 +281,8 @@ def sse_events(api: Api, sid: str, offset: Optional[int] = None, last_event_id: 
                until: Callable[[list[dict[str, Any]]], bool] = lambda events: False,
                timeout_s: float = DEADLINE_S) -> list[dict[str, Any]]:
     """Reads one SSE connection until `until(events)` holds or the server ends it. Comments
-    are returned as {"comment": text}."""
+    are returned as {"comment": text}. The body arrives chunked; http.client takes the chunks
+    apart."""
     conn = http.client.HTTPConnection(api.host, api.port, timeout=timeout_s)
     path = f"/api/v1/sessions/{sid}/stream" + (f"?offset={offset}" if offset is not None else "")
     conn.request("GET", path, headers={**api.auth_headers,
@@ -287,7 +294,7 @@ def sse_events(api: Api, sid: str, offset: Optional[int] = None, last_event_id: 
     current: dict[str, Any] = {}
     try:
         while not until(events):
-            line = response.fp.readline()
+            line = response.readline()
             if not line:
                 break
             text = line.decode().rstrip("\n")

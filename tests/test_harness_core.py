@@ -205,7 +205,7 @@ def test_exec_bodies_become_agent_params() -> None:
         reploy_serve.exec_params({"argv": ["a", 1]})
     with pytest.raises(reploy_serve.BadRequest, match="every value must be a string"):
         reploy_serve.exec_params({"argv": ["a"], "env": {"A": 1}})
-    with pytest.raises(reploy_serve.Unprocessable):
+    with pytest.raises(reploy_serve.BadRequest):  # every input error is 400, as on seed 002's routes
         reploy_serve.parse_body(b'{"argv": ["a"], "timeoutMs": 0}', reploy_serve.BODY_RULES["exec"])
     big = base64.b64encode(b"x" * (reploy_serve.MAX_EXEC_STDIN_BYTES + 1)).decode()
     with pytest.raises(reploy_serve.PayloadTooLarge):
@@ -253,9 +253,9 @@ def test_file_routes_carry_a_path_with_slashes() -> None:
 def test_file_queries() -> None:
     assert reploy_serve.file_query("") == ("workspace", None)
     assert reploy_serve.file_query("root=home&mode=0755") == ("home", 0o755)
-    with pytest.raises(reploy_serve.Unprocessable):
+    with pytest.raises(reploy_serve.BadRequest):
         reploy_serve.file_query("root=etc")
-    with pytest.raises(reploy_serve.Unprocessable):
+    with pytest.raises(reploy_serve.BadRequest):
         reploy_serve.file_query("mode=0999")
     with pytest.raises(reploy_serve.BadRequest):
         reploy_serve.file_query("follow=1")

@@ -407,7 +407,7 @@ def test_serve_listen_usage_errors(extra: list[str], complaint: bytes, tmp_path:
 def recorder() -> Iterator[LoopbackSite]:
     """A stand-in server whose session list is empty; it records what the client sent."""
     with LoopbackSite() as site:
-        site.publish("/api/v1/sessions", "application/json", b'{"sessions": [], "now": 0}')
+        site.publish("/api/v1/sessions", "application/json", b'{"sessions": []}')
         yield site
 
 
@@ -426,7 +426,7 @@ def test_the_session_client_sends_the_token_it_is_given(recorder: LoopbackSite,
                    env={"REPLOY_TOKEN": TOKEN}),
     ]
     assert [p.returncode for p in runs] == [0, 0, 0]
-    assert [json.loads(p.stdout) for p in runs] == [{"sessions": [], "now": 0}] * 3
+    assert [json.loads(p.stdout) for p in runs] == [{"sessions": []}] * 3
     assert [seen.get("Authorization") for seen in recorder.requests] == [
         None, f"Bearer {TOKEN}", f"Bearer {other}"]
     assert all(TOKEN not in p.stderr.decode() + p.stdout.decode() for p in runs)

@@ -34,24 +34,29 @@ def cli(server: ServeProcess, *args: str, stdin: bytes = b"") -> tuple[int, Any]
 def test_shell_session_through_the_cli(serve_factory: Callable[..., ServeProcess],
                                        docker_engine: Any) -> None:
     server = serve_factory()
-    code, session = cli(server, "create", "--name", "pipeline", "--workload", "shell")
-    assert code == 0 and session["state"] == "active" and session["workload"] == "shell"
+    code, session = cli(server, "create", "--name", "pipeline")
+    assert code == 0 and session["state"] == "active" and session["workloadType"] == "shell"
     sid = session["id"]
     server.api.wait_output(sid, b"$ ")
     assert cli(server, "message", sid, "echo from-$((6*7))")[1]["delivery"] == "dispatched"
     server.api.wait_output(sid, b"from-42")
-    assert cli(server, "write", sid, "-", stdin=b"id -u\r")[1] == {"bytes": 6}
+    code, written = cli(server, "write", sid, "-", stdin=b"id -u\r")
+    assert code == 0 and written["path"] == "active" and written["session"]["id"] == sid
     out = server.api.wait_output(sid, b"\r\n1000\r\n")
-    # At most what was seen: the shell's next prompt may have grown the log since.
-    code, page = cli(server, "read", sid, "--offset", "0", "--max-bytes", str(len(out)))
-    assert code == 0 and base64.b64decode(page["payloadBase64"]) == out[:page["nextOffset"]]
+    # Everything from the offset: at least what was seen (the next prompt may have come since).
+    code, page = cli(server, "read", sid, "--offset", "0")
+    assert code == 0 and base64.b64decode(page["payloadBase64"]).startswith(out)
+    assert page["payload"].encode() == base64.b64decode(page["payloadBase64"]) and page["path"] == "active"
+    code, tail = cli(server, "read", sid, "--offset", str(page["nextOffset"] - 2))
+    assert code == 0 and tail["payload"] == page["payload"][-2:]
     status = cli(server, "status", sid)[1]
     assert status["agent"]["workload"] == "shell" and status["agent"]["running"] is True
     assert [s["id"] for s in cli(server, "list")[1]["sessions"]] == [sid]
     assert cli(server, "get", sid)[1]["name"] == "pipeline"
     code, missing = cli(server, "get", "0" * 16)
     assert code == 1 and missing["status"] == 404 and missing["error"]
-    assert cli(server, "delete", sid) == (0, {"id": sid, "deleted": True})
+    assert cli(server, "delete", sid) == (0, {"id": sid, "deleted": True})  # the CLI's note of the 204
+    assert cli(server, "get", sid)[1]["status"] == 404
     assert not session_containers(docker_engine, server.state_dir)
     assert not (server.state_dir / "sessions" / sid).exists()
 
@@ -91,19 +96,21 @@ def test_snapshot_and_restore_keep_output_and_cursors(serve_factory: Callable[..
     api = server.api
     sid, before = api.shell_ran("snap", "echo kept > kept.txt; echo before", b"before\r\n$ ")
     snapped = api.call("POST", f"/sessions/{sid}/snapshot", {})
-    assert snapped["state"] == "snapshot" and snapped["snapshotBytes"] > 0
+    assert snapped["state"] == "snapshot" and "pod" not in snapped
     assert not session_containers(docker_engine, server.state_dir, sid)
     archives = list((server.state_dir / "sessions" / sid).glob("checkpoint-*.tar"))
     assert len(archives) == 1
-    assert api.call("POST", f"/sessions/{sid}/snapshot", {})["state"] == "snapshot"  # idempotent
-    # The stream is passive: it shows the kept log and never restores.
-    events = sse_events(api, sid, offset=0, until=lambda ev: any("event" in e for e in ev))
-    assert events[-1]["event"] == "output"
+    assert snapped["checkpoint"]["sizeBytes"] == archives[0].stat().st_size
+    assert snapped["checkpoint"]["ref"] == archives[0].name
+    assert api.call("POST", f"/sessions/{sid}/snapshot", {}) == snapped  # idempotent
+    # The stream has no container to follow (422) and never restores.
+    assert api.raw("GET", f"/api/v1/sessions/{sid}/stream")[0] == 422
     assert api.get(sid)["state"] == "snapshot"
     # A read restores into a new container; the old bytes keep their offsets.
-    page = api.call("POST", f"/sessions/{sid}/read", {"offset": 0, "maxBytes": len(before)})
-    assert base64.b64decode(page["payloadBase64"]) == before
-    assert api.get(sid)["state"] == "active"
+    page = api.call("POST", f"/sessions/{sid}/read", {"offset": 0})
+    assert base64.b64decode(page["payloadBase64"]).startswith(before)
+    assert page["path"] == "snapshot->restore->read" and page["session"]["state"] == "active"
+    assert api.get(sid)["state"] == "active" and "checkpoint" not in api.get(sid)
     assert len(session_containers(docker_engine, server.state_dir, sid)) == 1
     assert not list((server.state_dir / "sessions" / sid).glob("checkpoint-*.tar"))
     api.call("POST", f"/sessions/{sid}/message", {"text": "cat kept.txt"})
@@ -118,11 +125,10 @@ def test_agent_session_streams_and_redacts(serve_factory: Callable[..., ServePro
                            env={"FAKE_SECRET": SECRET})
     api = server.api
     config = api.call("GET", "/config")
-    assert config["agent"] == {"defaultModel": "m-default", "models": ["m-default", "m-other"]}
-    assert config["claudeCode"] == config["agent"]  # seed 002's key, beside ours
-    session = api.create("agent", "agent", model="m-other")
+    assert config == {"claudeCode": {"defaultModel": "m-default", "models": ["m-default", "m-other"]}}
+    session = api.create("agent", "claude-code", model="m-other")
     sid = session["id"]
-    assert session["model"] == "m-other"
+    assert session["model"] == "m-other" and session["workloadType"] == "claude-code"
     result = api.call("POST", f"/sessions/{sid}/message", {"text": "args"})
     assert result["delivery"] == "dispatched"
     events = sse_events(api, sid, until=lambda ev: b"m-other" in b"".join(
@@ -139,21 +145,25 @@ def test_agent_session_streams_and_redacts(serve_factory: Callable[..., ServePro
     assert SECRET not in str(server.args)
     # Keepalive comments arrive while nothing is printed.
     length = api.get(sid) and len(api.read_all(sid))
-    quiet = sse_events(api, sid, offset=length, until=lambda ev: any("comment" in e for e in ev))
-    assert {"comment": "keepalive"} in quiet
-    # Seed 002's prompt through write: the decoded UTF-8 bytes are one prompt, answered as message.
-    prompt = "say via write é".encode()
-    written = api.call("POST", f"/sessions/{sid}/write", {"dataBase64": base64.b64encode(prompt).decode()})
-    assert written == {"delivery": "dispatched", "queueDepth": 0}
+    quiet = sse_events(api, sid, offset=length, until=lambda ev: {"comment": "keepalive"} in ev)
+    assert quiet[0] == {"comment": "connected"} and quiet[1:] == [{"comment": "keepalive"}]
+    # Seed 002's prompt through write: the payload is one prompt.
+    written = api.call("POST", f"/sessions/{sid}/write", {"payload": "say via write é"})
+    assert written["path"] == "active" and written["session"]["id"] == sid and set(written) == {"session", "path"}
     api.wait_output(sid, "via write é\n".encode())
-    status, raw = api.raw("POST", f"/api/v1/sessions/{sid}/write", b'{"dataBase64": "/w=="}')
-    assert status == 422 and "UTF-8" in json.loads(raw)["error"]
+    # claude-code cursors fall between code points; an offset inside one is the client's error.
+    history = api.call("POST", f"/sessions/{sid}/read", {"offset": 0})["payload"]
+    inside = len(history[:history.index("é")].encode()) + 1
+    status, raw = api.raw("POST", f"/api/v1/sessions/{sid}/read", json.dumps({"offset": inside}).encode())
+    assert status == 400 and "UTF-8 boundary" in json.loads(raw)["error"]
+    status, raw = api.raw("POST", f"/api/v1/sessions/{sid}/write", b'{"payload": "say \\u0000"}')
+    assert status == 400 and "NUL" in json.loads(raw)["error"]
     # Seed 002's 1 MiB prompt, through write and through message: it reaches the agent command whole
     # (in parts to the agent, then on the command's stdin, one argument being too small for it).
     for route in ("write", "message"):
         prompt = f"measure {route} ".ljust(1024 * 1024, "x")
-        body = {"dataBase64": base64.b64encode(prompt.encode()).decode()} if route == "write" else {"text": prompt}
-        assert api.call("POST", f"/sessions/{sid}/{route}", body)["delivery"] in ("dispatched", "queued")
+        body = {"payload": prompt} if route == "write" else {"text": prompt}
+        assert api.call("POST", f"/sessions/{sid}/{route}", body)
         digest = hashlib.sha256(prompt.encode()).hexdigest()
         api.wait_output(sid, f'{{"via": "stdin", "bytes": {1024 * 1024}, "sha256": "{digest}"}}\n'.encode())
     # The CLI reads a prompt that one argument cannot hold from stdin (`-`), one trailing newline dropped.
@@ -166,8 +176,8 @@ def test_agent_session_streams_and_redacts(serve_factory: Callable[..., ServePro
                                server.ready["url"]], input=b"say \xff", capture_output=True, timeout=120,
                               env=server.client_env())
     assert (not_utf8.returncode, not_utf8.stdout) == (2, b"") and b"not UTF-8" in not_utf8.stderr
-    huge = base64.b64encode(b"x" * (1024 * 1024 + 1)).decode()
-    assert api.raw("POST", f"/api/v1/sessions/{sid}/write", json.dumps({"dataBase64": huge}).encode())[0] == 413
+    huge = json.dumps({"payload": "x" * (1024 * 1024 + 1)}).encode()
+    assert api.raw("POST", f"/api/v1/sessions/{sid}/write", huge)[0] == 413
     too_long = json.dumps({"text": "x" * (1024 * 1024 + 1)}).encode()
     assert api.raw("POST", f"/api/v1/sessions/{sid}/message", too_long)[0] == 413
     # Resizes are for shells.
@@ -196,11 +206,16 @@ def test_many_stream_clients_and_resume(serve_factory: Callable[..., ServeProces
     first = next(e for e in events if e.get("event"))
     assert first["data"]["offset"] == 3
     assert first["data"]["nextOffset"] - first["data"]["offset"] <= 64 * 1024
-    # A cursor ahead of the log: reset with the length, then the stream ends.
+    # A cursor ahead of the log: reset with the length; the stream stays open and goes on from there.
     length = len(api.read_all(sid))  # the shell is quiet by now: its prompt came after END
-    events = sse_events(api, sid, offset=length + 1000)
-    reset = [e for e in events if e.get("event")]
-    assert reset == [{"id": str(length), "event": "reset", "data": {"nextOffset": length}}]
+    thread, box = in_thread(lambda: sse_events(api, sid, offset=length + 1000, until=lambda ev: any(
+        e.get("event") == "output" for e in ev)))
+    wait_until(lambda: "viewer" in api.get(sid)["idleBlockedBy"], "the stream to be open")
+    api.call("POST", f"/sessions/{sid}/message", {"text": "echo after-reset"})
+    thread.join(timeout=60)
+    [reset, output] = [e for e in box[0] if e.get("event")]
+    assert reset == {"id": str(length), "event": "reset", "data": {"nextOffset": length}}
+    assert output["data"]["offset"] == length
 
 
 def test_a_stream_of_a_deleted_session_ends_without_a_reset(
@@ -213,7 +228,7 @@ def test_a_stream_of_a_deleted_session_ends_without_a_reset(
     length = len(api.read_all(sid))
     thread, box = in_thread(lambda: sse_events(api, sid, offset=length))
     wait_until(lambda: "viewer" in api.get(sid)["idleBlockedBy"], "the stream to be open")
-    api.call("DELETE", f"/sessions/{sid}")
+    api.call("DELETE", f"/sessions/{sid}", expect=204)
     thread.join(timeout=60)
     assert not thread.is_alive(), "the stream of a deleted session did not end"
     assert [e for e in box[0] if e.get("event")] == []
@@ -226,17 +241,16 @@ def test_error_mapping(serve_factory: Callable[..., ServeProcess], docker_engine
     sid = api.create("errors")["id"]
     base = f"/api/v1/sessions/{sid}"
     cases = [
-        ("POST", "/api/v1/sessions", b'{"name": "x", "workload": "shell"} trailing', 400),
-        ("POST", "/api/v1/sessions", b'{"name": "x", "workload": "shell", "nope": 1}', 400),
-        ("POST", "/api/v1/sessions", b'{"name": "x", "workload": 7}', 400),
-        ("POST", "/api/v1/sessions", b'{"name": "x", "workload": "vm"}', 422),
-        ("POST", "/api/v1/sessions", b'{"name": "x", "workload": "shell", "deployment": "zzz"}', 422),
-        ("POST", "/api/v1/sessions", b'{"name": "x", "workload": "shell", "model": "m"}', 422),
-        ("POST", "/api/v1/sessions", b'{"name": "x", "workload": "agent", "model": "platform-default"}', 422),
-        ("POST", "/api/v1/sessions", b'{"name": "x\\n", "workload": "shell"}', 422),
-        ("POST", base + "/read", b'{"maxBytes": 1}', 422),
-        ("POST", base + "/resize", b'{"columns": 0, "rows": 5}', 422),
-        ("POST", base + "/message", b'{"text": "two\\nlines"}', 422),
+        ("POST", "/api/v1/sessions", b'{"name": "x"} trailing', 400),
+        ("POST", "/api/v1/sessions", b'{"name": "x", "nope": 1}', 400),
+        ("POST", "/api/v1/sessions", b'{"name": "x", "workloadType": 7}', 400),
+        ("POST", "/api/v1/sessions", b'{"name": "x", "workloadType": "vm"}', 400),
+        ("POST", "/api/v1/sessions", b'{"name": "x", "deployment": "zzz"}', 400),
+        ("POST", "/api/v1/sessions", b'{"name": "x", "model": "m"}', 400),
+        ("POST", "/api/v1/sessions", b'{"name": " \\n "}', 400),
+        ("POST", base + "/read", b'{"maxBytes": 1}', 400),
+        ("POST", base + "/resize", b'{"columns": 0, "rows": 5}', 400),
+        ("POST", base + "/message", b'{"text": "two\\nlines"}', 422),  # the agent refuses it
         ("GET", "/api/v1/sessions/0123456789abcdef", None, 404),
         ("GET", "/api/v1/sessions/not-an-id/status", None, 404),
         ("PUT", "/api/v1/sessions", None, 405),
@@ -245,8 +259,11 @@ def test_error_mapping(serve_factory: Callable[..., ServeProcess], docker_engine
         got, raw = api.raw(method, path, body)
         assert got == status, (method, path, body, raw)
         assert set(json.loads(raw)) == {"error"}
-    big = json.dumps({"dataBase64": base64.b64encode(b"x" * (1024 * 1024 + 1)).decode()}).encode()
-    assert api.raw("POST", base + "/write", big)[0] == 413
+    # A shell write has no bound but the body's: 2 MiB is typed whole (in parts), here into cat.
+    api.wait_output(sid, b"$ ")
+    api.call("POST", f"/sessions/{sid}/message", {"text": "stty -echo; wc -c; stty echo"})
+    api.call("POST", f"/sessions/{sid}/write", {"payload": ("y" * 1023 + "\n") * 2048 + "\x04"})
+    api.wait_output(sid, b"\r\n2097152\r\n")
     # An oversized body is refused from its Content-Length, before it is sent.
     import http.client
 
@@ -266,19 +283,20 @@ def test_error_mapping(serve_factory: Callable[..., ServeProcess], docker_engine
     stage_and_build(ROOT / "examples/workload/workload.blueprint.yaml", busybox)
     other = serve_factory("--workload-dir", str(busybox))
     status, raw = other.api.raw("POST", "/api/v1/sessions", json.dumps(
-        {"name": "nopy", "workload": "shell", "deployment": "demo-workload"}).encode())
-    assert status == 503 and "python3" in json.loads(raw)["error"]
+        {"name": "nopy", "deployment": "demo-workload"}).encode())
+    assert status == 500 and "python3" in json.loads(raw)["error"]  # seed 002: any other failure is 500
     assert other.api.call("GET", "/sessions")["sessions"] == []
-    # 507: too little free space for a new session.
+    # Too little free space for a new session: 500 on seed 002's create, saying so.
     full = serve_factory("--min-free-mib", str(1 << 40))
-    assert full.api.raw("POST", "/api/v1/sessions", b'{"name": "x", "workload": "shell"}')[0] == 507
+    status, raw = full.api.raw("POST", "/api/v1/sessions", b'{"name": "x"}')
+    assert status == 500 and "MiB free" in json.loads(raw)["error"]
 
 
 def test_busy_agent_queue_interrupt_and_snapshot_conflict(
         serve_factory: Callable[..., ServeProcess], docker_engine: Any) -> None:
     server = serve_factory()
     api = server.api
-    sid = api.create("busy", "agent")["id"]
+    sid = api.create("busy", "claude-code")["id"]
     assert api.call("POST", f"/sessions/{sid}/message", {"text": "hang"})["delivery"] == "dispatched"
     api.wait_output(sid, b"working")
     for _ in range(64):
@@ -293,3 +311,35 @@ def test_busy_agent_queue_interrupt_and_snapshot_conflict(
     assert api.get(sid)["state"] == "active"
     assert api.call("POST", f"/sessions/{sid}/interrupt", {})["cancelled"] is True
     api.wait_output(sid, b"[reploy: interrupted]")
+
+
+def argv_of_next_run(server: ServeProcess, sid: str) -> list[str]:
+    """The argv of the agent command's next run (the fake CLI's `args` says it)."""
+    api = server.api
+    runs = api.read_all(sid).count(b'"args"]')
+    api.call("POST", f"/sessions/{sid}/message", {"text": "args"})
+    out = wait_until(lambda: (lambda o: o if o.count(b'"args"]') > runs else None)(api.read_all(sid)),
+                     "the run's argv")
+    return json.loads([line for line in out.split(b"\n") if line.endswith(b'"args"]')][-1])
+
+
+def test_platform_default_is_resolved_at_every_container_start(
+        serve_factory: Callable[..., ServeProcess], docker_engine: Any) -> None:
+    """Seed 002: a claude-code session made without a model keeps the platform-default alias,
+    and each start of its container resolves it to the default of the serve starting it; a
+    model given at create always wins."""
+    first = serve_factory("--default-model", "m-first")
+    alias = first.api.create("alias", "claude-code")
+    pinned = first.api.create("pinned", "claude-code", model="m-pinned")
+    assert (alias["model"], pinned["model"]) == ("platform-default", "m-pinned")
+    assert "m-first" in argv_of_next_run(first, alias["id"])
+    assert "m-pinned" in argv_of_next_run(first, pinned["id"])
+    for model, extra in (("m-second", ("--default-model", "m-second")), (None, ())):
+        for sid in (alias["id"], pinned["id"]):
+            first.api.call("POST", f"/sessions/{sid}/snapshot", {})
+        first.stop()
+        first = serve_factory(*extra, state_dir=first.state_dir)
+        argv = argv_of_next_run(first, alias["id"])  # an access: the container starts again
+        assert (model in argv) if model else ("--model" not in argv), argv
+        assert "m-pinned" in argv_of_next_run(first, pinned["id"])
+        assert first.api.get(alias["id"])["model"] == "platform-default"

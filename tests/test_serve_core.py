@@ -5,7 +5,9 @@ document, the `session` client's requests."""
 from __future__ import annotations
 
 import base64
+import datetime
 import json
+import random
 import re
 import subprocess
 import sys
@@ -21,6 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 import agent  # noqa: E402
 import reploy  # noqa: E402
+import session_platform_rules  # noqa: E402  (the reference's route table, not production's)
 import reploy_serve  # noqa: E402
 from reploy_serve import SessionEvent as E, SessionState as S  # noqa: E402
 
@@ -208,14 +211,21 @@ def test_an_agent_that_does_not_say_how_long_it_was_quiet_leaves_the_clock_to_th
     assert (decision.action, decision.busy_at, decision.idle_since) == (A.PAUSE, 5.0, 5.0)
 
 
+def seconds(stamp: str) -> float:
+    """An RFC 3339 date-time in UTC (`Z`) as a Unix time."""
+    assert stamp.endswith("Z"), stamp
+    return datetime.datetime.fromisoformat(stamp[:-1] + "+00:00").timestamp()
+
+
 def test_session_json_counts_down_from_the_busy_stretch_and_stops_while_blocked() -> None:
     doc = reploy_serve.session_json(_record(last_access=100.0, busy_at=150.0), 10, 60)
-    assert (doc["idleAt"], doc["snapshotAt"], doc["idleBlockedBy"]) == (160.0, 210.0, [])
+    assert (seconds(doc["idleAt"]), seconds(doc["snapshotAt"]), doc["idleBlockedBy"]) == (160.0, 210.0, [])
     doc = reploy_serve.session_json(_record(last_access=100.0, idle_blocked_by=(B.BUSY, B.VIEWER)), 10, 60)
-    assert (doc["idleAt"], doc["snapshotAt"], doc["idleBlockedBy"]) == (None, None, ["busy", "viewer"])
+    assert "idleAt" not in doc and "snapshotAt" not in doc and doc["idleBlockedBy"] == ["busy", "viewer"]
     doc = reploy_serve.session_json(_record(state=S.IDLE, last_access=100.0), 10, 60)
-    assert (doc["idleAt"], doc["snapshotAt"]) == (None, 160.0)
-    doc = reploy_serve.session_json(_record(state=S.SNAPSHOT, idle_blocked_by=(B.BUSY,)), 10, 60)
+    assert "idleAt" not in doc and seconds(doc["snapshotAt"]) == 160.0
+    doc = reploy_serve.session_json(_record(state=S.SNAPSHOT, idle_blocked_by=(B.BUSY,), archive="a.tar",
+                                            snapshot_bytes=5), 10, 60)
     assert doc["idleBlockedBy"] == []
 
 
@@ -349,38 +359,52 @@ def test_a_schema_1_store_gains_the_new_columns_in_place(tmp_path: Path) -> None
 CREATE = reploy_serve.BODY_RULES["create"]
 
 
-@pytest.mark.parametrize(("raw", "error"), [
-    (b"[]", reploy_serve.BadRequest),
-    (b"{", reploy_serve.BadRequest),
-    (b'{"name": "a", "workload": "shell"} {}', reploy_serve.BadRequest),  # trailing data
-    (b'{"name": "a", "workload": "shell", "extra": 1}', reploy_serve.BadRequest),
-    (b'{"name": "a", "name": "b", "workload": "shell"}', reploy_serve.BadRequest),
-    (b'{"name": 1, "workload": "shell"}', reploy_serve.BadRequest),
-    (b'{"workload": "shell"}', reploy_serve.BadRequest),
-    (b'{"name": "a", "workload": "shell", "model": NaN}', reploy_serve.BadRequest),
-    (b'\xff', reploy_serve.BadRequest),
-    (b"[" * 100_000 + b"]" * 100_000, reploy_serve.BadRequest),  # nesting past the recursion limit
-    (b'{"name": ' + b"1" * 5000 + b', "workload": "shell"}', reploy_serve.BadRequest),  # past int()'s digits
-    (b'{"name": "\\ud800", "workload": "shell"}', reploy_serve.BadRequest),  # a lone surrogate
-    (b'{"name": "a", "workload": "vm"}', reploy_serve.Unprocessable),
-    (b'{"name": "../x", "workload": "shell"}', reploy_serve.Unprocessable),
-    (b'{"name": "a", "workload": "agent", "model": "bad model"}', reploy_serve.Unprocessable),
-])
-def test_create_bodies_are_strict(raw: bytes, error: type) -> None:
-    with pytest.raises(error):
-        reploy_serve.parse_body(raw, CREATE)
+def create_request(raw: bytes) -> reploy_serve.CreateRequest:
+    return reploy_serve.CreateRequest.from_fields(reploy_serve.parse_body(raw, CREATE))
 
 
-@pytest.mark.parametrize("body", [
-    {"name": "a\n", "workload": "shell"},  # `$` would let a trailing newline through: fullmatch
-    {"name": "a", "workload": "agent", "model": "m\n"},
-    {"name": "a", "workload": "agent", "model": "~m\n"},
-    {"name": "a", "workload": "shell", "deployment": "d\n"},
-    {"name": "a", "workload": "agent", "model": "platform-default"},  # seed 002's reserved alias
+@pytest.mark.parametrize("raw", [
+    b"[]", b"{", b"null", b'"x"',
+    b'{"name": "a"} {}',  # trailing data
+    b'{"name": "a", "extra": 1}', b'{"name": "a", "workload": "shell"}',  # unknown fields
+    b'{"name": "a", "name": "b"}',  # a duplicate key (Reploy's stricter choice)
+    b'{"name": 1}', b'{"name": null}', b'{"name": "a", "model": null}', b'{"name": "a", "workloadType": null}',
+    b'{"workloadType": "shell"}', b"{}",  # no name
+    b'{"name": "a", "model": NaN}', b'\xff',
+    b"[" * 100_000 + b"]" * 100_000,  # nesting past the recursion limit
+    b'{"name": ' + b"1" * 5000 + b'}',  # past int()'s digits
+    b'{"name": "\\ud800"}',  # a lone surrogate
+    b'{"name": ""}', b'{"name": "   "}', b'{"name": " \\t\\n\\u00a0\\u3000 "}',  # nothing but white space
+    b'{"name": "a", "workloadType": "vm"}', b'{"name": "a", "workloadType": ""}',
+    b'{"name": "a", "workloadType": "agent"}',  # Reploy's internal name is not on the wire
+    b'{"name": "a", "model": "m"}', b'{"name": "a", "workloadType": "shell", "model": "m"}',  # shell: no model
+    b'{"name": "a", "workloadType": "claude-code", "model": ""}',
+    b'{"name": "a", "workloadType": "claude-code", "model": " m"}',
+    b'{"name": "a", "workloadType": "claude-code", "model": "m\\n"}',
+    b'{"name": "a", "workloadType": "claude-code", "model": "bad model"}',
+    b'{"name": "a", "workloadType": "claude-code", "model": "' + b"m" * 129 + b'"}',
+    b'{"name": "a", "deployment": "d\\n"}',
 ])
-def test_trailing_newlines_and_the_reserved_model_are_refused(body: dict[str, str]) -> None:
-    with pytest.raises(reploy_serve.Unprocessable):
-        reploy_serve.parse_body(json.dumps(body).encode(), CREATE)
+def test_create_bodies_are_strict_and_every_refusal_is_400(raw: bytes) -> None:
+    with pytest.raises(reploy_serve.ServeError) as raised:
+        create_request(raw)
+    assert raised.value.status == 400
+
+
+@pytest.mark.parametrize(("raw", "expected"), [
+    (b'{"name": "a"}', ("a", "shell", None)),  # seed 002's default workload type
+    (b'{"name": "  two words \\u3000\\n"}', ("two words", "shell", None)),  # trimmed
+    (b'{"name": "a\\nb"}', ("a\nb", "shell", None)),
+    (b'{"name": "x' + b"y" * 5000 + b'"}', ("x" + "y" * 5000, "shell", None)),  # no maximum
+    (b'{"name": "\\u001cx"}', ("\x1cx", "shell", None)),  # not White_Space: kept, as Go keeps it
+    (b'{"name": "a", "workloadType": "shell"}', ("a", "shell", None)),
+    (b'{"name": "a", "workloadType": "claude-code"}', ("a", "agent", "platform-default")),
+    (b'{"name": "a", "workloadType": "claude-code", "model": "platform-default"}', ("a", "agent", "platform-default")),
+    (b'{"name": "a", "workloadType": "claude-code", "model": "~anthropic/x:1"}', ("a", "agent", "~anthropic/x:1")),
+])
+def test_valid_create_bodies(raw: bytes, expected: tuple[str, str, Any]) -> None:
+    request = create_request(raw)
+    assert (request.name, request.workload, request.model) == expected
 
 
 @pytest.mark.parametrize(("parse", "text"), [
@@ -429,24 +453,25 @@ def test_every_pattern_in_the_role_files_is_fullmatched() -> None:
 
 
 def test_valid_bodies_and_ranges() -> None:
-    assert reploy_serve.parse_body(b'{"name": "a b", "workload": "agent", "model": "~anthropic/x"}',
-                             CREATE)["model"] == "~anthropic/x"
+    read = reploy_serve.BODY_RULES["read"]
+    assert reploy_serve.parse_body(b'{"offset": 9223372036854775807}', read)["offset"] == 2**63 - 1
+    for raw in (b'{"offset": 9223372036854775808}', b'{"offset": -1}', b'{"offset": 1.5}', b'{"offset": "1"}',
+                b'{"offset": null}', b'{"maxBytes": 4}', b'{"offset": true}'):
+        with pytest.raises(reploy_serve.BadRequest):
+            reploy_serve.parse_body(raw, read)
+    write = reploy_serve.BODY_RULES["write"]
+    assert reploy_serve.parse_body(b"  \n", write) == {}  # empty or white space: {}
+    for raw in (b'{"payload": null}', b'{"payload": 5}', b'{"dataBase64": "eA=="}', b'{"payload": "x"} x'):
+        with pytest.raises(reploy_serve.BadRequest):
+            reploy_serve.parse_body(raw, write)
     assert reploy_serve.parse_body(b"", reploy_serve.BODY_RULES["empty"]) == {}
     rules = reploy_serve.BODY_RULES["resize"]
     with pytest.raises(reploy_serve.BadRequest):
         reploy_serve.parse_body(b'{"columns": true, "rows": 2}', rules)  # a bool is not an int
-    with pytest.raises(reploy_serve.Unprocessable):
+    with pytest.raises(reploy_serve.BadRequest):  # seed 002: every input error is 400
         reploy_serve.parse_body(b'{"columns": 0, "rows": 2}', rules)
     with pytest.raises(reploy_serve.PayloadTooLarge):
         reploy_serve.parse_body(b" " * (reploy_serve.MAX_BODY_BYTES + 1), rules)
-
-
-def test_payloads_are_base64_and_bounded() -> None:
-    assert reploy_serve.decode_payload(base64.b64encode(b"ls\r").decode(), "d", 3) == b"ls\r"
-    with pytest.raises(reploy_serve.BadRequest):
-        reploy_serve.decode_payload("not base64!", "d", 3)
-    with pytest.raises(reploy_serve.PayloadTooLarge):
-        reploy_serve.decode_payload(base64.b64encode(b"x" * 4).decode(), "d", 3)
 
 
 def request_line_bytes(method: str, params: dict) -> int:
@@ -455,8 +480,8 @@ def request_line_bytes(method: str, params: dict) -> int:
     return len(json.dumps({"id": "serve", "method": method, "params": params}).encode())
 
 
-def test_the_largest_shell_write_fits_the_agents_request_line() -> None:
-    data = b"\xff" * reploy_serve.MAX_WRITE_BYTES
+def test_the_largest_shell_write_part_fits_the_agents_request_line() -> None:
+    data = b"\xff" * reploy_serve.MAX_WRITE_PART_BYTES
     assert request_line_bytes("write", {"data_b64": base64.b64encode(data).decode()}) <= agent.MAX_REQUEST_BYTES
 
 
@@ -474,13 +499,190 @@ def test_a_message_of_the_largest_size_is_cut_into_parts_each_request_line_holds
     assert reploy_serve.message_parts("short") == ["short"]
 
 
-def test_session_json_has_no_secret_and_counts_down_from_last_access() -> None:
+def test_session_json_counts_down_from_last_access_and_is_documented() -> None:
     doc = reploy_serve.session_json(_record(last_access=100.0), idle_after_s=10, snapshot_after_s=60)
-    assert (doc["idleAt"], doc["snapshotAt"]) == (110.0, 160.0)
-    doc = reploy_serve.session_json(_record(state=S.SNAPSHOT), 10, 60)
-    assert doc["idleAt"] is None and doc["snapshotAt"] is None
+    assert (seconds(doc["idleAt"]), seconds(doc["snapshotAt"])) == (110.0, 160.0)
+    snapshot = reploy_serve.session_json(_record(state=S.SNAPSHOT, archive="checkpoint-v3.tar",
+                                                 snapshot_bytes=10), 10, 60)
+    assert "idleAt" not in snapshot and "snapshotAt" not in snapshot
     schema = json.loads((ROOT / "web/openapi.json").read_text())["components"]["schemas"]["Session"]
-    assert set(doc) == set(schema["required"]) == set(schema["properties"])
+    for document in (doc, snapshot):
+        assert set(schema["required"]) <= set(document) <= set(schema["properties"])
+
+
+AGENT_SPEC = dict(workload="agent", model="platform-default")
+
+
+@pytest.mark.parametrize(("record", "state", "phase", "pod", "checkpoint"), [
+    (dict(state=S.ACTIVE, container_id="c1"), "active", None, "c1", False),
+    (dict(state=S.IDLE, container_id="c1"), "idle", None, "c1", False),
+    (dict(state=S.SNAPSHOT, archive="checkpoint-v4.tar", snapshot_bytes=7, checkpoint_at=50.0), "snapshot",
+     None, None, True),
+    # A step under way shows as the state a client has meanwhile, its name in `phase`.
+    (dict(state=S.SNAPSHOTTING, container_id="c1", archive="checkpoint-v4.tar"), "active", "snapshotting", "c1",
+     False),
+    (dict(state=S.RESTORING, container_id="c2", archive="checkpoint-v4.tar", snapshot_bytes=7, checkpoint_at=50.0),
+     "snapshot", "restoring", None, True),
+])
+def test_the_session_shows_seed_002s_three_states_and_its_pod_and_checkpoint(
+        record: dict[str, Any], state: str, phase: Any, pod: Any, checkpoint: bool) -> None:
+    doc = reploy_serve.session_json(_record(**record), 10, 60)
+    assert (doc["state"], doc.get("phase"), doc.get("pod")) == (state, phase, pod)
+    assert ("checkpoint" in doc) == checkpoint
+    if checkpoint:
+        assert doc["checkpoint"] == {"ref": "checkpoint-v4.tar", "sizeBytes": 7,
+                                     "createdAt": "1970-01-01T00:00:50.000000Z"}
+    assert None not in doc.values()
+
+
+def test_the_session_speaks_seed_002s_workload_types_models_and_times() -> None:
+    shell = reploy_serve.session_json(_record(created_at=1.5, last_access=1700000000.25), 10, 60)
+    assert shell["workloadType"] == "shell" and "model" not in shell and "workload" not in shell
+    assert shell["createdAt"] == "1970-01-01T00:00:01.500000Z"
+    assert shell["lastAccess"] == "2023-11-14T22:13:20.250000Z"
+    base = _record().spec
+    for model, shown in (("platform-default", "platform-default"), ("m-1", "m-1"), (None, "platform-default")):
+        spec = reploy_serve.replace(base, workload="agent", model=model)
+        doc = reploy_serve.session_json(_record(spec=spec), 10, 60)
+        assert (doc["workloadType"], doc["model"]) == ("claude-code", shown)
+
+
+def test_created_and_deleted_sessions_are_not_shown() -> None:
+    assert [state for state in S if reploy_serve.is_shown(_record(state=state))] == [
+        S.ACTIVE, S.IDLE, S.SNAPSHOTTING, S.SNAPSHOT, S.RESTORING]
+    assert [state for state in S if reploy_serve.has_container(_record(state=state))] == [
+        S.ACTIVE, S.IDLE, S.SNAPSHOTTING]
+
+
+def test_the_path_names_the_branch_that_served() -> None:
+    assert reploy_serve.access_path("active", "read") == "active"
+    assert reploy_serve.access_path("idle->active", "write") == "idle->active->write"
+    assert reploy_serve.access_path("snapshot->restore", "read") == "snapshot->restore->read"
+
+
+# -- text payloads: the UTF-8 length is the cursor's advance ------------------------------------
+
+
+@pytest.mark.parametrize(("data", "text", "kept"), [
+    (b"plain\r\n", "plain\r\n", 7),
+    ("café €😀".encode(), "café €😀", 13),
+    (b"\x1b[31mred\x00", "\x1b[31mred\x00", 9),  # control bytes are UTF-8 like any
+    (b"a\xffb", "a?b", 3),  # an invalid byte: one byte for one byte
+    (b"\xc0\x80", "??", 2),  # an overlong NUL
+    (b"\xed\xa0\x80x", "???x", 4),  # an encoded surrogate
+    (b"\xf4\x90\x80\x80", "????", 4),  # past U+10FFFF
+    (b"\xe2\x82x", "??x", 3),  # a code point cut short by a byte that is not a continuation
+    (b"\x80\x80ok", "??ok", 4),  # a read that starts inside a code point
+    # The bytes end inside a code point that can still be completed: it waits for the next read.
+    (b"ab\xc3", "ab", 2), (b"ab\xe2\x82", "ab", 2), (b"ab\xf0\x9f\x98", "ab", 2), (b"\xe2", "", 0),
+    # ...unless it can never be completed: then its bytes are substituted now.
+    (b"ab\xe0\x80", "ab??", 4), (b"ab\xed\xa0", "ab??", 4), (b"ab\xf4\x90", "ab??", 4), (b"ab\xc1", "ab?", 3),
+    (b"ab\xf5", "ab?", 3), (b"ab\x82", "ab?", 3),
+    (b"", "", 0),
+])
+def test_text_payloads_keep_the_length_invariant(data: bytes, text: str, kept: int) -> None:
+    assert reploy_serve.text_payload(data) == (text, kept)
+    assert len(text.encode()) == kept
+
+
+def test_text_payloads_hold_the_invariant_for_any_bytes_and_keep_valid_text_exact() -> None:
+    generator = random.Random(20250102)
+    alphabet = [b"a", b"\xff", b"\x80", b"\xc3", b"\xa9", b"\xe2\x82", b"\xac", b"\xf0\x9f\x98\x80", b"\xed\xa0\x80",
+                "é".encode(), "€".encode(), b"\x1b", b"\r\n"]
+    for _ in range(3000):
+        data = b"".join(generator.choice(alphabet) for _ in range(generator.randint(0, 12)))
+        text, kept = reploy_serve.text_payload(data)
+        assert len(text.encode()) == kept and len(data) - 3 <= kept <= len(data)
+        assert text.encode() == bytes(b if b < 0x80 else ord("?") for b in data[:kept]) or "\udc80" not in text
+        # Reading on from `kept` never changes what was answered: the text of a prefix is a prefix.
+        whole, whole_kept = reploy_serve.text_payload(data + b"z")
+        assert whole.startswith(text) and whole_kept == len(data) + 1
+        valid = data.decode("utf-8", "ignore").encode()
+        assert reploy_serve.text_payload(valid) == (valid.decode(), len(valid))
+
+
+def test_text_payload_split_anywhere_joins_to_the_whole() -> None:
+    """Two reads (the second from the first's cursor) give the text of one read."""
+    data = "€ mixed \xff".encode() + b"\xff\xfe end \xf0\x9f\x98\x80"
+    whole, _ = reploy_serve.text_payload(data)
+    for cut in range(len(data) + 1):
+        first, kept = reploy_serve.text_payload(data[:cut])
+        second, _ = reploy_serve.text_payload(data[kept:])
+        assert first + second == whole, cut
+
+
+@pytest.mark.parametrize("cut", [0, 1, 2, 3])
+def test_a_read_answer_is_encoded_in_slices_that_join_to_the_whole(cut: int) -> None:
+    """Slices of READ_SLICE_BYTES cut code points and escapes anywhere; the pieces still make
+    one JSON document whose payload is the whole text and whose payloadBase64 is the bytes."""
+    slice_bytes = reploy_serve.READ_SLICE_BYTES
+    unit = "€😀\x1b\"\\\n".encode() + b"\xff"
+    data = b"x" * cut + unit * (2 * slice_bytes // len(unit) + 3)
+    head = {"session": {"id": "s"}, "path": "active", "nextOffset": 9}
+    pieces = list(reploy_serve.read_result_json(head, memoryview(data)))
+    assert len(pieces) > 4 and max(map(len, pieces)) <= 6 * slice_bytes  # never the whole answer at once
+    document = json.loads(b"".join(pieces))
+    assert list(document) == ["session", "path", "nextOffset", "payload", "payloadBase64"]
+    assert document["payload"] == data.decode("utf-8", "surrogateescape").replace("\udcff", "?")
+    assert len(document["payload"].encode()) == len(data)
+    assert base64.b64decode(document["payloadBase64"]) == data
+    assert b"".join(reploy_serve.read_result_json(head, memoryview(b""))) == (
+        b'{"session":{"id":"s"},"path":"active","nextOffset":9,"payload":"","payloadBase64":""}')
+
+
+# -- agent read pages are hostile input ----------------------------------------------------------
+
+
+def page(**fields: Any) -> dict[str, Any]:
+    return {"offset": 10, "next_offset": 13, "length": 20, "reset": False,
+            "data_b64": base64.b64encode(b"abc").decode(), **fields}
+
+
+def test_a_consistent_read_page_is_taken() -> None:
+    taken = reploy_serve.LogPage.from_result(page(), 10, 100, text=False)
+    assert (taken.data, taken.length_bytes, taken.past_end) == (b"abc", 20, False)
+    past = reploy_serve.LogPage.from_result(page(offset=30, next_offset=20, reset=True, data_b64=""), 30, 100,
+                                            text=False)
+    assert (past.data, past.length_bytes, past.past_end) == (b"", 20, True)
+    text = reploy_serve.LogPage.from_result({"offset": 0, "next_offset": 2, "length": 2, "reset": False,
+                                             "text": "é"}, 0, 100, text=True)
+    assert text.data == "é".encode()
+
+
+@pytest.mark.parametrize("answer", [
+    page(offset=11), page(next_offset=14), page(length=12), page(reset="no"), page(length=True),
+    page(length=-1), page(length=2**63), page(data_b64="not base64!"), page(data_b64=None),
+    page(reset=True), page(offset=10, next_offset=20, reset=True, data_b64=""),  # reset at or below the length
+    page(next_offset=10 + 200, length=1000, data_b64=base64.b64encode(b"x" * 200).decode()),  # past max_bytes
+    {"offset": 10},
+])
+def test_an_inconsistent_read_page_is_refused(answer: dict[str, Any]) -> None:
+    with pytest.raises(reploy_serve.ServiceUnavailable):
+        reploy_serve.LogPage.from_result(answer, 10, 100, text=False)
+
+
+def test_seed_002_routes_answer_only_the_spec_statuses() -> None:
+    """On seed 002's routes a failure the spec does not name for that route becomes a 500 with
+    its message; one it names keeps its status."""
+    class Handler:
+        def __init__(self, error: Exception) -> None:
+            self.error = error
+
+        @reploy_serve.spec_statuses
+        def api_write(self, *args: Any) -> None:
+            raise self.error
+
+    for error, status in ((reploy_serve.TooManyRequests("queue full"), 429),
+                          (reploy_serve.PayloadTooLarge("big"), 413),
+                          (reploy_serve.ServiceUnavailable("no agent"), 500),
+                          (reploy_serve.SessionConflict("busy"), 500),
+                          (reploy.BackendError("docker"), 500)):
+        with pytest.raises(reploy_serve.ServeError) as raised:
+            Handler(error).api_write()
+        assert (raised.value.status, str(raised.value)) == (status, str(error))
+    spec_routes = {handler for handler in reploy_serve.SPEC_ERROR_STATUSES}
+    assert spec_routes == {h for _, _, h in reploy_serve.API_ROUTES[:reploy_serve.API_ROUTES.index(
+        ("GET", "/server", "get_server"))]}
 
 
 # -- SSE --------------------------------------------------------------------------------------
@@ -500,10 +702,12 @@ def test_reset_event_and_cursor_precedence() -> None:
     assert reploy_serve.sse_cursor(None, None) == 0
     assert reploy_serve.sse_cursor(None, "5") == 5
     assert reploy_serve.sse_cursor("9", "5") == 9  # Last-Event-ID wins
-    with pytest.raises(reploy_serve.BadRequest):
-        reploy_serve.sse_cursor("-1", None)
-    with pytest.raises(reploy_serve.BadRequest):
-        reploy_serve.sse_cursor(None, "x")
+    assert reploy_serve.sse_cursor("", "5") == 5  # ...when it is not empty
+    assert reploy_serve.sse_cursor("9223372036854775807", None) == 2**63 - 1  # int64
+    for text in ("-1", "x", "1.5", "+1", " 1", "9223372036854775808", "1" * 20):
+        for last_event_id, offset in ((text, None), (None, text), (text, "5")):
+            with pytest.raises(reploy_serve.BadRequest):
+                reploy_serve.sse_cursor(last_event_id, offset)
 
 
 @pytest.mark.parametrize(("data", "kept"), [
@@ -529,12 +733,26 @@ def test_routes_match_and_refuse() -> None:
     assert set(info.value.allowed) == {"GET", "POST"}
 
 
-def test_openapi_documents_exactly_the_routes() -> None:
+#: Seed 002's routes (the compatibility reference, section 1), each with its operationId there.
+SEED_002_ROUTES = session_platform_rules.ROUTES
+
+
+def test_openapi_documents_exactly_the_routes_serve_has() -> None:
+    """Seed 002's surface plus Reploy's: every route the server matches is documented, and
+    nothing else is; seed 002's keep their operationIds and answer statuses no other."""
     spec = json.loads((ROOT / "web/openapi.json").read_text())
     documented = {(method.upper(), path) for path, item in spec["paths"].items() for method in item}
     served = {(method, path) for method, path, _ in reploy_serve.API_ROUTES}
-    assert documented == served
-    for name, rules in (("CreateSession", "create"), ("ReadRequest", "read"),
+    assert documented == served and set(SEED_002_ROUTES) <= served
+    for method, path, handler in reploy_serve.API_ROUTES:
+        assert reploy_serve.match_route(method, path.replace("{id}", "0123456789abcdef")
+                                        .replace("{path}", "a/b"))[0] == handler
+        operation = spec["paths"][path][method.lower()]
+        if (method, path) in SEED_002_ROUTES:
+            assert operation["operationId"] == SEED_002_ROUTES[(method, path)]
+            errors = {int(code) for code in operation["responses"] if int(code) >= 400}
+            assert errors - {401, 403, 415, 421, 500} == reploy_serve.SPEC_ERROR_STATUSES[handler], path
+    for name, rules in (("CreateSessionRequest", "create"), ("ReadRequest", "read"),
                         ("WriteRequest", "write"), ("MessageRequest", "message"),
                         ("ResizeRequest", "resize"), ("ExecRequest", "exec")):
         schema = spec["components"]["schemas"][name]
@@ -543,28 +761,38 @@ def test_openapi_documents_exactly_the_routes() -> None:
                                                    if r.required}
 
 
-def test_openapi_states_each_pattern_and_reserved_value_the_server_applies() -> None:
-    """A client validating against the spec refuses what the server refuses (422), no more, no less."""
-    schema = json.loads((ROOT / "web/openapi.json").read_text())["components"]["schemas"]["CreateSession"]
-    for field, rule in reploy_serve.BODY_RULES["create"].items():
-        documented = schema["properties"][field]
-        if rule.pattern is not None and field != "deployment":  # a deployment is a name from /config
-            assert documented["pattern"] in (f"^{rule.pattern.pattern}$", f"^({rule.pattern.pattern})$"), field
-        for value in rule.reserved:
-            assert {"not": {"enum": [value]}} in documented.get("allOf", []), (field, value)
+def test_openapi_states_each_pattern_and_enum_the_server_applies() -> None:
+    """A client validating against the spec refuses what the server refuses (400), no more, no less."""
+    schemas = json.loads((ROOT / "web/openapi.json").read_text())["components"]["schemas"]
+    create = schemas["CreateSessionRequest"]["properties"]
+    model = reploy_serve.BODY_RULES["create"]["model"]
+    assert create["model"]["pattern"] == f"^({model.pattern.pattern})$" and not model.reserved
+    assert create["workloadType"]["enum"] == list(reploy_serve.WORKLOAD_TYPES)
+    assert create["workloadType"]["default"] == reploy_serve.DEFAULT_WORKLOAD_TYPE
+    assert schemas["Session"]["properties"]["workloadType"]["enum"] == list(reploy_serve.WORKLOAD_TYPES)
+    assert schemas["Session"]["properties"]["state"]["enum"] == ["active", "idle", "snapshot"]
+    assert {state.value for state, _ in reploy_serve.WIRE_STATES.values()} == {"active", "idle", "snapshot"}
+    assert schemas["Session"]["properties"]["phase"]["enum"] == [
+        phase for _, phase in reploy_serve.WIRE_STATES.values() if phase]
+    assert schemas["ReadRequest"]["properties"]["offset"]["minimum"] == 0
 
 
 # -- the `session` client and `serve` usage ---------------------------------------------------
 
 
 def test_client_requests() -> None:
-    args = SimpleNamespace(session_action="create", name="n", workload="agent", model="m",
+    args = SimpleNamespace(session_action="create", name="n", workload_type="claude-code", model="m",
                            deployment=None)
     assert reploy_serve.client_request(args) == ("POST", "/sessions",
-                                           {"name": "n", "workload": "agent", "model": "m"})
-    args = SimpleNamespace(session_action="read", id="x", offset=3, max_bytes=10, wait_ms=0)
-    assert reploy_serve.client_request(args) == ("POST", "/sessions/x/read",
-                                           {"offset": 3, "maxBytes": 10, "waitMs": 0})
+                                                 {"name": "n", "workloadType": "claude-code", "model": "m"})
+    args = SimpleNamespace(session_action="create", name="n", workload_type=None, model=None, deployment=None)
+    assert reploy_serve.client_request(args) == ("POST", "/sessions", {"name": "n"})
+    args = SimpleNamespace(session_action="read", id="x", offset=3, wait_ms=0)
+    assert reploy_serve.client_request(args) == ("POST", "/sessions/x/read", {"offset": 3})
+    args = SimpleNamespace(session_action="read", id="x", offset=0, wait_ms=500)
+    assert reploy_serve.client_request(args) == ("POST", "/sessions/x/read", {"offset": 0, "waitMs": 500})
+    args = SimpleNamespace(session_action="write", id="x", data="ls\r")
+    assert reploy_serve.client_request(args) == ("POST", "/sessions/x/write", {"payload": "ls\r"})
     assert reploy_serve.client_request(SimpleNamespace(session_action="delete", id="x"))[:2] == (
         "DELETE", "/sessions/x")
     assert reploy_serve.client_request(SimpleNamespace(session_action="snapshot", id="x")) == (
@@ -603,6 +831,17 @@ def test_session_client_without_a_server_prints_one_error_document(entry: str) -
                            "--server", "http://127.0.0.1:9"], capture_output=True, timeout=60)
     assert proc.returncode == 1
     assert "error" in json.loads(proc.stdout)
+
+
+@pytest.mark.parametrize(("words", "stdin", "complaint"), [
+    (["write", "0123456789abcdef", "-"], b"ls \xff\r", b"stdin is not UTF-8"),  # a payload is text
+    (["create", "--name", "n", "--workload-type", "agent"], b"", b"invalid choice"),  # the wire's names
+    (["read", "0123456789abcdef", "--max-bytes", "4"], b"", b"unrecognized arguments"),
+])
+def test_session_client_usage_errors_send_nothing(words: list[str], stdin: bytes, complaint: bytes) -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "reploy.py"), "session", *words, "--server",
+                           "http://127.0.0.1:9"], input=stdin, capture_output=True, timeout=60)
+    assert (proc.returncode, proc.stdout) == (2, b"") and complaint in proc.stderr, proc.stderr
 
 
 @pytest.mark.parametrize("words", [["serve", "--help"], ["session", "--help"],

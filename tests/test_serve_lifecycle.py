@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable
 
 import pytest
 
 from serve_harness import (  # noqa: F401  (fixtures)
-    ServeProcess, in_thread, managed_workload, serve_factory, session_containers, sse_events,
-    wait_until,
+    ServeProcess, in_thread, managed_workload, seconds, serve_factory, session_containers,
+    sse_events, wait_until,
 )
 
 pytestmark = pytest.mark.docker
@@ -29,19 +30,16 @@ def paused(docker_engine: Any, server: ServeProcess, sid: str) -> bool:
     return container.attrs["State"]["Paused"]
 
 
-def server_now(server: ServeProcess) -> float:
-    return server.api.call("GET", "/sessions")["now"]
-
-
-def reaped_past(server: ServeProcess, sid: str, seconds: float, blocked: list[str]) -> dict[str, Any]:
+def reaped_past(server: ServeProcess, sid: str, past_s: float, blocked: list[str]) -> dict[str, Any]:
     """Waits until the reaper has had two passes (of 250 ms with --idle-after 1s) after the
-    session's idle clock passed `seconds`, with `blocked` as its idleBlockedBy; returns it."""
+    session's idle clock passed `past_s`, with `blocked` as its idleBlockedBy; returns it (the
+    serve runs on this machine: its clock is ours)."""
     def due() -> Any:
         session = server.api.get(sid)
         start = session["lastAccess"] if session["state"] == "active" else session["stateSince"]
         return session if (session["idleBlockedBy"] == blocked
-                           and server_now(server) >= start + seconds + 0.5) else None
-    return wait_until(due, f"the reaper to pass {seconds} s with {blocked}")
+                           and time.time() >= seconds(start) + past_s + 0.5) else None
+    return wait_until(due, f"the reaper to pass {past_s} s with {blocked}")
 
 
 class Stream:
@@ -75,7 +73,7 @@ def test_reaper_idles_then_snapshots_and_access_restores(
     wait_until(lambda: api.get(sid)["state"] == "idle", "the reaper to idle the session")
     assert paused(docker_engine, server, sid)
     session = api.get(sid)  # nothing held it back, and it did not go early
-    assert session["idleBlockedBy"] == [] and session["stateSince"] - session["lastAccess"] >= 1.0
+    assert session["idleBlockedBy"] == [] and seconds(session["stateSince"]) - seconds(session["lastAccess"]) >= 1.0
     # Neither get, status nor the stream count as access.
     stamp = api.get(sid)["lastAccess"]
     assert api.call("GET", f"/sessions/{sid}/status")["agent"] is None
@@ -122,7 +120,7 @@ def test_two_servers_never_double_act(serve_factory: Callable[..., ServeProcess]
 def test_serve_killed_during_create_leaves_nothing(serve_factory: Callable[..., ServeProcess],
                                                    docker_engine: Any) -> None:
     server = serve_factory()
-    in_thread(lambda: server.api.call("POST", "/sessions", {"name": "doomed", "workload": "shell"}, 201))
+    in_thread(lambda: server.api.call("POST", "/sessions", {"name": "doomed"}, 201))
     wait_until(lambda: session_containers(docker_engine, server.state_dir), "the container")
     server.kill()
     assert (server.state_dir / "sessions.db").exists()
@@ -150,11 +148,12 @@ def test_serve_killed_during_restore_rolls_back(serve_factory: Callable[..., Ser
 def test_serve_killed_during_snapshot_recovers(serve_factory: Callable[..., ServeProcess],
                                                docker_engine: Any) -> None:
     server = serve_factory()
-    sid = server.api.create("snap-crash", "agent")["id"]
+    sid = server.api.create("snap-crash", "claude-code")["id"]
     server.api.call("POST", f"/sessions/{sid}/message", {"text": "hang"})
     server.api.wait_output(sid, b"working")
     in_thread(lambda: server.api.raw("POST", f"/api/v1/sessions/{sid}/snapshot", b"{}"))
-    wait_until(lambda: server.api.get(sid)["state"] == "snapshotting", "snapshotting")
+    wait_until(lambda: server.api.get(sid).get("phase") == "snapshotting", "snapshotting")
+    assert server.api.get(sid)["state"] == "active"  # as seed 002 sees it until the archive is made
     server.kill()
     after = serve_factory(state_dir=server.state_dir)
     # The run never drained, so there is no archive: back to active, container kept.

@@ -52,10 +52,10 @@ def type_line(browser: Browser, line: str) -> None:
     browser.enter()
 
 
-def create_in_ui(browser: Browser, url: str, name: str, workload: str) -> str:
+def create_in_ui(browser: Browser, url: str, name: str, workload_type: str) -> str:
     browser.navigate(url + "/#/new")
     fill(browser, "[data-test=name]", name)
-    fill(browser, "[data-test=workload]", workload)
+    fill(browser, "[data-test=workload]", workload_type)
     browser.wait_for("document.querySelector('[data-test=deployment]').options.length > 0", "deployments")
     click(browser, "[data-test=create]")
     return browser.wait_for("(location.hash.match(/^#\\/s\\/([0-9a-f]{16})$/) || [])[1]", "the workspace")
@@ -130,7 +130,7 @@ def test_every_screen_in_chromium(serve_factory: Callable[..., ServeProcess], do
     browser.screenshot(ARTIFACTS / "7-shell-restored.png")
 
     # An agent session: prompt, live stream, queue state.
-    agent = create_in_ui(browser, url, "ui-agent", "agent")
+    agent = create_in_ui(browser, url, "ui-agent", "claude-code")
     fill(browser, "[data-test=prompt]", "say streamed from the fake CLI")
     click(browser, "[data-test=send]")
     browser.wait_for("document.querySelector('[data-test=transcript]').textContent"
@@ -224,7 +224,7 @@ def test_relaunch_and_stream_recovery_in_chromium(serve_factory: Callable[..., S
     browser.navigate(url + "/#/")
     browser.wait_for(f"(document.querySelector(\"tr[data-session='{busy}'] [data-test=countdown]\") || {{}})"
                      ".textContent === 'held: busy'", "the busy session held")
-    server.api.call("DELETE", f"/sessions/{busy}")
+    server.api.call("DELETE", f"/sessions/{busy}", expect=204)
 
     # A shell that exited: the workspace offers Relaunch, and typing works again after it.
     shell = create_in_ui(browser, url, "ui-exit", "shell")
@@ -260,7 +260,7 @@ def test_relaunch_and_stream_recovery_in_chromium(serve_factory: Callable[..., S
     assert again.api.get(shell)["state"] == "active"
 
     # An agent session: Relaunch asks first, and forgets the conversation only when confirmed.
-    agent = create_in_ui(browser, url, "ui-relaunch", "agent")
+    agent = create_in_ui(browser, url, "ui-relaunch", "claude-code")
     fill(browser, "[data-test=prompt]", "say first answer")
     click(browser, "[data-test=send]")
     browser.wait_for("document.querySelector('[data-test=transcript]').textContent.includes('first answer')",

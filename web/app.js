@@ -1,8 +1,9 @@
-// Reploy's session UI: a small single-page app over /api/v1 (see openapi.json). No build step.
-// Screens: sessions list (#/), new session (#/new), workspace (#/s/<id>): a terminal for shell
-// sessions, a prompt and live transcript for agent sessions, and a restore screen for
-// snapshotted ones. Output arrives over the passive SSE stream; opening a workspace is an
-// explicit access (POST /switch), which resumes an idle session.
+// Reploy's session UI: a small single-page app over /api/v1 (see openapi.json: seed 002's API and
+// Reploy's additions). No build step. Screens: sessions list (#/), new session (#/new),
+// workspace (#/s/<id>): a terminal for shell sessions, a prompt and live transcript for
+// claude-code sessions, and a restore screen for snapshotted ones. Output arrives over the
+// passive SSE stream; opening a workspace is an explicit access (POST /switch), which resumes an
+// idle session.
 // Credentials: the HttpOnly cookie that `reploy serve`'s login_url sets, sent by the browser
 // with every same-origin request (EventSource included); this script never sees a token. Any
 // 401 replaces the screen with a note to open the login URL.
@@ -30,14 +31,20 @@ async function request(url, init) {
   return response;
 }
 
+// One JSON call: its answer's document, or null for an answer without one (a delete's 204).
 async function api(method, path, body) {
+  const response = await apiResponse(method, path, body);
+  if (response.status === 204) return null;
+  try { return await response.json(); } catch (_) { return { error: response.statusText }; }
+}
+
+async function apiResponse(method, path, body) {
   const init = { method, headers: {} };
   if (body !== undefined) {
     init.headers["Content-Type"] = "application/json";
     init.body = JSON.stringify(body);
   }
-  const response = await request(API + path, init);
-  try { return await response.json(); } catch (_) { return { error: response.statusText }; }
+  return request(API + path, init);
 }
 
 function h(tag, attrs = {}, ...children) {
@@ -52,18 +59,15 @@ function h(tag, attrs = {}, ...children) {
   return node;
 }
 
-function bytesToBase64(bytes) {
-  let text = "";
-  for (let i = 0; i < bytes.length; i += 0x8000) text += String.fromCharCode(...bytes.subarray(i, i + 0x8000));
-  return btoa(text);
-}
-
 function base64ToBytes(b64) {
   const text = atob(b64);
   const bytes = new Uint8Array(text.length);
   for (let i = 0; i < text.length; i++) bytes[i] = text.charCodeAt(i);
   return bytes;
 }
+
+// A Session's date-time (RFC 3339) in Unix seconds.
+function when(stamp) { return Date.parse(stamp) / 1000; }
 
 function ago(seconds) {
   seconds = Math.max(0, Math.round(seconds));
@@ -126,9 +130,10 @@ function sessionsScreen() {
 
   function countdown(s) {
     const now = Date.now() / 1000 + skew;
+    if (s.phase) return `${s.phase}…`;
     if (s.idleBlockedBy && s.idleBlockedBy.length) return `held: ${s.idleBlockedBy.join(", ")}`;
-    if (s.state === "active" && s.idleAt) return `idle in ${clock(s.idleAt - now)}`;
-    if (s.state === "idle" && s.snapshotAt) return `snapshot in ${clock(s.snapshotAt - now)}`;
+    if (s.state === "active" && s.idleAt) return `idle in ${clock(when(s.idleAt) - now)}`;
+    if (s.state === "idle" && s.snapshotAt) return `snapshot in ${clock(when(s.snapshotAt) - now)}`;
     return "—";
   }
 
@@ -145,20 +150,22 @@ function sessionsScreen() {
         : [h("button", { class: "danger", "data-test": "delete", onclick: () => { confirming.add(s.id); draw(); } }, "Delete")];
       return h("tr", { "data-session": s.id },
         h("td", {}, h("a", { href: `#/s/${s.id}`, "data-test": "open" }, s.name)),
-        h("td", {}, s.workload + (s.model ? ` · ${s.model}` : "")),
+        h("td", {}, s.workloadType + (s.model ? ` · ${s.model}` : "")),
         h("td", {}, badge(s.state)),
         h("td", { class: "muted" }, s.deployment),
-        h("td", { class: "muted" }, ago(now - s.lastAccess)),
+        h("td", { class: "muted" }, ago(now - when(s.lastAccess))),
         h("td", { class: "muted", "data-test": "countdown" }, countdown(s)),
         h("td", { class: "actions" }, ...del));
     }));
   }
 
+  // The server's clock, for the countdowns, from its answer's Date header (to the second).
   async function refresh() {
     try {
-      const doc = await api("GET", "/sessions");
-      skew = doc.now - Date.now() / 1000;
-      sessions = doc.sessions;
+      const response = await apiResponse("GET", "/sessions");
+      const served = Date.parse(response.headers.get("Date"));
+      if (!Number.isNaN(served)) skew = served / 1000 - Date.now() / 1000;
+      sessions = (await response.json()).sessions || [];
       error.textContent = "";
     } catch (e) { error.textContent = e.message; }
     if (!stopped) draw();
@@ -186,22 +193,22 @@ function sessionsScreen() {
 
 async function newSessionScreen() {
   const error = h("div", { class: "error", "data-test": "error" });
-  const name = h("input", { name: "name", required: true, maxlength: 64, placeholder: "my-session", "data-test": "name" });
-  const workload = h("select", { name: "workload", "data-test": "workload" },
-                     h("option", { value: "shell" }, "shell"), h("option", { value: "agent" }, "agent"));
+  const name = h("input", { name: "name", required: true, placeholder: "my-session", "data-test": "name" });
+  const workload = h("select", { name: "workloadType", "data-test": "workload" },
+                     h("option", { value: "shell" }, "shell"), h("option", { value: "claude-code" }, "claude-code"));
   const models = h("datalist", { id: "models" });
   const model = h("input", { name: "model", list: "models", placeholder: "platform default", "data-test": "model" });
   const modelField = h("label", { hidden: true }, "Model", model, models);
   const deployment = h("select", { name: "deployment", "data-test": "deployment" });
   const submit = h("button", { class: "primary", type: "submit", "data-test": "create" }, "Create session");
-  workload.addEventListener("change", () => { modelField.hidden = workload.value !== "agent"; });
+  workload.addEventListener("change", () => { modelField.hidden = workload.value !== "claude-code"; });
 
   const form = h("form", { class: "form", onsubmit: async (event) => {
     event.preventDefault();
     submit.disabled = true;
     error.textContent = "";
-    const body = { name: name.value.trim(), workload: workload.value };
-    if (workload.value === "agent" && model.value.trim()) body.model = model.value.trim();
+    const body = { name: name.value.trim(), workloadType: workload.value };
+    if (workload.value === "claude-code" && model.value.trim()) body.model = model.value.trim();
     if (deployment.value) body.deployment = deployment.value;
     try {
       submit.textContent = "Starting…";
@@ -213,14 +220,14 @@ async function newSessionScreen() {
       submit.textContent = "Create session";
     }
   } },
-    h("label", {}, "Name", name), h("label", {}, "Workload", workload), modelField,
+    h("label", {}, "Name", name), h("label", {}, "Workload type", workload), modelField,
     h("label", {}, "Deployment", deployment), submit, error);
   show(h("h1", {}, "New session"), form);
   try {
-    const config = await api("GET", "/config");
-    deployment.replaceChildren(...config.deployments.map((d) => h("option", { value: d }, d)));
-    models.replaceChildren(...config.agent.models.map((m) => h("option", { value: m })));
-    model.placeholder = `${config.agent.defaultModel} (platform default)`;
+    const [config, server] = await Promise.all([api("GET", "/config"), api("GET", "/server")]);
+    deployment.replaceChildren(...server.deployments.map((d) => h("option", { value: d }, d)));
+    models.replaceChildren(...config.claudeCode.models.map((m) => h("option", { value: m })));
+    model.placeholder = `${config.claudeCode.defaultModel} (platform default)`;
   } catch (e) { error.textContent = e.message; }
 }
 
@@ -238,13 +245,13 @@ async function workspaceScreen(id) {
     return;
   }
   if (closed) return;
-  if (session.state === "snapshot") return restoreScreen(session);
-  if (session.state !== "active" && session.state !== "idle") {
-    show(h("h1", {}, session.name), h("p", { class: "muted" }, `The session is ${session.state}…`));
+  if (session.phase) { // snapshotting or restoring: wait for it to end
+    show(h("h1", {}, session.name), h("p", { class: "muted" }, `The session is ${session.phase}…`));
     const again = setTimeout(() => { if (!closed) route(); }, 500);
     cleanups.push(() => clearTimeout(again));
     return;
   }
+  if (session.state === "snapshot") return restoreScreen(session);
   try {
     session = await api("POST", `/sessions/${id}/switch`, {}); // an access: resumes an idle session
   } catch (e) {
@@ -261,7 +268,7 @@ async function workspaceScreen(id) {
     catch (e) { status.textContent = e.message; snapshot.disabled = false; }
   } }, "Snapshot");
   const toolbar = h("div", { class: "toolbar" }, h("h1", {}, session.name), state,
-                    h("span", { class: "muted" }, `${session.workload}${session.model ? " · " + session.model : ""} · ${session.deployment}`),
+                    h("span", { class: "muted" }, `${session.workloadType}${session.model ? " · " + session.model : ""} · ${session.deployment}`),
                     h("span", { class: "spacer" }), snapshot);
 
   // The session's state, polled passively: a snapshot taken meanwhile routes to restore.
@@ -270,20 +277,20 @@ async function workspaceScreen(id) {
       const current = await api("GET", `/sessions/${id}`);
       state.className = `badge ${current.state}`;
       state.textContent = current.state;
-      if (current.state === "snapshot") route();
+      if (current.state === "snapshot" && !current.phase) route();
     } catch (e) { if (e.status === 404) location.hash = "#/"; }
   }, POLL_MS);
   cleanups.push(() => clearInterval(poll));
 
-  const onOutput = session.workload === "shell" ? shellView(id, toolbar, status, cleanups) : agentView(id, toolbar, status, cleanups);
+  const onOutput = session.workloadType === "shell" ? shellView(id, toolbar, status, cleanups) : agentView(id, toolbar, status, cleanups);
   view.append(filesPanel(id)); // web/files.js
   follow(id, onOutput, status, cleanups, () => closed);
 }
 
-// Follows the SSE stream; on `reset` it re-reads the log from 0 and reconnects. After a
-// transport failure it looks at the session first (seed 002): it reconnects only to an active or
-// idle session, sends a snapshot to the restore screen, and while the session is being created,
-// snapshotted, restored or deleted it waits for a stable state instead of reconnecting.
+// Follows the SSE stream; on `reset` it re-reads the log from 0 and reconnects from that read's
+// cursor (seed 002). After a transport failure it looks at the session first: it reconnects only
+// to an active or idle session, sends a snapshot to the restore screen, and while a snapshot or
+// restore is under way (`phase`) it waits for it to end instead of reconnecting.
 function follow(id, sink, status, cleanups, isClosed) {
   let source = null, cursor = 0, retry = null;
   const later = (step, ms) => { clearTimeout(retry); retry = setTimeout(() => { if (!isClosed()) step(); }, ms); };
@@ -298,10 +305,14 @@ function follow(id, sink, status, cleanups, isClosed) {
       return;
     }
     if (isClosed()) return;
+    if (current.phase) {
+      status.textContent = `waiting for the session: ${current.phase}…`;
+      later(recover, POLL_MS);
+      return;
+    }
     if (current.state === "snapshot") { route(); return; }
-    if (current.state === "active" || current.state === "idle") { status.textContent = ""; open(); return; }
-    status.textContent = `waiting for the session: ${current.state}…`;
-    later(recover, POLL_MS);
+    status.textContent = "";
+    open();
   };
   const open = () => {
     source = new EventSource(`${API}/sessions/${id}/stream?offset=${cursor}`);
@@ -315,13 +326,10 @@ function follow(id, sink, status, cleanups, isClosed) {
       source.close();
       sink.reset();
       cursor = 0;
-      try {
-        for (;;) {
-          const page = await api("POST", `/sessions/${id}/read`, { offset: cursor, maxBytes: 524288 });
-          sink.write(base64ToBytes(page.payloadBase64));
-          cursor = page.nextOffset;
-          if (cursor >= page.length) break;
-        }
+      try { // one read from 0 answers the whole history; payloadBase64 holds its exact bytes
+        const page = await api("POST", `/sessions/${id}/read`, { offset: 0 });
+        sink.write(base64ToBytes(page.payloadBase64));
+        cursor = page.nextOffset;
       } catch (e) { status.textContent = e.message; }
       if (!isClosed()) open();
     });
@@ -365,7 +373,6 @@ function shellView(id, toolbar, status, cleanups) {
   window.reployTerminal = term; // for tests and the console
 
   // Keystrokes in order: one write in flight, the rest batched behind it.
-  const encoder = new TextEncoder();
   let pending = [], sending = false;
   const flush = async () => {
     if (sending || !pending.length) return;
@@ -373,7 +380,7 @@ function shellView(id, toolbar, status, cleanups) {
     const data = pending.join("");
     pending = [];
     try {
-      await api("POST", `/sessions/${id}/write`, { dataBase64: bytesToBase64(encoder.encode(data)) });
+      await api("POST", `/sessions/${id}/write`, { payload: data });
       status.textContent = "";
     } catch (e) { status.textContent = `write failed: ${e.message}`; }
     sending = false;
@@ -471,12 +478,14 @@ function restoreScreen(session) {
     try { await api("POST", `/sessions/${session.id}/switch`, {}); route(); }
     catch (e) { error.textContent = e.message; button.disabled = false; button.textContent = "Restore"; }
   } }, "Restore");
-  const size = session.snapshotBytes ? `${Math.ceil(session.snapshotBytes / 1024)} KiB archive` : "archive";
+  const checkpoint = session.checkpoint || {};
+  const size = checkpoint.sizeBytes ? `${Math.ceil(checkpoint.sizeBytes / 1024)} KiB archive` : "archive";
+  const taken = when(checkpoint.createdAt || session.stateSince);
   show(h("div", { class: "toolbar" }, h("h1", {}, session.name), badge(session.state)),
        h("div", { class: "restore", "data-test": "restore-screen" },
-         h("p", {}, `This ${session.workload} session was snapshotted ${ago(Date.now() / 1000 - session.stateSince)} (${size}). ` +
+         h("p", {}, `This ${session.workloadType} session was snapshotted ${ago(Date.now() / 1000 - taken)} (${size}). ` +
                     "Its container was removed; its output and workspace are kept."),
-         h("p", { class: "muted" }, session.workload === "shell"
+         h("p", { class: "muted" }, session.workloadType === "shell"
            ? "Restoring starts a fresh shell in a new container; the earlier output stays above it."
            : "Restoring starts a new container; the conversation continues where it stopped."),
          h("div", {}, button), error));
