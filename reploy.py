@@ -3094,8 +3094,8 @@ def until_signalled(signals: HostSignals, work: Callable[[], Any]) -> Any:
     def run() -> None:
         try:
             value: Any = work()
-        except Exception as e:  # noqa: BLE001 - handed to the caller, which raises it
-            value = e
+        except BaseException as e:  # noqa: BLE001 - handed to the caller, which raises it:
+            value = e  # whatever it is, the caller must not wait for a report that never comes
         notifier.report("done", value)
 
     threading.Thread(target=run, name="prepare", daemon=True).start()
@@ -3107,7 +3107,7 @@ def until_signalled(signals: HostSignals, work: Callable[[], Any]) -> Any:
                 if signals.drain():
                     return None
                 for _tag, value in notifier.drain():
-                    if isinstance(value, Exception):
+                    if isinstance(value, BaseException):
                         raise value
                     return value
                 selector.select()
