@@ -31,10 +31,10 @@ demo: setup-demo
 	  --output-dir $(DEMO_DIR)/artifacts -- run-controller
 
 test: setup
-	$(PYTHON) -m pytest -q tests
+	$(PYTHON) -m pytest -q -rs tests
 
 test-unit:
-	$(PYTHON) -m pytest -q tests -m "not docker"
+	$(PYTHON) -m pytest -q -rs tests -m "not docker"
 
 # Figures as JSON lines on stdout (ratios against baselines measured in the same run).
 bench: setup

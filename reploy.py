@@ -158,6 +158,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import docker
 import docker.errors
+import docker.transport
 import requests.exceptions
 import yaml
 
@@ -177,8 +178,15 @@ from reploy_session_client import (  # noqa: E402
 __version__ = "0.1.0"
 
 CLIENT_SOURCE = Path(wire.__file__).resolve()
-#: Where the client lands in the derived controller image.
-CLIENT_INSTALL_PATH = "/usr/local/bin/reploy-session-client"
+#: Where the client lands in the derived controller image: a directory the derived image puts
+#: first on PATH, ahead of the image's own PATH (or the Engine's default, when it sets none).
+CLIENT_DIR = "/usr/local/bin"
+CLIENT_INSTALL_PATH = f"{CLIENT_DIR}/reploy-session-client"
+ENGINE_DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+#: The derived controller image is the controller generation (FROM) plus these instructions:
+#: one layer, the client.
+DERIVED_LAYER = (f"COPY reploy-session-client {CLIENT_INSTALL_PATH}\n"
+                 f'ENV PATH="{CLIENT_DIR}:${{PATH:-{ENGINE_DEFAULT_PATH}}}"\n')
 #: The container-side HOME of both roles: a private tmpfs owned by the runtime uid:gid.
 CONTAINER_HOME = "/mnt/reploy-home"
 HOME_TMPFS_SIZE = "64m"
@@ -199,13 +207,26 @@ DEFAULT_MEMORY_MIB = 512
 DEFAULT_PIDS = 256
 #: Bytes of a controller container's log copied to the host's stderr at teardown.
 CONTROLLER_LOG_TAIL_BYTES = 64 * 1024
-#: The python probe: a short-lived session container that proves the derived controller image
-#: can run the client, before the session is planned to use it.
+#: The python probe: a short-lived session container, made like the controller's, that runs the
+#: installed client by name (`reploy-session-client probe`, its shebang and python3 found on the
+#: image's PATH as the controller's would be) before a session is planned to use the image. It
+#: proves the client runs there and that the engine gave it the sandbox asked for.
 PROBE_ROLE = "python-probe"
-#: Appended to the derived image's tag once its python probe passed: only that tag is reused.
-PROBED_TAG_SUFFIX = "-probed"
-PYTHON_PROBE_COMMAND = ("python3", "-c", "import json, selectors, socket, termios")
-PYTHON_PROBE_TIMEOUT_S = 60
+PROBE_COMMAND = ("reploy-session-client", "probe")
+PROBE_TIMEOUT_S = 60
+#: The most of the probe's output read back (its report is one short line).
+PROBE_OUTPUT_BYTES = 4096
+#: What /proc/self/status must say in a session container: a seccomp filter (mode 2),
+#: no-new-privileges, and no capability in any set (all are dropped).
+PROBE_EXPECTED_STATUS = {"Seccomp": "2", "NoNewPrivs": "1",
+                         **{name: "0" * 16 for name in ("CapInh", "CapPrm", "CapEff", "CapBnd",
+                                                        "CapAmb")}}
+#: What the controller image must provide for the client to run, in the words of a refusal.
+CLIENT_NEEDS = ("the controller image must provide python3 (3.7 or later, with its standard "
+                "library) on its PATH and /usr/bin/env, which reploy-session-client runs with")
+#: Appended to the derived image's tag once its probe passed on an engine configured as this
+#: one is (the tag names a digest of that configuration): only that tag is reused.
+PROBED_TAG_SUFFIX = "-probed-"
 #: How long the delivery tail waits for the broker to close its end of a channel we closed.
 CHANNEL_CLOSE_S = 2.0
 #: The notice tag prefix of ControlledSession.call_off_loop's calls.
@@ -220,11 +241,10 @@ OUTPUT_COALESCE_S = 0.001
 #: holding nothing but `lo`.
 NETWORK_NONE = "none"
 #: A granted session's network namespace (only `lo`) is owned by a holder container that runs
-#: nothing but a pause, as nobody, in the derived controller image (which has python3; the
-#: pause is its entrypoint, so none of the image's runs); the workload and the controller join
-#: it, and the controller reaches the workload's ports at host `workload` (127.0.0.1) over the
-#: shared loopback.
-HOLDER_ENTRYPOINT = ("python3", "-S", "-c", "import signal; signal.pause()")
+#: nothing but a pause, as nobody, in the derived controller image (which has python3); the
+#: workload and the controller join it, and the controller reaches the workload's ports at host
+#: `workload` (127.0.0.1) over the shared loopback.
+HOLDER_COMMAND = ("python3", "-S", "-c", "import signal; signal.pause()")
 HOLDER_UID_GID = 65534
 HOLDER_MEMORY_MIB = 32
 HOLDER_PIDS = 4
@@ -346,6 +366,16 @@ def printable(text: str) -> str:
     """Text that may hold undecodable bytes of a path (surrogate escapes) as text JSON can
     carry: those bytes are shown as \\xNN."""
     return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+def error_text(error: BaseException) -> str:
+    """An error in words for a person: an OS error as its message and the path it concerns
+    (`Permission denied: /x`), never Python's `[Errno 13] ...` rendering."""
+    if isinstance(error, OSError) and error.strerror:
+        paths = [os.fsdecode(name) for name in (error.filename, error.filename2)
+                 if name is not None]
+        return ": ".join([error.strerror, *paths])
+    return str(error) or type(error).__name__
 
 
 def printable_json(value: Any) -> Any:
@@ -645,6 +675,9 @@ RESULT_KEYS = (
     "delivery_tail_recovery_action",
 )
 OUTPUT_SUCCESS_KINDS = frozenset({"not-requested", "directory-retained", "file-published"})
+#: How a failed publication of --output-file begins the run's error (upstream's words); that
+#: error says what became of the output, so the summary does not repeat controller_output.
+PUBLISH_ERROR = "publish controlled-session controller output: "
 
 
 @dataclass
@@ -659,6 +692,9 @@ class RunResult:
     controller_output: Optional[Status] = None
     delivery_tail_cleanup_status: Optional[Status] = None
     delivery_tail_recovery_action: Optional[RecoveryAction] = None
+    #: The first SIGINT or SIGTERM that came before the result (its name), whatever it did:
+    #: a failed run's exit code comes from it, and its error names it. Not printed as a field.
+    received_signal: Optional[str] = None
 
     @property
     def ok(self) -> bool:
@@ -675,6 +711,37 @@ class RunResult:
             and self.delivery_tail_cleanup_status.kind == "succeeded"
             and self.delivery_tail_recovery_action is RecoveryAction.NONE
         )
+
+    def failures(self) -> list[str]:
+        """Each fact that keeps `ok` false, in words, the run's own error first. A fact the
+        cause implies is not repeated (a lost controller's finalization is `lost`, a startup
+        failure's `startup-failed`, a session that never became ready never finalized)."""
+        parts = [self.error] if self.error else []
+        session = self.session_result
+        if session is not None:
+            parts += session_failures(session, explained=self.error is not None)
+        if self.result_delivered is False:
+            parts.append("the result was not delivered to the controller")
+        elif self.result_acknowledged is False:
+            parts.append("the controller did not acknowledge the result")
+        output = self.controller_output
+        if output is not None and output.kind not in OUTPUT_SUCCESS_KINDS and not (
+                self.error or "").startswith(PUBLISH_ERROR):
+            parts.append(stated(f"controller output {output.kind}", output))
+        tail = self.delivery_tail_cleanup_status
+        if tail is not None and tail.kind != "succeeded":
+            parts.append(stated("the delivery tail's cleanup failed", tail))
+        if parts and self.received_signal and self.received_signal not in parts[0]:
+            parts.append(f"received {self.received_signal}")  # it came as the run ended anyway
+        return parts
+
+    def summary(self) -> Optional[str]:
+        """`error` as printed: None exactly when ok; otherwise one line of safe text (no
+        control characters, at most MAX_SAFE_TEXT_BYTES) naming what made ok false."""
+        if self.ok:
+            return None
+        parts = self.failures() or ["the run did not succeed"]
+        return wire.safe_text(printable("; ".join(dict.fromkeys(parts))))
 
     def to_json(self) -> dict[str, Any]:
         def status(value: Optional[Status]) -> Optional[dict[str, Any]]:
@@ -696,6 +763,42 @@ class RunResult:
 
     def encode(self) -> bytes:
         return wire.encode_compact(self.to_json()) + b"\n"
+
+
+def stated(what: str, status: Status) -> str:
+    """`what`, followed by the status's reason when it has one."""
+    return f"{what}: {status.reason}" if status.reason else what
+
+
+def session_failures(session: SessionResult, explained: bool) -> list[str]:
+    """The session result's facts that keep `ok` false, in words. `explained`: the run's error
+    already says why a startup failure or a host cancellation ended it."""
+    cause, parts = session.cause, []
+    workload = session.workload_status
+    finalization = session.controller_finalization_status
+    if cause is Cause.WORKLOAD_EXIT:
+        code = dict(workload.details).get("code")
+        if workload.kind != "exited":
+            parts.append(stated(f"the workload's status is {workload.kind}", workload))
+        elif code != 0:
+            parts.append(f"the workload exited with code {code}")
+    elif cause is Cause.CONTROLLER_LOST:
+        parts.append(stated("the controller was lost", finalization))
+    elif cause is Cause.RUNTIME_OBSERVATION_LOST:
+        parts.append(stated("the runtime observation was lost",
+                            session.runtime_observation_status))
+    elif cause in (Cause.STARTUP_FAILURE, Cause.HOST_CANCEL) and not explained:
+        parts.append(stated(cause.value, finalization))
+    output = session.workload_output_finalization_status
+    if output.kind != "drained" and cause is not Cause.RUNTIME_OBSERVATION_LOST:
+        parts.append(stated("terminal output finalization failed", output))
+    implied = finalization.kind in ("startup-failed", "not-completed") or (
+        cause is Cause.CONTROLLER_LOST)
+    if finalization.kind != "completed" and not implied:
+        parts.append(stated(f"controller finalization {finalization.kind}", finalization))
+    if session.cleanup_status.kind != "succeeded":
+        parts.append(stated("the workload's cleanup failed", session.cleanup_status))
+    return parts
 
 
 def process_status(exit_code: int) -> Status:
@@ -729,8 +832,9 @@ class Mount:
 class ContainerSpec:
     """Everything needed to create one sandboxed session container. Pure data."""
 
-    role: str  # "controller" | "workload" | "holder"
+    role: str  # "controller" | "workload" | "holder" | "python-probe" | serve's "managed"
     image_id: str
+    #: Exactly what runs: the image's own ENTRYPOINT and CMD never apply (create_kwargs).
     command: tuple[str, ...]
     runtime: Runtime
     environment: dict[str, str]
@@ -739,8 +843,6 @@ class ContainerSpec:
     #: Engine then refuses a hostname or extra hosts of the joining container's own).
     network_mode: str = NETWORK_NONE
     extra_hosts: tuple[tuple[str, str], ...] = ()  # (name, address) in /etc/hosts
-    #: Replaces the image's ENTRYPOINT (and with it its CMD) when set.
-    entrypoint: tuple[str, ...] = ()
     mounts: tuple[Mount, ...] = ()
     tty: bool = False
     hostname: Optional[str] = None
@@ -751,7 +853,13 @@ class ContainerSpec:
     console_size: Optional[tuple[int, int]] = None
 
     def create_kwargs(self, api: docker.APIClient) -> dict[str, Any]:
-        """The Engine API arguments. Every sandbox property is set here and nowhere else."""
+        """The Engine API arguments. Every sandbox property is set here and nowhere else.
+
+        The command is the container's whole entrypoint, with no arguments of the image's: the
+        Engine fills in an image's ENTRYPOINT only when the request's is empty, and its CMD
+        only then, so neither ever applies (an image with ENTRYPOINT ["python3", "app.py"]
+        would otherwise run `python3 app.py /bin/sh`). Nor does its HEALTHCHECK, which would
+        run commands of the image's in the container."""
         uid, gid = self.runtime.uid, self.runtime.gid
         tmpfs = {CONTAINER_HOME: f"rw,nosuid,nodev,size={HOME_TMPFS_SIZE},mode=0700,uid={uid},gid={gid}"}
         for path in self.runtime.writable_paths:
@@ -779,8 +887,9 @@ class ContainerSpec:
             host_config["ConsoleSize"] = [rows, columns]
         return dict(
             image=self.image_id,
-            command=list(self.command),
-            entrypoint=list(self.entrypoint) or None,
+            entrypoint=list(self.command),
+            command=[],
+            healthcheck={"Test": ["NONE"]},
             user=self.runtime.user,
             environment=dict(self.environment),
             labels=dict(self.labels),
@@ -790,6 +899,39 @@ class ContainerSpec:
             hostname=self.hostname,
             working_dir=CONTAINER_HOME if self.role == "controller" else None,
         )
+
+
+def security_options(info: dict[str, Any]) -> dict[str, dict[str, str]]:
+    """The engine's /info SecurityOptions by name: `name=seccomp,profile=default` becomes
+    {"seccomp": {"profile": "default"}}; an old engine's bare `seccomp` has no settings."""
+    options: dict[str, dict[str, str]] = {}
+    for entry in info.get("SecurityOptions") or []:
+        fields_ = dict(part.partition("=")[::2] for part in str(entry).split(","))
+        name = fields_.pop("name", None)
+        options[name or str(entry)] = {} if name is None else fields_
+    return options
+
+
+def sandbox_refusal(info: dict[str, Any], local: bool, host_platform: str) -> Optional[str]:
+    """Why an engine cannot hold the sandbox, or None: the host must be Linux and reach the
+    engine through a local unix socket (the channel is a unix socket bind-mounted from this
+    host, and its peer's credentials are checked); the engine must run Linux containers under
+    a seccomp profile that filters (rootless or not). Pure: the engine's /info, how it is
+    reached, the host's sys.platform."""
+    if host_platform != "linux":
+        return f"the host runs {host_platform}, not Linux"
+    if not local:
+        return ("it is not reached through a local unix socket (a remote engine cannot share "
+                "this host's files and sockets)")
+    os_type = info.get("OSType")
+    if os_type != "linux":
+        return f"it runs {os_type or 'unknown'} containers, not Linux ones"
+    seccomp = security_options(info).get("seccomp")
+    if seccomp is None:
+        return "it has no seccomp support"
+    if seccomp.get("profile") == "unconfined":
+        return "its default seccomp profile is unconfined"
+    return None
 
 
 def kill_if_running(api: docker.APIClient, container_id: str, signame: str) -> None:
@@ -845,11 +987,19 @@ class DockerBackend:
         self.api: docker.APIClient = self.client.api
 
     @_docker_call("check the engine's sandbox support")
-    def require_sandbox_support(self) -> None:
-        """Fail closed when the engine cannot give us seccomp."""
-        options = " ".join(self.client.info().get("SecurityOptions") or [])
-        if "seccomp" not in options:
-            raise BackendError("the Docker engine has no seccomp support; refusing to run")
+    def require_sandbox_support(self) -> str:
+        """Fail closed when the engine cannot hold the sandbox (sandbox_refusal says why);
+        otherwise a digest of what in its configuration the sandbox depends on, which keys
+        the python probe's verdict (a reconfigured engine is probed again)."""
+        info = self.client.info()
+        adapter = self.api.get_adapter(self.api.base_url)
+        refusal = sandbox_refusal(info, isinstance(adapter, docker.transport.UnixHTTPAdapter),
+                                  sys.platform)
+        if refusal is not None:
+            raise BackendError(f"refusing this Docker engine: {refusal}")
+        facts = [info.get(key) for key in ("ID", "ServerVersion", "KernelVersion", "OSType")]
+        facts.append(sorted(info.get("SecurityOptions") or []))
+        return hashlib.sha256(json.dumps(facts).encode()).hexdigest()
 
     @_docker_call("inspect image")
     def image_exists(self, image_id: str) -> bool:
@@ -945,14 +1095,15 @@ class DockerBackend:
     def in_thread(self, tag: str, call: Callable[[docker.APIClient], Any],
                   report: Callable[[str, Any], None]) -> threading.Thread:
         """Run a blocking Engine call off the loop, on its own connection; report (tag, value),
-        the value being the call's result or a BackendError."""
+        the value being the call's result, or the ReployError it raised (any other failure
+        becomes a BackendError)."""
         api = docker.APIClient(version=self.api.api_version, timeout=None,
                                **docker.utils.kwargs_from_env())
 
         def run() -> None:
             try:
                 report(tag, call(api))
-            except BackendError as e:
+            except ReployError as e:  # a BackendError, or a verdict such as PlanRejected
                 report(tag, e)
             except Exception as e:  # noqa: BLE001 - any failure is reported, never lost
                 report(tag, BackendError(f"{tag}: {e}"))
@@ -1004,9 +1155,10 @@ class Generation:
     """One build: its image and the exact blueprint it was built from.
 
     `blueprint_text` is that blueprint as recorded at build time (its sha256 is
-    `blueprint_digest`). A session takes its authority (commands, endpoints, runtime uid:gid)
-    from it, never from the staging directory's current blueprint.yaml, which may have changed
-    since without a rebuild. State written before it was recorded has None here.
+    `blueprint_digest`). A session takes everything that grants or refuses authority from
+    it (commands, executables, endpoints, the runtime: uid:gid, writable paths, limits; the
+    private environment), never from the staging directory's current files, which may have
+    changed since without a rebuild. State written before these were recorded has None here.
     """
 
     number: int
@@ -1015,6 +1167,9 @@ class Generation:
     blueprint_digest: str
     built_at: float
     blueprint_text: Optional[str] = None
+    #: Whether it was built with a private environment (a `.env` beside the blueprint, or
+    #: environment.private_env); None in state written before Reploy recorded it.
+    private_env: Optional[bool] = None
 
 
 #: state.json: each key with the type its value must have (None: may also be null).
@@ -1023,7 +1178,7 @@ STATE_FIELDS: dict[str, tuple[type, ...]] = {
     "staged_blueprint_digest": (str,)}
 GENERATION_FIELDS: dict[str, tuple[type, ...]] = {
     "number": (int,), "image_id": (str,), "reference": (str,), "blueprint_digest": (str,),
-    "built_at": (int, float), "blueprint_text": (str,)}
+    "built_at": (int, float), "blueprint_text": (str,), "private_env": (bool,)}
 _DEPLOYMENT_ID = re.compile(r"[0-9a-f]{32}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
@@ -1044,6 +1199,10 @@ class Deployment:
 
     @property
     def has_private_env(self) -> bool:
+        """Whether the current generation was built with a private environment; for one
+        recorded before Reploy kept that (or none at all), what the staging directory holds."""
+        if self.current is not None and self.current.private_env is not None:
+            return self.current.private_env
         return self.blueprint.private_env or (self.dir / PRIVATE_ENV_NAME).exists()
 
     def built_blueprint(self) -> Blueprint:
@@ -1087,7 +1246,8 @@ def _check_fields(obj: Any, fields_: dict[str, tuple[type, ...]], required: set[
     if missing:
         raise DeploymentError(f"{where}: missing key(s) {', '.join(sorted(missing))}")
     for key, value in obj.items():
-        if not isinstance(value, fields_[key]) or isinstance(value, bool):
+        if not isinstance(value, fields_[key]) or (
+                isinstance(value, bool) and bool not in fields_[key]):
             raise DeploymentError(f"{where}: {key} has the wrong type")
     return obj
 
@@ -1100,7 +1260,7 @@ def read_state(directory: Path) -> dict[str, Any]:
     except FileNotFoundError:
         raise DeploymentError(f"{directory} is not a staging deployment (run reploy stage)") from None
     except (OSError, ValueError) as e:
-        raise DeploymentError(f"{path}: unreadable state: {e}") from e
+        raise DeploymentError(f"{path}: unreadable state: {error_text(e)}") from e
     _check_fields(state, STATE_FIELDS, {"schema", "deployment_id", "current_generation"},
                   str(path))
     if state["schema"] != STATE_SCHEMA:
@@ -1109,7 +1269,8 @@ def read_state(directory: Path) -> dict[str, Any]:
         raise DeploymentError(f"{path}: deployment_id is not 32 hex digits")
     generation = state["current_generation"]
     if generation is not None:
-        _check_fields(generation, GENERATION_FIELDS, set(GENERATION_FIELDS) - {"blueprint_text"},
+        _check_fields(generation, GENERATION_FIELDS,
+                      set(GENERATION_FIELDS) - {"blueprint_text", "private_env"},
                       f"{path}: current_generation")
         if not _SHA256.fullmatch(generation["blueprint_digest"]):
             raise DeploymentError(f"{path}: current_generation.blueprint_digest is not a sha256")
@@ -1189,7 +1350,8 @@ def build(directory: Path, backend: DockerBackend) -> dict[str, Any]:
         labels={LABEL_DEPLOYMENT: deployment.deployment_id, LABEL_GENERATION: str(number)},
     )
     generation = Generation(number, image_id, reference, hashlib.sha256(raw).hexdigest(),
-                            time.time(), blueprint_text)
+                            time.time(), blueprint_text, private_env=blueprint.private_env
+                            or (deployment.dir / PRIVATE_ENV_NAME).exists())
     state = read_state(deployment.dir)
     state["current_generation"] = generation.__dict__
     reploy_watchdog.atomic_write_json(state_path(deployment.dir), state, mode=0o644)
@@ -1352,19 +1514,47 @@ def admit(options: RunOptions) -> tuple[Deployment, Deployment]:
             raise AdmissionError(f"the {role} deployment {deployment.dir} has no built generation "
                                  "(run reploy build)")
         if deployment.has_private_env:
-            raise AdmissionError(f"the {role} deployment {deployment.dir} configures a private "
-                                 "environment; controlled sessions do not support it")
+            raise AdmissionError(f"the {role} deployment {deployment.dir} was built with a "
+                                 "private environment; controlled sessions do not support it")
     if options.output_file is not None:
-        if not options.output_file.parent.is_dir():
+        parent = output_path_stat("--output-file", options.output_file.parent, follow=True)
+        if parent is None or not stat.S_ISDIR(parent.st_mode):
             raise AdmissionError(f"--output-file: {options.output_file.parent} is not a directory")
-        if os.path.lexists(options.output_file):
+        if output_path_stat("--output-file", options.output_file, follow=False) is not None:
             raise AdmissionError(f"--output-file: {options.output_file} already exists")
     if options.output_dir is not None:  # created at preparation, under its nearest existing path
         existing = next(path for path in (options.output_dir, *options.output_dir.parents)
-                        if os.path.lexists(path))
-        if not existing.is_dir():
+                        if output_path_stat("--output-dir", path, follow=False) is not None)
+        found = output_path_stat("--output-dir", existing, follow=True)
+        if found is None or not stat.S_ISDIR(found.st_mode):
             raise AdmissionError(f"--output-dir: {existing} exists and is not a directory")
+        if existing != options.output_dir and not os.access(existing, os.W_OK | os.X_OK):
+            raise AdmissionError(f"--output-dir: cannot create {options.output_dir} in "
+                                 f"{existing}: Permission denied")
     return controller, workload
+
+
+def output_path_stat(flag: str, path: Path, follow: bool) -> Optional[os.stat_result]:
+    """The status of an output path (or of the link itself), None when nothing is there;
+    anything else, such as a parent this host may not search, refuses the request, naming
+    the path (not `internal error: PermissionError`)."""
+    try:
+        return os.stat(path, follow_symlinks=follow)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as e:
+        raise AdmissionError(f"{flag}: cannot reach {path}: {e.strerror or e}") from None
+
+
+def writable_by(st: os.stat_result, uid: int, gid: int) -> bool:
+    """Whether uid:gid may add entries to a directory with this owner and mode, by its
+    permission bits (the class that applies: owner, group or other); ACLs and supplementary
+    groups are not considered."""
+    if st.st_uid == uid:
+        return st.st_mode & 0o300 == 0o300
+    if st.st_gid == gid:
+        return st.st_mode & 0o030 == 0o030
+    return st.st_mode & 0o003 == 0o003
 
 
 def plan(options: RunOptions, controller: Deployment, workload: Deployment) -> SessionPlan:
@@ -1384,17 +1574,45 @@ def plan(options: RunOptions, controller: Deployment, workload: Deployment) -> S
             raise PlanRejected(f"endpoint {endpoint_id!r} is not declared by the workload")
         granted.append(wire.Endpoint(id=decl.id, scheme=decl.scheme, host=WORKLOAD_HOST,
                                      port=decl.port))
-    if (options.output_dir or options.output_file) and controller_blueprint.runtime.uid == 0:
+    runtime = controller_blueprint.runtime
+    if (options.output_dir or options.output_file) and runtime.uid == 0:
         raise PlanRejected("--output-dir and --output-file need a non-root controller runtime")
+    if options.output_dir is not None:  # an existing one is used as it is, never re-owned
+        try:
+            found = os.stat(options.output_dir)
+        except FileNotFoundError:
+            found = None  # preparation creates it, the controller's
+        except OSError as e:
+            raise PlanRejected(f"--output-dir: cannot reach {options.output_dir}: "
+                               f"{e.strerror or e}") from None
+        if found is not None and not writable_by(found, runtime.uid, runtime.gid):
+            raise PlanRejected(
+                f"--output-dir: the controller's runtime {runtime.user} cannot write "
+                f"{options.output_dir} (owner {found.st_uid}:{found.st_gid}, mode "
+                f"{stat.S_IMODE(found.st_mode):04o}); Reploy never changes an existing "
+                "directory's owner or mode")
     return SessionPlan(secrets.token_hex(16), controller, workload, controller_blueprint,
                        workload_blueprint, argv, tuple(granted))
+
+
+def make_output_dir(path: Path, runtime: Runtime) -> None:
+    """Create --output-dir for the controller (its runtime owns it), with any missing parent
+    (the host's). One that exists is used as it is: never re-owned or re-moded (planning
+    checked that the controller can write it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.mkdir(path)
+    except FileExistsError:
+        return
+    os.chown(path, runtime.uid, runtime.gid, follow_symlinks=False)
 
 
 def requested_output_status(options: RunOptions) -> Status:
     """controller_output for a session that never ran: what was requested, and its fate."""
     if options.output_dir is not None:
-        if options.output_dir.is_dir():
-            return Status.of("controller_output", "directory-retained")
+        with contextlib.suppress(OSError):
+            if stat.S_ISDIR(os.stat(options.output_dir).st_mode):
+                return Status.of("controller_output", "directory-retained")
         return Status.of("controller_output", "failed",
                          reason="the session ended before the output directory was created")
     if options.output_file is not None:
@@ -1405,16 +1623,58 @@ def requested_output_status(options: RunOptions) -> Status:
 
 
 def derived_image_reference(base_image_id: str) -> tuple[str, str]:
-    """The derived controller image's tag and the client digest it is keyed by."""
+    """The derived controller image's tag and the client digest it is keyed by (with the base
+    image, and how the image is derived)."""
     client_digest = hashlib.sha256(CLIENT_SOURCE.read_bytes()).hexdigest()
-    key = hashlib.sha256(f"{base_image_id}\n{client_digest}".encode()).hexdigest()[:32]
+    key = hashlib.sha256(f"{base_image_id}\n{client_digest}\n{DERIVED_LAYER}".encode()
+                         ).hexdigest()[:32]
     return f"reploy/controller-derived:{key}", client_digest
+
+
+def probed_reference(base_image_id: str, sandbox_key: str) -> str:
+    """The tag a derived image gets once its probe passed on an engine configured as the one
+    `sandbox_key` (DockerBackend.require_sandbox_support) describes, by this probe."""
+    key = hashlib.sha256(f"{sandbox_key}\n{PROBE_COMMAND}\n{PROBE_EXPECTED_STATUS}".encode())
+    return derived_image_reference(base_image_id)[0] + PROBED_TAG_SUFFIX + key.hexdigest()[:16]
+
+
+def probe_refusal(code: int, report: bytes, errors: bytes, runtime: Runtime) -> Optional[str]:
+    """Why the probe refuses the controller image (or the engine), or None. `code`, `report`
+    and `errors` are its exit code, stdout and stderr (tails)."""
+    if code != 0:
+        last = (errors.strip() or report.strip()).splitlines()[-1:]
+        detail = f": {last[0].decode(errors='replace')}" if last else ""
+        return f"{CLIENT_NEEDS}; the probe exited with code {code}{detail}"
+    problem = probe_problem(report, runtime)
+    return None if problem is None else \
+        f"the probe of the controller image failed closed: {problem}"
+
+
+def probe_problem(report: bytes, runtime: Runtime) -> Optional[str]:
+    """What the probe's report (`reploy-session-client probe`'s line) shows to be other than
+    asked for, or None: this release's client, the runtime uid:gid, a seccomp filter,
+    no-new-privileges and no capability in any set. Anything unreadable fails closed."""
+    try:
+        line = report.strip().splitlines()[-1] if report.strip() else b""
+        obj = wire.parse_strict_object(line)
+    except wire.ProtocolError:
+        return f"its report is unreadable ({printable(report[-200:].decode(errors='replace'))!r})"
+    if obj.get("version") != __version__:
+        return f"it reports version {obj.get('version')!r}, not {__version__}"
+    if (obj.get("uid"), obj.get("gid")) != (runtime.uid, runtime.gid):
+        return f"it runs as {obj.get('uid')}:{obj.get('gid')}, not as {runtime.user}"
+    status = obj.get("status") if isinstance(obj.get("status"), dict) else {}
+    wrong = [f"{name} is {status.get(name, 'missing')!r}, not {expected!r}"
+             for name, expected in PROBE_EXPECTED_STATUS.items() if status.get(name) != expected]
+    if wrong:
+        return "the engine did not give it the sandbox asked for: " + ", ".join(wrong)
+    return None
 
 
 def derived_image_cached(backend: DockerBackend, base_image_id: str,
                          reference: Optional[str] = None) -> bool:
     """The derived image of this base and client exists under `reference` (by default its
-    build tag; sessions ask for the tag it gets once its python probe passed)."""
+    build tag; sessions ask for the tag it gets once its probe passed: probed_reference)."""
     build_reference, client_digest = derived_image_reference(base_image_id)
     labels = backend.image_labels(reference or build_reference)
     return bool(labels) and labels.get(LABEL_DERIVED_BASE) == base_image_id and labels.get(
@@ -1430,11 +1690,11 @@ def ensure_controller_image(backend: DockerBackend, base_image_id: str) -> str:
 
 
 def build_derived_image(backend: DockerBackend, base_image_id: str) -> str:
-    """The controller generation plus one layer holding the client; returns its image id."""
+    """The controller generation plus one layer holding the client, first on PATH; returns
+    its image id."""
     reference, client_digest = derived_image_reference(base_image_id)
     client_bytes = CLIENT_SOURCE.read_bytes()
-    dockerfile = (f"FROM {base_image_id}\n"
-                  f"COPY reploy-session-client {CLIENT_INSTALL_PATH}\n").encode()
+    dockerfile = f"FROM {base_image_id}\n{DERIVED_LAYER}".encode()
     context = io.BytesIO()
     with tarfile.open(fileobj=context, mode="w") as tar:
         for name, data, mode in (("Dockerfile", dockerfile, 0o644),
@@ -1488,6 +1748,21 @@ class Notifier:
             for fd in (self.read_fd, self.write_fd):
                 with contextlib.suppress(OSError):
                     os.close(fd)
+
+
+class HostSignals(wire.SignalWakeup):
+    """SIGINT and SIGTERM routed into the host's loop through a wakeup pipe, and remembered:
+    the first one that came before the result decides a failed run's exit code (130, 143)."""
+
+    def __init__(self) -> None:
+        super().__init__(tuple(EXIT_FOR_SIGNAL))
+        self.first: Optional[int] = None
+
+    def drain(self) -> list[int]:
+        signums = [signum for signum in super().drain() if signum in EXIT_FOR_SIGNAL]
+        if signums and self.first is None:
+            self.first = signums[0]
+        return signums
 
 
 def log(message: str) -> None:
@@ -1844,11 +2119,11 @@ class ControlledSession:
     """
 
     def __init__(self, options: RunOptions, plan: SessionPlan, backend: DockerBackend,
-                 wakeup: wire.SignalWakeup) -> None:
+                 signals: HostSignals) -> None:
         self.options = options
         self.plan = plan
         self.backend = backend
-        self.wakeup = wakeup
+        self.signals = signals
         self.machine = LifecycleMachine()
         self.result = RunResult()
         self.owned = Owned()
@@ -1856,7 +2131,7 @@ class ControlledSession:
         self.notifier = Notifier()
         self.selector = selectors.DefaultSelector()
         self.selector.register(self.notifier.read_fd, selectors.EVENT_READ, self.on_notice)
-        self.selector.register(wakeup.read_fd, selectors.EVENT_READ, self.on_signal)
+        self.selector.register(signals.read_fd, selectors.EVENT_READ, self.on_signal)
         #: The signal that cancelled the session (it latched host-cancel, or stopped planning).
         self.cancelled_by: Optional[int] = None
         #: Why the latched cause happened, in words (startup-failed and lost reasons use it).
@@ -1901,7 +2176,8 @@ class ControlledSession:
             try:
                 self.watchdog.arm()  # before the first container of the session exists
             except (reploy_watchdog.WatchdogUnavailable, OSError) as e:
-                self.result.error = f"plan rejected: the watchdog could not be armed: {e}"
+                self.result.error = f"plan rejected: the watchdog could not be armed: " \
+                                    f"{error_text(e)}"
                 self.result.controller_output = requested_output_status(self.options)
                 return self.result
             self.selector.register(self.watchdog.link, selectors.EVENT_READ, self.on_watchdog)
@@ -1910,7 +2186,7 @@ class ControlledSession:
             except (PlanRejected, BackendError, OSError) as e:
                 controller_image = None
                 if self.cancelled_by is None:
-                    self.result.error = f"plan rejected: {e}"
+                    self.result.error = f"plan rejected: {error_text(e)}"
             if controller_image is None:  # rejected, or cancelled while planning
                 self.result.controller_output = requested_output_status(self.options)
                 return self.result
@@ -1921,8 +2197,8 @@ class ControlledSession:
                 self.wait_until(lambda: False)  # active: until a cause is latched
             except (StartupFailure, BackendError, OSError) as e:
                 if self.machine.cause in (None, Cause.STARTUP_FAILURE):
-                    self.result.error = f"startup failed: {e}"
-                self.latch(Cause.STARTUP_FAILURE, str(e))
+                    self.result.error = f"startup failed: {error_text(e)}"
+                self.latch(Cause.STARTUP_FAILURE, error_text(e))
             self.terminate()
         except Exception as e:  # noqa: BLE001 - a bug must still clean up and report
             log(f"internal error: {e!r}")
@@ -1946,60 +2222,74 @@ class ControlledSession:
     # -- planning ---------------------------------------------------------------------------
 
     def plan_images(self) -> Optional[str]:
-        """The Docker half of planning: the sandbox, both generations' images, the derived
-        controller image and, when it is new, the python probe. Returns the controller image
-        to run, or None when a signal cancelled planning. Raises PlanRejected."""
+        """The Docker half of planning: the engine can hold the sandbox, both generations'
+        images exist, the derived controller image (built if new) and, unless it already
+        passed on an engine configured like this one, its probe. Every Engine call here runs
+        off the loop, so a signal cancels promptly. Returns the controller image to run, or
+        None when a signal cancelled planning. Raises PlanRejected."""
         plan, backend = self.plan, self.backend
-        backend.require_sandbox_support()
-        for role, deployment in (("controller", plan.controller), ("workload", plan.workload)):
-            assert deployment.current is not None
-            if not backend.image_exists(deployment.current.image_id):
-                raise PlanRejected(f"the {role} image {deployment.current.image_id} is gone "
-                                   "(run reploy build)")
         base_image = plan.controller.current.image_id  # type: ignore[union-attr]
-        probed = derived_image_reference(base_image)[0] + PROBED_TAG_SUFFIX
-        if derived_image_cached(backend, base_image, probed):
+
+        def check(_api: docker.APIClient) -> tuple[str, bool]:
+            try:
+                sandbox_key = backend.require_sandbox_support()
+            except BackendError as e:
+                raise PlanRejected(str(e)) from e
+            for role, deployment in (("controller", plan.controller),
+                                     ("workload", plan.workload)):
+                image_id = deployment.current.image_id  # type: ignore[union-attr]
+                if not backend.image_exists(image_id):
+                    raise PlanRejected(f"the {role} image {image_id} is gone (run reploy build)")
+            probed = probed_reference(base_image, sandbox_key)
+            return probed, derived_image_cached(backend, base_image, probed)
+
+        checked = self.off_loop("check the engine and the images", check)
+        if checked is None:
+            return None
+        probed, cached = checked
+        if cached:
             return probed
         built = self.off_loop("build the controller image",
                               lambda _api: build_derived_image(backend, base_image))
-        if built is None or not self.probe_python(built):
+        if built is None or not self.probe(built):
             return None  # cancelled: without the probed tag, the next session probes again
         backend.tag_image(built, probed)
         return probed
 
-    def probe_python(self, image_id: str) -> bool:
-        """Say clearly when the controller image cannot run the client (it needs python3).
-        The probe is a session container like the others: labelled, in the watchdog's
-        manifest, removed in every outcome. False when a signal cancelled it."""
-        self.acquire_container(ContainerSpec(
-            role=PROBE_ROLE, image_id=image_id, command=PYTHON_PROBE_COMMAND,
-            runtime=self.plan.controller_blueprint.runtime,
+    def probe(self, image_id: str) -> bool:
+        """Run the installed client in a container made like the controller's (PROBE_COMMAND)
+        and refuse the plan, saying why, when it cannot run or when the engine did not give it
+        the sandbox asked for (probe_refusal). The probe is a session container like the
+        others: labelled, in the watchdog's manifest, removed in every outcome. False when a
+        signal cancelled it."""
+        runtime = self.plan.controller_blueprint.runtime
+        container_id = self.acquire_container(ContainerSpec(
+            role=PROBE_ROLE, image_id=image_id, command=PROBE_COMMAND, runtime=runtime,
             environment={"HOME": CONTAINER_HOME}, labels=self.labels(PROBE_ROLE)))
-        container_id = self.owned.containers[PROBE_ROLE]
 
-        def run_probe(api: docker.APIClient) -> int:
-            api.start(container_id)
-            return int(api.wait(container_id, timeout=PYTHON_PROBE_TIMEOUT_S)["StatusCode"])
+        def run_probe(api: docker.APIClient) -> tuple[int, bytes, bytes]:
+            try:
+                api.start(container_id)
+            except docker.errors.APIError as e:  # the Engine could not exec the client at all
+                raise PlanRejected(f"{CLIENT_NEEDS}; the probe could not start: "
+                                   f"{e.explanation or e}") from e
+            code = int(api.wait(container_id, timeout=PROBE_TIMEOUT_S)["StatusCode"])
+            return (code, api.logs(container_id, stdout=True, stderr=False)[-PROBE_OUTPUT_BYTES:],
+                    api.logs(container_id, stdout=False, stderr=True)[-PROBE_OUTPUT_BYTES:])
 
         try:
-            code = self.off_loop("run the python probe", run_probe)
-        except BackendError as e:
-            code, detail = -1, str(e)
-        else:
-            detail = ""
-            if code is not None:
-                with contextlib.suppress(BackendError):
-                    detail = self.backend.log_tail(container_id).decode(errors="replace").strip()
-        if code is None:
-            return False  # cancelled: the delivery tail removes the probe
+            outcome = self.off_loop("run the python probe", run_probe)
+            if outcome is None:
+                return False  # cancelled: the delivery tail removes the probe
+            refusal = probe_refusal(*outcome, runtime)
+        except PlanRejected as e:
+            refusal = str(e)
         cleanup = self.await_removals(self.begin_removal(PROBE_ROLE), time.monotonic()
                                       + self.options.timeout_s("--cleanup-timeout"))
-        if code != 0:
+        if refusal is not None:
             with contextlib.suppress(BackendError):
                 self.backend.remove_image(image_id)
-            raise PlanRejected(
-                "the controller image must provide python3 with its standard library for "
-                f"reploy-session-client; the probe failed ({detail or f'exit {code}'})")
+            raise PlanRejected(refusal)
         if cleanup.kind != "succeeded":
             raise PlanRejected(f"the python probe could not be removed: {cleanup.reason}")
         return True
@@ -2038,10 +2328,10 @@ class ControlledSession:
         return True, self.call_results.pop(tag)
 
     def off_loop(self, what: str, call: Callable[[docker.APIClient], Any]) -> Any:
-        """A slow planning call (an image build, the probe) that a signal cancels promptly:
-        its value, or None when cancelled. Raises its BackendError."""
+        """A planning call (the engine's checks, an image build, the probe) that a signal
+        cancels promptly: its value, or None when cancelled. Raises its ReployError."""
         finished, value = self.call_off_loop(what, call, None, stop_on_latch=True)
-        if isinstance(value, BackendError):
+        if isinstance(value, ReployError):
             raise value
         return value if finished else None
 
@@ -2067,8 +2357,7 @@ class ControlledSession:
         network_mode = NETWORK_NONE
         if plan.endpoints:
             holder_id = self.acquire_container(ContainerSpec(
-                role="holder", image_id=controller_image, command=(),
-                entrypoint=HOLDER_ENTRYPOINT,
+                role="holder", image_id=controller_image, command=HOLDER_COMMAND,
                 runtime=Runtime(HOLDER_UID_GID, HOLDER_UID_GID, (), HOLDER_MEMORY_MIB,
                                 HOLDER_PIDS),
                 environment={}, labels=self.labels("holder"),
@@ -2139,12 +2428,11 @@ class ControlledSession:
         options = self.options
         if options.output_dir is not None:
             try:
-                options.output_dir.mkdir(parents=True, exist_ok=True)
-                os.chown(options.output_dir, runtime.uid, runtime.gid)
+                make_output_dir(options.output_dir, runtime)
             except OSError as e:  # a startup failure; the requested output still has a fate
                 self.result.controller_output = Status.of(
                     "controller_output", "failed",
-                    reason=f"could not prepare the output directory: {e.strerror or e}")
+                    reason=f"could not prepare the output directory: {error_text(e)}")
                 raise
             self.result.controller_output = Status.of("controller_output", "directory-retained")
             return [(Mount(str(options.output_dir.resolve()), OUTPUT_DIR_MOUNT, False),
@@ -2233,10 +2521,14 @@ class ControlledSession:
     def wait_until(self, condition: Callable[[], bool], deadline: Optional[float] = None,
                    stop_on_latch: bool = True) -> bool:
         """Run the loop until condition() (True), the deadline, or (if stop_on_latch) a cause
-        being latched (False): phases that must end on any cause wait with stop_on_latch."""
+        being latched (False): phases that must end on any cause wait with stop_on_latch.
+
+        A deadline is a barrier: a condition seen to hold only once it passed did not hold in
+        time (False), however the loop got there late (a host suspended and resumed, a slow
+        pass), so what came after a deadline never counts as before it."""
         while True:
             if condition():
-                return True
+                return deadline is None or time.monotonic() <= deadline
             if stop_on_latch and self.machine.cause is not None:
                 return False
             timeout = None if deadline is None else deadline - time.monotonic()
@@ -2254,11 +2546,10 @@ class ControlledSession:
             key.data(mask)
 
     def on_signal(self, _mask: int) -> None:
-        """SIGINT/SIGTERM cancel the session, if nothing else ended it first: only then does
-        the host exit 130/143 (a later signal changes nothing; cleanup is bounded anyway)."""
-        for signum in self.wakeup.drain():
-            if signum not in EXIT_FOR_SIGNAL:
-                continue
+        """SIGINT/SIGTERM cancel the session (host-cancel), if nothing else ended it first;
+        one that comes later changes none of the termination's steps, each bounded anyway
+        (main() still exits 130/143 when the result is not ok)."""
+        for signum in self.signals.drain():
             name = signal.Signals(signum).name
             if self.latch(Cause.HOST_CANCEL, f"received {name}"):
                 self.cancelled_by = signum
@@ -2378,7 +2669,7 @@ class ControlledSession:
         except wire.ProtocolError as e:
             self.lose_channel(f"channel protocol violation: {e.message}")
         except OSError as e:
-            self.lose_channel(f"channel failed: {e}")
+            self.lose_channel(f"channel failed: {error_text(e)}")
 
     def lose_channel(self, reason: str) -> None:
         if self.channel is None:
@@ -2509,7 +2800,8 @@ class ControlledSession:
             self.backend.kill(workload_id, "SIGTERM")
         except BackendError as e:
             log(f"could not signal the workload: {e}")
-        if self.wait_until(self.workload_gone, time.monotonic() + grace_s, stop_on_latch=False):
+        if self.wait_until(self.workload_gone, time.monotonic() + grace_s,
+                           stop_on_latch=False) or self.workload_gone():  # (seen late: gone)
             return
         log(f"workload still running after the {format_duration(int(grace_s * 1000))} grace; "
             "sending SIGKILL")
@@ -2544,23 +2836,34 @@ class ControlledSession:
         """Drain the PTY to EOF within the host-owned deadline: drained or failed (decided
         here, announced by announce_outputs_finalized once the workload facts are out). A
         workload that never started produced no output: there is nothing left undelivered.
-        Drained means the attachment got every byte: output it could not take fails it."""
+        Drained means the attachment got every byte: output it could not take fails it.
+
+        The decision rests on the relay's state as last seen before the deadline (`seen`,
+        taken only while the deadline has not passed): an end of file or a delivery observed
+        later, after a host resumed past the deadline, is not a drain."""
         relay = self.relay
-        if self.workload_started:
+        seen = {"eof": False, "lost": False, "delivered": False}
+
+        def drained() -> bool:
+            if time.monotonic() <= deadline:
+                seen.update(eof=relay.pty_eof, lost=relay.output_lost,
+                            delivered=relay.delivered)
             # The exit is awaited too (it follows EOF closely), so workload-exit normally
             # precedes workload-outputs-finalized; EOF alone decides whether output drained.
-            self.wait_until(lambda: relay.pty_eof and self.workload_gone() and relay.delivered,
-                            deadline, stop_on_latch=False)
+            return seen["eof"] and seen["delivered"] and self.workload_gone()
+
+        if self.workload_started:
+            self.wait_until(drained, deadline, stop_on_latch=False)
         if self.observation_lost:
             reason = f"the runtime observation was lost: {self.observation_lost}"
         elif not self.workload_started:
             return Status.of("output_finalization", "drained")
-        elif not relay.pty_eof:
+        elif not seen["eof"]:
             reason = (f"terminal output did not reach end of file within "
                       f"{OUTPUT_FINALIZATION_TIMEOUT_MS // 1000} s of termination")
-        elif relay.output_lost:
+        elif seen["lost"]:
             reason = "the terminal attachment ended before it had all of the terminal output"
-        elif not relay.delivered:
+        elif not seen["delivered"]:
             reason = "terminal output could not be delivered to the attachment in time"
         else:
             return Status.of("output_finalization", "drained")
@@ -2708,7 +3011,7 @@ class ControlledSession:
             except FileNotFoundError:
                 setattr(self.owned, attribute, None)
             except OSError as e:
-                failures.append(f"remove {path}: {e}")
+                failures.append(f"remove {path}: {error_text(e)}")
         if session_ran:
             self.result.delivery_tail_cleanup_status = (
                 failed("cleanup", "; ".join(failures)) if failures else succeeded())
@@ -2758,7 +3061,7 @@ class ControlledSession:
             publish_regular_file(staging, destination)
             self.result.controller_output = Status.of("controller_output", "file-published")
         except OSError as e:
-            self.result.error = f"publish controlled-session controller output: {e}"
+            self.result.error = PUBLISH_ERROR + error_text(e)
             self.result.controller_output = Status.of(
                 "controller_output", "failed", reason="controller output publication failed")
 
@@ -2771,7 +3074,7 @@ def reconcile(backend: DockerBackend, workload_dirs: list[Path]) -> list[dict[st
     try:
         receipts = reploy_watchdog.reconcile_orphans(backend.client, manifests)
     except (docker.errors.DockerException, OSError, ValueError) as e:
-        raise BackendError(f"reconcile orphaned sessions: {e}") from e
+        raise BackendError(f"reconcile orphaned sessions: {error_text(e)}") from e
     for receipt in receipts:
         removed = receipt["removed"]
         log(f"reconciled crashed run {receipt['run_id']}: removed "
@@ -2780,30 +3083,76 @@ def reconcile(backend: DockerBackend, workload_dirs: list[Path]) -> list[dict[st
     return receipts
 
 
-def run_controlled_session(options: RunOptions) -> tuple[RunResult, Optional[int]]:
-    """Admission, planning, then the session. Returns the result and the signal that
-    cancelled it (None unless a signal did)."""
-    with wire.SignalWakeup((signal.SIGINT, signal.SIGTERM)) as wakeup:
+def until_signalled(signals: HostSignals, work: Callable[[], Any]) -> Any:
+    """work()'s value (or its exception), computed in a thread; None as soon as SIGINT or
+    SIGTERM comes first. work() only reads files and asks the engine, but either may block
+    without end (a FIFO where a state file belongs, a hung filesystem or engine): a signal
+    abandons it where it is. It holds nothing the run must clean up, and the host exits
+    without waiting for it (run_command)."""
+    notifier = Notifier()
+
+    def run() -> None:
         try:
-            controller, workload = admit(options)
-        except AdmissionError as e:
-            return RunResult(error=f"admission rejected: {e}"), None
-        try:
-            session_plan = plan(options, controller, workload)
-        except PlanRejected as e:
-            return RunResult(error=f"plan rejected: {e}",
-                             controller_output=requested_output_status(options)), None
-        signum = next((s for s in wakeup.drain() if s in EXIT_FOR_SIGNAL), None)
-        if signum is not None:  # admission and planning read files only: they ran to the end
-            return RunResult(error=f"cancelled by {signal.Signals(signum).name}",
-                             controller_output=requested_output_status(options)), signum
-        try:
-            backend = DockerBackend()
-            reconcile(backend, [workload.dir, controller.dir])
-        except BackendError as e:
-            return RunResult(error=f"admission rejected: {e}"), None
-        session = ControlledSession(options, session_plan, backend, wakeup)
-        return session.run(), session.cancelled_by
+            value: Any = work()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller, which raises it:
+            value = e  # whatever it is, the caller must not wait for a report that never comes
+        notifier.report("done", value)
+
+    threading.Thread(target=run, name="prepare", daemon=True).start()
+    try:
+        with selectors.DefaultSelector() as selector:
+            selector.register(notifier.read_fd, selectors.EVENT_READ)
+            selector.register(signals.read_fd, selectors.EVENT_READ)
+            while True:
+                if signals.drain():
+                    return None
+                for _tag, value in notifier.drain():
+                    if isinstance(value, BaseException):
+                        raise value
+                    return value
+                selector.select()
+    finally:
+        notifier.close()
+
+
+def prepare_run(options: RunOptions) -> RunResult | tuple[SessionPlan, DockerBackend]:
+    """Admission, planning from the deployments' files, then the engine (reconciling what
+    crashed runs left): the session's plan and backend, or the result that refuses it."""
+    try:
+        controller, workload = admit(options)
+    except AdmissionError as e:
+        return RunResult(error=f"admission rejected: {e}")
+    try:
+        session_plan = plan(options, controller, workload)
+    except PlanRejected as e:
+        return RunResult(error=f"plan rejected: {e}",
+                         controller_output=requested_output_status(options))
+    try:
+        backend = DockerBackend()
+        reconcile(backend, [workload.dir, controller.dir])
+    except BackendError as e:
+        return RunResult(error=f"admission rejected: {e}")
+    return session_plan, backend
+
+
+def run_controlled_session(options: RunOptions, signals: HostSignals) -> RunResult:
+    """Admission, planning, then the session. A signal before the session begins cancels it at
+    once: nothing of it exists yet, and every other field of the result is null."""
+    prepared = until_signalled(signals, lambda: prepare_run(options))
+    if prepared is None:
+        return RunResult(error=f"cancelled by {signal.Signals(signals.first).name}")
+    if isinstance(prepared, RunResult):
+        return prepared
+    session_plan, backend = prepared
+    return ControlledSession(options, session_plan, backend, signals).run()
+
+
+def exit_code(result: RunResult, signum: Optional[int]) -> int:
+    """0 exactly when ok; otherwise 130/143 when SIGINT/SIGTERM came before the result
+    (whatever the run was doing then), else 1."""
+    if result.ok:
+        return EXIT_OK
+    return EXIT_FOR_SIGNAL[signum] if signum is not None else EXIT_FAILED
 
 
 # ============================================================================================
@@ -2811,11 +3160,46 @@ def run_controlled_session(options: RunOptions) -> tuple[RunResult, Optional[int
 # ============================================================================================
 
 
+class StoreOnce(argparse.Action):
+    """`store` for an option that takes one value: given twice, it is a usage error rather
+    than the last one silently winning. What was given is noted on the namespace itself (one
+    per parse), under GIVEN_ONCE."""
+
+    GIVEN_ONCE = "_reploy_given_once"
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: Optional[str] = None) -> None:
+        given = vars(namespace).setdefault(self.GIVEN_ONCE, set())
+        if self.dest in given:
+            parser.error(f"{option_string or self.dest} was given more than once")
+        given.add(self.dest)
+        setattr(namespace, self.dest, values)
+
+
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse that raises UsageError instead of exiting, so main() owns exit codes."""
+    """argparse that raises UsageError instead of exiting, so main() owns exit codes; that
+    takes no abbreviated option (`--work` is not `--workload-dir`); and whose single-valued
+    options may be given once."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
+        self.register("action", None, StoreOnce)
+        self.register("action", "store", StoreOnce)
 
     def error(self, message: str) -> Any:
         raise UsageError(message)
+
+
+_ASCII_NUMBER = re.compile(r"[0-9]{1,10}")
+
+
+def ascii_number(text: str) -> int:
+    """A command-line number: ASCII digits only (int() would also take `8_0`, ` 80`, `+80`
+    and digits of other scripts)."""
+    if not _ASCII_NUMBER.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number written in ASCII digits")
+    return int(text)
 
 
 def build_parser() -> ArgumentParser:
@@ -2843,14 +3227,14 @@ def build_parser() -> ArgumentParser:
     run.add_argument("--controller-dir", type=Path, required=True)
     run.add_argument("--workload-dir", type=Path, required=True)
     run.add_argument("--endpoint", action="append", default=[], metavar="ID")
-    run.add_argument("--columns", type=int)
-    run.add_argument("--rows", type=int)
+    run.add_argument("--columns", type=ascii_number)
+    run.add_argument("--rows", type=ascii_number)
     outputs = run.add_mutually_exclusive_group()
     outputs.add_argument("--output-file", type=Path)
     outputs.add_argument("--output-dir", type=Path)
     for option in TIMEOUT_OPTIONS:
-        run.add_argument(option.flag, default=format_duration(option.default_ms),
-                         metavar="DURATION")
+        run.add_argument(option.flag, metavar="DURATION",
+                         help=f"default {format_duration(option.default_ms)}")
     return parser
 
 
@@ -2867,6 +3251,9 @@ def parse_run_options(args: argparse.Namespace, command: list[str]) -> RunOption
     timeouts: dict[str, int] = {}
     for option in TIMEOUT_OPTIONS:
         text = getattr(args, option.flag[2:].replace("-", "_"))
+        if text is None:
+            timeouts[option.flag] = option.default_ms
+            continue
         try:
             ms = parse_duration_ms(text)
         except ValueError as e:
@@ -2906,16 +3293,19 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"reploy: usage error: {e}", file=sys.stderr)
         return EXIT_USAGE
     if getattr(args, "action", None) == "run":
-        try:
-            result, signum = run_controlled_session(options)
-        except Exception as e:  # noqa: BLE001 - after valid parsing, stdout is always a result
-            log(f"internal error: {e!r}")
-            result, signum = RunResult(error=f"internal error: {e!r}"), None
-        sys.stdout.buffer.write(result.encode())
-        sys.stdout.buffer.flush()
-        if signum is not None:
-            return EXIT_FOR_SIGNAL[signum]
-        return EXIT_OK if result.ok else EXIT_FAILED
+        with HostSignals() as signals:  # until the result is out: a signal never loses it
+            try:
+                result = run_controlled_session(options, signals)
+            except Exception as e:  # noqa: BLE001 - after valid parsing, stdout is a result
+                log(f"internal error: {e!r}")
+                result = RunResult(error=f"internal error: {e!r}")
+            signals.drain()
+            if signals.first is not None:
+                result.received_signal = signal.Signals(signals.first).name
+            result.error = result.summary()
+            sys.stdout.buffer.write(result.encode())
+            sys.stdout.buffer.flush()
+            return exit_code(result, signals.first)
     schema = {"stage": STAGE_SCHEMA, "build": BUILD_SCHEMA}.get(args.command, CLEANUP_SCHEMA)
     try:
         if args.command == "stage":

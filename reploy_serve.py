@@ -2224,11 +2224,15 @@ class SessionManager:
         assert deployment.current is not None
         if not self.backend.image_exists(deployment.current.image_id):
             raise ServiceUnavailable(f"the image of {deployment.blueprint.name} is gone")
+        try:  # the sandbox of the generation that is run, never the staged blueprint's
+            runtime = deployment.built_blueprint().runtime
+        except DeploymentError as e:
+            raise ServiceUnavailable(f"workload deployment {deployment.dir}: {e}") from e
         spec = SessionSpec(
             workload=request.workload, model=request.model,
             deployment=deployment.blueprint.name, deployment_id=deployment.deployment_id,
             image_id=deployment.current.image_id, generation=deployment.current.number,
-            runtime=deployment.blueprint.runtime)
+            runtime=runtime)
         now, owner = self.clock(), self._owner()
         record = SessionRecord(id=secrets.token_hex(8), name=request.name, spec=spec,
                                state=SessionState.CREATING, version=1, created_at=now,

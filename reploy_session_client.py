@@ -5,6 +5,7 @@ Role: runs inside the controller container, installed as /usr/local/bin/reploy-s
 
   reploy-session-client client              the broker
   reploy-session-client attach --socket P   the byte-only terminal attachment
+  reploy-session-client probe               its version and sandbox, for the host's check
 
 Peers:
   * the host (reploy.py) over the private channel named by REPLOY_SESSION_SOCKET;
@@ -753,7 +754,9 @@ class BrokerRules:
     before terminating (cause workload-exit) or after it. complete is allowed once, only after
     both terminating and workload-outputs-finalized; acknowledge-terminated once, only after
     terminated. Every workload fact comes before workload-outputs-finalized: after it (when
-    the controller sends complete) the only event is terminated. resize is valid from ready
+    the controller sends complete) the only event is terminated, and after terminated there is
+    none, not even a client-error: a later failure is said on stderr and in the broker's exit
+    code. resize is valid from ready
     until termination begins; later resizes are a benign
     race and ignored. terminate is valid from ready on and idempotent. Anything else is fatal.
     """
@@ -780,7 +783,7 @@ class BrokerRules:
             and not seen & {"workload-outputs-finalized", "terminated"},
             "terminated": "opened" in seen and "terminated" not in seen
             and ("ready" not in seen or "workload-outputs-finalized" in seen),
-            "client-error": True,
+            "client-error": "terminated" not in seen,  # terminated is the last event
         }[kind]
         if not allowed:
             raise ProtocolError("host_protocol_error", f"host event {kind} out of lifecycle order")
@@ -825,6 +828,11 @@ class BrokerRules:
     @property
     def acknowledged(self) -> bool:
         return "acknowledge-terminated" in self.sent
+
+    @property
+    def terminated(self) -> bool:
+        """`terminated` was emitted: it is the stream's last event, whatever happens next."""
+        return "terminated" in self.seen
 
 
 # ============================================================================================
@@ -1315,6 +1323,10 @@ class Broker:
         event = decode_message(frame.payload + b"\n", Direction.EVENT)
         self.rules.observe_event(event)
         self.emit(event)
+        if self.rules.terminated:
+            # The session is over: no attachment can matter now, and its deadline must not
+            # end the broker while the controller acknowledges.
+            self.close_listener()
 
     # -- controller side --------------------------------------------------------------------
 
@@ -1345,7 +1357,12 @@ class Broker:
             raise BrokerExit(1) from e
 
     def emit_error(self, error: ClientError) -> None:
+        """A fatal failure: on stderr, and as a public client-error unless `terminated` was
+        already emitted, after which the stream carries no event at all (the exit code says
+        the broker failed)."""
         print(f"reploy-session-client: {error.code}: {error.message}", file=sys.stderr)
+        if self.rules.terminated:
+            return
         try:
             self.out.emit(error)
         except OSError:
@@ -1580,6 +1597,32 @@ def _attach_receive(conn: FramedConnection, stdout_fd: int) -> Optional[int]:
 
 
 # ============================================================================================
+# The probe (`probe`): what the host checks before a controller image serves a session
+# ============================================================================================
+
+#: The lines of /proc/self/status that `probe` reports: the sandbox its process runs under.
+PROBE_STATUS_FIELDS = ("Seccomp", "NoNewPrivs", "CapInh", "CapPrm", "CapEff", "CapBnd",
+                       "CapAmb")
+
+
+def run_probe(stdout_fd: int) -> int:
+    """`reploy-session-client probe`: one JSON line saying that this client runs here (its
+    version, as --version says it) and under which identity and sandbox (seccomp mode,
+    no-new-privileges, the capability sets, from /proc/self/status). The host runs it in a
+    container made like the controller's and refuses an image or an engine that shows
+    anything else than what it asked for."""
+    status: dict[str, str] = {}
+    with open("/proc/self/status", encoding="ascii", errors="replace") as lines:
+        for line in lines:
+            name, _, value = line.partition(":")
+            if name in PROBE_STATUS_FIELDS:
+                status[name] = value.strip()
+    write_all(stdout_fd, encode_compact({"version": __version__, "uid": os.getuid(),
+                                         "gid": os.getgid(), "status": status}) + b"\n")
+    return 0
+
+
+# ============================================================================================
 # CLI
 # ============================================================================================
 
@@ -1593,6 +1636,8 @@ def build_parser() -> argparse.ArgumentParser:
     modes.add_parser("client", help="run the broker: JSON Lines on stdin/stdout")
     attach = modes.add_parser("attach", help="attach terminal bytes to the broker's socket")
     attach.add_argument("--socket", required=True, help="terminal_socket from broker-ready")
+    modes.add_parser("probe", help="print this client's version and the sandbox it runs under "
+                                   "(what the host checks before a session)")
     return parser
 
 
@@ -1600,6 +1645,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     if args.mode == "client":
         return run_client()
+    if args.mode == "probe":
+        return run_probe(sys.stdout.fileno())
     return run_attach(args.socket, sys.stdin.fileno(), sys.stdout.fileno())
 
 

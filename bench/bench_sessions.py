@@ -211,8 +211,11 @@ class Bench:
         return self.work / "roles"
 
     def output_dir(self) -> Path:
+        """A new output directory, the controller's to write (Reploy never re-owns one)."""
         path = self.work / "outputs" / str(next(self.numbers))
         path.mkdir(parents=True)
+        runtime = self.reploy.load_deployment(self.controller_dir).built_blueprint().runtime
+        os.chown(path, runtime.uid, runtime.gid)
         return path
 
     def cli_options(self, output_dir: Path) -> list[str]:

@@ -50,6 +50,62 @@ WATCHDOG_DIR_ENV = "REPLOY_WATCHDOG_DIR"
 WATCHDOG_EXIT_TIMEOUT_S = 30.0
 
 
+#: The shared public v1 conformance fixtures (seed 000's golden lines) live outside this
+#: repository, where REPLOY_CONFORMANCE_DIR names them (.ci/run sets it). Without them the tests
+#: that read them skip, saying why; with REPLOY_REQUIRE_CONFORMANCE=1 (.ci/run) they must be
+#: there: collection fails otherwise.
+CONFORMANCE_DIR_ENV = "REPLOY_CONFORMANCE_DIR"
+REQUIRE_CONFORMANCE_ENV = "REPLOY_REQUIRE_CONFORMANCE"
+CONFORMANCE_FILES = ("client-v1-events.jsonl", "client-v1-requests.jsonl",
+                     "client-v1-invalid-requests.jsonl", "run-results-v1.jsonl")
+
+
+def conformance_problem() -> str | None:
+    """Why the shared fixtures cannot be read here, or None when they can."""
+    value = os.environ.get(CONFORMANCE_DIR_ENV, "")
+    if not value:
+        return (f"{CONFORMANCE_DIR_ENV} is not set: the shared public v1 fixtures are not part "
+                "of this repository (.ci/run points it at ../shared/conformance/reploy-v1)")
+    missing = [name for name in CONFORMANCE_FILES if not (Path(value) / name).is_file()]
+    if missing:
+        return f"{CONFORMANCE_DIR_ENV}={value} does not hold {', '.join(missing)}"
+    return None
+
+
+def shared_fixture(name: str) -> Path | None:
+    """A shared fixture file, or None when this checkout has none (then its tests skip).
+    Under REPLOY_REQUIRE_CONFORMANCE=1 its absence is an error, at collection already."""
+    assert name in CONFORMANCE_FILES, name
+    problem = conformance_problem()
+    if problem is None:
+        return Path(os.environ[CONFORMANCE_DIR_ENV]) / name
+    if os.environ.get(REQUIRE_CONFORMANCE_ENV) == "1":
+        raise RuntimeError(f"{REQUIRE_CONFORMANCE_ENV}=1, but {problem}")
+    return None
+
+
+def require_shared_fixture(name: str) -> Path:
+    """A shared fixture file for the calling test, which skips (visibly) without it."""
+    path = shared_fixture(name)
+    if path is None:
+        pytest.skip(conformance_problem() or "")
+    return path
+
+
+def skipped_without_shared_fixtures(*values: object) -> object:
+    """The one parameter set that stands in for a missing shared file's lines: it skips,
+    with the reason, instead of the lines the file would have given."""
+    return pytest.param(*values, id="shared-fixtures-absent",
+                        marks=pytest.mark.skip(reason=conformance_problem() or ""))
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    problem = conformance_problem()
+    if problem is None:
+        return f"shared conformance fixtures: {os.environ[CONFORMANCE_DIR_ENV]}"
+    return f"shared conformance fixtures: absent, their tests skip ({problem})"
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "docker: needs the real Docker engine")
     WATCHDOG_DIR.mkdir(mode=0o700, exist_ok=True)

@@ -179,6 +179,13 @@ class BrokerHarness:
         assert not os.path.exists(self.broker.dir)
         return frames
 
+    def expect_silent_failure(self, code: str, capsys: pytest.CaptureFixture[str]) -> None:
+        """A failure after `terminated`: exit 1, its code on stderr, nothing on the stream
+        (terminated stays its last event)."""
+        assert self.finish() == 1
+        assert self.rest_of_stdout() == b""
+        assert f"reploy-session-client: {code}: " in capsys.readouterr().err
+
     def _close_fd(self, fd: int) -> None:
         if fd in self.open_fds:
             self.open_fds.discard(fd)
@@ -269,7 +276,7 @@ def test_startup_failure_is_acknowledged_without_complete(harness: BrokerHarness
 
 
 def test_no_clean_exit_when_the_acknowledgement_cannot_reach_the_host(
-        harness: BrokerHarness) -> None:
+        harness: BrokerHarness, capsys: pytest.CaptureFixture[str]) -> None:
     """The host stops reading before the acknowledgement is written: sending it fails, and
     that is not a clean end (exit 0 needs the acknowledgement written, then a clean close)."""
     harness.up_to_ready()
@@ -279,9 +286,7 @@ def test_no_clean_exit_when_the_acknowledgement_cannot_reach_the_host(
     harness.send_events(Terminated(result=FINAL_RESULT))
     harness.host.sock.shutdown(socket.SHUT_RD)  # no end of file for the broker: a write fails
     harness.write(AcknowledgeTerminated().encode())
-    event = harness.next_event()
-    assert isinstance(event, ClientError) and event.code == "host_channel_lost", event
-    assert harness.finish() == 1
+    harness.expect_silent_failure("host_channel_lost", capsys)
 
 
 def test_stdin_may_close_after_the_acknowledgement(harness: BrokerHarness) -> None:
@@ -404,9 +409,6 @@ FATAL_REQUESTS = {
     "resize out of range": ([], REQUEST_PREFIX + b'"resize","columns":65536,"rows":1}\n',
                             "invalid_request"),
     "duplicate complete": (TO_FINALIZED, Complete().encode() * 2, "duplicate_request"),
-    "complete after terminated": (
-        [*TO_FINALIZED, Terminated(result=FINAL_RESULT)], Complete().encode(),
-        "unauthorized_request"),
 }
 
 
@@ -423,15 +425,25 @@ def test_fatal_request_ends_the_broker(harness: BrokerHarness, events: list[Mess
                          if code == "duplicate_request" else [])
 
 
+def test_complete_after_terminated_is_fatal_and_silent(
+        harness: BrokerHarness, capsys: pytest.CaptureFixture[str]) -> None:
+    harness.up_to_ready()
+    harness.send_events(*TO_FINALIZED, Terminated(result=FINAL_RESULT))
+    harness.write(Complete().encode())
+    harness.expect_silent_failure("unauthorized_request", capsys)
+    assert harness.host.read_until_eof() == []
+
+
 def test_duplicate_acknowledgement_is_fatal_after_the_first_is_forwarded(
-        harness: BrokerHarness) -> None:
+        harness: BrokerHarness, capsys: pytest.CaptureFixture[str]) -> None:
     harness.up_to_ready()
     harness.send_events(*TO_FINALIZED)
     harness.write(Complete().encode())
     harness.expect_request(Complete())
     harness.send_events(Terminated(result=FINAL_RESULT))
     harness.write(AcknowledgeTerminated().encode() * 2)
-    frames = harness.expect_fatal("duplicate_request")
+    harness.expect_silent_failure("duplicate_request", capsys)
+    frames = harness.host.read_until_eof()
     assert [(f.kind, f.payload) for f in frames] == [
         (FrameKind.REQUEST, AcknowledgeTerminated().encode()[:-1])]
 
@@ -459,20 +471,53 @@ def test_host_closing_early_is_host_channel_lost(harness: BrokerHarness) -> None
 
 
 def test_host_closing_after_terminated_but_before_the_ack_is_host_channel_lost(
-        harness: BrokerHarness) -> None:
+        harness: BrokerHarness, capsys: pytest.CaptureFixture[str]) -> None:
     harness.up_to_ready()
     harness.send_events(*TO_FINALIZED, Terminated(result=FINAL_RESULT))
     harness.host.close()
-    event = harness.next_event()
-    assert isinstance(event, ClientError) and event.code == "host_channel_lost"
-    assert harness.finish() == 1
+    harness.expect_silent_failure("host_channel_lost", capsys)
 
 
 def test_stdin_closing_before_the_acknowledgement_is_fatal(harness: BrokerHarness) -> None:
     harness.up_to_ready()
-    harness.send_events(*TO_FINALIZED, Terminated(result=FINAL_RESULT))
+    harness.send_events(*TO_FINALIZED)
     harness.close_stdin()
     harness.expect_fatal("controller_stream_closed")
+
+
+def test_stdin_closing_after_terminated_before_the_acknowledgement_is_fatal_and_silent(
+        harness: BrokerHarness, capsys: pytest.CaptureFixture[str]) -> None:
+    harness.up_to_ready()
+    harness.send_events(*TO_FINALIZED, Terminated(result=FINAL_RESULT))
+    harness.close_stdin()
+    harness.expect_silent_failure("controller_stream_closed", capsys)
+
+
+def test_a_host_event_after_terminated_is_fatal_and_silent(
+        harness: BrokerHarness, capsys: pytest.CaptureFixture[str]) -> None:
+    harness.up_to_ready()
+    harness.send_events(*TO_FINALIZED, Terminated(result=FINAL_RESULT))
+    harness.host.send_event(ClientError(code="forged", message="from the host"))
+    harness.expect_silent_failure("host_protocol_error", capsys)
+
+
+def test_the_attach_deadline_ends_with_terminated() -> None:
+    """A session that ended before the controller attached (a startup failure, a cancelled
+    startup): its `terminated` ends the attachment's deadline, the controller acknowledges
+    after it would have expired, and the broker ends cleanly with terminated its last event."""
+    harness = BrokerHarness(attach_deadline_s=0.3)
+    try:
+        path = harness.broker_ready()
+        harness.send_events(OPENED, STARTUP_FAILURE_TERMINATED)
+        time.sleep(0.6)  # not synchronisation: past the attach deadline, which must not fire
+        harness.write(AcknowledgeTerminated().encode())
+        harness.expect_request(AcknowledgeTerminated())
+        harness.host.close()
+        assert harness.finish() == 0
+        assert harness.rest_of_stdout() == b""
+        assert not os.path.exists(path)
+    finally:
+        harness.close()
 
 
 def test_host_event_out_of_order_is_fatal(harness: BrokerHarness) -> None:

@@ -89,9 +89,8 @@ ALLOWED_ORDERS = {
     "diagnostics anywhere between broker-ready and outputs-finalized": [
         BROKER_READY, DIAGNOSTIC, OPENED, DIAGNOSTIC, READY, DIAGNOSTIC,
         TERMINATING[Cause.CONTROLLER_LOST], DIAGNOSTIC, DRAINED, TERMINATED],
-    "client-error anywhere, even after terminated": [
+    "client-error anywhere before terminated": [
         BROKER_READY, CLIENT_ERROR, OPENED, CLIENT_ERROR, READY, CLIENT_ERROR, CLIENT_ERROR],
-    "client-error after terminated": [*UP_TO_TERMINATED, CLIENT_ERROR],
 }
 
 
@@ -126,6 +125,8 @@ REFUSED_ORDERS = {
     "outputs-finalized twice": (UP_TO_FINALIZED, FAILED),
     "terminated twice": (UP_TO_TERMINATED, TERMINATED),
     "diagnostic after terminated": (UP_TO_TERMINATED, DIAGNOSTIC),
+    "client-error after terminated": (UP_TO_TERMINATED, CLIENT_ERROR),
+    "client-error after a startup failure's terminated": (STARTUP_FAILED, CLIENT_ERROR),
     "diagnostic after outputs-finalized": (UP_TO_FINALIZED, DIAGNOSTIC),
     "workload-exit after outputs-finalized": (UP_TO_FINALIZED, WORKLOAD_EXIT),
     "workload-exit after terminated": (UP_TO_TERMINATED, WORKLOAD_EXIT),
@@ -229,8 +230,8 @@ class SeedModel:
     def on_event(self, event: Message) -> Optional["SeedModel"]:
         """The next state, or None when the seed does not allow the event here."""
         kind = event.TYPE
-        if kind == "client-error":  # reports a fatal failure whenever it happens
-            return self
+        if kind == "client-error":  # a fatal failure, reported on the stream until terminated
+            return self if self.phase != "terminated" else None  # issue 23: nothing after it
         # Issue 10: every workload fact comes before workload-outputs-finalized; after it (the
         # controller sends complete) the next event is terminated.
         if kind == "diagnostic":

@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 import contract_rules
-from conftest import ROOT, run_reploy
-
-SHARED = Path("/work/shared/conformance/reploy-v1")
+from conftest import ROOT, require_shared_fixture, run_reploy
 
 CONTROLLER = ROOT / "examples/controller/controller.blueprint.yaml"
 WORKLOAD = ROOT / "examples/workload/workload.blueprint.yaml"
@@ -32,14 +33,19 @@ def staged(tmp_path: Path, blueprint: Path, name: str, built: bool = True) -> Pa
 
 
 def mark_built(directory: Path) -> None:
-    """Record a made-up generation of the staged blueprint, as `reploy build` would."""
+    """Record a made-up generation of the staged files, as `reploy build` would."""
+    import yaml
+
     state_file = directory / ".reploy/state.json"
     state = json.loads(state_file.read_text())
     text = (directory / "blueprint.yaml").read_text()
+    private_env = "private_env" in yaml.safe_load(text)["environment"] or (
+        directory / ".env").exists()
     state["current_generation"] = {"number": 1, "image_id": "sha256:" + "0" * 64,
                                    "reference": "reploy/x:1",
                                    "blueprint_digest": hashlib.sha256(text.encode()).hexdigest(),
-                                   "built_at": 0.0, "blueprint_text": text}
+                                   "built_at": 0.0, "blueprint_text": text,
+                                   "private_env": private_env}
     state_file.write_text(json.dumps(state))
 
 
@@ -54,7 +60,22 @@ def run_args(controller: Path, workload: Path, *extra: str) -> list[str]:
     (["--columns", "100", "--", "x"], "--columns and --rows go together"),
     (["--columns", "0", "--rows", "10", "--", "x"], "--columns must be from 1 to 65535"),
     (["--columns", "10", "--rows", "65536", "--", "x"], "--rows must be from 1 to 65535"),
-    (["--columns", "ten", "--rows", "10", "--", "x"], "invalid int value"),
+    (["--columns", "ten", "--rows", "10", "--", "x"], "'ten' is not a number written in ASCII"),
+    (["--columns", "8_0", "--rows", "24", "--", "x"], "'8_0' is not a number written in ASCII"),
+    (["--columns", "80", "--rows", "\u0662\u0664", "--", "x"], "--rows: '\u0662\u0664' is not"),
+    (["--columns", "+80", "--rows", "24", "--", "x"], "'+80' is not a number"),
+    (["--columns", " 80", "--rows", "24", "--", "x"], "' 80' is not a number"),
+    (["--columns", "80\n", "--rows", "24", "--", "x"], "is not a number"),
+    (["--columns", "\uff18\uff10", "--rows", "24", "--", "x"], "is not a number"),  # fullwidth
+    (["--columns", "80", "--columns", "80", "--rows", "24", "--", "x"],
+     "--columns was given more than once"),
+    (["--startup-timeout", "20s", "--startup-timeout", "30s", "--", "x"],
+     "--startup-timeout was given more than once"),
+    (["--output-dir", "a", "--output-dir", "b", "--", "x"],
+     "--output-dir was given more than once"),
+    (["--workload-dir", "w2", "--", "x"], "--workload-dir was given more than once"),
+    (["--work", "w", "--", "x"], "unrecognized arguments: --work"),
+    (["--col", "80", "--rows", "24", "--", "x"], "unrecognized arguments: --col"),
     (["--startup-timeout", "14s", "--", "x"], "outside 15s through 5m"),
     (["--startup-timeout", "6m", "--", "x"], "outside 15s through 5m"),
     (["--termination-grace", "99ms", "--", "x"], "outside 100ms through 1m"),
@@ -77,6 +98,27 @@ def test_usage_errors_exit_2_with_nothing_on_stdout(tmp_path: Path, extra: list[
     assert message in proc.stderr.decode()
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["stage", "a.yaml", "--dir", "x", "--dir", "y"], "--dir was given more than once"),
+    (["stage", "a.yaml", "--di", "x"], "the following arguments are required: --dir"),
+    (["build", "--dir", "x", "--dir", "y"], "--dir was given more than once"),
+    (["controlled-session", "cleanup", "--workload", "x"], "unrecognized arguments: --workload"),
+])
+def test_every_command_refuses_abbreviations_and_repeated_options(argv: list[str],
+                                                                  message: str) -> None:
+    proc = run_reploy(*argv)
+    assert proc.returncode == 2 and proc.stdout == b""
+    assert message in proc.stderr.decode()
+
+
+def test_a_repeatable_option_may_be_repeated(tmp_path: Path) -> None:
+    """--endpoint (a grant each) and cleanup's --workload-dir are lists, not single values."""
+    proc = run_reploy(*run_args(tmp_path / "c", tmp_path / "w", "--endpoint", "a",
+                                "--endpoint", "b", "--", "x"))
+    assert proc.returncode == 1 and json.loads(proc.stdout)["error"].startswith(
+        "admission rejected")
+
+
 def test_missing_required_directories_is_usage_error() -> None:
     proc = run_reploy("controlled-session", "run", "--", "x")
     assert proc.returncode == 2 and proc.stdout == b""
@@ -85,23 +127,33 @@ def test_missing_required_directories_is_usage_error() -> None:
 
 def admission_error(proc) -> str:  # noqa: ANN001
     assert proc.returncode == 1, proc.stderr.decode()
-    result = json.loads(proc.stdout)
+    result = contract_rules.check_reploy_result_line(proc.stdout)
     assert result["ok"] is False
     assert result["session_result"] is None and result["controller_output"] is None
     return result["error"]
 
 
-#: The shared golden fixture's plan-rejected line: the shape every plan rejection prints.
-GOLDEN_PLAN_REJECTED = next(
-    json.loads(line) for line in (SHARED / "run-results-v1.jsonl").read_text().splitlines()
-    if json.loads(line)["error"] == "plan rejected")
+def plan_rejected_line(path: Path) -> dict:
+    """A fixture file's plan-rejected line."""
+    return next(json.loads(line) for line in path.read_text().splitlines()
+                if json.loads(line)["error"].startswith("plan rejected"))
+
+
+#: The project's own plan-rejected fixture line: the shape every plan rejection prints. It is
+#: the shared golden fixture's shape (test_the_plan_rejected_shape_is_the_shared_one).
+GOLDEN_PLAN_REJECTED = plan_rejected_line(ROOT / "testdata/controlled-session/run-results.jsonl")
+
+
+def test_the_plan_rejected_shape_is_the_shared_one() -> None:
+    shared = plan_rejected_line(require_shared_fixture("run-results-v1.jsonl"))
+    assert {**shared, "error": None} == {**GOLDEN_PLAN_REJECTED, "error": None}
 
 
 def plan_rejection(proc, output: str = "not-requested") -> str:  # noqa: ANN001
     """A plan rejection: the golden fixture's shape, with its own error text."""
     assert proc.returncode == 1, proc.stderr.decode()
     assert proc.stdout.count(b"\n") == 1
-    result = contract_rules.check_result_line(proc.stdout)
+    result = contract_rules.check_reploy_result_line(proc.stdout)
     assert result["error"].startswith("plan rejected: ")
     assert {**result, "error": None, "controller_output": None} == {
         **GOLDEN_PLAN_REJECTED, "error": None, "controller_output": None}
@@ -168,15 +220,12 @@ def test_private_env_is_rejected(tmp_path: Path) -> None:
     assert json.loads(proc.stdout)["private_env"] is True
     assert (tmp_path / "w/.env").stat().st_mode & 0o777 == 0o600
     assert not (tmp_path / "w/context/.env").exists()  # never baked into the image
-    staged(tmp_path, WORKLOAD, "w2")  # reuse the helper's "built" marking on a copy
-    state = (tmp_path / "w2/.reploy/state.json").read_text()
-    (tmp_path / "w/.reploy/state.json").write_text(state.replace(
-        json.loads(state)["deployment_id"], json.loads(
-            (tmp_path / "w/.reploy/state.json").read_text())["deployment_id"]))
+    mark_built(tmp_path / "w")
     controller = staged(tmp_path, CONTROLLER, "c")
     error = admission_error(run_reploy(*run_args(controller, tmp_path / "w", "--",
                                                  "run-controller")))
-    assert "private environment" in error
+    assert error == (f"admission rejected: the workload deployment {tmp_path / 'w'} was built "
+                     "with a private environment; controlled sessions do not support it")
 
 
 def test_output_file_needs_parent_and_no_destination(tmp_path: Path) -> None:
@@ -280,7 +329,7 @@ def one_result(proc) -> dict:  # noqa: ANN001
     assert proc.returncode == 1, proc.stderr.decode()
     assert b"Traceback" not in proc.stderr, proc.stderr.decode()
     assert proc.stdout.count(b"\n") == 1 and proc.stdout.endswith(b"\n")
-    return contract_rules.check_result_line(proc.stdout)
+    return contract_rules.check_reploy_result_line(proc.stdout)
 
 
 @pytest.mark.parametrize("corrupt,message", [
@@ -377,6 +426,85 @@ def test_a_declaration_added_without_a_rebuild_grants_nothing(
     assert message in error
 
 
+def planned(controller: Path, workload: Path, *argv: str) -> tuple:
+    """What a session is granted, as admission and planning decide it in the host: the two
+    blueprints (runtime uid:gid, writable paths, limits, commands...), the controller's argv
+    and the endpoints. (argv: host options, then `--` and the command.)"""
+    import reploy
+
+    cut = list(argv).index("--")
+    options = reploy.parse_run_options(reploy.build_parser().parse_args(
+        run_args(controller, workload, *argv[:cut])), list(argv[cut + 1:]))
+    plan = reploy.plan(options, *reploy.admit(options))
+    return (plan.controller_blueprint, plan.workload_blueprint, plan.controller_argv,
+            plan.endpoints)
+
+
+#: (role, text in the staged blueprint, what an edit makes of it): each field that grants or
+#: refuses authority, changed in the staged file only.
+STAGED_EDITS = {
+    "controller uid:gid": ("c", 'user: "1000:1000"', 'user: "0:0"'),
+    "workload uid:gid": ("w", 'user: "1000:1000"', 'user: "2000:2000"'),
+    "writable paths": ("w", "writable_paths: [/tmp]", "writable_paths: [/tmp, /etc, /project]"),
+    "controller writable paths": ("c", "    pids: 128",
+                                  "    pids: 128\n    writable_paths: [/opt]"),
+    "memory": ("c", "memory_mib: 256", "memory_mib: 4096"),
+    "pids": ("w", "pids: 64", "pids: 4096"),
+    "argv": ("c", "argv: [python3, /opt/controller/main.py]", "argv: [sh, -c, 'rm -rf /']"),
+    "trigger": ("c", "trigger: [run-controller]", "trigger: [run-controller, --force]"),
+    "endpoint port": ("w", "web: {scheme: http, port: 8080}", "web: {scheme: http, port: 22}"),
+    "endpoint scheme": ("w", "web: {scheme: http, port: 8080}", "web: {scheme: tcp, port: 8080}"),
+}
+
+
+@pytest.mark.parametrize("role, text, edited", STAGED_EDITS.values(), ids=STAGED_EDITS.keys())
+def test_a_staged_edit_without_a_rebuild_changes_nothing(tmp_path: Path, role: str, text: str,
+                                                         edited: str) -> None:
+    directories = {"c": staged(tmp_path, CONTROLLER, "c"), "w": staged(tmp_path, WORKLOAD, "w")}
+    argv = ("--endpoint", "web", "--", "run-controller", "--verbose")
+    before = planned(directories["c"], directories["w"], *argv)
+    blueprint = directories[role] / "blueprint.yaml"
+    assert text in blueprint.read_text()
+    blueprint.write_text(blueprint.read_text().replace(text, edited))
+    assert planned(directories["c"], directories["w"], *argv) == before
+
+
+@pytest.mark.parametrize("built_with, staged_with", [(True, False), (False, True)],
+                         ids=["dropped-after-build", "added-after-build"])
+@pytest.mark.parametrize("how", ["env-file", "blueprint-field"])
+def test_the_private_environment_is_the_built_generations(tmp_path: Path, how: str,
+                                                          built_with: bool,
+                                                          staged_with: bool) -> None:
+    """A generation built with a private environment stays refused once the staging directory
+    drops it; one built without it is not refused for what was staged after the build."""
+    import reploy
+
+    workload = staged(tmp_path, WORKLOAD, "w", built=False)
+    blueprint = workload / "blueprint.yaml"
+    plain = blueprint.read_text()
+    with_field = plain.replace("  workload:\n", "  private_env: {TOKEN: x}\n  workload:\n")
+
+    def set_private(present: bool) -> None:
+        if how == "env-file":
+            if present:
+                (workload / ".env").write_text("TOKEN=secret\n")
+            else:
+                (workload / ".env").unlink(missing_ok=True)
+        else:
+            blueprint.write_text(with_field if present else plain)
+
+    set_private(built_with)
+    mark_built(workload)
+    set_private(staged_with)
+    options = reploy.parse_run_options(reploy.build_parser().parse_args(run_args(
+        staged(tmp_path, CONTROLLER, "c"), workload)), ["run-controller"])
+    if built_with:
+        with pytest.raises(reploy.AdmissionError, match="built with a private environment"):
+            reploy.admit(options)
+    else:
+        reploy.admit(options)
+
+
 def test_an_older_generation_without_its_blueprint(tmp_path: Path) -> None:
     """State from before blueprints were recorded: used while the staged blueprint is the one
     it was built from (same digest), refused clearly once it differs."""
@@ -416,3 +544,120 @@ def test_a_repeated_endpoint_is_one_grant(tmp_path: Path) -> None:
         ["run-controller"])
     planned = reploy.plan(options, *reploy.admit(options))
     assert [endpoint.id for endpoint in planned.endpoints] == ["web"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Output directories: used as they are, never re-owned; unreachable ones refused by name
+# ---------------------------------------------------------------------------------------------
+
+
+def test_an_existing_output_dir_the_controller_cannot_write_is_refused(tmp_path: Path) -> None:
+    """Reploy never re-owns or re-modes an existing directory (run as root, `--output-dir
+    /tmp` once made /tmp the controller's): one the controller cannot write is refused."""
+    controller = staged(tmp_path, CONTROLLER, "c")
+    workload = staged(tmp_path, WORKLOAD, "w")
+    out = tmp_path / "out"
+    out.mkdir(mode=0o755)
+    os.chown(out, 0, 0)
+    error = plan_rejection(run_reploy(*run_args(controller, workload, "--output-dir", str(out),
+                                                "--", "run-controller")),
+                           output="directory-retained")
+    assert error == (f"plan rejected: --output-dir: the controller's runtime 1000:1000 cannot "
+                     f"write {out} (owner 0:0, mode 0755); Reploy never changes an existing "
+                     "directory's owner or mode")
+    assert (out.stat().st_uid, out.stat().st_gid, out.stat().st_mode & 0o7777) == (0, 0, 0o755)
+
+
+@pytest.mark.parametrize("owner, mode", [((1000, 1000), 0o700), ((0, 1000), 0o2770),
+                                         ((0, 0), 0o1777)])
+def test_an_existing_output_dir_the_controller_can_write_is_planned_as_it_is(
+        tmp_path: Path, owner: tuple[int, int], mode: int) -> None:
+    controller = staged(tmp_path, CONTROLLER, "c")
+    workload = staged(tmp_path, WORKLOAD, "w")
+    out = tmp_path / "out"
+    out.mkdir()
+    os.chown(out, *owner)
+    out.chmod(mode)
+    planned(controller, workload, "--output-dir", str(out), "--", "run-controller")
+    assert (out.stat().st_uid, out.stat().st_gid, out.stat().st_mode & 0o7777) == (*owner, mode)
+
+
+#: Runs the host without CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH: as root, it then meets
+#: permission bits like any user (setpriv is util-linux's, in every Debian).
+WITHOUT_DAC_OVERRIDE = ["setpriv", "--bounding-set=-dac_override,-dac_read_search",
+                        "--inh-caps=-all"]
+
+
+@pytest.mark.parametrize("option, below", [
+    ("--output-dir", "out"), ("--output-dir", "out/deeper"), ("--output-file", "out.cast"),
+    ("--output-file", "sub/out.cast")])
+def test_an_output_path_under_a_parent_the_host_cannot_search_is_refused_by_name(
+        tmp_path: Path, option: str, below: str) -> None:
+    controller = staged(tmp_path, CONTROLLER, "c")
+    workload = staged(tmp_path, WORKLOAD, "w")
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o700)
+    os.chown(locked, 1000, 1000)  # not the host's: it may not enter
+    target = locked / below
+    proc = subprocess.run([*WITHOUT_DAC_OVERRIDE, sys.executable, str(ROOT / "reploy.py"),
+                           *run_args(controller, workload, option, str(target), "--",
+                                     "run-controller")], capture_output=True, timeout=60)
+    error = admission_error(proc)
+    reached = target if option == "--output-dir" else target.parent
+    first = locked / below.split("/")[0]
+    assert error in (f"admission rejected: {option}: cannot reach {reached}: Permission denied",
+                     f"admission rejected: {option}: cannot reach {first}: Permission denied")
+    assert b"Traceback" not in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Signals before the session: admission blocked on a FIFO
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+@pytest.mark.parametrize("then", ["nothing", "a rejection"])
+def test_a_signal_ends_an_admission_that_blocks(tmp_path: Path, signum: int, code: int,
+                                                then: str) -> None:
+    """state.json is a FIFO that stays empty: admission blocks reading it. A signal ends the
+    run at once: 130/143 and one result, nothing else decided. A rejection admission finds
+    after the signal (the FIFO then gets content that refuses the run) exits 130/143 all the
+    same, its error naming the signal."""
+    controller = staged(tmp_path, CONTROLLER, "c")
+    workload = staged(tmp_path, WORKLOAD, "w")
+    state = controller / ".reploy/state.json"
+    state.unlink()
+    os.mkfifo(state)
+    proc = subprocess.Popen([sys.executable, str(ROOT / "reploy.py"),
+                             *run_args(controller, workload, "--", "run-controller")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    writer = None
+    try:
+        deadline = time.monotonic() + 30
+        while writer is None:  # opens once admission has the FIFO open (or is opening it)
+            try:
+                writer = os.open(state, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError as e:  # ENXIO: no reader yet
+                assert e.errno == errno.ENXIO and proc.poll() is None, proc.stderr
+                assert time.monotonic() < deadline, "admission never opened state.json"
+                time.sleep(0.02)  # polling for a condition, with a deadline
+        proc.send_signal(signum)
+        if then == "a rejection":
+            os.write(writer, b"{}")
+            os.close(writer)
+            writer = None
+        stdout, stderr = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+        if writer is not None:
+            os.close(writer)
+    assert proc.returncode == code, stderr
+    result = contract_rules.check_reploy_result_line(stdout)
+    name = signal.Signals(signum).name
+    if then == "nothing":
+        assert result["error"] == f"cancelled by {name}"
+        assert all(result[key] is None for key in contract_rules.RESULT_KEYS[3:])
+    else:  # the signal and the rejection race: either way, the signal decides the exit code
+        assert result["error"] == f"cancelled by {name}" or (
+            result["error"].startswith("admission rejected: ")
+            and result["error"].endswith(f"; received {name}")), result["error"]

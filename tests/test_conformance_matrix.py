@@ -25,7 +25,8 @@ import pytest
 
 import contract_rules as rules
 from conftest import LABEL_RUN, ROOT, stage_and_build
-from test_controlled_session_failures import MOMENT_TIMEOUT_S, HostRun
+from test_cli import GOLDEN_PLAN_REJECTED
+from test_controlled_session_failures import CONTROLLER_UID_GID, MOMENT_TIMEOUT_S, HostRun
 
 pytestmark = pytest.mark.docker
 
@@ -99,7 +100,9 @@ class Run(HostRun):
 
     def __init__(self, controller: Path, workload: Path, out: Path, mode: str, *extra: str
                  ) -> None:
-        out.mkdir(parents=True, exist_ok=True)
+        if not out.exists():  # made the controller's to write: Reploy never re-owns it
+            out.mkdir(parents=True)
+            os.chown(out, *CONTROLLER_UID_GID)
         self.out = out
         self.workload = workload
         for name in ("to-test", "from-test"):
@@ -118,7 +121,7 @@ class Run(HostRun):
         """Exit code, the result (checked), stderr."""
         stdout, stderr = self.proc.communicate(timeout=240)
         assert stdout.count(b"\n") == 1 and stdout.endswith(b"\n"), (stdout, stderr[-3000:])
-        result = rules.check_result_line(stdout)
+        result = rules.check_reploy_result_line(stdout)
         return self.proc.returncode, result, stderr.decode()
 
     def events(self) -> list[dict[str, Any]]:
@@ -190,6 +193,9 @@ def test_ending(docker_engine: Any, matrix: dict[str, Path], tmp_path: Path, run
     if mode == "no-complete":
         assert result["session_result"]["controller_finalization_status"]["kind"] == \
             "finalization-timeout"
+        assert result["error"].startswith("controller finalization finalization-timeout: ")
+    if mode == "exit 3":
+        assert result["error"] == "the workload exited with code 3"
 
 
 @pytest.mark.parametrize("mode", ["early-complete", "die"])
@@ -357,7 +363,7 @@ def test_startup_failure_when_the_output_directory_cannot_be_created(
          "--controller-dir", str(matrix["consumer"]), "--workload-dir", str(matrix["workload"]),
          "--output-dir", f"/proc/reploy-no-such-dir-{tmp_path.name}", "--", "consume", "exit 0"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=240)
-    result = rules.check_result_line(proc.stdout)
+    result = rules.check_reploy_result_line(proc.stdout)
     assert_startup_failure(result)
     output = result["controller_output"]
     assert output["kind"] == "failed" and "output directory" in output["reason"], output
@@ -368,9 +374,6 @@ def test_startup_failure_when_the_output_directory_cannot_be_created(
 # Plan rejections: nothing of the session ran
 # ---------------------------------------------------------------------------------------------
 
-GOLDEN_PLAN_REJECTED = next(
-    json.loads(line) for line in Path("/work/shared/conformance/reploy-v1/run-results-v1.jsonl")
-    .read_text().splitlines() if json.loads(line)["error"] == "plan rejected")
 
 
 def assert_plan_rejected(result: dict[str, Any], output: str = "directory-retained") -> None:

@@ -29,7 +29,7 @@ def run_scenario(deployments: dict[str, Path], out: Path, *scenario: str,
         "--output-dir", str(out), *extra, "--", "run-scenario", *scenario)
     stdout = proc.stdout.decode()
     assert stdout.endswith("\n") and stdout.count("\n") == 1, stdout
-    result = json.loads(stdout)
+    result = contract_rules.check_reploy_result_line(proc.stdout)
     assert list(result) == RESULT_KEYS
     report = json.loads((out / "report.json").read_text())
     assert report["error"] is None, report["error"] + proc.stderr.decode()[-3000:]
@@ -108,6 +108,6 @@ def test_make_demo_prints_only_the_result(docker_engine: Any, tmp_path: Path) ->
                           timeout=600)
     assert proc.returncode == 0, proc.stderr.decode()[-3000:]
     assert proc.stdout.count(b"\n") == 1, proc.stdout[:500]
-    result = contract_rules.check_result_line(proc.stdout)
+    result = contract_rules.check_reploy_result_line(proc.stdout)
     assert result["ok"] is True
     assert b"reploy.py controlled-session run" not in proc.stdout  # no recipe lines

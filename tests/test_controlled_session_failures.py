@@ -21,6 +21,7 @@ from typing import Any, Optional
 import psutil
 import pytest
 
+import contract_rules
 import reploy_watchdog
 from conftest import (
     LABEL_RUN, ROOT, WATCHDOG_DIR_ENV, run_reploy, stage_and_build, wait_watchdog_exit,
@@ -35,6 +36,8 @@ RECEIPT_TIMEOUT_S = 60
 RECEIPT_FIELDS = {"schema", "run_id", "time", "trigger", "host", "removed",
                   "cleanup_succeeded", "errors"}
 GRANT = ("--endpoint", "web")
+#: The runtime uid:gid of the test controllers (conftest.CONTROLLER_BLUEPRINT).
+CONTROLLER_UID_GID = (1000, 1000)
 
 
 class HostRun:
@@ -48,6 +51,7 @@ class HostRun:
                  *extra: str, env: Optional[dict[str, str]] = None,
                  output_option: str = "--output-dir", output_path: Optional[Path] = None) -> None:
         out.mkdir(parents=True, exist_ok=True)
+        os.chown(out, *CONTROLLER_UID_GID)  # the controller's to write: Reploy never re-owns it
         self.out = out
         self.workload = deployments["workload"]
         for name in ("to-test", "from-test"):
@@ -99,7 +103,8 @@ class HostRun:
         stdout, stderr = self.proc.communicate(timeout=180)
         text = stdout.decode()
         assert text.count("\n") == 1 and text.endswith("\n"), (text, stderr.decode()[-3000:])
-        return self.proc.returncode, json.loads(text), stderr.decode()
+        return self.proc.returncode, contract_rules.check_reploy_result_line(stdout), \
+            stderr.decode()
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -142,7 +147,7 @@ def run_to_end(deployments: dict[str, Path], out: Path, scenario: str, *extra: s
     assert text.count("\n") == 1, (text, proc.stderr.decode()[-3000:])
     report = json.loads((out / "report.json").read_text()) if (out / "report.json").exists() \
         else {}
-    return proc.returncode, json.loads(text), report
+    return proc.returncode, contract_rules.check_reploy_result_line(proc.stdout), report
 
 
 def session_roles(grant: tuple[str, ...]) -> set[str]:
@@ -379,6 +384,9 @@ def test_controller_lost(docker_engine: Any, deployments: dict[str, Path], tmp_p
     assert session["cause"] == "controller-lost"
     assert session["controller_finalization_status"]["kind"] == "lost"
     assert result["result_delivered"] is False
+    assert result["error"].startswith(
+        f"the controller was lost: {session['controller_finalization_status']['reason']}; ")
+    assert "; the result was not delivered to the controller" in result["error"]
     if scenario == "die":
         assert result["controller_status"] == {"kind": "exited", "code": 3}
     else:
@@ -399,6 +407,7 @@ def test_workload_exit_with_non_zero_code(docker_engine: Any, deployments: dict[
     # Everything else succeeded, but a failing workload is not a successful session.
     assert result["result_acknowledged"] is True and result["controller_status"]["code"] == 0
     assert code == 1 and result["ok"] is False
+    assert result["error"] == "the workload exited with code 3"
 
 
 def test_runtime_observation_lost(docker_engine: Any, deployments: dict[str, Path],
@@ -497,7 +506,7 @@ def test_startup_failure_when_the_controller_command_cannot_start(
     stage_and_build(blueprint, tmp_path / "c")
     proc = run_reploy("controlled-session", "run", "--controller-dir", str(tmp_path / "c"),
                       "--workload-dir", str(deployments["workload"]), "--", "run-controller")
-    result = json.loads(proc.stdout)
+    result = contract_rules.check_reploy_result_line(proc.stdout)
     assert proc.returncode == 1 and result["session_result"]["cause"] == "startup-failure"
     assert "no/such/interpreter" in result["error"] and result["error"].startswith(
         "startup failed: ")
@@ -515,6 +524,7 @@ def test_controller_finalization_timeout(docker_engine: Any, deployments: dict[s
     status = result["session_result"]["controller_finalization_status"]
     assert status["kind"] == "finalization-timeout" and "1s" in status["reason"]
     assert code == 1 and result["ok"] is False
+    assert result["error"] == f"controller finalization finalization-timeout: {status['reason']}"
     assert report["terminated"]["result"] == result["session_result"]
 
 
@@ -524,6 +534,7 @@ def test_result_acknowledgement_timeout(docker_engine: Any, deployments: dict[st
                                       "--result-acknowledgement-timeout", "1s")
     assert result["result_delivered"] is True and result["result_acknowledged"] is False
     assert code == 1 and result["ok"] is False
+    assert result["error"] == "the controller did not acknowledge the result"
     assert report["client_exit"] == 1  # the host closed without an acknowledgement
 
 
@@ -558,6 +569,7 @@ def test_output_finalization_fails_at_its_deadline(docker_engine: Any,
     assert types.index("terminating") < types.index("workload-outputs-finalized")
     assert types.index("workload-exit") > types.index("terminating")
     assert code == 1 and result["ok"] is False
+    assert result["error"] == f"terminal output finalization failed: {status['reason']}"
 
 
 def test_cleanup_failure_is_a_fact_and_can_be_reconciled(docker_engine: Any,
@@ -585,6 +597,8 @@ def test_cleanup_failure_is_a_fact_and_can_be_reconciled(docker_engine: Any,
     assert result["delivery_tail_cleanup_status"]["kind"] == "failed"
     assert "pinned" in result["delivery_tail_cleanup_status"]["message"]
     assert result["delivery_tail_recovery_action"] == "reconcile-next-operation"
+    assert result["error"] == ("the delivery tail's cleanup failed: "
+                               + result["delivery_tail_cleanup_status"]["message"])
     assert stuck.returncode == 1, stuck.stderr
     stuck_report = json.loads(stuck.stdout)
     assert stuck_report["ok"] is False
@@ -609,7 +623,7 @@ def run_output_file(deployments: dict[str, Path], tmp_path: Path, variant: str,
                       "--workload-dir", str(deployments["workload"]),
                       "--output-file", str(destination), "--termination-grace", "100ms",
                       "--", "run-scenario", "output-file", "--variant", variant)
-    return proc.returncode, json.loads(proc.stdout)
+    return proc.returncode, contract_rules.check_reploy_result_line(proc.stdout)
 
 
 def test_output_file_is_published_after_finalization(docker_engine: Any,
@@ -654,6 +668,8 @@ def test_output_file_is_discarded_without_finalization(docker_engine: Any,
     code, result = run_output_file(deployments, tmp_path, "abandon", destination)
     assert code == 1 and result["session_result"]["cause"] == "controller-lost"
     assert result["controller_output"]["kind"] == "file-discarded"
+    assert result["error"].endswith("; controller output file-discarded: "
+                                    + result["controller_output"]["reason"])
     assert not destination.exists() and list(tmp_path.iterdir()) == []
 
 
@@ -902,7 +918,8 @@ def test_sandbox_audit(docker_engine: Any, deployments: dict[str, Path], tmp_pat
         assert not any(canary in e for e in info["Config"]["Env"]), role
         if role == "workload":
             assert info["Mounts"] == []
-            assert info["Config"]["Cmd"] == ["/bin/sh"] and info["Config"]["Tty"] is True
+            assert info["Config"]["Entrypoint"] == ["/bin/sh"] and not info["Config"]["Cmd"]
+            assert info["Config"]["Tty"] is True
         else:
             assert {(m["Destination"], m["RW"]) for m in info["Mounts"]} == {
                 ("/run/reploy/session", False), ("/mnt/reploy-output", True)}

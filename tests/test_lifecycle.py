@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 
 import pytest
 
@@ -151,3 +152,218 @@ def test_the_workload_pty_size_is_asked_for_at_creation() -> None:
     assert spec.create_kwargs(api)["host_config"]["ConsoleSize"] == [45, 123]
     plain = reploy.ContainerSpec(**{**spec.__dict__, "console_size": None})
     assert "ConsoleSize" not in plain.create_kwargs(api)["host_config"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The printed error: null exactly when ok, else one line naming each fact that made ok false
+# ---------------------------------------------------------------------------------------------
+
+STARTUP_FAILED = Status.of("controller_finalization", "startup-failed", reason="no attachment")
+
+
+def session_with(cause: Cause = Cause.WORKLOAD_EXIT, code: int = 0,
+                 **facts: object) -> SessionResult:
+    session = clean_session(cause, code)
+    return SessionResult(**{**session.__dict__, **facts})
+
+
+#: Each failing fact of a run that ran, and what its error must say about it.
+FAILING_FACTS = {
+    "a non-zero workload exit": (
+        {"session_result": clean_session(Cause.WORKLOAD_EXIT, 3)},
+        ["the workload exited with code 3"]),
+    "an unavailable workload status": (
+        {"session_result": session_with(workload_status=Status.of(
+            "process", "unavailable", reason="not observed within 30s"))},
+        ["the workload's status is unavailable: not observed within 30s"]),
+    "a lost controller": (
+        {"session_result": clean_session(Cause.CONTROLLER_LOST)},
+        ["the controller was lost: the controller closed the channel"]),
+    "a lost observation": (
+        {"session_result": clean_session(Cause.RUNTIME_OBSERVATION_LOST)},
+        ["the runtime observation was lost: gone"]),
+    "failed output finalization": (
+        {"session_result": session_with(workload_output_finalization_status=Status.of(
+            "output_finalization", "failed", reason="no end of file within 30 s"))},
+        ["terminal output finalization failed: no end of file within 30 s"]),
+    "a finalization timeout": (
+        {"session_result": session_with(controller_finalization_status=Status.of(
+            "controller_finalization", "finalization-timeout", reason="no complete within 1s"))},
+        ["controller finalization finalization-timeout: no complete within 1s"]),
+    "a failed workload cleanup": (
+        {"session_result": session_with(
+            cleanup_status=Status.of("cleanup", "failed", message="remove: busy"),
+            recovery_action=RecoveryAction.RECONCILE_NEXT_OPERATION)},
+        ["the workload's cleanup failed: remove: busy"]),
+    "an undelivered result": (
+        {"result_delivered": False, "result_acknowledged": False},
+        ["the result was not delivered to the controller"]),
+    "an unacknowledged result": (
+        {"result_acknowledged": False}, ["the controller did not acknowledge the result"]),
+    "a discarded output file": (
+        {"controller_output": Status.of("controller_output", "file-discarded",
+                                        reason="finalization did not complete")},
+        ["controller output file-discarded: finalization did not complete"]),
+    "a failed delivery-tail cleanup": (
+        {"delivery_tail_cleanup_status": Status.of("cleanup", "failed", message="rm: EPERM"),
+         "delivery_tail_recovery_action": RecoveryAction.RECONCILE_NEXT_OPERATION},
+        ["the delivery tail's cleanup failed: rm: EPERM"]),
+    "a startup failure the error explains": (
+        {"error": "startup failed: no attachment",
+         "session_result": session_with(Cause.STARTUP_FAILURE,
+                                        controller_finalization_status=STARTUP_FAILED)},
+        ["startup failed: no attachment"]),
+    "a signal that came while the session ended": (
+        {"result_acknowledged": False, "received_signal": "SIGTERM"},
+        ["the controller did not acknowledge the result", "received SIGTERM"]),
+    "a cancellation by a signal": (
+        {"error": "cancelled by SIGINT", "received_signal": "SIGINT",
+         "session_result": clean_session(Cause.HOST_CANCEL)},
+        ["cancelled by SIGINT"]),
+    "two failures at once": (
+        {"session_result": clean_session(Cause.WORKLOAD_EXIT, 2), "result_acknowledged": False},
+        ["the workload exited with code 2", "the controller did not acknowledge the result"]),
+}
+
+
+@pytest.mark.parametrize("changes, parts", FAILING_FACTS.values(), ids=FAILING_FACTS.keys())
+def test_the_error_names_each_fact_that_made_ok_false(changes: dict[str, object],
+                                                      parts: list[str]) -> None:
+    result = clean_result(**changes)
+    assert not result.ok
+    assert result.summary() == "; ".join(parts)
+
+
+def test_an_ok_result_has_no_error() -> None:
+    assert clean_result().summary() is None
+    assert clean_result(received_signal="SIGTERM").summary() is None  # it changed nothing
+
+
+def test_the_error_is_one_bounded_line_of_safe_text() -> None:
+    hostile = "/tmp/a\nb\x1b[2J\u202e" + "x" * 2000
+    result = reploy.RunResult(error=f"admission rejected: {hostile}")
+    summary = result.summary()
+    assert summary is not None and summary.startswith("admission rejected: /tmp/a b [2J")
+    assert len(summary.encode()) <= reploy.wire.MAX_SAFE_TEXT_BYTES
+    assert summary.isprintable() and "\n" not in summary
+    undecodable = reploy.RunResult(error=os.fsdecode(b"plan rejected: /w-\xff"))
+    assert undecodable.summary() == "plan rejected: /w-\\xff"
+
+
+def test_os_errors_read_as_words_with_their_path() -> None:
+    error = PermissionError(13, "Permission denied", "/srv/out")
+    assert reploy.error_text(error) == "Permission denied: /srv/out"
+    assert reploy.error_text(OSError(2, "No such file or directory")) == \
+        "No such file or directory"
+    assert reploy.error_text(ValueError("bad")) == "bad"
+
+
+@pytest.mark.parametrize("ok, signum, code", [
+    (True, None, 0), (True, 15, 0), (False, None, 1), (False, 2, 130), (False, 15, 143)])
+def test_the_exit_code_follows_ok_and_the_first_signal(ok: bool, signum: int | None,
+                                                       code: int) -> None:
+    result = clean_result() if ok else clean_result(result_acknowledged=False)
+    assert reploy.exit_code(result, signum) == code
+
+
+# ---------------------------------------------------------------------------------------------
+# Containers run exactly the command Reploy chose
+# ---------------------------------------------------------------------------------------------
+
+
+def test_the_command_is_the_whole_entrypoint_and_the_image_adds_nothing() -> None:
+    import docker
+
+    api = docker.APIClient(base_url="unix:///nonexistent.sock", version="1.41")  # no calls made
+    spec = reploy.ContainerSpec(
+        role="workload", image_id="sha256:" + "0" * 64, command=("/bin/sh",),
+        runtime=reploy.Runtime(uid=1000, gid=1000, writable_paths=(), memory_mib=64, pids=64),
+        environment={}, labels={})
+    kwargs = spec.create_kwargs(api)
+    assert kwargs["entrypoint"] == ["/bin/sh"] and kwargs["command"] == []
+    assert kwargs["healthcheck"] == {"Test": ["NONE"]}
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine and the probe: refused, with a reason, unless the sandbox is really there
+# ---------------------------------------------------------------------------------------------
+
+LINUX_ENGINE = {"OSType": "linux", "SecurityOptions": ["name=seccomp,profile=default"]}
+
+
+@pytest.mark.parametrize("info, local, platform, reason", [
+    (LINUX_ENGINE, True, "darwin", "the host runs darwin, not Linux"),
+    (LINUX_ENGINE, False, "linux", "not reached through a local unix socket"),
+    ({**LINUX_ENGINE, "OSType": "windows"}, True, "linux", "runs windows containers"),
+    ({"OSType": "linux", "SecurityOptions": ["name=apparmor", "name=rootless"]}, True, "linux",
+     "it has no seccomp support"),
+    ({"OSType": "linux", "SecurityOptions": []}, True, "linux", "it has no seccomp support"),
+    ({"OSType": "linux", "SecurityOptions": ["name=seccomp,profile=unconfined"]}, True,
+     "linux", "its default seccomp profile is unconfined"),
+    ({"OSType": "linux", "SecurityOptions": ["name=seccomp,profile=unconfined",
+                                             "name=rootless"]}, True, "linux", "unconfined"),
+])
+def test_an_engine_that_cannot_hold_the_sandbox_is_refused(info: dict, local: bool,
+                                                           platform: str, reason: str) -> None:
+    refusal = reploy.sandbox_refusal(info, local, platform)
+    assert refusal is not None and reason in refusal
+
+
+@pytest.mark.parametrize("options", [
+    ["name=seccomp,profile=default"], ["name=seccomp,profile=default", "name=rootless"],
+    ["name=seccomp,profile=/etc/docker/seccomp.json"], ["seccomp"],  # an old engine's form
+])
+def test_an_engine_with_a_seccomp_profile_is_accepted(options: list[str]) -> None:
+    assert reploy.sandbox_refusal({"OSType": "linux", "SecurityOptions": options}, True,
+                                  "linux") is None
+
+
+RUNTIME = reploy.Runtime(uid=1000, gid=1000, writable_paths=(), memory_mib=64, pids=64)
+PROBE_STATUS = {"Seccomp": "2", "NoNewPrivs": "1", "CapInh": "0" * 16, "CapPrm": "0" * 16,
+                "CapEff": "0" * 16, "CapBnd": "0" * 16, "CapAmb": "0" * 16}
+
+
+def probe_report(**changes: object) -> bytes:
+    import json
+
+    obj = {"version": reploy.__version__, "uid": 1000, "gid": 1000, "status": PROBE_STATUS}
+    obj.update(changes)
+    return json.dumps(obj).encode() + b"\n"
+
+
+def test_a_probe_that_shows_the_sandbox_asked_for_passes() -> None:
+    assert reploy.probe_refusal(0, probe_report(), b"", RUNTIME) is None
+
+
+@pytest.mark.parametrize("code, report, errors, reason", [
+    (127, b"", b"env: 'python3': No such file or directory\n",
+     "exited with code 127: env: 'python3': No such file or directory"),
+    (1, b"", b"Traceback...\nSyntaxError: invalid syntax\n", "SyntaxError: invalid syntax"),
+    (0, b"", b"", "its report is unreadable"),
+    (0, b"reploy-session-client 0.1.0\n", b"", "its report is unreadable"),
+    (0, probe_report(version="0.0.9"), b"", "version '0.0.9'"),
+    (0, probe_report(uid=0), b"", "runs as 0:1000, not as 1000:1000"),
+    (0, probe_report(status={**PROBE_STATUS, "Seccomp": "0"}), b"", "Seccomp is '0', not '2'"),
+    (0, probe_report(status={k: v for k, v in PROBE_STATUS.items() if k != "Seccomp"}), b"",
+     "Seccomp is 'missing'"),
+    (0, probe_report(status={**PROBE_STATUS, "NoNewPrivs": "0"}), b"", "NoNewPrivs is '0'"),
+    (0, probe_report(status={**PROBE_STATUS, "CapBnd": "00000000a80425fb"}), b"",
+     "CapBnd is '00000000a80425fb'"),
+    (0, probe_report(status=[]), b"", "Seccomp is 'missing'"),
+])
+def test_the_probe_fails_closed(code: int, report: bytes, errors: bytes, reason: str) -> None:
+    refusal = reploy.probe_refusal(code, report, errors, RUNTIME)
+    assert refusal is not None and reason in refusal, refusal
+    if code:
+        assert refusal.startswith(reploy.CLIENT_NEEDS)
+
+
+@pytest.mark.parametrize("owner, mode, writable", [
+    ((1000, 1000), 0o700, True), ((1000, 5), 0o500, False), ((0, 1000), 0o770, True),
+    ((0, 1000), 0o750, False), ((0, 0), 0o777, True), ((0, 0), 0o755, False),
+    ((0, 0), 0o1777, True), ((1000, 0), 0o077, False),  # the owner's bits apply to the owner
+])
+def test_writable_by_reads_the_class_that_applies(owner: tuple[int, int], mode: int,
+                                                  writable: bool) -> None:
+    st = os.stat_result((mode | 0o40000, 0, 0, 2, owner[0], owner[1], 0, 0, 0, 0))
+    assert reploy.writable_by(st, 1000, 1000) is writable

@@ -21,11 +21,25 @@ scenario.py. Modes:
   no-complete      never send complete
   trap-term        a shell that traps SIGTERM and sleeps 5 s on it; terminate, then tell the
                    test `terminating` (it suspends the host past the output deadline)
+  exit-later       the shell runs `sleep 5; exit 0` (an interactive shell ignores SIGTERM);
+                   terminate, then tell the test `terminating` (it suspends the host in its
+                   termination grace, and the shell exits meanwhile)
+  stalled-flood    a shell that writes without end to an attachment that is stopped; terminate,
+                   tell the test `terminating`; the attachment resumes once output
+                   finalization is announced
+  burst            stop the attachment; the shell writes 300 kB and exits; on `terminating`
+                   tell the test, and resume the attachment at its word (the host is away)
+  hold-then-exit   tell the test `active`, wait for its word, then the shell exits 0
+  ack-wait         the shell exits 0; on terminated tell the test `terminated` and acknowledge
+                   only if its word is `ack`
+  late-ack         never attach; read opened and terminated (the test cancels the startup),
+                   acknowledge only after the broker's attach deadline would have passed
 """
 
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -145,6 +159,16 @@ def tell_test(out_dir, moment):
         fifo.write(moment + "\n")
 
 
+def wait_for_test(out_dir):
+    with open(os.path.join(out_dir, "from-test")) as fifo:
+        return fifo.readline().strip()
+
+
+#: How long after broker-ready a late acknowledgement comes: past the broker's 10 s attach
+#: deadline (the scenario itself, not a synchronisation).
+LATE_ACK_S = 12
+
+
 def main():
     mode, arg = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else None)
     out_dir = os.environ["REPLOY_OUTPUT_DIR"]
@@ -156,6 +180,15 @@ def main():
     if mode == "no-attach":
         consumer.expect("broker-ready")
         return consumer.finish(close_stdin=False)  # the broker's attach deadline ends it
+    if mode == "late-ack":
+        consumer.expect("broker-ready")
+        ready_at = time.monotonic()
+        tell_test(out_dir, "broker-ready")
+        consumer.expect("opened")
+        consumer.expect("terminated")
+        time.sleep(max(0.0, ready_at + LATE_ACK_S - time.monotonic()))
+        consumer.send("acknowledge-terminated")
+        return consumer.finish()
     consumer.open_session()
     if mode == "exit":
         consumer.type(f"exit {int(arg)}\n")
@@ -187,6 +220,58 @@ def main():
         match = re.search(rb"(\d+ \d+)\r?\n@@2@@", bytes(consumer.output))
         consumer.notes["first_size"] = match.group(1).decode() if match else None
         consumer.type("exit 0\n")
+    elif mode == "hold-then-exit":
+        consumer.type("echo @@$((1+1))@@\n")
+        consumer.wait_output(b"@@2@@")
+        tell_test(out_dir, "active")
+        wait_for_test(out_dir)
+        consumer.type("exit 0\n")
+    elif mode == "ack-wait":
+        consumer.type("exit 0\n")
+        while consumer.expect("workload-exit", "terminating", "diagnostic",
+                              "workload-outputs-finalized")["type"] != \
+                "workload-outputs-finalized":
+            pass
+        consumer.notes["attach_exit"] = consumer.attach.wait(timeout=120)
+        consumer.send("complete")
+        consumer.expect("terminated")
+        tell_test(out_dir, "terminated")
+        if wait_for_test(out_dir) == "ack":
+            consumer.send("acknowledge-terminated")
+        return consumer.finish()
+    elif mode == "exit-later":
+        consumer.type("echo @@$((1+1))@@; sleep 5; exit 0\n")
+        consumer.wait_output(b"@@2@@")
+        consumer.send("terminate")
+        consumer.expect("terminating")
+        tell_test(out_dir, "terminating")
+    elif mode == "stalled-flood":
+        consumer.type("echo @@$((1+1))@@; while :; do echo flood flood flood flood; done\n")
+        consumer.wait_output(b"@@2@@")
+        os.kill(consumer.attach.pid, signal.SIGSTOP)
+        consumer.send("terminate")
+        consumer.expect("terminating")
+        tell_test(out_dir, "terminating")
+        while consumer.expect("workload-exit", "diagnostic",
+                              "workload-outputs-finalized")["type"] != \
+                "workload-outputs-finalized":
+            pass
+        os.kill(consumer.attach.pid, signal.SIGCONT)
+        consumer.notes["attach_exit"] = consumer.attach.wait(timeout=120)
+        consumer.send("complete")
+        consumer.expect("terminated")
+        consumer.send("acknowledge-terminated")
+        return consumer.finish()
+    elif mode == "burst":
+        consumer.type("echo @@$((1+1))@@; sleep 2; head -c 300000 /dev/zero | tr '\\0' x; "
+                      "exit 0\n")
+        consumer.wait_output(b"@@2@@")
+        os.kill(consumer.attach.pid, signal.SIGSTOP)
+        while consumer.expect("workload-exit", "terminating")["type"] != "terminating":
+            pass
+        tell_test(out_dir, "terminating")
+        wait_for_test(out_dir)
+        os.kill(consumer.attach.pid, signal.SIGCONT)
     elif mode == "trap-term":
         consumer.type("trap 'sleep 5' TERM; echo @@$((1+1))@@\n")
         consumer.wait_output(b"@@2@@")
