@@ -182,6 +182,9 @@ SHA256_HEX_RE = re.compile(r"[0-9a-f]{64}")
 MAX_TRANSFER_CHUNK_BYTES = 752 * KIB  #: base64 of this plus the JSON around it stays under MAX_REQUEST_BYTES
 MAX_TRANSFER_BYTES = 8 * 1024 * MIB  #: one upload (a file or a tar's content) or one downloaded tree
 MIN_FREE_BYTES = 16 * MIB  #: an upload never leaves less than this free on the file system it fills
+#: The agent's own spools (a directory download's tar) may use what the file system keeps for root, all but this:
+#: room for the log and the outbox meanwhile.
+MIN_FREE_RESERVED_BYTES = 1 * MIB
 MAX_OPEN_TRANSFERS = 16  #: uploads and downloads open at once
 TRANSFER_IDLE_S = 60.0  #: an upload or download untouched this long is closed and its staging removed
 TRANSFER_WAIT_S = 4.0  #: how long upload_commit and download_read wait for a background job before answering
@@ -2545,11 +2548,13 @@ def free_bytes(fd: int, reserved: bool = False) -> int:
 
 
 def require_free_space(fd: int, needed_bytes: int, where: str, reserved: bool = False) -> None:
-    """Refuses (disk_full) when writing needed_bytes would leave less than MIN_FREE_BYTES free where fd lives."""
+    """Refuses (disk_full) when writing needed_bytes would leave less than MIN_FREE_BYTES free where fd lives (with
+    `reserved`, the agent's own spool: less than MIN_FREE_RESERVED_BYTES, counting what is kept for root)."""
     available = free_bytes(fd, reserved)
-    if available - needed_bytes < MIN_FREE_BYTES:
+    kept_bytes = MIN_FREE_RESERVED_BYTES if reserved else MIN_FREE_BYTES
+    if available - needed_bytes < kept_bytes:
         raise DiskFullError(f"not enough space in {where}: {available // MIB} MiB free, {needed_bytes // MIB} MiB "
-                            f"needed and {MIN_FREE_BYTES // MIB} MiB kept free")
+                            f"needed and {kept_bytes // MIB} MiB kept free")
 
 
 def install_staged_file(staged_fd: int, root: Path, parts: tuple[str, ...], mode: int, spare_name: str) -> None:
@@ -2763,17 +2768,23 @@ def _receive_packet(sock: socket.socket) -> tuple[bytes, list[int]]:
 class WorkerStream:
     """The agent's end of one worker operation: each message parsed strictly and awaited with a deadline; an error
     message raises as the error it reports. A context manager: leaving it closes the socket, which also stops a
-    worker still busy (its next send fails)."""
+    worker still busy (its next send fails). An operation that never hears a word calls `on_silence` (the zygote
+    may be stopped: FileWorkers replaces it)."""
 
-    def __init__(self, sock: socket.socket, op: str) -> None:
+    def __init__(self, sock: socket.socket, op: str, on_silence: Callable[[], None] = lambda: None) -> None:
         self._sock = sock
         self._op = op
+        self._on_silence = on_silence
+        self._heard = False
 
     def receive(self, timeout_s: float) -> tuple[WorkerPacket, Optional[int]]:
         self._sock.settimeout(timeout_s)
         try:
             data, fds = _receive_packet(self._sock)
+            self._heard = True
         except socket.timeout:
+            if not self._heard:
+                self._on_silence()
             raise CommandError(f"the file worker ({self._op}) said nothing for {timeout_s:g} s") from None
         except OSError as e:
             raise CommandError(f"the file worker ({self._op}) failed: {e.strerror}") from e
@@ -2853,6 +2864,7 @@ class FileWorkers:
         self._source_fd = sealed_copy(Path(__file__).read_bytes(), "agent.py")
         self._zygote: Optional[subprocess.Popen[bytes]] = None
         self._channel: Optional[socket.socket] = None
+        self._suspect = False  # an operation heard nothing: the zygote may hang (stopped, traced)
         with self._lock:
             self._start_zygote()
 
@@ -2882,11 +2894,14 @@ class FileWorkers:
 
     def start(self, op: str, fds: Iterable[int] = (), **params: Any) -> WorkerStream:
         """Begins one operation: its request written, its socket handed to the zygote (a new zygote when the last
-        is gone or does not take it within WORKER_START_S)."""
+        is gone, did not take it within WORKER_START_S, or left an operation without a word)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             _send_packet(ours, {"op": op, **params}, fds)
             with self._lock:
+                if self._suspect:
+                    self._stop_zygote()
+                    self._suspect = False
                 for attempt in range(2):
                     try:
                         if self._channel is None:
@@ -2903,7 +2918,10 @@ class FileWorkers:
             raise
         finally:
             theirs.close()
-        return WorkerStream(ours, op)
+        return WorkerStream(ours, op, self._heard_nothing)
+
+    def _heard_nothing(self) -> None:
+        self._suspect = True
 
     def close(self) -> None:
         """Idempotent."""
