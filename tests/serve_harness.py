@@ -193,7 +193,7 @@ def sweep_killed_runs(client: Any) -> None:
         if "serve" in cmdline and "--state-dir" in cmdline:
             in_use.add(cmdline[cmdline.index("--state-dir") + 1])
     run = re.compile(re.escape(str(Path(tempfile.gettempdir()) / "rs-")) + r"(\d+)-")
-    for container in client.containers.list(all=True, filters={"label": LABEL_STATE_DIR}):
+    for container in client.containers.list(all=True, filters={"label": LABEL_STATE_DIR}, ignore_removed=True):
         state_dir = container.labels[LABEL_STATE_DIR]
         match = run.match(state_dir)
         if match and not psutil.pid_exists(int(match.group(1))) and state_dir not in in_use:
