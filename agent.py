@@ -5094,8 +5094,9 @@ def require_private_dir(path: Path, mode_mask: int) -> None:
     plant a symlink at one of those names and aim our writes at any file."""
     st = os.lstat(path)
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & mode_mask:
-        raise StartupError(f"{path} must be a directory owned by uid {os.geteuid()} with no mode bits of "
-                           f"{mode_mask:04o} (it is uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o})")
+        others = "open to no one else" if mode_mask & 0o055 else "writable by no one else"
+        raise StartupError(f"{path} must be a directory owned by uid {os.geteuid()} and {others} (it is uid "
+                           f"{st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o})")
 
 
 def require_out_of_reach(path: Path, identity: Identity) -> None:
