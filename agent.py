@@ -2,8 +2,13 @@
 """agent.py: Reploy's data-plane agent. One session directory, one workload, one control socket.
 
 Role: runs inside each managed-session container (or directly on any Linux box) and owns exactly one session
-directory DIR. Its peers: `reploy.py serve` (the control plane) talks to it only through DIR/control.sock;
-supervisors observe DIR/events.jsonl; people and shell pipelines drive it with `python3 agent.py call DIR VERB`.
+directory DIR, its own files in DIR/agent (0700). Its peers: `reploy serve` (the control plane) talks to it only
+through DIR/agent/control.sock; supervisors observe DIR/agent/events.jsonl; people and shell pipelines drive it with
+`python3 agent.py call DIR VERB`.
+
+It is the trust boundary of a managed session: run as root with --runtime-user, it starts everything of the
+workload as that user, does all file work on the workspace and home in worker processes of that user, and treats
+what those say as hostile input. The workload cannot signal, trace, impersonate or write to it.
 Opt-in, `--listen HOST:PORT` serves the same protocol over TCP, for a trusted controller behind a private endpoint
 grant (a controlled-session workload); nothing listens on the network unless asked.
 
@@ -14,14 +19,15 @@ Workloads:
 
 Beside the workload, for harnesses: `exec` runs a command in its own process session and reports how it ended, with
 stdout and stderr apart; the file verbs move files and trees (as tar) in and out of the workspace or home, confined
-by walking directory fds with O_NOFOLLOW. Both keep the socket's bounds: long work is started, then long-polled.
+by the runtime user's rights and by walking directory fds with O_NOFOLLOW. Both keep the socket's bounds: long work
+is started, then long-polled.
 
-Everything the workload prints goes to DIR/output.log: append-only, addressed by byte offsets, kept across agent
-restarts and checkpoint/restore, bounded by a cap that ends it with a marker line instead of losing bytes.
+Everything the workload prints goes to DIR/agent/output.log: append-only, addressed by byte offsets, kept across
+agent restarts and checkpoint/restore, bounded by a cap that ends it with a marker line instead of losing bytes.
 
 Stdlib only: this file is copied unchanged into images that have nothing but python3 (Debian bookworm, 3.11).
-The file reads top to bottom: constants, exceptions, types, pure cores (no I/O), I/O adapters, workloads, the
-serve loop, the `call` client, `main()`.
+The file reads top to bottom: constants, exceptions, types, pure cores (no I/O), I/O adapters (the runtime
+identity, archives, confined files, file workers), workloads, the serve loop, the `call` client, `main()`.
 """
 
 from __future__ import annotations
@@ -2856,7 +2862,8 @@ class WorkerWalk(Walk):
 
 class FileWorkers:
     """The runtime user's hands on the workspace and the home (see this section's comment). Thread-safe: background
-    jobs call it. `close()` ends the zygote and every worker it forked."""
+    jobs call it. The zygote starts with the first operation (a session that never touches its files pays nothing,
+    and a new session's prompt comes sooner); `close()` ends it and every worker it forked."""
 
     def __init__(self, config: AgentConfig) -> None:
         self._config = config
@@ -2865,8 +2872,6 @@ class FileWorkers:
         self._zygote: Optional[subprocess.Popen[bytes]] = None
         self._channel: Optional[socket.socket] = None
         self._suspect = False  # an operation heard nothing: the zygote may hang (stopped, traced)
-        with self._lock:
-            self._start_zygote()
 
     def _start_zygote(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)

@@ -12,15 +12,17 @@ Peers:
     ContainerSpec), its deployments (load_deployment), its durations and its helpers for
     directories a container can write. The host never imports this file.
   * agent.py, the data-plane agent inside each session's container, reached only through its
-    control socket (STATE/sessions/ID/control.sock); `session cp` also reuses its archive rules
-    (vetting, extraction, the tree writer).
+    control socket (STATE/sessions/ID/agent/control.sock); `session cp` also reuses its archive
+    rules (vetting, extraction, the tree writer).
+  * mkfs.ext4, mount and umount, for each session's disk (see "the session disks").
   * reploy_session_client.py for the project's one strict JSON parser and compact encoder, and
     reploy_watchdog.py for process identities and link-safe removal.
   * web/, the UI's plain files, served from the same port; web/openapi.json documents the API.
 
 Theory of operation. Each session is one container from a workload deployment's current
-generation, running agent.py with the session directory bind-mounted; `serve` talks to the
-agent only through that directory's control socket and treats every answer as hostile input.
+generation, running agent.py (as root keeping SETUID, SETGID and KILL, the workload as the
+deployment's runtime user) with the session's own disk bind-mounted; `serve` talks to the
+agent only through the control socket on that disk and treats every answer as hostile input.
 Every session record lives in SQLite under --state-dir, and every change of state is a
 compare-and-swap under a lease, so several `serve` processes can share one state dir without
 ever acting twice on one session. States: active -> idle (container paused) -> snapshot
@@ -34,8 +36,8 @@ Machine output is one JSON document on stdout; human text goes to stderr.
 Reading order: constants and errors, the session state machine (pure), the reaper's decision
 (pure), the store (SQLite with compare-and-swap and leases), request bodies and responses
 (pure), the SSE encoder (pure), who may drive serve (pure), the agent's control socket (client
-side), the Docker orchestration, the HTTP adapter, then `serve`, the `session` client and the
-CLI.
+side), the session disks, the Docker orchestration, the HTTP adapter, then `serve`, the
+`session` client and the CLI.
 """
 
 from __future__ import annotations

@@ -48,6 +48,8 @@ def zygote_pids(process) -> list[int]:
 def test_the_shell_execs_agent_runs_and_file_workers_all_run_as_the_runtime_user(start_agent):
     shell = start_agent("--workload", "shell")
     assert identity(shell.status()["pid"]) == RUNTIME_IDENTITY
+    assert zygote_pids(shell) == []  # started with the first file operation
+    shell.result("list")
     [zygote] = zygote_pids(shell)
     assert identity(zygote) == RUNTIME_IDENTITY
     status = run_exec(shell, ["cat", "/proc/self/status"])["stdout"].decode()
@@ -103,6 +105,7 @@ def test_a_killed_or_stopped_zygote_is_replaced(start_agent):
     """The workload may kill or stop its file workers' zygote: it is its own. The file verbs
     then fail (a stopped one: for one request) and the next request gets a new zygote."""
     shell = start_agent("--workload", "shell")
+    shell.result("list")
     [zygote] = zygote_pids(shell)
     assert run_exec(shell, ["kill", "-9", str(zygote)])["exit_code"] == 0
     assert shell.result("list")["total"] == 0
