@@ -1732,8 +1732,21 @@ class SessionManager:
 
     def mount_disks(self) -> None:
         """Serve's start: every session's disk mounted again (after a reboot, or an unmount
-        behind our back). A disk that cannot be is logged; that session's next launch says why."""
-        for record in self.store.list():
+        behind our back); a disk no record owns (a store lost or replaced) swept: unmounted and
+        removed. A disk that cannot be mounted is logged; that session's next launch says why.
+        The images are listed before the records: a record is made before its image, so an image
+        seen here without a record has none."""
+        images = [image for image in self.config.disks_dir.glob("*.img")
+                  if _SESSION_ID.fullmatch(image.stem)]
+        records = {record.id: record for record in self.store.list()}
+        for image in images:
+            if image.stem not in records:
+                log(f"serve: removing the disk of unknown session {image.stem}")
+                try:
+                    remove_session_disk(image, self.config.session_dir(image.stem))
+                except (SessionDiskError, OSError) as e:
+                    log(f"serve: the disk of unknown session {image.stem} stays: {e}")
+        for record in records.values():
             if record.state is SessionState.DELETING:
                 continue
             try:

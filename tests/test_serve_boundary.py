@@ -18,6 +18,7 @@ import json
 import os
 import re
 import shutil
+import sqlite3
 import stat
 import subprocess
 import sys
@@ -202,17 +203,24 @@ def test_a_deployment_that_runs_as_root_is_refused(
 def test_session_disks_are_mounted_again_when_serve_starts(
         serve_factory: Callable[..., ServeProcess], docker_engine: Any) -> None:
     """What a host reboot leaves: no container and no mount, the images and the records. The
-    next serve mounts every disk again, and the session comes back with its files."""
+    next serve mounts every disk again, and the session comes back with its files; a disk whose
+    record is gone (a lost store) is swept: unmounted and removed."""
     server = serve_factory()
     sid = server.api.create("rebooted")["id"]
+    lost = server.api.create("lost")["id"]
     assert run(server.api, sid, "echo survived > kept.txt")["exitCode"] == 0
     server.kill()
-    for container in session_containers(docker_engine, server.state_dir, sid):
+    for container in session_containers(docker_engine, server.state_dir):
         container.remove(force=True)
     session_dir = server.state_dir / "sessions" / sid
     subprocess.run(["umount", str(session_dir)], check=True, timeout=60)
     assert str(session_dir) not in session_disk_mounts()
+    with sqlite3.connect(server.state_dir / "sessions.db") as db:
+        db.execute("DELETE FROM sessions WHERE id = ?", (lost,))
 
     after = serve_factory(state_dir=server.state_dir)
     assert str(session_dir) in session_disk_mounts()
+    assert str(server.state_dir / "sessions" / lost) not in session_disk_mounts()
+    assert sorted(p.name for p in (server.state_dir / "disks").iterdir()) == [f"{sid}.img"]
+    assert not (server.state_dir / "sessions" / lost).exists()
     assert run(after.api, sid, "cat kept.txt")["stdout"] == "survived\n"
