@@ -260,6 +260,11 @@ class ArchiveError(AgentError):
     code = "command_error"
 
 
+class WorkerProtocolError(CommandError):
+    """A file worker (the runtime user's, so possibly the workload's puppet) answered something the protocol does not
+    allow; the operation fails, nothing else changes."""
+
+
 class DiskFullError(AgentError):
     """The session's disk (or the file system the write goes to) cannot take the bytes: ENOSPC, or a check that
     would leave less than MIN_FREE_BYTES."""
@@ -1437,10 +1442,6 @@ class WalkEntry:
     target: Optional[str]  # a symlink's
 
 
-class WorkerProtocolError(CommandError):
-    """A worker answered something the protocol does not allow; the operation fails, nothing else changes."""
-
-
 #: Error codes a worker may send, and what they become.
 _WORKER_ERRORS: dict[str, type[AgentError]] = {
     RequestError.code: RequestError, CommandError.code: CommandError, DiskFullError.code: DiskFullError,
@@ -1796,7 +1797,7 @@ class AgentState:
 
 
 class OwnedSocket:
-    """The listening socket at DIR/control.sock, bound only after proving no live agent owns the path.
+    """The listening socket at DIR/agent/control.sock, bound only after proving no live agent owns the path.
 
     A socket file whose connect is refused is stale and taken over (if it is ours); one that answers, or that we
     cannot probe, belongs to a live owner and makes us refuse to start; a non-socket file is never deleted. On
