@@ -2,8 +2,13 @@
 """agent.py: Reploy's data-plane agent. One session directory, one workload, one control socket.
 
 Role: runs inside each managed-session container (or directly on any Linux box) and owns exactly one session
-directory DIR. Its peers: `reploy.py serve` (the control plane) talks to it only through DIR/control.sock;
-supervisors observe DIR/events.jsonl; people and shell pipelines drive it with `python3 agent.py call DIR VERB`.
+directory DIR, its own files in DIR/agent (0700). Its peers: `reploy serve` (the control plane) talks to it only
+through DIR/agent/control.sock; supervisors observe DIR/agent/events.jsonl; people and shell pipelines drive it with
+`python3 agent.py call DIR VERB`.
+
+It is the trust boundary of a managed session: run as root with --runtime-user, it starts everything of the
+workload as that user, does all file work on the workspace and home in worker processes of that user, and treats
+what those say as hostile input. The workload cannot signal, trace, impersonate or write to it.
 Opt-in, `--listen HOST:PORT` serves the same protocol over TCP, for a trusted controller behind a private endpoint
 grant (a controlled-session workload); nothing listens on the network unless asked.
 
@@ -14,19 +19,21 @@ Workloads:
 
 Beside the workload, for harnesses: `exec` runs a command in its own process session and reports how it ended, with
 stdout and stderr apart; the file verbs move files and trees (as tar) in and out of the workspace or home, confined
-by walking directory fds with O_NOFOLLOW. Both keep the socket's bounds: long work is started, then long-polled.
+by the runtime user's rights and by walking directory fds with O_NOFOLLOW. Both keep the socket's bounds: long work
+is started, then long-polled.
 
-Everything the workload prints goes to DIR/output.log: append-only, addressed by byte offsets, kept across agent
-restarts and checkpoint/restore, bounded by a cap that ends it with a marker line instead of losing bytes.
+Everything the workload prints goes to DIR/agent/output.log: append-only, addressed by byte offsets, kept across
+agent restarts and checkpoint/restore, bounded by a cap that ends it with a marker line instead of losing bytes.
 
 Stdlib only: this file is copied unchanged into images that have nothing but python3 (Debian bookworm, 3.11).
-The file reads top to bottom: constants, exceptions, types, pure cores (no I/O), I/O adapters, workloads, the
-serve loop, the `call` client, `main()`.
+The file reads top to bottom: constants, exceptions, types, pure cores (no I/O), I/O adapters (the runtime
+identity, archives, confined files, file workers), workloads, the serve loop, the `call` client, `main()`.
 """
 
 from __future__ import annotations
 
 import argparse
+import array
 import base64
 import codecs
 import collections
@@ -40,7 +47,6 @@ import hashlib
 import io
 import json
 import os
-import posixpath
 import re
 import secrets
 import selectors
@@ -58,7 +64,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, BinaryIO, Callable, Iterable, Iterator, Optional
 
 # ======================================================================================================================
 # Constants
@@ -70,13 +76,17 @@ __version__ = "0.1.0"
 KIB = 1024
 MIB = 1024 * KIB
 
-SOCKET_NAME = "control.sock"  #: the control socket, DIR/control.sock
-LOG_NAME = "output.log"  #: the output log, DIR/output.log
-OUTBOX_NAME = "events.jsonl"  #: the lifecycle outbox, DIR/events.jsonl
+#: DIR/agent: the agent's own files (the names below), mode 0700, out of the workload's reach.
+AGENT_DIR_NAME = "agent"
+SOCKET_NAME = "control.sock"  #: the control socket, DIR/agent/control.sock
+LOG_NAME = "output.log"  #: the output log, DIR/agent/output.log
+OUTBOX_NAME = "events.jsonl"  #: the lifecycle outbox, DIR/agent/events.jsonl
 AGENT_STATE_NAME = "agent-state.json"  #: workload state that must survive restarts (the --continue flag)
-CHECKPOINT_PREFIX = "checkpoint-"  #: DIR/checkpoint-<id>.tar
+CHECKPOINT_PREFIX = "checkpoint-"  #: DIR/agent/checkpoint-<id>.tar
 SOCKET_MODE = 0o600
 PRIVATE_DIR_MODE = 0o700
+#: DIR itself: the runtime user passes through it to its workspace, and nobody but the agent may change it.
+SESSION_DIR_MODE = 0o755
 
 # Control socket
 MAX_REQUEST_BYTES = 1 * MIB  #: one request line, newline excluded
@@ -139,10 +149,13 @@ REDACTED = "[REDACTED]"
 
 # Checkpoint / restore
 ARCHIVE_FORMAT = "reploy-agent-checkpoint"
-ARCHIVE_VERSION = 1
+ARCHIVE_VERSION = 2
 ARCHIVE_MANIFEST = "reploy-checkpoint.json"
 ARCHIVE_LOG = "output.log"
 ARCHIVE_TREES = ("workspace", "home")
+#: What a checkpoint may hold besides its manifest (the `include` param; all by default). A session whose workspace
+#: and log outlive its container (reploy serve keeps both on the session's disk) archives only the home.
+ARCHIVE_PARTS = ("log",) + ARCHIVE_TREES
 MAX_MANIFEST_BYTES = 64 * KIB
 MAX_ARCHIVE_ENTRIES = 200_000
 MAX_ARCHIVE_BYTES = 8 * 1024 * MIB
@@ -175,6 +188,9 @@ SHA256_HEX_RE = re.compile(r"[0-9a-f]{64}")
 MAX_TRANSFER_CHUNK_BYTES = 752 * KIB  #: base64 of this plus the JSON around it stays under MAX_REQUEST_BYTES
 MAX_TRANSFER_BYTES = 8 * 1024 * MIB  #: one upload (a file or a tar's content) or one downloaded tree
 MIN_FREE_BYTES = 16 * MIB  #: an upload never leaves less than this free on the file system it fills
+#: The agent's own spools (a directory download's tar) may use what the file system keeps for root, all but this:
+#: room for the log and the outbox meanwhile.
+MIN_FREE_RESERVED_BYTES = 1 * MIB
 MAX_OPEN_TRANSFERS = 16  #: uploads and downloads open at once
 TRANSFER_IDLE_S = 60.0  #: an upload or download untouched this long is closed and its staging removed
 TRANSFER_WAIT_S = 4.0  #: how long upload_commit and download_read wait for a background job before answering
@@ -184,7 +200,19 @@ MAX_LIST_ENTRIES = 1000  #: per `list` answer (also bounded by LIST_PAGE_BYTES)
 LIST_PAGE_BYTES = 512 * KIB
 DEFAULT_FILE_MODE = 0o644
 SANE_MODE_MASK = 0o755  #: uploaded modes keep read and execute bits; setuid, setgid, sticky and g/o write go
-STAGING_PREFIX = ".reploy-upload-"  #: staged uploads, removed on commit, abort or expiry
+OUTGOING_MODE_MASK = 0o777  #: tar members going out (downloads, checkpoints) never carry setuid, setgid or sticky
+STAGING_PREFIX = ".reploy-upload-"  #: the spare name an upload is linked under beside its target, then renamed
+
+# Privilege separation: the workload runs as the runtime user; file work on its trees is done by workers that are it
+WORKER_PACKET_BYTES = 64 * KIB  #: one message between the agent and a file worker (SOCK_SEQPACKET)
+MAX_WORKER_FDS = 1  #: file descriptors one message may carry
+MAX_WORKER_MESSAGE_CHARS = 2000  #: an error message a worker sends, cut to this
+#: A worker that says nothing for this long is given up (its socket closed): a tree walk sends as it goes, an
+#: upload's commit only at its end, after extracting up to MAX_TRANSFER_BYTES.
+WORKER_SILENCE_S = 600.0
+WORKER_START_S = 5.0  #: handing a worker's socket to the zygote; a zygote that takes longer is replaced
+MAX_WORKER_JOBS = 32  #: file operations in flight at once; one more is refused with server_unavailable
+MAX_HELD_EVENTS = 1024  #: outbox events a full disk refused, kept to write once it can
 
 
 # ======================================================================================================================
@@ -230,6 +258,18 @@ class ArchiveError(AgentError):
     """A checkpoint archive is malformed or hostile; nothing was changed."""
 
     code = "command_error"
+
+
+class WorkerProtocolError(CommandError):
+    """A file worker (the runtime user's, so possibly the workload's puppet) answered something the protocol does not
+    allow; the operation fails, nothing else changes."""
+
+
+class DiskFullError(AgentError):
+    """The session's disk (or the file system the write goes to) cannot take the bytes: ENOSPC, or a check that
+    would leave less than MIN_FREE_BYTES."""
+
+    code = "disk_full"
 
 
 class StartupError(AgentError):
@@ -348,6 +388,7 @@ class ResizeParams:
 @dataclasses.dataclass(frozen=True)
 class CheckpointParams:
     checkpoint_id: str
+    include: tuple[str, ...]  # of ARCHIVE_PARTS, in that order
 
 
 @dataclasses.dataclass(frozen=True)
@@ -455,18 +496,36 @@ class LogSlice:
 
 @dataclasses.dataclass(frozen=True)
 class Manifest:
-    """The first member of a checkpoint archive: what it holds and for which workload."""
+    """The first member of a checkpoint archive: what it holds and for which workload. `log_bytes` is the log's
+    length at the checkpoint, whether or not the archive holds the log."""
 
     checkpoint_id: str
     workload: WorkloadKind
     log_bytes: int
     continue_conversation: bool
+    include: tuple[str, ...] = ARCHIVE_PARTS
 
     def to_json(self) -> bytes:
         return json.dumps({
             "format": ARCHIVE_FORMAT, "version": ARCHIVE_VERSION, "id": self.checkpoint_id,
             "workload": self.workload.value, "log_bytes": self.log_bytes, "continue": self.continue_conversation,
+            "include": list(self.include),
         }).encode()
+
+    @property
+    def trees(self) -> tuple[str, ...]:
+        return tuple(part for part in self.include if part in ARCHIVE_TREES)
+
+
+@dataclasses.dataclass(frozen=True)
+class Identity:
+    """A uid:gid pair: the runtime user the workload runs as."""
+
+    uid: int
+    gid: int
+
+    def __str__(self) -> str:
+        return f"{self.uid}:{self.gid}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -488,6 +547,13 @@ class AgentConfig:
     restore_path: Optional[Path] = None
     await_restore: bool = False
     listen: Optional[tuple[str, int]] = None  # --listen HOST:PORT: also serve the protocol over TCP
+    #: --runtime-user: who the workload and the file workers run as; None when they run as the agent itself
+    runtime_user: Optional[Identity] = None
+
+    @property
+    def agent_dir(self) -> Path:
+        """DIR/agent: the socket, log, outbox, state, checkpoints and download spools."""
+        return self.session_dir / AGENT_DIR_NAME
 
     @property
     def workspace_dir(self) -> Path:
@@ -556,6 +622,7 @@ class _FieldKind(enum.Enum):
     PATH = "path"  # a path below a root -> its components (see parse_relative_path)
     ARGV = "argv"  # non-empty array of strings -> tuple
     ENV = "env"  # object of variable name -> string -> tuple of pairs
+    PARTS = "parts"  # non-empty array of distinct ARCHIVE_PARTS -> tuple in ARCHIVE_PARTS order
 
 
 @dataclasses.dataclass(frozen=True)
@@ -590,7 +657,10 @@ _PARAM_SCHEMAS: dict[Method, tuple[type, tuple[_Field, ...]]] = {
         _Field("columns", "columns", _FieldKind.INT, None, 1, MAX_TERMINAL_SIDE),
         _Field("rows", "rows", _FieldKind.INT, None, 1, MAX_TERMINAL_SIDE),
     )),
-    Method.CHECKPOINT: (CheckpointParams, (_Field("id", "checkpoint_id", _FieldKind.CHECKPOINT_ID),)),
+    Method.CHECKPOINT: (CheckpointParams, (
+        _Field("id", "checkpoint_id", _FieldKind.CHECKPOINT_ID),
+        _Field("include", "include", _FieldKind.PARTS, ARCHIVE_PARTS),
+    )),
     Method.RESTORE: (RestoreParams, (_Field("path", "path", _FieldKind.TEXT),)),
     Method.SUSPEND: (SuspendParams, (_Field("reason", "reason", _FieldKind.REASON),)),
     Method.EXEC: (ExecParams, (
@@ -674,6 +744,8 @@ def _convert_field(field: _Field, value: Any) -> Any:
         return _convert_argv(where, value)
     if field.kind is _FieldKind.ENV:
         return _convert_env(where, value)
+    if field.kind is _FieldKind.PARTS:
+        return _convert_parts(where, value)
     if not isinstance(value, str):
         raise RequestError(f"{where} must be a string")
     if field.kind is _FieldKind.TEXT:
@@ -727,6 +799,14 @@ def _convert_env(where: str, value: Any) -> tuple[tuple[str, str], ...]:
     if size_bytes > MAX_EXEC_ARGS_BYTES:
         raise RequestError(f"{where} exceeds {MAX_EXEC_ARGS_BYTES} bytes")
     return tuple(value.items())
+
+
+def _convert_parts(where: str, value: Any) -> tuple[str, ...]:
+    """What a checkpoint holds: some of ARCHIVE_PARTS, each once."""
+    if (not isinstance(value, list) or not value or not all(isinstance(part, str) for part in value)
+            or len(set(value)) != len(value) or not set(value) <= set(ARCHIVE_PARTS)):
+        raise RequestError(f"{where} must be a non-empty array of distinct values of {', '.join(ARCHIVE_PARTS)}")
+    return tuple(part for part in ARCHIVE_PARTS if part in value)
 
 
 def _parse_params(method: Method, params: Any) -> Params:
@@ -1129,12 +1209,13 @@ def _archive_tree_of(name: str) -> Optional[str]:
     return top if top in ARCHIVE_TREES else None
 
 
-def check_member_name(name: str) -> None:
-    """Relative, normalised, no `..`, and one of the names an archive may hold."""
+def check_member_name(name: str, include: tuple[str, ...]) -> None:
+    """Relative, normalised, no `..`, and one of the names an archive holding `include` may hold."""
     parts = name.split("/")
     if name.startswith("/") or any(part in ("", ".", "..") for part in parts):
         raise ArchiveError(f"unsafe member name {name!r}")
-    if name not in (ARCHIVE_MANIFEST, ARCHIVE_LOG) and _archive_tree_of(name) is None:
+    if not (name == ARCHIVE_MANIFEST or (name == ARCHIVE_LOG and "log" in include)
+            or _archive_tree_of(name) in include):
         raise ArchiveError(f"unexpected member {name!r}")
 
 
@@ -1161,16 +1242,17 @@ def symlink_stays_inside(name: str, target: str, symlinks: set[str]) -> bool:
     return True
 
 
-def check_archive_members(members: list[tarfile.TarInfo], max_entries: int = MAX_ARCHIVE_ENTRIES,
-                          max_bytes: int = MAX_ARCHIVE_BYTES) -> None:
-    """Every rule a restore enforces before it writes anything: names, types, links, counts and sizes."""
+def check_archive_members(members: list[tarfile.TarInfo], include: tuple[str, ...],
+                          max_entries: int = MAX_ARCHIVE_ENTRIES, max_bytes: int = MAX_ARCHIVE_BYTES) -> None:
+    """Every rule a restore enforces before it writes anything: names (only the parts the manifest says the archive
+    includes), types, links, counts and sizes."""
     if len(members) > max_entries:
         raise ArchiveError(f"archive has more than {max_entries} entries")
     names: set[str] = set()
     symlinks = {member.name for member in members if member.issym()}
     total_bytes = 0
     for member in members:
-        check_member_name(member.name)
+        check_member_name(member.name, include)
         if member.name in names:
             raise ArchiveError(f"duplicate member {member.name!r}")
         names.add(member.name)
@@ -1187,7 +1269,7 @@ def check_archive_members(members: list[tarfile.TarInfo], max_entries: int = MAX
         total_bytes += member.size if member.isfile() else 0
         if total_bytes > max_bytes:
             raise ArchiveError(f"archive content exceeds {max_bytes} bytes")
-    for required in (ARCHIVE_MANIFEST, ARCHIVE_LOG):
+    for required in (ARCHIVE_MANIFEST,) + ((ARCHIVE_LOG,) if "log" in include else ()):
         if required not in names:
             raise ArchiveError(f"archive lacks {required}")
 
@@ -1197,9 +1279,10 @@ def parse_manifest(data: bytes) -> Manifest:
         document = json.loads(data.decode("utf-8"), object_pairs_hook=_reject_duplicate_keys)
     except (UnicodeDecodeError, ValueError) as e:
         raise ArchiveError(f"manifest is not JSON: {e}") from e
-    expected = {"format", "version", "id", "workload", "log_bytes", "continue"}
+    expected = {"format", "version", "id", "workload", "log_bytes", "continue", "include"}
     if not isinstance(document, dict) or set(document) != expected:
-        raise ArchiveError(f"manifest must hold exactly {sorted(expected)}")
+        raise ArchiveError(f"manifest must hold exactly {sorted(expected)} (a {ARCHIVE_FORMAT} v{ARCHIVE_VERSION} "
+                           "archive)")
     if document["format"] != ARCHIVE_FORMAT or document["version"] != ARCHIVE_VERSION:
         raise ArchiveError(f"not a {ARCHIVE_FORMAT} v{ARCHIVE_VERSION} archive")
     log_bytes, checkpoint_id = document["log_bytes"], document["id"]
@@ -1211,9 +1294,12 @@ def parse_manifest(data: bytes) -> Manifest:
         raise ArchiveError("manifest continue must be a boolean")
     try:
         workload = WorkloadKind(document["workload"])
+        include = _convert_parts("manifest include", document["include"])
     except ValueError:
         raise ArchiveError("manifest workload is invalid") from None
-    return Manifest(checkpoint_id, workload, log_bytes, document["continue"])
+    except RequestError as e:
+        raise ArchiveError(str(e)) from None
+    return Manifest(checkpoint_id, workload, log_bytes, document["continue"], include)
 
 
 # ======================================================================================================================
@@ -1328,6 +1414,159 @@ def describe_exit(returncode: int) -> tuple[Optional[int], Optional[str]]:
 
 
 # ======================================================================================================================
+# Pure core: what a file worker may answer. Workers run as the runtime user, which the workload can trace and
+# impersonate: every answer is hostile input, parsed here, strictly, before the agent acts on it.
+# ======================================================================================================================
+
+
+class WorkerAnswer(enum.Enum):
+    ENTRY = "entry"  # one item of a listing or of a tree walk (a walked regular file's fd rides along)
+    DONE = "done"  # the last message: the operation's result (open_file and upload_open send an fd with it)
+    ERROR = "error"  # the last message: the operation failed; {"code", "message"}
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerPacket:
+    kind: WorkerAnswer
+    fields: dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class WalkEntry:
+    """One entry of a walked tree, as the worker describes it (a regular file's type and size come from its fd)."""
+
+    name: str  # relative to the walked directory, "/"-separated; may hold surrogate escapes (bytes not UTF-8)
+    kind: str  # file | directory | symlink
+    mode: int
+    mtime: int
+    target: Optional[str]  # a symlink's
+
+
+#: Error codes a worker may send, and what they become.
+_WORKER_ERRORS: dict[str, type[AgentError]] = {
+    RequestError.code: RequestError, CommandError.code: CommandError, DiskFullError.code: DiskFullError,
+}
+#: The types file_type() names.
+_LISTED_TYPES = frozenset({"file", "directory", "symlink", "fifo", "socket", "char-device", "block-device",
+                           "unknown"})
+_WALKED_TYPES = frozenset({"file", "directory", "symlink"})
+_CONTROL_CHARS_RE = re.compile(r"[\x00-\x1f\x7f]")
+MAX_MTIME_S = 10 ** 12  #: further from 1970 than this (either way) is not a time a file system gives
+
+
+def parse_worker_packet(data: bytes) -> WorkerPacket:
+    """One message from a worker: a JSON object with exactly one key, a WorkerAnswer, whose value is an object."""
+    try:
+        document = json.loads(data.decode("utf-8"), object_pairs_hook=_reject_duplicate_keys,
+                              parse_constant=_reject_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise WorkerProtocolError(f"the file worker sent a message that is not JSON: {e}") from None
+    if not isinstance(document, dict) or len(document) != 1:
+        raise WorkerProtocolError("the file worker sent a message that is not one {kind: fields} object")
+    (kind_text, fields), = document.items()
+    try:
+        kind = WorkerAnswer(kind_text)
+    except ValueError:
+        raise WorkerProtocolError(f"the file worker sent an unknown message kind {kind_text[:40]!r}") from None
+    if not isinstance(fields, dict):
+        raise WorkerProtocolError(f"the file worker's {kind.value} is not an object")
+    return WorkerPacket(kind, fields)
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def worker_failure(fields: dict[str, Any]) -> AgentError:
+    """The error a worker reported, as the agent's own: one of three codes, a message made printable and short."""
+    require_fields(fields, {"code": str, "message": str}, "error")
+    error_class = _WORKER_ERRORS.get(fields["code"])
+    if error_class is None:
+        return WorkerProtocolError(f"the file worker sent an unknown error code {fields['code'][:40]!r}")
+    return error_class(_CONTROL_CHARS_RE.sub("\ufffd", fields["message"][:MAX_WORKER_MESSAGE_CHARS]))
+
+
+#: A JSON number: what an mtime is.
+NUMBER = (int, float)
+
+
+def require_fields(fields: dict[str, Any], kinds: dict[str, Any], what: str,
+                   optional: frozenset[str] = frozenset()) -> None:
+    """Exactly these keys (those in `optional` may be missing), each of its JSON type (a bool is no number)."""
+    missing = set(kinds) - set(fields) - optional
+    unknown = set(fields) - set(kinds)
+    if missing or unknown:
+        raise WorkerProtocolError(f"the file worker's {what} has fields {sorted(fields)[:8]}, not {sorted(kinds)}")
+    for key, value in fields.items():
+        kind = kinds[key]
+        if isinstance(value, bool) is not (kind is bool) or not isinstance(value, kind):
+            raise WorkerProtocolError(f"the file worker's {what}.{key} is not of the right type")
+
+
+def worker_count(value: int, what: str, high: int = 2 ** 63 - 1) -> int:
+    if not 0 <= value <= high:
+        raise WorkerProtocolError(f"the file worker's {what} is out of range")
+    return value
+
+
+def worker_mtime(value: float, what: str) -> float:
+    if not -MAX_MTIME_S <= value <= MAX_MTIME_S:  # NaN too
+        raise WorkerProtocolError(f"the file worker's {what}.mtime is not a time")
+    return value
+
+
+def check_listed_entry(value: Any, expected_name: Optional[str]) -> dict[str, Any]:
+    """A `stat` or `list` entry from a worker, as entry_json makes it. With `expected_name` (a stat) the name must be
+    the one asked for; without it (a listing) any single name but `.` and `..`."""
+    if not isinstance(value, dict):
+        raise WorkerProtocolError("the file worker's entry is not an object")
+    fields = {"name": str, "type": str, "size": int, "mode": int, "mtime": NUMBER, "target": str}
+    require_fields(value, fields, "entry", optional=frozenset({"target"}))
+    name, kind = value["name"], value["type"]
+    if expected_name is not None and name != expected_name:
+        raise WorkerProtocolError(f"the file worker described {name[:80]!r}, not {expected_name[:80]!r}")
+    if (not name or "/" in name or "\0" in name or name in (".", "..") and expected_name is None
+            or len(name.encode("utf-8", "surrogatepass")) > 3 * MAX_NAME_BYTES):
+        raise WorkerProtocolError(f"the file worker's entry name {name[:80]!r} is not a file name")
+    if kind not in _LISTED_TYPES or ("target" in value) and kind != "symlink":
+        raise WorkerProtocolError(f"the file worker's entry type {kind[:40]!r} is not one a file system has")
+    if "target" in value and ("\0" in value["target"] or len(value["target"]) > 3 * MAX_PATH_BYTES):
+        raise WorkerProtocolError("the file worker's symlink target is not one")
+    worker_count(value["size"], "entry size")
+    worker_count(value["mode"], "entry mode", 0o7777)
+    worker_mtime(value["mtime"], "entry")
+    return dict(value)
+
+
+def check_member_path(text: str) -> str:
+    """A walked entry's name: relative, "/"-separated, no empty, `.` or `..` component, no NUL; bytes that are not
+    UTF-8 as surrogate escapes (what os.fsdecode makes), nothing else that is not text."""
+    try:
+        raw = text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        raise WorkerProtocolError(f"the file worker's name {text[:80]!r} is not a file name") from None
+    parts = text.split("/")
+    if not text or b"\0" in raw or any(part in ("", ".", "..") for part in parts) or any(
+            len(part.encode("utf-8", "surrogateescape")) > MAX_NAME_BYTES for part in parts):
+        raise WorkerProtocolError(f"the file worker's name {text[:80]!r} is not a relative path")
+    return text
+
+
+def check_walk_entry(fields: dict[str, Any], with_fd: bool) -> WalkEntry:
+    """One entry of a walk: a regular file comes with its fd, a directory or symlink without."""
+    kinds = {"name": str, "type": str, "mode": int, "mtime": NUMBER, "target": str}
+    require_fields(fields, kinds, "walk entry", optional=frozenset({"target"}))
+    kind = fields["type"]
+    if kind not in _WALKED_TYPES or ("target" in fields) != (kind == "symlink") or with_fd != (kind == "file"):
+        raise WorkerProtocolError(f"the file worker's walk entry of type {kind[:40]!r} is not one a tree holds")
+    target = fields.get("target")
+    if target is not None and (not target or "\0" in target or len(target) > 3 * MAX_PATH_BYTES):
+        raise WorkerProtocolError("the file worker's symlink target is not one")
+    return WalkEntry(check_member_path(fields["name"]), kind, worker_count(fields["mode"], "walk mode", 0o7777),
+                     int(worker_mtime(fields["mtime"], "walk entry")), target)
+
+
+# ======================================================================================================================
 # I/O adapters: the output log, the outbox, the agent state file
 # ======================================================================================================================
 
@@ -1338,17 +1577,27 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view):]
 
 
+#: What a write answers when the file system is full (or the writer's quota is).
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
 def _write_file_atomically(path: Path, data: bytes) -> None:
     temporary = path.with_name(f".{path.name}.tmp")
-    temporary.write_bytes(data)
-    os.replace(temporary, path)
+    try:
+        temporary.write_bytes(data)
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
 
 
 class OutputLog:
-    """DIR/output.log: append-only, byte-addressed, on disk, bounded by a cap that ends it with a marker.
+    """DIR/agent/output.log: append-only, byte-addressed, on disk, bounded by a cap that ends it with a marker.
 
     Reads never consume. In text mode (the agent workload) everything appended is whole UTF-8, so every cursor
-    this log issues falls on a code-point boundary; reads end on one and refuse to start inside one.
+    this log issues falls on a code-point boundary; reads end on one and refuse to start inside one. Each append is
+    whole or not at all: while the disk is full, output is counted and dropped, and the first append that fits
+    again is preceded by a marker saying how many bytes were lost.
     """
 
     def __init__(self, path: Path, cap_bytes: int, text: bool) -> None:
@@ -1363,26 +1612,44 @@ class OutputLog:
         tail = os.pread(self._fd, len(self._cap_marker), max(self.length_bytes - len(self._cap_marker), 0))
         self.capped = tail == self._cap_marker
         self._last_byte = tail[-1:]
+        self.lost_bytes = 0  # dropped while the disk was full, not yet reported in the log
 
     def append(self, data: bytes) -> int:
         """Appends what fits under the cap (whole code points); returns how many bytes of data were kept."""
         if self.capped or not data:
             return 0
+        if self.lost_bytes and not self._report_loss():
+            self.lost_bytes += len(data)
+            return 0
         room_bytes = self.cap_bytes - len(self._cap_marker) - self.length_bytes
         kept = utf8_prefix(data, max(room_bytes, 0))
-        self.capped = len(kept) < len(data)
-        self._write(kept + self._cap_marker if self.capped else kept)
+        capped = len(kept) < len(data)
+        if not self._write(kept + self._cap_marker if capped else kept):
+            self.lost_bytes += len(data)
+            return 0
+        self.capped = capped
         return len(kept)
 
     @property
     def at_line_start(self) -> bool:
         return self._last_byte in (b"", b"\n")
 
+    def _marker_line(self, text: str) -> bytes:
+        newline = "\n" if self.text else "\r\n"
+        return f"{'' if self.at_line_start else newline}[reploy: {text}]{newline}".encode()
+
     def append_marker(self, text: str) -> None:
         """A `[reploy: ...]` line of our own, starting on a fresh line."""
-        newline = "\n" if self.text else "\r\n"
-        lead = "" if self.at_line_start else newline
-        self.append(f"{lead}[reploy: {text}]{newline}".encode())
+        self.append(self._marker_line(text))
+
+    def _report_loss(self) -> bool:
+        """The marker for output dropped on a full disk; False while it does not fit either. Where the cap leaves no
+        room for it, the cap's own marker ends the log instead."""
+        line = self._marker_line(f"{self.lost_bytes} bytes of output were lost: the session's disk was full")
+        if self.length_bytes + len(line) + len(self._cap_marker) <= self.cap_bytes and not self._write(line):
+            return False
+        self.lost_bytes = 0
+        return True
 
     def read(self, offset_bytes: int, max_bytes: int) -> LogSlice:
         if offset_bytes > self.length_bytes:
@@ -1401,17 +1668,34 @@ class OutputLog:
             os.close(self._fd)
             self._fd = -1
 
-    def _write(self, data: bytes) -> None:
-        _write_all(self._fd, data)
+    def _write(self, data: bytes) -> bool:
+        """All of data, or (the disk full) none of it: a short write is cut back off the file."""
+        if not append_whole(self._fd, data, self.length_bytes):
+            return False
         self.length_bytes += len(data)
         self._last_byte = data[-1:]
+        return True
+
+
+def append_whole(fd: int, data: bytes, length_bytes: int) -> bool:
+    """Appends data to a file of length_bytes opened O_APPEND; False when the disk is full, the file then cut back to
+    length_bytes. Other errors raise."""
+    try:
+        _write_all(fd, data)
+    except OSError as e:
+        if e.errno not in DISK_FULL_ERRNOS:
+            raise
+        os.ftruncate(fd, length_bytes)
+        return False
+    return True
 
 
 class Outbox:
-    """DIR/events.jsonl: lifecycle facts for supervisors, one JSON object per line, `seq` strictly increasing.
+    """DIR/agent/events.jsonl: lifecycle facts for supervisors, one JSON object per line, `seq` strictly increasing.
 
     It keeps the invariant "every turn_start gets exactly one turn_end, every session_start one session_end": what a
-    crashed agent left open is closed by `reconcile()` at the next start.
+    crashed agent left open is closed by `reconcile()` at the next start. An event the full disk refuses is held (at
+    most MAX_HELD_EVENTS, the oldest dropped past that) and written, in order, before the next one that fits.
     """
 
     def __init__(self, path: Path, clock: Callable[[], float] = time.time) -> None:
@@ -1419,6 +1703,7 @@ class Outbox:
         self._seq = 0
         self._open_turns: set[int] = set()
         self._session_open = False
+        self._held: collections.deque[bytes] = collections.deque(maxlen=MAX_HELD_EVENTS)
         ends_with_newline = True
         if path.exists():
             data = path.read_bytes()
@@ -1426,8 +1711,10 @@ class Outbox:
             for line in data.splitlines():
                 self._replay(line)
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self._length_bytes = os.fstat(self._fd).st_size
         if not ends_with_newline:
-            _write_all(self._fd, b"\n")  # a torn last line from a crash stays on its own line
+            self._held.append(b"\n")  # a torn last line from a crash stays on its own line
+            self._write_held()
 
     def _replay(self, line: bytes) -> None:
         try:
@@ -1451,11 +1738,16 @@ class Outbox:
 
     def emit(self, kind: EventKind, **fields: Any) -> int:
         self._seq += 1
-        _write_all(self._fd, _encode_line({"seq": self._seq, "time": round(self._clock(), 3), "type": kind.value,
-                                           **fields}))
+        self._held.append(_encode_line({"seq": self._seq, "time": round(self._clock(), 3), "type": kind.value,
+                                        **fields}))
+        self._write_held()
         if kind in (EventKind.SESSION_START, EventKind.SESSION_END):
             self._session_open = kind is EventKind.SESSION_START
         return self._seq
+
+    def _write_held(self) -> None:
+        while self._held and append_whole(self._fd, self._held[0], self._length_bytes):
+            self._length_bytes += len(self._held.popleft())
 
     def start_turn(self, **fields: Any) -> int:
         """Returns the turn id: the seq of its turn_start."""
@@ -1479,7 +1771,8 @@ class Outbox:
 
 
 class AgentState:
-    """DIR/agent-state.json: whether the agent command may be resumed with --continue (after a first success)."""
+    """DIR/agent/agent-state.json: whether the agent command may be resumed with --continue (after a first success).
+    When it cannot be written (a full disk) the fact is kept in memory, with a note on stderr."""
 
     def __init__(self, path: Path) -> None:
         self._path = path
@@ -1491,7 +1784,11 @@ class AgentState:
     def set_resume(self, resume: bool) -> None:
         if resume != self.resume:
             self.resume = resume
-            _write_file_atomically(self._path, json.dumps({"continue": resume}).encode())
+            try:
+                _write_file_atomically(self._path, json.dumps({"continue": resume}).encode())
+            except OSError as e:
+                print(f"agent.py: cannot record {self._path.name}: {e.strerror}; an agent restarted before it is "
+                      "written again may resume the conversation wrongly", file=sys.stderr)
 
 
 # ======================================================================================================================
@@ -1500,7 +1797,7 @@ class AgentState:
 
 
 class OwnedSocket:
-    """The listening socket at DIR/control.sock, bound only after proving no live agent owns the path.
+    """The listening socket at DIR/agent/control.sock, bound only after proving no live agent owns the path.
 
     A socket file whose connect is refused is stale and taken over (if it is ours); one that answers, or that we
     cannot probe, belongs to a live owner and makes us refuse to start; a non-socket file is never deleted. On
@@ -1691,20 +1988,16 @@ def kill_command(leader: int, leader_running: bool) -> bool:
     return alive
 
 
-def exec_preparer() -> Callable[[], None]:
-    """What an exec's child runs before exec: reset_child_signals, and PR_SET_CHILD_SUBREAPER, which execve keeps, so
-    that a descendant orphaned by its parent (a `(setsid cmd &)`) is re-parented to the command, not to the
-    container's init, and kill_command can still find it. libc is looked up here, in the agent, not in the child."""
+def subreaper_setup() -> Optional[Callable[[], None]]:
+    """What an exec's child runs before exec, besides spawn_in_workload's own steps: PR_SET_CHILD_SUBREAPER, which
+    execve keeps, so that a descendant orphaned by its parent (a `(setsid cmd &)`) is re-parented to the command, not
+    to the container's init, and kill_command can still find it. libc is looked up here, in the agent, not in the
+    child."""
     try:
         prctl = ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
-        return reset_child_signals
-
-    def prepare() -> None:
-        reset_child_signals()
-        prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-
-    return prepare
+        return None
+    return lambda: prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 
 
 def signal_session(session_id: int, signum: int) -> None:
@@ -1726,64 +2019,119 @@ def reset_child_signals() -> None:
     signal.pthread_sigmask(signal.SIG_SETMASK, ())
 
 
-def _start_shell_child() -> None:
-    """Runs in the shell's child after setsid(): default signals, and its stdin, the PTY slave, as the controlling
-    terminal."""
-    reset_child_signals()
+def _take_controlling_terminal() -> None:
+    """Runs in the shell's child after setsid(): its stdin, the PTY slave, becomes its controlling terminal."""
     fcntl.ioctl(0, termios.TIOCSCTTY, 0)
 
 
 # ======================================================================================================================
-# I/O adapters: checkpoint archives (write one, extract one safely, install it)
+# I/O adapters: the runtime identity. Run as root with --runtime-user, the agent keeps only what it needs to start the
+# workload as that user and to signal it (CAP_SETUID, CAP_SETGID, CAP_KILL in a managed session's container); every
+# process of the workload (the shell, each agent run, each exec) and every file worker drops to the runtime user
+# before any code of its own runs, so none of them can signal, trace, impersonate or write to the agent. Run as an
+# ordinary user without --runtime-user, the agent and its workload are one identity (no boundary between them).
 # ======================================================================================================================
 
 
-def _walk_tree(root: Path, arcname: str) -> Iterator[tuple[str, Path, os.stat_result]]:
-    """(member name, path, lstat) for a directory tree, parents before children, following only the root's link."""
-    yield arcname, root, os.stat(root)
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames.sort()
-        relative = Path(dirpath).relative_to(root)
-        for name in sorted(dirnames) + sorted(filenames):
-            path = Path(dirpath) / name
-            yield posixpath.join(arcname, *relative.parts, name), path, os.lstat(path)
+def runtime_credentials(config: AgentConfig) -> dict[str, Any]:
+    """Popen's arguments that make a child the runtime user: no supplementary groups, then gid, then uid (real,
+    effective and saved), set by the interpreter in the child between fork and exec, before preexec_fn runs."""
+    identity = config.runtime_user
+    if identity is None:
+        return {}
+    return {"extra_groups": [], "group": identity.gid, "user": identity.uid}
 
 
-def write_archive(destination: Path, manifest: Manifest, log_path: Path, trees: dict[str, Path]) -> int:
-    """Writes one checkpoint tar: manifest, the first manifest.log_bytes of the log, the trees. Returns entries skipped.
+def spawn_in_workload(config: AgentConfig, argv: list[str], cwd: tuple[str, ...] = (),
+                      setup: Optional[Callable[[], None]] = None, **popen: Any) -> subprocess.Popen[bytes]:
+    """Starts one process of the workload: its own process session, the runtime user, default signals
+    (reset_child_signals), and as its working directory the workspace or `cwd` below it, reached as the runtime user
+    without following a symlink (the agent itself may not enter the workspace). A failed walk comes back through a
+    close-on-exec pipe as the AgentError it was; a program that cannot be run raises OSError as Popen does."""
+    errors_read, errors_write = os.pipe()
 
-    Skipped are what a restore would refuse: sockets, FIFOs, devices and symlinks that leave their tree.
-    """
+    def prepare() -> None:
+        reset_child_signals()
+        try:
+            fd = open_confined_dir(config.workspace_dir, cwd)
+        except AgentError as e:
+            os.write(errors_write, _encode_line({"code": e.code, "message": str(e)[:MAX_WORKER_MESSAGE_CHARS]}))
+            raise
+        os.fchdir(fd)
+        os.close(fd)
+        if setup is not None:
+            setup()
+
+    try:
+        return subprocess.Popen(argv, start_new_session=True, preexec_fn=prepare, **runtime_credentials(config),
+                                **popen)
+    except subprocess.SubprocessError:
+        os.close(errors_write)
+        errors_write = -1
+        raise child_setup_error(os.read(errors_read, 2 * MAX_WORKER_MESSAGE_CHARS)) from None
+    finally:
+        os.close(errors_read)
+        if errors_write >= 0:
+            os.close(errors_write)
+
+
+def child_setup_error(report: bytes) -> AgentError:
+    """What a child's preparation wrote before it gave up (see spawn_in_workload), as the error it was."""
+    try:
+        fields = json.loads(report)
+    except ValueError:
+        fields = None
+    if isinstance(fields, dict) and not isinstance(error := worker_failure(fields), WorkerProtocolError):
+        return error
+    return CommandError("cannot start the process: its preparation as the runtime user failed")
+
+
+@contextlib.contextmanager
+def files_made_as(identity: Optional[Identity]) -> Iterator[None]:
+    """Files this thread makes meanwhile belong to `identity` (setfsuid/setfsgid: this thread only, the agent's
+    other rights unchanged). The shell's PTY is made so, as login(1) would: its terminal is its own."""
+    if identity is None:
+        yield
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.setfsgid(identity.gid)
+    libc.setfsuid(identity.uid)
+    try:
+        if libc.setfsuid(-1) != identity.uid:  # setfsuid reports no error, only the id now in force
+            raise StartupError(f"cannot act as the runtime user {identity} (CAP_SETUID missing?)")
+        yield
+    finally:
+        libc.setfsuid(os.geteuid())
+        libc.setfsgid(os.getegid())
+
+
+# ======================================================================================================================
+# I/O adapters: checkpoint archives. The agent writes the manifest and the log, and checks a whole archive before a
+# restore changes anything; the trees belong to the runtime user, so a file worker walks them for the archive and
+# writes them back from it (restore_tree).
+# ======================================================================================================================
+
+
+def write_archive(destination: Path, manifest: Manifest, log_path: Path, walk_tree: Callable[[str], "Walk"]) -> int:
+    """Writes one checkpoint tar: the manifest, then what it includes: the first manifest.log_bytes of the log, and
+    each tree as `walk_tree(name)` walks it (write_walked_entries). Returns the entries left out."""
     skipped = 0
     with tarfile.open(destination, "w", format=tarfile.PAX_FORMAT) as archive:
         _add_bytes(archive, ARCHIVE_MANIFEST, manifest.to_json())
-        info = tarfile.TarInfo(ARCHIVE_LOG)
-        info.size, info.mode, info.mtime = manifest.log_bytes, 0o600, int(time.time())
-        with open(log_path, "rb") as log_file:
-            archive.addfile(info, log_file)
-        for tree, root in trees.items():
-            entries = list(_walk_tree(root, tree)) if root.is_dir() else [(tree, None, None)]
-            symlinks = {name for name, _, st in entries if st is not None and stat.S_ISLNK(st.st_mode)}
-            for name, path, st in entries:
-                if path is None:
-                    info = tarfile.TarInfo(name)
-                    info.type, info.mode = tarfile.DIRTYPE, PRIVATE_DIR_MODE
-                    archive.addfile(info)
-                    continue
-                info = tarfile.TarInfo(name)
-                info.mode, info.mtime = stat.S_IMODE(st.st_mode), int(st.st_mtime)
-                if stat.S_ISDIR(st.st_mode):
-                    info.type = tarfile.DIRTYPE
-                    archive.addfile(info)
-                elif stat.S_ISREG(st.st_mode):
-                    info.size = st.st_size
-                    with open(path, "rb") as member_file:
-                        archive.addfile(info, member_file)
-                elif stat.S_ISLNK(st.st_mode) and symlink_stays_inside(name, os.readlink(path), symlinks):
-                    info.type, info.linkname = tarfile.SYMTYPE, os.readlink(path)
-                    archive.addfile(info)
-                else:
-                    skipped += 1
+        if "log" in manifest.include:
+            info = tarfile.TarInfo(ARCHIVE_LOG)
+            info.size, info.mode, info.mtime = manifest.log_bytes, 0o600, int(time.time())
+            with open(log_path, "rb") as log_file:
+                archive.addfile(info, log_file)
+        for tree in manifest.trees:
+            info = tarfile.TarInfo(tree)
+            info.type, info.mode, info.mtime = tarfile.DIRTYPE, PRIVATE_DIR_MODE, int(time.time())
+            archive.addfile(info)
+            walk = walk_tree(tree)
+            try:
+                skipped += write_walked_entries(archive, walk, prefix=f"{tree}/")
+            finally:
+                walk.close()
     return skipped
 
 
@@ -1793,81 +2141,114 @@ def _add_bytes(archive: tarfile.TarFile, name: str, data: bytes) -> None:
     archive.addfile(info, io.BytesIO(data))
 
 
-def extract_archive(archive_path: Path, staging: Path, workload: WorkloadKind,
-                    max_entries: int = MAX_ARCHIVE_ENTRIES, max_bytes: int = MAX_ARCHIVE_BYTES) -> Manifest:
-    """Validates every member, then extracts into the empty directory `staging`. Nothing outside it is written.
-
-    Regular files are created with O_EXCL|O_NOFOLLOW and symlinks last, and no member may lie below a symlink, so
-    no write can be redirected out of `staging`.
-    """
-    try:
-        with tarfile.open(archive_path, "r:") as archive:
-            members = archive.getmembers()
-            check_archive_members(members, max_entries, max_bytes)
-            by_name = {member.name: member for member in members}
-            if by_name[ARCHIVE_MANIFEST].size > MAX_MANIFEST_BYTES:
-                raise ArchiveError(f"manifest exceeds {MAX_MANIFEST_BYTES} bytes")
-            manifest = parse_manifest(_read_member(archive, by_name[ARCHIVE_MANIFEST]))
-            if manifest.workload is not workload:
-                raise ArchiveError(f"archive is for the {manifest.workload.value} workload, not {workload.value}")
-            if by_name[ARCHIVE_LOG].size != manifest.log_bytes:
-                raise ArchiveError("output.log size does not match the manifest")
-            for tree in ARCHIVE_TREES:
-                (staging / tree).mkdir(mode=PRIVATE_DIR_MODE)
-            for member in members:
-                _extract_member(archive, member, staging)
-            for member in members:
-                if member.issym():
-                    os.symlink(member.linkname, staging / member.name)
-            for member in reversed(members):  # children first, so a read-only parent does not block them
-                if member.isdir():
-                    os.chmod(staging / member.name, stat.S_IMODE(member.mode) | PRIVATE_DIR_MODE)
-            return manifest
-    except (tarfile.TarError, OSError, EOFError) as e:
-        raise ArchiveError(f"cannot extract {archive_path}: {e}") from e
+def read_checked_archive(archive: tarfile.TarFile, workload: Optional[WorkloadKind] = None,
+                         max_entries: int = MAX_ARCHIVE_ENTRIES,
+                         max_bytes: int = MAX_ARCHIVE_BYTES) -> tuple[Manifest, list[tarfile.TarInfo]]:
+    """An archive's manifest and members once every rule holds (check_archive_members, the manifest's own, the
+    workload's when given, the log's size). Writes nothing."""
+    members = archive.getmembers()
+    if len(members) > max_entries:
+        raise ArchiveError(f"archive has more than {max_entries} entries")
+    manifest_member = next((m for m in members if m.name == ARCHIVE_MANIFEST), None)
+    if manifest_member is None or not manifest_member.isfile():
+        raise ArchiveError(f"archive lacks {ARCHIVE_MANIFEST}")
+    if manifest_member.size > MAX_MANIFEST_BYTES:
+        raise ArchiveError(f"manifest exceeds {MAX_MANIFEST_BYTES} bytes")
+    manifest = parse_manifest(_read_member(archive, manifest_member))
+    check_archive_members(members, manifest.include, max_entries, max_bytes)
+    if workload is not None and manifest.workload is not workload:
+        raise ArchiveError(f"archive is for the {manifest.workload.value} workload, not {workload.value}")
+    log_member = next((m for m in members if m.name == ARCHIVE_LOG), None)
+    if log_member is not None and log_member.size != manifest.log_bytes:
+        raise ArchiveError("output.log size does not match the manifest")
+    return manifest, members
 
 
 def _read_member(archive: tarfile.TarFile, member: tarfile.TarInfo) -> bytes:
     source = archive.extractfile(member)
-    assert source is not None  # check_archive_members admitted regular files only here
+    assert source is not None  # a regular file: checked by the caller
     return source.read(member.size)
 
 
-def _extract_member(archive: tarfile.TarFile, member: tarfile.TarInfo, staging: Path) -> None:
-    destination = staging / member.name
-    if member.isdir():
-        destination.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
-        return
-    if not member.isfile() or member.name == ARCHIVE_MANIFEST:
-        return
-    destination.parent.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
-    fd = os.open(destination, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    with os.fdopen(fd, "wb") as target:
-        source = archive.extractfile(member)
-        assert source is not None
-        shutil.copyfileobj(source, target, COPY_CHUNK_BYTES)
-    os.chmod(destination, stat.S_IMODE(member.mode) | 0o600)
-    os.utime(destination, (member.mtime, member.mtime))
-
-
-def _swap_tree(staged: Path, target: Path, trash: Path) -> None:
-    """Puts a restored tree in place: a rename swap when possible, else moving entries into an empty target.
-
-    The fallback covers targets that cannot be renamed: a mount point such as a container's tmpfs HOME.
-    """
+def prepare_restore(config: AgentConfig, workers: "FileWorkers", archive_path: Path) -> tuple[Manifest, Optional[Path]]:
+    """The restore's work, before the agent installs it (install_restore): the whole archive checked first (by the
+    agent, which reads it as itself), so a refused one changes nothing; its log put aside in the agent's dir; then
+    each tree it holds written into place by a worker as the runtime user (restore_tree). Returns the manifest and
+    the log put aside (None when the archive leaves the log as it is)."""
     try:
-        if target.exists():
-            os.rename(target, trash)
-        os.rename(staged, target)
-        return
+        archive_file = open(archive_path, "rb")
     except OSError as e:
-        if e.errno not in (errno.EXDEV, errno.EBUSY):
-            raise
-    if target.exists() and any(target.iterdir()):
-        raise ArchiveError(f"restore target {target} cannot be swapped and is not empty")
-    target.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
-    for entry in staged.iterdir():
-        shutil.move(str(entry), str(target / entry.name))
+        raise ArchiveError(f"cannot open {archive_path}: {e.strerror}") from e
+    staged_log: Optional[Path] = None
+    try:
+        with archive_file, tarfile.open(fileobj=archive_file, mode="r:") as archive:
+            manifest, members = read_checked_archive(archive, config.workload)
+            if "log" in manifest.include:
+                staged_log = config.agent_dir / f".restore-{secrets.token_hex(8)}.log"
+                source = archive.extractfile(next(m for m in members if m.name == ARCHIVE_LOG))
+                assert source is not None
+                with open(staged_log, "xb") as target:
+                    shutil.copyfileobj(source, target, COPY_CHUNK_BYTES)
+            elif _file_bytes(config.agent_dir / LOG_NAME) < manifest.log_bytes:
+                raise ArchiveError("the archive leaves the output log as it is, but this session's log is shorter "
+                                   f"than its {manifest.log_bytes} bytes: it is another session's archive")
+            for tree in manifest.trees:
+                workers.restore_tree(config.trees[tree], tree, archive_file.fileno())
+        return manifest, staged_log
+    except BaseException as e:
+        if staged_log is not None:
+            staged_log.unlink(missing_ok=True)
+        if isinstance(e, (tarfile.TarError, EOFError, OSError)):
+            raise ArchiveError(f"cannot restore {archive_path}: {e}") from e
+        raise
+
+
+def _file_bytes(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def install_restore(config: AgentConfig, manifest: Manifest, staged_log: Optional[Path]) -> None:
+    """Puts the restored log (when the archive held it) and the continue flag in place."""
+    try:
+        if staged_log is not None:
+            os.replace(staged_log, config.agent_dir / LOG_NAME)
+        AgentState(config.agent_dir / AGENT_STATE_NAME).set_resume(manifest.continue_conversation)
+    except OSError as e:
+        raise CommandError(f"cannot install the restored state: {e}") from e
+
+
+def restore_tree(archive_file: BinaryIO, root: Path, tree: str) -> None:
+    """A worker's part of a restore: the archive's `tree` members replace what the directory `root` holds. The whole
+    archive is checked again here; the members are extracted into a private directory inside the root (files
+    O_EXCL|O_NOFOLLOW, symlinks last, modes made sane, as an uploaded tar's), then the root's old entries are moved
+    into a trash directory beside it and the new ones take their place. The root itself stays (it may be a mount
+    point, such as a container's tmpfs home, and only the agent may change the session directory)."""
+    archive_file.seek(0)
+    with tarfile.open(fileobj=archive_file, mode="r:") as archive:
+        _, members = read_checked_archive(archive)
+        planned = [(member.name[len(tree) + 1:], member) for member in members if member.name.startswith(tree + "/")]
+        root_fd = open_root(root)
+        staging, trash = (f".reploy-{kind}-{secrets.token_hex(8)}" for kind in ("restore", "old"))
+        try:
+            os.mkdir(staging, PRIVATE_DIR_MODE, dir_fd=root_fd)
+            staging_fd = os.open(staging, DIR_OPEN_FLAGS, dir_fd=root_fd)
+            try:
+                _extract_members(archive, planned, staging_fd)
+                os.mkdir(trash, PRIVATE_DIR_MODE, dir_fd=root_fd)
+                for name in os.listdir(root_fd):
+                    if name not in (staging, trash):
+                        os.rename(name, f"{trash}/{name}", src_dir_fd=root_fd, dst_dir_fd=root_fd)
+                for name in os.listdir(staging_fd):
+                    os.rename(name, name, src_dir_fd=staging_fd, dst_dir_fd=root_fd)
+            finally:
+                os.close(staging_fd)
+        finally:
+            for name in (staging, trash):
+                shutil.rmtree(name, dir_fd=root_fd, ignore_errors=True)
+            os.close(root_fd)
 
 
 # ======================================================================================================================
@@ -2068,89 +2449,137 @@ def walk_tree_fds(dir_fd: int, prefix: str = "") -> Iterator[tuple[str, int, str
                 os.close(child)
 
 
+class Walk:
+    """A tree's entries as a tar needs them, parents before children: (entry, fd) pairs, a regular file's fd open on
+    it (whoever takes the pair closes the fd); `skipped` counts what the walk itself left out once it is done."""
+
+    skipped = 0
+
+    def __iter__(self) -> Iterator[tuple[WalkEntry, Optional[int]]]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Idempotent."""
+
+
+class TreeWalk(Walk):
+    """The walk of a directory this process may read (a worker's, or `reploy session cp`'s of a local directory), in
+    name order, never following a symlink; sockets, FIFOs, devices and entries replaced meanwhile are skipped."""
+
+    def __init__(self, dir_fd: int) -> None:
+        self._dir_fd = dir_fd
+        self.skipped = 0
+
+    def __iter__(self) -> Iterator[tuple[WalkEntry, Optional[int]]]:
+        for member, parent, name, st in walk_tree_fds(self._dir_fd):
+            mode, mtime = stat.S_IMODE(st.st_mode), int(st.st_mtime)
+            try:
+                if stat.S_ISDIR(st.st_mode):
+                    yield WalkEntry(member, "directory", mode, mtime, None), None
+                elif stat.S_ISLNK(st.st_mode):
+                    yield WalkEntry(member, "symlink", mode, mtime, os.readlink(name, dir_fd=parent)), None
+                elif stat.S_ISREG(st.st_mode):
+                    yield WalkEntry(member, "file", mode, mtime, None), os.open(name, FILE_READ_FLAGS, dir_fd=parent)
+                else:
+                    self.skipped += 1
+            except OSError:
+                self.skipped += 1  # replaced by something else or removed meanwhile
+
+
+def write_walked_entries(archive: tarfile.TarFile, walk: Walk, prefix: str = "") -> int:
+    """Writes a walked tree into a tar, each entry checked as the hostile input it may be (a worker's walk): a name
+    not seen before, directly below a directory written before it (so nothing lies below a file or a symlink), at
+    most MAX_ARCHIVE_ENTRIES entries and MAX_TRANSFER_BYTES of content. A regular file's size, mode and mtime come
+    from fstat of its fd (which must show a regular file), its bytes from the fd. Modes lose setuid, setgid and
+    sticky. Symlinks go last, and only those that stay inside the tree without passing through another symlink.
+    Returns the entries left out, the walk's own included."""
+    kinds: dict[str, str] = {}
+    symlinks: list[WalkEntry] = []
+    content_bytes = 0
+    for entry, fd in walk:
+        try:
+            parent = entry.name.rpartition("/")[0]
+            if entry.name in kinds or (parent and kinds.get(parent) != "directory"):
+                raise WorkerProtocolError(f"the walk's entry {entry.name[:80]!r} is not new or not below a directory")
+            if len(kinds) >= MAX_ARCHIVE_ENTRIES:
+                raise CommandError(f"too large: the tree has more than {MAX_ARCHIVE_ENTRIES} entries")
+            kinds[entry.name] = entry.kind
+            info = tarfile.TarInfo(prefix + entry.name)
+            info.mode, info.mtime = entry.mode & OUTGOING_MODE_MASK, entry.mtime
+            if entry.kind == "symlink":
+                symlinks.append(entry)
+            elif entry.kind == "directory":
+                info.type = tarfile.DIRTYPE
+                archive.addfile(info)
+            else:
+                assert fd is not None  # check_walk_entry: a file comes with its fd
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    raise WorkerProtocolError(f"the walk's file {entry.name[:80]!r} is not a regular file")
+                content_bytes += st.st_size
+                if content_bytes > MAX_TRANSFER_BYTES:
+                    raise CommandError(f"too large: the tree's content exceeds {MAX_TRANSFER_BYTES} bytes")
+                info.size, info.mode, info.mtime = st.st_size, stat.S_IMODE(st.st_mode) & OUTGOING_MODE_MASK, \
+                    int(st.st_mtime)
+                with os.fdopen(fd, "rb", closefd=False) as source:
+                    archive.addfile(info, source)
+        finally:
+            if fd is not None:
+                os.close(fd)
+    links = {f"{_UPLOAD_TREE}/{entry.name}" for entry in symlinks}
+    left_out = 0
+    for entry in symlinks:
+        assert entry.target is not None
+        if not symlink_stays_inside(f"{_UPLOAD_TREE}/{entry.name}", entry.target, links):
+            left_out += 1
+            continue
+        info = tarfile.TarInfo(prefix + entry.name)
+        info.type, info.linkname, info.mode, info.mtime = tarfile.SYMTYPE, entry.target, 0o777, entry.mtime
+        archive.addfile(info)
+    return left_out + walk.skipped
+
+
 def write_tree_tar(dir_fd: int, fileobj: Any) -> int:
     """The tree below dir_fd as a tar stream (members relative to it): directories, regular files and symlinks that
     stay inside the tree. Returns how many entries were left out (sockets, FIFOs, devices, escaping symlinks)."""
-    symlinks = {f"{_UPLOAD_TREE}/{member}" for member, _, _, st in walk_tree_fds(dir_fd) if stat.S_ISLNK(st.st_mode)}
-    skipped = 0
     with tarfile.open(fileobj=fileobj, mode="w|", format=tarfile.PAX_FORMAT, bufsize=COPY_CHUNK_BYTES) as archive:
-        for member, parent, name, st in walk_tree_fds(dir_fd):
-            info = tarfile.TarInfo(member)
-            info.mode, info.mtime, info.uid, info.gid = stat.S_IMODE(st.st_mode), int(st.st_mtime), st.st_uid, st.st_gid
-            if stat.S_ISDIR(st.st_mode):
-                info.type = tarfile.DIRTYPE
-                archive.addfile(info)
-            elif stat.S_ISREG(st.st_mode):
-                try:
-                    fd = os.open(name, FILE_READ_FLAGS, dir_fd=parent)
-                except OSError:
-                    skipped += 1  # replaced by a link or removed meanwhile
-                    continue
-                with os.fdopen(fd, "rb") as source:
-                    current = os.fstat(fd)
-                    if not stat.S_ISREG(current.st_mode):
-                        skipped += 1
-                        continue
-                    info.size = current.st_size
-                    archive.addfile(info, source)
-            elif stat.S_ISLNK(st.st_mode) and symlink_stays_inside(
-                    f"{_UPLOAD_TREE}/{member}", target := os.readlink(name, dir_fd=parent), symlinks):
-                info.type, info.linkname = tarfile.SYMTYPE, target
-                archive.addfile(info)
-            else:
-                skipped += 1
-    return skipped
+        return write_walked_entries(archive, TreeWalk(dir_fd))
 
 
-def free_bytes(fd: int) -> int:
+def free_bytes(fd: int, reserved: bool = False) -> int:
+    """The free space of fd's file system; with `reserved`, counting the blocks it keeps for root when we are root
+    (ext4 keeps some: the workload, never root, cannot fill the session's disk so far that the agent's own files
+    cannot grow)."""
     st = os.fstatvfs(fd)
-    return st.f_bavail * st.f_frsize
+    return (st.f_bfree if reserved and os.geteuid() == 0 else st.f_bavail) * st.f_frsize
 
 
-def require_free_space(fd: int, needed_bytes: int, where: str) -> None:
-    """Refuses when writing needed_bytes would leave less than MIN_FREE_BYTES free where fd lives."""
-    available = free_bytes(fd)
-    if available - needed_bytes < MIN_FREE_BYTES:
-        raise CommandError(f"not enough space in {where}: {available // MIB} MiB free, {needed_bytes // MIB} MiB "
-                           f"needed and {MIN_FREE_BYTES // MIB} MiB kept free")
+def require_free_space(fd: int, needed_bytes: int, where: str, reserved: bool = False) -> None:
+    """Refuses (disk_full) when writing needed_bytes would leave less than MIN_FREE_BYTES free where fd lives (with
+    `reserved`, the agent's own spool: less than MIN_FREE_RESERVED_BYTES, counting what is kept for root)."""
+    available = free_bytes(fd, reserved)
+    kept_bytes = MIN_FREE_RESERVED_BYTES if reserved else MIN_FREE_BYTES
+    if available - needed_bytes < kept_bytes:
+        raise DiskFullError(f"not enough space in {where}: {available // MIB} MiB free, {needed_bytes // MIB} MiB "
+                            f"needed and {kept_bytes // MIB} MiB kept free")
 
 
-def _copy_fd(source_fd: int, target_fd: int) -> None:
-    os.lseek(source_fd, 0, os.SEEK_SET)
-    while chunk := os.read(source_fd, COPY_CHUNK_BYTES):
-        _write_all(target_fd, chunk)
-
-
-def install_file(staged_dir_fd: int, staged_name: str, root: Path, parts: tuple[str, ...], mode: int,
-                 spare_name: str) -> None:
-    """Puts a staged upload at root/parts: a rename when both share a file system, else a copy into a spare name
-    beside the target and a rename. Missing parent directories are made."""
+def install_staged_file(staged_fd: int, root: Path, parts: tuple[str, ...], mode: int, spare_name: str) -> None:
+    """A worker's part of a file upload's commit: the staged bytes (an unnamed O_TMPFILE file in the root's tree, so
+    on the same file system as any target below it) are linked under a spare name beside root/parts and renamed over
+    it. Missing parent directories are made."""
     check_file_target(root, parts)
     parent = open_confined_dir(root, parts[:-1], create=True)
     try:
-        staged = os.open(staged_name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=staged_dir_fd)
+        os.fchmod(staged_fd, mode)
+        # linkat through /proc (AT_SYMLINK_FOLLOW) names an unnamed file without CAP_DAC_READ_SEARCH.
+        os.link(f"/proc/self/fd/{staged_fd}", spare_name, dst_dir_fd=parent, follow_symlinks=True)
         try:
-            staged_st = os.fstat(staged)
-            if staged_st.st_dev == os.fstat(parent).st_dev:
-                os.fchmod(staged, mode)
-                os.rename(staged_name, parts[-1], src_dir_fd=staged_dir_fd, dst_dir_fd=parent)
-                return
-            require_free_space(parent, staged_st.st_size, shown_path(parts))
-            spare = os.open(spare_name, FILE_CREATE_FLAGS, mode, dir_fd=parent)
-            try:
-                try:
-                    _copy_fd(staged, spare)
-                    os.fchmod(spare, mode)
-                finally:
-                    os.close(spare)
-                os.rename(spare_name, parts[-1], src_dir_fd=parent, dst_dir_fd=parent)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(spare_name, dir_fd=parent)
-                raise
-            os.unlink(staged_name, dir_fd=staged_dir_fd)
-        finally:
-            os.close(staged)
+            os.rename(spare_name, parts[-1], src_dir_fd=parent, dst_dir_fd=parent)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(spare_name, dir_fd=parent)
+            raise
     finally:
         os.close(parent)
 
@@ -2183,16 +2612,18 @@ def check_tree_target(root: Path, parts: tuple[str, ...]) -> None:
         os.close(root_fd)
 
 
-def extract_upload(archive_path: Path, root: Path, parts: tuple[str, ...], staging_name: str) -> int:
-    """Vets a staged tar, extracts it into a private directory beside the target, then merges that into the target
-    directory root/parts (made if missing). A refused archive or a conflict writes nothing. Returns entries written."""
+def extract_upload(archive_file: BinaryIO, root: Path, parts: tuple[str, ...], staging_name: str) -> int:
+    """Vets a tar (plain or gzip, read from its start), extracts it into a private directory beside the target,
+    then merges that into the target directory root/parts (made if missing). A refused archive or a conflict writes
+    nothing. Returns entries written."""
     root_fd = open_root(root)
     try:
         deepest, depth = open_deepest_dir(root_fd, parts)
     finally:
         os.close(root_fd)
     try:
-        with tarfile.open(archive_path, "r:*") as archive:
+        archive_file.seek(0)
+        with tarfile.open(fileobj=archive_file, mode="r:*") as archive:
             planned = vet_upload_members(archive.getmembers())
             content_bytes = sum(member.size for _, member in planned if member.isfile())
             require_free_space(deepest, content_bytes, shown_path(parts))
@@ -2304,6 +2735,441 @@ def _merge_into(staged: int, target: int) -> None:
 
 
 # ======================================================================================================================
+# I/O adapters: file workers. Every file operation on the workspace and the home (stat, list, the walks behind
+# downloads and checkpoints, opening a file, staging, installing and extracting an upload, restoring a tree) runs in
+# a worker process of the runtime user, so the kernel confines it as it confines the workload, and the agent never
+# opens a path there. The agent makes a SOCK_SEQPACKET pair per operation, writes the request into its end and hands
+# the other end to the zygote, which forks a worker to serve it; answers come back one message each, file
+# descriptors (a file to read, an upload's staging) attached with SCM_RIGHTS. The zygote (`agent.py zygote`) is
+# started as the runtime user from a sealed in-memory copy of this file, so that user needs the interpreter, not
+# access to wherever agent.py lies; it is started again when it is gone (the workload can kill it). The workload can
+# also trace a worker and make it answer anything: what workers say is parsed as hostile ("what a file worker may
+# answer"), and what they can do is what the workload can do anyway.
+# ======================================================================================================================
+
+
+def _send_packet(sock: socket.socket, document: dict[str, Any], fds: Iterable[int] = ()) -> None:
+    data = json.dumps(document, separators=(",", ":")).encode()  # ASCII: names that are not UTF-8 stay escapes
+    if len(data) > WORKER_PACKET_BYTES:
+        raise CommandError(f"a file worker message would exceed {WORKER_PACKET_BYTES} bytes")
+    ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())] if fds else []
+    sock.sendmsg([data], ancillary)
+
+
+def _receive_packet(sock: socket.socket) -> tuple[bytes, list[int]]:
+    """One message and the fds it carried (close-on-exec); (b"", []) at end of file. More than one message's
+    bytes or MAX_WORKER_FDS fds is a protocol error, every fd received closed."""
+    data, ancillary, flags, _ = sock.recvmsg(WORKER_PACKET_BYTES + 1, socket.CMSG_SPACE(MAX_WORKER_FDS * 4),
+                                             socket.MSG_CMSG_CLOEXEC)
+    fds: list[int] = []
+    for level, kind, payload in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds += array.array("i", payload[:len(payload) - len(payload) % 4])
+    if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC) or len(data) > WORKER_PACKET_BYTES or len(fds) > MAX_WORKER_FDS:
+        for fd in fds:
+            os.close(fd)
+        raise WorkerProtocolError("a file worker message is too large or carries too many file descriptors")
+    return data, fds
+
+
+class WorkerStream:
+    """The agent's end of one worker operation: each message parsed strictly and awaited with a deadline; an error
+    message raises as the error it reports. A context manager: leaving it closes the socket, which also stops a
+    worker still busy (its next send fails). An operation that never hears a word calls `on_silence` (the zygote
+    may be stopped: FileWorkers replaces it)."""
+
+    def __init__(self, sock: socket.socket, op: str, on_silence: Callable[[], None] = lambda: None) -> None:
+        self._sock = sock
+        self._op = op
+        self._on_silence = on_silence
+        self._heard = False
+
+    def receive(self, timeout_s: float) -> tuple[WorkerPacket, Optional[int]]:
+        self._sock.settimeout(timeout_s)
+        try:
+            data, fds = _receive_packet(self._sock)
+            self._heard = True
+        except socket.timeout:
+            if not self._heard:
+                self._on_silence()
+            raise CommandError(f"the file worker ({self._op}) said nothing for {timeout_s:g} s") from None
+        except OSError as e:
+            raise CommandError(f"the file worker ({self._op}) failed: {e.strerror}") from e
+        try:
+            if not data:
+                raise CommandError(f"the file worker ({self._op}) ended without an answer")
+            packet = parse_worker_packet(data)
+            if packet.kind is WorkerAnswer.ERROR:
+                raise worker_failure(packet.fields)
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        return packet, fds[0] if fds else None
+
+    def final(self, timeout_s: float, kinds: dict[str, Any], with_fd: bool = False) -> tuple[dict[str, Any], Optional[int]]:
+        """The one answer of an operation that sends only its result: `done` with exactly these fields, with an fd
+        or without one as `with_fd` says."""
+        packet, fd = self.receive(timeout_s)
+        try:
+            if packet.kind is not WorkerAnswer.DONE or (fd is not None) != with_fd:
+                raise WorkerProtocolError(f"the file worker ({self._op}) answered out of turn")
+            require_fields(packet.fields, kinds, f"{self._op} result")
+        except BaseException:
+            if fd is not None:
+                os.close(fd)
+            raise
+        return packet.fields, fd
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def __enter__(self) -> "WorkerStream":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class WorkerWalk(Walk):
+    """A worker's walk of a tree, as write_walked_entries takes it: every entry checked (check_walk_entry), at most
+    MAX_ARCHIVE_ENTRIES of them, each within WORKER_SILENCE_S of the last."""
+
+    def __init__(self, stream: WorkerStream) -> None:
+        self._stream = stream
+        self.skipped = 0
+
+    def __iter__(self) -> Iterator[tuple[WalkEntry, Optional[int]]]:
+        for _ in range(MAX_ARCHIVE_ENTRIES + 1):
+            packet, fd = self._stream.receive(WORKER_SILENCE_S)
+            try:
+                if packet.kind is WorkerAnswer.DONE:
+                    require_fields(packet.fields, {"skipped": int}, "walk result")
+                    if fd is not None:
+                        raise WorkerProtocolError("the file worker's walk result carries a file descriptor")
+                    self.skipped = worker_count(packet.fields["skipped"], "walk's skipped count")
+                    return
+                entry = check_walk_entry(packet.fields, fd is not None)
+            except BaseException:
+                if fd is not None:
+                    os.close(fd)
+                raise
+            yield entry, fd
+        raise CommandError(f"too large: the tree has more than {MAX_ARCHIVE_ENTRIES} entries")
+
+    def close(self) -> None:
+        self._stream.close()
+
+
+class FileWorkers:
+    """The runtime user's hands on the workspace and the home (see this section's comment). Thread-safe: background
+    jobs call it. The zygote starts with the first operation (a session that never touches its files pays nothing,
+    and a new session's prompt comes sooner); `close()` ends it and every worker it forked."""
+
+    def __init__(self, config: AgentConfig) -> None:
+        self._config = config
+        self._lock = threading.Lock()
+        self._source_fd = sealed_copy(Path(__file__).read_bytes(), "agent.py")
+        self._zygote: Optional[subprocess.Popen[bytes]] = None
+        self._channel: Optional[socket.socket] = None
+        self._suspect = False  # an operation heard nothing: the zygote may hang (stopped, traced)
+
+    def _start_zygote(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self._zygote = subprocess.Popen(
+                [sys.executable, "-I", "-S", f"/proc/self/fd/{self._source_fd}", "zygote"], stdin=theirs,
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, pass_fds=(self._source_fd,), cwd="/",
+                start_new_session=True, preexec_fn=reset_child_signals, **runtime_credentials(self._config))
+        except (OSError, subprocess.SubprocessError) as e:
+            ours.close()
+            raise CommandError(f"cannot start the file worker as the runtime user: {e}") from e
+        finally:
+            theirs.close()
+        ours.settimeout(WORKER_START_S)
+        self._channel = ours
+
+    def _stop_zygote(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+        if self._zygote is not None:
+            signal_session(self._zygote.pid, signal.SIGKILL)  # the zygote and the workers it forked
+            self._zygote.wait()
+            self._zygote = None
+
+    def start(self, op: str, fds: Iterable[int] = (), **params: Any) -> WorkerStream:
+        """Begins one operation: its request written, its socket handed to the zygote (a new zygote when the last
+        is gone, did not take it within WORKER_START_S, or left an operation without a word)."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            _send_packet(ours, {"op": op, **params}, fds)
+            with self._lock:
+                if self._suspect:
+                    self._stop_zygote()
+                    self._suspect = False
+                for attempt in range(2):
+                    try:
+                        if self._channel is None:
+                            self._start_zygote()
+                        assert self._channel is not None
+                        _send_packet(self._channel, {}, [theirs.fileno()])
+                        break
+                    except OSError as e:
+                        self._stop_zygote()
+                        if attempt:
+                            raise CommandError(f"the file worker does not start: {e}") from e
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        return WorkerStream(ours, op, self._heard_nothing)
+
+    def _heard_nothing(self) -> None:
+        self._suspect = True
+
+    def close(self) -> None:
+        """Idempotent."""
+        with self._lock:
+            self._stop_zygote()
+        if self._source_fd >= 0:
+            os.close(self._source_fd)
+            self._source_fd = -1
+
+    # ---- the operations, each answer checked
+
+    def stat(self, root: Path, parts: tuple[str, ...]) -> dict[str, Any]:
+        with self.start("stat", root=str(root), path=list(parts)) as stream:
+            fields, _ = stream.final(HANDLER_TIMEOUT_S, {"entry": dict})
+        return check_listed_entry(fields["entry"], _wire_text(parts[-1]) if parts else ".")
+
+    def list(self, root: Path, parts: tuple[str, ...], offset: int, limit: int) -> dict[str, Any]:
+        """A page of a directory's entries: at most `limit` of them and LIST_PAGE_BYTES of JSON, whatever the worker
+        sends (the answer must fit the agent's response line)."""
+        entries: list[dict[str, Any]] = []
+        size_bytes = 0
+        with self.start("list", root=str(root), path=list(parts), offset=offset, limit=limit) as stream:
+            for _ in range(limit + 1):
+                packet, fd = stream.receive(HANDLER_TIMEOUT_S)
+                if fd is not None:
+                    os.close(fd)
+                    raise WorkerProtocolError("the file worker's listing carries a file descriptor")
+                if packet.kind is WorkerAnswer.DONE:
+                    require_fields(packet.fields, {"entry": dict, "total": int}, "list result")
+                    entry = check_listed_entry(packet.fields["entry"], _wire_text(parts[-1]) if parts else ".")
+                    total = worker_count(packet.fields["total"], "listing's total")
+                    return {"entry": entry, "entries": entries, "total": max(total, offset + len(entries)),
+                            "next_offset": offset + len(entries)}
+                require_fields(packet.fields, {"entry": dict}, "list entry")
+                entry = check_listed_entry(packet.fields["entry"], None)
+                size_bytes += len(json.dumps(entry, ensure_ascii=False))
+                if len(entries) >= limit or (entries and size_bytes > LIST_PAGE_BYTES):
+                    raise WorkerProtocolError("the file worker's listing is longer than a page")
+                entries.append(entry)
+        raise WorkerProtocolError("the file worker's listing is longer than a page")
+
+    def open_download(self, root: Path, parts: tuple[str, ...]) -> tuple[dict[str, Any], Optional[int]]:
+        """What a download starts from: a regular file's entry and an fd open on it, or a directory's entry alone
+        (then walk it). Anything else is refused by the worker."""
+        with self.start("download", root=str(root), path=list(parts)) as stream:
+            packet, fd = stream.receive(HANDLER_TIMEOUT_S)
+        try:
+            if packet.kind is not WorkerAnswer.DONE:
+                raise WorkerProtocolError("the file worker (download) answered out of turn")
+            require_fields(packet.fields, {"entry": dict}, "download result")
+            entry = check_listed_entry(packet.fields["entry"], _wire_text(parts[-1]) if parts else ".")
+            if entry["type"] != ("file" if fd is not None else "directory") or (
+                    fd is not None and not stat.S_ISREG(os.fstat(fd).st_mode)):
+                raise WorkerProtocolError("the file worker opened something that is not what it described")
+        except BaseException:
+            if fd is not None:
+                os.close(fd)
+            raise
+        return entry, fd
+
+    def walk(self, root: Path, parts: tuple[str, ...]) -> WorkerWalk:
+        return WorkerWalk(self.start("walk", root=str(root), path=list(parts)))
+
+    def upload_open(self, root: Path, parts: tuple[str, ...], kind: UploadKind) -> int:
+        """An upload's staging: the target checked, then an unnamed file of the runtime user in the root's tree
+        (O_TMPFILE), open for writing. It counts against the workload's space and vanishes with its last fd."""
+        with self.start("upload_open", root=str(root), path=list(parts), kind=kind.value) as stream:
+            _, fd = stream.final(HANDLER_TIMEOUT_S, {}, with_fd=True)
+        assert fd is not None
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size or fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDWR:
+            os.close(fd)
+            raise WorkerProtocolError("the file worker's staging is not an empty file open for writing")
+        return fd
+
+    def install(self, root: Path, parts: tuple[str, ...], mode: int, staged_fd: int, spare_name: str) -> None:
+        with self.start("upload_install", [staged_fd], root=str(root), path=list(parts), mode=mode,
+                        spare=spare_name) as stream:
+            stream.final(WORKER_SILENCE_S, {})
+
+    def extract(self, root: Path, parts: tuple[str, ...], staged_fd: int, spare_name: str) -> int:
+        with self.start("upload_extract", [staged_fd], root=str(root), path=list(parts),
+                        spare=spare_name) as stream:
+            fields, _ = stream.final(WORKER_SILENCE_S, {"entries": int})
+        return worker_count(fields["entries"], "extracted entries", MAX_ARCHIVE_ENTRIES)
+
+    def restore_tree(self, root: Path, tree: str, archive_fd: int) -> None:
+        with self.start("restore_tree", [archive_fd], root=str(root), tree=tree) as stream:
+            stream.final(WORKER_SILENCE_S, {})
+
+
+def sealed_copy(data: bytes, name: str) -> int:
+    """An in-memory file holding data, sealed so that nobody can change it: any process given the fd may run it."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        _write_all(fd, data)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
+                    fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+# ---- the worker's side: the zygote and the operations, run as the runtime user
+
+
+def zygote_main() -> int:
+    """`agent.py zygote` (internal; see this section's comment): stdin is the agent's channel. Each message carries
+    one socket, and a forked worker serves the operation waiting on it; the zygote ends when the agent does."""
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the workers
+    channel = socket.socket(fileno=0)
+    while True:
+        try:
+            data, fds = _receive_packet(channel)
+        except WorkerProtocolError:
+            continue
+        if not data and not fds:
+            return 0
+        for fd in fds:
+            if os.fork() == 0:
+                channel.close()
+                try:
+                    serve_worker(fd)
+                finally:
+                    os._exit(0)
+            os.close(fd)
+
+
+def serve_worker(fd: int) -> None:
+    """One worker: one request from the agent, the operation, its answers."""
+    sock = socket.socket(fileno=fd)
+    received: list[int] = []
+    try:
+        data, received = _receive_packet(sock)
+        request = json.loads(data)
+        _WORKER_OPS[request.pop("op")](sock, request, received)
+    except AgentError as e:
+        _send_error(sock, e.code, str(e))
+    except OSError as e:
+        full = e.errno in DISK_FULL_ERRNOS
+        _send_error(sock, DiskFullError.code if full else CommandError.code,
+                    f"not enough space: {e.strerror}" if full else f"the file worker failed: {e}")
+    except Exception as e:  # noqa: BLE001 - whatever went wrong is this one operation's answer
+        _send_error(sock, CommandError.code, f"the file worker failed: {e!r}")
+
+
+def _send_error(sock: socket.socket, code: str, message: str) -> None:
+    with contextlib.suppress(OSError):  # the agent has gone: nobody to tell
+        _send_packet(sock, {WorkerAnswer.ERROR.value: {"code": code, "message": message[:MAX_WORKER_MESSAGE_CHARS]}})
+
+
+def _done(sock: socket.socket, fds: Iterable[int] = (), **fields: Any) -> None:
+    _send_packet(sock, {WorkerAnswer.DONE.value: fields}, fds)
+
+
+def _op_stat(sock: socket.socket, request: dict[str, Any], fds: list[int]) -> None:
+    _done(sock, entry=stat_entry(Path(request["root"]), tuple(request["path"])))
+
+
+def _op_list(sock: socket.socket, request: dict[str, Any], fds: list[int]) -> None:
+    root, parts = Path(request["root"]), tuple(request["path"])
+    entry = stat_entry(root, parts)
+    page = list_entries(root, parts, request["offset"], request["limit"])
+    for item in page["entries"]:
+        _send_packet(sock, {WorkerAnswer.ENTRY.value: {"entry": item}})
+    _done(sock, entry=entry, total=page["total"])
+
+
+def _op_download(sock: socket.socket, request: dict[str, Any], fds: list[int]) -> None:
+    root, parts = Path(request["root"]), tuple(request["path"])
+    entry = stat_entry(root, parts)
+    if entry["type"] == "directory":
+        _done(sock, entry=entry)
+        return
+    if entry["type"] != "file":
+        raise RequestError(f"refused: {shown_path(parts)} is a {entry['type']}; only regular files and directories "
+                           "can be downloaded")
+    parent = open_confined_dir(root, parts[:-1])
+    try:
+        fd = os.open(parts[-1], FILE_READ_FLAGS, dir_fd=parent)
+    except OSError as e:
+        raise _walk_error(e, parts, parent) from e
+    finally:
+        os.close(parent)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # replaced between the stat and the open
+        raise RequestError(f"refused: {shown_path(parts)} is not a regular file")
+    _done(sock, [fd], entry=entry)
+
+
+def _op_walk(sock: socket.socket, request: dict[str, Any], fds: list[int]) -> None:
+    walk = TreeWalk(open_confined_dir(Path(request["root"]), tuple(request["path"])))  # closed when the worker ends
+    for entry, fd in walk:
+        fields: dict[str, Any] = {"name": entry.name, "type": entry.kind, "mode": entry.mode, "mtime": entry.mtime}
+        if entry.target is not None:
+            fields["target"] = entry.target
+        try:
+            _send_packet(sock, {WorkerAnswer.ENTRY.value: fields}, [fd] if fd is not None else [])
+        finally:
+            if fd is not None:
+                os.close(fd)
+    _done(sock, skipped=walk.skipped)
+
+
+def _op_upload_open(sock: socket.socket, request: dict[str, Any], fds: list[int]) -> None:
+    root, parts = Path(request["root"]), tuple(request["path"])
+    if UploadKind(request["kind"]) is UploadKind.FILE:
+        check_file_target(root, parts)
+    else:
+        check_tree_target(root, parts)
+    root_fd = open_root(root)
+    try:
+        staged = os.open(".", os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600, dir_fd=root_fd)
+    finally:
+        os.close(root_fd)
+    _done(sock, [staged])
+
+
+def _op_upload_install(sock: socket.socket, request: dict[str, Any], fds: list[int]) -> None:
+    install_staged_file(fds[0], Path(request["root"]), tuple(request["path"]), request["mode"], request["spare"])
+    _done(sock)
+
+
+def _op_upload_extract(sock: socket.socket, request: dict[str, Any], fds: list[int]) -> None:
+    with os.fdopen(os.dup(fds[0]), "rb") as archive_file:
+        entries = extract_upload(archive_file, Path(request["root"]), tuple(request["path"]), request["spare"])
+    _done(sock, entries=entries)
+
+
+def _op_restore_tree(sock: socket.socket, request: dict[str, Any], fds: list[int]) -> None:
+    with os.fdopen(os.dup(fds[0]), "rb") as archive_file:
+        restore_tree(archive_file, Path(request["root"]), request["tree"])
+    _done(sock)
+
+
+_WORKER_OPS: dict[str, Callable[[socket.socket, dict[str, Any], list[int]], None]] = {
+    "stat": _op_stat, "list": _op_list, "download": _op_download, "walk": _op_walk, "upload_open": _op_upload_open,
+    "upload_install": _op_upload_install, "upload_extract": _op_upload_extract, "restore_tree": _op_restore_tree,
+}
+
+
+# ======================================================================================================================
 # Workloads: what runs in the session. The serve loop owns them; they own their processes and file descriptors.
 # ======================================================================================================================
 
@@ -2411,14 +3277,14 @@ class ShellWorkload(Workload):
 
     def start(self) -> None:
         config = self._ctx.config
-        master, slave = os.openpty()
+        with files_made_as(config.runtime_user):
+            master, slave = os.openpty()
         self._set_size(master)
         env = dict(os.environ, TERM=SHELL_TERM, HOME=str(config.home_dir))
         try:
-            proc = subprocess.Popen([config.shell], stdin=slave, stdout=slave, stderr=slave, env=env,
-                                    cwd=config.workspace_dir, start_new_session=True,
-                                    preexec_fn=_start_shell_child)
-        except OSError as e:
+            proc = spawn_in_workload(config, [config.shell], setup=_take_controlling_terminal, stdin=slave,
+                                     stdout=slave, stderr=slave, env=env)
+        except (OSError, AgentError) as e:
             os.close(master)
             os.close(slave)
             raise CommandError(f"cannot start {config.shell}: {e}") from e
@@ -2648,7 +3514,7 @@ class AgentWorkload(Workload):
 
     def __init__(self, ctx: WorkloadContext) -> None:
         super().__init__(ctx)
-        self._state = AgentState(ctx.config.session_dir / AGENT_STATE_NAME)
+        self._state = AgentState(ctx.config.agent_dir / AGENT_STATE_NAME)
         self._secrets = tuple(_secret_values(ctx.config.redact_env))
         self._run: Optional[_Run] = None
         self._stopping = False
@@ -2727,12 +3593,10 @@ class AgentWorkload(Workload):
             on_stdin = len(prompt.encode()) > MAX_ARGV_PROMPT_BYTES
             argv = expand_command(config.agent_argv, None if on_stdin else prompt, config.model, self._state.resume)
             try:
-                with prompt_input(config.session_dir, prompt if on_stdin else None) as stdin:
-                    proc = subprocess.Popen(argv, stdin=stdin, stdout=subprocess.PIPE,
-                                            stderr=subprocess.PIPE, cwd=config.workspace_dir,
-                                            env=dict(os.environ, HOME=str(config.home_dir)), start_new_session=True,
-                                            preexec_fn=reset_child_signals)
-            except OSError as e:
+                with prompt_input(config.agent_dir, prompt if on_stdin else None) as stdin:
+                    proc = spawn_in_workload(config, argv, stdin=stdin, stdout=subprocess.PIPE,
+                                             stderr=subprocess.PIPE, env=dict(os.environ, HOME=str(config.home_dir)))
+            except (OSError, AgentError) as e:
                 self._ctx.log.append_marker(f"cannot start the agent command: {e}")
                 self._ctx.outbox.end_turn(turn_id, Outcome.FAILED, reason="spawn_failed")
                 continue
@@ -2839,34 +3703,30 @@ class AgentWorkload(Workload):
 
 
 @contextlib.contextmanager
-def prompt_input(session_dir: Path, prompt: Optional[str]) -> Iterator[int]:
-    """The agent command's stdin: /dev/null, or the prompt in an unnamed file of the session dir (a file, not a
+def prompt_input(agent_dir: Path, prompt: Optional[str]) -> Iterator[int]:
+    """The agent command's stdin: /dev/null, or the prompt in an unnamed file of the agent's own dir (a file, not a
     pipe, so a megabyte needs no writer beside the loop and the command reads it at its own pace)."""
     if prompt is None:
         yield subprocess.DEVNULL
         return
-    with tempfile.TemporaryFile(dir=session_dir) as file:
+    with tempfile.TemporaryFile(dir=agent_dir) as file:
         file.write(prompt.encode())
         file.seek(0)
         yield file.fileno()
 
 
 def spawn_exec(config: AgentConfig, params: ExecParams) -> subprocess.Popen[bytes]:
-    """Starts one command in its own process session, in the workspace (or a directory below it, reached without
-    following a symlink), with the session's HOME, the agent's uid and environment minus the redacted variables."""
-    cwd_fd = open_confined_dir(config.workspace_dir, params.cwd)
+    """Starts one command as the workload does (spawn_in_workload), in the workspace or a directory below it, with the
+    session's HOME and the agent's environment minus the redacted variables."""
+    env = {name: value for name, value in os.environ.items() if name not in config.redact_env}
+    env.update(params.env)
+    env["HOME"] = str(config.home_dir)
     try:
-        env = {name: value for name, value in os.environ.items() if name not in config.redact_env}
-        env.update(params.env)
-        env["HOME"] = str(config.home_dir)
-        return subprocess.Popen(list(params.argv), stdin=subprocess.DEVNULL if params.stdin is None else subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
-                                cwd=f"/proc/self/fd/{cwd_fd}",  # the child's own copy of the confined fd
-                                start_new_session=True, preexec_fn=exec_preparer())
+        return spawn_in_workload(config, list(params.argv), params.cwd, setup=subreaper_setup(), env=env,
+                                 stdin=subprocess.DEVNULL if params.stdin is None else subprocess.PIPE,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     except OSError as e:
         raise CommandError(f"cannot run {params.argv[0]!r}: {e.strerror}") from e
-    finally:
-        os.close(cwd_fd)
 
 
 class ExecOutput:
@@ -3077,9 +3937,10 @@ class ExecTable:
 
 
 class TarSink:
-    """Where a downloaded tree's tar is written on its job's thread: an anonymous file in DIR. `written_bytes` tells
-    the loop how far it may read; every MAX_TRANSFER_CHUNK_BYTES written wakes the loop. Writing fails once the
-    download is closed, past MAX_TRANSFER_BYTES, or when the session directory's file system runs low."""
+    """Where a downloaded tree's tar is written on its job's thread: an unnamed file in the agent's dir (on the
+    session's disk, so it counts against its quota). `written_bytes` tells the loop how far it may read; every
+    MAX_TRANSFER_CHUNK_BYTES written wakes the loop. Writing fails once the download is closed, past
+    MAX_TRANSFER_BYTES, or (disk_full) when the disk runs low; the file goes with its fd."""
 
     def __init__(self, fd: int, wakeup_fd: int) -> None:
         self.fd = fd
@@ -3092,8 +3953,11 @@ class TarSink:
             raise CommandError("the download was closed")
         if self.written_bytes + len(data) > MAX_TRANSFER_BYTES:
             raise CommandError(f"too large: the tree's tar exceeds {MAX_TRANSFER_BYTES} bytes")
-        require_free_space(self.fd, len(data), "the session directory")
-        _write_all(self.fd, data)
+        require_free_space(self.fd, len(data), "the session's disk (a directory download's spool)", reserved=True)
+        try:
+            _write_all(self.fd, data)
+        except OSError as e:
+            raise as_agent_error(e, "cannot spool the directory's tar") from e
         before, self.written_bytes = self.written_bytes, self.written_bytes + len(data)
         if before // MAX_TRANSFER_CHUNK_BYTES != self.written_bytes // MAX_TRANSFER_CHUNK_BYTES:
             with contextlib.suppress(OSError):  # the wakeup buffer is full, so the loop is awake anyway
@@ -3101,12 +3965,20 @@ class TarSink:
         return len(data)
 
 
+def as_agent_error(error: BaseException, what: str) -> AgentError:
+    """A failure of background work as the request's error: ours as it is, a full disk as disk_full."""
+    if isinstance(error, AgentError):
+        return error
+    if isinstance(error, OSError) and error.errno in DISK_FULL_ERRNOS:
+        return DiskFullError(f"not enough space: {what}: {error.strerror}")
+    return CommandError(f"{what}: {error}")
+
+
 @dataclasses.dataclass
 class _Upload:
     transfer_id: str
     params: UploadParams
-    staged_name: str  # in DIR
-    fd: int  # the staged file, open for writing until the commit
+    fd: int  # the staged bytes: an unnamed file of the runtime user in the root's tree (FileWorkers.upload_open)
     touched_at: float
     written_bytes: int = 0
     digest: Any = dataclasses.field(default_factory=hashlib.sha256)
@@ -3116,7 +3988,7 @@ class _Upload:
 @dataclasses.dataclass
 class _Download:
     transfer_id: str
-    fd: int  # the file itself, or the anonymous tar the job writes
+    fd: int  # the file itself (opened by a worker), or the spool the job writes the tree's tar into
     touched_at: float
     size_bytes: Optional[int] = None  # a file's size when it was opened
     sink: Optional[TarSink] = None  # a tree: its tar and the job writing it
@@ -3124,25 +3996,27 @@ class _Download:
 
 
 class TransferTable:
-    """Uploads and downloads in progress, at most MAX_OPEN_TRANSFERS; each closed after TRANSFER_IDLE_S untouched.
+    """Uploads and downloads in progress, at most MAX_OPEN_TRANSFERS (counting those being opened); each closed
+    after TRANSFER_IDLE_S untouched. Every step that touches the workspace or the home is a file worker's, on a
+    background job (FileWorkers); the loop keeps the state.
 
-    An upload stages its bytes in DIR/.reploy-upload-ID, chunk by chunk, then commits on a background job: a file is
-    renamed (or copied) into place, a tar is vetted, extracted beside its target and merged in. A refused upload
-    writes nothing outside its staging. A download reads a file through an fd opened without following links, or a
-    tree through a tar its job writes into an anonymous file, read while it grows.
+    An upload stages its bytes chunk by chunk in an unnamed file a worker made in the target's tree, then commits on
+    a background job: a worker links the file into place, or vets a tar, extracts it beside its target and merges
+    it in. A refused upload writes nothing outside its staging, which vanishes when it is closed. A download reads a
+    file through the fd a worker opened without following links, or a tree through a tar the agent writes, from a
+    worker's walk, into a spool in its own dir, read while it grows.
     """
 
-    def __init__(self, config: AgentConfig, wakeup_fd: int) -> None:
+    def __init__(self, config: AgentConfig, workers: FileWorkers, start_job: Callable[..., BackgroundJob],
+                 wakeup_fd: int) -> None:
         self._config = config
+        self._workers = workers
+        self._start_job = start_job
         self._wakeup_fd = wakeup_fd
-        self._dir_fd = open_root(config.session_dir)
         self._uploads: dict[str, _Upload] = {}
         self._downloads: dict[str, _Download] = {}
+        self._opening: list[BackgroundJob] = []  # transfers being opened: they count against MAX_OPEN_TRANSFERS
         self._closing: list[_Download] = []  # closed while their job still writes; freed once it ends
-        for name in os.listdir(self._dir_fd):  # what an agent that died left staged
-            if name.startswith(STAGING_PREFIX):
-                with contextlib.suppress(OSError):
-                    os.unlink(name, dir_fd=self._dir_fd)
 
     def root(self, root: FileRoot) -> Path:
         return self._config.workspace_dir if root is FileRoot.WORKSPACE else self._config.home_dir
@@ -3151,35 +4025,38 @@ class TransferTable:
         return any(upload.job is not None and not upload.job.finished for upload in self._uploads.values())
 
     def _require_room(self) -> None:
-        if len(self._uploads) + len(self._downloads) >= MAX_OPEN_TRANSFERS:
+        self._opening = [job for job in self._opening if not job.finished]
+        if len(self._uploads) + len(self._downloads) + len(self._opening) >= MAX_OPEN_TRANSFERS:
             raise UnavailableError(f"{MAX_OPEN_TRANSFERS} transfers are open; finish or close one")
+
+    def _open(self, work: Callable[[], Any], discard: Callable[[Any], None],
+              answer: Callable[[Any], dict[str, Any]]) -> PendingRequest:
+        self._require_room()
+        job = self._start_job(work, discard)
+        self._opening.append(job)
+        return _AwaitJob(job, answer, "cannot open the transfer")
 
     # ---- uploads
 
-    def open_upload(self, params: UploadParams, now: float) -> dict[str, Any]:
-        self._require_room()
-        root = self.root(params.root)
-        if params.kind is UploadKind.FILE:
-            check_file_target(root, params.path)
-        elif params.mode is not None:
+    def open_upload(self, params: UploadParams, now: float) -> PendingRequest:
+        if params.kind is UploadKind.TAR and params.mode is not None:
             raise RequestError("params.mode is for file uploads; a tar's members carry their own modes")
-        else:
-            check_tree_target(root, params.path)
-        if params.size_bytes is not None:
-            if params.size_bytes > MAX_TRANSFER_BYTES:
-                raise RequestError(f"too large: {params.size_bytes} bytes; an upload holds at most "
-                                   f"{MAX_TRANSFER_BYTES}")
-            require_free_space(self._dir_fd, params.size_bytes, "the session directory")
-            root_fd = open_root(root)
+        if params.size_bytes is not None and params.size_bytes > MAX_TRANSFER_BYTES:
+            raise RequestError(f"too large: {params.size_bytes} bytes; an upload holds at most {MAX_TRANSFER_BYTES}")
+        root = self.root(params.root)
+
+        def opened(fd: int) -> dict[str, Any]:
             try:
-                require_free_space(root_fd, params.size_bytes, params.root.value)
-            finally:
-                os.close(root_fd)
-        transfer_id = secrets.token_hex(8)
-        staged_name = f"{STAGING_PREFIX}{transfer_id}"
-        fd = os.open(staged_name, FILE_CREATE_FLAGS, 0o600, dir_fd=self._dir_fd)
-        self._uploads[transfer_id] = _Upload(transfer_id, params, staged_name, fd, now)
-        return {"transfer_id": transfer_id, "chunk_bytes": MAX_TRANSFER_CHUNK_BYTES}
+                if params.size_bytes is not None:
+                    require_free_space(fd, params.size_bytes, params.root.value)
+            except BaseException:
+                os.close(fd)
+                raise
+            transfer_id = secrets.token_hex(8)
+            self._uploads[transfer_id] = _Upload(transfer_id, params, fd, now)
+            return {"transfer_id": transfer_id, "chunk_bytes": MAX_TRANSFER_CHUNK_BYTES}
+
+        return self._open(lambda: self._workers.upload_open(root, params.path, params.kind), os.close, opened)
 
     def _upload(self, transfer_id: str) -> _Upload:
         try:
@@ -3197,12 +4074,14 @@ class TransferTable:
         limit_bytes = upload.params.size_bytes if upload.params.size_bytes is not None else MAX_TRANSFER_BYTES
         if upload.written_bytes + len(params.data) > limit_bytes:
             raise RequestError(f"too large: the upload would exceed {limit_bytes} bytes")
-        require_free_space(self._dir_fd, len(params.data), "the session directory")
+        require_free_space(upload.fd, len(params.data), upload.params.root.value)
         try:
-            _write_all(upload.fd, params.data)
+            written = os.pwrite(upload.fd, params.data, upload.written_bytes)
+            while written < len(params.data):
+                written += os.pwrite(upload.fd, params.data[written:], upload.written_bytes + written)
         except OSError as e:
-            raise CommandError(f"not enough space in the session directory: {e.strerror}" if e.errno == errno.ENOSPC
-                               else f"cannot stage the upload: {e.strerror}") from e
+            os.ftruncate(upload.fd, upload.written_bytes)  # what was staged before stays whole
+            raise as_agent_error(e, "cannot stage the upload") from e
         upload.digest.update(params.data)
         upload.written_bytes += len(params.data)
         upload.touched_at = now
@@ -3218,85 +4097,64 @@ class TransferTable:
             if params.sha256 is not None and params.sha256 != upload.digest.hexdigest():
                 self._drop_upload(upload)
                 raise CommandError("sha256 mismatch: the staged bytes differ from what was sent; nothing was written")
-            os.close(upload.fd)
-            upload.fd = -1
-            upload.job = BackgroundJob(self._commit_work(upload), lambda _: None, self._wakeup_fd)
+            upload.job = self._start_job(self._commit_work(upload), lambda _: None)
         job = upload.job
         return _AwaitTransfer(lambda: job.finished, lambda: self._committed(upload),
                               lambda: {"transfer_id": upload.transfer_id, "done": False}, now)
 
     def _commit_work(self, upload: _Upload) -> Callable[[], int]:
         params, root = upload.params, self.root(upload.params.root)
-        spare_name = f"{upload.staged_name}.part"
+        spare_name = f"{STAGING_PREFIX}{upload.transfer_id}"
         if params.kind is UploadKind.FILE:
             mode = sane_mode(DEFAULT_FILE_MODE if params.mode is None else params.mode, directory=False)
 
             def install() -> int:
-                install_file(self._dir_fd, upload.staged_name, root, params.path, mode, spare_name)
+                self._workers.install(root, params.path, mode, upload.fd, spare_name)
                 return 1  # entries written
             return install
-        archive = self._config.session_dir / upload.staged_name
-        return lambda: extract_upload(archive, root, params.path, spare_name)
+        return lambda: self._workers.extract(root, params.path, upload.fd, spare_name)
 
     def _committed(self, upload: _Upload) -> dict[str, Any]:
         job = upload.job
         assert job is not None
         self._drop_upload(upload)
-        if isinstance(job.error, AgentError):
-            raise job.error
-        if isinstance(job.error, OSError) and job.error.errno == errno.ENOSPC:
-            raise CommandError(f"not enough space in {upload.params.root.value}: {job.error}")
         if job.error is not None:
-            raise CommandError(f"the upload failed: {job.error}")
+            raise as_agent_error(job.error, f"the upload to {upload.params.root.value} failed")
         return {"transfer_id": upload.transfer_id, "done": True, "root": upload.params.root.value,
                 "path": shown_path(upload.params.path), "kind": upload.params.kind.value,
                 "bytes": upload.written_bytes, "entries": job.result, "sha256": upload.digest.hexdigest()}
 
     def _drop_upload(self, upload: _Upload) -> None:
+        """Forgets an upload; its staging, never named unless committed, goes with its fd."""
         self._uploads.pop(upload.transfer_id, None)
         if upload.fd >= 0:
             os.close(upload.fd)
             upload.fd = -1
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(upload.staged_name, dir_fd=self._dir_fd)
 
     # ---- downloads
 
-    def open_download(self, params: PathParams, now: float) -> dict[str, Any]:
-        self._require_room()
+    def open_download(self, params: PathParams, now: float) -> PendingRequest:
         root = self.root(params.root)
-        entry = stat_entry(root, params.path)
-        transfer_id = secrets.token_hex(8)
-        if entry["type"] == "directory":
-            dir_fd = open_confined_dir(root, params.path)
-            name = f"{STAGING_PREFIX}{transfer_id}.tar"
+
+        def opened(described: tuple[dict[str, Any], Optional[int]]) -> dict[str, Any]:
+            entry, fd = described
+            transfer_id = secrets.token_hex(8)
+            if fd is not None:
+                size_bytes = os.fstat(fd).st_size
+                self._downloads[transfer_id] = _Download(transfer_id, fd, now, size_bytes=size_bytes)
+                return {"transfer_id": transfer_id, "kind": "file", "size": size_bytes, "entry": entry}
+            spool = os.open(self._config.agent_dir, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+            sink = TarSink(spool, self._wakeup_fd)
             try:
-                fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
-                             dir_fd=self._dir_fd)
-                os.unlink(name, dir_fd=self._dir_fd)  # anonymous: nothing to clean up if we die
+                job = self._start_job(lambda: pack_tree(self._workers.walk(root, params.path), sink), lambda _: None)
             except BaseException:
-                os.close(dir_fd)
+                os.close(spool)
                 raise
-            sink = TarSink(fd, self._wakeup_fd)
-            job = BackgroundJob(lambda: _pack_tree(dir_fd, sink), lambda _: None, self._wakeup_fd)
-            self._downloads[transfer_id] = _Download(transfer_id, fd, now, sink=sink, job=job)
+            self._downloads[transfer_id] = _Download(transfer_id, spool, now, sink=sink, job=job)
             return {"transfer_id": transfer_id, "kind": "tar", "size": None, "entry": entry}
-        if entry["type"] != "file":
-            raise RequestError(f"refused: {shown_path(params.path)} is a {entry['type']}; only regular files and "
-                               "directories can be downloaded")
-        parent = open_confined_dir(root, params.path[:-1])
-        try:
-            fd = os.open(params.path[-1], FILE_READ_FLAGS, dir_fd=parent)
-        except OSError as e:
-            raise _walk_error(e, params.path, parent) from e
-        finally:
-            os.close(parent)
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):  # replaced between the stat and the open
-            os.close(fd)
-            raise RequestError(f"refused: {shown_path(params.path)} is not a regular file")
-        self._downloads[transfer_id] = _Download(transfer_id, fd, now, size_bytes=st.st_size)
-        return {"transfer_id": transfer_id, "kind": "file", "size": st.st_size, "entry": entry}
+
+        return self._open(lambda: self._workers.open_download(root, params.path),
+                          lambda described: described[1] is not None and os.close(described[1]), opened)
 
     def _download(self, transfer_id: str) -> _Download:
         try:
@@ -3331,8 +4189,7 @@ class TransferTable:
         finished = job.finished  # before written_bytes: once finished, that is final
         if finished and job.error is not None:
             self.close(download.transfer_id)
-            error = job.error
-            raise error if isinstance(error, AgentError) else CommandError(f"cannot pack the tree: {error}")
+            raise as_agent_error(job.error, "cannot pack the tree")
         available = sink.written_bytes
         if params.offset_bytes > available:
             raise RequestError(f"params.offset is past the {available} bytes written so far")
@@ -3347,7 +4204,7 @@ class TransferTable:
     # ---- closing
 
     def close(self, transfer_id: str) -> dict[str, Any]:
-        """transfer_close: an upload is dropped with its staged bytes, a download stops and frees its tar."""
+        """transfer_close: an upload is dropped with its staged bytes, a download stops and frees its spool."""
         if transfer_id in self._uploads:
             upload = self._uploads[transfer_id]
             if upload.job is not None and not upload.job.finished:
@@ -3382,6 +4239,7 @@ class TransferTable:
         return min(times, default=None)
 
     def close_all(self) -> None:
+        """Shutdown: every transfer closed; a job still running gets HANDLER_TIMEOUT_S to notice."""
         for download in list(self._downloads.values()):
             self.close(download.transfer_id)
         jobs = [job for job in [u.job for u in self._uploads.values()] + [d.job for d in self._closing] if job]
@@ -3391,17 +4249,15 @@ class TransferTable:
         for upload in list(self._uploads.values()):
             if upload.job is None or upload.job.finished:
                 self._drop_upload(upload)
-        if all(job.finished for job in jobs):  # else a job still uses it; the process's exit closes it
-            os.close(self._dir_fd)
 
 
-def _pack_tree(dir_fd: int, sink: TarSink) -> int:
-    """A download's job: the tree below dir_fd as a tar into its sink. Returns the entries left out."""
+def pack_tree(walk: WorkerWalk, sink: TarSink) -> int:
+    """A download's job: a worker's walk of the tree as a tar into its sink. Returns the entries left out."""
     try:
-        return write_tree_tar(dir_fd, sink)
+        with tarfile.open(fileobj=sink, mode="w|", format=tarfile.PAX_FORMAT, bufsize=COPY_CHUNK_BYTES) as archive:
+            return write_walked_entries(archive, walk)
     finally:
-        os.close(dir_fd)
-
+        walk.close()
 
 
 # ======================================================================================================================
@@ -3483,15 +4339,17 @@ class _LongPollRead(PendingRequest):
 
 
 class _Checkpoint(PendingRequest):
-    """Admission closed; wait for the workload to drain; write the archive on a thread; publish it atomically."""
+    """Admission closed; wait for the workload to drain; write the archive on a thread (the trees walked by workers);
+    publish it atomically."""
 
     def __init__(self, server: AgentServer, workload: Workload, params: CheckpointParams) -> None:
         self._server = server
         self._workload = workload
         self._id = params.checkpoint_id
-        config = server.config
-        self._destination = config.session_dir / f"{CHECKPOINT_PREFIX}{self._id}.tar"
-        self._temporary = config.session_dir / f".{CHECKPOINT_PREFIX}{self._id}.tar.tmp"
+        self._include = params.include
+        agent_dir = server.config.agent_dir
+        self._destination = agent_dir / f"{CHECKPOINT_PREFIX}{self._id}.tar"
+        self._temporary = agent_dir / f".{CHECKPOINT_PREFIX}{self._id}.tar.tmp"
         self._manifest: Optional[Manifest] = None
         self._job: Optional[BackgroundJob] = None
         server.admission_open = False
@@ -3509,18 +4367,19 @@ class _Checkpoint(PendingRequest):
             if not (self._workload.drained() and server.harness_drained()):
                 return None
             resume = isinstance(self._workload, AgentWorkload) and self._workload.resume
-            manifest = Manifest(self._id, self._workload.kind, server.log.length_bytes, resume)
-            log_path, trees, temporary = server.log.path, server.config.trees, self._temporary
+            manifest = Manifest(self._id, self._workload.kind, server.log.length_bytes, resume, self._include)
+            log_path, trees, temporary, workers = server.log.path, server.config.trees, self._temporary, server.workers
             self._manifest = manifest
-            self._job = server.start_job(lambda: write_archive(temporary, manifest, log_path, trees),
-                                         lambda _: temporary.unlink(missing_ok=True))
+            self._job = server.start_job(
+                lambda: write_archive(temporary, manifest, log_path, lambda tree: workers.walk(trees[tree], ())),
+                lambda _: temporary.unlink(missing_ok=True))
             return None
         if not self._job.finished:
             return None
         server.job = None
         if self._job.error is not None:
             self._temporary.unlink(missing_ok=True)
-            raise CommandError(f"checkpoint failed: {self._job.error}")
+            raise as_agent_error(self._job.error, "checkpoint failed")
         assert self._manifest is not None
         os.replace(self._temporary, self._destination)
         server.outbox.emit(EventKind.CHECKPOINT, id=self._id, path=str(self._destination),
@@ -3538,55 +4397,30 @@ class _Checkpoint(PendingRequest):
 
 
 class _Restore(PendingRequest):
-    """Extract on a thread into a private staging dir; install and start the workload on the loop."""
+    """Check the archive and write its trees on a thread (prepare_restore); install the log and state and start the
+    workload on the loop."""
 
     def __init__(self, server: AgentServer, archive_path: Path) -> None:
         self._server = server
-        config = server.config
-        self._job = server.start_job(lambda: stage_restore(config, archive_path),
-                                     lambda staged: shutil.rmtree(staged[0], ignore_errors=True))
+        config, workers = server.config, server.workers
+        self._job = server.start_job(lambda: prepare_restore(config, workers, archive_path),
+                                     lambda prepared: prepared[1] is not None and prepared[1].unlink(missing_ok=True))
 
     def resolve(self, now: float) -> Optional[dict[str, Any]]:
         if not self._job.finished:
             return None
         self._server.job = None
         if self._job.error is not None:
-            if isinstance(self._job.error, AgentError):
-                raise self._job.error
-            raise CommandError(f"restore failed: {self._job.error}")
-        staging, manifest = self._job.result
-        install_restore(self._server.config, staging, manifest)
+            raise as_agent_error(self._job.error, "restore failed")
+        manifest, staged_log = self._job.result
+        install_restore(self._server.config, manifest, staged_log)
         self._server.start_session(restored=manifest)
         return {"id": manifest.checkpoint_id, "log_bytes": manifest.log_bytes}
 
     def abandon(self) -> str:
         self._job.abandoned = True
-        return f"restore: the archive was not extracted within {HANDLER_TIMEOUT_S:g} s; nothing was changed"
-
-
-def stage_restore(config: AgentConfig, archive_path: Path) -> tuple[Path, Manifest]:
-    """Validates and extracts an archive into a fresh private dir under the session dir. Changes nothing else."""
-    staging = Path(tempfile.mkdtemp(prefix=".restore-", dir=config.session_dir))
-    try:
-        (staging / "new").mkdir(mode=PRIVATE_DIR_MODE)
-        return staging, extract_archive(archive_path, staging / "new", config.workload)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-
-
-def install_restore(config: AgentConfig, staging: Path, manifest: Manifest) -> None:
-    """Swaps the staged trees, log and agent state into place, then removes the staging dir and the old trees."""
-    extracted = staging / "new"
-    try:
-        for tree, target in config.trees.items():
-            _swap_tree(extracted / tree, target, staging / f"old-{tree}")
-        os.replace(extracted / ARCHIVE_LOG, config.session_dir / LOG_NAME)
-        AgentState(config.session_dir / AGENT_STATE_NAME).set_resume(manifest.continue_conversation)
-    except OSError as e:
-        raise CommandError(f"cannot install the restored state: {e}") from e
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        return (f"restore: not done within {HANDLER_TIMEOUT_S:g} s; an archive that is refused changes nothing, but "
+                "this one's trees may be partly in place: restore it again")
 
 
 class _ExecWait(PendingRequest):
@@ -3606,6 +4440,27 @@ class _ExecWait(PendingRequest):
                 fields[f"{name}_next_offset"] == fields[f"{name}_bytes"] for name in ("stdout", "stderr")):
             self._table.release(process.exec_id)
         return fields
+
+
+class _AwaitJob(PendingRequest):
+    """Answers with answer(result) once a background job (a file worker's operation) is done; its failure is the
+    request's error. Abandoned at the handler bound, the job's result is discarded when it comes (AgentServer)."""
+
+    def __init__(self, job: BackgroundJob, answer: Callable[[Any], dict[str, Any]], what: str) -> None:
+        self._job = job
+        self._answer = answer
+        self._what = what
+
+    def resolve(self, now: float) -> Optional[dict[str, Any]]:
+        if not self._job.finished:
+            return None
+        if self._job.error is not None:
+            raise as_agent_error(self._job.error, self._what)
+        return self._answer(self._job.result)
+
+    def abandon(self) -> str:
+        self._job.abandoned = True
+        return super().abandon()
 
 
 class _AwaitTransfer(PendingRequest):
@@ -3658,18 +4513,24 @@ class AgentServer:
         }
         self.execs = ExecTable(config, self._reactor)
         self.drafts = MessageDrafts(lambda: secrets.token_hex(8))
-        self._listener = OwnedSocket(config.session_dir / SOCKET_NAME)
+        self._file_jobs: list[BackgroundJob] = []  # file workers' operations in flight (at most MAX_WORKER_JOBS)
+        self.workers = FileWorkers(config)
+        try:
+            self._listener = OwnedSocket(config.agent_dir / SOCKET_NAME)
+        except BaseException:
+            self.workers.close()
+            raise
         self.tcp_listener: Optional[TcpListener] = None
         try:
-            self.transfers = TransferTable(config, self._wakeup_write.fileno())
+            self.transfers = TransferTable(config, self.workers, self.start_file_job, self._wakeup_write.fileno())
             if config.listen is not None:
                 self.tcp_listener = TcpListener(*config.listen)
-            self.outbox = Outbox(config.session_dir / OUTBOX_NAME)
+            self.outbox = Outbox(config.agent_dir / OUTBOX_NAME)
             self.outbox.reconcile()
             restored = None
             if config.restore_path is not None:
-                staging, restored = stage_restore(config, config.restore_path)
-                install_restore(config, staging, restored)
+                restored, staged_log = prepare_restore(config, self.workers, config.restore_path)
+                install_restore(config, restored, staged_log)
             self.log = self._open_log()
             if restored is not None or not config.await_restore:
                 self.start_session(restored)
@@ -3677,6 +4538,7 @@ class AgentServer:
             self._listener.close()
             if self.tcp_listener is not None:
                 self.tcp_listener.close()
+            self.workers.close()
             raise
         # The transports are thin: each listener only accepts; every connection meets the same protocol core.
         listeners = [self._listener.sock] + ([self.tcp_listener.sock] if self.tcp_listener is not None else [])
@@ -3686,7 +4548,7 @@ class AgentServer:
         self._reactor.watch(self._wakeup_read.fileno(), selectors.EVENT_READ, self._on_wakeup)
 
     def _open_log(self) -> OutputLog:
-        return OutputLog(self.config.session_dir / LOG_NAME, self.config.log_cap_bytes,
+        return OutputLog(self.config.agent_dir / LOG_NAME, self.config.log_cap_bytes,
                          text=self.config.workload is WorkloadKind.AGENT)
 
     def start_session(self, restored: Optional[Manifest]) -> None:
@@ -3730,6 +4592,10 @@ class AgentServer:
         if self.job is not None and self.job.finished and self.job.abandoned:
             self.job.discard()
             self.job = None
+        for job in [job for job in self._file_jobs if job.finished]:
+            self._file_jobs.remove(job)
+            if job.abandoned:
+                job.discard()
         for conn in list(self._connections):
             self._serve(conn, now)
 
@@ -3771,6 +4637,15 @@ class AgentServer:
         self.job = BackgroundJob(work, discard, self._wakeup_write.fileno())
         return self.job
 
+    def start_file_job(self, work: Callable[[], Any], discard: Callable[[Any], None]) -> BackgroundJob:
+        """A file worker's operation on a thread (it may wait up to WORKER_SILENCE_S on a worker); at most
+        MAX_WORKER_JOBS at once. `discard` cleans up a result its request no longer wants."""
+        if len(self._file_jobs) >= MAX_WORKER_JOBS:
+            raise UnavailableError(f"{MAX_WORKER_JOBS} file operations are in flight; retry")
+        job = BackgroundJob(work, discard, self._wakeup_write.fileno())
+        self._file_jobs.append(job)
+        return job
+
     def close(self) -> None:
         """Clean shutdown: pending requests answered, workload killed, session end recorded, socket removed."""
         for conn in list(self._connections):
@@ -3786,6 +4661,11 @@ class AgentServer:
             self.job.discard()
         self.execs.stop(self._clock())
         self.transfers.close_all()
+        self.workers.close()
+        for job in self._file_jobs:
+            job.join(HANDLER_TIMEOUT_S)  # their workers are gone: they end at once
+            if job.finished:
+                job.discard()
         if self._workload is not None:
             self._workload.stop()
             self.outbox.end_open_turns(Outcome.INTERRUPTED, "shutdown")
@@ -3993,7 +4873,7 @@ class AgentServer:
         if self._workload is not None:
             raise CommandError("restore needs a fresh agent started with --await-restore")
         path = Path(params.path)
-        return _Restore(self, path if path.is_absolute() else self.config.session_dir / path)
+        return _Restore(self, path if path.is_absolute() else self.config.agent_dir / path)
 
     # ---- harness verbs: exec and files (work for either workload, beside it)
 
@@ -4010,18 +4890,22 @@ class AgentServer:
     def _exec_kill(self, params: HandleParams, now: float) -> dict[str, Any]:
         return {"exec_id": params.handle_id, "killed": self.execs.get(params.handle_id).kill()}
 
-    def _stat(self, params: PathParams, now: float) -> dict[str, Any]:
+    def _stat(self, params: PathParams, now: float) -> PendingRequest:
         self._workload_or_unavailable()
-        return {"root": params.root.value, "path": shown_path(params.path),
-                "entry": stat_entry(self.transfers.root(params.root), params.path)}
+        root, workers = self.transfers.root(params.root), self.workers
+        job = self.start_file_job(lambda: workers.stat(root, params.path), lambda _: None)
+        return _AwaitJob(job, lambda entry: {"root": params.root.value, "path": shown_path(params.path),
+                                             "entry": entry}, "stat failed")
 
-    def _list(self, params: ListParams, now: float) -> dict[str, Any]:
+    def _list(self, params: ListParams, now: float) -> PendingRequest:
         self._workload_or_unavailable()
-        root = self.transfers.root(params.root)
-        return {"root": params.root.value, "path": shown_path(params.path), "entry": stat_entry(root, params.path),
-                **list_entries(root, params.path, params.offset, params.limit)}
+        root, workers = self.transfers.root(params.root), self.workers
+        job = self.start_file_job(lambda: workers.list(root, params.path, params.offset, params.limit),
+                                  lambda _: None)
+        return _AwaitJob(job, lambda page: {"root": params.root.value, "path": shown_path(params.path), **page},
+                         "list failed")
 
-    def _upload(self, params: UploadParams, now: float) -> dict[str, Any]:
+    def _upload(self, params: UploadParams, now: float) -> PendingRequest:
         self._admitting()
         return self.transfers.open_upload(params, now)
 
@@ -4033,7 +4917,7 @@ class AgentServer:
         self._admitting()
         return self.transfers.commit(params, now)
 
-    def _download(self, params: PathParams, now: float) -> dict[str, Any]:
+    def _download(self, params: PathParams, now: float) -> PendingRequest:
         self._workload_or_unavailable()
         return self.transfers.open_download(params, now)
 
@@ -4075,13 +4959,15 @@ def _note_signal(signum: int, frame: object) -> None:
 
 
 def call(session_dir: Path, method: str, params: dict[str, Any], timeout_s: float = CALL_TIMEOUT_S) -> dict[str, Any]:
-    """Sends one request to DIR/control.sock and returns the response document (or a synthetic error one).
+    """Sends one request to DIR/agent/control.sock and returns the response document (or a synthetic error one).
 
-    The session's workload can write DIR, so the socket is reached with connect_unix_at (never through a symlink)."""
+    The socket is reached with connect_unix_at (never through a symlink): without a runtime user the workload is
+    the agent's own uid and can write DIR/agent."""
     request_id = f"call-{os.getpid()}"
     line = _encode_line({"id": request_id, "method": method, "params": params})
+    socket_path = session_dir / AGENT_DIR_NAME / SOCKET_NAME
     try:
-        dir_fd = os.open(session_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        dir_fd = os.open(socket_path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             connection = connect_unix_at(dir_fd, SOCKET_NAME, timeout_s)
         finally:
@@ -4097,7 +4983,7 @@ def call(session_dir: Path, method: str, params: dict[str, Any], timeout_s: floa
         return json.loads(response)
     except (OSError, ValueError) as e:
         return {"id": request_id, "error": {"code": UnavailableError.code,
-                                            "message": f"no response from {session_dir / SOCKET_NAME}: {e}"}}
+                                            "message": f"no response from {socket_path}: {e}"}}
 
 
 # ======================================================================================================================
@@ -4119,6 +5005,13 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _identity(text: str) -> Identity:
+    uid, sep, gid = text.partition(":")
+    if not (sep and uid.isdigit() and gid.isdigit() and int(uid) < 2**32 - 1 and int(gid) < 2**32 - 1):
+        raise argparse.ArgumentTypeError(f"{text!r} is not UID:GID (two numbers)")
+    return Identity(int(uid), int(gid))
+
+
 def _json_argv(text: str) -> tuple[str, ...]:
     try:
         return validate_command_template(json.loads(text))
@@ -4130,9 +5023,11 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="agent.py", description="Reploy's data-plane agent (stdlib only).")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
-    serve = commands.add_parser("serve", help="run a session's workload and serve DIR/control.sock")
+    serve = commands.add_parser("serve", help="run a session's workload and serve DIR/agent/control.sock")
     serve.add_argument("--session-dir", required=True, type=Path)
     serve.add_argument("--workload", required=True, choices=[kind.value for kind in WorkloadKind])
+    serve.add_argument("--runtime-user", type=_identity, metavar="UID:GID",
+                       help="run the workload and all its file work as this user (required when run as root)")
     serve.add_argument("--shell", default="/bin/sh", help="shell workload: the program on the PTY")
     serve.add_argument("--agent-command", type=_json_argv, default=DEFAULT_AGENT_ARGV,
                        help='agent workload: JSON argv template with "{prompt}", optional "{continue}", "{model}"')
@@ -4152,7 +5047,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--listen", metavar="HOST:PORT",
                        help="also serve the protocol over TCP (no authentication: only behind a private endpoint "
                             "grant); port 0 picks a free one")
-    client = commands.add_parser("call", help="send one request to DIR/control.sock; print the JSON response")
+    client = commands.add_parser("call", help="send one request to DIR/agent/control.sock; print the JSON response")
     client.add_argument("session_dir", type=Path, metavar="DIR")
     client.add_argument("verb", choices=[method.value for method in Method])
     client.add_argument("params", nargs="?", default="{}", help="JSON object of params (default {})")
@@ -4170,38 +5065,90 @@ def _config_from(args: argparse.Namespace) -> AgentConfig:
         cumulative_cap_bytes=args.cumulative_cap_bytes, shell_log_cap_bytes=args.shell_log_cap_bytes,
         restore_path=args.restore.absolute() if args.restore else None, await_restore=args.await_restore,
         listen=parse_listen_address(args.listen) if args.listen is not None else None,
+        runtime_user=runtime_user_for(args.runtime_user, Identity(os.geteuid(), os.getegid())),
     )
     if config.log_cap_bytes < MIN_LOG_CAP_BYTES:
         raise UsageError(f"the output log cap must be at least {MIN_LOG_CAP_BYTES} bytes")
     for name, tree in config.trees.items():
         if session_dir.resolve().is_relative_to(tree.resolve()):
             raise UsageError(f"the {name} directory {tree} must not contain the session directory")
-    if len(str(session_dir / SOCKET_NAME).encode()) > 107:
-        raise UsageError(f"{session_dir / SOCKET_NAME} is longer than a unix socket path may be (107 bytes)")
+        if tree.resolve().is_relative_to(config.agent_dir.resolve()):
+            raise UsageError(f"the {name} directory {tree} must not lie in the agent's own {config.agent_dir}")
+    if len(str(config.agent_dir / SOCKET_NAME).encode()) > 107:
+        raise UsageError(f"{config.agent_dir / SOCKET_NAME} is longer than a unix socket path may be (107 bytes)")
     return config
 
 
-def require_private_dir(path: Path) -> None:
-    """The session dir must be ours and writable by no one else. The agent writes its log, outbox, state and
-    archives there by name; run directly on a host (perhaps as root), a directory another user could write would let
-    them plant a symlink at one of those names and aim our writes at any file. (Our own workload, same uid, can
-    plant them too, but it can do anything we can anyway.)"""
-    st = os.stat(path)
-    if st.st_uid != os.geteuid() or st.st_mode & 0o022:
-        raise StartupError(f"{path} must be owned by uid {os.geteuid()} and writable by no one else "
-                           f"(it is uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o})")
+def runtime_user_for(requested: Optional[Identity], agent: Identity) -> Optional[Identity]:
+    """Who the workload runs as: --runtime-user, which needs root and may not be root; required as root (a hostile
+    workload must never run as root by accident); without it, not root, the agent's own identity (None)."""
+    if requested is not None and requested.uid == 0:
+        raise UsageError("--runtime-user: the workload may not run as root (uid 0)")
+    if agent.uid == 0:
+        if requested is None:
+            raise UsageError("run as root, agent.py needs --runtime-user UID:GID: the workload never runs as root")
+        return requested
+    if requested is not None and requested != agent:
+        raise UsageError(f"--runtime-user {requested}: only root can run the workload as another user "
+                         f"(this is {agent})")
+    return None
+
+
+def require_private_dir(path: Path, mode_mask: int) -> None:
+    """A directory the agent writes by name must be its own and open to no one else as mode_mask says (0o022: no
+    one else may write it; 0o077: no one else may enter it). A directory another user could write would let them
+    plant a symlink at one of those names and aim our writes at any file."""
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & mode_mask:
+        others = "open to no one else" if mode_mask & 0o055 else "writable by no one else"
+        raise StartupError(f"{path} must be a directory owned by uid {os.geteuid()} and {others} (it is uid "
+                           f"{st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o})")
+
+
+def require_out_of_reach(path: Path, identity: Identity) -> None:
+    """Neither the session dir nor any directory above it may be the runtime user's, or writable by others without
+    the sticky bit: else the workload could move the session dir away and put one of its own in its place."""
+    for directory in (path, *path.parents):
+        st = os.stat(directory)
+        if st.st_uid == identity.uid or (st.st_mode & 0o002 and not st.st_mode & stat.S_ISVTX):
+            raise StartupError(f"{directory} is within the runtime user {identity}'s reach (owner uid {st.st_uid}, "
+                               f"mode {stat.S_IMODE(st.st_mode):04o}); the session dir must not be")
+
+
+def prepare_session_dir(config: AgentConfig) -> None:
+    """DIR (0755, ours, writable by no one else), DIR/agent (0700, ours), and the workspace and home, made if
+    missing and handed to the runtime user; one that exists must already be the runtime user's."""
+    config.session_dir.mkdir(mode=SESSION_DIR_MODE, parents=True, exist_ok=True)
+    require_private_dir(config.session_dir, 0o022)
+    config.agent_dir.mkdir(mode=PRIVATE_DIR_MODE, exist_ok=True)
+    require_private_dir(config.agent_dir, 0o077)
+    identity = config.runtime_user
+    if identity is not None:
+        require_out_of_reach(config.session_dir, identity)
+    for name, directory in config.trees.items():
+        try:
+            directory.mkdir(mode=PRIVATE_DIR_MODE, parents=True)
+            if identity is not None:
+                os.chown(directory, identity.uid, identity.gid)
+        except FileExistsError:
+            pass
+        except OSError as e:
+            raise StartupError(f"cannot make the {name} directory {directory} for {identity}: {e.strerror}; make it, "
+                               "owned by the runtime user") from e
+        owner = directory.stat().st_uid
+        if identity is not None and owner != identity.uid:
+            raise StartupError(f"the {name} directory {directory} belongs to uid {owner}, not to the runtime user "
+                               f"{identity}")
 
 
 def serve(config: AgentConfig) -> int:
     """`agent.py serve`: prepare the session dir, serve until a signal, shut down cleanly."""
-    config.session_dir.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
-    require_private_dir(config.session_dir)
-    for directory in (config.workspace_dir, config.home_dir):
-        directory.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
+    prepare_session_dir(config)
     server = AgentServer(config)
     try:
         tcp = f" and tcp {server.tcp_listener.address}" if server.tcp_listener is not None else ""
-        print(f"agent.py: serving {config.session_dir / SOCKET_NAME}{tcp} ({config.workload.value} workload, "
+        identity = f", runtime user {config.runtime_user}" if config.runtime_user is not None else ""
+        print(f"agent.py: serving {config.agent_dir / SOCKET_NAME}{tcp} ({config.workload.value} workload{identity}, "
               f"pid {os.getpid()})", file=sys.stderr)
         return server.run()
     finally:
@@ -4209,6 +5156,12 @@ def serve(config: AgentConfig) -> int:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv == ["zygote"]:  # internal: FileWorkers starts it; not a user's command
+        if not stat.S_ISSOCK(os.fstat(0).st_mode):
+            print("agent.py zygote: started only by agent.py serve, with its channel as stdin", file=sys.stderr)
+            return 2
+        return zygote_main()
     args = _parser().parse_args(argv)
     if args.command == "call":
         try:

@@ -190,6 +190,9 @@ DERIVED_LAYER = (f"COPY reploy-session-client {CLIENT_INSTALL_PATH}\n"
 #: The container-side HOME of both roles: a private tmpfs owned by the runtime uid:gid.
 CONTAINER_HOME = "/mnt/reploy-home"
 HOME_TMPFS_SIZE = "64m"
+#: What a root supervisor (ContainerSpec.root_supervisor) keeps: to start the workload as the
+#: runtime uid:gid (SETUID, SETGID) and to signal it (KILL).
+SUPERVISOR_CAPABILITIES = ("SETUID", "SETGID", "KILL")
 #: Where the channel directory is bind-mounted (read-only) in the controller.
 CHANNEL_MOUNT = "/run/reploy/session"
 CHANNEL_SOCKET_NAME = "channel.sock"
@@ -851,6 +854,11 @@ class ContainerSpec:
     #: 20.10 stores it but leaves a Linux container's PTY at 0x0 until the first resize, so
     #: the host also resizes right after start (see ControlledSession.start).
     console_size: Optional[tuple[int, int]] = None
+    #: The first process is a supervisor that starts the workload as the runtime uid:gid and
+    #: must stay out of its reach (a managed session's agent.py, given --runtime-user): it runs
+    #: as 0:0 keeping SUPERVISOR_CAPABILITIES and nothing else; HOME and the writable paths
+    #: still belong to the runtime uid:gid.
+    root_supervisor: bool = False
 
     def create_kwargs(self, api: docker.APIClient) -> dict[str, Any]:
         """The Engine API arguments. Every sandbox property is set here and nowhere else.
@@ -867,6 +875,7 @@ class ContainerSpec:
         host_config = api.create_host_config(
             read_only=True,
             cap_drop=["ALL"],
+            cap_add=list(SUPERVISOR_CAPABILITIES) if self.root_supervisor else None,
             security_opt=["no-new-privileges:true"],
             privileged=False,
             tmpfs=tmpfs,
@@ -890,7 +899,7 @@ class ContainerSpec:
             entrypoint=list(self.command),
             command=[],
             healthcheck={"Test": ["NONE"]},
-            user=self.runtime.user,
+            user="0:0" if self.root_supervisor else self.runtime.user,
             environment=dict(self.environment),
             labels=dict(self.labels),
             host_config=host_config,

@@ -12,15 +12,17 @@ Peers:
     ContainerSpec), its deployments (load_deployment), its durations and its helpers for
     directories a container can write. The host never imports this file.
   * agent.py, the data-plane agent inside each session's container, reached only through its
-    control socket (STATE/sessions/ID/control.sock); `session cp` also reuses its archive rules
-    (vetting, extraction, the tree writer).
+    control socket (STATE/sessions/ID/agent/control.sock); `session cp` also reuses its archive
+    rules (vetting, extraction, the tree writer).
+  * mkfs.ext4, mount and umount, for each session's disk (see "the session disks").
   * reploy_session_client.py for the project's one strict JSON parser and compact encoder, and
     reploy_watchdog.py for process identities and link-safe removal.
   * web/, the UI's plain files, served from the same port; web/openapi.json documents the API.
 
 Theory of operation. Each session is one container from a workload deployment's current
-generation, running agent.py with the session directory bind-mounted; `serve` talks to the
-agent only through that directory's control socket and treats every answer as hostile input
+generation, running agent.py (as root keeping SETUID, SETGID and KILL, the workload as the
+deployment's runtime user) with the session's own disk bind-mounted; `serve` talks to the
+agent only through the control socket on that disk and treats every answer as hostile input
 (checked field by field before any of it reaches a response, a header or the UI; every wait
 on an agent has a deadline and ends with its client).
 Every session record lives in SQLite under --state-dir, and every change of state is a
@@ -37,8 +39,8 @@ Machine output is one JSON document on stdout; human text goes to stderr.
 Reading order: constants and errors, the session state machine (pure), the reaper's decision
 (pure), the store (SQLite with compare-and-swap and leases), request bodies and responses
 (pure), the SSE encoder (pure), who may drive serve (pure), the agent's answers (pure: one
-parser per answer family), the agent's control socket (client side), the Docker orchestration,
-the HTTP adapter, then `serve`, the `session` client and the CLI.
+parser per answer family), the agent's control socket (client side), the session disks, the
+Docker orchestration, the HTTP adapter, then `serve`, the `session` client and the CLI.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ import concurrent.futures
 import contextlib
 import datetime
 import enum
+import fcntl
 import functools
 import hashlib
 import hmac
@@ -66,6 +69,7 @@ import signal
 import socket
 import sqlite3
 import stat
+import subprocess
 import sys
 import tempfile
 import threading
@@ -106,9 +110,26 @@ SESSION_MOUNT = "/mnt/reploy-session"
 MANAGED_ROLE = "managed"
 #: Names the state dir whose sessions a container belongs to, so each `serve` sweeps only its own.
 LABEL_STATE_DIR = "io.reploy.serve.state-dir"
-#: The agent's control socket and output log in a session directory (agent.py names them).
+#: The agent's control socket and output log in its own dir, STATE/sessions/ID/agent (agent.py
+#: names them; ServeConfig.agent_dir is where).
 SOCKET_NAME = agent_role.SOCKET_NAME
 OUTPUT_LOG_NAME = agent_role.LOG_NAME
+#: What a snapshot's checkpoint archives: what the container's removal loses. The workspace
+#: and the output log stay on the session's disk, so they are not archived twice.
+SNAPSHOT_INCLUDES = ("home",)
+#: Each session's disk: an ext4 image of --session-disk-mib (see "the session disks").
+DEFAULT_SESSION_DISK_MIB = 2048
+MIN_SESSION_DISK_MIB = 64
+MAX_SESSION_DISK_MIB = 16 * 1024 * 1024
+#: ext4 keeps this share of a session's disk for root: the agent's own files (log, outbox,
+#: checkpoints, download spools) still grow when the workload has filled the rest.
+SESSION_DISK_RESERVED_PERCENT = 5
+#: What the host may hold for a session beyond its image's size: the host file system's own
+#: blocks for the image file (extent tree). Documented in the README; tests measure it.
+SESSION_DISK_MARGIN_MIB = 1
+SESSION_DISK_TOOL_TIMEOUT_S = 120.0
+#: mkfs.ext4, mount and umount run with this environment only.
+SESSION_DISK_TOOL_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL": "C"}
 
 DEFAULT_LISTEN = "127.0.0.1:8080"
 DEFAULT_IDLE_AFTER_MS = 15 * 60_000
@@ -1830,18 +1851,19 @@ class AgentCallError(ReployError):
         self.transport = transport
 
 
-def agent_call(session_dir: Path, method: str, params: dict[str, Any],
+def agent_call(agent_dir: Path, method: str, params: dict[str, Any],
                timeout_s: float = AGENT_CALL_TIMEOUT_S) -> dict[str, Any]:
-    """One request on DIR/control.sock; its checked result (parse_agent_response), or
-    AgentCallError. The session can write DIR and run its own server in the agent's place, so
-    the socket is reached only as a socket (connect_unix_at: never through a symlink), the
-    whole call has one deadline (a peer that trickles bytes cannot hold the caller, the reaper
-    among them), and the answer is bounded and parsed as hostile input."""
+    """One request on AGENT_DIR/control.sock (ServeConfig.agent_dir); its checked result
+    (parse_agent_response), or AgentCallError. The workload cannot reach that directory, but
+    serve does not rely on it (the agent itself may be compromised): the socket is reached only
+    as a socket (connect_unix_at: never through a symlink), the whole call has one deadline (a
+    peer that trickles bytes cannot hold the caller, the reaper among them), and the answer is
+    bounded and parsed as hostile input."""
     line = wire.encode_compact({"id": "serve", "method": method, "params": params}) + b"\n"
     deadline = time.monotonic() + timeout_s
     response = bytearray()
     try:
-        with opened_dir(session_dir) as dir_fd:
+        with opened_dir(agent_dir) as dir_fd:
             connection = agent_role.connect_unix_at(dir_fd, SOCKET_NAME, timeout_s)
         with connection as sock:
             sock.sendall(line)
@@ -1934,6 +1956,162 @@ def _camel_keys(result: dict[str, Any]) -> dict[str, Any]:
     return {re.sub(r"_([a-z])", lambda m: m.group(1).upper(), k): v for k, v in result.items()}
 
 # ============================================================================================
+# the session disks (an ext4 image per session, loop-mounted)
+# ============================================================================================
+#
+# Theory of operation. Every byte a session can write on the host (its workspace; its agent's
+# log, outbox, state, checkpoints and download spools) lies on a file system of its own: a
+# sparse ext4 image of --session-disk-mib in STATE_DIR/disks, loop-mounted nosuid,nodev at
+# STATE_DIR/sessions/ID, which its container gets at /mnt/reploy-session. A workload writing
+# past it gets ENOSPC, and the host holds at most the image's size plus
+# SESSION_DISK_MARGIN_MIB for it. The image's root is root's (0755), `agent/` root's (0700),
+# `workspace/` the runtime user's (0700); ext4 keeps SESSION_DISK_RESERVED_PERCENT of it for
+# root, so the agent's own files can grow when the workload has filled the rest. A disk is
+# mounted from the session's creation to its deletion; serve mounts every disk again when it
+# starts (after a reboot, or when someone unmounted one), and `_launch` makes sure before a
+# container starts. An exclusive flock on the image keeps two serves from mounting it twice.
+# Mounting needs root: serve refuses to start when it cannot mount a probe disk.
+
+
+class SessionDiskError(ReployError):
+    """A session's disk cannot be made, mounted or unmounted."""
+
+
+def _run_disk_tool(argv: list[str], what: str) -> None:
+    try:
+        done = subprocess.run(argv, env=SESSION_DISK_TOOL_ENV, stdin=subprocess.DEVNULL,
+                              capture_output=True, timeout=SESSION_DISK_TOOL_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise SessionDiskError(f"{what}: {e}") from e
+    if done.returncode != 0:
+        detail = (done.stderr or done.stdout).decode(errors="replace").strip()[-500:]
+        raise SessionDiskError(f"{what}: {argv[0]} exited with {done.returncode}: {detail}")
+
+
+def _unescape_mountinfo(text: str) -> str:
+    """A mountinfo path: space, tab, newline and backslash are octal escapes there."""
+    return re.sub(r"\\([0-7]{3})", lambda match: chr(int(match.group(1), 8)), text)
+
+
+def mounted_device(mount_point: Path, mountinfo: Optional[str] = None) -> Optional[str]:
+    """The source of the file system mounted at exactly mount_point (the topmost one), from
+    /proc/self/mountinfo; None when nothing is."""
+    if mountinfo is None:
+        mountinfo = Path("/proc/self/mountinfo").read_text()
+    device = None
+    for line in mountinfo.splitlines():
+        fields = line.split(" ")
+        if len(fields) > 4 and "-" in fields and _unescape_mountinfo(fields[4]) == str(mount_point):
+            tail = fields[fields.index("-") + 1:]
+            device = _unescape_mountinfo(tail[1]) if len(tail) > 1 else ""
+    return device
+
+
+def loop_backing_file(device: str) -> Optional[str]:
+    """The file a loop device (/dev/loopN) is backed by, None for any other device."""
+    match = re.fullmatch(r"/dev/(loop[0-9]+)", device)
+    if match is None:
+        return None
+    try:
+        return Path(f"/sys/block/{match.group(1)}/loop/backing_file").read_text().rstrip("\n")
+    except OSError:
+        return None
+
+
+@contextlib.contextmanager
+def _locked_image(image: Path) -> Iterator[None]:
+    """The session disk image, held under an exclusive flock (serves sharing a state dir)."""
+    try:
+        fd = os.open(image, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise SessionDiskError(f"the session's disk image {image} is missing") from None
+    except OSError as e:
+        raise SessionDiskError(f"cannot open the session's disk image {image}: {e.strerror}") from e
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise SessionDiskError(f"the session's disk image {image} is not a regular file")
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def mount_session_disk(image: Path, mount_point: Path) -> None:
+    """Mounts the image at mount_point unless it is mounted there already. Something else
+    mounted there is refused, never stacked over."""
+    with _locked_image(image):
+        device = mounted_device(mount_point)
+        if device is not None:
+            if loop_backing_file(device) != str(image):
+                raise SessionDiskError(f"{mount_point} has {device} mounted on it, not {image}")
+            return
+        mount_point.mkdir(mode=0o700, exist_ok=True)
+        _run_disk_tool(["mount", "-t", "ext4", "-o", "loop,nosuid,nodev,noinit_itable,discard",
+                        str(image), str(mount_point)], f"mount the session disk {image}")
+
+
+def unmount_session_disk(image: Path, mount_point: Path) -> None:
+    """Unmounts mount_point if the image is mounted there (the loop device goes with it);
+    SessionDiskError when it is busy."""
+    with _locked_image(image):
+        device = mounted_device(mount_point)
+        if device is None:
+            return
+        if loop_backing_file(device) != str(image):
+            raise SessionDiskError(f"{mount_point} has {device} mounted on it, not {image}")
+        _run_disk_tool(["umount", str(mount_point)], f"unmount the session disk {mount_point}")
+
+
+def make_session_disk(image: Path, mount_point: Path, size_mib: int, runtime: Runtime) -> None:
+    """A new session's disk: a sparse image of size_mib, ext4 made on it, mounted, and laid out:
+    the root root's and 0755, `agent/` root's and 0700, `workspace/` the runtime user's and 0700."""
+    try:
+        fd = os.open(image, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        raise SessionDiskError(f"cannot make the session's disk image {image}: {e.strerror}") from e
+    try:
+        os.ftruncate(fd, size_mib * 1024 * 1024)
+    finally:
+        os.close(fd)
+    _run_disk_tool(["mkfs.ext4", "-q", "-F", "-L", "reploy-session", "-m", str(SESSION_DISK_RESERVED_PERCENT),
+                    "-E", "lazy_itable_init=1,lazy_journal_init=1,root_owner=0:0", str(image)],
+                   f"make the file system of {image}")
+    mount_session_disk(image, mount_point)
+    os.chmod(mount_point, 0o755)
+    (mount_point / "lost+found").rmdir()  # e2fsck makes it again if it ever needs one
+    (mount_point / agent_role.AGENT_DIR_NAME).mkdir(mode=0o700)
+    workspace = mount_point / "workspace"
+    workspace.mkdir(mode=0o700)
+    os.chown(workspace, runtime.uid, runtime.gid)
+
+
+def remove_session_disk(image: Path, mount_point: Path) -> None:
+    """Unmounts and removes a session's disk and its mount point; what is already gone is fine."""
+    if os.path.lexists(image):
+        unmount_session_disk(image, mount_point)
+        image.unlink()
+    with contextlib.suppress(FileNotFoundError):
+        reploy_watchdog.remove_tree(mount_point)
+
+
+def probe_session_disks(disks_dir: Path) -> None:
+    """Serve's start: a small disk made, mounted, unmounted and removed, or a clear reason why
+    sessions could not have one."""
+    if os.geteuid() != 0:
+        raise SessionDiskError("reploy serve mounts a disk image for each session (the session's "
+                               "quota, --session-disk-mib) and needs root to do so")
+    name = f".probe-{os.getpid()}"
+    image, mount_point = disks_dir / f"{name}.img", disks_dir / name
+    try:
+        make_session_disk(image, mount_point, MIN_SESSION_DISK_MIB, Runtime(0, 0, (), 0, 0))
+    except SessionDiskError as e:
+        raise SessionDiskError(f"cannot mount session disks here: {e}") from e
+    finally:
+        with contextlib.suppress(SessionDiskError, OSError):
+            remove_session_disk(image, mount_point)
+
+
+# ============================================================================================
 # Docker orchestration
 # ============================================================================================
 
@@ -1955,16 +2133,30 @@ class ServeConfig:
     sse_keepalive_s: float = DEFAULT_SSE_KEEPALIVE_MS / 1000
     max_sessions: int = DEFAULT_MAX_SESSIONS
     min_free_bytes: int = DEFAULT_MIN_FREE_MIB * 1024 * 1024
-    #: Each session's disk quota, reported in GET /config (None: no quota), which `session cp`
-    #: bounds what it takes out of a session by.
-    session_disk_bytes: Optional[int] = None
+    #: Each session's disk quota (see "the session disks"), reported in GET /server, by which
+    #: `session cp` bounds what it takes out of a session.
+    session_disk_mib: int = DEFAULT_SESSION_DISK_MIB
 
     @property
     def sessions_dir(self) -> Path:
         return self.state_dir / "sessions"
 
     def session_dir(self, session_id: str) -> Path:
+        """Where the session's disk is mounted, and what its container has at SESSION_MOUNT."""
         return self.sessions_dir / session_id
+
+    def agent_dir(self, session_id: str) -> Path:
+        """The agent's own files: its control socket, output log, outbox and checkpoint archives.
+        Every access to those goes through here (and, the session being hostile, through
+        directory fds without following links)."""
+        return self.session_dir(session_id) / agent_role.AGENT_DIR_NAME
+
+    @property
+    def disks_dir(self) -> Path:
+        return self.state_dir / "disks"
+
+    def disk_image(self, session_id: str) -> Path:
+        return self.disks_dir / f"{session_id}.img"
 
     @property
     def reap_interval_s(self) -> float:
@@ -2042,6 +2234,7 @@ class SessionManager:
         self.backend = backend
         self.clock = clock
         prepare_state_dir(config.state_dir)
+        config.disks_dir.mkdir(mode=0o700, exist_ok=True)
         self.store = SessionStore(config.state_dir / "sessions.db")
         self.host = socket.gethostname()
         self.identity = reploy_watchdog.process_identity()
@@ -2129,7 +2322,8 @@ class SessionManager:
     def _container_spec(self, record: SessionRecord, archive: Optional[str]) -> ContainerSpec:
         spec, config = record.spec, self.config
         command = ["python3", AGENT_MOUNT, "serve", "--session-dir", SESSION_MOUNT,
-                   "--workload", spec.workload, "--home", CONTAINER_HOME]
+                   "--workload", spec.workload, "--home", CONTAINER_HOME,
+                   "--runtime-user", spec.runtime.user]
         environment = {"HOME": CONTAINER_HOME, "LANG": "C.UTF-8"}
         if spec.workload == "agent":
             if config.agent_command:
@@ -2143,7 +2337,7 @@ class SessionManager:
                 command += ["--redact-env", name]
                 environment[name] = os.environ.get(name, "")
         if archive:
-            command += ["--restore", f"{SESSION_MOUNT}/{archive}"]
+            command += ["--restore", f"{SESSION_MOUNT}/{agent_role.AGENT_DIR_NAME}/{archive}"]
         mounts = (Mount(str(AGENT_SOURCE), AGENT_MOUNT, read_only=True),
                   Mount(str(config.session_dir(record.id)), SESSION_MOUNT, read_only=False),
                   *config.extra_mounts)
@@ -2152,19 +2346,27 @@ class SessionManager:
                   LABEL_DEPLOYMENT: spec.deployment_id, LABEL_GENERATION: str(spec.generation)}
         return ContainerSpec(role=MANAGED_ROLE, image_id=spec.image_id, command=tuple(command),
                              runtime=spec.runtime, environment=environment, labels=labels,
-                             mounts=mounts, hostname="session", init=True)
+                             mounts=mounts, hostname="session", init=True, root_supervisor=True)
+
+    def _mount_disk(self, session_id: str) -> None:
+        try:
+            mount_session_disk(self.config.disk_image(session_id), self.config.session_dir(session_id))
+        except SessionDiskError as e:
+            raise ServiceUnavailable(str(e)) from e
 
     def _launch(self, lease: Lease, archive: Optional[str]) -> None:
-        """Create and start the session's container, record it, and wait for its agent."""
+        """Create and start the session's container (its disk mounted first), record it, and
+        wait for its agent."""
+        self._mount_disk(lease.record.id)
         container_id = self.backend.create(self._container_spec(lease.record, archive))
         lease.update(container_id=container_id)
         self.backend.start(container_id)
-        session_dir = self.config.session_dir(lease.record.id)
+        agent_dir = self.config.agent_dir(lease.record.id)
         deadline = time.monotonic() + AGENT_READY_TIMEOUT_S
         next_check = time.monotonic()
         while True:
             try:
-                agent_call(session_dir, "status", {}, timeout_s=AGENT_CALL_TIMEOUT_S)
+                agent_call(agent_dir, "status", {}, timeout_s=AGENT_CALL_TIMEOUT_S)
                 return
             except AgentCallError as e:
                 if not e.transport:
@@ -2228,6 +2430,10 @@ class SessionManager:
             runtime = deployment.built_blueprint().runtime
         except DeploymentError as e:
             raise ServiceUnavailable(f"workload deployment {deployment.dir}: {e}") from e
+        if runtime.uid == 0:
+            raise ServiceUnavailable(f"the deployment {deployment.blueprint.name} runs as root "
+                                     "(environment.runtime.user 0:...); a managed session's "
+                                     "workload runs as a non-root user")
         spec = SessionSpec(
             workload=request.workload, model=request.model,
             deployment=deployment.blueprint.name, deployment_id=deployment.deployment_id,
@@ -2241,29 +2447,58 @@ class SessionManager:
         self.store.insert(record)  # first, so a crash leaves a record that recovery rolls back
         lease = Lease(self, record, owner)
         try:
-            session_dir = self.config.session_dir(record.id)
-            session_dir.mkdir(mode=0o700)
-            os.chown(session_dir, spec.runtime.uid, spec.runtime.gid)
+            make_session_disk(self.config.disk_image(record.id), self.config.session_dir(record.id),
+                              self.config.session_disk_mib, spec.runtime)
             self._launch(lease, archive=None)
             return lease.apply(SessionEvent.STARTED)
+        except SessionDiskError as e:
+            self._undo_create(lease)
+            raise ServiceUnavailable(str(e)) from e
         except BaseException:
-            with contextlib.suppress(ReployError, OSError):  # else recovery finishes the undo
-                lease.apply(SessionEvent.ROLLBACK)
-                self._finish_delete(lease)
+            self._undo_create(lease)
             raise
         finally:
             self.store.release(record.id, owner)
 
+    def _undo_create(self, lease: Lease) -> None:
+        with contextlib.suppress(ReployError, OSError):  # else recovery finishes the undo
+            lease.apply(SessionEvent.ROLLBACK)
+            self._finish_delete(lease)
+
     def _finish_delete(self, lease: Lease) -> None:
+        """The containers, then the disk (unmounted, its image and mount point removed), then
+        the record."""
         session_id = lease.record.id
         self._remove_containers(session_id)
         try:
-            reploy_watchdog.remove_tree(self.config.session_dir(session_id))
-        except FileNotFoundError:
-            pass
-        except OSError as e:
-            raise ServiceUnavailable(f"remove the session directory: {e}") from e
+            remove_session_disk(self.config.disk_image(session_id), self.config.session_dir(session_id))
+        except (SessionDiskError, OSError) as e:
+            raise ServiceUnavailable(f"remove the session's disk: {e}") from e
         self.store.delete(session_id, lease.owner)
+
+    def mount_disks(self) -> None:
+        """Serve's start: every session's disk mounted again (after a reboot, or an unmount
+        behind our back); a disk no record owns (a store lost or replaced) swept: unmounted and
+        removed. A disk that cannot be mounted is logged; that session's next launch says why.
+        The images are listed before the records: a record is made before its image, so an image
+        seen here without a record has none."""
+        images = [image for image in self.config.disks_dir.glob("*.img")
+                  if _SESSION_ID.fullmatch(image.stem)]
+        records = {record.id: record for record in self.store.list()}
+        for image in images:
+            if image.stem not in records:
+                log(f"serve: removing the disk of unknown session {image.stem}")
+                try:
+                    remove_session_disk(image, self.config.session_dir(image.stem))
+                except (SessionDiskError, OSError) as e:
+                    log(f"serve: the disk of unknown session {image.stem} stays: {e}")
+        for record in records.values():
+            if record.state is SessionState.DELETING:
+                continue
+            try:
+                self._mount_disk(record.id)
+            except ServeError as e:
+                log(f"serve: session {record.id}: {e}")
 
     def delete(self, session_id: str) -> None:
         with self.leased(session_id) as lease:
@@ -2280,7 +2515,7 @@ class SessionManager:
             log(f"serve: reaper: session {lease.record.id} stayed {blocked} with no access for "
                 f"{format_duration(round(self.config.max_busy_s * 1000))}; pausing it anyway")
             with contextlib.suppress(AgentCallError):  # the outbox note must not hold the pause up
-                agent_call(self.config.session_dir(lease.record.id), "suspend", {"reason": "max_busy"})
+                agent_call(self.config.agent_dir(lease.record.id), "suspend", {"reason": "max_busy"})
         self.backend.pause(container_id)
         try:
             return lease.apply(SessionEvent.PAUSED, busy_at=decision.busy_at,
@@ -2315,7 +2550,7 @@ class SessionManager:
         The archive is measured again once the container is gone and nothing can change it."""
         record = lease.record
         assert record.archive is not None
-        session_dir = self.config.session_dir(record.id)
+        agent_dir = self.config.agent_dir(record.id)
         failure: Optional[ServeError] = None
         archive_bytes: Optional[int] = None
         try:
@@ -2324,7 +2559,8 @@ class SessionManager:
                 self._await_checkpoint_in_flight(lease)
                 if ask and self._archive_bytes(record) is None:
                     checkpoint_id = record.archive[len(agent_role.CHECKPOINT_PREFIX):-len(".tar")]
-                    agent_call(session_dir, "checkpoint", {"id": checkpoint_id})
+                    agent_call(agent_dir, "checkpoint", {"id": checkpoint_id,
+                                                         "include": list(SNAPSHOT_INCLUDES)})
             archive_bytes = self._archive_bytes(record)
         except AgentCallError as e:
             failure = (SessionConflict("the session is busy (work did not drain within the "
@@ -2358,7 +2594,7 @@ class SessionManager:
         a host file, say) is refused, never followed nor measured."""
         assert record.archive is not None
         try:
-            with opened_dir(self.config.session_dir(record.id)) as dir_fd:
+            with opened_dir(self.config.agent_dir(record.id)) as dir_fd:
                 return regular_file_size(dir_fd, record.archive)
         except ContainerPathError as e:
             raise SessionConflict(f"the session's checkpoint archive is refused: {e}") from e
@@ -2369,7 +2605,7 @@ class SessionManager:
         """Every checkpoint-*.tar but the current one, whatever it is (the session may have
         put a directory there); a failure is logged, the snapshot stands."""
         try:
-            with opened_dir(self.config.session_dir(record.id)) as dir_fd:
+            with opened_dir(self.config.agent_dir(record.id)) as dir_fd:
                 for name in os.listdir(dir_fd):
                     if (name.startswith(agent_role.CHECKPOINT_PREFIX) and name.endswith(".tar")
                             and name != record.archive):
@@ -2380,10 +2616,10 @@ class SessionManager:
     def _await_checkpoint_in_flight(self, lease: Lease) -> None:
         """While the agent's admission is closed and no archive exists, a checkpoint is still
         draining; it ends (archive written, or admission reopened) within the agent's bound."""
-        session_dir = self.config.session_dir(lease.record.id)
+        agent_dir = self.config.agent_dir(lease.record.id)
         deadline = time.monotonic() + AGENT_CALL_TIMEOUT_S
         while self._archive_bytes(lease.record) is None and time.monotonic() < deadline:
-            if agent_call(session_dir, "status", {}).get("admission_open") is not False:
+            if agent_call(agent_dir, "status", {}).get("admission_open") is not False:
                 return
             lease.renew()
             self.stopping.wait(AGENT_READY_POLL_S)
@@ -2403,7 +2639,7 @@ class SessionManager:
                              checkpoint_at=None, last_access=self.clock(), busy_at=None,
                              idle_blocked_by=())
         if archive:  # the session dir holds the restored state now
-            with contextlib.suppress(OSError), opened_dir(self.config.session_dir(record.id)) as fd:
+            with contextlib.suppress(OSError), opened_dir(self.config.agent_dir(record.id)) as fd:
                 reploy_watchdog.remove_entry(fd, archive)
         return record
 
@@ -2474,14 +2710,14 @@ class SessionManager:
     def _ask(self, session_id: str, method: str, params: dict[str, Any]) -> dict[str, Any]:
         """One agent request of a session just accessed; asked again once when its container
         was lost and a fresh one started (_relaunch_if_lost)."""
-        session_dir = self.config.session_dir(session_id)
+        agent_dir = self.config.agent_dir(session_id)
         try:
-            return agent_call(session_dir, method, params)
+            return agent_call(agent_dir, method, params)
         except AgentCallError as e:
             if not (e.transport and self._relaunch_if_lost(session_id)):
                 raise serve_error_for(e) from e
         try:
-            return agent_call(session_dir, method, params)
+            return agent_call(agent_dir, method, params)
         except AgentCallError as e:
             raise serve_error_for(e) from e
 
@@ -2577,7 +2813,7 @@ class SessionManager:
         """One more agent request within an operation already under way (an exec, a transfer, a
         listing's next page): unlike _ask, never a fresh container, where it would not exist."""
         try:
-            return agent_call(self.config.session_dir(session_id), method, params)
+            return agent_call(self.config.agent_dir(session_id), method, params)
         except AgentCallError as e:
             raise serve_error_for(e) from e
 
@@ -2611,7 +2847,7 @@ class SessionManager:
                     wait.not_yet()
         except BaseException:
             with contextlib.suppress(AgentCallError):
-                agent_call(self.config.session_dir(session_id), "exec_kill", {"exec_id": exec_id})
+                agent_call(self.config.agent_dir(session_id), "exec_kill", {"exec_id": exec_id})
             raise
 
     def stat_file(self, session_id: str, root: str, path: str) -> dict[str, Any]:
@@ -2690,7 +2926,7 @@ class SessionManager:
                 wait.not_yet()
         except BaseException:
             with contextlib.suppress(AgentCallError):
-                agent_call(self.config.session_dir(session_id), "transfer_close",
+                agent_call(self.config.agent_dir(session_id), "transfer_close",
                            {"transfer_id": transfer_id})
             raise
 
@@ -2735,7 +2971,7 @@ class SessionManager:
                             return
             finally:
                 with contextlib.suppress(AgentCallError):
-                    agent_call(self.config.session_dir(session_id), "transfer_close",
+                    agent_call(self.config.agent_dir(session_id), "transfer_close",
                                {"transfer_id": transfer_id})
 
         return opened, chunks()
@@ -2747,7 +2983,7 @@ class SessionManager:
         if record.state is SessionState.ACTIVE:
             try:
                 agent_status = _camel_keys(agent_call(
-                    self.config.session_dir(session_id), "status", {}))
+                    self.config.agent_dir(session_id), "status", {}))
             except AgentCallError as e:  # no answer, or a refusal: no status; a bad one: 502
                 if e.code == INVALID_ANSWER:
                     raise serve_error_for(e) from e
@@ -2772,7 +3008,7 @@ class SessionManager:
 
     def _tail_output(self, record: SessionRecord, cursor: int, send: Callable[[bytes], None],
                      connected: Callable[[], bool], viewer: str) -> None:
-        session_dir = self.config.session_dir(record.id)
+        agent_dir = self.config.agent_dir(record.id)
         text = record.spec.workload == "agent"
         last_sent = renewed = checked = time.monotonic()
         refused = woke = False
@@ -2785,7 +3021,7 @@ class SessionManager:
                     return
                 checked = time.monotonic()
             try:
-                length, data = self._read_output_log(session_dir, cursor)
+                length, data = self._read_output_log(agent_dir, cursor)
             except FileNotFoundError:
                 if not self.stream_goes_on(record.id):
                     return  # deleted: the log goes before its directory, so no reset for it
@@ -2813,7 +3049,7 @@ class SessionManager:
             # A wake-up that brought no bytes (an agent answering at once) must not spin us.
             if woke:
                 self.stopping.wait(SSE_POLL_S)
-            woke = self.await_agent_output(session_dir, cursor)
+            woke = self.await_agent_output(agent_dir, cursor)
             if not woke:
                 self.stopping.wait(SSE_POLL_S)
 
@@ -2824,10 +3060,10 @@ class SessionManager:
         return record is not None and has_container(record)
 
     @staticmethod
-    def _read_output_log(session_dir: Path, cursor: int) -> tuple[int, bytes]:
-        """(length, at most SSE_CHUNK_BYTES from `cursor`) of DIR/output.log, read only as the
-        regular file it must be (see "Directories a container can write")."""
-        with opened_dir(session_dir) as dir_fd:
+    def _read_output_log(agent_dir: Path, cursor: int) -> tuple[int, bytes]:
+        """(length, at most SSE_CHUNK_BYTES from `cursor`) of the agent's output.log, read only as
+        the regular file it must be (see "Directories a container can write")."""
+        with opened_dir(agent_dir) as dir_fd:
             fd = open_regular_file(dir_fd, OUTPUT_LOG_NAME)
         try:
             length = os.fstat(fd).st_size
@@ -2836,13 +3072,13 @@ class SessionManager:
             os.close(fd)
 
     @staticmethod
-    def await_agent_output(session_dir: Path, cursor: int) -> bool:
+    def await_agent_output(agent_dir: Path, cursor: int) -> bool:
         """Sleep until the agent has bytes past `cursor` (or a second passed), so a stream
         learns of output at once instead of at its next file poll. The agent's `read` changes
         nothing, so the stream stays passive. False when no agent answers (a paused or
         snapshotted session): the caller falls back to polling the file."""
         try:
-            agent_call(session_dir, "read",
+            agent_call(agent_dir, "read",
                        {"offset": cursor, "max_bytes": MIN_READ_BYTES, "wait_ms": SSE_LONG_POLL_MS},
                        timeout_s=SSE_LONG_POLL_MS / 1000 + 1.0)
             return True
@@ -2905,7 +3141,7 @@ class SessionManager:
         if record.state is SessionState.ACTIVE:
             with contextlib.suppress(AgentCallError):  # no answer: not busy (see decide_reap)
                 facts = WorkloadFacts.from_status(
-                    agent_call(self.config.session_dir(record.id), "status", {}))
+                    agent_call(self.config.agent_dir(record.id), "status", {}))
         now = self.clock()
         decision = decide_reap(record, facts, self.store.viewer_count(record.id, now), now,
                                self.config.reap_policy)
@@ -3283,7 +3519,7 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
                      "snapshotAfterSeconds": config.snapshot_after_s,
                      "maxBusySeconds": config.max_busy_s,
                      "limits": {"maxBodyBytes": MAX_BODY_BYTES, "maxPromptBytes": MAX_PAYLOAD_BYTES,
-                                "sessionDiskBytes": config.session_disk_bytes}}
+                                "sessionDiskBytes": config.session_disk_mib * 1024 * 1024}}
 
     def api_message(self, sid: str, body: bytes, _query: str) -> tuple[int, dict[str, Any]]:
         fields = parse_body(body, BODY_RULES["message"])
@@ -3578,6 +3814,8 @@ def serve_config_from(args: argparse.Namespace) -> ServeConfig:
             check_field("--default-model", args.default_model, MODEL_RULE)
         except ServeError as e:
             raise UsageError(str(e)) from None
+    if not MIN_SESSION_DISK_MIB <= args.session_disk_mib <= MAX_SESSION_DISK_MIB:
+        raise UsageError(f"--session-disk-mib: from {MIN_SESSION_DISK_MIB} to {MAX_SESSION_DISK_MIB}")
     state_dir = args.state_dir.absolute()
     return ServeConfig(
         state_dir=state_dir, workload_dirs=tuple(d.absolute() for d in args.workload_dir),
@@ -3586,7 +3824,7 @@ def serve_config_from(args: argparse.Namespace) -> ServeConfig:
         agent_command=command, agent_env=tuple(args.agent_env), extra_mounts=tuple(mounts),
         default_model=args.default_model, models=models,
         sse_keepalive_s=durations["sse_keepalive"], max_sessions=args.max_sessions,
-        min_free_bytes=args.min_free_mib * 1024 * 1024)
+        min_free_bytes=args.min_free_mib * 1024 * 1024, session_disk_mib=args.session_disk_mib)
 
 
 def run_serve(config: ServeConfig, access: ServeAccess) -> int:
@@ -3600,6 +3838,8 @@ def run_serve(config: ServeConfig, access: ServeAccess) -> int:
         backend = DockerBackend()
         backend.require_sandbox_support()
         manager = SessionManager(config, backend)
+        probe_session_disks(config.disks_dir)
+        manager.mount_disks()
         manager.reconcile()
         server = ServeHTTPServer((access.host, access.port), manager, load_static(WEB_DIR),
                                  token, hosts)
@@ -4058,7 +4298,7 @@ def copy_from_session(client: ApiClient, session_id: str, root: str, path: str,
         spool_fd, spool_name = -1, ""
         try:
             spool_fd, spool_name = tempfile.mkstemp(dir=target.parent, prefix=".reploy-cp-")
-            with os.fdopen(spool_fd, "wb") as spool:
+            with os.fdopen(spool_fd, "w+b") as spool:
                 copied = copy_bounded(response, spool, limit_bytes, f"{source}: the download")
                 if kind == "file":
                     os.fchmod(spool.fileno(), agent_role.sane_mode(entry["mode"], directory=False))
@@ -4066,8 +4306,8 @@ def copy_from_session(client: ApiClient, session_id: str, root: str, path: str,
                     os.replace(spool_name, target)
                     return {"source": source, "destination": str(target), "kind": kind,
                             "bytes": copied}
-            entries = agent_role.extract_upload(Path(spool_name), target.parent, (target.name,),
-                                                f"{Path(spool_name).name}.d")
+                entries = agent_role.extract_upload(spool, target.parent, (target.name,),
+                                                    f"{Path(spool_name).name}.d")
         except agent_role.AgentError as e:
             raise ReployError(f"{source}: {e}") from e
         finally:
@@ -4154,6 +4394,9 @@ def build_parser() -> ArgumentParser:
                        metavar="DURATION")
     serve.add_argument("--max-sessions", type=int, default=DEFAULT_MAX_SESSIONS)
     serve.add_argument("--min-free-mib", type=int, default=DEFAULT_MIN_FREE_MIB)
+    serve.add_argument("--session-disk-mib", type=int, default=DEFAULT_SESSION_DISK_MIB, metavar="MIB",
+                       help="each session's disk quota: everything it writes on the host (default "
+                            f"{DEFAULT_SESSION_DISK_MIB}, at least {MIN_SESSION_DISK_MIB}; needs root)")
 
     session = commands.add_parser("session", help="managed sessions through a serve's API")
     actions = session.add_subparsers(dest="session_action", required=True,

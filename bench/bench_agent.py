@@ -134,9 +134,15 @@ def read_throughput(path: Path, total_bytes: int) -> list[float]:
     return samples
 
 
+#: Run as root, the agent runs its workload as nobody (as in a managed session's container), and its
+#: interpreter must be one that user can run.
+RUNTIME_USER = ["--runtime-user", "65534:65534"] if os.geteuid() == 0 else []
+PYTHON = shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin") if RUNTIME_USER else sys.executable
+
+
 def start_agent(session_dir: Path) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen([sys.executable, str(ROOT / "agent.py"), "serve", "--session-dir", str(session_dir),
-                             "--workload", "shell", "--shell-log-cap-bytes", str(2 * READ_LOG_BYTES)],
+    proc = subprocess.Popen([PYTHON, str(ROOT / "agent.py"), "serve", "--session-dir", str(session_dir),
+                             "--workload", "shell", "--shell-log-cap-bytes", str(2 * READ_LOG_BYTES), *RUNTIME_USER],
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     deadline = time.monotonic() + READY_DEADLINE_S
@@ -149,19 +155,20 @@ def start_agent(session_dir: Path) -> subprocess.Popen[bytes]:
 
 def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="rb-"))
+    work.chmod(0o755)  # the runtime user passes through it to the workspace
     session_dir = work / "s"
-    session_dir.mkdir()
+    (session_dir / agent.AGENT_DIR_NAME).mkdir(mode=0o700, parents=True)
     # A log already on disk: the agent serves it as it would after a restart.
-    (session_dir / agent.LOG_NAME).write_bytes(os.urandom(READ_LOG_BYTES))
+    (session_dir / agent.AGENT_DIR_NAME / agent.LOG_NAME).write_bytes(os.urandom(READ_LOG_BYTES))
     proc = start_agent(session_dir)
+    socket_path = session_dir / agent.AGENT_DIR_NAME / agent.SOCKET_NAME
     status_line = b'{"id":"b","method":"status","params":{}}\n'
-    sample_status = exchange(session_dir / agent.SOCKET_NAME, status_line)
+    sample_status = exchange(socket_path, status_line)
     read_line = json.dumps({"id": "r", "method": "read", "params": {"max_bytes": agent.MAX_READ_BYTES}}).encode()
-    read_reply = exchange(session_dir / agent.SOCKET_NAME, read_line + b"\n")
+    read_reply = exchange(socket_path, read_line + b"\n")
     echo = BaselineServer(work / "echo.sock", lambda request: sample_status)
     blob = BaselineServer(work / "blob.sock", lambda request: read_reply)
     try:
-        socket_path = session_dir / agent.SOCKET_NAME
         print(f"bench_agent: agent pid {proc.pid}, log {READ_LOG_BYTES} bytes", file=sys.stderr)
         figure("agent_status_latency", "ms", timed(socket_path, status_line, STATUS_REQUESTS),
                timed(work / "echo.sock", status_line, STATUS_REQUESTS))

@@ -96,22 +96,24 @@ def sdk_baseline(workload: Path, rounds: int) -> list[float]:
     for _ in range(rounds):
         directory = Path(tempfile.mkdtemp(prefix="bsb-"))
         session_dir = directory / "s"
-        session_dir.mkdir(mode=0o700)
+        (session_dir / "workspace").mkdir(mode=0o700, parents=True)  # serve's layout, on no disk of its own
+        session_dir.chmod(0o755)
         runtime = deployment.blueprint.runtime
-        shutil.chown(session_dir, runtime.uid, runtime.gid)
+        shutil.chown(session_dir / "workspace", runtime.uid, runtime.gid)
         spec = reploy.ContainerSpec(
             role="managed", image_id=deployment.current.image_id,
             command=("python3", reploy_serve.AGENT_MOUNT, "serve", "--session-dir", reploy_serve.SESSION_MOUNT,
-                     "--workload", "shell", "--home", reploy.CONTAINER_HOME),
+                     "--workload", "shell", "--home", reploy.CONTAINER_HOME, "--runtime-user", runtime.user),
             runtime=runtime, environment={"HOME": reploy.CONTAINER_HOME},
             labels=BASELINE_LABELS,
             mounts=(reploy.Mount(str(reploy_serve.AGENT_SOURCE), reploy_serve.AGENT_MOUNT, True),
-                    reploy.Mount(str(session_dir), reploy_serve.SESSION_MOUNT, False)), init=True)
+                    reploy.Mount(str(session_dir), reploy_serve.SESSION_MOUNT, False)), init=True,
+            root_supervisor=True)
         start = time.perf_counter()
         container_id = backend.create(spec)
         try:
             backend.start(container_id)
-            wait_until(lambda: _answers(session_dir), "the baseline agent")
+            wait_until(lambda: _answers(session_dir / "agent"), "the baseline agent")
             samples.append(time.perf_counter() - start)
         finally:
             backend.remove_container(container_id)
@@ -119,9 +121,9 @@ def sdk_baseline(workload: Path, rounds: int) -> list[float]:
     return samples
 
 
-def _answers(session_dir: Path) -> bool:
+def _answers(agent_dir: Path) -> bool:
     try:
-        reploy_serve.agent_call(session_dir, "status", {})
+        reploy_serve.agent_call(agent_dir, "status", {})
         return True
     except reploy_serve.AgentCallError:
         return False
@@ -370,7 +372,7 @@ def sse_delivery(api: Api, server: ServeProcess, sid: str, streams: int, blocks:
     long-poll readers of the agent's control socket (the same fan-out, without serve). The two
     alternate in `blocks` blocks of `block_rounds` writes; between them serve has ended every
     stream (the store's viewer rows are gone), so neither side competes with the other."""
-    session_dir = server.state_dir / "sessions" / sid
+    session_dir = server.state_dir / "sessions" / sid / "agent"
     store = reploy_serve.SessionStore(server.state_dir / "sessions.db")
     api_write = functools.partial(api.write, sid)
 
@@ -400,7 +402,7 @@ def sse_delivery(api: Api, server: ServeProcess, sid: str, streams: int, blocks:
 
 def agent_writer(server: ServeProcess, sid: str) -> Callable[[bytes], None]:
     """A write straight on the agent's control socket, no HTTP or serve in between."""
-    session_dir = server.state_dir / "sessions" / sid
+    session_dir = server.state_dir / "sessions" / sid / "agent"
     return lambda data: reploy_serve.agent_call(session_dir, "write", {"data_b64": base64.b64encode(data).decode()})
 
 

@@ -8,7 +8,9 @@ container or network labelled as a Reploy session resource is left behind by it.
 that belong to this pytest run (a controlled session's workload-dir label lies under this run's
 base temp dir, a managed session's state-dir label starts with this run's prefix; resources
 without either label count too). So parallel runs on one machine (as during development)
-neither fail nor sweep each other; in CI nothing else runs anyway.
+neither fail nor sweep each other; in CI nothing else runs anyway. Managed sessions' disks
+count too: no file system may stay mounted under this run's serve state dirs, and no loop
+device may stay backed by an image there.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -203,6 +206,43 @@ def remove_resource(client: Any, resource_id: str, kind: str) -> None:
         pass
 
 
+#: Where this run's serves keep their state: a session disk mounted or a loop device backed
+#: below it belongs to this run.
+SERVE_STATE_PREFIX = str(Path(tempfile.gettempdir()) / SERVE_STATE_DIR_PREFIX)
+
+
+def session_disk_mounts(prefix: str = SERVE_STATE_PREFIX) -> list[str]:
+    """Mount points below `prefix` (of this run's session disks), from /proc/self/mountinfo."""
+    points = []
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), line.split(" ")[4])
+        if point.startswith(prefix):
+            points.append(point)
+    return points
+
+
+def session_disk_loops(prefix: str = SERVE_STATE_PREFIX) -> list[str]:
+    """Loop devices backed by a file below `prefix`."""
+    loops = []
+    for backing in Path("/sys/block").glob("loop*/loop/backing_file"):
+        with contextlib.suppress(OSError):
+            if backing.read_text().startswith(prefix):
+                loops.append(f"/dev/{backing.parent.parent.name}")
+    return loops
+
+
+def remove_session_disks(prefix: str) -> list[str]:
+    """Unmounts what is mounted below `prefix` and detaches the loop devices backed there;
+    returns what that was (so a test that left any can fail, after the cleanup)."""
+    left = session_disk_mounts(prefix)
+    for point in reversed(left):
+        subprocess.run(["umount", point], capture_output=True, timeout=60)
+    loops = session_disk_loops(prefix)
+    for device in loops:
+        subprocess.run(["losetup", "-d", device], capture_output=True, timeout=60)
+    return left + loops
+
+
 @pytest.fixture(scope="session")
 def docker_client(tmp_path_factory: pytest.TempPathFactory) -> Any:
     import reploy_watchdog
@@ -246,8 +286,10 @@ def remove_built_images(client: Any, deployment_ids: set[str]) -> None:
 
 @pytest.fixture
 def docker_engine(docker_client: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """A Docker test's engine; afterwards, nothing the test created may remain."""
+    """A Docker test's engine; afterwards, nothing the test created may remain: no labelled
+    container or network, and no session disk mounted (or its loop device attached)."""
     before = set(labelled(docker_client))
+    disks_before = set(session_disk_mounts() + session_disk_loops())
     yield docker_client
     basetemp = tmp_path_factory.getbasetemp()
     left = {rid: (kind, labels) for rid, (kind, labels) in labelled(docker_client).items()
@@ -255,6 +297,10 @@ def docker_engine(docker_client: Any, tmp_path_factory: pytest.TempPathFactory) 
     for rid, (kind, _) in left.items():
         remove_resource(docker_client, rid, kind)
     assert not left, f"session resources left behind: {[(k, r[:12]) for r, (k, _) in left.items()]}"
+    disks_left = set(session_disk_mounts() + session_disk_loops()) - disks_before
+    for disk in disks_left:
+        remove_session_disks(disk)
+    assert not disks_left, f"session disks left mounted: {sorted(disks_left)}"
 
 
 @pytest.fixture

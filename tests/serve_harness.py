@@ -30,7 +30,7 @@ import pytest
 
 from agent_fixtures import harness as agent_harness
 from cdp import Browser, find_chromium
-from conftest import SERVE_STATE_DIR_PREFIX
+from conftest import SERVE_STATE_DIR_PREFIX, remove_session_disks
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "agent_fixtures"
@@ -199,11 +199,12 @@ def sweep_killed_runs(client: Any) -> None:
         if "serve" in cmdline and "--state-dir" in cmdline:
             in_use.add(cmdline[cmdline.index("--state-dir") + 1])
     run = re.compile(re.escape(str(Path(tempfile.gettempdir()) / "rs-")) + r"(\d+)-")
-    for container in client.containers.list(all=True, filters={"label": LABEL_STATE_DIR}):
+    for container in client.containers.list(all=True, filters={"label": LABEL_STATE_DIR}, ignore_removed=True):
         state_dir = container.labels[LABEL_STATE_DIR]
         match = run.match(state_dir)
         if match and not psutil.pid_exists(int(match.group(1))) and state_dir not in in_use:
             container.remove(force=True)
+            remove_session_disks(state_dir + "/")
             shutil.rmtree(Path(state_dir).parent, ignore_errors=True)
 
 
@@ -222,8 +223,8 @@ def managed_workload(docker_client: Any, tmp_path_factory: pytest.TempPathFactor
 @pytest.fixture
 def serve_factory(docker_engine: Any, managed_workload: Path) -> Iterator[Callable[..., ServeProcess]]:
     """Starts serve processes (a fresh state dir unless given); afterwards deletes every session
-    through the API of a live one, stops them all and removes the state dirs. The docker_engine
-    check then asserts no container is left."""
+    through the API of a live one, stops them all and removes the state dirs, failing when a
+    session disk was left mounted. The docker_engine check then asserts no container is left."""
     started: list[ServeProcess] = []
     temp_dirs: list[Path] = []
 
@@ -248,8 +249,10 @@ def serve_factory(docker_engine: Any, managed_workload: Path) -> Iterator[Callab
     finally:
         for process in started:
             process.stop()
+        disks_left = [disk for directory in temp_dirs for disk in remove_session_disks(f"{directory}/")]
         for directory in temp_dirs:
             shutil.rmtree(directory, ignore_errors=True)
+    assert not disks_left, f"session disks left mounted after every session was deleted: {disks_left}"
 
 
 def start_browser(*flags: str) -> Browser:

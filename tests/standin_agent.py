@@ -20,6 +20,7 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, Iterator, Union
 
+import agent
 import reploy_serve
 
 #: An answer: a result's fields (sent as {"id", "result": {"type": method, **fields}}), a raw
@@ -33,7 +34,7 @@ REAL_SUFFIX = ".real"
 
 def control_socket(state_dir: Path, session_id: str) -> Path:
     """Where `serve` (state dir `state_dir`) reaches the agent of session `session_id`."""
-    return state_dir / "sessions" / session_id / reploy_serve.SOCKET_NAME
+    return state_dir / "sessions" / session_id / agent.AGENT_DIR_NAME / reploy_serve.SOCKET_NAME
 
 
 def _bind_at(sock: socket.socket, path: Path) -> None:

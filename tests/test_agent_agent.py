@@ -135,8 +135,8 @@ def test_queue_limits_and_interrupt_then_the_next_prompt_runs(fake):
     assert turn_ends(fake)[0]["outcome"] == "interrupted"
 
 
-def test_interrupt_kills_grandchildren(fake, short_dir):
-    pid_file = short_dir / "grandchild.pid"
+def test_interrupt_kills_grandchildren(fake):
+    pid_file = fake.workspace / "grandchild.pid"  # where the run (the runtime user) may write
     fake.result("message", text=f"grandchild {pid_file}")
     fake.read_until(b"spawned")
     grandchild = int(wait_until(lambda: pid_file.exists() and pid_file.read_text(), "the grandchild pid"))

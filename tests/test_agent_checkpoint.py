@@ -14,7 +14,7 @@ from agent_fixtures.harness import (FAKE_AGENT_ARGV, agent, short_dir, start_age
 
 def checkpoint(process, checkpoint_id):
     result = process.result("checkpoint", id=checkpoint_id)
-    assert result["path"] == str(process.session_dir / f"checkpoint-{checkpoint_id}.tar")
+    assert result["path"] == str(process.agent_dir / f"checkpoint-{checkpoint_id}.tar")
     return result
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import os
 import re
 import tarfile
 
@@ -68,7 +69,8 @@ def parse(document) -> agent.Request:
     ("read", {"offset": 7, "max_bytes": 4, "wait_ms": agent.MAX_READ_WAIT_MS}, agent.ReadParams(7, 4, 4000)),
     ("write", {"data_b64": base64.b64encode(b"\x00\xff").decode()}, agent.WriteParams(b"\x00\xff")),
     ("resize", {"columns": 1, "rows": 65535}, agent.ResizeParams(1, 65535)),
-    ("checkpoint", {"id": "snap-1.a_b"}, agent.CheckpointParams("snap-1.a_b")),
+    ("checkpoint", {"id": "snap-1.a_b"}, agent.CheckpointParams("snap-1.a_b", agent.ARCHIVE_PARTS)),
+    ("checkpoint", {"id": "s", "include": ["home", "log"]}, agent.CheckpointParams("s", ("log", "home"))),
     ("restore", {"path": "x.tar"}, agent.RestoreParams("x.tar")),
     ("suspend", {"reason": "max_busy"}, agent.SuspendParams("max_busy")),
 ])
@@ -112,6 +114,9 @@ def test_requests_without_a_readable_id_answer_with_an_empty_id(line):
     ({"id": "9", "method": "checkpoint", "params": {"id": "../x"}}, "params.id must match"),
     ({"id": "9", "method": "checkpoint", "params": {"id": ".hidden"}}, "params.id must match"),
     ({"id": "9", "method": "checkpoint", "params": {"id": "snap\n"}}, "params.id must match"),
+    ({"id": "9", "method": "checkpoint", "params": {"id": "a", "include": []}}, "params.include must be"),
+    ({"id": "9", "method": "checkpoint", "params": {"id": "a", "include": ["home", "home"]}}, "params.include must be"),
+    ({"id": "9", "method": "checkpoint", "params": {"id": "a", "include": ["etc"]}}, "params.include must be"),
     ({"id": "9", "method": "suspend", "params": {}}, "params.reason is required"),
     ({"id": "9", "method": "suspend", "params": {"reason": "max_busy\n"}}, "params.reason must match"),
     ({"id": "9", "method": "suspend", "params": {"reason": "Max busy"}}, "params.reason must match"),
@@ -554,11 +559,20 @@ def member(name, kind=tarfile.REGTYPE, size=0, linkname=""):
 
 
 BASE = [member(agent.ARCHIVE_MANIFEST, size=10), member(agent.ARCHIVE_LOG, size=5), member("workspace", tarfile.DIRTYPE)]
+ALL = agent.ARCHIVE_PARTS
 
 
 def test_a_plain_archive_passes():
     agent.check_archive_members(BASE + [member("workspace/a", size=3), member("home", tarfile.DIRTYPE),
-                                        member("workspace/l", tarfile.SYMTYPE, linkname="a")])
+                                        member("workspace/l", tarfile.SYMTYPE, linkname="a")], ALL)
+
+
+def test_an_archive_holds_only_what_its_manifest_includes():
+    home_only = [member(agent.ARCHIVE_MANIFEST, size=10), member("home", tarfile.DIRTYPE), member("home/a", size=1)]
+    agent.check_archive_members(home_only, ("home",))  # no log needed
+    for extra in (member(agent.ARCHIVE_LOG, size=1), member("workspace", tarfile.DIRTYPE)):
+        with pytest.raises(agent.ArchiveError, match="unexpected member"):
+            agent.check_archive_members(home_only + [extra], ("home",))
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -580,64 +594,91 @@ def test_a_plain_archive_passes():
 ])
 def test_hostile_members_are_refused(extra, message):
     with pytest.raises(agent.ArchiveError, match=message):
-        agent.check_archive_members(BASE + extra)
+        agent.check_archive_members(BASE + extra, ALL)
 
 
 def test_archive_limits_on_entries_and_bytes():
     with pytest.raises(agent.ArchiveError, match="more than 3 entries"):
-        agent.check_archive_members(BASE + [member("workspace/x")], max_entries=3)
+        agent.check_archive_members(BASE + [member("workspace/x")], ALL, max_entries=3)
     with pytest.raises(agent.ArchiveError, match="exceeds 20 bytes"):
-        agent.check_archive_members(BASE + [member("workspace/x", size=6)], max_bytes=20)
+        agent.check_archive_members(BASE + [member("workspace/x", size=6)], ALL, max_bytes=20)
 
 
 @pytest.mark.parametrize("missing", [agent.ARCHIVE_MANIFEST, agent.ARCHIVE_LOG])
 def test_archive_must_hold_manifest_and_log(missing):
     with pytest.raises(agent.ArchiveError, match=f"lacks {missing}"):
-        agent.check_archive_members([m for m in BASE if m.name != missing])
+        agent.check_archive_members([m for m in BASE if m.name != missing], ALL)
 
 
-@pytest.mark.parametrize("document, message", [
-    ({}, "must hold exactly"),
-    ({"format": "x", "version": 1, "id": "a", "workload": "shell", "log_bytes": 0, "continue": False}, "not a"),
-    ({"format": agent.ARCHIVE_FORMAT, "version": 1, "id": "a", "workload": "vm", "log_bytes": 0, "continue": False},
-     "workload is invalid"),
-    ({"format": agent.ARCHIVE_FORMAT, "version": 1, "id": "a", "workload": "shell", "log_bytes": -1,
-      "continue": False}, "log_bytes"),
-    ({"format": agent.ARCHIVE_FORMAT, "version": 1, "id": "/x", "workload": "shell", "log_bytes": 0,
-      "continue": False}, "id is invalid"),
+GOOD_MANIFEST = {"format": agent.ARCHIVE_FORMAT, "version": 2, "id": "a", "workload": "shell", "log_bytes": 0,
+                 "continue": False, "include": ["log", "workspace", "home"]}
+
+
+@pytest.mark.parametrize("changes, message", [
+    (None, "must hold exactly"),
+    ({"format": "x"}, "not a"),
+    ({"version": 1}, "not a"),
+    ({"workload": "vm"}, "workload is invalid"),
+    ({"log_bytes": -1}, "log_bytes"),
+    ({"id": "/x"}, "id is invalid"),
+    ({"include": []}, "manifest include must be"),
+    ({"include": ["home", "home"]}, "manifest include must be"),
 ])
-def test_bad_manifests_are_refused(document, message):
+def test_bad_manifests_are_refused(changes, message):
+    document = {} if changes is None else {**GOOD_MANIFEST, **changes}
     with pytest.raises(agent.ArchiveError, match=message):
         agent.parse_manifest(json.dumps(document).encode())
 
 
 def test_manifest_round_trips():
-    manifest = agent.Manifest("snap", agent.WorkloadKind.AGENT, 12, True)
-    assert agent.parse_manifest(manifest.to_json()) == manifest
+    for include in (agent.ARCHIVE_PARTS, ("home",)):
+        manifest = agent.Manifest("snap", agent.WorkloadKind.AGENT, 12, True, include)
+        assert agent.parse_manifest(manifest.to_json()) == manifest
 
 
-def test_archive_written_then_extracted_keeps_files_links_and_log_prefix(tmp_path):
+def local_walk(root):
+    """What a worker walks, walked here (the test owns these files)."""
+    return agent.TreeWalk(os.open(root, os.O_RDONLY | os.O_DIRECTORY))
+
+
+def test_archive_written_then_restored_keeps_files_links_and_log_prefix(tmp_path):
     workspace, home = tmp_path / "ws", tmp_path / "home"
     (workspace / "sub").mkdir(parents=True)
     home.mkdir()
     (workspace / "sub" / "f.txt").write_text("content")
+    (workspace / "sub" / "f.txt").chmod(0o4755)
     (workspace / "link").symlink_to("sub/f.txt")
     (workspace / "outside").symlink_to("/etc/passwd")  # would escape: left out, and counted
     log_path = tmp_path / "log"
     log_path.write_bytes(b"0123456789")
     manifest = agent.Manifest("snap", agent.WorkloadKind.SHELL, 4, False)
     archive = tmp_path / "a.tar"
-    skipped = agent.write_archive(archive, manifest, log_path, {"workspace": workspace, "home": home})
-    assert skipped == 1
-    staging = tmp_path / "staging"
-    staging.mkdir()
-    assert agent.extract_archive(archive, staging, agent.WorkloadKind.SHELL) == manifest
-    assert (staging / "output.log").read_bytes() == b"0123"
-    assert (staging / "workspace" / "link").read_text() == "content"
-    assert not (staging / "workspace" / "outside").exists()
-    with pytest.raises(agent.ArchiveError, match="for the shell workload"):
-        (tmp_path / "again").mkdir()
-        agent.extract_archive(archive, tmp_path / "again", agent.WorkloadKind.AGENT)
+    trees = {"workspace": workspace, "home": home}
+    assert agent.write_archive(archive, manifest, log_path, lambda tree: local_walk(trees[tree])) == 1
+    with tarfile.open(archive) as opened:
+        assert agent.read_checked_archive(opened, agent.WorkloadKind.SHELL)[0] == manifest
+        assert opened.extractfile(agent.ARCHIVE_LOG).read() == b"0123"
+        assert opened.getmember("workspace/sub/f.txt").mode == 0o755  # no setuid going out
+        with pytest.raises(agent.ArchiveError, match="for the shell workload"):
+            agent.read_checked_archive(opened, agent.WorkloadKind.AGENT)
+    target = tmp_path / "restored"
+    target.mkdir()
+    (target / "old.txt").write_text("replaced by the restore")
+    with open(archive, "rb") as archive_file:
+        agent.restore_tree(archive_file, target, "workspace")
+    assert sorted(p.name for p in target.iterdir()) == ["link", "sub"]
+    assert (target / "link").read_text() == "content"
+
+
+def test_a_home_only_archive_leaves_log_and_workspace_out(tmp_path):
+    home = tmp_path / "home"
+    (home / ".config").mkdir(parents=True)
+    (home / ".config" / "x").write_text("x")
+    manifest = agent.Manifest("snap", agent.WorkloadKind.SHELL, 10, False, ("home",))
+    archive = tmp_path / "a.tar"
+    agent.write_archive(archive, manifest, tmp_path / "no-log", lambda tree: local_walk(home))
+    with tarfile.open(archive) as opened:
+        assert opened.getnames() == [agent.ARCHIVE_MANIFEST, "home", "home/.config", "home/.config/x"]
 
 
 def test_a_truncated_archive_is_an_archive_error(tmp_path):
@@ -648,6 +689,6 @@ def test_a_truncated_archive_is_an_archive_error(tmp_path):
         info.size = 5000
         archive.addfile(info, io.BytesIO(b"x" * 5000))
     bad.write_bytes(buffer.getvalue()[:1024])
-    (tmp_path / "s").mkdir()
+    config = agent.AgentConfig(session_dir=tmp_path / "s", workload=agent.WorkloadKind.SHELL)
     with pytest.raises(agent.ArchiveError):
-        agent.extract_archive(bad, tmp_path / "s", agent.WorkloadKind.SHELL)
+        agent.prepare_restore(config, None, bad)  # refused before any worker would be asked

@@ -14,8 +14,9 @@ import uuid
 import psutil
 import pytest
 
-from agent_fixtures.harness import (FAKE_AGENT_ARGV, AGENT_PY, agent, exec_finish, exec_start, run_exec,  # noqa: F401
-                                    short_dir, start_agent, wait_until)
+from agent_fixtures.harness import (AGENT_PY, AS_ROOT, FAKE_AGENT_ARGV, PYTHON, RUNTIME_USER,  # noqa: F401
+                                    WORKLOAD_UID, agent, exec_finish, exec_start, run_exec, short_dir,
+                                    start_agent, wait_until)
 
 
 @pytest.fixture
@@ -56,7 +57,7 @@ def test_the_command_runs_in_the_workspace_with_the_sessions_home(shell):
     result = run_exec(shell, ["sh", "-c", 'pwd; echo "$HOME"; id -u; echo "$EXTRA $EXEC_TEST_PLAIN ${EXEC_TEST_SECRET:-unset}"'],
                       cwd="sub", env={"EXTRA": "given"})
     assert result["stdout"].decode().splitlines() == [
-        str(shell.session_dir / "workspace" / "sub"), str(shell.session_dir / "home"), str(os.getuid()),
+        str(shell.session_dir / "workspace" / "sub"), str(shell.session_dir / "home"), str(WORKLOAD_UID),
         "given plain unset"]  # redacted variables are for the agent CLI, not for execs
 
 
@@ -202,8 +203,9 @@ def test_the_child_starts_with_default_signal_dispositions_and_an_empty_mask(sho
     launcher = ("import os, signal, sys; signal.signal(signal.SIGQUIT, signal.SIG_IGN); "
                 "signal.signal(signal.SIGHUP, signal.SIG_IGN); "
                 "signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1}); os.execv(sys.executable, sys.argv[1:])")
-    proc = subprocess.Popen([sys.executable, "-c", launcher, sys.executable, str(AGENT_PY), "serve",
-                             "--session-dir", str(session_dir), "--workload", "shell"],
+    identity = ["--runtime-user", RUNTIME_USER] if AS_ROOT else []
+    proc = subprocess.Popen([PYTHON, "-c", launcher, PYTHON, str(AGENT_PY), "serve", "--session-dir",
+                             str(session_dir), "--workload", "shell", *identity],
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     try:

@@ -13,8 +13,8 @@ import tarfile
 
 import pytest
 
-from agent_fixtures.harness import (agent, download_bytes, short_dir, start_agent, tree_snapshot,  # noqa: F401
-                                    upload_bytes)
+from agent_fixtures.harness import (WORKLOAD_UID, agent, download_bytes, hand_over, short_dir,  # noqa: F401
+                                    start_agent, tree_snapshot, upload_bytes, wait_until)
 
 
 @pytest.fixture
@@ -62,7 +62,7 @@ def test_a_file_round_trip_in_chunks(shell):
                          "entries": 1, "sha256": hashlib.sha256(data).hexdigest()}
     target = workspace(shell) / "deep/er/blob.bin"
     assert target.read_bytes() == data
-    assert stat.S_IMODE(target.stat().st_mode) == 0o644 and target.stat().st_uid == os.getuid()
+    assert stat.S_IMODE(target.stat().st_mode) == 0o644 and target.stat().st_uid == WORKLOAD_UID
     assert stat.S_IMODE((workspace(shell) / "deep").stat().st_mode) == 0o755
     opened, back = download_bytes(shell, "deep/er/blob.bin")
     assert back == data and opened["kind"] == "file" and opened["size"] == len(data)
@@ -175,6 +175,7 @@ def test_hostile_paths_are_refused_with_nothing_written(shell, outside):
 
 def test_a_tar_that_would_replace_a_directory_with_a_file_is_refused(shell):
     (workspace(shell) / "d/sub").mkdir(parents=True)
+    hand_over(workspace(shell) / "d")
     before = tree_snapshot(workspace(shell))
     response = upload_bytes(shell, "d", tar_of((entry("new.txt"), b"n"), (entry("sub"), b"file now")), kind="tar")
     assert response["error"]["message"].startswith("conflict: d/sub exists as a directory")
@@ -210,7 +211,7 @@ def test_sizes_and_offsets_are_enforced(shell):
 def test_free_space_is_checked(shell):
     fd = os.open(workspace(shell), os.O_RDONLY)
     try:
-        with pytest.raises(agent.CommandError, match="not enough space"):
+        with pytest.raises(agent.DiskFullError, match="not enough space"):
             agent.require_free_space(fd, agent.free_bytes(fd), "the workspace")
         agent.require_free_space(fd, 0, "the workspace")
     finally:
@@ -234,12 +235,21 @@ def test_a_bounded_number_of_transfers_are_open(shell):
     no_staging_left(shell)
 
 
-def test_staging_left_by_a_dead_agent_is_removed_at_start(start_agent, short_dir):
-    session_dir = short_dir / "s"
-    session_dir.mkdir()
-    (session_dir / ".reploy-upload-0123456789abcdef").write_bytes(b"half an upload")
-    start_agent("--workload", "shell")
-    assert not (session_dir / ".reploy-upload-0123456789abcdef").exists()
+def test_an_agent_that_dies_mid_upload_leaves_nothing_behind(start_agent):
+    """The staging is an unnamed file: it goes with the last fd on it, the agent's."""
+    shell = start_agent("--workload", "shell")
+    before = os.statvfs(workspace(shell))
+    opened = shell.result("upload", path="half.bin")
+    chunk = os.urandom(agent.MAX_TRANSFER_CHUNK_BYTES)
+    for offset in range(0, 8 * len(chunk), len(chunk)):
+        shell.result("upload_write", transfer_id=opened["transfer_id"], offset=offset,
+                     data_b64=base64.b64encode(chunk).decode())
+    staged = before.f_bfree - os.statvfs(workspace(shell)).f_bfree
+    shell.crash()
+    assert list(workspace(shell).iterdir()) == []
+    assert sorted(p.name for p in shell.agent_dir.iterdir()) == ["control.sock", "events.jsonl", "output.log"]
+    assert staged * before.f_frsize >= 8 * len(chunk) // 2  # the bytes were on the workspace's file system...
+    wait_until(lambda: os.statvfs(workspace(shell)).f_bfree >= before.f_bfree - staged // 2, "the space back")
 
 
 def test_uploads_survive_checkpoint_and_restore(start_agent):

@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from agent_fixtures.harness import (AGENT_PY, AgentProcess, agent, raw_exchange, short_dir,  # noqa: F401
-                                    start_agent, wait_until)
+from agent_fixtures.harness import (AGENT_PY, AS_ROOT, PYTHON, RUNTIME_USER, AgentProcess, agent,  # noqa: F401
+                                    raw_exchange, short_dir, start_agent, wait_until)
 
 
 @pytest.fixture
@@ -26,8 +26,10 @@ def response(data: bytes) -> dict:
 
 
 def test_socket_is_private_to_its_owner(shell):
-    mode = os.lstat(shell.session_dir / agent.SOCKET_NAME).st_mode
+    mode = os.lstat(shell.agent_dir / agent.SOCKET_NAME).st_mode
     assert stat.S_ISSOCK(mode) and stat.S_IMODE(mode) == 0o600
+    directory = os.lstat(shell.agent_dir)
+    assert stat.S_IMODE(directory.st_mode) == 0o700 and directory.st_uid == os.geteuid()
 
 
 def test_one_request_one_response_per_connection(shell):
@@ -63,7 +65,7 @@ def test_a_request_over_one_mebibyte_is_rejected(shell):
 def test_a_silent_client_is_dropped(shell):
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(agent.CLIENT_IDLE_TIMEOUT_S + 5)
-        sock.connect(str(shell.session_dir / agent.SOCKET_NAME))
+        sock.connect(str(shell.agent_dir / agent.SOCKET_NAME))
         sock.sendall(b'{"id":"slow"')
         assert sock.recv(100) == b""  # closed by the agent, nothing said
     assert shell.status()["turn_state"] == "idle"  # and the agent still serves
@@ -72,7 +74,7 @@ def test_a_silent_client_is_dropped(shell):
 def test_other_clients_are_served_while_one_long_polls(shell):
     length = shell.status()["log_bytes"]
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as waiting:
-        waiting.connect(str(shell.session_dir / agent.SOCKET_NAME))
+        waiting.connect(str(shell.agent_dir / agent.SOCKET_NAME))
         waiting.sendall(json.dumps({"id": "w", "method": "read",
                                     "params": {"offset": length, "wait_ms": 4000}}).encode() + b"\n")
         for _ in range(5):
@@ -93,29 +95,31 @@ def test_a_live_owner_makes_a_second_agent_refuse(shell, short_dir):
     assert shell.status()["workload"] == "shell"  # the owner is untouched
 
 
+def agent_dir_of(session):
+    (session / agent.AGENT_DIR_NAME).mkdir(mode=0o700, parents=True)
+    return session / agent.AGENT_DIR_NAME
+
+
 def test_a_stale_socket_is_taken_over(start_agent, short_dir):
-    session = short_dir / "s"
-    session.mkdir()
     stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    stale.bind(str(session / agent.SOCKET_NAME))
+    stale.bind(str(agent_dir_of(short_dir / "s") / agent.SOCKET_NAME))
     stale.close()  # the file stays, nobody listens
     shell = start_agent("--workload", "shell")
     assert shell.status()["workload"] == "shell"
 
 
 def test_a_non_socket_file_at_the_path_is_never_deleted(start_agent, short_dir):
-    session = short_dir / "s"
-    session.mkdir()
-    (session / agent.SOCKET_NAME).write_text("someone's file")
+    path = agent_dir_of(short_dir / "s") / agent.SOCKET_NAME
+    path.write_text("someone's file")
     process = start_agent("--workload", "shell", ready=False)
     assert process.proc.wait(15) == 1
     assert "exists and is not a socket" in process.stderr
-    assert (session / agent.SOCKET_NAME).read_text() == "someone's file"
+    assert path.read_text() == "someone's file"
 
 
 def test_shutdown_leaves_a_socket_that_is_not_ours(shell):
-    path = shell.session_dir / agent.SOCKET_NAME
-    os.rename(path, shell.session_dir / "moved.sock")
+    path = shell.agent_dir / agent.SOCKET_NAME
+    os.rename(path, shell.agent_dir / "moved.sock")
     other = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         other.bind(str(path))
@@ -146,10 +150,28 @@ def test_call_without_an_agent_reports_server_unavailable(short_dir):
     assert json.loads(result.stdout)["error"]["code"] == "server_unavailable"
 
 
+def serve_result(short_dir, *args):
+    return subprocess.run([PYTHON, str(AGENT_PY), "serve", "--session-dir", str(short_dir / "s"), *args],
+                          capture_output=True, text=True, timeout=30)
+
+
 def test_serve_usage_errors_exit_2(short_dir):
+    identity = ["--runtime-user", RUNTIME_USER] if AS_ROOT else []
     for args in (["--workload", "vm"], ["--workload", "agent", "--agent-command", '["claude"]'],
                  ["--workload", "shell", "--shell-log-cap-bytes", "10"],
-                 ["--workload", "shell", "--workspace", str(short_dir)]):
-        result = subprocess.run([sys.executable, str(AGENT_PY), "serve", "--session-dir", str(short_dir / "s"),
-                                 *args], capture_output=True, text=True, timeout=30)
+                 ["--workload", "shell", "--workspace", str(short_dir)],
+                 ["--workload", "shell", "--workspace", str(short_dir / "s" / agent.AGENT_DIR_NAME / "w")],
+                 ["--workload", "shell", "--runtime-user", "1000"]):
+        result = serve_result(short_dir, *identity, *args)
         assert result.returncode == 2 and result.stdout == "" and result.stderr, args
+    assert not (short_dir / "s").exists()
+
+
+def test_the_workload_never_runs_as_root(short_dir):
+    for args, message in ((["--runtime-user", "0:0"], "may not run as root"),
+                          ([], "needs --runtime-user" if AS_ROOT else None)):
+        result = serve_result(short_dir, "--workload", "shell", *args)
+        if message is None:  # not root: the agent's own identity is the workload's; nothing to refuse here
+            continue
+        assert result.returncode == 2 and result.stdout == "" and message in result.stderr, result.stderr
+    assert not (short_dir / "s").exists()

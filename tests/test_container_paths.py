@@ -178,7 +178,8 @@ def test_a_control_socket_that_is_not_a_socket_is_never_connected(
 
 def test_agent_py_call_through_a_symlinked_control_socket_fails_and_never_connects(
         box: Path, canary_socket: CanarySocket) -> None:
-    (box / "control.sock").symlink_to(canary_socket.path)
+    (box / agent.AGENT_DIR_NAME).mkdir()
+    (box / agent.AGENT_DIR_NAME / "control.sock").symlink_to(canary_socket.path)
     proc = subprocess.run([sys.executable, str(AGENT_PY), "call", str(box), "status"],
                           capture_output=True, timeout=30)
     assert proc.returncode == 1
@@ -301,17 +302,20 @@ def test_the_agent_refuses_a_session_dir_others_could_write(tmp_path: Path, mode
     session_dir.chmod(mode)
     if owner is not None:
         os.chown(session_dir, owner, owner)
+    identity = ["--runtime-user", "65534:65534"] if os.geteuid() == 0 else []
     proc = subprocess.run([sys.executable, str(AGENT_PY), "serve", "--session-dir", str(session_dir),
-                           "--workload", "shell"], capture_output=True, timeout=30)
+                           "--workload", "shell", *identity], capture_output=True, timeout=30)
     assert proc.returncode == 1
-    assert b"must be owned by uid" in proc.stderr and b"writable by no one else" in proc.stderr
+    assert b"owned by uid" in proc.stderr and b"writable by no one else" in proc.stderr
     assert list(session_dir.iterdir()) == []  # nothing made or opened in it
 
 
 def test_require_private_dir_accepts_a_private_dir(tmp_path: Path) -> None:
     session_dir = tmp_path / "s"
     session_dir.mkdir(mode=0o700)
-    agent.require_private_dir(session_dir)
+    agent.require_private_dir(session_dir, 0o077)  # the agent's own dir: open to no one else
     session_dir.chmod(0o755)
-    agent.require_private_dir(session_dir)
+    agent.require_private_dir(session_dir, 0o022)  # the session dir: writable by no one else
+    with pytest.raises(agent.StartupError, match="open to no one else"):
+        agent.require_private_dir(session_dir, 0o077)
     assert stat.S_IMODE(os.stat(session_dir).st_mode) == 0o755

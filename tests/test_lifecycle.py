@@ -367,3 +367,25 @@ def test_writable_by_reads_the_class_that_applies(owner: tuple[int, int], mode: 
                                                   writable: bool) -> None:
     st = os.stat_result((mode | 0o40000, 0, 0, 2, owner[0], owner[1], 0, 0, 0, 0))
     assert reploy.writable_by(st, 1000, 1000) is writable
+
+
+def test_a_root_supervisor_keeps_only_setuid_setgid_and_kill() -> None:
+    """A managed session's agent.py: 0:0 with three capabilities, and everything else of the
+    sandbox as for any container; HOME still belongs to the runtime uid:gid."""
+    import docker
+
+    api = docker.APIClient(base_url="unix:///nonexistent.sock", version="1.41")  # no calls made
+    spec = reploy.ContainerSpec(
+        role="managed", image_id="sha256:" + "0" * 64, command=("python3",),
+        runtime=reploy.Runtime(uid=1000, gid=1000, writable_paths=("/tmp",), memory_mib=64, pids=64),
+        environment={}, labels={}, root_supervisor=True)
+    supervised = spec.create_kwargs(api)
+    plain = reploy.ContainerSpec(**{**spec.__dict__, "root_supervisor": False}).create_kwargs(api)
+    assert (supervised["user"], plain["user"]) == ("0:0", "1000:1000")
+    assert sorted(supervised["host_config"]["CapAdd"]) == ["KILL", "SETGID", "SETUID"]
+    assert "CapAdd" not in plain["host_config"]
+    for kwargs in (supervised, plain):
+        host = kwargs["host_config"]
+        assert host["CapDrop"] == ["ALL"] and host["ReadonlyRootfs"] is True
+        assert host["SecurityOpt"] == ["no-new-privileges:true"]
+        assert "uid=1000,gid=1000" in host["Tmpfs"][reploy.CONTAINER_HOME] and "uid=1000" in host["Tmpfs"]["/tmp"]

@@ -70,7 +70,7 @@ class Exchange:
         self.method, self.params = method, params
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(15)
-            sock.connect(str(process.session_dir / "control.sock"))
+            sock.connect(str(process.agent_dir / "control.sock"))
             sock.sendall(json.dumps({"id": "serve", "method": method, "params": params}).encode() + b"\n")
             line = b""
             while not line.endswith(b"\n"):
@@ -104,6 +104,7 @@ def exchanges_until(process: AgentProcess, method: str, finished: Callable[[dict
 def real_exchanges() -> Iterator[list[Exchange]]:
     """Every answer family, from a real shell agent and a real agent-workload agent."""
     base = Path(tempfile.mkdtemp(prefix="ra-"))
+    base.chmod(0o755)  # the runtime user reaches the workspaces below it (harness.short_dir)
     shell = AgentProcess(base / "s", ["--workload", "shell"]).wait_ready()
     coder = AgentProcess(base / "a", ["--workload", "agent", "--agent-command", FAKE_AGENT_ARGV]).wait_ready()
     try:

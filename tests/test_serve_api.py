@@ -68,10 +68,14 @@ def test_the_session_container_is_sandboxed(serve_factory: Callable[..., ServePr
     [container] = session_containers(docker_engine, server.state_dir, sid)
     host = container.attrs["HostConfig"]
     assert host["ReadonlyRootfs"] is True and host["CapDrop"] == ["ALL"]
+    # The agent is root in the container, keeping only what it needs to start the workload as
+    # the runtime user and to signal it; the workload is that user (the blueprint's 1000:1000).
+    assert sorted(host["CapAdd"]) == ["KILL", "SETGID", "SETUID"]
     assert "no-new-privileges:true" in host["SecurityOpt"] and host["Privileged"] is False
     assert host["NetworkMode"] == "none" and host["PidsLimit"] == 128
-    assert host["Memory"] == 256 * 1024 * 1024 and "/mnt/reploy-home" in host["Tmpfs"]
-    assert container.attrs["Config"]["User"] == "1000:1000"
+    assert host["Memory"] == 256 * 1024 * 1024 and "uid=1000,gid=1000" in host["Tmpfs"]["/mnt/reploy-home"]
+    assert container.attrs["Config"]["User"] == "0:0"
+    assert container.attrs["Config"]["Cmd"][-2:] == ["--runtime-user", "1000:1000"]
     labels = container.labels
     assert labels["io.reploy.session.live-run"] == sid
     assert labels["io.reploy.session.role"] == "managed"
@@ -86,8 +90,9 @@ def test_the_session_container_is_sandboxed(serve_factory: Callable[..., ServePr
     assert b"rootfs-read-only" in server.api.read_all(sid)
     # The agent's control socket is the only way in: no published port, mode 0600.
     assert not container.attrs["NetworkSettings"]["Ports"]
-    sock = server.state_dir / "sessions" / sid / "control.sock"
+    sock = server.state_dir / "sessions" / sid / "agent" / "control.sock"
     assert oct(os.stat(sock).st_mode & 0o777) == "0o600"
+    assert oct(os.stat(sock.parent).st_mode & 0o777) == "0o700" and os.stat(sock.parent).st_uid == 0
 
 
 def test_snapshot_and_restore_keep_output_and_cursors(serve_factory: Callable[..., ServeProcess],
@@ -98,7 +103,7 @@ def test_snapshot_and_restore_keep_output_and_cursors(serve_factory: Callable[..
     snapped = api.call("POST", f"/sessions/{sid}/snapshot", {})
     assert snapped["state"] == "snapshot" and "pod" not in snapped
     assert not session_containers(docker_engine, server.state_dir, sid)
-    archives = list((server.state_dir / "sessions" / sid).glob("checkpoint-*.tar"))
+    archives = list((server.state_dir / "sessions" / sid / "agent").glob("checkpoint-*.tar"))
     assert len(archives) == 1
     assert snapped["checkpoint"]["sizeBytes"] == archives[0].stat().st_size
     assert snapped["checkpoint"]["ref"] == archives[0].name
@@ -112,7 +117,7 @@ def test_snapshot_and_restore_keep_output_and_cursors(serve_factory: Callable[..
     assert page["path"] == "snapshot->restore->read" and page["session"]["state"] == "active"
     assert api.get(sid)["state"] == "active" and "checkpoint" not in api.get(sid)
     assert len(session_containers(docker_engine, server.state_dir, sid)) == 1
-    assert not list((server.state_dir / "sessions" / sid).glob("checkpoint-*.tar"))
+    assert not list((server.state_dir / "sessions" / sid / "agent").glob("checkpoint-*.tar"))
     api.call("POST", f"/sessions/{sid}/message", {"text": "cat kept.txt"})
     after = api.wait_output(sid, b"kept\r\n")
     assert after.startswith(before) and b"restored from checkpoint" in after

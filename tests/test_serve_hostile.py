@@ -1,15 +1,17 @@
-"""Hostile sessions against a real `reploy serve`: the rules of reploy.py's "Directories a
+"""Hostile agents against a real `reploy serve`: the rules of reploy.py's "Directories a
 container can write" section, on the real engine.
 
-A session's user runs anything as the runtime uid in its container (here through the exec
-route), and the session dir is bind-mounted there read-write at /mnt/reploy-session. So the
-session replaces output.log, events.jsonl, agent-state.json, checkpoint archives and
-control.sock with symlinks to a canary the test made on the host (a root-only file, a listening
-unix socket), with FIFOs and directories, or nests a tree deeper than Python's recursion limit
-(answers of a server in the agent's place: test_serve_hostile_answers.py). Each test checks that no canary byte appears in
-any API answer, SSE stream, snapshot archive or restored container, that the canary socket never
-gets a connection, and that serve goes on: that session fails with a clear status, the others
-(and the reaper) keep being served.
+The workload cannot reach the agent's own dir (test_serve_boundary.py shows it), but serve
+still treats everything in a session's disk as hostile: the agent itself may be compromised.
+Such an agent is root in its container, with SETUID, SETGID and KILL; the tests play it with
+`docker exec -u 0:0` in the session's container (`as_agent`). It replaces output.log,
+events.jsonl, agent-state.json, checkpoint archives and control.sock in /mnt/reploy-session/agent
+with symlinks to a canary the test made on the host (a root-only file, a listening unix socket),
+with FIFOs and directories (a server of its own on the control socket: test_serve_hostile_answers.py,
+through tests/standin_agent.py); the workload (the exec route, `run`) nests a tree deeper than Python's recursion limit. Each test checks that no
+canary byte appears in any API answer, SSE stream, snapshot archive or restored container, that
+the canary socket never gets a connection, and that serve goes on: that session fails with a
+clear status, the others (and the reaper) keep being served.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Any, Callable
 import pytest
 
 from serve_harness import (  # noqa: F401  (fixtures)
-    Api, ServeProcess, managed_workload, serve_factory, sse_events,
+    Api, ServeProcess, managed_workload, serve_factory, session_containers, sse_events,
 )
 from test_container_paths import (  # noqa: F401  (fixtures)
     CANARY, CanarySocket, canary, canary_socket,
@@ -33,7 +35,7 @@ from test_container_paths import (  # noqa: F401  (fixtures)
 pytestmark = pytest.mark.docker
 
 SESSION_MOUNT = "/mnt/reploy-session"
-
+AGENT_DIR = f"{SESSION_MOUNT}/agent"
 
 def run(api: Api, sid: str, script: str, *args: str, expect_exit: int = 0) -> dict[str, Any]:
     """`sh -c script` in the session's container, as its runtime uid."""
@@ -42,9 +44,18 @@ def run(api: Api, sid: str, script: str, *args: str, expect_exit: int = 0) -> di
     return result
 
 
-def swap_for_link(api: Api, sid: str, name: str, target: Path) -> None:
-    """Replace DIR/name with a symlink to a host path, atomically (as an attacker would)."""
-    run(api, sid, 'ln -sfn "$1" "$2/.swap" && mv -f "$2/.swap" "$2/$3"', str(target), SESSION_MOUNT, name)
+def as_agent(server: ServeProcess, docker: Any, sid: str, script: str, *args: str) -> None:
+    """`sh -c script` in the session's container as a compromised agent: root there, with the
+    container's capabilities (SETUID, SETGID, KILL)."""
+    [container] = session_containers(docker, server.state_dir, sid)
+    result = container.exec_run(["sh", "-c", script, "sh", *args], user="0:0")
+    assert result.exit_code == 0, result.output
+
+
+def swap_for_link(server: ServeProcess, docker: Any, sid: str, name: str, target: Path) -> None:
+    """Replace the agent's DIR/agent/name with a symlink to a host path, atomically."""
+    as_agent(server, docker, sid, 'ln -sfn "$1" "$2/.swap" && mv -f "$2/.swap" "$2/$3"', str(target),
+             AGENT_DIR, name)
 
 
 def without_canary(data: bytes) -> bytes:
@@ -90,7 +101,7 @@ def test_symlinked_files_and_archives_never_yield_the_host_file(
     api.wait_output(sid, b"$ ")
     for name in ("output.log", "events.jsonl", "agent-state.json",
                  *(f"checkpoint-v{n}.tar" for n in range(1, 41))):
-        swap_for_link(api, sid, name, canary)
+        swap_for_link(server, docker_engine, sid, name, canary)
 
     events = sse_events(api, sid, offset=0, until=keepalives(2))
     assert CANARY.strip() not in streamed_bytes(events) and keepalives(2)(events)
@@ -118,7 +129,7 @@ def test_a_control_socket_linked_to_a_host_socket_is_never_connected(
     api = server.api
     sid = api.create("hostile")["id"]
     bystander = api.create("bystander")["id"]
-    swap_for_link(api, sid, "control.sock", canary_socket.path)
+    swap_for_link(server, docker_engine, sid, "control.sock", canary_socket.path)
 
     status, document = answer(api, "GET", f"/sessions/{sid}/status")
     assert status == 200 and document["agent"] is None
@@ -144,7 +155,7 @@ def test_a_fifo_output_log_does_not_hold_the_stream(
     server = serve_factory("--sse-keepalive", "200ms")
     api = server.api
     sid = api.create("hostile")["id"]
-    run(api, sid, f"rm {SESSION_MOUNT}/output.log && mkfifo {SESSION_MOUNT}/output.log")
+    as_agent(server, docker_engine, sid, f"rm {AGENT_DIR}/output.log && mkfifo {AGENT_DIR}/output.log")
     events = sse_events(api, sid, offset=0, until=keepalives(3))
     assert keepalives(3)(events) and not [e for e in events if e.get("event") == "output"]
     assert "output.log is a fifo, not a regular file" in server.stderr
@@ -158,13 +169,14 @@ def test_junk_in_the_session_dir_does_not_stop_snapshot_restore_or_delete(
     api = server.api
     sid = api.create("hostile")["id"]
     session_dir = server.state_dir / "sessions" / sid
-    run(api, sid, 'mkdir "$1/checkpoint-x.tar" && echo junk > "$1/checkpoint-x.tar/f" && '
-                  'ln -s "$2" "$1/checkpoint-y.tar" && ln -s "$2" "$1/workspace/to-canary"',
-        SESSION_MOUNT, str(canary))
+    agent_dir = session_dir / "agent"
+    as_agent(server, docker_engine, sid, 'mkdir "$1/checkpoint-x.tar" && echo junk > "$1/checkpoint-x.tar/f" && '
+                                         'ln -s "$2" "$1/checkpoint-y.tar"', AGENT_DIR, str(canary))
+    run(api, sid, 'ln -s "$2" "$1/workspace/to-canary"', SESSION_MOUNT, str(canary))
 
     snapshot = api.call("POST", f"/sessions/{sid}/snapshot", {})
     assert snapshot["state"] == "snapshot"
-    [archive] = [p for p in session_dir.iterdir() if p.name.startswith("checkpoint-")]
+    [archive] = [p for p in agent_dir.iterdir() if p.name.startswith("checkpoint-")]
     assert archive.is_file() and not archive.is_symlink()
     assert snapshot["checkpoint"]["sizeBytes"] == archive.stat().st_size
     assert CANARY.strip() not in archive.read_bytes()
@@ -172,8 +184,8 @@ def test_junk_in_the_session_dir_does_not_stop_snapshot_restore_or_delete(
         assert all(CANARY.strip() not in tar.extractfile(m).read() for m in tar.getmembers() if m.isfile())
 
     assert api.call("POST", f"/sessions/{sid}/switch", {})["state"] == "active"
-    result = run(api, sid, 'grep -rl CANARY- "$1" "$2"; cat "$1/workspace/to-canary"',
-                 SESSION_MOUNT, "/mnt/reploy-home", expect_exit=1)
+    result = run(api, sid, 'grep -rl CANARY- "$1" "$2"; cat "$1/to-canary"',
+                 f"{SESSION_MOUNT}/workspace", "/mnt/reploy-home", expect_exit=1)
     without_canary(json.dumps(result).encode())
     assert result["stdout"] == ""
 

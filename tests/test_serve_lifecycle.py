@@ -21,7 +21,7 @@ pytestmark = pytest.mark.docker
 
 
 def events_of(server: ServeProcess, sid: str, kind: str) -> list[dict[str, Any]]:
-    outbox = server.state_dir / "sessions" / sid / "events.jsonl"
+    outbox = server.state_dir / "sessions" / sid / "agent" / "events.jsonl"
     return [e for e in map(json.loads, outbox.read_text().splitlines()) if e["type"] == kind]
 
 

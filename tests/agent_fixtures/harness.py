@@ -1,5 +1,9 @@
 """Runs real `agent.py serve` processes for tests and cleans up everything they started.
 
+Run as root (as on the project's machines), the agents run as root with `--runtime-user RUNTIME_USER`, as in a
+managed session's container: the workload, exec and file work run as that user. Their interpreter is then the
+system's python3 (PYTHON), which that user can run; the session dirs' parents are searchable by it.
+
 Synchronisation is by real conditions with deadlines: the socket answering, `status` fields, long-poll `read`.
 """
 
@@ -29,7 +33,16 @@ import agent  # noqa: E402  (the module under test lives at the repository root)
 
 AGENT_PY = ROOT / "agent.py"
 FAKE_CLAUDE = Path(__file__).with_name("fake_claude.py")
-FAKE_AGENT_ARGV = json.dumps([sys.executable, str(FAKE_CLAUDE), "{continue}", "{model}", "--", "{prompt}"])
+AS_ROOT = os.geteuid() == 0
+#: Who the workload runs as when the tests run as root: nobody:nogroup, whom nothing on the machine belongs to.
+RUNTIME_UID = RUNTIME_GID = 65534
+RUNTIME_USER = f"{RUNTIME_UID}:{RUNTIME_GID}"
+#: The uid the workload's processes and files have.
+WORKLOAD_UID = RUNTIME_UID if AS_ROOT else os.getuid()
+#: The interpreter of the agents (and of the fake CLI they run): one the runtime user can run too, which an
+#: interpreter under root's home is not.
+PYTHON = shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin") if AS_ROOT else sys.executable
+FAKE_AGENT_ARGV = json.dumps([PYTHON, str(FAKE_CLAUDE), "{continue}", "{model}", "--", "{prompt}"])
 DEADLINE_S = 15.0
 
 
@@ -60,9 +73,10 @@ class AgentProcess:
         self.session_dir = session_dir
         self.args = args
         self.stderr_path = session_dir.parent / f"{session_dir.name}.stderr"
+        identity = ["--runtime-user", RUNTIME_USER] if AS_ROOT and "--runtime-user" not in args else []
         with open(self.stderr_path, "ab") as stderr:
             self.proc = subprocess.Popen(
-                [sys.executable, str(AGENT_PY), "serve", "--session-dir", str(session_dir), *args],
+                [PYTHON, str(AGENT_PY), "serve", "--session-dir", str(session_dir), *identity, *args],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr,
                 env={**os.environ, **(env or {})}, start_new_session=True, preexec_fn=preexec_fn)
         self._descendants: list[psutil.Process] = []
@@ -117,8 +131,16 @@ class AgentProcess:
             out += piece_bytes(piece)
         return bytes(out)
 
+    @property
+    def agent_dir(self) -> Path:
+        return self.session_dir / agent.AGENT_DIR_NAME
+
+    @property
+    def workspace(self) -> Path:
+        return self.session_dir / "workspace"
+
     def events(self) -> list[dict[str, Any]]:
-        path = self.session_dir / agent.OUTBOX_NAME
+        path = self.agent_dir / agent.OUTBOX_NAME
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
     def wait_status(self, predicate: Callable[[dict[str, Any]], bool], what: str) -> dict[str, Any]:
@@ -194,10 +216,24 @@ def piece_bytes(piece: dict[str, Any]) -> bytes:
     return base64.b64decode(piece["data_b64"])
 
 
+def hand_over(*paths: Path) -> None:
+    """Gives what a test made in a session's workspace or home (as root) to the runtime user, as if the workload had
+    made it: the file work that reads or changes it runs as that user."""
+    if not AS_ROOT:
+        return
+    for path in paths:
+        os.lchown(path, RUNTIME_UID, RUNTIME_GID)
+        if path.is_dir() and not path.is_symlink():
+            for inner in path.rglob("*"):
+                os.lchown(inner, RUNTIME_UID, RUNTIME_GID)
+
+
 @pytest.fixture
 def short_dir() -> Iterator[Path]:
-    """A short temp dir: unix socket paths must stay under 108 bytes, and tmp_path can be longer."""
+    """A short temp dir: unix socket paths must stay under 108 bytes, and tmp_path can be longer. Searchable by all
+    (0755), so the runtime user reaches the workspaces below it."""
     path = Path(tempfile.mkdtemp(prefix="ra-"))
+    path.chmod(0o755)
     yield path
     shutil.rmtree(path, ignore_errors=True)
 
@@ -224,7 +260,7 @@ def raw_exchange(session_dir: Path, payload: bytes, shutdown_write: bool = False
     """Sends raw bytes to the control socket and returns everything received until the server closes."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout_s)
-    sock.connect(str(session_dir / agent.SOCKET_NAME))
+    sock.connect(str(session_dir / agent.AGENT_DIR_NAME / agent.SOCKET_NAME))
     return exchange_on(sock, payload, shutdown_write)
 
 

@@ -28,7 +28,7 @@ from typing import Any
 from reploy_driver import SessionDriver, SessionFailed
 
 ENDPOINT_ID = "agent"
-SESSION_DIR = "/tmp/agent-session"  # in the workload: the agent's output log, outbox, control.sock
+SESSION_DIR = "/tmp/agent-session"  # in the workload: agent/ holds the output log, outbox, control.sock
 WORKSPACE = "/tmp/project"  # the project copy the agent may modify (the image is read-only)
 AGENT_COMMAND = '["python3", "/opt/agent/fake_claude.py", "{continue}", "--", "{prompt}"]'
 MAX_RESPONSE_BYTES = 2 * 1024 * 1024  #: a read answers at most 512 KiB of text, JSON-escaped

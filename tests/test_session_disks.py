@@ -1,0 +1,77 @@
+"""Session disks (reploy_serve.py, "the session disks") without Docker: the mountinfo reader, and
+real images made, mounted, filled, unmounted and removed (root only: mounting needs it)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import reploy_serve
+from conftest import session_disk_loops, session_disk_mounts
+from reploy import Runtime
+
+as_root = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a session disk needs root")
+RUNTIME = Runtime(uid=1000, gid=1000, writable_paths=(), memory_mib=256, pids=128)
+
+MOUNTINFO = """\
+22 1 252:0 / / rw,relatime shared:1 - ext4 /dev/vda rw
+95 22 7:3 / /state/sessions/a\\040b rw,nosuid,nodev,relatime shared:7 - ext4 /dev/loop3 rw
+96 22 0:44 / /state/sessions/c rw,relatime - tmpfs tmpfs rw
+97 96 7:4 / /state/sessions/c rw,nosuid - ext4 /dev/loop4 rw,discard
+"""
+
+
+def test_mountinfo_is_read_with_its_escapes_and_the_topmost_mount_wins() -> None:
+    assert reploy_serve.mounted_device(Path("/state/sessions/a b"), MOUNTINFO) == "/dev/loop3"
+    assert reploy_serve.mounted_device(Path("/state/sessions/c"), MOUNTINFO) == "/dev/loop4"
+    assert reploy_serve.mounted_device(Path("/state/sessions"), MOUNTINFO) is None
+    assert reploy_serve.loop_backing_file("/dev/vda") is None
+
+
+@as_root
+def test_a_disk_is_made_laid_out_bounded_and_removed(tmp_path: Path) -> None:
+    image, mount_point = tmp_path / "s.img", tmp_path / "s"
+    reploy_serve.make_session_disk(image, mount_point, reploy_serve.MIN_SESSION_DISK_MIB, RUNTIME)
+    try:
+        assert reploy_serve.loop_backing_file(reploy_serve.mounted_device(mount_point)) == str(image)
+        layout = {p.name: (p.stat().st_uid, oct(p.stat().st_mode & 0o777)) for p in mount_point.iterdir()}
+        assert layout == {"agent": (0, "0o700"), "workspace": (1000, "0o700")}
+        assert (mount_point.stat().st_uid, oct(mount_point.stat().st_mode & 0o777)) == (0, "0o755")
+        assert os.statvfs(mount_point).f_flag & (os.ST_NOSUID | os.ST_NODEV) == os.ST_NOSUID | os.ST_NODEV
+        assert image.stat().st_blocks * 512 < 8 << 20  # sparse: what mkfs wrote, not the disk's size
+        reploy_serve.mount_session_disk(image, mount_point)  # mounted already: nothing stacks
+        assert session_disk_mounts(str(mount_point)) == [str(mount_point)]
+        filled = subprocess.run(["dd", "if=/dev/zero", f"of={mount_point}/workspace/big", "bs=1M", "count=100"],
+                                capture_output=True)
+        assert filled.returncode != 0 and b"No space left on device" in filled.stderr
+        margin = reploy_serve.SESSION_DISK_MARGIN_MIB
+        assert image.stat().st_blocks * 512 <= (reploy_serve.MIN_SESSION_DISK_MIB + margin) << 20
+    finally:
+        reploy_serve.remove_session_disk(image, mount_point)
+    assert not image.exists() and not mount_point.exists()
+    assert session_disk_mounts(str(tmp_path)) == [] and session_disk_loops(str(tmp_path)) == []
+
+
+@as_root
+def test_something_else_mounted_in_its_place_is_refused_and_left_alone(tmp_path: Path) -> None:
+    image, mount_point = tmp_path / "s.img", tmp_path / "s"
+    reploy_serve.make_session_disk(image, mount_point, reploy_serve.MIN_SESSION_DISK_MIB, RUNTIME)
+    reploy_serve.unmount_session_disk(image, mount_point)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)], check=True)
+    try:
+        for step in (reploy_serve.mount_session_disk, reploy_serve.unmount_session_disk):
+            with pytest.raises(reploy_serve.SessionDiskError, match="tmpfs mounted on it"):
+                step(image, mount_point)
+        assert reploy_serve.mounted_device(mount_point) == "tmpfs"
+    finally:
+        subprocess.run(["umount", str(mount_point)], check=True)
+        reploy_serve.remove_session_disk(image, mount_point)
+    assert session_disk_loops(str(tmp_path)) == []
+
+
+def test_a_missing_image_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(reploy_serve.SessionDiskError, match="disk image .* is missing"):
+        reploy_serve.mount_session_disk(tmp_path / "gone.img", tmp_path / "s")
