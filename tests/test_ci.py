@@ -34,3 +34,19 @@ def test_ci_requires_the_shared_fixtures_by_their_absolute_path(tmp_path: Path) 
     proc = subprocess.run(["bash", ".ci/run"], cwd=directory, capture_output=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.decode().strip() == f"{tmp_path}/shared/conformance/reploy-v1|1|1"
+
+
+def test_a_clone_elsewhere_finds_the_fixtures_beside_the_repository_it_came_from(
+        tmp_path: Path) -> None:
+    """A fresh clone in a temp dir has no ../shared; the repository it was cloned from does."""
+    origin = tmp_path / "work/main"
+    origin.mkdir(parents=True)
+    (tmp_path / "work/shared/conformance/reploy-v1").mkdir(parents=True)
+    directory = checkout(tmp_path / "elsewhere")
+    subprocess.run(["git", "init", "-q", str(directory)], check=True, timeout=60)
+    subprocess.run(["git", "-C", str(directory), "remote", "add", "origin", str(origin)],
+                   check=True, timeout=60)
+    proc = subprocess.run(["bash", ".ci/run"], cwd=directory, capture_output=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.decode().strip() == (
+        f"{tmp_path}/work/shared/conformance/reploy-v1|1|1")
