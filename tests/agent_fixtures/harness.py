@@ -9,6 +9,7 @@ Synchronisation is by real conditions with deadlines: the socket answering, `sta
 
 from __future__ import annotations
 
+import atexit
 import base64
 import json
 import os
@@ -32,7 +33,6 @@ if str(ROOT) not in sys.path:
 import agent  # noqa: E402  (the module under test lives at the repository root)
 
 AGENT_PY = ROOT / "agent.py"
-FAKE_CLAUDE = Path(__file__).with_name("fake_claude.py")
 AS_ROOT = os.geteuid() == 0
 #: Who the workload runs as when the tests run as root: nobody:nogroup, whom nothing on the machine belongs to.
 RUNTIME_UID = RUNTIME_GID = 65534
@@ -42,6 +42,25 @@ WORKLOAD_UID = RUNTIME_UID if AS_ROOT else os.getuid()
 #: The interpreter of the agents (and of the fake CLI they run): one the runtime user can run too, which an
 #: interpreter under root's home is not.
 PYTHON = shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin") if AS_ROOT else sys.executable
+
+
+def reachable_fake_claude() -> Path:
+    """fake_claude.py where the runtime user can read it: a checkout may lie below a directory only root enters
+    (a fresh clone in a mktemp dir), so as root the CLI is copied into a directory of this test process's own
+    (0755, removed at exit)."""
+    source = Path(__file__).with_name("fake_claude.py")
+    if not AS_ROOT:
+        return source
+    directory = Path(tempfile.mkdtemp(prefix="reploy-fake-cli-"))
+    directory.chmod(0o755)
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    copy = directory / source.name
+    shutil.copyfile(source, copy)
+    copy.chmod(0o644)
+    return copy
+
+
+FAKE_CLAUDE = reachable_fake_claude()
 FAKE_AGENT_ARGV = json.dumps([PYTHON, str(FAKE_CLAUDE), "{continue}", "{model}", "--", "{prompt}"])
 DEADLINE_S = 15.0
 
