@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from agent_fixtures.harness import (AS_ROOT, FAKE_AGENT_ARGV, PYTHON, RUNTIME_GID, RUNTIME_UID,  # noqa: F401
-                                    agent, download_bytes, run_exec, short_dir, start_agent, upload_bytes,
-                                    wait_until)
+from agent_fixtures.harness import (AS_ROOT, FAKE_AGENT_ARGV, PYTHON, REACHABLE_FIXTURES, RUNTIME_GID,  # noqa: F401
+                                    RUNTIME_UID, agent, download_bytes, run_exec, short_dir, start_agent,
+                                    upload_bytes, wait_until)
 
-PROBE = Path(__file__).parent / "agent_fixtures" / "escape_probe.py"
+PROBE = REACHABLE_FIXTURES / "escape_probe.py"
 as_root = pytest.mark.skipif(not AS_ROOT, reason="privilege separation needs the agent to run as root")
 
 

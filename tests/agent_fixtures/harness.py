@@ -44,23 +44,25 @@ WORKLOAD_UID = RUNTIME_UID if AS_ROOT else os.getuid()
 PYTHON = shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin") if AS_ROOT else sys.executable
 
 
-def reachable_fake_claude() -> Path:
-    """fake_claude.py where the runtime user can read it: a checkout may lie below a directory only root enters
-    (a fresh clone in a mktemp dir), so as root the CLI is copied into a directory of this test process's own
-    (0755, removed at exit)."""
-    source = Path(__file__).with_name("fake_claude.py")
+def _reachable_fixtures() -> Path:
+    """Where the runtime user reads this folder's scripts: a checkout may lie below a directory only root enters (a
+    fresh clone in a mktemp dir), so as root they are copied into a directory of this test process's own (0755,
+    removed at exit)."""
+    here = Path(__file__).parent
     if not AS_ROOT:
-        return source
-    directory = Path(tempfile.mkdtemp(prefix="reploy-fake-cli-"))
+        return here
+    directory = Path(tempfile.mkdtemp(prefix="reploy-fixtures-"))
     directory.chmod(0o755)
     atexit.register(shutil.rmtree, directory, ignore_errors=True)
-    copy = directory / source.name
-    shutil.copyfile(source, copy)
-    copy.chmod(0o644)
-    return copy
+    for script in here.glob("*.py"):
+        shutil.copyfile(script, directory / script.name)
+        (directory / script.name).chmod(0o644)
+    return directory
 
 
-FAKE_CLAUDE = reachable_fake_claude()
+#: This folder, or the copy of its scripts the runtime user can read (see _reachable_fixtures).
+REACHABLE_FIXTURES = _reachable_fixtures()
+FAKE_CLAUDE = REACHABLE_FIXTURES / "fake_claude.py"
 FAKE_AGENT_ARGV = json.dumps([PYTHON, str(FAKE_CLAUDE), "{continue}", "{model}", "--", "{prompt}"])
 DEADLINE_S = 15.0
 
