@@ -25,6 +25,11 @@ is started, then long-polled.
 Everything the workload prints goes to DIR/agent/output.log: append-only, addressed by byte offsets, kept across
 agent restarts and checkpoint/restore, bounded by a cap that ends it with a marker line instead of losing bytes.
 
+Theory of operation: one selector loop (Reactor) owns the control socket, the workload's PTY or pipes, the file
+workers and every background job. Each connection carries one request line, parsed by one strict parser per verb
+into frozen params, and gets one response line within the 5 s handler bound; work that takes longer is started and
+then long-polled. Lifecycle facts go to the outbox (DIR/agent/events.jsonl) for supervisors.
+
 Stdlib only: this file is copied unchanged into images that have nothing but python3 (Debian bookworm, 3.11).
 The file reads top to bottom: constants, exceptions, types, pure cores (no I/O), I/O adapters (the runtime
 identity, archives, confined files, file workers), workloads, the serve loop, the `call` client, `main()`.

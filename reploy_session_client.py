@@ -20,6 +20,16 @@ and the private channel framing. The host imports it (it must ship beside reploy
 because the host installs it into every derived controller image), so there is one codec, not
 two copies that could drift. Stdlib only: controller images may have nothing but python3.
 
+Theory of operation. The broker connects to the host's channel, makes its private terminal
+socket and emits `broker-ready`; it accepts exactly one `attach` within ATTACH_DEADLINE_S and
+hands that connection to the host. From then on it is a relay of structured messages only: the
+host's lifecycle events (frames the workload cannot forge, since terminal bytes never travel in
+them) go out as JSON Lines, the controller's requests come in through one strict decoder and the
+pure BrokerRules, which decide what is premature, duplicate or unauthorized. After `terminated`
+it writes the acknowledgement and waits for the host to close the channel; nothing follows
+`terminated` on the public stream. One selector loop per process; every fatal condition ends
+it with a `client-error` (before `terminated`) and a non-zero exit.
+
 Reading order: constants, exceptions, strict JSON, the public stream (types, codec, broker rules),
 the private framing, then the I/O adapters (broker loop, attach loop) and the CLI.
 """
