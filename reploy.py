@@ -3287,11 +3287,7 @@ def emit(obj: dict[str, Any], to_stderr: bool = False) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    command: list[str] = []
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, command = argv[:cut], argv[cut + 1:]
+    argv, command = split_command(list(sys.argv[1:] if argv is None else argv))
     try:
         args = build_parser().parse_args(argv)
         if getattr(args, "action", None) == "run":
@@ -3336,14 +3332,26 @@ def main(argv: Optional[list[str]] = None) -> int:
     return EXIT_OK
 
 
-def run_command() -> None:
-    """main() as a process: flush, then exit without the interpreter's teardown."""
-    exit_code = main()
+def split_command(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(the options, the command after the first `--`)."""
+    if "--" not in argv:
+        return argv, []
+    cut = argv.index("--")
+    return argv[:cut], argv[cut + 1:]
+
+
+def run_as_process(main_function: Callable[[], int]) -> None:
+    """A role's main() as a process: flush, then exit without the interpreter's teardown.
+    Every session resource is released inside main(); what remains is interpreter teardown of
+    the Docker SDK's modules, which would add tens of milliseconds to every command."""
+    code = main_function()
     sys.stdout.flush()
     sys.stderr.flush()
-    # Every session resource is released inside main(); what remains is interpreter teardown
-    # of the Docker SDK's modules, which would add tens of milliseconds to every command.
-    os._exit(exit_code)
+    os._exit(code)
+
+
+def run_command() -> None:
+    run_as_process(main)
 
 
 if __name__ == "__main__":

@@ -90,7 +90,8 @@ from reploy import (  # noqa: E402  (the host role: Docker adapter, deployments,
     LABEL_GENERATION, LABEL_ROLE, LABEL_RUN, ArgumentParser, BackendError, BlueprintError,
     ContainerPathError, ContainerSpec, Deployment, DeploymentError, DockerBackend, Mount,
     ReployError, Runtime, UsageError, _NAME, emit, format_duration, load_deployment, log,
-    open_regular_file, opened_dir, parse_duration_ms, regular_file_size,
+    open_regular_file, opened_dir, parse_duration_ms, regular_file_size, run_as_process,
+    split_command,
 )
 
 # ============================================================================================
@@ -4452,11 +4453,7 @@ def build_parser() -> ArgumentParser:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    command: list[str] = []
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, command = argv[:cut], argv[cut + 1:]
+    argv, command = split_command(list(sys.argv[1:] if argv is None else argv))
     try:
         args = build_parser().parse_args(argv)
         if command and not (args.command == "session" and args.session_action == "exec"):
@@ -4482,11 +4479,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 def run_command() -> None:
-    """main() as a process: flush, then exit without the interpreter's teardown."""
-    exit_code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(exit_code)
+    run_as_process(main)
 
 
 if __name__ == "__main__":
