@@ -20,6 +20,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -256,6 +257,16 @@ def docker_client(tmp_path_factory: pytest.TempPathFactory) -> Any:
     client.close()
 
 
+def read_regular_file(path: Path) -> bytes:
+    """A file's bytes, only when it is a regular file: a test may leave a FIFO (or a link)
+    where a state file belongs, and opening it must neither block nor follow."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as file:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path} is not a regular file")
+        return file.read()
+
+
 def staged_deployment_ids(basetemp: Path) -> set[str]:
     """The deployments this run staged: each `.reploy/state.json` a few levels below the base
     temp dir (tests stage there). The walk stops at STAGED_STATE_MAX_DEPTH, so the deep trees
@@ -265,7 +276,7 @@ def staged_deployment_ids(basetemp: Path) -> set[str]:
     while pending:
         directory, depth = pending.pop()
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-            ids.add(json.loads((directory / ".reploy/state.json").read_text())["deployment_id"])
+            ids.add(json.loads(read_regular_file(directory / ".reploy/state.json"))["deployment_id"])
         if depth < STAGED_STATE_MAX_DEPTH:
             with contextlib.suppress(OSError), os.scandir(directory) as entries:
                 pending += [(Path(entry.path), depth + 1) for entry in entries

@@ -136,7 +136,8 @@ class ServeProcess:
                  env: Optional[dict[str, str]] = None) -> None:
         self.state_dir = state_dir
         self.stderr_path = state_dir.parent / f"serve-{os.getpid()}-{time.monotonic_ns()}.stderr"
-        self.args = [sys.executable, str(ROOT / "reploy.py"), "serve", "--listen", "127.0.0.1:0",
+        listen = () if "--listen" in extra else ("--listen", "127.0.0.1:0")  # given once only
+        self.args = [sys.executable, str(ROOT / "reploy.py"), "serve", *listen,
                      "--state-dir", str(state_dir), "--workload-dir", str(workload_dir),
                      "--mount", f"{FIXTURES}:/opt/fake", "--agent-command", FAKE_AGENT_COMMAND,
                      *extra]

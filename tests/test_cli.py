@@ -651,6 +651,7 @@ def test_a_signal_ends_an_admission_that_blocks(tmp_path: Path, signum: int, cod
         proc.kill()
         if writer is not None:
             os.close(writer)
+        state.unlink()  # a FIFO left behind would block whoever reads the deployment next
     assert proc.returncode == code, stderr
     result = contract_rules.check_reploy_result_line(stdout)
     name = signal.Signals(signum).name

@@ -95,13 +95,14 @@ def edit_staged(directory: Path, *edits: tuple[str, str]) -> None:
     blueprint.write_text(text)
 
 
-def assert_exact_container(info: dict[str, Any], command: list[str]) -> None:
+def assert_exact_container(info: dict[str, Any], command: list[str],
+                           user: str = "1000:1000") -> None:
     """The container runs `command` and nothing of its image's: no CMD, no health check; with
-    the built generation's runtime (never the staged edits)."""
+    the built generation's runtime (never the staged edits) as `user`."""
     config, host = info["Config"], info["HostConfig"]
     assert config["Entrypoint"] == command and not config["Cmd"], config
     assert config["Healthcheck"]["Test"] == ["NONE"]  # the image's check never runs
-    assert config["User"] == "1000:1000"
+    assert config["User"] == user
     assert host["Memory"] == 256 * 1024 * 1024 and host["PidsLimit"] == 128
     assert set(host["Tmpfs"]) == {"/mnt/reploy-home", "/tmp"}
 
@@ -170,8 +171,10 @@ def test_a_managed_session_runs_exactly_the_agent_with_the_built_runtime(
         [container] = docker_engine.api.containers(filters={"label": [
             f"{LABEL_RUN}={session['id']}"]})
         info = docker_engine.api.inspect_container(container["Id"])
-        assert_exact_container(info, info["Config"]["Entrypoint"])
+        # The agent is root in its container and runs the workload as the built runtime user.
+        assert_exact_container(info, info["Config"]["Entrypoint"], user="0:0")
         assert info["Config"]["Entrypoint"][:2] == ["python3", "/opt/reploy/agent.py"]
+        assert info["Config"]["Entrypoint"][-2:] == ["--runtime-user", "1000:1000"]
     finally:
         server.api.delete_all()
         server.stop()

@@ -75,7 +75,7 @@ def test_the_session_container_is_sandboxed(serve_factory: Callable[..., ServePr
     assert host["NetworkMode"] == "none" and host["PidsLimit"] == 128
     assert host["Memory"] == 256 * 1024 * 1024 and "uid=1000,gid=1000" in host["Tmpfs"]["/mnt/reploy-home"]
     assert container.attrs["Config"]["User"] == "0:0"
-    assert container.attrs["Config"]["Cmd"][-2:] == ["--runtime-user", "1000:1000"]
+    assert container.attrs["Config"]["Entrypoint"][-2:] == ["--runtime-user", "1000:1000"]
     labels = container.labels
     assert labels["io.reploy.session.live-run"] == sid
     assert labels["io.reploy.session.role"] == "managed"

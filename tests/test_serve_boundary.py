@@ -150,7 +150,7 @@ def test_the_session_disk_bounds_what_the_workload_writes_on_the_host(
     with tarfile.open(fileobj=io.BytesIO(body)) as archive:
         assert archive.extractfile("f").read() == b"kept\n"
 
-    api.call("DELETE", f"/sessions/{sid}")
+    api.call("DELETE", f"/sessions/{sid}", expect=204)
     assert not image.exists() and not session_dir.exists()
     assert not [point for point in session_disk_mounts() if point.startswith(str(server.state_dir))]
 
@@ -193,8 +193,9 @@ def test_a_deployment_that_runs_as_root_is_refused(
     stage_and_build(blueprint, tmp_path / "root-workload")
     server = serve_factory("--workload-dir", str(tmp_path / "root-workload"))
     status, _, body = server.api.request("POST", "/api/v1/sessions", json.dumps(
-        {"name": "as-root", "workload": "shell", "deployment": "root-workload"}).encode())
-    assert status == 503 and "runs as root" in json.loads(body)["error"]
+        {"name": "as-root", "deployment": "root-workload"}).encode())
+    # Create is seed 002's route: a failure its spec does not name is 500, with the reason.
+    assert status == 500 and "runs as root" in json.loads(body)["error"]
     assert server.api.call("GET", "/sessions")["sessions"] == []
     assert not session_containers(docker_engine, server.state_dir)
     assert not any((server.state_dir / "disks").iterdir())
