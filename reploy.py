@@ -869,6 +869,9 @@ class ContainerSpec:
         would otherwise run `python3 app.py /bin/sh`). Nor does its HEALTHCHECK, which would
         run commands of the image's in the container."""
         uid, gid = self.runtime.uid, self.runtime.gid
+        # HOME is 0700 only on a fresh mount point: runc before 1.1.8 gives a tmpfs the mode of
+        # a directory already there (opencontainers/runc#3911), so no working directory is
+        # set, which the Engine would make at HOME (0755) before the mount.
         tmpfs = {CONTAINER_HOME: f"rw,nosuid,nodev,size={HOME_TMPFS_SIZE},mode=0700,uid={uid},gid={gid}"}
         for path in self.runtime.writable_paths:
             tmpfs[path] = f"rw,nosuid,nodev,size=256m,mode=0755,uid={uid},gid={gid}"
@@ -906,7 +909,6 @@ class ContainerSpec:
             tty=self.tty,
             stdin_open=self.tty,
             hostname=self.hostname,
-            working_dir=CONTAINER_HOME if self.role == "controller" else None,
         )
 
 

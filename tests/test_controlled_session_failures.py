@@ -26,7 +26,7 @@ import reploy_watchdog
 from conftest import (
     LABEL_RUN, ROOT, WATCHDOG_DIR_ENV, run_reploy, stage_and_build, wait_watchdog_exit,
 )
-from reploy import LABEL_ROLE
+from reploy import CHANNEL_SOCKET_NAME, LABEL_ROLE
 
 pytestmark = pytest.mark.docker
 
@@ -262,6 +262,41 @@ def test_cleanup_reconciles_when_host_and_watchdog_both_die(
         await_receipt(deployments["workload"], manifest.run_id)]
     assert receipt["trigger"] == "reconciled"
     assert sorted(receipt["removed"]["containers"]) == sorted(manifest.containers)
+    assert_nothing_left(docker_engine, deployments, manifest.run_id)
+
+
+@pytest.mark.parametrize("operation", ["build", "run"])
+def test_the_next_build_or_run_reconciles_when_host_and_watchdog_both_die(
+        docker_engine: Any, deployments: dict[str, Path], tmp_path: Path,
+        host_runs: list[HostRun], watchdog_dir: Path, operation: str) -> None:
+    """No `controlled-session cleanup` is needed: the next `build` of the workload, or the
+    next run with it, reconciles the abandoned run before it does its own work, so when it
+    returns the run's containers, channel directory and manifest are gone and its receipt
+    says `reconciled`."""
+    workload = deployments["workload"]
+    run = start(host_runs, deployments, tmp_path / "out", "hold", env=watchdog_env(watchdog_dir))
+    run.wait_moment("active")
+    manifest = run.manifest()
+    assert set(run.containers()) == session_roles(())
+    watchdog = watchdog_of(manifest)  # both die, the watchdog unable to act (as above)
+    watchdog.suspend()
+    run.proc.kill()
+    run.proc.wait()
+    watchdog.kill()
+    watchdog.wait(MOMENT_TIMEOUT_S)
+    if operation == "build":
+        proc = run_reploy("build", "--dir", str(workload))
+        assert proc.returncode == 0 and json.loads(proc.stdout)["ok"] is True, proc.stderr
+    else:
+        code, result, _ = run_to_end(deployments, tmp_path / "next", "no-network")
+        assert code == 0 and result["ok"] is True, result
+    # Read at once, not awaited: the operation returned only after reconciling. (On a machine
+    # where other Reploy runs share the engine, another reploy command may have been first:
+    # every one reconciles what it finds abandoned, by label.)
+    receipt = json.loads((workload / ".reploy/incidents" / f"{manifest.run_id}.json").read_text())
+    assert receipt["trigger"] == "reconciled" and receipt["cleanup_succeeded"] is True, receipt
+    assert sorted(receipt["removed"]["containers"]) == sorted(manifest.containers)
+    assert str(workload / ".reploy/sessions" / manifest.run_id) in receipt["removed"]["paths"]
     assert_nothing_left(docker_engine, deployments, manifest.run_id)
 
 
@@ -930,6 +965,11 @@ def test_sandbox_audit(docker_engine: Any, deployments: dict[str, Path], tmp_pat
     assert controller["uid_gid"] == [1000, 1000]
     assert controller["root_write"] == "Read-only file system"
     assert controller["home_write"] == "ok"
+    # The channel socket as the controller found it, before its broker claimed it; HOME in both.
+    assert controller["channel_socket"] == {"type": "socket", "mode": 0o600, "uid": 1000,
+                                            "gid": 1000, "filesystem": None}
+    assert controller["home"] == {"type": "directory", "mode": 0o700, "uid": 1000, "gid": 1000,
+                                  "filesystem": "tmpfs"}
     assert controller["docker_socket"] is False and controller["sees_workload_project"] is False
     assert controller["channel_mount_listing"] == []  # the socket path is gone after the claim
     assert controller["channel_mount_write"] == "Read-only file system"
@@ -944,9 +984,47 @@ def test_sandbox_audit(docker_engine: Any, deployments: dict[str, Path], tmp_pat
     assert "Read-only file system" in workload
     assert "/run/reploy" in workload and "No such file or directory" in workload
     assert "no-client" in workload and "REPLOY_" not in workload and canary not in workload
+    assert "@@home 700 1000:1000@@" in workload and "@@home-fs tmpfs@@" in workload
     run.answer()
     code, result, _ = run.finish()
     assert code == 0 and result["ok"] is True
+
+
+def connect_at(path: Path) -> socket.socket:
+    """A unix stream connection to `path`, through /proc/self/fd (the workload dir may be
+    deeper than sun_path holds)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        sock.connect(f"/proc/self/fd/{dir_fd}/{path.name}")
+    except OSError:
+        sock.close()
+        raise
+    finally:
+        os.close(dir_fd)
+    return sock
+
+
+def test_a_channel_peer_of_another_uid_is_refused_and_the_controller_awaited(
+        docker_engine: Any, deployments: dict[str, Path], tmp_path: Path,
+        host_runs: list[HostRun]) -> None:
+    """While the controller holds off its broker, the test (another uid:gid: root) connects
+    to the channel socket: the host closes that connection, says so on stderr, keeps
+    listening, and takes the controller's own connection when it comes; the session ends ok."""
+    assert (os.getuid(), os.getgid()) != CONTROLLER_UID_GID
+    run = start(host_runs, deployments, tmp_path / "out", "hold-before-broker")
+    run.wait_moment("channel-open")
+    channel = deployments["workload"] / ".reploy/sessions" / run.manifest().run_id / CHANNEL_SOCKET_NAME
+    with connect_at(channel) as intruder:
+        intruder.settimeout(MOMENT_TIMEOUT_S)  # a deadline: the host's answer is to hang up
+        assert intruder.recv(1) == b""
+    assert channel.is_socket()  # still there for the controller
+    run.answer()
+    code, result, stderr = run.finish()
+    assert code == 0 and result["ok"] is True, result
+    assert result["session_result"]["cause"] == "workload-exit"
+    assert (f"refused a channel peer with uid:gid {os.getuid()}:{os.getgid()} "
+            f"(pid {os.getpid()})") in stderr
 
 
 # ---------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ response headers pass; and the CLI's token, server and answer handling."""
 
 from __future__ import annotations
 
+import ast
 import itertools
 import json
 import os
@@ -246,6 +247,147 @@ def test_a_foreign_host_is_named_but_bounded() -> None:
 
 def test_the_policy_keeps_its_secret_out_of_its_repr() -> None:
     assert TOKEN not in repr(POLICY)
+
+
+# -- credentials are compared in constant time ------------------------------------------------
+#
+# How long a refusal takes is not measured (timing is bench's, and noisy); what is proved is
+# the code's shape, read with ast: the credential a request presents and the server's own are
+# used nowhere but as the arguments of same_secret, and same_secret is hmac.compare_digest.
+
+
+def serve_functions() -> dict[str, ast.FunctionDef]:
+    """reploy_serve.py's functions and methods (`name`, `Class.method`)."""
+    tree = ast.parse((ROOT / "reploy_serve.py").read_text())
+    found: dict[str, ast.FunctionDef] = {}
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef):
+            found[node.name] = node
+        elif isinstance(node, ast.ClassDef):
+            found.update((f"{node.name}.{item.name}", item) for item in node.body
+                         if isinstance(item, ast.FunctionDef))
+    return found
+
+
+def is_authorization(node: ast.AST) -> bool:
+    return isinstance(node, ast.Constant) and str(node.value).lower() == "authorization"
+
+
+def reads_authorization(function: ast.FunctionDef) -> bool:
+    """Whether a function reads a request's Authorization header: the name is an argument of a
+    call (`_single_header(headers, "authorization")`, `headers.get(...)`) or a subscript read
+    (`headers["Authorization"]`); the client's own header, set in a dict, is not a read."""
+    for node in ast.walk(function):
+        if isinstance(node, ast.Call) and any(map(is_authorization, node.args)):
+            return True
+        if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) \
+                and is_authorization(node.slice):
+            return True
+    return False
+
+
+def is_constant_time_call(node: ast.AST) -> bool:
+    """`same_secret(...)` or `hmac.compare_digest(...)`."""
+    if not isinstance(node, ast.Call):
+        return False
+    func = node.func
+    return (isinstance(func, ast.Name) and func.id == "same_secret") or (
+        isinstance(func, ast.Attribute) and func.attr == "compare_digest"
+        and isinstance(func.value, ast.Name) and func.value.id == "hmac")
+
+
+def is_server_secret(node: ast.AST) -> bool:
+    """An AccessPolicy's token: `policy.token`, `self.server.policy.token`."""
+    if not (isinstance(node, ast.Attribute) and node.attr == "token"):
+        return False
+    owner = node.value
+    return (isinstance(owner, ast.Name) and owner.id.endswith("policy")) or (
+        isinstance(owner, ast.Attribute) and owner.attr.endswith("policy"))
+
+
+def inside_constant_time_calls(function: ast.AST) -> set[int]:
+    """The ids of every node within the arguments of a constant-time call in `function`."""
+    inside: set[int] = set()
+    for call in filter(is_constant_time_call, ast.walk(function)):
+        for argument in call.args:
+            inside.update(id(node) for node in ast.walk(argument))
+    return inside
+
+
+def bound_from(function: ast.FunctionDef, source: ast.AST) -> set[str]:
+    """The names an assignment in `function` binds from an expression that holds `source`
+    (a node) or reads one of the names bound so (one level: the assignments of a function
+    that reads a header are few and straight)."""
+    names: set[str] = set()
+
+    def targets(assign: ast.Assign) -> set[str]:
+        return {n.id for t in assign.targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+
+    for assign in (n for n in ast.walk(function) if isinstance(n, ast.Assign)):
+        if any(node is source for node in ast.walk(assign.value)):
+            names |= targets(assign)
+    for assign in (n for n in ast.walk(function) if isinstance(n, ast.Assign)):
+        if any(isinstance(n, ast.Name) and n.id in names for n in ast.walk(assign.value)):
+            names |= targets(assign)
+    return names
+
+
+def test_every_credential_comparison_goes_through_same_secret() -> None:
+    functions = serve_functions()
+    # same_secret is hmac.compare_digest of its two arguments, and compares nothing itself.
+    same_secret = functions["same_secret"]
+    [statement] = same_secret.body[1:] if ast.get_docstring(same_secret) else same_secret.body
+    assert isinstance(statement, ast.Return) and is_constant_time_call(statement.value)
+    assert isinstance(statement.value, ast.Call) and statement.value.func.attr == "compare_digest"
+    parameters = {argument.arg for argument in same_secret.args.args}
+    assert parameters == {n.id for argument in statement.value.args for n in ast.walk(argument)
+                          if isinstance(n, ast.Name)}
+    assert not any(isinstance(n, ast.Compare) for n in ast.walk(same_secret))
+    # The server's credential is read in the whole file only as same_secret's argument.
+    tree = ast.parse((ROOT / "reploy_serve.py").read_text())
+    inside = inside_constant_time_calls(tree)
+    secrets_read = [n for n in ast.walk(tree) if is_server_secret(n)]
+    assert secrets_read and all(id(n) in inside for n in secrets_read), [
+        f"line {n.lineno}" for n in secrets_read if id(n) not in inside]
+    # Each function that reads the Authorization header uses what the request presents nowhere
+    # but in that call: no ==, no `in`, no startswith, nothing else sees it.
+    readers = [name for name, function in functions.items() if reads_authorization(function)]
+    assert readers == ["decide_access"]  # a new reader must meet the same rule: add it here
+    for name in readers:
+        function = functions[name]
+        inside = inside_constant_time_calls(function)
+        calls = [n for n in ast.walk(function) if is_constant_time_call(n)]
+        assert calls, f"{name} reads the Authorization header but never calls same_secret"
+        [header_read] = [n for n in ast.walk(function) if is_authorization(n)]
+        header_names = bound_from(function, header_read)
+        presented = {n.id for call in calls for argument in call.args for n in ast.walk(argument)
+                     if isinstance(n, ast.Name) and n.id in header_names}
+        assert presented, f"{name}: same_secret is not given the header's credential"
+        stray = [f"{n.id} on line {n.lineno}" for n in ast.walk(function)
+                 if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n.id in presented
+                 and id(n) not in inside]
+        assert stray == [], f"{name} uses the presented credential outside same_secret"
+
+
+@pytest.mark.parametrize(("given", "expected", "same"), [
+    (TOKEN, TOKEN, True),
+    (TOKEN[:-1] + "y", TOKEN, False),  # the same length, the last character differs
+    ("y" + TOKEN[1:], TOKEN, False),  # the first
+    (TOKEN[:-1], TOKEN, False),  # a prefix
+    (TOKEN + "z", TOKEN, False),  # longer
+    ("", TOKEN, False),
+    ("tökén-" + TOKEN[6:], TOKEN, False),  # non-ASCII, as a header decoded as Latin-1 gives it
+    ("\udcff" + TOKEN[1:], TOKEN, False),  # a lone surrogate
+    ("jeton-é" * 6, "jeton-é" * 6, True),  # non-ASCII on both sides compares by its bytes
+])
+def test_same_secret_answers_by_content(given: str, expected: str, same: bool) -> None:
+    assert reploy_serve.same_secret(given, expected) is same
+
+
+@pytest.mark.parametrize("credential", ["tökén", "\udcff" * 43, TOKEN[:-1] + "é", "ü" * 4000])
+def test_a_non_ascii_credential_is_refused_as_wrong(credential: str) -> None:
+    headers = [("Host", "127.0.0.1:8080"), ("Authorization", f"Bearer {credential}")]
+    assert decide("GET", "/api/v1/sessions", headers) == 401
 
 
 @pytest.mark.parametrize(("text", "split"), [

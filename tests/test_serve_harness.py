@@ -22,9 +22,11 @@ from typing import Any, Callable, Optional
 
 import pytest
 
+import reploy_serve
 from serve_harness import (  # noqa: F401  (fixtures)
     ROOT, Api, ServeProcess, managed_workload, serve_factory, session_containers, wait_until,
 )
+from standin_agent import StandInAgent, control_socket
 
 pytestmark = pytest.mark.docker
 BIG_BYTES = 50 * 1024 * 1024
@@ -261,6 +263,46 @@ def test_hostile_paths_and_archives_write_nothing(serve_factory: Callable[..., S
     assert api.raw("GET", f"/api/v1/sessions/{sid}/files/missing")[0] == 404
     assert sh(api, sid, "find . | sort; find /tmp | sort") == before
     assert sh(api, sid, "cat kept/ok.txt") == "ok\n"
+
+
+def announce_upload(api: Api, sid: str, path: str, size: int) -> tuple[int, dict[str, Any]]:
+    """A PUT whose headers announce `size` bytes, and no byte of the body: the answer must come
+    from the headers alone (a server waiting for the body fails the read's deadline)."""
+    conn = http.client.HTTPConnection(api.host, api.port, timeout=30)
+    try:
+        conn.putrequest("PUT", f"/api/v1/sessions/{sid}/files/{path}")
+        for name, value in {**api.auth_headers, "Content-Type": "application/octet-stream",
+                            "Content-Length": str(size)}.items():
+            conn.putheader(name, value)
+        conn.endheaders()
+        response = conn.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        conn.close()
+
+
+def test_an_upload_announcing_more_than_the_bound_is_refused_before_its_body(
+        serve_factory: Callable[..., ServeProcess], docker_engine: Any) -> None:
+    """More than 8 GiB in Content-Length is 413 from serve itself, before a byte of the body is
+    read: the agent is never asked to open an upload (the stand-in on its control socket
+    relays and records every request), and nothing lands in the session. Exactly the bound
+    passes serve's check and goes on to the agent, whose own free-space check refuses it."""
+    server = serve_factory()
+    api = server.api
+    sid = api.create("too-big")["id"]
+    before = sh(api, sid, "find . | sort")
+    stand = StandInAgent(control_socket(server.state_dir, sid))
+    try:
+        status, document = announce_upload(api, sid, "big.bin", reploy_serve.MAX_UPLOAD_BYTES + 1)
+        assert (status, document) == (413, {
+            "error": f"the body exceeds {reploy_serve.MAX_UPLOAD_BYTES} bytes"})
+        assert not [m for m in stand.methods() if m.startswith("upload")], stand.methods()
+        status, document = announce_upload(api, sid, "big.bin", reploy_serve.MAX_UPLOAD_BYTES)
+        assert status == 507 and "not enough space" in document["error"], (status, document)
+        assert stand.count("upload") == 1
+    finally:
+        stand.close()
+    assert sh(api, sid, "find . | sort") == before
 
 
 def test_files_survive_snapshot_and_restore(serve_factory: Callable[..., ServeProcess],

@@ -12,12 +12,14 @@ from __future__ import annotations
 import base64
 import hashlib
 import http.client
+import io
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -337,4 +339,77 @@ def test_session_cp_from_an_endless_archive_leaves_no_spool_on_a_signal(
     assert list(out.iterdir()) == [] and stdout == b""
     assert b"Traceback" not in stderr
     stand.answers.clear()
+    still_serving(server, sid, bystander)
+
+
+def hostile_tar(*members: tuple[str, bytes, str]) -> bytes:
+    """A tar of (name, type, link target) members, each as written, unchecked: tarfile writes
+    absolute names, `..` and devices as it is told (devices as /dev/null's numbers)."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as archive:
+        for name, kind, link in members:
+            info = tarfile.TarInfo(name)
+            info.type, info.linkname, info.mode = kind, link, 0o644
+            info.devmajor, info.devminor = (1, 3) if kind == tarfile.CHRTYPE else (0, 0)
+            data = b"escaped\n" if kind == tarfile.REGTYPE else b""
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data) if data else None)
+    return buffer.getvalue()
+
+
+def hostile_trees(outside: Path) -> dict[str, tuple[bytes, str]]:
+    """What a hostile session answers for a directory, each with the word the refusal names.
+    Everything that would leave the tree aims at `outside` (beside the destination), so a
+    broken vetting shows there, not somewhere on the machine."""
+    fine = ("fine.txt", tarfile.REGTYPE, "")  # a harmless member first: nothing of it lands
+    return {
+        "an absolute name": (hostile_tar(fine, (f"{outside}/absolute", tarfile.REGTYPE, "")),
+                             "unsafe member name"),
+        "a name with ..": (hostile_tar(fine, ("sub/../../../outside/dotdot", tarfile.REGTYPE, "")),
+                           "unsafe member name"),
+        "a symlink leaving the tree": (hostile_tar(fine, ("link", tarfile.SYMTYPE, str(outside))),
+                                       "leaves the archive's tree"),
+        "a relative symlink leaving it": (hostile_tar(fine, ("link", tarfile.SYMTYPE, "../../outside")),
+                                          "leaves the archive's tree"),
+        "a write through a symlink": (hostile_tar(fine, ("link", tarfile.SYMTYPE, "."),
+                                                  ("link/x", tarfile.REGTYPE, "")),
+                                      "lies below a symlink"),
+        "a device": (hostile_tar(fine, ("null", tarfile.CHRTYPE, "")), "device node"),
+        "a FIFO": (hostile_tar(fine, ("fifo", tarfile.FIFOTYPE, "")), "device node, FIFO"),
+        "a hard link out of the tree": (hostile_tar(fine, ("passwd", tarfile.LNKTYPE, "/etc/passwd")),
+                                        "hard link"),
+    }
+
+
+def test_session_cp_of_a_directory_vets_its_archive_and_writes_nothing(
+        hostile: tuple[ServeProcess, str, str, StandInAgent], tmp_path: Path) -> None:
+    """`session cp ID:DIR DEST` from a session whose agent answers the download with a hostile
+    tar: each is refused whole, exit 1 with one JSON error naming the rule, and nothing is
+    written: not in the destination (no spool, no staging, no member), not beside it."""
+    server, sid, bystander, stand = hostile
+    out, outside = tmp_path / "out", tmp_path / "outside"
+    out.mkdir()
+    outside.mkdir()
+    for what, (archive, complaint) in hostile_trees(outside).items():
+        stand.answers.update({
+            "stat": {"root": "workspace", "path": "d", "entry": DIR_ENTRY},
+            "list": {"root": "workspace", "path": "d", "entry": DIR_ENTRY, "entries": [],
+                     "total": 0, "next_offset": 0},
+            "download": {"transfer_id": TID, "kind": "tar", "size": None, "entry": DIR_ENTRY},
+            "download_read": lambda r, archive=archive: {
+                "transfer_id": TID, "offset": r["params"]["offset"], "next_offset": len(archive),
+                "eof": True, "data_b64": base64.b64encode(archive[r["params"]["offset"]:]).decode()}})
+        proc = subprocess.run([sys.executable, str(ROOT / "reploy.py"), "session", "cp", "--server",
+                               server.ready["url"], f"{sid}:d", str(out)], env=server.client_env(),
+                              capture_output=True, timeout=120)
+        assert proc.returncode == 1, (what, proc.stdout, proc.stderr)
+        document = json.loads(proc.stdout)
+        assert set(document) == {"error", "status"} and document["status"] is None, (what, document)
+        assert document["error"].startswith(f"{sid}:d: refused: ") and complaint in document["error"], \
+            (what, document)
+        assert b"Traceback" not in proc.stderr
+        assert stand.count("download") >= 1, what  # the archive was served, and vetted here
+        assert list(out.iterdir()) == [] and list(outside.iterdir()) == [], what
+        assert sorted(tmp_path.iterdir()) == [out, outside], what
+        stand.answers.clear()
     still_serving(server, sid, bystander)

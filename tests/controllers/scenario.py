@@ -17,6 +17,7 @@ import os
 import re
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import traceback
@@ -485,10 +486,23 @@ def no_network(session, report):
     return session.finish()
 
 
-def audit(session, report):
-    """Collect the sandbox facts from inside both containers, then let the test inspect."""
+def hold_before_broker(session, report):
+    """Tell the test the channel is open, wait for its go, and only then start the broker (a
+    peer of the test's own may meanwhile try the channel); end by the workload's exit."""
+    tell_test("channel-open")
+    wait_for_test()
     session.start()
+    session.run("echo active")
+    session.type("exit 0\n")
+    return session.finish()
+
+
+def audit(session, report):
+    """Collect the sandbox facts from inside both containers, then let the test inspect. The
+    channel socket is looked at first: the host unlinks it once the broker has claimed it."""
     facts = report.setdefault("controller", {})
+    facts["channel_socket"] = entry_facts(os.environ["REPLOY_SESSION_SOCKET"])
+    session.start()
     status = open("/proc/self/status").read()
     facts["status"] = {k: v.strip() for k, v in (l.split(":", 1) for l in status.splitlines())
                        if k in ("CapEff", "CapBnd", "CapPrm", "NoNewPrivs", "Seccomp")}
@@ -496,6 +510,7 @@ def audit(session, report):
     facts["environ"] = dict(os.environ)
     facts["root_write"] = try_write("/etc/reploy-probe")
     facts["home_write"] = try_write(os.path.join(os.environ["HOME"], "probe"))
+    facts["home"] = entry_facts(os.environ["HOME"])
     facts["docker_socket"] = os.path.exists("/var/run/docker.sock")
     facts["sees_workload_project"] = os.path.exists("/project")
     facts["channel_mount_listing"] = os.listdir("/run/reploy/session")  # unlinked once claimed
@@ -504,9 +519,22 @@ def audit(session, report):
         "grep -E '^(CapEff|CapBnd|CapPrm|NoNewPrivs|Seccomp):' /proc/self/status; id -u; id -g; "
         "touch /etc/reploy-probe 2>&1 | head -c 200; echo; ls /run/reploy 2>&1; "
         "ls -d /mnt/reploy-output* 2>&1; command -v reploy-session-client || echo no-client; "
-        "ls /var/run/docker.sock 2>&1; env")
+        "ls /var/run/docker.sock 2>&1; stat -c '@@home %a %u:%g@@' \"$HOME\"; "
+        "stat -f -c '@@home-fs %T@@' \"$HOME\"; env")
     report["workload_output"] = output.decode(errors="replace")
     return report_and_hold(session, report, "audit-ready")
+
+
+def entry_facts(path):
+    """What the kernel says of a path, not following a link: its type, permission bits,
+    owner and, for a mount point, the type of its filesystem."""
+    info = os.lstat(path)
+    kind = ("socket" if stat.S_ISSOCK(info.st_mode) else "directory" if stat.S_ISDIR(info.st_mode)
+            else "other")
+    mounts = [line.split(" - ")[1].split()[0] for line in read_text("/proc/self/mountinfo").splitlines()
+              if line.split()[4] == path]
+    return {"type": kind, "mode": stat.S_IMODE(info.st_mode), "uid": info.st_uid,
+            "gid": info.st_gid, "filesystem": mounts[-1] if mounts else None}
 
 
 def try_write(path):
@@ -568,7 +596,7 @@ SCENARIOS = {
     "output-file": output_file, "serve": serve, "isolation": isolation,
     "no-network": no_network,
     "audit": audit, "hostile": hostile, "stall-output": stall_output, "exit-code": exit_code,
-    "rogue-handover": rogue_handover,
+    "rogue-handover": rogue_handover, "hold-before-broker": hold_before_broker,
 }
 
 
