@@ -37,6 +37,7 @@ LABEL_RUN = "io.reploy.session.live-run"
 LABEL_WORKLOAD_DIR = "io.reploy.session.workload-dir"
 LABEL_STATE_DIR = "io.reploy.serve.state-dir"
 LABEL_DEPLOYMENT = "io.reploy.deployment"
+LABEL_DERIVED_BASE = "io.reploy.derived.base-image"
 #: How deep below the base temp dir a staged deployment's state file is looked for.
 STAGED_STATE_MAX_DEPTH = 6
 #: Where this run's `serve` processes keep their state (tests/serve_harness.py): short, for the
@@ -289,10 +290,14 @@ def remove_built_images(client: Any, deployment_ids: set[str]) -> None:
     from them (they carry the same label): a test run leaves no images of its own behind."""
     import docker.errors
 
-    for image in client.api.images(filters={"label": LABEL_DEPLOYMENT}):
-        if (image.get("Labels") or {}).get(LABEL_DEPLOYMENT) in deployment_ids:
-            with contextlib.suppress(docker.errors.APIError):  # gone, or still in use
-                client.api.remove_image(image["Id"], force=True)
+    # A derived controller image is a child of its controller's: the engine refuses to remove a
+    # parent before its children (409 even with force), so derived images go first.
+    ours = [image for image in client.api.images(filters={"label": LABEL_DEPLOYMENT})
+            if (image.get("Labels") or {}).get(LABEL_DEPLOYMENT) in deployment_ids]
+    ours.sort(key=lambda image: LABEL_DERIVED_BASE not in (image.get("Labels") or {}))
+    for image in ours:
+        with contextlib.suppress(docker.errors.APIError):  # gone, or still in use
+            client.api.remove_image(image["Id"], force=True)
 
 
 @pytest.fixture
