@@ -341,7 +341,21 @@ def sweep(bench: Bench) -> list[str]:
         for container in bench.backend.client.containers.list(all=True, filters=container_filter):
             left.append(f"container {container.short_id} {container.labels}")
             container.remove(force=True)
+    remove_built_images(bench)
     return left
+
+
+def remove_built_images(bench: Bench) -> None:
+    """The images the run built (its two deployments, and the derived controller images made
+    from them, which carry the same label): a run leaves none behind. Derived images go first:
+    the engine refuses to remove a parent before its children."""
+    reploy = bench.reploy
+    ids = {reploy.load_deployment(d).deployment_id for d in (bench.controller_dir, bench.workload_dir)}
+    images = [image for image in bench.backend.api.images(filters={"label": reploy.LABEL_DEPLOYMENT})
+              if (image.get("Labels") or {}).get(reploy.LABEL_DEPLOYMENT) in ids]
+    images.sort(key=lambda image: reploy.LABEL_DERIVED_BASE not in (image.get("Labels") or {}))
+    for image in images:
+        bench.backend.api.remove_image(image["Id"], force=True)
 
 
 # ============================================================================================
