@@ -3408,22 +3408,35 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
         if self.command != "HEAD":  # a HEAD answer is the headers alone
             self.wfile.write(data)
 
-    def send_json_pieces(self, status: int, pieces: Iterable[bytes]) -> None:
-        """A JSON answer sent piece by piece as it is encoded: chunked (HTTP/1.1), else ended
-        by closing the connection."""
+    def send_unsized_headers(self) -> bool:
+        """The framing header of a body whose length is not known up front, then the end of the
+        headers: chunked on HTTP/1.1 (a body that ends without its last chunk is then visibly
+        incomplete to the client), else ended by closing the connection. True when chunked;
+        write the body with write_piece and end it with end_pieces."""
         chunked = self.request_version == "HTTP/1.1"
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Cache-Control", "no-store")
         self.send_header("Transfer-Encoding" if chunked else "Connection",
                          "chunked" if chunked else "close")
         self.end_headers()
         self.close_connection = self.close_connection or not chunked
-        for piece in pieces:
-            if piece:
-                self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece) if chunked else piece)
+        return chunked
+
+    def write_piece(self, data: bytes, chunked: bool) -> None:
+        if data:
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data) if chunked else data)
+
+    def end_pieces(self, chunked: bool) -> None:
         if chunked:
             self.wfile.write(b"0\r\n\r\n")
+
+    def send_json_pieces(self, status: int, pieces: Iterable[bytes]) -> None:
+        """A JSON answer sent piece by piece as it is encoded."""
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Cache-Control", "no-store")
+        chunked = self.send_unsized_headers()
+        for piece in pieces:
+            self.write_piece(piece, chunked)
+        self.end_pieces(chunked)
 
     def serve_static(self, method: str, path: str) -> None:
         if path == "/api/v1/openapi.json":
@@ -3603,19 +3616,23 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
         self.send_response(200)
         self.send_header("Content-Type", "application/x-tar" if opened["kind"] == "tar"
                          else "application/octet-stream")
-        if opened["size"] is not None:
-            self.send_header("Content-Length", str(opened["size"]))
-        else:
-            self.send_header("Connection", "close")
-            self.close_connection = True
         self.send_header("Content-Disposition",
                          f"attachment; filename*=UTF-8''{urllib.parse.quote(name)}")
         self.send_header("Cache-Control", "no-store")
-        self.end_headers()  # adds nosniff and the sandbox, as on every answer
+        # A file has its size; a tar is made while it is sent, so a failure past the first
+        # chunk (the session's disk filling up, say) can only end it short: chunked, it ends
+        # without its last chunk, which any HTTP client reports as an incomplete transfer.
+        chunked = False
+        if opened["size"] is not None:
+            self.send_header("Content-Length", str(opened["size"]))
+            self.end_headers()  # adds nosniff and the sandbox, as on every answer
+        else:
+            chunked = self.send_unsized_headers()
         try:
-            self.wfile.write(first)
+            self.write_piece(first, chunked)
             for chunk in chunks:
-                self.wfile.write(chunk)
+                self.write_piece(chunk, chunked)
+            self.end_pieces(chunked)
         except (ReployError, OSError) as e:  # the headers are out: end the body short instead
             log(f"serve: download of {path!r} from session {sid} ended early: {e}")
             self.close_connection = True
@@ -3632,18 +3649,15 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
         if not has_container(record):
             raise Unprocessable("the session is a snapshot and has no container to stream from: "
                                 "read, write or switch restores it")
-        chunked = self.request_version == "HTTP/1.1"
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache, no-transform")
         self.send_header("X-Accel-Buffering", "no")
-        self.send_header("Transfer-Encoding" if chunked else "Connection",
-                         "chunked" if chunked else "close")
-        self.end_headers()
+        chunked = self.send_unsized_headers()
         self.close_connection = True
 
         def send(data: bytes) -> None:
-            self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data) if chunked else data)
+            self.write_piece(data, chunked)
             self.wfile.flush()
 
         def connected() -> bool:  # a client that went away shows as readable at end of file
@@ -3652,8 +3666,7 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
 
         send(SSE_CONNECTED)
         self.manager.follow_output(record, cursor, send, connected)
-        if chunked:
-            self.wfile.write(b"0\r\n\r\n")
+        self.end_pieces(chunked)
 
 
 # ============================================================================================
@@ -4219,7 +4232,10 @@ def copy_files(client: ApiClient, source: tuple[Optional[str], str, str],
     destination stdout (a file's bytes, a directory's tar)."""
     if source[0] is not None:
         session_id, root, path = source
-        return copy_from_session(client, session_id, root, path, destination[2])
+        try:
+            return copy_from_session(client, session_id, root, path, destination[2])
+        except http.client.HTTPException as e:  # a tar the server had to end short, say
+            raise ReployError(f"{session_id}:{path}: the download ended early ({e!r})") from e
     assert destination[0] is not None
     session_id, root, path = destination
     return copy_to_session(client, source[2], session_id, root, path)

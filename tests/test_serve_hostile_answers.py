@@ -180,6 +180,54 @@ def test_a_download_size_cannot_write_headers(
     still_serving(server, sid, bystander)
 
 
+def test_a_tar_that_fails_after_its_first_chunk_ends_visibly_incomplete(
+        hostile: tuple[ServeProcess, str, str, StandInAgent], tmp_path: Path) -> None:
+    """A directory's tar is made while it is sent, so a failure past its first chunk (here the
+    session's disk filling up) comes after the 200: the body is chunked and ends without its
+    last chunk, which the client sees as an incomplete transfer, never as a whole tar."""
+    server, sid, bystander, stand = hostile
+    first = b"t" * 1024
+
+    def read(request: dict[str, Any]) -> Any:
+        if request["params"]["offset"] == 0:
+            return {"transfer_id": TID, "offset": 0, "next_offset": len(first), "eof": False,
+                    "data_b64": base64.b64encode(first).decode()}
+        return json.dumps({"id": request["id"], "error": {
+            "code": "disk_full", "message": "not enough space on the session's disk"}}).encode() + b"\n"
+
+    stand.answers.update({
+        "download": {"transfer_id": TID, "kind": "tar", "size": None, "entry": DIR_ENTRY},
+        "download_read": read})
+    connection = http.client.HTTPConnection(server.api.host, server.api.port, timeout=30)
+    try:
+        connection.request("GET", f"/api/v1/sessions/{sid}/files/d",
+                           headers={"Authorization": f"Bearer {server.ready['token']}"})
+        response = connection.getresponse()
+        assert response.status == 200 and response.getheader("Transfer-Encoding") == "chunked"
+        assert response.getheader("Content-Type") == "application/x-tar"
+        with pytest.raises(http.client.IncompleteRead) as cut:
+            response.read()
+        assert cut.value.partial == first
+    finally:
+        connection.close()
+    assert "ended early" in server.stderr and "not enough space" in server.stderr
+    # `session cp` says so in one error and keeps nothing of the cut tar.
+    out = tmp_path / "out"
+    out.mkdir()
+    stand.answers.update({
+        "stat": {"root": "workspace", "path": "d", "entry": DIR_ENTRY},
+        "list": {"root": "workspace", "path": "d", "entry": DIR_ENTRY, "entries": [], "total": 0,
+                 "next_offset": 0}})
+    proc = subprocess.run([sys.executable, str(ROOT / "reploy.py"), "session", "cp", "--server",
+                           server.ready["url"], f"{sid}:d", str(out)], env=server.client_env(),
+                          capture_output=True, timeout=120)
+    assert proc.returncode == 1 and b"Traceback" not in proc.stderr, proc.stderr
+    assert "the download ended early" in json.loads(proc.stdout)["error"]
+    assert list(out.iterdir()) == []
+    stand.answers.clear()
+    still_serving(server, sid, bystander)
+
+
 def test_an_entry_name_cannot_reach_another_session(
         hostile: tuple[ServeProcess, str, str, StandInAgent]) -> None:
     """Attack 2 at the API: a listing that names `../../OTHER/files/drop` is refused whole, so
