@@ -2235,11 +2235,11 @@ def sweep_lost_disks(disks_dir: Path) -> None:
                 for point in [point for point, source in table if source == device][::-1]:
                     _run_disk_tool(["umount", point], f"unmount {point}")
                 _run_disk_tool(["losetup", "-d", device], f"detach {device}")
-    for image in disks_dir.glob(".probe-*.img"):
-        pid = image.stem.removeprefix(".probe-")
+    for probe in {path.name.removesuffix(".img") for path in disks_dir.glob(".probe-*")}:
+        pid = probe.removeprefix(".probe-")
         if pid.isdigit() and not psutil.pid_exists(int(pid)):
             with contextlib.suppress(SessionDiskError, OSError):
-                remove_session_disk(image, disks_dir / image.stem)
+                remove_session_disk(disks_dir / f"{probe}.img", disks_dir / probe)
 
 
 def probe_session_disks(disks_dir: Path) -> None:

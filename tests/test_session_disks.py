@@ -134,3 +134,20 @@ def test_an_image_still_attached_is_never_unlinked(tmp_path: Path) -> None:
     reploy_serve.remove_session_disk(image, mount_point)
     assert not image.exists() and session_disk_loops(str(tmp_path)) == []
     assert session_disk_mounts(str(tmp_path)) == []
+
+
+@as_root
+def test_a_start_sweeps_what_an_older_serve_or_a_crash_left(tmp_path: Path) -> None:
+    """Issue 26, item 4, as main left it with a symlinked state dir: a probe disk still mounted
+    on its unlinked image. The start's sweep unmounts and detaches it and removes its mount point."""
+    child = subprocess.Popen(["true"])
+    child.wait()
+    gone_pid = child.pid  # reaped: gone
+    name = f".probe-{gone_pid}"
+    image, mount_point = tmp_path / f"{name}.img", tmp_path / name
+    reploy_serve.make_session_disk(image, mount_point, reploy_serve.MIN_SESSION_DISK_MIB, RUNTIME)
+    image.unlink()  # what main's remove_session_disk did when it failed to match the mount
+    assert session_disk_mounts(str(tmp_path)) == [str(mount_point)]
+    reploy_serve.sweep_lost_disks(tmp_path)
+    assert session_disk_mounts(str(tmp_path)) == [] and session_disk_loops(str(tmp_path)) == []
+    assert list(tmp_path.iterdir()) == []
