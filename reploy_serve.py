@@ -131,6 +131,9 @@ SESSION_DISK_MARGIN_MIB = 1
 SESSION_DISK_TOOL_TIMEOUT_S = 120.0
 #: Serializes admission (the free-space check and the new image) among the serves of a state dir.
 ADMISSION_LOCK_NAME = ".admission.lock"
+#: How long a removal waits for the kernel to let a disk's loop device go, looking this often.
+LOOP_DETACH_TIMEOUT_S = 30.0
+LOOP_DETACH_POLL_S = 0.01
 #: Test only: a serve started with this variable naming a DiskStep stops itself (SIGSTOP) when a
 #: session's disk reaches that step, so a test can SIGKILL it exactly there (tests/test_disk_crashes.py).
 DISK_STEP_STOP_ENV = "REPLOY_TEST_STOP_AT_DISK_STEP"
@@ -2191,17 +2194,27 @@ def make_session_disk(image: Path, mount_point: Path, size_mib: int, runtime: Ru
 
 
 def _detach_unmounted_loops(image: Path) -> None:
-    """The loop devices still attached to the image with nothing mounted from them (a crash
-    between attach and mount) detached; one still mounted anywhere is a SessionDiskError."""
-    table = mount_table()
-    for device in [loop for loop, backing in loop_devices() if backing == str(image)]:
-        points = [point for point, source in table if source == device]
-        if points:
-            raise SessionDiskError(f"the disk image {image} is still mounted at {', '.join(points)}; "
+    """Waits until no loop device holds the image: the kernel lets one go after its unmount
+    (autoclear) at its own pace, and one a crash left with nothing mounted from it is detached
+    here. A loop device still mounted anywhere is a SessionDiskError, as is one that outlives
+    LOOP_DETACH_TIMEOUT_S."""
+    deadline = time.monotonic() + LOOP_DETACH_TIMEOUT_S
+    detached: set[str] = set()
+    while attached := [loop for loop, backing in loop_devices() if backing == str(image)]:
+        table = mount_table()
+        for device in attached:
+            points = [point for point, source in table if source == device]
+            if points:
+                raise SessionDiskError(f"the disk image {image} is still mounted at {', '.join(points)}; "
+                                       "it is kept")
+            if device not in detached:
+                detached.add(device)
+                with contextlib.suppress(SessionDiskError):  # one being let go already refuses
+                    _run_disk_tool(["losetup", "-d", device], f"detach {device} from {image}")
+        if time.monotonic() >= deadline:
+            raise SessionDiskError(f"the disk image {image} is still attached to {', '.join(attached)}; "
                                    "it is kept")
-        _run_disk_tool(["losetup", "-d", device], f"detach {device} from {image}")
-    if any(backing == str(image) for _, backing in loop_devices()):
-        raise SessionDiskError(f"the disk image {image} is still attached to a loop device; it is kept")
+        time.sleep(LOOP_DETACH_POLL_S)
 
 
 def remove_session_disk(image: Path, mount_point: Path) -> None:
