@@ -4592,7 +4592,9 @@ def build_parser() -> ArgumentParser:
     serve.add_argument("--sse-keepalive", default=format_duration(DEFAULT_SSE_KEEPALIVE_MS),
                        metavar="DURATION")
     serve.add_argument("--max-sessions", type=int, default=DEFAULT_MAX_SESSIONS)
-    serve.add_argument("--min-free-mib", type=int, default=DEFAULT_MIN_FREE_MIB)
+    serve.add_argument("--min-free-mib", type=int, default=DEFAULT_MIN_FREE_MIB, metavar="MIB",
+                       help="kept free on the state dir's file system for serve's store and logs, beyond "
+                            f"what the session disks may still take (default {DEFAULT_MIN_FREE_MIB})")
     serve.add_argument("--session-disk-mib", type=int, default=DEFAULT_SESSION_DISK_MIB, metavar="MIB",
                        help="each session's disk quota: everything it writes on the host (default "
                             f"{DEFAULT_SESSION_DISK_MIB}, at least {MIN_SESSION_DISK_MIB}; needs root)")
