@@ -2660,7 +2660,8 @@ class SessionManager:
         removed. A disk that cannot be mounted is logged; that session's next launch says why.
         The images are listed before the records: a record is made before its image, so an image
         seen here without a record has none. A session being created or deleted is left to
-        reconcile, which finishes or undoes it; what no session can use is swept first."""
+        reconcile, which finishes or undoes it; what no session can use is swept first. Disks
+        that promise more than the host holds (an older serve's) are logged."""
         sweep_lost_disks(self.config.disks_dir)
         images = [image for image in self.config.disks_dir.glob("*.img")
                   if _SESSION_ID.fullmatch(image.stem)]
@@ -2679,6 +2680,13 @@ class SessionManager:
                 self._mount_disk(record.id)
             except ServeError as e:
                 log(f"serve: session {record.id}: {e}")
+        disks, promised = disk_promises(self.config.disks_dir)
+        free = shutil.disk_usage(self.config.disks_dir).free
+        if free - promised < self.config.min_free_bytes:  # disks an older serve overcommitted
+            log(f"serve: the {disks} session disks here may still take {promised >> 20} MiB, and "
+                f"{free >> 20} MiB are free: less than --min-free-mib "
+                f"({self.config.min_free_bytes >> 20} MiB) would be left; every create is refused "
+                "(507) until enough sessions are deleted")
 
     def delete(self, session_id: str) -> None:
         with self.leased(session_id) as lease:

@@ -29,7 +29,8 @@ from serve_harness import (  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.docker
 
-CREATE_STEPS = (reploy_serve.DiskStep.IMAGE_MADE, reploy_serve.DiskStep.FS_MADE, reploy_serve.DiskStep.MOUNTED)
+CREATE_STEPS = (reploy_serve.DiskStep.IMAGE_MADE, reploy_serve.DiskStep.FS_MADE,
+                reploy_serve.DiskStep.MOUNTED)
 
 
 def records(state_dir: Path) -> list[tuple[str, str]]:
@@ -44,7 +45,8 @@ def assert_nothing_left_of(state_dir: Path, sid: str) -> None:
     assert not (state_dir / "sessions" / sid).exists()
     canonical = str(state_dir.resolve())
     assert [p for p in session_disk_mounts(canonical + "/") if sid in p] == []
-    assert [d for d in session_disk_loops(canonical + "/") if sid in (reploy_serve.loop_backing_file(d) or "")] == []
+    assert [d for d in session_disk_loops(canonical + "/")
+            if sid in (reploy_serve.loop_backing_file(d) or "")] == []
 
 
 def assert_works(api: Api) -> None:
@@ -83,7 +85,8 @@ def test_a_symlinked_state_dir_leaks_no_mount_and_every_create_works(
     assert session_disk_mounts(f"{real}/") == [str(real / "sessions" / sid)]
     assert reploy_serve.loop_backing_file(reploy_serve.mounted_device(real / "sessions" / sid)) == str(
         real / "disks" / f"{sid}.img")
-    assert [c.labels["io.reploy.serve.state-dir"] for c in session_containers(docker_engine, real)] == [str(real)]
+    labels = [c.labels["io.reploy.serve.state-dir"] for c in session_containers(docker_engine, real)]
+    assert labels == [str(real)]
     server.api.call("DELETE", f"/sessions/{sid}", expect=204)
     assert_nothing_left_of(symlinked_state_dir, sid)
     assert session_disk_mounts(f"{real}/") == [] and session_disk_loops(f"{real}/") == []
