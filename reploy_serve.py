@@ -129,6 +129,14 @@ SESSION_DISK_RESERVED_PERCENT = 5
 #: blocks for the image file (extent tree). Documented in the README; tests measure it.
 SESSION_DISK_MARGIN_MIB = 1
 SESSION_DISK_TOOL_TIMEOUT_S = 120.0
+#: Serializes admission (the free-space check and the new image) among the serves of a state dir.
+ADMISSION_LOCK_NAME = ".admission.lock"
+#: How long a removal waits for the kernel to let a disk's loop device go, looking this often.
+LOOP_DETACH_TIMEOUT_S = 30.0
+LOOP_DETACH_POLL_S = 0.01
+#: Test only: a serve started with this variable naming a DiskStep stops itself (SIGSTOP) when a
+#: session's disk reaches that step, so a test can SIGKILL it exactly there (tests/test_disk_crashes.py).
+DISK_STEP_STOP_ENV = "REPLOY_TEST_STOP_AT_DISK_STEP"
 #: mkfs.ext4, mount and umount run with this environment only.
 SESSION_DISK_TOOL_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL": "C"}
 
@@ -140,6 +148,9 @@ DEFAULT_SNAPSHOT_AFTER_MS = 60 * 60_000
 DEFAULT_MAX_BUSY_MS = 24 * 60 * 60_000
 DEFAULT_SSE_KEEPALIVE_MS = 15_000
 DEFAULT_MAX_SESSIONS = 64
+#: What a create refused at --max-sessions tells its client to wait (Retry-After): a session
+#: ends when its user deletes it, so this is a polling pace, not a promise.
+LIMIT_RETRY_AFTER_S = 30
 DEFAULT_MIN_FREE_MIB = 64
 #: A lease outlives any one lifecycle step; long waits renew it.
 LEASE_TTL_S = 60.0
@@ -320,9 +331,12 @@ class Unprocessable(ServeError):
 
 
 class TooManyRequests(ServeError):
-    """A bounded queue is full, or the session limit is reached."""
+    """A bounded queue is full, or the session limit is reached: try again later."""
 
     status = 429
+
+    def response_headers(self) -> dict[str, str]:
+        return {"Retry-After": str(LIMIT_RETRY_AFTER_S)}
 
 
 class ServiceUnavailable(ServeError):
@@ -1972,10 +1986,78 @@ def _camel_keys(result: dict[str, Any]) -> dict[str, Any]:
 # starts (after a reboot, or when someone unmounted one), and `_launch` makes sure before a
 # container starts. An exclusive flock on the image keeps two serves from mounting it twice.
 # Mounting needs root: serve refuses to start when it cannot mount a probe disk.
+#
+# Admission. The images are sparse, so the host must still have room for what each may yet
+# write: a new disk is admitted (under ADMISSION_LOCK_NAME, its image made before the lock is let
+# go) only when the state dir's free space, less the unwritten part of every image there, less
+# --min-free-mib kept for serve's store and logs, holds the new quota (admission_refusal). What
+# sessions write then only turns promised space into used space: no session can fill the host,
+# and the store stays writable.
+#
+# Identity. The kernel names mounts and loop backing files by canonical paths: serve resolves
+# its state dir once at start (SessionManager), so a state dir reached through a symlink
+# matches. An image is unlinked only once no loop device is attached to it, and a mount point
+# removed only once nothing is mounted on it; a start repairs what a crash left (mount_disks).
 
 
 class SessionDiskError(ReployError):
     """A session's disk cannot be made, mounted or unmounted."""
+
+
+class DiskStep(enum.Enum):
+    """The points of a disk's life a crash may fall between (see DISK_STEP_STOP_ENV)."""
+
+    IMAGE_MADE = "image_made"  # the image file, no file system on it yet
+    FS_MADE = "fs_made"  # ext4 on it, not mounted
+    MOUNTED = "mounted"  # mounted and laid out, no container yet
+    REMOVING = "removing"  # the session's containers gone, its disk still mounted
+    UNMOUNTED = "unmounted"  # unmounted, the image still there
+    IMAGE_REMOVED = "image_removed"  # the image gone, its mount point still there
+
+
+def _reached(step: DiskStep, image: Path) -> None:
+    """Test only (DISK_STEP_STOP_ENV): a session's disk at `step` stops this serve there."""
+    if os.environ.get(DISK_STEP_STOP_ENV) == step.value and _SESSION_ID.fullmatch(image.stem):
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def admission_refusal(free: int, promised: int, disks: int, reserve: int, quota: int) -> Optional[str]:
+    """Why the host cannot promise a new disk of `quota` bytes (plus SESSION_DISK_MARGIN_MIB),
+    or None: `free` bytes free, `promised` of them still owed to `disks` images, `reserve`
+    kept for serve itself. Pure."""
+    if free - promised - reserve >= quota + (SESSION_DISK_MARGIN_MIB << 20):
+        return None
+    mib = 1024 * 1024
+    return (f"no room for another session's {quota // mib} MiB disk: the state dir's file system "
+            f"has {free // mib} MiB free, {promised // mib} MiB of it promised to the {disks} "
+            f"session disks there, and {reserve // mib} MiB kept for serve's store and logs "
+            "(--min-free-mib)")
+
+
+def disk_promises(disks_dir: Path) -> tuple[int, int]:
+    """(images in disks_dir, bytes they may still take from the host): each one's size plus
+    SESSION_DISK_MARGIN_MIB, less what it holds already."""
+    disks = promised = 0
+    for image in disks_dir.glob("*.img"):
+        try:
+            facts = image.lstat()
+        except FileNotFoundError:
+            continue
+        disks += 1
+        promised += max(0, facts.st_size + (SESSION_DISK_MARGIN_MIB << 20) - facts.st_blocks * 512)
+    return disks, promised
+
+
+@contextlib.contextmanager
+def admission_lock(disks_dir: Path) -> Iterator[None]:
+    """Held from the free-space check to the new image: two creates cannot promise one space."""
+    fd = os.open(disks_dir / ADMISSION_LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def _run_disk_tool(argv: list[str], what: str) -> None:
@@ -1994,29 +2076,41 @@ def _unescape_mountinfo(text: str) -> str:
     return re.sub(r"\\([0-7]{3})", lambda match: chr(int(match.group(1), 8)), text)
 
 
-def mounted_device(mount_point: Path, mountinfo: Optional[str] = None) -> Optional[str]:
-    """The source of the file system mounted at exactly mount_point (the topmost one), from
-    /proc/self/mountinfo; None when nothing is."""
+def mount_table(mountinfo: Optional[str] = None) -> list[tuple[str, str]]:
+    """(mount point, source) of every mount, in /proc/self/mountinfo's order (the last of one
+    point is its topmost)."""
     if mountinfo is None:
         mountinfo = Path("/proc/self/mountinfo").read_text()
-    device = None
+    table = []
     for line in mountinfo.splitlines():
         fields = line.split(" ")
-        if len(fields) > 4 and "-" in fields and _unescape_mountinfo(fields[4]) == str(mount_point):
+        if len(fields) > 4 and "-" in fields:
             tail = fields[fields.index("-") + 1:]
-            device = _unescape_mountinfo(tail[1]) if len(tail) > 1 else ""
-    return device
+            table.append((_unescape_mountinfo(fields[4]),
+                          _unescape_mountinfo(tail[1]) if len(tail) > 1 else ""))
+    return table
+
+
+def mounted_device(mount_point: Path, mountinfo: Optional[str] = None) -> Optional[str]:
+    """The source of the file system mounted at exactly mount_point (the topmost one); None
+    when nothing is."""
+    sources = [source for point, source in mount_table(mountinfo) if point == str(mount_point)]
+    return sources[-1] if sources else None
+
+
+def loop_devices() -> list[tuple[str, str]]:
+    """(/dev/loopN, its backing file as the kernel names it: canonical, " (deleted)" once
+    unlinked) of every attached loop device."""
+    devices = []
+    for backing in sorted(Path("/sys/block").glob("loop*/loop/backing_file")):
+        with contextlib.suppress(OSError):
+            devices.append((f"/dev/{backing.parent.parent.name}", backing.read_text().rstrip("\n")))
+    return devices
 
 
 def loop_backing_file(device: str) -> Optional[str]:
     """The file a loop device (/dev/loopN) is backed by, None for any other device."""
-    match = re.fullmatch(r"/dev/(loop[0-9]+)", device)
-    if match is None:
-        return None
-    try:
-        return Path(f"/sys/block/{match.group(1)}/loop/backing_file").read_text().rstrip("\n")
-    except OSError:
-        return None
+    return next((backing for loop, backing in loop_devices() if loop == device), None)
 
 
 @contextlib.contextmanager
@@ -2063,20 +2157,26 @@ def unmount_session_disk(image: Path, mount_point: Path) -> None:
         _run_disk_tool(["umount", str(mount_point)], f"unmount the session disk {mount_point}")
 
 
-def make_session_disk(image: Path, mount_point: Path, size_mib: int, runtime: Runtime) -> None:
-    """A new session's disk: a sparse image of size_mib, ext4 made on it, mounted, and laid out:
-    the root root's and 0755, `agent/` root's and 0700, `workspace/` the runtime user's and 0700."""
+def make_session_image(image: Path, size_bytes: int) -> None:
+    """The sparse image file of a new disk (see admission for the space it is promised)."""
     try:
         fd = os.open(image, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     except OSError as e:
         raise SessionDiskError(f"cannot make the session's disk image {image}: {e.strerror}") from e
     try:
-        os.ftruncate(fd, size_mib * 1024 * 1024)
+        os.ftruncate(fd, size_bytes)
     finally:
         os.close(fd)
+    _reached(DiskStep.IMAGE_MADE, image)
+
+
+def format_session_disk(image: Path, mount_point: Path, runtime: Runtime) -> None:
+    """ext4 made on a new image, mounted, and laid out: the root root's and 0755, `agent/`
+    root's and 0700, `workspace/` the runtime user's and 0700."""
     _run_disk_tool(["mkfs.ext4", "-q", "-F", "-L", "reploy-session", "-m", str(SESSION_DISK_RESERVED_PERCENT),
                     "-E", "lazy_itable_init=1,lazy_journal_init=1,root_owner=0:0", str(image)],
                    f"make the file system of {image}")
+    _reached(DiskStep.FS_MADE, image)
     mount_session_disk(image, mount_point)
     os.chmod(mount_point, 0o755)
     (mount_point / "lost+found").rmdir()  # e2fsck makes it again if it ever needs one
@@ -2084,15 +2184,75 @@ def make_session_disk(image: Path, mount_point: Path, size_mib: int, runtime: Ru
     workspace = mount_point / "workspace"
     workspace.mkdir(mode=0o700)
     os.chown(workspace, runtime.uid, runtime.gid)
+    _reached(DiskStep.MOUNTED, image)
+
+
+def make_session_disk(image: Path, mount_point: Path, size_mib: int, runtime: Runtime) -> None:
+    """A new disk of size_mib, made, mounted and laid out (format_session_disk)."""
+    make_session_image(image, size_mib * 1024 * 1024)
+    format_session_disk(image, mount_point, runtime)
+
+
+def _detach_unmounted_loops(image: Path) -> None:
+    """Waits until no loop device holds the image: the kernel lets one go after its unmount
+    (autoclear) at its own pace, and one a crash left with nothing mounted from it is detached
+    here. A loop device still mounted anywhere is a SessionDiskError, as is one that outlives
+    LOOP_DETACH_TIMEOUT_S."""
+    deadline = time.monotonic() + LOOP_DETACH_TIMEOUT_S
+    detached: set[str] = set()
+    while attached := [loop for loop, backing in loop_devices() if backing == str(image)]:
+        table = mount_table()
+        for device in attached:
+            points = [point for point, source in table if source == device]
+            if points:
+                raise SessionDiskError(f"the disk image {image} is still mounted at {', '.join(points)}; "
+                                       "it is kept")
+            if device not in detached:
+                detached.add(device)
+                with contextlib.suppress(SessionDiskError):  # one being let go already refuses
+                    _run_disk_tool(["losetup", "-d", device], f"detach {device} from {image}")
+        if time.monotonic() >= deadline:
+            raise SessionDiskError(f"the disk image {image} is still attached to {', '.join(attached)}; "
+                                   "it is kept")
+        time.sleep(LOOP_DETACH_POLL_S)
 
 
 def remove_session_disk(image: Path, mount_point: Path) -> None:
-    """Unmounts and removes a session's disk and its mount point; what is already gone is fine."""
+    """Unmounts and removes a session's disk and its mount point; what is already gone is fine.
+    Nothing still attached is removed: the image only once no loop device holds it, the mount
+    point only once nothing is mounted on it (else SessionDiskError, and both stay)."""
+    _reached(DiskStep.REMOVING, image)
     if os.path.lexists(image):
         unmount_session_disk(image, mount_point)
+        _reached(DiskStep.UNMOUNTED, image)
+        _detach_unmounted_loops(image)
         image.unlink()
+        _reached(DiskStep.IMAGE_REMOVED, image)
+    device = mounted_device(mount_point)
+    if device is not None:
+        raise SessionDiskError(f"{mount_point} has {device} mounted on it; it is kept")
     with contextlib.suppress(FileNotFoundError):
         reploy_watchdog.remove_tree(mount_point)
+
+
+def sweep_lost_disks(disks_dir: Path) -> None:
+    """Serve's start: what a crash or an older serve left that no session can use, removed: loop
+    devices on unlinked images of disks_dir (unmounted, detached) and the probe disks of serves
+    that are gone."""
+    table = mount_table()
+    for device, backing in loop_devices():
+        path, deleted = backing.removesuffix(" (deleted)"), backing.endswith(" (deleted)")
+        if deleted and Path(path).parent == disks_dir:
+            log(f"serve: detaching {device}, left on the removed disk image {path}")
+            with contextlib.suppress(SessionDiskError):
+                for point in [point for point, source in table if source == device][::-1]:
+                    _run_disk_tool(["umount", point], f"unmount {point}")
+                _run_disk_tool(["losetup", "-d", device], f"detach {device}")
+    for probe in {path.name.removesuffix(".img") for path in disks_dir.glob(".probe-*")}:
+        pid = probe.removeprefix(".probe-")
+        if pid.isdigit() and not psutil.pid_exists(int(pid)):
+            with contextlib.suppress(SessionDiskError, OSError):
+                remove_session_disk(disks_dir / f"{probe}.img", disks_dir / probe)
 
 
 def probe_session_disks(disks_dir: Path) -> None:
@@ -2110,6 +2270,8 @@ def probe_session_disks(disks_dir: Path) -> None:
     finally:
         with contextlib.suppress(SessionDiskError, OSError):
             remove_session_disk(image, mount_point)
+
+
 
 
 # ============================================================================================
@@ -2231,10 +2393,12 @@ class SessionManager:
 
     def __init__(self, config: ServeConfig, backend: DockerBackend,
                  clock: Callable[[], float] = time.time) -> None:
-        self.config = config
         self.backend = backend
         self.clock = clock
         prepare_state_dir(config.state_dir)
+        # Once, here: the kernel names mounts and loop devices by canonical paths (a state dir
+        # reached through a symlink must match them), and so do container labels from now on.
+        self.config = config = replace(config, state_dir=config.state_dir.resolve(strict=True))
         config.disks_dir.mkdir(mode=0o700, exist_ok=True)
         self.store = SessionStore(config.state_dir / "sessions.db")
         self.host = socket.gethostname()
@@ -2387,6 +2551,15 @@ class SessionManager:
                                          f"{AGENT_READY_TIMEOUT_S:.0f} s")
             self.stopping.wait(AGENT_READY_POLL_S)
 
+    def _admit(self) -> None:
+        """A new disk is promised only what the host can still give (see "the session disks");
+        the caller holds admission_lock."""
+        disks, promised = disk_promises(self.config.disks_dir)
+        refusal = admission_refusal(shutil.disk_usage(self.config.disks_dir).free, promised, disks,
+                                    self.config.min_free_bytes, self.config.session_disk_mib * 1024 * 1024)
+        if refusal is not None:
+            raise InsufficientStorage(refusal)
+
     def _require_free_space(self) -> None:
         free = shutil.disk_usage(self.config.state_dir).free
         if free < self.config.min_free_bytes:
@@ -2422,8 +2595,9 @@ class SessionManager:
     def create(self, request: CreateRequest) -> SessionRecord:
         deployment = self._deployment(request.deployment)  # an unknown one is the client's 400
         if self.store.count() >= self.config.max_sessions:
-            raise TooManyRequests(f"this server holds at most {self.config.max_sessions} sessions")
-        self._require_free_space()
+            raise TooManyRequests(f"the session limit is reached: this server holds at most "
+                                  f"{self.config.max_sessions} sessions (--max-sessions); delete one, "
+                                  "or try again later")
         assert deployment.current is not None
         if not self.backend.image_exists(deployment.current.image_id):
             raise ServiceUnavailable(f"the image of {deployment.blueprint.name} is gone")
@@ -2447,9 +2621,12 @@ class SessionManager:
                                lease_expires=now + LEASE_TTL_S)
         self.store.insert(record)  # first, so a crash leaves a record that recovery rolls back
         lease = Lease(self, record, owner)
+        image = self.config.disk_image(record.id)
         try:
-            make_session_disk(self.config.disk_image(record.id), self.config.session_dir(record.id),
-                              self.config.session_disk_mib, spec.runtime)
+            with admission_lock(self.config.disks_dir):
+                self._admit()
+                make_session_image(image, self.config.session_disk_mib * 1024 * 1024)
+            format_session_disk(image, self.config.session_dir(record.id), spec.runtime)
             self._launch(lease, archive=None)
             return lease.apply(SessionEvent.STARTED)
         except SessionDiskError as e:
@@ -2482,7 +2659,10 @@ class SessionManager:
         behind our back); a disk no record owns (a store lost or replaced) swept: unmounted and
         removed. A disk that cannot be mounted is logged; that session's next launch says why.
         The images are listed before the records: a record is made before its image, so an image
-        seen here without a record has none."""
+        seen here without a record has none. A session being created or deleted is left to
+        reconcile, which finishes or undoes it; what no session can use is swept first. Disks
+        that promise more than the host holds (an older serve's) are logged."""
+        sweep_lost_disks(self.config.disks_dir)
         images = [image for image in self.config.disks_dir.glob("*.img")
                   if _SESSION_ID.fullmatch(image.stem)]
         records = {record.id: record for record in self.store.list()}
@@ -2494,12 +2674,19 @@ class SessionManager:
                 except (SessionDiskError, OSError) as e:
                     log(f"serve: the disk of unknown session {image.stem} stays: {e}")
         for record in records.values():
-            if record.state is SessionState.DELETING:
+            if record.state in (SessionState.CREATING, SessionState.DELETING):
                 continue
             try:
                 self._mount_disk(record.id)
             except ServeError as e:
                 log(f"serve: session {record.id}: {e}")
+        disks, promised = disk_promises(self.config.disks_dir)
+        free = shutil.disk_usage(self.config.disks_dir).free
+        if free - promised < self.config.min_free_bytes:  # disks an older serve overcommitted
+            log(f"serve: the {disks} session disks here may still take {promised >> 20} MiB, and "
+                f"{free >> 20} MiB are free: less than --min-free-mib "
+                f"({self.config.min_free_bytes >> 20} MiB) would be left; every create is refused "
+                "(507) until enough sessions are deleted")
 
     def delete(self, session_id: str) -> None:
         with self.leased(session_id) as lease:
@@ -3192,13 +3379,15 @@ API_ROUTES: tuple[tuple[str, str, str], ...] = (
     ("GET", "/sessions/{id}/files/{path}", "get_file"),
     ("PUT", "/sessions/{id}/files/{path}", "put_file"),
 )
-#: The failure statuses seed 002's spec gives each of its routes. On these routes every other
-#: failure is a 500, as the peer answers it (spec_statuses); Reploy's own routes keep theirs.
+#: The failure statuses seed 002's spec gives each of its routes, and create's two limits
+#: (429 at --max-sessions, 507 when the host cannot hold another disk: see README). On these
+#: routes every other failure is a 500, as the peer answers it (spec_statuses); Reploy's own
+#: routes keep theirs.
 #: The refusals before any route runs (401, 403, 415, 421: "who may drive serve"), an unknown
 #: path or method (404, 405) and a body over the bound (413) are the same on every route.
 SPEC_ERROR_STATUSES: dict[str, frozenset[int]] = {
     "healthz": frozenset(), "get_config": frozenset(), "list_sessions": frozenset(),
-    "create_session": frozenset({400, 413}), "get_session": frozenset({404}),
+    "create_session": frozenset({400, 413, 429, 507}), "get_session": frozenset({404}),
     "delete_session": frozenset({404, 409}), "stream": frozenset({400, 404, 422}),
     "read": frozenset({400, 404, 413}), "write": frozenset({400, 404, 413, 429, 507}),
     "switch": frozenset({400, 404, 409, 413}), "snapshot": frozenset({400, 404, 409, 413}),
@@ -3852,6 +4041,7 @@ def run_serve(config: ServeConfig, access: ServeAccess) -> int:
         backend = DockerBackend()
         backend.require_sandbox_support()
         manager = SessionManager(config, backend)
+        config = manager.config  # its state dir canonical
         probe_session_disks(config.disks_dir)
         manager.mount_disks()
         manager.reconcile()
@@ -4410,7 +4600,9 @@ def build_parser() -> ArgumentParser:
     serve.add_argument("--sse-keepalive", default=format_duration(DEFAULT_SSE_KEEPALIVE_MS),
                        metavar="DURATION")
     serve.add_argument("--max-sessions", type=int, default=DEFAULT_MAX_SESSIONS)
-    serve.add_argument("--min-free-mib", type=int, default=DEFAULT_MIN_FREE_MIB)
+    serve.add_argument("--min-free-mib", type=int, default=DEFAULT_MIN_FREE_MIB, metavar="MIB",
+                       help="kept free on the state dir's file system for serve's store and logs, beyond "
+                            f"what the session disks may still take (default {DEFAULT_MIN_FREE_MIB})")
     serve.add_argument("--session-disk-mib", type=int, default=DEFAULT_SESSION_DISK_MIB, metavar="MIB",
                        help="each session's disk quota: everything it writes on the host (default "
                             f"{DEFAULT_SESSION_DISK_MIB}, at least {MIN_SESSION_DISK_MIB}; needs root)")

@@ -410,7 +410,10 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # clean up on the way out
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=8)
-    rounds = parser.parse_args().rounds
+    parser.add_argument("--only", choices=["serve_create_to_prompt"],
+                        help="measure this figure alone (the others need it first)")
+    args = parser.parse_args()
+    rounds = args.rounds
     client = docker.from_env()
     base = Path(tempfile.mkdtemp(prefix="bench-serve-"))
     workload = base / "workload"
@@ -426,6 +429,8 @@ def main() -> int:
             creates.append(time.perf_counter() - start)
             sessions.append(sid)
         figure("serve_create_to_prompt", "s", creates, sdk_baseline(workload, rounds))
+        if args.only:
+            return 0
         figure("serve_sse_delivery", "ms", *sse_delivery(api, server, sessions[0], 1, SSE_BLOCKS, rounds,
                                                           agent_writer(server, sessions[0])))
         for streams in FANOUT_STREAMS:

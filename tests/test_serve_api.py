@@ -291,10 +291,10 @@ def test_error_mapping(serve_factory: Callable[..., ServeProcess], docker_engine
         {"name": "nopy", "deployment": "demo-workload"}).encode())
     assert status == 500 and "python3" in json.loads(raw)["error"]  # seed 002: any other failure is 500
     assert other.api.call("GET", "/sessions")["sessions"] == []
-    # Too little free space for a new session: 500 on seed 002's create, saying so.
+    # Too little free space for a new session: 507 (one of create's two limits), saying so.
     full = serve_factory("--min-free-mib", str(1 << 40))
     status, raw = full.api.raw("POST", "/api/v1/sessions", b'{"name": "x"}')
-    assert status == 500 and "MiB free" in json.loads(raw)["error"]
+    assert status == 507 and "MiB free" in json.loads(raw)["error"]
 
 
 def test_busy_agent_queue_interrupt_and_snapshot_conflict(

@@ -222,6 +222,6 @@ def test_session_disks_are_mounted_again_when_serve_starts(
     after = serve_factory(state_dir=server.state_dir)
     assert str(session_dir) in session_disk_mounts()
     assert str(server.state_dir / "sessions" / lost) not in session_disk_mounts()
-    assert sorted(p.name for p in (server.state_dir / "disks").iterdir()) == [f"{sid}.img"]
+    assert sorted(p.name for p in (server.state_dir / "disks").glob("*.img")) == [f"{sid}.img"]
     assert not (server.state_dir / "sessions" / lost).exists()
     assert run(after.api, sid, "cat kept.txt")["stdout"] == "survived\n"

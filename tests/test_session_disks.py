@@ -75,3 +75,80 @@ def test_something_else_mounted_in_its_place_is_refused_and_left_alone(tmp_path:
 def test_a_missing_image_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(reploy_serve.SessionDiskError, match="disk image .* is missing"):
         reploy_serve.mount_session_disk(tmp_path / "gone.img", tmp_path / "s")
+
+
+def test_admission_promises_only_what_the_host_can_still_give() -> None:
+    """Issue 26, item 1: free space less what the live disks may still take less the reserve
+    must hold the new quota plus its margin; the refusal says how much is free and promised."""
+    mib, margin = 1 << 20, reploy_serve.SESSION_DISK_MARGIN_MIB
+    assert reploy_serve.admission_refusal(free=(300 + 64 + 64 + margin) * mib, promised=300 * mib, disks=3,
+                                          reserve=64 * mib, quota=64 * mib) is None
+    refusal = reploy_serve.admission_refusal(free=(300 + 64 + 64 + margin) * mib - 1, promised=300 * mib,
+                                             disks=3, reserve=64 * mib, quota=64 * mib)
+    assert refusal is not None
+    for fact in ("64 MiB disk", "428 MiB free", "300 MiB of it promised to the 3 session disks",
+                 "64 MiB kept for serve's store and logs (--min-free-mib)"):
+        assert fact in refusal
+    # Overcommitted already (a state dir of an older serve): refused, never negative arithmetic.
+    assert reploy_serve.admission_refusal(free=10 * mib, promised=500 * mib, disks=9, reserve=0, quota=mib)
+
+
+@as_root
+def test_a_disk_promises_what_it_has_not_written_yet(tmp_path: Path) -> None:
+    image, mount_point = tmp_path / "s.img", tmp_path / "s"
+    size = reploy_serve.MIN_SESSION_DISK_MIB << 20
+    reploy_serve.make_session_disk(image, mount_point, reploy_serve.MIN_SESSION_DISK_MIB, RUNTIME)
+    try:
+        disks, promised = reploy_serve.disk_promises(tmp_path)
+        margin = reploy_serve.SESSION_DISK_MARGIN_MIB << 20
+        assert disks == 1 and size - (8 << 20) < promised <= size + margin
+        (mount_point / "workspace" / "f").write_bytes(os.urandom(16 << 20))
+        os.sync()
+        assert reploy_serve.disk_promises(tmp_path)[1] <= promised - (16 << 20)
+    finally:
+        reploy_serve.remove_session_disk(image, mount_point)
+    assert reploy_serve.disk_promises(tmp_path) == (0, 0)
+
+
+@as_root
+def test_an_image_still_attached_is_never_unlinked(tmp_path: Path) -> None:
+    """Issue 26, item 4: a loop device a crash left on the image (nothing mounted from it) is
+    detached before the image goes; an image still mounted elsewhere is kept, with the reason."""
+    image, mount_point, elsewhere = tmp_path / "s.img", tmp_path / "s", tmp_path / "elsewhere"
+    reploy_serve.make_session_disk(image, mount_point, reploy_serve.MIN_SESSION_DISK_MIB, RUNTIME)
+    reploy_serve.unmount_session_disk(image, mount_point)
+    subprocess.run(["losetup", "-f", str(image)], check=True)
+    assert len(session_disk_loops(str(tmp_path))) == 1
+    reploy_serve.remove_session_disk(image, mount_point)
+    assert not image.exists() and not mount_point.exists() and session_disk_loops(str(tmp_path)) == []
+
+    reploy_serve.make_session_disk(image, mount_point, reploy_serve.MIN_SESSION_DISK_MIB, RUNTIME)
+    reploy_serve.unmount_session_disk(image, mount_point)
+    elsewhere.mkdir()
+    subprocess.run(["mount", "-o", "loop", str(image), str(elsewhere)], check=True)
+    try:
+        with pytest.raises(reploy_serve.SessionDiskError, match=f"still mounted at {elsewhere}; it is kept"):
+            reploy_serve.remove_session_disk(image, mount_point)
+        assert image.exists() and (elsewhere / "workspace").is_dir()
+    finally:
+        subprocess.run(["umount", str(elsewhere)], check=True)
+    reploy_serve.remove_session_disk(image, mount_point)
+    assert not image.exists() and session_disk_loops(str(tmp_path)) == []
+    assert session_disk_mounts(str(tmp_path)) == []
+
+
+@as_root
+def test_a_start_sweeps_what_an_older_serve_or_a_crash_left(tmp_path: Path) -> None:
+    """Issue 26, item 4, as main left it with a symlinked state dir: a probe disk still mounted
+    on its unlinked image. The start's sweep unmounts and detaches it and removes its mount point."""
+    child = subprocess.Popen(["true"])
+    child.wait()
+    gone_pid = child.pid  # reaped: gone
+    name = f".probe-{gone_pid}"
+    image, mount_point = tmp_path / f"{name}.img", tmp_path / name
+    reploy_serve.make_session_disk(image, mount_point, reploy_serve.MIN_SESSION_DISK_MIB, RUNTIME)
+    image.unlink()  # what main's remove_session_disk did when it failed to match the mount
+    assert session_disk_mounts(str(tmp_path)) == [str(mount_point)]
+    reploy_serve.sweep_lost_disks(tmp_path)
+    assert session_disk_mounts(str(tmp_path)) == [] and session_disk_loops(str(tmp_path)) == []
+    assert list(tmp_path.iterdir()) == []
