@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import pytest
 
-from serve_harness import ServeProcess, managed_workload, serve_factory  # noqa: F401  (fixtures)
+from serve_harness import ROOT, ServeProcess, managed_workload, serve_factory  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.docker
 SECRET = "credential-7c41d09e5ab2f3"
@@ -106,3 +106,20 @@ def test_no_process_or_file_of_the_runtime_user_holds_the_agent_env_and_none_kee
             probe = json.loads(line)
             assert probe["via"] == "stdin" and probe["stdin"] == "read-only" and probe["link"] != "linked"
             assert probe["caps"] == NO_CAPABILITIES
+
+
+def test_as_root_without_setpcap_the_agent_refuses_to_start(docker_engine: Any) -> None:
+    """The bounding set can only be emptied with CAP_SETPCAP: an agent that lacks it (a container
+    keeping only SETUID, SETGID and KILL) starts no workload at all, and says why."""
+    container = docker_engine.containers.create(
+        "reploy-base/python:bookworm-1", ["python3", "/opt/reploy/agent.py", "serve", "--session-dir", "/tmp/s",
+                                          "--workload", "shell", "--runtime-user", "1000:1000"],
+        user="0:0", cap_drop=["ALL"], cap_add=["SETUID", "SETGID", "KILL", "CHOWN"],
+        security_opt=["no-new-privileges:true"], network_mode="none",
+        volumes={str(ROOT / "agent.py"): {"bind": "/opt/reploy/agent.py", "mode": "ro"}})
+    try:
+        container.start()
+        assert container.wait(timeout=60)["StatusCode"] == 1
+        assert b"needs CAP_SETPCAP" in container.logs()
+    finally:
+        container.remove(force=True)
