@@ -196,6 +196,9 @@ SSE_CHUNK_BYTES = 64 * 1024
 #: ends once the session's container is gone: deleted or snapshotted).
 SSE_POLL_S = 0.02
 SSE_STATE_CHECK_S = 1.0
+#: After this many events in a row (the log grew each time the stream looked), a stream waits
+#: one SSE_POLL_S between events, so a busy session's output goes out in fuller events.
+SSE_BURST_EVENTS = 4
 #: How long one SSE wake-up long-poll waits in the agent before the stream looks again.
 SSE_LONG_POLL_MS = 1000
 
@@ -3080,6 +3083,7 @@ class SessionManager:
         text = record.spec.workload == "agent"
         last_sent = renewed = checked = time.monotonic()
         refused = woke = False
+        in_a_row = 0  # events sent without the stream catching up with the log
         while not self.stopping.is_set() and connected():
             if time.monotonic() - renewed >= VIEWER_RENEW_S:
                 self.store.hold_viewer(viewer, record.id, self.clock())
@@ -3110,7 +3114,14 @@ class SessionManager:
                 cursor += len(data)
                 last_sent = time.monotonic()
                 woke = False
+                in_a_row += 1
+                # Output that keeps flowing gathers for one poll between events, rather than
+                # costing a log read and a send per write of the workload (fair share: many
+                # readers of a busy session); a reply's first events go out at once.
+                if in_a_row >= SSE_BURST_EVENTS and len(data) < SSE_CHUNK_BYTES:
+                    self.stopping.wait(SSE_POLL_S)
                 continue
+            in_a_row = 0
             if time.monotonic() - last_sent >= self.config.sse_keepalive_s:
                 send(SSE_KEEPALIVE)
                 last_sent = time.monotonic()

@@ -421,7 +421,11 @@ def main() -> int:
     base = Path(tempfile.mkdtemp(prefix="bench-serve-"))
     workload = base / "workload"
     stage_and_build(ROOT / "examples/managed/managed.blueprint.yaml", workload)
-    server = ServeProcess(base / "state", workload, "--idle-after", "1h", "--snapshot-after", "2h")
+    # The fan-out figures follow one session with up to 50 streams: past serve's default reader
+    # bounds, which fair_share measures with a serve of its own.
+    readers = str(max(FANOUT_STREAMS))
+    server = ServeProcess(base / "state", workload, "--idle-after", "1h", "--snapshot-after", "2h",
+                          "--max-session-readers", readers, "--max-readers", readers)
     api = server.api
     try:
         creates, sessions = [], []
@@ -442,7 +446,7 @@ def main() -> int:
         container = client.containers.get(manager_view.get(sessions[0]).container_id)
         exec_times, sdk_exec_times = exec_round_trips(api, sessions[0], container, rounds * 4)
         figure("serve_exec_true", "ms", exec_times, sdk_exec_times)
-        fair_share(api, sessions[0], sessions[1], rounds * 4)
+        fair_share(client, workload, base / "fair-share", rounds * 4)
         uploads, sdk_uploads, downloads, sdk_downloads = transfer_rates(api, sessions[0], container, base)
         figure("serve_upload_throughput", "MiB/s", uploads, sdk_uploads)
         figure("serve_download_throughput", "MiB/s", downloads, sdk_downloads)
@@ -548,9 +552,25 @@ def raw_stream(api: Api, sid: str) -> socket.socket | None:
     return sock
 
 
-def fair_share(api: Api, busy: str, other: str, rounds: int) -> None:
-    """The other session's exec while `busy` burns every core, and while 60 readers follow `busy`
-    printing without pause, each against the idle machine measured first."""
+def fair_share(client: docker.DockerClient, workload: Path, state_dir: Path, rounds: int) -> None:
+    """With a serve of serve's defaults and two sessions: the other session's exec while the busy
+    one burns every core, and while 60 readers follow it printing without pause, each against
+    the idle machine measured first."""
+    server = ServeProcess(state_dir, workload, "--idle-after", "1h", "--snapshot-after", "2h")
+    try:
+        busy, other = (server.api.create(f"fair-{name}")["id"] for name in ("busy", "other"))
+        server.api.wait_output(busy, b"$ ")
+        contend(server.api, busy, other, rounds)
+    finally:
+        server.api.delete_all()
+        server.stop()
+        left = sweep(client, state_dir)
+    if left:
+        raise BenchFailed(f"fair share: left behind and now removed: {left}")
+
+
+def contend(api: Api, busy: str, other: str, rounds: int) -> None:
+    """fair_share's two figures, on `api`'s sessions."""
     idle = exec_times(api, other, rounds)
     api.write(busy, f"burners=; for i in $(seq {FAIR_SHARE_BURNERS}); do sh -c 'while :; do :; done' & "
                     "burners=\"$burners $!\"; done; echo BURN''ING\r".encode())
