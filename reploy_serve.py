@@ -20,7 +20,7 @@ Peers:
   * web/, the UI's plain files, served from the same port; web/openapi.json documents the API.
 
 Theory of operation. Each session is one container from a workload deployment's current
-generation, running agent.py (as root keeping SETUID, SETGID and KILL, the workload as the
+generation, running agent.py (as root keeping SETUID, SETGID, SETPCAP and KILL, the workload as the
 deployment's runtime user) with the session's own disk bind-mounted; `serve` talks to the
 agent only through the control socket on that disk and treats every answer as hostile input
 (checked field by field before any of it reaches a response, a header or the UI; every wait

@@ -3,7 +3,7 @@
 workload and every file worker as that user, and the workload cannot signal, trace or enter the
 agent. Also the strict parsers of what a file worker answers, fed by a hostile peer over a real
 SOCK_SEQPACKET pair. (tests/test_serve_boundary.py does the same from inside real containers,
-where the agent keeps only SETUID, SETGID and KILL.)
+where the agent keeps only SETUID, SETGID, SETPCAP and KILL.)
 """
 
 from __future__ import annotations
