@@ -63,7 +63,6 @@ import struct
 import subprocess
 import sys
 import tarfile
-import tempfile
 import termios
 import threading
 import time
@@ -174,6 +173,12 @@ MAX_RUNNING_EXECS = 8  #: one more is refused with server_unavailable
 #: orphaned meanwhile comes up in the next; a command forking faster than that is bounded by the pid limit.
 KILL_PASSES = 64
 PR_SET_CHILD_SUBREAPER = 36  #: prctl(2), linux/prctl.h
+PR_CAPBSET_DROP = 24  #: prctl(2), linux/prctl.h
+CAP_SETPCAP = 8  #: capability(7): what dropping a capability from the bounding set takes
+MAX_CAPABILITIES = 64  #: capability numbers PR_CAPBSET_DROP is tried with; past the kernel's last one it says EINVAL
+#: All of the agent's environment the file-worker zygote (and so every worker) gets: they run as the runtime user,
+#: who may read their /proc/PID/environ, and need nothing of it (no --redact-env credentials, above all).
+ZYGOTE_ENV_NAMES = ("PATH", "LANG", "LC_ALL")
 MAX_FINISHED_EXECS = 64  #: finished results kept for exec_wait; the oldest goes first
 FINISHED_EXEC_KEEP_S = 300.0  #: a finished result nobody released is dropped after this
 DEFAULT_EXEC_TIMEOUT_MS = 60_000
@@ -2038,13 +2043,48 @@ def _take_controlling_terminal() -> None:
 # ======================================================================================================================
 
 
-def runtime_credentials(config: AgentConfig) -> dict[str, Any]:
-    """Popen's arguments that make a child the runtime user: no supplementary groups, then gid, then uid (real,
-    effective and saved), set by the interpreter in the child between fork and exec, before preexec_fn runs."""
+def runtime_switch(config: AgentConfig) -> Callable[[], None]:
+    """What makes a child the runtime user, run first in it between fork and exec: no supplementary groups, then the
+    gid, then an empty capability bounding set (so nothing it ever execs can regain SETUID, SETGID or KILL, whatever
+    file capabilities or a missing no-new-privileges would allow; dropping takes CAP_SETPCAP, which the child still
+    has as root), then the uid (real, effective and saved), which clears its capabilities. libc is looked up here, in
+    the agent, not in the child. A no-op without a runtime user (the agent not root: its workload is itself)."""
     identity = config.runtime_user
-    if identity is None:
-        return {}
-    return {"extra_groups": [], "group": identity.gid, "user": identity.uid}
+    if identity is None or os.geteuid() != 0:
+        return lambda: None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+    def switch() -> None:
+        os.setgroups([])
+        os.setresgid(identity.gid, identity.gid, identity.gid)
+        for capability in range(MAX_CAPABILITIES):
+            if prctl(PR_CAPBSET_DROP, capability, 0, 0, 0) != 0:
+                code = ctypes.get_errno()
+                if code == errno.EINVAL and capability:  # past the kernel's last capability: all dropped
+                    break
+                raise OSError(code, f"cannot drop capability {capability} from the bounding set: {os.strerror(code)}")
+        os.setresuid(identity.uid, identity.uid, identity.uid)
+
+    return switch
+
+
+def require_bounding_set_drop(config: AgentConfig) -> None:
+    """As root with a runtime user the agent needs CAP_SETPCAP, or runtime_switch could not empty the workload's
+    bounding set: refuse to start rather than start a workload that keeps it."""
+    if config.runtime_user is None or os.geteuid() != 0:
+        return
+    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+    if not int(fields.get("CapEff", "0").strip(), 16) & (1 << CAP_SETPCAP):
+        raise StartupError("agent.py as root needs CAP_SETPCAP to empty the capability bounding set of the processes "
+                           "it starts as the runtime user")
+
+
+def workload_environment(config: AgentConfig, **extra: str) -> dict[str, str]:
+    """The environment of the shell and of each exec: the agent's minus the --redact-env variables (credentials for
+    the agent CLI's runs only, which get the whole of it), plus `extra`."""
+    env = {name: value for name, value in os.environ.items() if name not in config.redact_env}
+    env.update(extra)
+    return env
 
 
 def spawn_in_workload(config: AgentConfig, argv: list[str], cwd: tuple[str, ...] = (),
@@ -2054,10 +2094,15 @@ def spawn_in_workload(config: AgentConfig, argv: list[str], cwd: tuple[str, ...]
     without following a symlink (the agent itself may not enter the workspace). A failed walk comes back through a
     close-on-exec pipe as the AgentError it was; a program that cannot be run raises OSError as Popen does."""
     errors_read, errors_write = os.pipe()
+    become_runtime_user = runtime_switch(config)
 
     def prepare() -> None:
         reset_child_signals()
         try:
+            try:
+                become_runtime_user()
+            except OSError as e:
+                raise CommandError(f"cannot become the runtime user: {e}") from e
             fd = open_confined_dir(config.workspace_dir, cwd)
         except AgentError as e:
             os.write(errors_write, _encode_line({"code": e.code, "message": str(e)[:MAX_WORKER_MESSAGE_CHARS]}))
@@ -2068,8 +2113,7 @@ def spawn_in_workload(config: AgentConfig, argv: list[str], cwd: tuple[str, ...]
             setup()
 
     try:
-        return subprocess.Popen(argv, start_new_session=True, preexec_fn=prepare, **runtime_credentials(config),
-                                **popen)
+        return subprocess.Popen(argv, start_new_session=True, preexec_fn=prepare, **popen)
     except subprocess.SubprocessError:
         os.close(errors_write)
         errors_write = -1
@@ -2881,11 +2925,18 @@ class FileWorkers:
 
     def _start_zygote(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        become_runtime_user = runtime_switch(self._config)
+
+        def prepare() -> None:
+            become_runtime_user()
+            reset_child_signals()
+
         try:
             self._zygote = subprocess.Popen(
                 [sys.executable, "-I", "-S", f"/proc/self/fd/{self._source_fd}", "zygote"], stdin=theirs,
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, pass_fds=(self._source_fd,), cwd="/",
-                start_new_session=True, preexec_fn=reset_child_signals, **runtime_credentials(self._config))
+                env={name: os.environ[name] for name in ZYGOTE_ENV_NAMES if name in os.environ},
+                start_new_session=True, preexec_fn=prepare)
         except (OSError, subprocess.SubprocessError) as e:
             ours.close()
             raise CommandError(f"cannot start the file worker as the runtime user: {e}") from e
@@ -3285,7 +3336,7 @@ class ShellWorkload(Workload):
         with files_made_as(config.runtime_user):
             master, slave = os.openpty()
         self._set_size(master)
-        env = dict(os.environ, TERM=SHELL_TERM, HOME=str(config.home_dir))
+        env = workload_environment(config, TERM=SHELL_TERM, HOME=str(config.home_dir))
         try:
             proc = spawn_in_workload(config, [config.shell], setup=_take_controlling_terminal, stdin=slave,
                                      stdout=slave, stderr=slave, env=env)
@@ -3714,18 +3765,24 @@ def prompt_input(agent_dir: Path, prompt: Optional[str]) -> Iterator[int]:
     if prompt is None:
         yield subprocess.DEVNULL
         return
-    with tempfile.TemporaryFile(dir=agent_dir) as file:
-        file.write(prompt.encode())
-        file.seek(0)
-        yield file.fileno()
+    # O_EXCL: an O_TMPFILE that can never be linked into a tree (linkat answers ENOENT, whoever asks); the command
+    # gets it reopened read-only, so it can neither write the agent's file nor give it a name.
+    written = os.open(agent_dir, os.O_TMPFILE | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o600)
+    try:
+        _write_all(written, prompt.encode())
+        fd = os.open(f"/proc/self/fd/{written}", os.O_RDONLY | os.O_CLOEXEC)
+    finally:
+        os.close(written)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
 
 
 def spawn_exec(config: AgentConfig, params: ExecParams) -> subprocess.Popen[bytes]:
     """Starts one command as the workload does (spawn_in_workload), in the workspace or a directory below it, with the
     session's HOME and the agent's environment minus the redacted variables."""
-    env = {name: value for name, value in os.environ.items() if name not in config.redact_env}
-    env.update(params.env)
-    env["HOME"] = str(config.home_dir)
+    env = workload_environment(config, **dict(params.env), HOME=str(config.home_dir))
     try:
         return spawn_in_workload(config, list(params.argv), params.cwd, setup=subreaper_setup(), env=env,
                                  stdin=subprocess.DEVNULL if params.stdin is None else subprocess.PIPE,
@@ -5149,6 +5206,7 @@ def prepare_session_dir(config: AgentConfig) -> None:
 def serve(config: AgentConfig) -> int:
     """`agent.py serve`: prepare the session dir, serve until a signal, shut down cleanly."""
     prepare_session_dir(config)
+    require_bounding_set_drop(config)
     server = AgentServer(config)
     try:
         tcp = f" and tcp {server.tcp_listener.address}" if server.tcp_listener is not None else ""

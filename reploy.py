@@ -191,8 +191,9 @@ DERIVED_LAYER = (f"COPY reploy-session-client {CLIENT_INSTALL_PATH}\n"
 CONTAINER_HOME = "/mnt/reploy-home"
 HOME_TMPFS_SIZE = "64m"
 #: What a root supervisor (ContainerSpec.root_supervisor) keeps: to start the workload as the
-#: runtime uid:gid (SETUID, SETGID) and to signal it (KILL).
-SUPERVISOR_CAPABILITIES = ("SETUID", "SETGID", "KILL")
+#: runtime uid:gid (SETUID, SETGID), to empty the bounding set of what it starts so (SETPCAP),
+#: and to signal it (KILL).
+SUPERVISOR_CAPABILITIES = ("SETUID", "SETGID", "SETPCAP", "KILL")
 #: Where the channel directory is bind-mounted (read-only) in the controller.
 CHANNEL_MOUNT = "/run/reploy/session"
 CHANNEL_SOCKET_NAME = "channel.sock"
@@ -859,6 +860,10 @@ class ContainerSpec:
     #: as 0:0 keeping SUPERVISOR_CAPABILITIES and nothing else; HOME and the writable paths
     #: still belong to the runtime uid:gid.
     root_supervisor: bool = False
+    #: Fair share among containers: a CPU bound (the Engine's NanoCpus, 1e9 per core) and a
+    #: block-I/O weight (BlkioWeight, 10..1000); None leaves the Engine's defaults.
+    nano_cpus: Optional[int] = None
+    blkio_weight: Optional[int] = None
 
     def create_kwargs(self, api: docker.APIClient) -> dict[str, Any]:
         """The Engine API arguments. Every sandbox property is set here and nowhere else.
@@ -887,6 +892,8 @@ class ContainerSpec:
             network_mode=self.network_mode,
             extra_hosts=dict(self.extra_hosts) or None,
             pids_limit=self.runtime.pids,
+            nano_cpus=self.nano_cpus,
+            blkio_weight=self.blkio_weight,
             mem_limit=f"{self.runtime.memory_mib}m",
             memswap_limit=f"{self.runtime.memory_mib}m",
             ipc_mode="private",
@@ -996,6 +1003,7 @@ class DockerBackend:
         except docker.errors.DockerException as e:
             raise BackendError(f"no Docker engine answers: {e}") from e
         self.api: docker.APIClient = self.client.api
+        self.warned: set[str] = set()  # the Engine's warnings already logged (see create)
 
     @_docker_call("check the engine's sandbox support")
     def require_sandbox_support(self) -> str:
@@ -1044,7 +1052,14 @@ class DockerBackend:
 
     @_docker_call("create container")
     def create(self, spec: ContainerSpec) -> str:
-        return self.api.create_container(**spec.create_kwargs(self.api))["Id"]
+        """The new container's id. What the Engine warns of (a bound it had to discard, such as
+        a blkio weight its kernel cannot apply) goes to stderr, once per warning and process."""
+        reply = self.api.create_container(**spec.create_kwargs(self.api))
+        for warning in reply.get("Warnings") or []:
+            if warning not in self.warned:
+                self.warned.add(warning)
+                log(f"the Docker engine warns: {warning}")
+        return reply["Id"]
 
     @_docker_call("attach to the workload")
     def attach_pty(self, container_id: str) -> socket.socket:

@@ -20,7 +20,7 @@ Peers:
   * web/, the UI's plain files, served from the same port; web/openapi.json documents the API.
 
 Theory of operation. Each session is one container from a workload deployment's current
-generation, running agent.py (as root keeping SETUID, SETGID and KILL, the workload as the
+generation, running agent.py (as root keeping SETUID, SETGID, SETPCAP and KILL, the workload as the
 deployment's runtime user) with the session's own disk bind-mounted; `serve` talks to the
 agent only through the control socket on that disk and treats every answer as hostile input
 (checked field by field before any of it reaches a response, a header or the UI; every wait
@@ -207,8 +207,31 @@ SSE_CHUNK_BYTES = 64 * 1024
 #: ends once the session's container is gone: deleted or snapshotted).
 SSE_POLL_S = 0.02
 SSE_STATE_CHECK_S = 1.0
+#: After this many events in a row (the log grew each time the stream looked), a stream waits
+#: one SSE_POLL_S between events, so a busy session's output goes out in fuller events.
+SSE_BURST_EVENTS = 4
 #: How long one SSE wake-up long-poll waits in the agent before the stream looks again.
 SSE_LONG_POLL_MS = 1000
+
+# Fair share (see "fair share" in README.md): what one session may take of the host's CPU and disk
+# time, and of serve's stream readers.
+#: Each session container's CPU bound (--session-cpus, the Engine's NanoCpus): a session that
+#: burns every core it can gets this much, and the rest of a 2-core host stays for the others.
+DEFAULT_SESSION_CPUS = 1.0
+MIN_SESSION_CPUS = 0.01  #: the Engine's own smallest NanoCpus
+#: Each session container's block-I/O weight (the Engine's BlkioWeight, 10..1000, its default
+#: 500): sessions share the disk's time evenly among themselves and yield to the host's own
+#: processes (serve's store). An engine whose kernel has no blkio weight discards it and says so.
+SESSION_BLKIO_WEIGHT = 100
+#: SSE readers one serve takes: of one session's stream, and of all streams. One more is 503.
+DEFAULT_MAX_SESSION_READERS = 8
+DEFAULT_MAX_READERS = 32
+#: A stream reader that takes nothing for this long while its socket's buffer is full is dropped:
+#: what it has not read is never held by serve, only by the kernel's send buffer, bounded here.
+SSE_STALL_S = 10.0
+SSE_SEND_BUFFER_BYTES = 256 * 1024
+#: A reader refused for the bounds is told to come back after this long.
+READERS_RETRY_AFTER_S = 5
 #: exec: the HTTP call answers once the command ends; meanwhile each agent long-poll waits this
 #: long (under the agent's 5 s handler bound), and the client's connection is checked between.
 EXEC_POLL_MS = 4000
@@ -343,6 +366,13 @@ class ServiceUnavailable(ServeError):
     """Docker or the agent cannot serve this right now."""
 
     status = 503
+
+
+class TooManyReaders(ServiceUnavailable):
+    """An output stream past a reader bound (reader_refusal); the limit is named in the message."""
+
+    def response_headers(self) -> dict[str, str]:
+        return {"Retry-After": str(READERS_RETRY_AFTER_S)}
 
 
 class InsufficientStorage(ServeError):
@@ -1214,6 +1244,20 @@ def sse_reset(length_bytes: int) -> bytes:
     """The cursor is ahead of the log: the client reads again from 0 (POST /read); the stream
     goes on from the log's length."""
     return f"id: {length_bytes}\nevent: reset\ndata: {{\"nextOffset\":{length_bytes}}}\n\n".encode()
+
+
+def reader_refusal(session_readers: int, all_readers: int, max_session_readers: int,
+                   max_readers: int) -> Optional[str]:
+    """Why one more reader of a session's stream is refused (None: it is taken), given the
+    readers open now: the session's own bound first, then serve's."""
+    if session_readers >= max_session_readers:
+        return (f"too many readers: this session's output stream already has {session_readers}, "
+                f"the most serve takes (--max-session-readers {max_session_readers}); close one, "
+                "or read with POST /read")
+    if all_readers >= max_readers:
+        return (f"too many readers: serve already has {all_readers} output streams open, the "
+                f"most it takes (--max-readers {max_readers}); close one, or read with POST /read")
+    return None
 
 
 def sse_cursor(last_event_id: Optional[str], query_offset: Optional[str]) -> int:
@@ -2299,6 +2343,10 @@ class ServeConfig:
     #: Each session's disk quota (see "the session disks"), reported in GET /server, by which
     #: `session cp` bounds what it takes out of a session.
     session_disk_mib: int = DEFAULT_SESSION_DISK_MIB
+    #: Fair share: each session container's CPU bound, and the stream readers this serve takes.
+    session_cpus: float = DEFAULT_SESSION_CPUS
+    max_session_readers: int = DEFAULT_MAX_SESSION_READERS
+    max_readers: int = DEFAULT_MAX_READERS
 
     @property
     def sessions_dir(self) -> Path:
@@ -2404,6 +2452,8 @@ class SessionManager:
         self.host = socket.gethostname()
         self.identity = reploy_watchdog.process_identity()
         self.stopping = threading.Event()
+        self._readers: dict[str, int] = {}  # open output streams per session, in this serve
+        self._readers_lock = threading.Lock()
 
     # -- leases -----------------------------------------------------------------------------
 
@@ -2511,7 +2561,9 @@ class SessionManager:
                   LABEL_DEPLOYMENT: spec.deployment_id, LABEL_GENERATION: str(spec.generation)}
         return ContainerSpec(role=MANAGED_ROLE, image_id=spec.image_id, command=tuple(command),
                              runtime=spec.runtime, environment=environment, labels=labels,
-                             mounts=mounts, hostname="session", init=True, root_supervisor=True)
+                             mounts=mounts, hostname="session", init=True, root_supervisor=True,
+                             nano_cpus=round(config.session_cpus * 1e9),
+                             blkio_weight=SESSION_BLKIO_WEIGHT)
 
     def _mount_disk(self, session_id: str) -> None:
         try:
@@ -3180,6 +3232,24 @@ class SessionManager:
     def session_json(self, record: SessionRecord) -> dict[str, Any]:
         return session_json(record, self.config.idle_after_s, self.config.snapshot_after_s)
 
+    @contextlib.contextmanager
+    def stream_reader(self, session_id: str) -> Iterator[None]:
+        """One output stream's place among this serve's readers, held while it is open: past a
+        bound (reader_refusal) the stream is refused before it starts."""
+        with self._readers_lock:
+            refusal = reader_refusal(self._readers.get(session_id, 0), sum(self._readers.values()),
+                                     self.config.max_session_readers, self.config.max_readers)
+            if refusal:
+                raise TooManyReaders(refusal)
+            self._readers[session_id] = self._readers.get(session_id, 0) + 1
+        try:
+            yield
+        finally:
+            with self._readers_lock:
+                self._readers[session_id] -= 1
+                if not self._readers[session_id]:
+                    del self._readers[session_id]
+
     def follow_output(self, record: SessionRecord, cursor: int, send: Callable[[bytes], None],
                       connected: Callable[[], bool] = lambda: True) -> None:
         """The SSE stream: tail the session's output log from `cursor` until the client goes or
@@ -3200,6 +3270,7 @@ class SessionManager:
         text = record.spec.workload == "agent"
         last_sent = renewed = checked = time.monotonic()
         refused = woke = False
+        in_a_row = 0  # events sent without the stream catching up with the log
         while not self.stopping.is_set() and connected():
             if time.monotonic() - renewed >= VIEWER_RENEW_S:
                 self.store.hold_viewer(viewer, record.id, self.clock())
@@ -3230,7 +3301,14 @@ class SessionManager:
                 cursor += len(data)
                 last_sent = time.monotonic()
                 woke = False
+                in_a_row += 1
+                # Output that keeps flowing gathers for one poll between events, rather than
+                # costing a log read and a send per write of the workload (fair share: many
+                # readers of a busy session); a reply's first events go out at once.
+                if in_a_row >= SSE_BURST_EVENTS and len(data) < SSE_CHUNK_BYTES:
+                    self.stopping.wait(SSE_POLL_S)
                 continue
+            in_a_row = 0
             if time.monotonic() - last_sent >= self.config.sse_keepalive_s:
                 send(SSE_KEEPALIVE)
                 last_sent = time.monotonic()
@@ -3388,7 +3466,7 @@ API_ROUTES: tuple[tuple[str, str, str], ...] = (
 SPEC_ERROR_STATUSES: dict[str, frozenset[int]] = {
     "healthz": frozenset(), "get_config": frozenset(), "list_sessions": frozenset(),
     "create_session": frozenset({400, 413, 429, 507}), "get_session": frozenset({404}),
-    "delete_session": frozenset({404, 409}), "stream": frozenset({400, 404, 422}),
+    "delete_session": frozenset({404, 409}), "stream": frozenset({400, 404, 422, 503}),
     "read": frozenset({400, 404, 413}), "write": frozenset({400, 404, 413, 429, 507}),
     "switch": frozenset({400, 404, 409, 413}), "snapshot": frozenset({400, 404, 409, 413}),
 }
@@ -3838,24 +3916,33 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
         if not has_container(record):
             raise Unprocessable("the session is a snapshot and has no container to stream from: "
                                 "read, write or switch restores it")
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Cache-Control", "no-cache, no-transform")
-        self.send_header("X-Accel-Buffering", "no")
-        chunked = self.send_unsized_headers()
-        self.close_connection = True
+        with self.manager.stream_reader(record.id):
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Cache-Control", "no-cache, no-transform")
+            self.send_header("X-Accel-Buffering", "no")
+            chunked = self.send_unsized_headers()
+            self.close_connection = True
+            # A reader that cannot keep up is dropped, never buffered: what it has not taken
+            # waits only in this bounded send buffer, and a write it blocks for SSE_STALL_S ends it.
+            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SSE_SEND_BUFFER_BYTES)
+            self.connection.settimeout(SSE_STALL_S)
 
-        def send(data: bytes) -> None:
-            self.write_piece(data, chunked)
-            self.wfile.flush()
+            def send(data: bytes) -> None:
+                self.write_piece(data, chunked)
+                self.wfile.flush()
 
-        def connected() -> bool:  # a client that went away shows as readable at end of file
-            readable, _, _ = select.select([self.connection], [], [], 0)
-            return not readable or self.connection.recv(1, socket.MSG_PEEK) != b""
+            def connected() -> bool:  # a client that went away shows as readable at end of file
+                readable, _, _ = select.select([self.connection], [], [], 0)
+                return not readable or self.connection.recv(1, socket.MSG_PEEK) != b""
 
-        send(SSE_CONNECTED)
-        self.manager.follow_output(record, cursor, send, connected)
-        self.end_pieces(chunked)
+            try:
+                send(SSE_CONNECTED)
+                self.manager.follow_output(record, cursor, send, connected)
+                self.end_pieces(chunked)
+            except socket.timeout:
+                log(f"serve: dropped a reader of session {sid}'s output stream: it took nothing "
+                    f"for {SSE_STALL_S:.0f} s")
 
 
 # ============================================================================================
@@ -4019,6 +4106,13 @@ def serve_config_from(args: argparse.Namespace) -> ServeConfig:
             raise UsageError(str(e)) from None
     if not MIN_SESSION_DISK_MIB <= args.session_disk_mib <= MAX_SESSION_DISK_MIB:
         raise UsageError(f"--session-disk-mib: from {MIN_SESSION_DISK_MIB} to {MAX_SESSION_DISK_MIB}")
+    session_cpus = args.session_cpus
+    host_cpus = os.cpu_count() or 1
+    if not MIN_SESSION_CPUS <= session_cpus <= host_cpus:  # NaN fails too
+        raise UsageError(f"--session-cpus: from {MIN_SESSION_CPUS} to {host_cpus} (this host's cores)")
+    for flag in ("max_session_readers", "max_readers"):
+        if getattr(args, flag) < 1:
+            raise UsageError(f"--{flag.replace('_', '-')}: at least 1")
     state_dir = args.state_dir.absolute()
     return ServeConfig(
         state_dir=state_dir, workload_dirs=tuple(d.absolute() for d in args.workload_dir),
@@ -4027,7 +4121,9 @@ def serve_config_from(args: argparse.Namespace) -> ServeConfig:
         agent_command=command, agent_env=tuple(args.agent_env), extra_mounts=tuple(mounts),
         default_model=args.default_model, models=models,
         sse_keepalive_s=durations["sse_keepalive"], max_sessions=args.max_sessions,
-        min_free_bytes=args.min_free_mib * 1024 * 1024, session_disk_mib=args.session_disk_mib)
+        min_free_bytes=args.min_free_mib * 1024 * 1024, session_disk_mib=args.session_disk_mib,
+        session_cpus=session_cpus, max_session_readers=args.max_session_readers,
+        max_readers=args.max_readers)
 
 
 def run_serve(config: ServeConfig, access: ServeAccess) -> int:
@@ -4606,6 +4702,15 @@ def build_parser() -> ArgumentParser:
     serve.add_argument("--session-disk-mib", type=int, default=DEFAULT_SESSION_DISK_MIB, metavar="MIB",
                        help="each session's disk quota: everything it writes on the host (default "
                             f"{DEFAULT_SESSION_DISK_MIB}, at least {MIN_SESSION_DISK_MIB}; needs root)")
+    serve.add_argument("--session-cpus", type=float, default=DEFAULT_SESSION_CPUS, metavar="CPUS",
+                       help="each session container's CPU bound, in cores (default "
+                            f"{DEFAULT_SESSION_CPUS}, from {MIN_SESSION_CPUS} to this host's cores)")
+    serve.add_argument("--max-session-readers", type=int, default=DEFAULT_MAX_SESSION_READERS,
+                       metavar="N", help="output streams of one session this serve holds open "
+                                         f"(default {DEFAULT_MAX_SESSION_READERS}; more: 503)")
+    serve.add_argument("--max-readers", type=int, default=DEFAULT_MAX_READERS, metavar="N",
+                       help="output streams this serve holds open in all "
+                            f"(default {DEFAULT_MAX_READERS}; more: 503)")
 
     session = commands.add_parser("session", help="managed sessions through a serve's API")
     actions = session.add_subparsers(dest="session_action", required=True,

@@ -20,6 +20,12 @@ Each line: name, unit, n, p50, p90, p99, baseline, ratio. Figures, not pass/fail
   serve_memory_per_idle_session_20    the same once all 20 are idle (paused), against those shells paused
   serve_exec_true             POST /exec of `true` until its result, against the Docker SDK's exec_run
                               (exec create + start + inspect: what `docker exec` calls) in the same container
+  serve_exec_while_a_session_burns_cores  POST /exec of `true` in one session while another runs 4 busy loops
+                              (more than this host's cores; --session-cpus bounds it), ms, against the same
+                              exec on the idle machine, in the same run
+  serve_exec_while_60_readers_follow  the same while 60 SSE readers try to follow a session that prints
+                              without pause (the reader bounds refuse most: stderr says how many were
+                              admitted), against the idle machine
   serve_upload_throughput     PUT /files of a 64 MiB file, MiB/s, against the SDK's put_archive of the
                               same file (docker cp's API; its tar built beforehand, outside the timing)
   serve_download_throughput   GET /files of that file, MiB/s, against the SDK's get_archive of it, read whole
@@ -418,7 +424,11 @@ def main() -> int:
     base = Path(tempfile.mkdtemp(prefix="bench-serve-"))
     workload = base / "workload"
     stage_and_build(ROOT / "examples/managed/managed.blueprint.yaml", workload)
-    server = ServeProcess(base / "state", workload, "--idle-after", "1h", "--snapshot-after", "2h")
+    # The fan-out figures follow one session with up to 50 streams: past serve's default reader
+    # bounds, which fair_share measures with a serve of its own.
+    readers = str(max(FANOUT_STREAMS))
+    server = ServeProcess(base / "state", workload, "--idle-after", "1h", "--snapshot-after", "2h",
+                          "--max-session-readers", readers, "--max-readers", readers)
     api = server.api
     try:
         creates, sessions = [], []
@@ -441,6 +451,7 @@ def main() -> int:
         container = client.containers.get(manager_view.get(sessions[0]).container_id)
         exec_times, sdk_exec_times = exec_round_trips(api, sessions[0], container, rounds * 4)
         figure("serve_exec_true", "ms", exec_times, sdk_exec_times)
+        fair_share(client, workload, base / "fair-share", rounds * 4)
         uploads, sdk_uploads, downloads, sdk_downloads = transfer_rates(api, sessions[0], container, base)
         figure("serve_upload_throughput", "MiB/s", uploads, sdk_uploads)
         figure("serve_download_throughput", "MiB/s", downloads, sdk_downloads)
@@ -515,6 +526,86 @@ def exec_round_trips(api: Api, sid: str, container: docker.models.containers.Con
         assert container.exec_run(["true"]).exit_code == 0
         sdk.append((time.perf_counter() - start) * 1000)
     return ours, sdk
+
+
+FAIR_SHARE_BURNERS = 4
+FAIR_SHARE_READERS = 60
+
+
+def exec_times(api: Api, sid: str, rounds: int) -> list[float]:
+    """`true` through POST /exec, in milliseconds."""
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        assert api.call("POST", f"/sessions/{sid}/exec", {"argv": ["true"]})["exitCode"] == 0
+        times.append((time.perf_counter() - start) * 1000)
+    return times
+
+
+def raw_stream(api: Api, sid: str) -> socket.socket | None:
+    """An SSE reader that takes what comes and parses nothing; None when serve refused it (503)."""
+    sock = socket.create_connection((api.host, api.port), timeout=DEADLINE_S)
+    headers = "".join(f"{name}: {value}\r\n" for name, value in api.auth_headers.items())
+    sock.sendall(f"GET /api/v1/sessions/{sid}/stream HTTP/1.1\r\nHost: {api.host}:{api.port}\r\n"
+                 f"{headers}\r\n".encode())
+    head = sock.recv(65536)
+    if not head.startswith(b"HTTP/1.1 200"):
+        if not head.startswith(b"HTTP/1.1 503"):
+            raise BenchFailed(f"a stream answered {head[:40]!r}")
+        sock.close()
+        return None
+    return sock
+
+
+def fair_share(client: docker.DockerClient, workload: Path, state_dir: Path, rounds: int) -> None:
+    """With a serve of serve's defaults and two sessions: the other session's exec while the busy
+    one burns every core, and while 60 readers follow it printing without pause, each against
+    the idle machine measured first."""
+    server = ServeProcess(state_dir, workload, "--idle-after", "1h", "--snapshot-after", "2h")
+    try:
+        busy, other = (server.api.create(f"fair-{name}")["id"] for name in ("busy", "other"))
+        server.api.wait_output(busy, b"$ ")
+        contend(server.api, busy, other, rounds)
+    finally:
+        server.api.delete_all()
+        server.stop()
+        left = sweep(client, state_dir)
+    if left:
+        raise BenchFailed(f"fair share: left behind and now removed: {left}")
+
+
+def contend(api: Api, busy: str, other: str, rounds: int) -> None:
+    """fair_share's two figures, on `api`'s sessions."""
+    idle = exec_times(api, other, rounds)
+    api.write(busy, f"burners=; for i in $(seq {FAIR_SHARE_BURNERS}); do sh -c 'while :; do :; done' & "
+                    "burners=\"$burners $!\"; done; echo BURN''ING\r".encode())
+    api.wait_output(busy, b"BURNING")
+    figure("serve_exec_while_a_session_burns_cores", "ms", exec_times(api, other, rounds), idle)
+    api.write(busy, b"kill $burners; wait; echo STOP''PED\r")
+    api.wait_output(busy, b"STOPPED")
+    api.write(busy, b"while :; do echo tick; done\r")
+    readers = [raw_stream(api, busy) for _ in range(FAIR_SHARE_READERS)]
+    admitted = [sock for sock in readers if sock is not None]
+    stop = threading.Event()
+
+    def drain(sock: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while not stop.is_set() and sock.recv(1 << 16):
+                pass
+    threads = [threading.Thread(target=drain, args=(sock,), daemon=True) for sock in admitted]
+    for thread in threads:
+        thread.start()
+    try:
+        print(f"bench_serve: {len(admitted)} of {FAIR_SHARE_READERS} readers admitted, the rest refused (503)",
+              file=sys.stderr, flush=True)
+        figure(f"serve_exec_while_{FAIR_SHARE_READERS}_readers_follow", "ms", exec_times(api, other, rounds), idle)
+    finally:
+        stop.set()
+        for sock in admitted:
+            sock.close()
+        for thread in threads:
+            thread.join()
+        api.write(busy, b"\x03")
 
 
 def transfer_rates(api: Api, sid: str, container: docker.models.containers.Container,

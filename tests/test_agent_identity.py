@@ -3,12 +3,14 @@
 workload and every file worker as that user, and the workload cannot signal, trace or enter the
 agent. Also the strict parsers of what a file worker answers, fed by a hostile peer over a real
 SOCK_SEQPACKET pair. (tests/test_serve_boundary.py does the same from inside real containers,
-where the agent keeps only SETUID, SETGID and KILL.)
+where the agent keeps only SETUID, SETGID, SETPCAP and KILL.)
 """
 
 from __future__ import annotations
 
 import array
+import errno
+import fcntl
 import io
 import json
 import os
@@ -27,14 +29,15 @@ as_root = pytest.mark.skipif(not AS_ROOT, reason="privilege separation needs the
 
 
 def identity(pid: int) -> dict[str, str]:
-    """The Uid, Gid, Groups and CapEff lines of /proc/PID/status."""
+    """The Uid, Gid, Groups and CapEff and CapBnd lines of /proc/PID/status."""
     fields = dict(line.split(":\t", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
                   if ":\t" in line)
-    return {key: fields[key].strip() for key in ("Uid", "Gid", "Groups", "CapEff")}
+    return {key: fields[key].strip() for key in ("Uid", "Gid", "Groups", "CapEff", "CapBnd")}
 
 
+NO_CAPABILITIES = "0" * 16
 RUNTIME_IDENTITY = {"Uid": f"{RUNTIME_UID}\t" * 3 + f"{RUNTIME_UID}", "Gid": f"{RUNTIME_GID}\t" * 3 + f"{RUNTIME_GID}",
-                    "Groups": "", "CapEff": "0000000000000000"}
+                    "Groups": "", "CapEff": NO_CAPABILITIES, "CapBnd": NO_CAPABILITIES}
 
 
 def zygote_pids(process) -> list[int]:
@@ -65,6 +68,50 @@ def test_the_shell_execs_agent_runs_and_file_workers_all_run_as_the_runtime_user
     runner.result("message", text="hang")
     run = runner.wait_status(lambda s: s["pid"] is not None, "the run")["pid"]
     assert identity(run) == RUNTIME_IDENTITY
+
+
+def environ_of(pid: int) -> dict[bytes, bytes]:
+    return dict(entry.partition(b"=")[::2] for entry in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if entry)
+
+
+@as_root
+def test_the_agents_credentials_stay_in_its_runs_and_nothing_it_starts_keeps_a_capability(start_agent):
+    """--redact-env values reach the agent CLI's runs only: not the file-worker zygote (a minimal environment), nor
+    an exec. A prompt on stdin is a read-only fd that cannot be linked; a run has no capability, bounding set
+    included."""
+    secret = "credential-" + os.urandom(8).hex()
+    runner = start_agent("--workload", "agent", "--agent-command", FAKE_AGENT_ARGV, "--redact-env", "FAKE_SECRET",
+                         env={"FAKE_SECRET": secret}, name="a")
+    runner.result("list")  # starts the zygote
+    [zygote] = zygote_pids(runner)
+    assert set(environ_of(zygote)) <= {name.encode() for name in agent.ZYGOTE_ENV_NAMES}
+    assert secret.encode() not in Path(f"/proc/{zygote}/cmdline").read_bytes()
+    exec_environ = run_exec(runner, ["cat", "/proc/self/environ"])["stdout"]
+    assert b"FAKE_SECRET" not in exec_environ and secret.encode() not in exec_environ and b"HOME=" in exec_environ
+    runner.result("message", text="probe ".ljust(200 * 1024, "p"))  # too long for one argument: on stdin
+    [line] = [line for line in runner.read_until(b"}}\n").decode().splitlines() if '"caps"' in line]
+    probe = json.loads(line)
+    assert probe["via"] == "stdin" and probe["stdin"] == "read-only" and probe["link"] != "linked"
+    assert probe["caps"] == dict.fromkeys(("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"), NO_CAPABILITIES)
+    assert not (runner.workspace / "linked-stdin").exists()
+
+
+def test_a_prompt_file_is_read_only_and_never_linkable_even_by_its_owner(tmp_path):
+    """prompt_input's fd: the command can read its prompt and do nothing else with the agent's file. Its owner
+    passes fs.protected_hardlinks, so what refuses the link here is the file itself (O_TMPFILE | O_EXCL)."""
+    with agent.prompt_input(tmp_path, "a long prompt") as fd:
+        assert fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY
+        assert os.read(fd, 100) == b"a long prompt"
+        with pytest.raises(OSError) as written:
+            os.write(fd, b"x")
+        assert written.value.errno == errno.EBADF
+        proc = os.open("/proc/self", os.O_RDONLY | os.O_DIRECTORY)
+        try:  # linkat(AT_SYMLINK_FOLLOW) of the fd's magic link: what would give the file a name
+            with pytest.raises(FileNotFoundError):
+                os.link(f"fd/{fd}", tmp_path / "named", src_dir_fd=proc, follow_symlinks=True)
+        finally:
+            os.close(proc)
+    assert list(tmp_path.iterdir()) == []
 
 
 @as_root

@@ -369,7 +369,7 @@ def test_writable_by_reads_the_class_that_applies(owner: tuple[int, int], mode: 
     assert reploy.writable_by(st, 1000, 1000) is writable
 
 
-def test_a_root_supervisor_keeps_only_setuid_setgid_and_kill() -> None:
+def test_a_root_supervisor_keeps_only_setuid_setgid_setpcap_and_kill() -> None:
     """A managed session's agent.py: 0:0 with three capabilities, and everything else of the
     sandbox as for any container; HOME still belongs to the runtime uid:gid."""
     import docker
@@ -382,7 +382,7 @@ def test_a_root_supervisor_keeps_only_setuid_setgid_and_kill() -> None:
     supervised = spec.create_kwargs(api)
     plain = reploy.ContainerSpec(**{**spec.__dict__, "root_supervisor": False}).create_kwargs(api)
     assert (supervised["user"], plain["user"]) == ("0:0", "1000:1000")
-    assert sorted(supervised["host_config"]["CapAdd"]) == ["KILL", "SETGID", "SETUID"]
+    assert sorted(supervised["host_config"]["CapAdd"]) == ["KILL", "SETGID", "SETPCAP", "SETUID"]
     assert "CapAdd" not in plain["host_config"]
     for kwargs in (supervised, plain):
         host = kwargs["host_config"]

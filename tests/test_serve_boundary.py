@@ -1,7 +1,7 @@
 """The trust boundary of a managed session (issue 21), from inside real sessions of a real
 `reploy serve`: the workload (its shell, its execs) against its own agent, its disk and the host.
 
-agent.py runs as root in the container keeping SETUID, SETGID and KILL; the workload runs as
+agent.py runs as root in the container keeping SETUID, SETGID, SETPCAP and KILL; the workload runs as
 the blueprint's user (1000:1000). The agent's socket, log, outbox, state and checkpoints lie in
 /mnt/reploy-session/agent (root's, 0700) on the session's own disk (an ext4 image, mounted
 nosuid,nodev). Each test tries what the issue saw work and checks what the kernel answered:

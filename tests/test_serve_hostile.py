@@ -3,7 +3,7 @@ container can write" section, on the real engine.
 
 The workload cannot reach the agent's own dir (test_serve_boundary.py shows it), but serve
 still treats everything in a session's disk as hostile: the agent itself may be compromised.
-Such an agent is root in its container, with SETUID, SETGID and KILL; the tests play it with
+Such an agent is root in its container, with SETUID, SETGID, SETPCAP and KILL; the tests play it with
 `docker exec -u 0:0` in the session's container (`as_agent`). It replaces output.log,
 events.jsonl, agent-state.json, checkpoint archives and control.sock in /mnt/reploy-session/agent
 with symlinks to a canary the test made on the host (a root-only file, a listening unix socket),
@@ -46,7 +46,7 @@ def run(api: Api, sid: str, script: str, *args: str, expect_exit: int = 0) -> di
 
 def as_agent(server: ServeProcess, docker: Any, sid: str, script: str, *args: str) -> None:
     """`sh -c script` in the session's container as a compromised agent: root there, with the
-    container's capabilities (SETUID, SETGID, KILL)."""
+    container's capabilities (SETUID, SETGID, SETPCAP, KILL)."""
     [container] = session_containers(docker, server.state_dir, sid)
     result = container.exec_run(["sh", "-c", script, "sh", *args], user="0:0")
     assert result.exit_code == 0, result.output

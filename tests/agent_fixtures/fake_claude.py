@@ -17,8 +17,12 @@ the prompt names a scenario and its argument:
   hang              one delta, then waits forever
   grandchild FILE   starts a grandchild that sleeps forever, writes its pid to FILE, then waits forever
   write FILE TEXT   writes TEXT into FILE (relative to the workspace), says done
+  probe ...         says, as JSON, how the prompt came, its stdin's access mode, what linking its stdin into the
+                    workspace answered, and its capability sets
 """
 
+import errno
+import fcntl
 import hashlib
 import json
 import os
@@ -59,6 +63,22 @@ def wait_forever() -> None:
         time.sleep(3600)
 
 
+def probe_self(via: str) -> dict:
+    """What a run can do with what it was given (see the `probe` scenario)."""
+    status = dict(line.split(":\t", 1) for line in open("/proc/self/status").read().splitlines() if ":\t" in line)
+    proc = os.open("/proc/self", os.O_RDONLY | os.O_DIRECTORY)
+    try:  # linkat(AT_SYMLINK_FOLLOW) of the magic link fd/0: what would give the agent's file a name here
+        os.link("fd/0", "linked-stdin", src_dir_fd=proc, follow_symlinks=True)
+        link = "linked"
+    except OSError as e:
+        link = errno.errorcode[e.errno]
+    finally:
+        os.close(proc)
+    modes = {os.O_RDONLY: "read-only", os.O_WRONLY: "write-only", os.O_RDWR: "read-write"}
+    return {"via": via, "stdin": modes[fcntl.fcntl(0, fcntl.F_GETFL) & os.O_ACCMODE], "link": link,
+            "caps": {name: status[name].strip() for name in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb")}}
+
+
 def main() -> int:
     argv = sys.argv[1:]
     if "--" in argv:
@@ -75,6 +95,8 @@ def main() -> int:
     elif scenario == "measure":
         data = prompt.encode()
         say(json.dumps({"via": via, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}))
+    elif scenario == "probe":
+        say(json.dumps(probe_self(via)))
     elif scenario == "stderr":
         def diagnose() -> None:
             time.sleep(0.05)  # the fake's own pacing, so the agent likely reads "after " before the diagnostic
