@@ -1067,7 +1067,7 @@ class StreamJsonProjector:
 
     def _project(self, line: bytes) -> str:
         try:
-            document = parse_strict_json(line, MAX_STREAM_LINE_BYTES)
+            document = parse_strict_json(line, self._max_line_bytes)
         except StrictJsonError:  # not (strict) JSON, so plain text
             document = None
         if not isinstance(document, dict):
@@ -2153,8 +2153,9 @@ def child_setup_error(report: bytes) -> AgentError:
         fields = parse_strict_json(report, CHILD_REPORT_BYTES)
     except StrictJsonError:  # the child runs as the runtime user, whom the workload can trace
         fields = None
-    if isinstance(fields, dict) and not isinstance(error := worker_failure(fields), WorkerProtocolError):
-        return error
+    with contextlib.suppress(WorkerProtocolError):  # not an error report (worker_failure raises): the one below
+        if isinstance(fields, dict) and not isinstance(error := worker_failure(fields), WorkerProtocolError):
+            return error
     return CommandError("cannot start the process: its preparation as the runtime user failed")
 
 
