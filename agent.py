@@ -2685,10 +2685,12 @@ def check_tree_target(root: Path, parts: tuple[str, ...]) -> None:
         os.close(root_fd)
 
 
-def extract_upload(archive_file: BinaryIO, root: Path, parts: tuple[str, ...], staging_name: str) -> int:
-    """Vets a tar (plain or gzip, read from its start), extracts it into a private directory beside the target,
-    then merges that into the target directory root/parts (made if missing). A refused archive or a conflict writes
-    nothing. Returns entries written."""
+def extract_upload(archive_file: BinaryIO, root: Path, parts: tuple[str, ...], staging_name: str, *,
+                   max_bytes: int = MAX_TRANSFER_BYTES, compressed: bool = True) -> int:
+    """Vets a tar (read from its start; compressed as tarfile reads it only when `compressed`, and holding at most
+    max_bytes of content, sparse files counted at their full size), extracts it into a private directory beside the
+    target, then merges that into the target directory root/parts (made if missing). A refused archive or a conflict
+    writes nothing. Returns entries written."""
     root_fd = open_root(root)
     try:
         deepest, depth = open_deepest_dir(root_fd, parts)
@@ -2696,8 +2698,8 @@ def extract_upload(archive_file: BinaryIO, root: Path, parts: tuple[str, ...], s
         os.close(root_fd)
     try:
         archive_file.seek(0)
-        with tarfile.open(fileobj=archive_file, mode="r:*") as archive:
-            planned = vet_upload_members(archive.getmembers())
+        with tarfile.open(fileobj=archive_file, mode="r:*" if compressed else "r:") as archive:
+            planned = vet_upload_members(archive.getmembers(), max_bytes=max_bytes)
             content_bytes = sum(member.size for _, member in planned if member.isfile())
             require_free_space(deepest, content_bytes, shown_path(parts))
             os.mkdir(staging_name, PRIVATE_DIR_MODE, dir_fd=deepest)
@@ -2718,7 +2720,8 @@ def extract_upload(archive_file: BinaryIO, root: Path, parts: tuple[str, ...], s
                 shutil.rmtree(staging_name, dir_fd=deepest, ignore_errors=True)
         return len(planned)
     except (tarfile.TarError, EOFError) as e:
-        raise ArchiveError(f"refused: not a readable tar archive: {e}") from e
+        kind = "tar archive" if compressed else "uncompressed tar archive"
+        raise ArchiveError(f"refused: not a readable {kind}: {e}") from e
     finally:
         os.close(deepest)
 

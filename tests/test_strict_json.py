@@ -82,7 +82,7 @@ def test_the_standalone_role_files_carry_the_same_strict_json_section() -> None:
 
 
 @pytest.mark.parametrize("path", ["reploy.py", "reploy_serve.py"])
-def test_the_other_role_files_use_the_client_s_parser_and_keep_no_json_loads_of_their_own(
+def test_the_other_role_files_use_the_client_s_parser_with_a_bound(
         path: str) -> None:
     """They import reploy_session_client (they cannot run without it): its copy is theirs."""
     calls = [node for node in ast.walk(ast.parse((ROOT / path).read_text()))
