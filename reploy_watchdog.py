@@ -243,15 +243,15 @@ _STRICT_JSON = json.JSONDecoder(object_pairs_hook=_json_pairs, parse_constant=_j
 
 
 def _json_depth(value: Any) -> int:
-    """How deeply arrays and objects nest in a decoded value, up to one past MAX_JSON_DEPTH
-    (a loop, not recursion: the value came from a peer)."""
-    deepest, pending = 0, [(value, 1)] if isinstance(value, (dict, list)) else []
-    while pending and deepest <= MAX_JSON_DEPTH:
-        item, depth = pending.pop()
-        deepest = max(deepest, depth)
-        children = item.values() if isinstance(item, dict) else item
-        pending.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
-    return deepest
+    """How deeply arrays and objects nest in a decoded value, up to one past MAX_JSON_DEPTH:
+    level by level (a loop, not recursion: the value came from a peer)."""
+    depth, level = 0, [value] if isinstance(value, (dict, list)) else []
+    while level and depth <= MAX_JSON_DEPTH:
+        depth += 1
+        level = [child for item in level
+                 for child in (item.values() if isinstance(item, dict) else item)
+                 if isinstance(child, (dict, list))]
+    return depth
 
 
 def parse_strict_json(data: bytes, max_bytes: int) -> Any:
