@@ -31,6 +31,7 @@ import reploy_watchdog as wd
 from agent_fixtures.harness import raw_exchange, short_dir, start_agent  # noqa: F401
 from conftest import ROOT, wait_watchdog_exit
 from test_broker import BrokerHarness, read_event, run_client_command
+from test_agent_listen import start_listening, tcp_call, tcp_exchange  # noqa: F401
 from test_framing import FramePeer
 from test_watchdog import HOST, RUN_A, RUN_B, environ, make_core, start_host, write_manifest
 
@@ -236,6 +237,15 @@ def test_the_agent_answers_deep_nesting_and_then_the_next_request(start_agent, l
     assert "nested deeper than 32" in reply["error"]["message"]
     assert shell.proc.poll() is None
     assert shell.status()["turn_state"] == "idle"
+
+
+def test_the_agent_s_tcp_listener_answers_deep_nesting_and_then_the_next_request(start_listening) -> None:
+    """`agent.py serve --listen`: any peer of the port could kill the agent with one line."""
+    shell, port = start_listening("--workload", "shell")
+    reply = json.loads(tcp_exchange(port, AGENT_KILLER + b"\n"))
+    assert reply["error"]["code"] == "invalid_request" and "nested deeper" in reply["error"]["message"]
+    assert tcp_call(port, "status")["result"]["type"] == "status"
+    assert shell.proc.poll() is None
 
 
 def test_the_watchdog_answers_deep_nesting_and_keeps_serving(watchdog_dir: Path,
