@@ -212,6 +212,15 @@ PEER_PARSERS: dict[str, tuple[Callable[[bytes], Any], tuple[type[BaseException],
 }
 
 
+@pytest.mark.parametrize("copy", PARSERS)
+@FUZZ
+@given(value=JSON_VALUES)
+def test_each_copy_reads_any_valid_document_as_json_loads_does(copy: str, value: Any) -> None:
+    """Behaviour on valid input is json.loads's (as the parsers before this one read it)."""
+    data = json.dumps(value).encode()
+    assert PARSERS[copy](data, len(data)) == json.loads(data)
+
+
 @pytest.mark.parametrize("name", PEER_PARSERS)
 @FUZZ
 @given(data=HOSTILE)
