@@ -3167,6 +3167,8 @@ def _op_stat(sock: socket.socket, request: dict[str, Any], fds: list[int]) -> No
 def _op_list(sock: socket.socket, request: dict[str, Any], fds: list[int]) -> None:
     root, parts = Path(request["root"]), tuple(request["path"])
     entry = stat_entry(root, parts)
+    if entry["type"] != "directory":  # as listing it would say, also when a directory takes its place meanwhile
+        raise CommandError(f"not a directory: {shown_path(parts)}")
     page = list_entries(root, parts, request["offset"], request["limit"])
     for item in page["entries"]:
         _send_packet(sock, {WorkerAnswer.ENTRY.value: {"entry": item}})

@@ -166,13 +166,9 @@ while True:
         raise OSError(ctypes.get_errno(), "renameat2")
 """
 MAX_TRIES = 40
-#: What the listing itself answers when the swap lands inside it (the agent's `list` stats the
-#: path, then lists it): a clear error before any download, so nothing is written either.
-LISTING_RACES = (
-    {"error": "agent: not a directory: d", "status": 409},
-    {"error": "the session agent's answer to list is invalid: list: only a directory has entries",
-     "status": 502},
-)
+#: What the listing itself answers when the swap lands inside it (serve stats the path, then
+#: lists it): a clear error before any download, so nothing is written either.
+LISTING_RACES = ({"error": "agent: not a directory: d", "status": 409},)
 
 
 def tree_bytes(path: Path) -> int:
