@@ -940,7 +940,8 @@ def parse_body(raw: bytes, rules: dict[str, FieldRule]) -> dict[str, Any]:
         doc: dict[str, Any] = {}
     else:
         try:
-            doc = wire.parse_strict_object(raw.strip(b" \t\r\n"))  # JSON's own whitespace
+            doc = wire.parse_strict_object(raw.strip(b" \t\r\n"),  # JSON's own whitespace
+                                           max_bytes=MAX_BODY_BYTES)
         except wire.ProtocolError as e:
             raise BadRequest(f"the body: {e}") from None
     unknown = sorted(set(doc) - set(rules))
@@ -1876,7 +1877,8 @@ def parse_agent_response(method: str, params: dict[str, Any], line: bytes) -> di
     neither."""
     try:
         # Every string kept is checked to be writable by its field's rule (_text, patterns).
-        document = wire.parse_strict_object(line.removesuffix(b"\n"), writable=False)
+        document = wire.parse_strict_object(line.removesuffix(b"\n"), writable=False,
+                                            max_bytes=AGENT_MAX_RESPONSE_BYTES)
     except wire.ProtocolError as e:
         raise AnswerInvalid(f"the answer is not one JSON object ({e})") from None
     _require(document.get("id") == "serve" and set(document) in ({"id", "result"}, {"id", "error"}),
@@ -4343,7 +4345,7 @@ class ApiClient:
         if len(raw) > MAX_ANSWER_BYTES:
             raise self.unexpected(status, f"an answer longer than {MAX_ANSWER_BYTES} bytes")
         try:
-            return wire.parse_strict_object(raw)
+            return wire.parse_strict_object(raw, max_bytes=MAX_ANSWER_BYTES)
         except wire.ProtocolError as e:
             raise self.unexpected(status, f"HTTP {status}, {e}") from None
 
@@ -4573,51 +4575,92 @@ def copy_bounded(source: Any, sink: Any, limit_bytes: int, what: str) -> int:
     return copied
 
 
+#: What a download is, by the Content-Type serve sets from what the agent opened for it (a
+#: file's bytes or a directory's tar), as `session cp` names it.
+DOWNLOAD_KINDS = {"application/octet-stream": "file", "application/x-tar": "tree"}
+KIND_NAMES = {"file": "a file", "tree": "a directory"}
+
+
+def download_kind(content_type: str, source: str) -> str:
+    """What a download carries, from its own response: never from an earlier listing, which
+    the session may have made untrue since (a directory swapped with a file)."""
+    kind = DOWNLOAD_KINDS.get(content_type.partition(";")[0].strip().lower())
+    if kind is None:
+        raise ReployError(f"{source}: the download is {safe_message(content_type[:60])!r}, "
+                          "neither a file nor a directory's tar")
+    return kind
+
+
+def receive_file(response: Any, target: Path, mode: int, limit_bytes: int, source: str) -> int:
+    """A file's download, spooled beside `target` (at most limit_bytes) and renamed onto it
+    with a sane `mode`; nothing is left on any error. Returns its size."""
+    spool_fd, spool_name = tempfile.mkstemp(dir=target.parent, prefix=".reploy-cp-")
+    try:
+        with os.fdopen(spool_fd, "w+b") as spool:
+            copied = copy_bounded(response, spool, limit_bytes, f"{source}: the download")
+            os.fchmod(spool.fileno(), agent_role.sane_mode(mode, directory=False))
+            spool.flush()
+            os.replace(spool_name, target)
+            return copied
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(spool_name)
+
+
+def receive_tree(response: Any, target: Path, limit_bytes: int, source: str) -> int:
+    """A directory's download: an uncompressed tar (nothing a session sends is decompressed),
+    spooled beside `target` (at most limit_bytes), vetted whole like any untrusted archive
+    (agent.py's rules, its members' sizes summed against limit_bytes, a sparse file at its full
+    size) before its first byte is written, then merged in. Returns the entries written."""
+    spool_fd, spool_name = tempfile.mkstemp(dir=target.parent, prefix=".reploy-cp-")
+    try:
+        with os.fdopen(spool_fd, "w+b") as spool:
+            copy_bounded(response, spool, limit_bytes, f"{source}: the download")
+            return agent_role.extract_upload(spool, target.parent, (target.name,),
+                                             f"{Path(spool_name).name}.d", max_bytes=limit_bytes,
+                                             compressed=False)
+    except agent_role.AgentError as e:
+        raise ReployError(f"{source}: {e}") from e
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(spool_name)
+
+
 def copy_from_session(client: ApiClient, session_id: str, root: str, path: str,
                       local: str) -> dict[str, Any]:
     """Session -> here. A file is written under a temporary name and renamed; a directory comes
-    as a tar, vetted like any untrusted archive (agent.py's rules) and merged in, so a refused
-    archive writes nothing. What is spooled is bounded by copy_limit_bytes() and removed on
-    any error, SIGINT or SIGTERM."""
+    as a tar, vetted and merged in (receive_tree), so a refused archive writes nothing. The
+    kind is the download's own (download_kind); a listing that said otherwise means the session
+    changed the path meanwhile, which is an error. What is spooled is bounded by
+    copy_limit_bytes() and removed on any error, SIGINT or SIGTERM."""
     entry = _remote_entry(client, session_id, root, path)
     if entry is None:
         raise ReployError(f"{session_id}:{path}: no such file or directory")
-    kind = "tree" if entry["type"] == "directory" else "file"
+    listed = "tree" if entry["type"] == "directory" else "file"
     source = f"{session_id}:{path}"
     limit_bytes = copy_limit_bytes(client)
     with client.open("GET", _file_route("files", session_id, root, path), timeout_s=600) as response:
-        if local == "-":
-            shutil.copyfileobj(response, sys.stdout.buffer, TRANSFER_CHUNK_BYTES)
-            sys.stdout.buffer.flush()
-            return {"source": source, "destination": "-", "kind": kind}
+        kind = download_kind(response.headers.get("Content-Type", ""), source)
+        if kind != listed:
+            raise ReployError(f"{source} changed while it was copied: listed as {KIND_NAMES[listed]}, "
+                              f"downloaded as {KIND_NAMES[kind]}; nothing was written")
         announced = response.headers.get("Content-Length")
         if announced is not None and (not announced.isdigit() or int(announced) > limit_bytes):
             raise ReployError(f"{source}: the download announces more than {limit_bytes} bytes")
+        if local == "-":
+            copy_bounded(response, sys.stdout.buffer, limit_bytes, f"{source}: the download")
+            sys.stdout.buffer.flush()
+            return {"source": source, "destination": "-", "kind": kind}
         target = Path(local)
         if target.is_dir():
             target = target / (Path(path).name or root)
         if not target.parent.is_dir():
             raise ReployError(f"{target.parent}: no such directory")
-        spool_fd, spool_name = -1, ""
-        try:
-            spool_fd, spool_name = tempfile.mkstemp(dir=target.parent, prefix=".reploy-cp-")
-            with os.fdopen(spool_fd, "w+b") as spool:
-                copied = copy_bounded(response, spool, limit_bytes, f"{source}: the download")
-                if kind == "file":
-                    os.fchmod(spool.fileno(), agent_role.sane_mode(entry["mode"], directory=False))
-                    spool.flush()
-                    os.replace(spool_name, target)
-                    return {"source": source, "destination": str(target), "kind": kind,
-                            "bytes": copied}
-                entries = agent_role.extract_upload(spool, target.parent, (target.name,),
-                                                    f"{Path(spool_name).name}.d")
-        except agent_role.AgentError as e:
-            raise ReployError(f"{source}: {e}") from e
-        finally:
-            if spool_name:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(spool_name)
-    return {"source": source, "destination": str(target), "kind": kind, "entries": entries}
+        if kind == "file":
+            return {"source": source, "destination": str(target), "kind": kind,
+                    "bytes": receive_file(response, target, entry["mode"], limit_bytes, source)}
+        return {"source": source, "destination": str(target), "kind": kind,
+                "entries": receive_tree(response, target, limit_bytes, source)}
 
 
 def copy_to_session(client: ApiClient, local: str, session_id: str, root: str,
