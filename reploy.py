@@ -31,14 +31,28 @@ the bytes, and every phase becomes one fact of the single JSON result printed at
 
 Machine output is one JSON document on stdout; human text goes to stderr.
 
-Reading order: the launch (which comes before the imports: see there), constants, exceptions,
-value types, pure cores (durations, blueprints, the lifecycle machine, the run result), Docker
-adapters, deployments, directories a container can write, the controlled session, CLI.
+Reading order: the signal hold and the launch (which come before the imports: see there),
+constants, exceptions, value types, pure cores (durations, blueprints, the lifecycle machine,
+the run result), Docker adapters, deployments, directories a container can write, the
+controlled session, CLI.
 """
 
 from __future__ import annotations
 
-import marshal
+import signal
+
+#: SIGINT and SIGTERM are held (blocked) from this file's first statement when it runs as a
+#: program, across the re-execution below (exec keeps the mask and what is pending), until the
+#: run can answer them: a controlled session's host releases them once its handlers are in
+#: place (HostSignals), so a signal at any instant after valid parsing gets its one JSON result
+#: and 130/143; every other command releases them once its command line is parsed.
+HELD_SIGNALS = frozenset((signal.SIGINT, signal.SIGTERM))
+#: The mask the process came with while they are held (the re-executed host is handed its
+#: first process's one); None when nothing is held (this file imported as a module).
+SIGNAL_MASK_BEFORE_HOLD = (signal.pthread_sigmask(signal.SIG_BLOCK, HELD_SIGNALS)
+                           if __name__ == "__main__" else None)
+
+import marshal  # noqa: E402  (after the hold: see there)
 import os
 import sys
 from importlib.machinery import SourceFileLoader
@@ -60,16 +74,19 @@ LONG_LIVED_COMMAND = ("controlled-session", "run")
 #: The role files this one imports as it starts (they sit beside it).
 SIBLING_MODULES = ("reploy_session_client", "reploy_watchdog", "agent")
 #: What the re-executed interpreter runs, given this file's path, then a descriptor holding
-#: (module name, file, code) of each sibling and of this file (marshal), then the command:
-#: the modules run in that order, this file's last, as if imported.
+#: the signal mask the first process came with and (module name, file, code) of each sibling
+#: and of this file (marshal), then the command: the modules run in that order, this file's
+#: last, as if imported, and this file's module is handed that mask.
 MODULE_LAUNCHER = "\n".join((
     "import marshal, os, sys, types",
     "sys.argv[0] = sys.argv.pop(1)",  # this file, as when the script runs
     "sys.path[0] = os.path.dirname(sys.argv[0])",  # in place of -c's working directory
-    "for name, path, code in marshal.loads(open(int(sys.argv.pop(1)), 'rb').read()):",
+    "mask, modules = marshal.loads(open(int(sys.argv.pop(1)), 'rb').read())",
+    "for name, path, code in modules:",
     "    module = sys.modules[name] = types.ModuleType(name)",
     "    module.__file__ = path",
     "    exec(code, module.__dict__)",
+    "module.SIGNAL_MASK_BEFORE_HOLD = set(mask)",
     "module.run_command()",
 ))
 
@@ -84,6 +101,13 @@ def interpreter_options() -> Optional[list[str]]:
     return original[1:options_end]
 
 
+def release_held_signals() -> None:
+    """Give SIGINT and SIGTERM back the mask the process came with: what is pending arrives
+    now (at the handlers in place by then). Nothing to do when nothing is held."""
+    if SIGNAL_MASK_BEFORE_HOLD is not None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, SIGNAL_MASK_BEFORE_HOLD)
+
+
 def hand_over_to_control_plane() -> None:
     """`reploy serve|session ...` becomes `reploy_serve.py serve|session ...` in this process."""
     if sys.argv[1:2] and sys.argv[1] in CONTROL_PLANE_COMMANDS:
@@ -92,6 +116,7 @@ def hand_over_to_control_plane() -> None:
             print(f"reploy: {sys.argv[1]}: {control_plane} is missing; it must sit beside "
                   "reploy.py", file=sys.stderr)
             sys.exit(1)
+        release_held_signals()  # the control plane keeps its own signals
         os.execv(sys.executable, [sys.executable, *(interpreter_options() or []), control_plane,
                                   *sys.argv[1:]])
 
@@ -119,7 +144,8 @@ def relaunch_as_module() -> None:
     modules.append(("reploy", script, sys._getframe(1).f_code))  # the calling module's code
     compiled = os.memfd_create("reploy-code", 0)  # no close-on-exec: the launcher reads it
     with open(compiled, "wb", closefd=False) as code_file:
-        code_file.write(marshal.dumps(modules))
+        code_file.write(marshal.dumps(([int(signum) for signum in SIGNAL_MASK_BEFORE_HOLD or ()],
+                                       modules)))
     os.lseek(compiled, 0, os.SEEK_SET)
     os.set_inheritable(compiled, True)
     os.execv(sys.executable, [sys.executable, *options, "-c", MODULE_LAUNCHER, script,
@@ -143,7 +169,6 @@ import re
 import secrets
 import selectors
 import shutil
-import signal
 import socket
 import stat
 import struct
@@ -1769,6 +1794,19 @@ class HostSignals(wire.SignalWakeup):
         super().__init__(tuple(EXIT_FOR_SIGNAL))
         self.first: Optional[int] = None
 
+    def __enter__(self) -> "HostSignals":
+        """Handlers first, then the held signals let through: one that came earlier (even
+        before the re-execution) arrives at them now."""
+        super().__enter__()
+        release_held_signals()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Held again before the handlers go: the exit code was decided with the result."""
+        if SIGNAL_MASK_BEFORE_HOLD is not None:
+            signal.pthread_sigmask(signal.SIG_BLOCK, HELD_SIGNALS)
+        super().__exit__(*exc)
+
     def drain(self) -> list[int]:
         signums = [signum for signum in super().drain() if signum in EXIT_FOR_SIGNAL]
         if signums and self.first is None:
@@ -3313,6 +3351,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             sys.stdout.buffer.write(result.encode())
             sys.stdout.buffer.flush()
             return exit_code(result, signals.first)
+    release_held_signals()  # these commands keep the interpreter's own signal handling
     schema = {"stage": STAGE_SCHEMA, "build": BUILD_SCHEMA}.get(args.command, CLEANUP_SCHEMA)
     try:
         if args.command == "stage":
