@@ -161,6 +161,7 @@ import argparse
 import contextlib
 import enum
 import errno
+import functools
 import hashlib
 import io
 import json
@@ -184,6 +185,8 @@ from typing import Any, Callable, Iterator, Optional
 import docker
 import docker.errors
 import docker.transport
+import docker.types
+import docker.utils
 import requests.exceptions
 import yaml
 
@@ -296,7 +299,7 @@ CONTEXT_DIRNAME = "context"
 PRIVATE_ENV_NAME = ".env"
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
-EXIT_FOR_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143}
+EXIT_FOR_SIGNAL: dict[int, int] = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
 
 @dataclass(frozen=True)
@@ -916,8 +919,9 @@ class ContainerSpec:
             memswap_limit=f"{self.runtime.memory_mib}m",
             ipc_mode="private",
             init=self.init,
-            log_config={"type": "json-file", "config": {"max-size": "1m", "max-file": "1"}}
-            if not self.tty else {"type": "none", "config": {}},
+            log_config=docker.types.LogConfig(type="json-file",
+                                              config={"max-size": "1m", "max-file": "1"})
+            if not self.tty else docker.types.LogConfig(type="none", config={}),
         )
         if self.console_size is not None:
             columns, rows = self.console_size
@@ -1048,6 +1052,8 @@ class DockerBackend:
     @_docker_call("build image")
     def build(self, **kwargs: Any) -> str:
         image, _logs = self.client.images.build(rm=True, forcerm=True, pull=False, **kwargs)
+        if image.id is None:
+            raise BackendError("the engine built an image without an id")
         return image.id
 
     @_docker_call("inspect image labels")
@@ -1133,7 +1139,8 @@ class DockerBackend:
         """Run a blocking Engine call off the loop, on its own connection; report (tag, value),
         the value being the call's result, or the ReployError it raised (any other failure
         becomes a BackendError)."""
-        api = docker.APIClient(version=self.api.api_version, timeout=None,
+        api = docker.APIClient(version=self.api.api_version,
+                               timeout=None,  # type: ignore[arg-type]  # None: no timeout
                                **docker.utils.kwargs_from_env())
 
         def run() -> None:
@@ -1699,7 +1706,7 @@ def probe_problem(report: bytes, runtime: Runtime) -> Optional[str]:
         return f"it reports version {obj.get('version')!r}, not {__version__}"
     if (obj.get("uid"), obj.get("gid")) != (runtime.uid, runtime.gid):
         return f"it runs as {obj.get('uid')}:{obj.get('gid')}, not as {runtime.user}"
-    status = obj.get("status") if isinstance(obj.get("status"), dict) else {}
+    status = given if isinstance(given := obj.get("status"), dict) else {}
     wrong = [f"{name} is {status.get(name, 'missing')!r}, not {expected!r}"
              for name, expected in PROBE_EXPECTED_STATUS.items() if status.get(name) != expected]
     if wrong:
@@ -1845,12 +1852,13 @@ class Watchdog:
             receipt_path=str(reploy_watchdog.receipt_path_for(str(workload_dir), run_id)))
         self.link: Optional[reploy_watchdog.WatchdogLink] = None
 
-    def arm(self) -> None:
+    def arm(self) -> reploy_watchdog.WatchdogLink:
         """Record the manifest, then arm the watchdog with it (starting the watchdog when none
-        runs). Raises reploy_watchdog.WatchdogUnavailable."""
+        runs); its link. Raises reploy_watchdog.WatchdogUnavailable."""
         self.record(self.manifest)
         self.link = reploy_watchdog.arm(self.manifest.run_id, self.manifest_path)
         self.record(replace(self.manifest, watchdog=self.link.watchdog))
+        return self.link
 
     def rearm(self) -> bool:
         """The watchdog is gone: arm its successor with the current manifest. Without one the
@@ -2113,7 +2121,7 @@ class TerminalRelay:
         elif frame.kind is FrameKind.RESIZE:
             try:
                 size = frame.json()
-                resize = wire.Resize(columns=size.get("columns"), rows=size.get("rows"))
+                resize = wire.Resize(columns=size.get("columns", 0), rows=size.get("rows", 0))
             except wire.ProtocolError as e:
                 log(f"ignoring the attachment's resize: {e.message}")
                 return
@@ -2223,13 +2231,13 @@ class ControlledSession:
         result says only that. The startup timeout counts from the end of planning."""
         try:
             try:
-                self.watchdog.arm()  # before the first container of the session exists
+                link = self.watchdog.arm()  # before the first container of the session exists
             except (reploy_watchdog.WatchdogUnavailable, OSError) as e:
                 self.result.error = f"plan rejected: the watchdog could not be armed: " \
                                     f"{error_text(e)}"
                 self.result.controller_output = requested_output_status(self.options)
                 return self.result
-            self.selector.register(self.watchdog.link, selectors.EVENT_READ, self.on_watchdog)
+            self.selector.register(link, selectors.EVENT_READ, self.on_watchdog)
             try:
                 controller_image = self.plan_images()
             except (PlanRejected, BackendError, OSError) as e:
@@ -2327,7 +2335,8 @@ class ControlledSession:
                     api.logs(container_id, stdout=False, stderr=True)[-PROBE_OUTPUT_BYTES:])
 
         try:
-            outcome = self.off_loop("run the python probe", run_probe)
+            outcome: Optional[tuple[int, bytes, bytes]] = self.off_loop("run the python probe",
+                                                                        run_probe)
             if outcome is None:
                 return False  # cancelled: the delivery tail removes the probe
             refusal = probe_refusal(*outcome, runtime)
@@ -2963,8 +2972,8 @@ class ControlledSession:
             return removed
 
         return {role: self.begin_call(f"remove the {role} container",
-                                      lambda api, cid=container_id: remove_container_quietly(
-                                          api, cid), forget(role))
+                                      functools.partial(remove_container_quietly,
+                                                        container_id=container_id), forget(role))
                 for role in roles
                 if (container_id := self.owned.containers.get(role)) is not None}
 
@@ -3189,6 +3198,7 @@ def run_controlled_session(options: RunOptions, signals: HostSignals) -> RunResu
     once: nothing of it exists yet, and every other field of the result is null."""
     prepared = until_signalled(signals, lambda: prepare_run(options))
     if prepared is None:
+        assert signals.first is not None  # until_signalled gives None only for a signal
         return RunResult(error=f"cancelled by {signal.Signals(signals.first).name}")
     if isinstance(prepared, RunResult):
         return prepared
