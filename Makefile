@@ -6,7 +6,7 @@
 PYTHON ?= python3
 DEMO_DIR ?= $(CURDIR)/.reploy-demo
 
-.PHONY: setup setup-demo demo test test-unit bench bench-agent clean-demo bundle
+.PHONY: setup setup-demo demo test test-unit lint bench bench-agent clean-demo bundle
 
 # Machine output only on stdout (`make demo | python3 -m json.tool` works): recipe lines are
 # not echoed, and everything but the session's result goes to stderr.
@@ -32,6 +32,11 @@ demo: setup-demo
 
 test: setup
 	$(PYTHON) -m pytest -q -rs tests
+
+# Type checking (mypy.ini) and lint (ruff.toml): CI runs them before the tests.
+lint: setup
+	$(PYTHON) -m mypy
+	$(PYTHON) -m ruff check
 
 test-unit:
 	$(PYTHON) -m pytest -q -rs tests -m "not docker"

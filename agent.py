@@ -68,7 +68,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterable, Iterator, Optional
+from typing import Any, BinaryIO, Callable, Iterable, Iterator, NoReturn, Optional, cast
 
 # ======================================================================================================================
 # Constants
@@ -691,7 +691,7 @@ class RequestFramer:
             raise RequestError("one request per connection: data follows the request line")
         return bytes(self._buffer[:newline])
 
-    def eof(self) -> None:
+    def eof(self) -> NoReturn:
         """The client closed its side before a newline."""
         if self._buffer:
             raise RequestError("request line must end with a newline")
@@ -2532,7 +2532,8 @@ def list_entries(root: Path, parts: tuple[str, ...], offset: int, limit: int) ->
     try:
         with os.scandir(dir_fd) as scan:
             names = sorted(entry.name for entry in scan)
-        entries, size_bytes = [], 0
+        entries: list[dict[str, Any]] = []
+        size_bytes = 0
         for name in names[offset:offset + limit]:
             st = lstat_at(dir_fd, name)
             if st is None:
@@ -3004,7 +3005,7 @@ class FileWorkers:
 
         try:
             self._zygote = subprocess.Popen(
-                [sys.executable, "-I", "-S", f"/proc/self/fd/{self._source_fd}", "zygote"], stdin=theirs,
+                [sys.executable, "-I", "-S", f"/proc/self/fd/{self._source_fd}", "zygote"], stdin=theirs.fileno(),
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, pass_fds=(self._source_fd,), cwd="/",
                 env={name: os.environ[name] for name in ZYGOTE_ENV_NAMES if name in os.environ},
                 start_new_session=True, preexec_fn=prepare)
@@ -3309,7 +3310,7 @@ class Reactor:
     def __init__(self) -> None:
         self.selector = selectors.DefaultSelector()
 
-    def watch(self, fd: int, events: int, callback: Callable[[int], None]) -> None:
+    def watch(self, fd: int, events: int, callback: Callable[..., object]) -> None:
         try:
             self.selector.modify(fd, events, callback)
         except KeyError:
@@ -3362,13 +3363,13 @@ class Workload:
     def stop(self) -> None: ...
     def tick(self, now: float) -> None: ...
     def next_deadline(self, now: float) -> Optional[float]: ...
-    def message(self, text: str, now: float) -> Delivery: ...
-    def interrupt(self, now: float) -> bool: ...
+    def message(self, text: str, now: float) -> Delivery: raise NotImplementedError
+    def interrupt(self, now: float) -> bool: raise NotImplementedError
     def relaunch(self, now: float) -> Optional[int]: ...
-    def drained(self) -> bool: ...
-    def turn_state(self) -> TurnState: ...
+    def drained(self) -> bool: raise NotImplementedError
+    def turn_state(self) -> TurnState: raise NotImplementedError
     def pid(self) -> Optional[int]: ...
-    def status_fields(self) -> dict[str, Any]: ...
+    def status_fields(self) -> dict[str, Any]: raise NotImplementedError
 
     def busy(self) -> bool:
         """Working: a shell job in the foreground or an agent run executing, or messages held. What a supervisor
@@ -4289,7 +4290,7 @@ class TransferTable:
             return {"transfer_id": transfer_id, "kind": "tar", "size": None, "entry": entry}
 
         return self._open(lambda: self._workers.open_download(root, params.path),
-                          lambda described: described[1] is not None and os.close(described[1]), opened)
+                          lambda described: None if described[1] is None else os.close(described[1]), opened)
 
     def _download(self, transfer_id: str) -> _Download:
         try:
@@ -4370,7 +4371,8 @@ class TransferTable:
                 self.close(download.transfer_id)
 
     def next_deadline(self) -> Optional[float]:
-        times = [t.touched_at + TRANSFER_IDLE_S for t in (*self._uploads.values(), *self._downloads.values())]
+        times = [t + TRANSFER_IDLE_S for t in (*(upload.touched_at for upload in self._uploads.values()),
+                                               *(download.touched_at for download in self._downloads.values()))]
         return min(times, default=None)
 
     def close_all(self) -> None:
@@ -4389,7 +4391,8 @@ class TransferTable:
 def pack_tree(walk: WorkerWalk, sink: TarSink) -> int:
     """A download's job: a worker's walk of the tree as a tar into its sink. Returns the entries left out."""
     try:
-        with tarfile.open(fileobj=sink, mode="w|", format=tarfile.PAX_FORMAT, bufsize=COPY_CHUNK_BYTES) as archive:
+        with tarfile.open(fileobj=cast(BinaryIO, sink),  # a stream ("w|"): tarfile only writes and closes it
+                          mode="w|", format=tarfile.PAX_FORMAT, bufsize=COPY_CHUNK_BYTES) as archive:
             return write_walked_entries(archive, walk)
     finally:
         walk.close()
@@ -4465,7 +4468,7 @@ class _LongPollRead(PendingRequest):
     def __init__(self, server: AgentServer, params: ReadParams, now: float) -> None:
         self._server = server
         self._params = params
-        self.wake_at = now + params.wait_ms / 1000
+        self.wake_at: float = now + params.wait_ms / 1000
 
     def resolve(self, now: float) -> Optional[dict[str, Any]]:
         if self._server.log.length_bytes > self._params.offset_bytes or now >= self.wake_at:
@@ -4539,7 +4542,8 @@ class _Restore(PendingRequest):
         self._server = server
         config, workers = server.config, server.workers
         self._job = server.start_job(lambda: prepare_restore(config, workers, archive_path),
-                                     lambda prepared: prepared[1] is not None and prepared[1].unlink(missing_ok=True))
+                                     lambda prepared: None if prepared[1] is None
+                                     else prepared[1].unlink(missing_ok=True))
 
     def resolve(self, now: float) -> Optional[dict[str, Any]]:
         if not self._job.finished:
@@ -4564,7 +4568,7 @@ class _ExecWait(PendingRequest):
     def __init__(self, table: ExecTable, params: ExecWaitParams, now: float) -> None:
         self._table = table
         self._params = params
-        self.wake_at = now + params.wait_ms / 1000
+        self.wake_at: float = now + params.wait_ms / 1000
 
     def resolve(self, now: float) -> Optional[dict[str, Any]]:
         process = self._table.get(self._params.exec_id)
@@ -4606,7 +4610,7 @@ class _AwaitTransfer(PendingRequest):
         self._ready = ready
         self._answer = answer
         self._waiting = waiting
-        self.wake_at = now + TRANSFER_WAIT_S
+        self.wake_at: float = now + TRANSFER_WAIT_S
 
     def resolve(self, now: float) -> Optional[dict[str, Any]]:
         if self._ready():
@@ -4741,7 +4745,7 @@ class AgentServer:
         return busy
 
     def _next_wake(self, now: float) -> Optional[float]:
-        times = [conn.deadline for conn in self._connections]
+        times: list[Optional[float]] = [conn.deadline for conn in self._connections]
         times += [conn.pending.wake_at for conn in self._connections if conn.pending and conn.pending.wake_at]
         if self._workload is not None:
             times.append(self._workload.next_deadline(now))

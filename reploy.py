@@ -31,14 +31,28 @@ the bytes, and every phase becomes one fact of the single JSON result printed at
 
 Machine output is one JSON document on stdout; human text goes to stderr.
 
-Reading order: the launch (which comes before the imports: see there), constants, exceptions,
-value types, pure cores (durations, blueprints, the lifecycle machine, the run result), Docker
-adapters, deployments, directories a container can write, the controlled session, CLI.
+Reading order: the signal hold and the launch (which come before the imports: see there),
+constants, exceptions, value types, pure cores (durations, blueprints, the lifecycle machine,
+the run result), Docker adapters, deployments, directories a container can write, the
+controlled session, CLI.
 """
 
 from __future__ import annotations
 
-import marshal
+import signal
+
+#: SIGINT and SIGTERM are held (blocked) from this file's first statement when it runs as a
+#: program, across the re-execution below (exec keeps the mask and what is pending), until the
+#: run can answer them: a controlled session's host releases them once its handlers are in
+#: place (HostSignals), so a signal at any instant after valid parsing gets its one JSON result
+#: and 130/143; every other command releases them once its command line is parsed.
+HELD_SIGNALS = frozenset((signal.SIGINT, signal.SIGTERM))
+#: The mask the process came with while they are held (the re-executed host is handed its
+#: first process's one); None when nothing is held (this file imported as a module).
+SIGNAL_MASK_BEFORE_HOLD = (signal.pthread_sigmask(signal.SIG_BLOCK, HELD_SIGNALS)
+                           if __name__ == "__main__" else None)
+
+import marshal  # noqa: E402  (after the hold: see there)
 import os
 import sys
 from importlib.machinery import SourceFileLoader
@@ -60,16 +74,19 @@ LONG_LIVED_COMMAND = ("controlled-session", "run")
 #: The role files this one imports as it starts (they sit beside it).
 SIBLING_MODULES = ("reploy_session_client", "reploy_watchdog", "agent")
 #: What the re-executed interpreter runs, given this file's path, then a descriptor holding
-#: (module name, file, code) of each sibling and of this file (marshal), then the command:
-#: the modules run in that order, this file's last, as if imported.
+#: the signal mask the first process came with and (module name, file, code) of each sibling
+#: and of this file (marshal), then the command: the modules run in that order, this file's
+#: last, as if imported, and this file's module is handed that mask.
 MODULE_LAUNCHER = "\n".join((
     "import marshal, os, sys, types",
     "sys.argv[0] = sys.argv.pop(1)",  # this file, as when the script runs
     "sys.path[0] = os.path.dirname(sys.argv[0])",  # in place of -c's working directory
-    "for name, path, code in marshal.loads(open(int(sys.argv.pop(1)), 'rb').read()):",
+    "mask, modules = marshal.loads(open(int(sys.argv.pop(1)), 'rb').read())",
+    "for name, path, code in modules:",
     "    module = sys.modules[name] = types.ModuleType(name)",
     "    module.__file__ = path",
     "    exec(code, module.__dict__)",
+    "module.SIGNAL_MASK_BEFORE_HOLD = set(mask)",
     "module.run_command()",
 ))
 
@@ -84,6 +101,13 @@ def interpreter_options() -> Optional[list[str]]:
     return original[1:options_end]
 
 
+def release_held_signals() -> None:
+    """Give SIGINT and SIGTERM back the mask the process came with: what is pending arrives
+    now (at the handlers in place by then). Nothing to do when nothing is held."""
+    if SIGNAL_MASK_BEFORE_HOLD is not None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, SIGNAL_MASK_BEFORE_HOLD)
+
+
 def hand_over_to_control_plane() -> None:
     """`reploy serve|session ...` becomes `reploy_serve.py serve|session ...` in this process."""
     if sys.argv[1:2] and sys.argv[1] in CONTROL_PLANE_COMMANDS:
@@ -92,6 +116,7 @@ def hand_over_to_control_plane() -> None:
             print(f"reploy: {sys.argv[1]}: {control_plane} is missing; it must sit beside "
                   "reploy.py", file=sys.stderr)
             sys.exit(1)
+        release_held_signals()  # the control plane keeps its own signals
         os.execv(sys.executable, [sys.executable, *(interpreter_options() or []), control_plane,
                                   *sys.argv[1:]])
 
@@ -119,7 +144,8 @@ def relaunch_as_module() -> None:
     modules.append(("reploy", script, sys._getframe(1).f_code))  # the calling module's code
     compiled = os.memfd_create("reploy-code", 0)  # no close-on-exec: the launcher reads it
     with open(compiled, "wb", closefd=False) as code_file:
-        code_file.write(marshal.dumps(modules))
+        code_file.write(marshal.dumps(([int(signum) for signum in SIGNAL_MASK_BEFORE_HOLD or ()],
+                                       modules)))
     os.lseek(compiled, 0, os.SEEK_SET)
     os.set_inheritable(compiled, True)
     os.execv(sys.executable, [sys.executable, *options, "-c", MODULE_LAUNCHER, script,
@@ -135,6 +161,7 @@ import argparse
 import contextlib
 import enum
 import errno
+import functools
 import hashlib
 import io
 import json
@@ -143,7 +170,6 @@ import re
 import secrets
 import selectors
 import shutil
-import signal
 import socket
 import stat
 import struct
@@ -159,6 +185,8 @@ from typing import Any, Callable, Iterator, Optional
 import docker
 import docker.errors
 import docker.transport
+import docker.types
+import docker.utils
 import requests.exceptions
 import yaml
 
@@ -272,7 +300,7 @@ CONTEXT_DIRNAME = "context"
 PRIVATE_ENV_NAME = ".env"
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
-EXIT_FOR_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143}
+EXIT_FOR_SIGNAL: dict[int, int] = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
 
 @dataclass(frozen=True)
@@ -898,8 +926,9 @@ class ContainerSpec:
             memswap_limit=f"{self.runtime.memory_mib}m",
             ipc_mode="private",
             init=self.init,
-            log_config={"type": "json-file", "config": {"max-size": "1m", "max-file": "1"}}
-            if not self.tty else {"type": "none", "config": {}},
+            log_config=docker.types.LogConfig(type="json-file",
+                                              config={"max-size": "1m", "max-file": "1"})
+            if not self.tty else docker.types.LogConfig(type="none", config={}),
         )
         if self.console_size is not None:
             columns, rows = self.console_size
@@ -1031,6 +1060,8 @@ class DockerBackend:
     @_docker_call("build image")
     def build(self, **kwargs: Any) -> str:
         image, _logs = self.client.images.build(rm=True, forcerm=True, pull=False, **kwargs)
+        if image.id is None:
+            raise BackendError("the engine built an image without an id")
         return image.id
 
     @_docker_call("inspect image labels")
@@ -1123,7 +1154,8 @@ class DockerBackend:
         """Run a blocking Engine call off the loop, on its own connection; report (tag, value),
         the value being the call's result, or the ReployError it raised (any other failure
         becomes a BackendError)."""
-        api = docker.APIClient(version=self.api.api_version, timeout=None,
+        api = docker.APIClient(version=self.api.api_version,
+                               timeout=None,  # type: ignore[arg-type]  # None: no timeout
                                **docker.utils.kwargs_from_env())
 
         def run() -> None:
@@ -1689,7 +1721,7 @@ def probe_problem(report: bytes, runtime: Runtime) -> Optional[str]:
         return f"it reports version {obj.get('version')!r}, not {__version__}"
     if (obj.get("uid"), obj.get("gid")) != (runtime.uid, runtime.gid):
         return f"it runs as {obj.get('uid')}:{obj.get('gid')}, not as {runtime.user}"
-    status = obj.get("status") if isinstance(obj.get("status"), dict) else {}
+    status = given if isinstance(given := obj.get("status"), dict) else {}
     wrong = [f"{name} is {status.get(name, 'missing')!r}, not {expected!r}"
              for name, expected in PROBE_EXPECTED_STATUS.items() if status.get(name) != expected]
     if wrong:
@@ -1784,6 +1816,19 @@ class HostSignals(wire.SignalWakeup):
         super().__init__(tuple(EXIT_FOR_SIGNAL))
         self.first: Optional[int] = None
 
+    def __enter__(self) -> "HostSignals":
+        """Handlers first, then the held signals let through: one that came earlier (even
+        before the re-execution) arrives at them now."""
+        super().__enter__()
+        release_held_signals()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Held again before the handlers go: the exit code was decided with the result."""
+        if SIGNAL_MASK_BEFORE_HOLD is not None:
+            signal.pthread_sigmask(signal.SIG_BLOCK, HELD_SIGNALS)
+        super().__exit__(*exc)
+
     def drain(self) -> list[int]:
         signums = [signum for signum in super().drain() if signum in EXIT_FOR_SIGNAL]
         if signums and self.first is None:
@@ -1822,12 +1867,13 @@ class Watchdog:
             receipt_path=str(reploy_watchdog.receipt_path_for(str(workload_dir), run_id)))
         self.link: Optional[reploy_watchdog.WatchdogLink] = None
 
-    def arm(self) -> None:
+    def arm(self) -> reploy_watchdog.WatchdogLink:
         """Record the manifest, then arm the watchdog with it (starting the watchdog when none
-        runs). Raises reploy_watchdog.WatchdogUnavailable."""
+        runs); its link. Raises reploy_watchdog.WatchdogUnavailable."""
         self.record(self.manifest)
         self.link = reploy_watchdog.arm(self.manifest.run_id, self.manifest_path)
         self.record(replace(self.manifest, watchdog=self.link.watchdog))
+        return self.link
 
     def rearm(self) -> bool:
         """The watchdog is gone: arm its successor with the current manifest. Without one the
@@ -2090,7 +2136,7 @@ class TerminalRelay:
         elif frame.kind is FrameKind.RESIZE:
             try:
                 size = frame.json()
-                resize = wire.Resize(columns=size.get("columns"), rows=size.get("rows"))
+                resize = wire.Resize(columns=size.get("columns", 0), rows=size.get("rows", 0))
             except wire.ProtocolError as e:
                 log(f"ignoring the attachment's resize: {e.message}")
                 return
@@ -2200,13 +2246,13 @@ class ControlledSession:
         result says only that. The startup timeout counts from the end of planning."""
         try:
             try:
-                self.watchdog.arm()  # before the first container of the session exists
+                link = self.watchdog.arm()  # before the first container of the session exists
             except (reploy_watchdog.WatchdogUnavailable, OSError) as e:
                 self.result.error = f"plan rejected: the watchdog could not be armed: " \
                                     f"{error_text(e)}"
                 self.result.controller_output = requested_output_status(self.options)
                 return self.result
-            self.selector.register(self.watchdog.link, selectors.EVENT_READ, self.on_watchdog)
+            self.selector.register(link, selectors.EVENT_READ, self.on_watchdog)
             try:
                 controller_image = self.plan_images()
             except (PlanRejected, BackendError, OSError) as e:
@@ -2304,7 +2350,8 @@ class ControlledSession:
                     api.logs(container_id, stdout=False, stderr=True)[-PROBE_OUTPUT_BYTES:])
 
         try:
-            outcome = self.off_loop("run the python probe", run_probe)
+            outcome: Optional[tuple[int, bytes, bytes]] = self.off_loop("run the python probe",
+                                                                        run_probe)
             if outcome is None:
                 return False  # cancelled: the delivery tail removes the probe
             refusal = probe_refusal(*outcome, runtime)
@@ -2940,8 +2987,8 @@ class ControlledSession:
             return removed
 
         return {role: self.begin_call(f"remove the {role} container",
-                                      lambda api, cid=container_id: remove_container_quietly(
-                                          api, cid), forget(role))
+                                      functools.partial(remove_container_quietly,
+                                                        container_id=container_id), forget(role))
                 for role in roles
                 if (container_id := self.owned.containers.get(role)) is not None}
 
@@ -3166,6 +3213,7 @@ def run_controlled_session(options: RunOptions, signals: HostSignals) -> RunResu
     once: nothing of it exists yet, and every other field of the result is null."""
     prepared = until_signalled(signals, lambda: prepare_run(options))
     if prepared is None:
+        assert signals.first is not None  # until_signalled gives None only for a signal
         return RunResult(error=f"cancelled by {signal.Signals(signals.first).name}")
     if isinstance(prepared, RunResult):
         return prepared
@@ -3328,6 +3376,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             sys.stdout.buffer.write(result.encode())
             sys.stdout.buffer.flush()
             return exit_code(result, signals.first)
+    release_held_signals()  # these commands keep the interpreter's own signal handling
     schema = {"stage": STAGE_SCHEMA, "build": BUILD_SCHEMA}.get(args.command, CLEANUP_SCHEMA)
     try:
         if args.command == "stage":

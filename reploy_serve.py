@@ -77,7 +77,7 @@ import time
 import urllib.parse
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Generator, Iterable, Iterator, Optional, Sequence
+from typing import Any, BinaryIO, Callable, Generator, Iterable, Iterator, Optional, Sequence
 
 import psutil
 
@@ -957,7 +957,7 @@ def parse_body(raw: bytes, rules: dict[str, FieldRule]) -> dict[str, Any]:
 
 def check_field(name: str, value: Any, rule: FieldRule) -> None:
     """One value against its rule; BadRequest for what does not fit."""
-    if isinstance(value, bool) or not isinstance(value, rule.kind):
+    if isinstance(value, bool) or not issubclass(type(value), rule.kind):  # keeps value Any
         raise BadRequest(f"{name}: must be {_JSON_KIND_NAMES[rule.kind]}")
     if rule.minimum is not None and value < rule.minimum or (
             rule.maximum is not None and value > rule.maximum):
@@ -1061,7 +1061,7 @@ def file_query(query: str) -> tuple[str, Optional[int]]:
     root = (params.get("root") or ["workspace"])[-1]
     if root not in ("workspace", "home"):
         raise BadRequest("root: must be workspace or home")
-    mode_text = (params.get("mode") or [None])[-1]
+    mode_text = params["mode"][-1] if params.get("mode") else None
     if mode_text is not None and not re.fullmatch(r"0?[0-7]{1,4}", mode_text):
         raise BadRequest("mode: an octal mode such as 0644")
     return root, None if mode_text is None else int(mode_text, 8)
@@ -1140,7 +1140,7 @@ def utf8_complete_prefix(data: bytes) -> bytes:
 _UTF8_SECOND_BYTE = {0xE0: (0xA0, 0xBF), 0xED: (0x80, 0x9F), 0xF0: (0x90, 0xBF), 0xF4: (0x80, 0x8F)}
 
 
-def utf8_pending_bytes(data: bytes) -> int:
+def utf8_pending_bytes(data: bytes | bytearray) -> int:
     """How many bytes at the end of `data` begin a code point that later bytes can still
     complete (0 to 3): a valid lead byte and the valid continuation bytes after it, fewer than
     its sequence needs."""
@@ -1160,7 +1160,7 @@ def utf8_pending_bytes(data: bytes) -> int:
 _SUBSTITUTES = {0xDC80 + byte: SUBSTITUTE_CHAR for byte in range(128)}
 
 
-def text_pieces(data: bytes) -> Iterator[str]:
+def text_pieces(data: bytes | memoryview) -> Iterator[str]:
     """Output bytes as seed 002's text `payload`, a slice of at most READ_SLICE_BYTES at a
     time, whose UTF-8 length is exactly the bytes' length. The rule: every complete, valid UTF-8
     sequence is itself; every byte of an invalid one is SUBSTITUTE_CHAR, one byte for one byte.
@@ -1175,7 +1175,7 @@ def text_pieces(data: bytes) -> Iterator[str]:
         yield decoder.decode(data[start:end], final=end >= len(data)).translate(_SUBSTITUTES)
 
 
-def text_cut(data: bytes) -> int:
+def text_cut(data: bytes | bytearray) -> int:
     """Where a text payload of `data` ends: before a code point the bytes end inside of and
     later bytes can still complete (utf8_pending_bytes: at most 3, which the next read has)."""
     return len(data) - utf8_pending_bytes(data)
@@ -1187,7 +1187,7 @@ def text_payload(data: bytes) -> tuple[str, int]:
     return "".join(text_pieces(data[:kept])), kept
 
 
-def read_result_json(head: dict[str, Any], data: bytes) -> Iterator[bytes]:
+def read_result_json(head: dict[str, Any], data: bytes | memoryview) -> Iterator[bytes]:
     """A ReadResult's JSON in pieces: `head` (session, path, nextOffset), then `payload`, the
     text of `data` (all of it: cut it with text_cut first), then Reploy's `payloadBase64`, the
     same bytes. A piece holds at most one slice, so an answer of the log's whole cap is never
@@ -3913,7 +3913,8 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
         """Seed 002's stream: the cursor is checked first (400), then the session (404), which
         must have a container (422). The body is chunked (HTTP/1.1) and ends with the stream."""
         params = urllib.parse.parse_qs(query)
-        cursor = sse_cursor(self.headers.get("Last-Event-ID"), (params.get("offset") or [None])[-1])
+        cursor = sse_cursor(self.headers.get("Last-Event-ID"),
+                            params["offset"][-1] if params.get("offset") else None)
         record = self.manager.shown_record(sid)
         if not has_container(record):
             raise Unprocessable("the session is a snapshot and has no container to stream from: "
@@ -4055,7 +4056,7 @@ def machine_names() -> list[str]:
     return names
 
 
-def serve_config_from(args: argparse.Namespace) -> ServeConfig:
+def serve_config_from(args: argparse.Namespace) -> ServeConfig:  # noqa: C901 (a check per option)
     durations = {}
     for flag in ("idle_after", "snapshot_after", "max_busy", "sse_keepalive"):
         try:
@@ -4153,6 +4154,7 @@ def run_serve(config: ServeConfig, access: ServeAccess) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
     bound_host, bound_port = server.server_address[:2]
+    bound_host = str(bound_host)
     bound_host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(bound_host, bound_host)  # wildcards
     authority = f"[{bound_host}]" if ":" in bound_host else bound_host
     url = f"http://{authority}:{bound_port}"
@@ -4383,6 +4385,8 @@ class ApiClient:
         answer the server sent before taking the whole body (a 507 or 413 checked up front)."""
         url = urllib.parse.urlsplit(self.server.rstrip("/") + API_PREFIX + path)
         connection_type = http.client.HTTPSConnection if url.scheme == "https" else http.client.HTTPConnection
+        if url.hostname is None:
+            raise ReployError(f"{self.server}: not a URL with a host")
         connection = connection_type(url.hostname, url.port, timeout=timeout_s,
                                      blocksize=TRANSFER_CHUNK_BYTES)
         if self.token is not None:
@@ -4454,7 +4458,7 @@ def run_session_client(args: argparse.Namespace, token: Optional[str]) -> int:
                 emit(summary)
             return EXIT_OK
         method, path, body = client_request(args)
-        timeout_s = body["timeoutMs"] / 1000 + 60 if args.session_action == "exec" else 120
+        timeout_s = body["timeoutMs"] / 1000 + 60 if body and args.session_action == "exec" else 120
         document = client.json(method, path, body, timeout_s)
         if document is None and args.session_action == "delete":  # its 204
             document = {"id": args.id, "deleted": True}
@@ -4518,14 +4522,14 @@ def copy_files(client: ApiClient, source: tuple[Optional[str], str, str],
     """`session cp`, like `docker cp`: files and directories either way; copying onto an
     existing directory puts the source inside it; `-` as the source is a tar on stdin, as the
     destination stdout (a file's bytes, a directory's tar)."""
-    if source[0] is not None:
-        session_id, root, path = source
+    session_id, root, path = source
+    if session_id is not None:
         try:
             return copy_from_session(client, session_id, root, path, destination[2])
         except http.client.HTTPException as e:  # a tar the server had to end short, say
             raise ReployError(f"{session_id}:{path}: the download ended early ({e!r})") from e
-    assert destination[0] is not None
     session_id, root, path = destination
+    assert session_id is not None
     return copy_to_session(client, source[2], session_id, root, path)
 
 
@@ -4668,6 +4672,7 @@ def copy_to_session(client: ApiClient, local: str, session_id: str, root: str,
     """Here -> session. A file is streamed as it is; a directory (or `-`, a tar on stdin) is
     spooled as a tar first, since an upload carries its Content-Length."""
     mode = None
+    source: BinaryIO
     with tempfile.TemporaryFile(prefix="reploy-cp-") as spool:
         if local == "-":
             copy_bounded(sys.stdin.buffer, spool, MAX_UPLOAD_BYTES, "the tar on stdin")

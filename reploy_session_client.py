@@ -335,9 +335,10 @@ def _check_code(name: str, value: Any) -> int:
 #: contract's rules: `unknown` carries nothing, `exited` an integer code, the other process
 #: kinds no code; drained, maintained, succeeded and the good output kinds carry no text;
 #: failed finalization and cleanup require it (cleanup's text is called `message`).
-_REASON = {"reason": (_check_safe_text, True)}
-_MAY_REASON = {"reason": (_check_safe_text, False)}
-STATUS_FAMILIES: dict[str, dict[str, dict[str, tuple[Callable[[str, Any], Any], bool]]]] = {
+_FieldRules = dict[str, tuple[Callable[[str, Any], Any], bool]]
+_REASON: _FieldRules = {"reason": (_check_safe_text, True)}
+_MAY_REASON: _FieldRules = {"reason": (_check_safe_text, False)}
+STATUS_FAMILIES: dict[str, dict[str, _FieldRules]] = {
     "process": {
         "unknown": {},
         "exited": {"code": (_check_code, True), **_MAY_REASON},
@@ -1567,7 +1568,7 @@ def run_attach(socket_path: str, stdin_fd: int, stdout_fd: int) -> int:
         conn.close()
 
 
-def _attach_loop(conn: FramedConnection, stdin_fd: int, stdout_fd: int,
+def _attach_loop(conn: FramedConnection, stdin_fd: int, stdout_fd: int,  # noqa: C901 (one loop)
                  wakeup: SignalWakeup, is_tty: bool) -> int:
     """One selector loop: stdin and signals go to the host, its frames to stdout. Each frame
     is written at once (a keystroke never waits for another pass of the loop). Stdin is read

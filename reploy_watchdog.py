@@ -195,7 +195,7 @@ class Refused:
 
 
 Message = Union[Arm, Disarm, Armed, Refused]
-MESSAGE_CLASSES: dict[MessageType, type] = {
+MESSAGE_CLASSES: dict[MessageType, type[Message]] = {
     MessageType.ARM: Arm, MessageType.DISARM: Disarm,
     MessageType.ARMED: Armed, MessageType.REFUSED: Refused,
 }
@@ -319,7 +319,7 @@ def decode(line: bytes, allowed: frozenset[MessageType]) -> Message:
         if not isinstance(obj["docker_env"], dict):
             raise ProtocolError("docker_env must be an object")
         obj["docker_env"] = tuple(sorted(obj["docker_env"].items()))
-    return cls(**obj)  # type: ignore[no-any-return]
+    return cls(**obj)
 
 
 class LineBuffer:

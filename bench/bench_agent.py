@@ -10,7 +10,6 @@ agent.py's protocol core, loop and log cost on top of the socket itself. Figures
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import shutil

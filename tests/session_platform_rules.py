@@ -72,8 +72,8 @@ def route_of(method: str, path: str) -> str:
     parts = path.partition("?")[0].split("/")
     if len(parts) > 2 and parts[1] == "sessions":
         parts[2] = "{id}"
-    operation = ROUTES.get((method, "/".join(parts)))
-    _require(operation is not None, f"{method} {path} is not one of the reference's routes")
+    operation = ROUTES.get((method, "/".join(parts)), "")
+    _require(operation != "", f"{method} {path} is not one of the reference's routes")
     return operation
 
 
@@ -281,7 +281,7 @@ def parse_sse(data: bytes) -> tuple[list[Frame], bytes]:
         elif name == "data":
             current.data.append(value)
         else:
-            _require(name == "retry" and colon and value.isdigit(), f"an unknown SSE field {name!r}")
+            _require(name == "retry" and bool(colon) and value.isdigit(), f"an unknown SSE field {name!r}")
     return frames, text[consumed:].encode("utf-8")
 
 

@@ -7,7 +7,6 @@ import base64
 import os
 import signal
 import subprocess
-import sys
 import tarfile
 import uuid
 

@@ -1,5 +1,6 @@
 """`.ci/run`, the CI entry point, in a stand-in checkout whose Makefile only reports what
-`make test` would be given: the conformance fixtures beside the checkout are required."""
+`make lint` and `make test` would be given: the conformance fixtures beside the checkout are
+required, and lint runs first."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from pathlib import Path
 
 from conftest import ROOT
 
-REPORTING_MAKEFILE = ("test:\n\t@echo \"$$REPLOY_CONFORMANCE_DIR|$$REPLOY_REQUIRE_CONFORMANCE|"
+REPORTING_MAKEFILE = ("lint:\n\t@echo lint\n"
+                      "test:\n\t@echo \"$$REPLOY_CONFORMANCE_DIR|$$REPLOY_REQUIRE_CONFORMANCE|"
                       "$$REPLOY_REQUIRE_DOCKER\"\n")
 
 
@@ -33,7 +35,7 @@ def test_ci_requires_the_shared_fixtures_by_their_absolute_path(tmp_path: Path) 
     (tmp_path / "shared/conformance/reploy-v1").mkdir(parents=True)
     proc = subprocess.run(["bash", ".ci/run"], cwd=directory, capture_output=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.decode().strip() == f"{tmp_path}/shared/conformance/reploy-v1|1|1"
+    assert proc.stdout.decode().split() == ["lint", f"{tmp_path}/shared/conformance/reploy-v1|1|1"]
 
 
 def test_a_clone_elsewhere_finds_the_fixtures_beside_the_repository_it_came_from(
@@ -48,5 +50,5 @@ def test_a_clone_elsewhere_finds_the_fixtures_beside_the_repository_it_came_from
                    check=True, timeout=60)
     proc = subprocess.run(["bash", ".ci/run"], cwd=directory, capture_output=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.decode().strip() == (
-        f"{tmp_path}/work/shared/conformance/reploy-v1|1|1")
+    assert proc.stdout.decode().split() == [
+        "lint", f"{tmp_path}/work/shared/conformance/reploy-v1|1|1"]

@@ -105,7 +105,12 @@ def check_screenshot(out: Path, marker: str) -> None:
 def test_recording_writes_a_cast_and_a_screenshot_of_the_served_page(docker_engine: Any,
                                                                      tmp_path: Path) -> None:
     copy = prepare("recording", tmp_path)
-    result, out = run(copy, "--endpoint", "web", "--", "record")
+    check_recording(*run(copy, "--endpoint", "web", "--", "record"))
+
+
+def check_recording(result: dict[str, Any], out: Path) -> None:
+    """A recording run's cast, report and screenshot: every command typed, echoed and
+    answered in order, the last by the prompt."""
     assert result["session_result"]["cause"] == "workload-exit"
     lines = (out / "session.cast").read_text().splitlines()
     header = json.loads(lines[0])

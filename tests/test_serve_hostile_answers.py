@@ -14,7 +14,6 @@ import hashlib
 import http.client
 import io
 import json
-import os
 import signal
 import socket
 import subprocess

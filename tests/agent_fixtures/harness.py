@@ -41,7 +41,7 @@ RUNTIME_USER = f"{RUNTIME_UID}:{RUNTIME_GID}"
 WORKLOAD_UID = RUNTIME_UID if AS_ROOT else os.getuid()
 #: The interpreter of the agents (and of the fake CLI they run): one the runtime user can run too, which an
 #: interpreter under root's home is not.
-PYTHON = shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin") if AS_ROOT else sys.executable
+PYTHON = (shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin") or "python3") if AS_ROOT else sys.executable
 
 
 def _reachable_fixtures() -> Path:

@@ -81,6 +81,27 @@ def full(session, report):
     return session.finish()
 
 
+#: prompt-loop: the prompt carries the last status; the typed text spells `\$?`, so its echo
+#: never matches LOOP_PROMPT_RE, only a prompt the shell prints does.
+LOOP_SET_PROMPT = 'PS1="@@\\$?-p@@ "\n'
+LOOP_PROMPT_RE = rb"@@(\d+)-p@@ "
+
+
+def prompt_loop(session, report):
+    """Command after command, each answered by its output and then the shell's prompt, as a
+    person (or the recording example) drives a shell: --variant is how many rounds."""
+    session.start()
+    session.type(LOOP_SET_PROMPT)
+    session.expect(LOOP_PROMPT_RE)
+    report["rounds"] = 0
+    for round_number in range(int(report["variant"])):
+        session.type(f"echo {round_number}-$((6 * 7))\n")
+        session.expect(rb"\r\n%d-42\r\n" % round_number + LOOP_PROMPT_RE)
+        report["rounds"] = round_number + 1
+    session.type("exit 0\n")
+    return session.finish()
+
+
 def terminate(session, report):
     session.start()
     status, output = session.run("echo still-here")
@@ -597,6 +618,7 @@ SCENARIOS = {
     "no-network": no_network,
     "audit": audit, "hostile": hostile, "stall-output": stall_output, "exit-code": exit_code,
     "rogue-handover": rogue_handover, "hold-before-broker": hold_before_broker,
+    "prompt-loop": prompt_loop,
 }
 
 
@@ -605,7 +627,8 @@ def main():
     parser.add_argument("scenario", choices=sorted(SCENARIOS))
     parser.add_argument("--attach", choices=("pipe", "pty"), default="pipe")
     parser.add_argument("--variant", default="regular",
-                        help="output-file: what to leave there; rogue-handover: what to hand")
+                        help="output-file: what to leave there; rogue-handover: what to hand; "
+                             "prompt-loop: how many rounds")
     args = parser.parse_args()
     report = {"scenario": args.scenario, "attach": args.attach, "variant": args.variant,
               "checks": {}, "error": None}
