@@ -154,7 +154,7 @@ import time
 import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Union
 
 import docker
 import docker.errors
@@ -817,6 +817,1069 @@ def failed(family: str, reason: str) -> Status:
 
 def succeeded() -> Status:
     return Status.of("cleanup", "succeeded")
+
+
+# ============================================================================================
+# Pure core: the controlled session's host
+# ============================================================================================
+
+# HostCore holds every rule of a controlled session's run, from the end of planning to the
+# delivery tail's last step: events in, actions out, one frozen HostState, no Docker, socket or
+# clock. ControlledSession performs the actions and turns what it sees into events; a deadline
+# it armed passes as a Deadline event, fed before anything seen in the same pass of its loop (a
+# deadline is a barrier: what is first seen after it did not happen before it).
+
+
+class Role(str, enum.Enum):
+    """A session container, by what it is for."""
+
+    PROBE = "python-probe"
+    HOLDER = "holder"
+    CONTROLLER = "controller"
+    WORKLOAD = "workload"
+
+
+class Timer(enum.Enum):
+    """Each deadline the host keeps; HostCore says for how long (HostTimeouts)."""
+
+    STARTUP = "startup"                  # --startup-timeout, from the end of planning
+    GRACE = "grace"                      # --termination-grace: SIGTERM, then SIGKILL
+    OUTPUT = "output"                    # the host-owned 30 s output barrier
+    EXIT = "exit"                        # --cleanup-timeout for an exit after the drain
+    FINALIZATION = "finalization"        # --controller-finalization-timeout
+    CLEANUP = "cleanup"                  # --cleanup-timeout for the workload's removal
+    ACKNOWLEDGEMENT = "acknowledgement"  # --result-acknowledgement-timeout
+    TAIL = "tail"                        # --cleanup-timeout, the whole delivery tail
+    CHANNEL_CLOSE = "channel-close"      # CHANNEL_CLOSE_S of the tail for channel and attachment
+    CONTROLLER_STOP = "controller-stop"  # half the tail: the controller is then killed
+    CONTROLLER_KILL = "controller-kill"  # three quarters of the tail
+
+
+class Step(enum.Enum):
+    """Where the host is in its run; STEP_TABLE says what each waits for."""
+
+    PLANNING = "planning"
+    PREPARING = "preparing"
+    STARTING_HOLDER = "starting-holder"
+    STARTING_CONTROLLER = "starting-controller"
+    AWAITING_CHANNEL = "awaiting-channel"
+    AWAITING_ATTACHMENT = "awaiting-attachment"
+    STARTING_WORKLOAD = "starting-workload"
+    ACTIVE = "active"
+    DRAINING = "draining"
+    AWAITING_EXIT = "awaiting-exit"
+    FINALIZING = "finalizing"
+    REMOVING_WORKLOAD = "removing-workload"
+    DELIVERING = "delivering"
+    AWAITING_ACKNOWLEDGEMENT = "awaiting-acknowledgement"
+    CLOSING_CHANNEL = "closing-channel"
+    FLUSHING_ATTACHMENT = "flushing-attachment"
+    STOPPING_CONTROLLER = "stopping-controller"
+    KILLING_CONTROLLER = "killing-controller"
+    COPYING_LOG = "copying-log"
+    REMOVING = "removing"
+    REMOVING_HOLDER = "removing-holder"
+    PUBLISHING = "publishing"
+    REMOVING_PATHS = "removing-paths"
+    DONE = "done"
+
+
+@dataclass(frozen=True)
+class StepRule:
+    until: str  # what ends the step (HostCore.step_done decides it)
+    timer: Optional[Timer] = None  # the deadline that ends it otherwise
+
+
+#: The host's run, in order. Startup steps end early when a cause is latched (termination
+#: begins); every later step runs in every outcome, each bounded by its timer. The public
+#: phases (LIFECYCLE_TABLE) move alongside: READY at STARTING_WORKLOAD's end, TERMINATE at the
+#: first cause, FINISH when the session result is fixed (before DELIVERING).
+STEP_TABLE: dict[Step, StepRule] = {
+    Step.PLANNING: StepRule("the executor's planning ends (Planned, PlanRejected)"),
+    Step.PREPARING: StepRule("channel, outputs, holder and controller exist (Begin)"),
+    Step.STARTING_HOLDER: StepRule("the holder runs", Timer.STARTUP),
+    Step.STARTING_CONTROLLER: StepRule("the controller started, the workload created",
+                                       Timer.STARTUP),
+    Step.AWAITING_CHANNEL: StepRule("the controller connects the channel", Timer.STARTUP),
+    Step.AWAITING_ATTACHMENT: StepRule("the attachment is handed over", Timer.STARTUP),
+    Step.STARTING_WORKLOAD: StepRule("the workload runs", Timer.STARTUP),
+    Step.ACTIVE: StepRule("a cause is latched"),
+    Step.DRAINING: StepRule("output at end of file, delivered, and the workload gone",
+                            Timer.OUTPUT),
+    Step.AWAITING_EXIT: StepRule("the workload's exit is observed", Timer.EXIT),
+    Step.FINALIZING: StepRule("complete, or the channel lost", Timer.FINALIZATION),
+    Step.REMOVING_WORKLOAD: StepRule("the workload is removed", Timer.CLEANUP),
+    Step.DELIVERING: StepRule("terminated is written out", Timer.ACKNOWLEDGEMENT),
+    Step.AWAITING_ACKNOWLEDGEMENT: StepRule("acknowledge-terminated, or the channel lost",
+                                            Timer.ACKNOWLEDGEMENT),
+    Step.CLOSING_CHANNEL: StepRule("the broker closes its end", Timer.CHANNEL_CLOSE),
+    Step.FLUSHING_ATTACHMENT: StepRule("the attachment has every byte", Timer.CHANNEL_CLOSE),
+    Step.STOPPING_CONTROLLER: StepRule("the controller exits", Timer.CONTROLLER_STOP),
+    Step.KILLING_CONTROLLER: StepRule("the killed controller exits", Timer.CONTROLLER_KILL),
+    Step.COPYING_LOG: StepRule("the controller's log is copied", Timer.TAIL),
+    Step.REMOVING: StepRule("every container but the holder is removed", Timer.TAIL),
+    Step.REMOVING_HOLDER: StepRule("the holder is removed", Timer.TAIL),
+    Step.PUBLISHING: StepRule("--output-file is published"),
+    Step.REMOVING_PATHS: StepRule("the channel and staging directories are removed"),
+    Step.DONE: StepRule("nothing: the run is over"),
+}
+STARTUP_STEPS = frozenset({Step.STARTING_HOLDER, Step.STARTING_CONTROLLER,
+                           Step.AWAITING_CHANNEL, Step.AWAITING_ATTACHMENT,
+                           Step.STARTING_WORKLOAD})
+#: What a startup step that stopped short was doing, in the words of its error.
+STARTUP_WHAT = {Step.AWAITING_CHANNEL: "the controller did not connect",
+                Step.STARTING_CONTROLLER: "the controller did not connect",
+                Step.AWAITING_ATTACHMENT: "no terminal attachment connected"}
+
+
+class Channel(enum.Enum):
+    AWAITED = "awaited"
+    OPEN = "open"
+    GONE = "gone"  # lost, or closed by the delivery tail
+
+
+@dataclass(frozen=True)
+class RelayFacts:
+    """The terminal relay as last observed: the PTY at end of file, output lost (the
+    attachment ended first), every byte read written to the attachment."""
+
+    eof: bool = False
+    lost: bool = False
+    delivered: bool = True
+
+
+@dataclass(frozen=True)
+class HostTimeouts:
+    """Every duration HostCore arms, in seconds."""
+
+    startup_s: float
+    grace_s: float
+    finalization_s: float
+    acknowledgement_s: float
+    cleanup_s: float
+    output_s: float = OUTPUT_FINALIZATION_TIMEOUT_MS / 1000.0
+
+    @classmethod
+    def of(cls, options: "RunOptions") -> "HostTimeouts":
+        return cls(*(options.timeout_s(flag) for flag in (
+            "--startup-timeout", "--termination-grace", "--controller-finalization-timeout",
+            "--result-acknowledgement-timeout", "--cleanup-timeout")))
+
+    def duration(self, timer: Timer) -> float:
+        return {Timer.STARTUP: self.startup_s, Timer.GRACE: self.grace_s,
+                Timer.OUTPUT: self.output_s, Timer.EXIT: self.cleanup_s,
+                Timer.FINALIZATION: self.finalization_s, Timer.CLEANUP: self.cleanup_s,
+                Timer.ACKNOWLEDGEMENT: self.acknowledgement_s, Timer.TAIL: self.cleanup_s,
+                Timer.CHANNEL_CLOSE: min(self.cleanup_s, CHANNEL_CLOSE_S),
+                Timer.CONTROLLER_STOP: self.cleanup_s / 2,
+                Timer.CONTROLLER_KILL: self.cleanup_s * 3 / 4}[timer]
+
+
+@dataclass(frozen=True)
+class HostConfig:
+    """What the plan fixes for the core: the grants it announces and what output was asked."""
+
+    timeouts: HostTimeouts
+    endpoints: tuple[wire.Endpoint, ...] = ()
+    columns: int = DEFAULT_COLUMNS
+    rows: int = DEFAULT_ROWS
+    #: The requested output's status before the session touches it (requested_output_status).
+    requested_output: Optional[Status] = None
+    output_file: bool = False
+
+
+# -- events ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Planned:
+    """Planning succeeded: the startup timeout counts from now."""
+
+
+@dataclass(frozen=True)
+class PlanFailed:
+    reason: str
+
+
+@dataclass(frozen=True)
+class OutputPrepared:
+    """The controller's output destination is ready (status None: a staged file), or failed."""
+
+    status: Optional[Status]
+    staged: bool = False
+
+
+@dataclass(frozen=True)
+class Created:
+    role: Role
+
+
+@dataclass(frozen=True)
+class Begin:
+    """Preparation is done: the channel listens, the holder and controller exist."""
+
+
+@dataclass(frozen=True)
+class Started:
+    role: Role
+
+
+@dataclass(frozen=True)
+class EngineFailed:
+    """A step of preparation or startup failed (its text says which)."""
+
+    reason: str
+    role: Optional[Role] = None
+
+
+@dataclass(frozen=True)
+class ChannelConnected:
+    pass
+
+
+@dataclass(frozen=True)
+class ChannelLost:
+    reason: str
+
+
+@dataclass(frozen=True)
+class ChannelFlushed:
+    """Every event sent so far is written out."""
+
+
+@dataclass(frozen=True)
+class Requested:
+    request: wire.Message  # Resize, Terminate, Complete or AcknowledgeTerminated
+
+
+@dataclass(frozen=True)
+class Attached:
+    pass
+
+
+@dataclass(frozen=True)
+class AttachmentRejected:
+    reason: str
+
+
+@dataclass(frozen=True)
+class RelayObserved:
+    facts: RelayFacts
+
+
+@dataclass(frozen=True)
+class WorkloadExited:
+    code: int
+
+
+@dataclass(frozen=True)
+class ObservationLost:
+    reason: str
+
+
+@dataclass(frozen=True)
+class ControllerExited:
+    """The controller's exit (its code), or sight of it lost (code None)."""
+
+    code: Optional[int]
+
+
+@dataclass(frozen=True)
+class ControllerLog:
+    """The last line of the exited controller's log, for a startup failure's words."""
+
+    last_line: str
+
+
+@dataclass(frozen=True)
+class HolderLost:
+    how: str
+
+
+@dataclass(frozen=True)
+class Signalled:
+    name: str
+
+
+@dataclass(frozen=True)
+class Deadline:
+    timer: Timer
+
+
+@dataclass(frozen=True)
+class Removed:
+    role: Role
+    error: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class LogCopied:
+    pass
+
+
+@dataclass(frozen=True)
+class Published:
+    error: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class PathsRemoved:
+    failures: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class InternalError:
+    text: str
+
+
+HostEvent = Union[Planned, PlanFailed, OutputPrepared, Created, Begin, Started, EngineFailed,
+                  ChannelConnected, ChannelLost, ChannelFlushed, Requested, Attached,
+                  AttachmentRejected, RelayObserved, WorkloadExited, ObservationLost,
+                  ControllerExited, ControllerLog, HolderLost, Signalled, Deadline, Removed,
+                  LogCopied, Published, PathsRemoved, InternalError]
+
+
+# -- actions -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Send:
+    event: wire.Message
+
+
+@dataclass(frozen=True)
+class Start:
+    """Start the role's container (the workload: and resize it, and watch it); Started or
+    EngineFailed follows. Starting the controller also creates the workload (Created)."""
+
+    role: Role
+
+
+@dataclass(frozen=True)
+class Kill:
+    role: Role
+    signame: str
+
+
+@dataclass(frozen=True)
+class Remove:
+    roles: tuple[Role, ...]
+
+
+@dataclass(frozen=True)
+class Arm:
+    timer: Timer
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Resize:
+    columns: int
+    rows: int
+
+
+@dataclass(frozen=True)
+class Log:
+    message: str
+
+
+@dataclass(frozen=True)
+class Close:
+    """Close one end: ClosePart names which."""
+
+    part: "ClosePart"
+
+
+class ClosePart(enum.Enum):
+    PTY = "pty"                      # abandon the workload's stream
+    CHANNEL_WRITE = "channel-write"  # end our side; the broker reads to the end
+    CHANNEL = "channel"
+    TERMINAL = "terminal"            # the attachment's connection
+    LISTENER = "listener"
+
+
+@dataclass(frozen=True)
+class EndOutput:
+    """The attachment's end of output, after its last byte."""
+
+    status: Status
+
+
+@dataclass(frozen=True)
+class ReadControllerLog:
+    pass
+
+
+@dataclass(frozen=True)
+class CopyControllerLog:
+    pass
+
+
+@dataclass(frozen=True)
+class Publish:
+    pass
+
+
+@dataclass(frozen=True)
+class RemovePaths:
+    pass
+
+
+@dataclass(frozen=True)
+class Finish:
+    """The run is over: print `result`; keep the manifest when something was left behind."""
+
+    result: RunResult
+    keep_manifest: bool
+
+
+HostAction = Union[Send, Start, Kill, Remove, Arm, Resize, Log, Close, EndOutput,
+                   ReadControllerLog, CopyControllerLog, Publish, RemovePaths, Finish]
+
+
+@dataclass(frozen=True)
+class HostState:
+    """Everything the host knows of its run: the phase and step, the latched cause, and each
+    separate fact (never inferred from another)."""
+
+    phase: Phase = Phase.PREPARING
+    step: Step = Step.PLANNING
+    cause: Optional[Cause] = None
+    cause_detail: str = ""
+    error: Optional[str] = None
+    reached_ready: bool = False
+    armed: frozenset[Timer] = frozenset()
+    expired: frozenset[Timer] = frozenset()
+    owned: frozenset[Role] = frozenset()
+    removing: frozenset[Role] = frozenset()
+    removal_failures: tuple[str, ...] = ()
+    controller_started: bool = False
+    controller_exit: Optional[int] = None
+    controller_gone: bool = False
+    controller_log: Optional[str] = None
+    workload_started: bool = False
+    workload_exit: Optional[int] = None
+    observation_lost: Optional[str] = None
+    holder_lost: Optional[str] = None
+    channel: Channel = Channel.AWAITED
+    channel_lost: Optional[str] = None
+    unflushed: bool = False
+    attached: bool = False
+    attachment_refused: Optional[str] = None
+    complete: bool = False
+    acknowledged: bool = False
+    relay: RelayFacts = RelayFacts()
+    #: The relay as last observed before the output barrier passed.
+    seen: RelayFacts = RelayFacts()
+    terminating_sent: bool = False
+    exit_announced: bool = False
+    finalization_announced: bool = False
+    output_status: Optional[Status] = None
+    workload_status: Optional[Status] = None
+    finalization_status: Optional[Status] = None
+    session_result: Optional[SessionResult] = None
+    result_delivered: Optional[bool] = None
+    result_acknowledged: Optional[bool] = None
+    controller_status: Optional[Status] = None
+    controller_output: Optional[Status] = None
+    staged: bool = False
+    log_copied: bool = False
+    tail_failures: tuple[str, ...] = ()
+
+    @property
+    def workload_gone(self) -> bool:
+        return self.workload_exit is not None or self.observation_lost is not None
+
+
+class HostCore:
+    """A controlled session's decisions: `handle(event)` returns the actions to perform, in
+    order; `state` is the whole of what is known. Nothing follows Finish."""
+
+    def __init__(self, config: HostConfig) -> None:
+        self.config = config
+        self.state = HostState()
+        self.actions: list[HostAction] = []
+
+    def handle(self, event: HostEvent) -> list[HostAction]:
+        if self.state.step is Step.DONE:
+            return []  # a late report (a call, a wait thread) after the result: nobody listens
+        self.actions = []
+        self.on(event)
+        self.advance()
+        return self.actions
+
+    # -- small moves ---------------------------------------------------------------------------
+
+    def set(self, **changes: Any) -> None:
+        self.state = replace(self.state, **changes)
+
+    def emit(self, *actions: HostAction) -> None:
+        self.actions.extend(actions)
+
+    def send(self, event: wire.Message) -> None:
+        """An event for the controller, while there is a channel to carry it."""
+        if self.state.channel is Channel.OPEN:
+            self.set(unflushed=True)
+            self.emit(Send(event))
+
+    def arm(self, *timers: Timer) -> None:
+        self.set(armed=self.state.armed | set(timers), expired=self.state.expired - set(timers))
+        self.emit(*(Arm(timer, self.config.timeouts.duration(timer)) for timer in timers))
+
+    def disarm(self, *timers: Timer) -> None:
+        self.set(armed=self.state.armed - set(timers))
+
+    def latch(self, cause: Cause, detail: str = "") -> bool:
+        """Latch `cause` if none is latched yet (LIFECYCLE_TABLE's TERMINATE); True when this
+        call latched it. Termination itself begins in advance()."""
+        state = self.state
+        if state.cause is not None or state.step in TAIL_STEPS:
+            return False
+        self.set(phase=LIFECYCLE_TABLE[(state.phase, Transition.TERMINATE)], cause=cause,
+                 cause_detail=detail)
+        self.emit(Log(f"terminating: {cause.value}{': ' + detail if detail else ''}"))
+        return True
+
+    def fail_startup(self, reason: str) -> None:
+        """A startup step failed: the run's error says so, unless another cause came first."""
+        if self.state.cause in (None, Cause.STARTUP_FAILURE) and self.state.error is None:
+            self.set(error=f"startup failed: {reason}")
+        self.latch(Cause.STARTUP_FAILURE, reason)
+
+    # -- events --------------------------------------------------------------------------------
+
+    def on(self, event: HostEvent) -> None:
+        state = self.state
+        if isinstance(event, Deadline):
+            if event.timer in state.armed:
+                self.set(armed=state.armed - {event.timer}, expired=state.expired | {event.timer})
+                self.on_deadline(event.timer)
+        elif isinstance(event, Planned) and state.step is Step.PLANNING:
+            self.set(step=Step.PREPARING)
+            self.arm(Timer.STARTUP)
+        elif isinstance(event, PlanFailed) and state.step is Step.PLANNING:
+            self.set(error=f"plan rejected: {event.reason}")
+            self.begin_tail()
+        elif isinstance(event, OutputPrepared):
+            self.set(controller_output=event.status, staged=event.staged)
+        elif isinstance(event, Created):
+            self.set(owned=state.owned | {event.role})
+        elif isinstance(event, Begin):
+            self.begin_startup()
+        elif isinstance(event, Started):
+            self.on_started(event.role)
+        elif isinstance(event, EngineFailed):
+            if event.role is Role.CONTROLLER:
+                self.set(controller_started=False)
+            if state.phase is Phase.PREPARING:
+                self.fail_startup(event.reason)
+            else:
+                self.emit(Log(event.reason))
+        elif isinstance(event, ChannelConnected):
+            self.set(channel=Channel.OPEN)
+        elif isinstance(event, ChannelLost):
+            self.on_channel_lost(event.reason)
+        elif isinstance(event, ChannelFlushed):
+            self.set(unflushed=False)
+        elif isinstance(event, Requested):
+            self.on_request(event.request)
+        elif isinstance(event, Attached):
+            self.set(attached=True)
+        elif isinstance(event, AttachmentRejected):
+            reason = f"the terminal attachment was refused: {event.reason}"
+            self.set(attachment_refused=reason)
+            self.emit(Log(reason))
+            if state.phase is Phase.PREPARING:
+                self.latch(Cause.STARTUP_FAILURE, reason)
+        elif isinstance(event, RelayObserved):
+            self.set(relay=event.facts)
+            if Timer.OUTPUT not in state.expired:
+                self.set(seen=event.facts)
+        else:
+            self.on_container(event)
+
+    def on_container(self, event: HostEvent) -> None:
+        state = self.state
+        if isinstance(event, WorkloadExited):
+            self.set(workload_exit=event.code)
+            self.latch(Cause.WORKLOAD_EXIT if state.reached_ready else Cause.STARTUP_FAILURE,
+                       f"the workload exited with code {event.code}")
+            self.announce_workload_exit()
+        elif isinstance(event, ObservationLost):
+            self.set(observation_lost=event.reason)
+            self.latch(Cause.RUNTIME_OBSERVATION_LOST, event.reason)
+        elif isinstance(event, ControllerExited):
+            self.set(controller_exit=event.code, controller_gone=True)
+            if event.code is None:
+                self.emit(Log("lost sight of the controller"))
+            if state.reached_ready:
+                self.latch(Cause.CONTROLLER_LOST, "the controller container exited")
+            elif state.phase is Phase.PREPARING and event.code is not None:
+                self.emit(ReadControllerLog())  # its last line explains the failure (ControllerLog)
+            else:
+                self.latch(Cause.STARTUP_FAILURE, "the controller exited during startup")
+        elif isinstance(event, ControllerLog):
+            self.set(controller_log=event.last_line)
+            self.latch(Cause.STARTUP_FAILURE, "the controller exited during startup")
+        elif isinstance(event, HolderLost):
+            self.on_holder_lost(event.how)
+        elif isinstance(event, Signalled):
+            if self.latch(Cause.HOST_CANCEL, f"received {event.name}"):
+                self.set(error=f"cancelled by {event.name}")
+            else:
+                self.emit(Log(f"received {event.name}; the session is already ending"))
+        elif isinstance(event, Removed):
+            owned = state.owned if event.error else state.owned - {event.role}
+            asked = event.error is not None and event.role in state.removing
+            failures = state.removal_failures + ((event.error,) if asked else ())
+            self.set(owned=owned, removing=state.removing - {event.role},
+                     removal_failures=failures)
+        elif isinstance(event, LogCopied):
+            self.set(log_copied=True)
+        elif isinstance(event, Published):
+            self.on_published(event.error)
+        elif isinstance(event, PathsRemoved):
+            self.finish(state.tail_failures + event.failures)
+        elif isinstance(event, InternalError):
+            self.set(error=f"internal error: {event.text}")
+            if state.step not in TAIL_STEPS:
+                if state.cause is None:
+                    self.set(phase=LIFECYCLE_TABLE[(state.phase, Transition.TERMINATE)],
+                             cause=Cause.STARTUP_FAILURE)
+                self.begin_tail()
+
+    def on_started(self, role: Role) -> None:
+        state = self.state
+        if role is Role.HOLDER and state.step is Step.STARTING_HOLDER:
+            self.start_controller()
+        elif role is Role.CONTROLLER:
+            self.set(controller_started=True)
+        elif role is Role.WORKLOAD:
+            self.set(workload_started=True)
+            if state.phase is Phase.PREPARING:
+                self.set(phase=LIFECYCLE_TABLE[(Phase.PREPARING, Transition.READY)],
+                         reached_ready=True, step=Step.ACTIVE)
+                self.disarm(Timer.STARTUP)
+                self.send(wire.Ready())
+
+    def on_channel_lost(self, reason: str) -> None:
+        state = self.state
+        if state.channel is not Channel.OPEN:
+            return
+        self.set(channel=Channel.GONE, channel_lost=reason, unflushed=False)
+        if state.step in TAIL_STEPS:
+            return  # the broker ended its side, as the delivery tail asked
+        self.latch(Cause.STARTUP_FAILURE if state.phase is Phase.PREPARING
+                   else Cause.CONTROLLER_LOST, reason)
+
+    def on_request(self, request: wire.Message) -> None:
+        """Resize and terminate only while active (repeats are idempotent); complete and the
+        acknowledgement are facts whenever they come (the broker holds them to their turn)."""
+        active = self.state.phase is Phase.ACTIVE
+        if isinstance(request, wire.Resize) and active:
+            self.emit(Resize(request.columns, request.rows))
+        elif isinstance(request, wire.Terminate) and active:
+            self.latch(Cause.CONTROLLER_TERMINATE)
+        elif isinstance(request, wire.Complete):
+            self.set(complete=True)
+        elif isinstance(request, wire.AcknowledgeTerminated):
+            self.set(acknowledged=True)
+
+    def on_holder_lost(self, how: str) -> None:
+        """Before the session containers joined the holder's namespace, nothing can: a startup
+        failure. After, the namespace lives on in them: a diagnostic, nothing more."""
+        lost = f"the session's network namespace holder {how}"
+        self.set(holder_lost=lost)
+        if self.state.phase is Phase.PREPARING:
+            self.latch(Cause.STARTUP_FAILURE, lost)
+        elif self.state.phase is not Phase.TERMINATED:
+            self.emit(Log(f"{lost}; the session's namespace lives on in its containers"))
+            if not self.state.finalization_announced:
+                self.send(wire.Diagnostic(code="namespace_holder_lost", message=lost))
+
+    def on_deadline(self, timer: Timer) -> None:
+        """A deadline that ends no step by itself: the grace's SIGKILL. The others end their
+        step (STEP_TABLE), in advance()."""
+        if timer is Timer.GRACE and not self.state.workload_gone:
+            self.emit(Log(f"workload still running after the "
+                          f"{format_duration(int(self.config.timeouts.grace_s * 1000))} grace; "
+                          "sending SIGKILL"),
+                      Kill(Role.WORKLOAD, "SIGKILL"))
+
+    def announce_workload_exit(self) -> None:
+        """workload-exit precedes terminating when it is the cause, otherwise follows it; never
+        before ready, never after workload-outputs-finalized (the status was fixed then)."""
+        state = self.state
+        if state.workload_exit is None or state.exit_announced or state.finalization_announced:
+            return
+        if state.reached_ready and (state.cause is Cause.WORKLOAD_EXIT or state.terminating_sent):
+            self.set(exit_announced=True)
+            self.send(wire.WorkloadExit(status=process_status(state.workload_exit)))
+
+    # -- the steps -------------------------------------------------------------------------------
+
+    def advance(self) -> None:
+        """Move through STEP_TABLE while steps end: by their condition, by their timer, or
+        (startup and active) by a latched cause."""
+        while True:
+            step = self.state.step
+            if self.state.cause is not None and (step in STARTUP_STEPS or step in (
+                    Step.PLANNING, Step.PREPARING, Step.ACTIVE)):
+                self.stop_short(step)
+            elif self.step_done(step):
+                self.next_step(step, timed_out=False)
+            elif STEP_TABLE[step].timer in self.state.expired:
+                self.next_step(step, timed_out=True)
+            if self.state.step is step:
+                return
+
+    def step_done(self, step: Step) -> bool:
+        state = self.state
+        done = {
+            Step.STARTING_CONTROLLER: state.controller_started and Role.WORKLOAD in state.owned,
+            Step.AWAITING_CHANNEL: state.channel is Channel.OPEN,
+            Step.AWAITING_ATTACHMENT: state.attached,
+            Step.DRAINING: not state.workload_started or (
+                state.seen.eof and state.seen.delivered and state.workload_gone),
+            Step.AWAITING_EXIT: not state.workload_started or state.workload_gone,
+            Step.FINALIZING: state.complete or state.channel is not Channel.OPEN,
+            Step.REMOVING_WORKLOAD: Role.WORKLOAD not in state.removing,
+            Step.DELIVERING: state.channel is not Channel.OPEN or not state.unflushed,
+            Step.AWAITING_ACKNOWLEDGEMENT: state.acknowledged or state.channel is not Channel.OPEN,
+            Step.CLOSING_CHANNEL: state.channel is not Channel.OPEN,
+            Step.FLUSHING_ATTACHMENT: state.relay.delivered,
+            Step.STOPPING_CONTROLLER: state.controller_gone,
+            Step.KILLING_CONTROLLER: state.controller_gone,
+            Step.COPYING_LOG: state.log_copied,
+            Step.REMOVING: not state.removing,
+            Step.REMOVING_HOLDER: not state.removing,
+        }
+        return done.get(step, False)
+
+    def next_step(self, step: Step, timed_out: bool) -> None:
+        state = self.state
+        if step is Step.STARTING_CONTROLLER and timed_out:
+            self.set(controller_started=True)  # or still starting: the tail stops it
+            self.fail_startup("the controller did not start within the startup timeout")
+            self.begin_termination()
+        elif step in STARTUP_STEPS and timed_out:
+            self.fail_startup(self.shortfall(STARTUP_WHAT.get(step, "startup")))
+            self.begin_termination()
+        elif step is Step.STARTING_CONTROLLER:
+            self.set(step=Step.AWAITING_CHANNEL)
+        elif step is Step.AWAITING_CHANNEL:
+            self.set(step=Step.AWAITING_ATTACHMENT)
+            self.send(wire.Opened(
+                operations=wire.OPERATIONS, endpoints=self.config.endpoints,
+                columns=self.config.columns, rows=self.config.rows,
+                output_finalization_timeout_milliseconds=OUTPUT_FINALIZATION_TIMEOUT_MS))
+        elif step is Step.AWAITING_ATTACHMENT:
+            self.set(step=Step.STARTING_WORKLOAD)
+            self.emit(Start(Role.WORKLOAD))
+        elif step is Step.DRAINING:
+            self.end_drain()
+        elif step is Step.AWAITING_EXIT:
+            self.end_workload(timed_out)
+        elif step is Step.FINALIZING:
+            self.end_finalization(timed_out)
+        elif step is Step.REMOVING_WORKLOAD:
+            self.end_session(self.cleanup_status(Role.WORKLOAD in state.removing))
+        elif step is Step.DELIVERING:
+            delivered = not timed_out and state.channel is Channel.OPEN
+            self.set(result_delivered=delivered, step=Step.AWAITING_ACKNOWLEDGEMENT)
+            if not delivered:
+                self.set(result_acknowledged=False)
+                self.begin_tail()
+        elif step is Step.AWAITING_ACKNOWLEDGEMENT:
+            self.set(result_acknowledged=state.acknowledged and not timed_out)
+            self.disarm(Timer.ACKNOWLEDGEMENT)
+            self.begin_tail()
+        else:
+            self.next_tail_step(step, timed_out)
+
+    def stop_short(self, step: Step) -> None:
+        """A cause was latched before the session was active, or while it was."""
+        if step in STARTUP_WHAT and self.state.cause is Cause.STARTUP_FAILURE:
+            self.fail_startup(self.shortfall(STARTUP_WHAT[step]))
+        if step is Step.PLANNING:
+            self.begin_tail()
+        else:
+            self.begin_termination()
+
+    def shortfall(self, what: str) -> str:
+        """Why startup stopped short, in the words most useful to the user."""
+        state = self.state
+        if state.attachment_refused:
+            return state.attachment_refused
+        if state.holder_lost:
+            return f"{what}: {state.holder_lost}"
+        if state.controller_exit is not None:
+            line = f" ({state.controller_log})" if state.controller_log else ""
+            return f"{what}: the controller exited with code {state.controller_exit}{line}"
+        if state.channel_lost:
+            return f"{what}: {state.channel_lost}"
+        if state.cause is not None:
+            return f"{what} before termination began ({state.cause.value})"
+        return f"{what} within the startup timeout"
+
+    def begin_startup(self) -> None:
+        if Role.HOLDER in self.state.owned:  # its namespace must exist before anything joins
+            self.set(step=Step.STARTING_HOLDER)
+            self.emit(Start(Role.HOLDER))
+        else:
+            self.start_controller()
+
+    def start_controller(self) -> None:
+        """The controller starts while the workload is created and attached to; the workload
+        itself starts only once the attachment is connected."""
+        self.set(step=Step.STARTING_CONTROLLER)
+        self.emit(Start(Role.CONTROLLER))
+
+    def begin_termination(self) -> None:
+        """Terminating (after ready), SIGTERM with the grace armed, and the output barrier."""
+        state = self.state
+        self.disarm(Timer.STARTUP)
+        self.set(step=Step.DRAINING)
+        self.arm(Timer.OUTPUT)
+        if state.reached_ready:
+            assert state.cause is not None
+            self.send(wire.Terminating(cause=state.cause))
+            self.set(terminating_sent=True)
+            self.announce_workload_exit()  # an exit seen before terminating went out
+        if state.workload_started and not state.workload_gone:
+            self.emit(Kill(Role.WORKLOAD, "SIGTERM"))
+            self.arm(Timer.GRACE)
+
+    def end_drain(self) -> None:
+        """The drain's outcome, from the relay as seen before the barrier. A workload that
+        never started produced no output; output the attachment could not take fails it."""
+        state, seen = self.state, self.state.seen
+        self.disarm(Timer.OUTPUT)
+        reason = None
+        if state.observation_lost:
+            reason = f"the runtime observation was lost: {state.observation_lost}"
+        elif not state.workload_started:
+            pass
+        elif not seen.eof:
+            reason = (f"terminal output did not reach end of file within "
+                      f"{OUTPUT_FINALIZATION_TIMEOUT_MS // 1000} s of termination")
+        elif seen.lost:
+            reason = "the terminal attachment ended before it had all of the terminal output"
+        elif not seen.delivered:
+            reason = "terminal output could not be delivered to the attachment in time"
+        if reason is None:
+            self.set(output_status=Status.of("output_finalization", "drained"))
+        else:
+            self.set(output_status=failed("output_finalization", reason))
+            self.emit(Close(ClosePart.PTY))  # abandon the rest, so the Engine finishes the exit
+        self.set(step=Step.AWAITING_EXIT)
+        if not self.step_done(Step.AWAITING_EXIT):
+            self.arm(Timer.EXIT)
+
+    def end_workload(self, timed_out: bool) -> None:
+        """The workload's status is fixed and every workload fact sent; then finalization is
+        announced, the workload removed while the controller finalizes."""
+        state = self.state
+        self.disarm(Timer.EXIT, Timer.GRACE)
+        if state.workload_exit is not None:
+            status = process_status(state.workload_exit)
+        elif state.observation_lost:
+            status = Status.of("process", "unavailable", reason=state.observation_lost)
+        elif not state.workload_started:
+            status = Status.of("process", "unavailable", reason="the workload never started")
+        else:
+            timeout = format_duration(int(self.config.timeouts.cleanup_s * 1000))
+            status = Status.of("process", "unavailable",
+                               reason=f"the workload's exit was not observed within {timeout}")
+        self.set(workload_status=status)
+        self.announce_workload_exit()
+        output = state.output_status
+        assert output is not None
+        self.set(finalization_announced=True)
+        self.emit(EndOutput(output))
+        if state.reached_ready:
+            self.send(wire.WorkloadOutputsFinalized(status=output.kind, reason=output.reason))
+        self.emit(Close(ClosePart.PTY))
+        self.arm(Timer.CLEANUP)
+        self.remove(Role.WORKLOAD)
+        self.set(step=Step.FINALIZING)
+        finalization = self.finalization_without_complete()
+        if finalization is not None:
+            self.set(finalization_status=finalization, step=Step.REMOVING_WORKLOAD)
+        else:
+            self.arm(Timer.FINALIZATION)
+
+    def finalization_without_complete(self) -> Optional[Status]:
+        """The fact that stands in for `complete` in an ending that cannot have one."""
+        state, reason = self.state, self.state.cause_detail
+        if state.cause is Cause.STARTUP_FAILURE:
+            return Status.of("controller_finalization", "startup-failed",
+                             reason=reason or "the session did not become ready")
+        if not state.reached_ready:
+            return Status.of("controller_finalization", "not-completed",
+                             reason=f"the session ended before it became ready ({reason})")
+        if state.cause is Cause.CONTROLLER_LOST:
+            return Status.of("controller_finalization", "lost", reason=reason)
+        return None
+
+    def end_finalization(self, timed_out: bool) -> None:
+        state = self.state
+        self.disarm(Timer.FINALIZATION)
+        if state.complete and not timed_out:
+            status = Status.of("controller_finalization", "completed")
+        elif state.channel is not Channel.OPEN:
+            status = Status.of("controller_finalization", "lost",
+                               reason=state.channel_lost or "the controller channel was lost")
+        else:
+            timeout = format_duration(int(self.config.timeouts.finalization_s * 1000))
+            status = Status.of("controller_finalization", "finalization-timeout",
+                               reason=f"no complete within {timeout}")
+        self.set(finalization_status=status, step=Step.REMOVING_WORKLOAD)
+
+    def remove(self, *roles: Role) -> None:
+        roles = tuple(role for role in roles if role in self.state.owned)
+        if roles:
+            self.set(removing=self.state.removing | set(roles))
+            self.emit(Remove(roles))
+
+    def cleanup_status(self, unfinished: bool) -> Status:
+        """The removals' outcome: each failure reported, and what the deadline cut short."""
+        state = self.state
+        failures = list(state.removal_failures) + [
+            f"remove the {role.value} container: not finished within the cleanup timeout"
+            for role in sorted(state.removing, key=lambda r: r.value) if unfinished]
+        self.set(removal_failures=(), removing=frozenset() if unfinished else state.removing)
+        return failed("cleanup", "; ".join(failures)) if failures else succeeded()
+
+    def end_session(self, cleanup: Status) -> None:
+        """The session result is fixed (FINISH), then delivered."""
+        state = self.state
+        self.disarm(Timer.CLEANUP)
+        assert state.cause is not None and state.workload_status is not None
+        assert state.output_status is not None and state.finalization_status is not None
+        observation = Status.of("runtime_observation", "maintained")
+        if state.observation_lost:
+            observation = Status.of("runtime_observation", "lost", reason=state.observation_lost)
+        result = SessionResult(
+            cause=state.cause, workload_status=state.workload_status,
+            workload_output_finalization_status=state.output_status,
+            runtime_observation_status=observation,
+            controller_finalization_status=state.finalization_status, cleanup_status=cleanup,
+            recovery_action=RecoveryAction.NONE if cleanup.kind == "succeeded"
+            else RecoveryAction.RECONCILE_NEXT_OPERATION)
+        self.set(phase=LIFECYCLE_TABLE[(Phase.TERMINATING, Transition.FINISH)],
+                 session_result=result, step=Step.DELIVERING)
+        if state.channel is not Channel.OPEN:
+            self.set(result_delivered=False, result_acknowledged=False)
+            self.begin_tail()
+            return
+        self.send(wire.Terminated(result=result))
+        self.arm(Timer.ACKNOWLEDGEMENT)
+
+    # -- the delivery tail ---------------------------------------------------------------------
+
+    def begin_tail(self) -> None:
+        """Close the channel, let the controller finish, then remove everything else: the
+        whole of it within --cleanup-timeout, its parts within their shares (Timer)."""
+        if self.state.controller_output is None:
+            self.set(controller_output=self.config.requested_output)
+        self.disarm(*self.state.armed)
+        self.arm(Timer.TAIL, Timer.CHANNEL_CLOSE, Timer.CONTROLLER_STOP, Timer.CONTROLLER_KILL)
+        self.set(step=Step.CLOSING_CHANNEL)
+        if self.state.channel is Channel.OPEN:
+            self.emit(Close(ClosePart.CHANNEL_WRITE))
+
+    def next_tail_step(self, step: Step, timed_out: bool) -> None:
+        state = self.state
+        if step is Step.CLOSING_CHANNEL:
+            if state.channel is Channel.OPEN:
+                self.set(channel=Channel.GONE)
+            self.emit(Close(ClosePart.CHANNEL))
+            self.set(step=Step.FLUSHING_ATTACHMENT)  # the attachment may still be reading
+        elif step is Step.FLUSHING_ATTACHMENT:
+            self.emit(Close(ClosePart.TERMINAL), Close(ClosePart.LISTENER))
+            stopping = state.controller_started and Role.CONTROLLER in state.owned
+            self.set(step=Step.STOPPING_CONTROLLER if stopping else Step.COPYING_LOG,
+                     log_copied=not stopping)
+        elif step is Step.STOPPING_CONTROLLER:
+            self.set(step=Step.KILLING_CONTROLLER)
+            if timed_out:
+                self.emit(Log("the controller is still running after the session; stopping it"),
+                          Kill(Role.CONTROLLER, "SIGKILL"))
+        elif step is Step.KILLING_CONTROLLER:
+            status = Status.of("process", "unavailable",
+                               reason="the controller's exit was not observed")
+            if state.controller_exit is not None:
+                status = process_status(state.controller_exit)
+            self.set(controller_status=status, step=Step.COPYING_LOG)
+            self.emit(CopyControllerLog())
+        elif step is Step.COPYING_LOG:
+            self.set(step=Step.REMOVING)
+            self.remove(*(role for role in state.owned if role is not Role.HOLDER))
+        elif step is Step.REMOVING:
+            self.tail_cleanup(timed_out)
+            self.set(step=Step.REMOVING_HOLDER)  # last: others joined its namespace
+            self.remove(Role.HOLDER)
+        elif step is Step.REMOVING_HOLDER:
+            self.tail_cleanup(timed_out)
+            self.publish()
+
+    def tail_cleanup(self, timed_out: bool) -> None:
+        status = self.cleanup_status(timed_out)
+        if status.kind != "succeeded":
+            self.set(tail_failures=self.state.tail_failures + (status.reason or "remove containers",))
+
+    def publish(self) -> None:
+        """--output-file is published only after controller finalization completed."""
+        state = self.state
+        self.set(step=Step.PUBLISHING)
+        if not (self.config.output_file and state.staged):
+            self.remove_paths()
+            return
+        session = state.session_result
+        if session is not None and session.controller_finalization_status.kind == "completed":
+            self.emit(Publish())
+            return
+        self.set(controller_output=Status.of(
+            "controller_output", "file-discarded",
+            reason="controller output file was discarded because controller finalization "
+                   "did not complete"))
+        self.remove_paths()
+
+    def on_published(self, error: Optional[str]) -> None:
+        if error is None:
+            self.set(controller_output=Status.of("controller_output", "file-published"))
+        else:
+            self.set(error=PUBLISH_ERROR + error, controller_output=Status.of(
+                "controller_output", "failed", reason="controller output publication failed"))
+        self.remove_paths()
+
+    def remove_paths(self) -> None:
+        self.set(step=Step.REMOVING_PATHS)
+        self.emit(RemovePaths())
+
+    def finish(self, failures: tuple[str, ...]) -> None:
+        state = self.state
+        result = RunResult(
+            error=state.error, session_result=state.session_result,
+            result_delivered=state.result_delivered,
+            result_acknowledged=state.result_acknowledged,
+            controller_status=state.controller_status, controller_output=state.controller_output)
+        if state.session_result is not None:
+            result.delivery_tail_cleanup_status = (
+                failed("cleanup", "; ".join(failures)) if failures else succeeded())
+            result.delivery_tail_recovery_action = (
+                RecoveryAction.RECONCILE_NEXT_OPERATION if failures else RecoveryAction.NONE)
+        elif failures:  # planning's probe: the result has no cleanup phase to report it in
+            result.error = "; ".join(filter(None, (
+                result.error, f"cleanup failed: {'; '.join(failures)}")))
+        self.disarm(*state.armed)
+        self.set(step=Step.DONE)
+        self.emit(Finish(result, keep_manifest=bool(failures)))
+
+
+TAIL_STEPS = frozenset({Step.CLOSING_CHANNEL, Step.FLUSHING_ATTACHMENT,
+                        Step.STOPPING_CONTROLLER, Step.KILLING_CONTROLLER, Step.COPYING_LOG,
+                        Step.REMOVING, Step.REMOVING_HOLDER, Step.PUBLISHING,
+                        Step.REMOVING_PATHS, Step.DONE})
 
 
 # ============================================================================================
