@@ -1347,107 +1347,136 @@ class HostCore:
     # -- events --------------------------------------------------------------------------------
 
     def on(self, event: HostEvent) -> None:
-        state = self.state
-        if isinstance(event, Deadline):
-            if event.timer in state.armed:
-                self.set(armed=state.armed - {event.timer}, expired=state.expired | {event.timer})
-                self.on_deadline(event.timer)
-        elif isinstance(event, Planned) and state.step is Step.PLANNING:
+        HOST_EVENT_HANDLERS[type(event)](self, event)
+
+    def on_deadline(self, event: Deadline) -> None:
+        """A deadline that was armed passes: it ends its step (STEP_TABLE) in advance(); the
+        grace's also sends SIGKILL."""
+        state, timer = self.state, event.timer
+        if timer not in state.armed:
+            return  # disarmed meanwhile: stale
+        self.set(armed=state.armed - {timer}, expired=state.expired | {timer})
+        if timer is Timer.GRACE and not state.workload_gone:
+            self.emit(Log(f"workload still running after the "
+                          f"{format_duration(int(self.config.timeouts.grace_s * 1000))} grace; "
+                          "sending SIGKILL"),
+                      Kill(Role.WORKLOAD, "SIGKILL"))
+
+    def on_planned(self, _event: Planned) -> None:
+        if self.state.step is Step.PLANNING:
             self.set(step=Step.PREPARING)
             self.arm(Timer.STARTUP)
-        elif isinstance(event, PlanFailed) and state.step is Step.PLANNING:
+
+    def on_plan_failed(self, event: PlanFailed) -> None:
+        if self.state.step is Step.PLANNING:  # not after a signal ended planning
             self.set(error=f"plan rejected: {event.reason}")
             self.begin_tail()
-        elif isinstance(event, OutputPrepared):
-            self.set(controller_output=event.status, staged=event.staged)
-        elif isinstance(event, Created):
-            self.set(owned=state.owned | {event.role})
-        elif isinstance(event, Begin):
-            self.begin_startup()
-        elif isinstance(event, Started):
-            self.on_started(event.role)
-        elif isinstance(event, EngineFailed):
-            if event.role is Role.CONTROLLER:
-                self.set(controller_started=False)
-            if state.phase is Phase.PREPARING:
-                self.fail_startup(event.reason)
-            else:
-                self.emit(Log(event.reason))
-        elif isinstance(event, ChannelConnected):
-            self.set(channel=Channel.OPEN)
-        elif isinstance(event, ChannelLost):
-            self.on_channel_lost(event.reason)
-        elif isinstance(event, ChannelFlushed):
-            self.set(unflushed=False)
-        elif isinstance(event, Requested):
-            self.on_request(event.request)
-        elif isinstance(event, Attached):
-            self.set(attached=True)
-        elif isinstance(event, AttachmentRejected):
-            reason = f"the terminal attachment was refused: {event.reason}"
-            self.set(attachment_refused=reason)
-            self.emit(Log(reason))
-            if state.phase is Phase.PREPARING:
-                self.latch(Cause.STARTUP_FAILURE, reason)
-        elif isinstance(event, RelayObserved):
-            self.set(relay=event.facts)
-            if Timer.OUTPUT not in state.expired:
-                self.set(seen=event.facts)
+
+    def on_output_prepared(self, event: OutputPrepared) -> None:
+        self.set(controller_output=event.status, staged=event.staged)
+
+    def on_created(self, event: Created) -> None:
+        self.set(owned=self.state.owned | {event.role})
+
+    def on_begin(self, _event: Begin) -> None:
+        if Role.HOLDER in self.state.owned:  # its namespace must exist before anything joins
+            self.set(step=Step.STARTING_HOLDER)
+            self.emit(Start(Role.HOLDER))
         else:
-            self.on_container(event)
+            self.start_controller()
 
-    def on_container(self, event: HostEvent) -> None:
+    def on_engine_failed(self, event: EngineFailed) -> None:
+        if event.role is Role.CONTROLLER:
+            self.set(controller_started=False)
+        if self.state.phase is Phase.PREPARING:
+            self.fail_startup(event.reason)
+        else:
+            self.emit(Log(event.reason))
+
+    def on_channel_connected(self, _event: ChannelConnected) -> None:
+        self.set(channel=Channel.OPEN)
+
+    def on_channel_flushed(self, _event: ChannelFlushed) -> None:
+        self.set(unflushed=False)
+
+    def on_attached(self, _event: Attached) -> None:
+        self.set(attached=True)
+
+    def on_attachment_rejected(self, event: AttachmentRejected) -> None:
+        reason = f"the terminal attachment was refused: {event.reason}"
+        self.set(attachment_refused=reason)
+        self.emit(Log(reason))
+        if self.state.phase is Phase.PREPARING:
+            self.latch(Cause.STARTUP_FAILURE, reason)
+
+    def on_relay(self, event: RelayObserved) -> None:
+        """The relay's facts; those seen before the output barrier decide the drain."""
+        self.set(relay=event.facts)
+        if Timer.OUTPUT not in self.state.expired:
+            self.set(seen=event.facts)
+
+    def on_workload_exited(self, event: WorkloadExited) -> None:
+        if self.state.workload_exit is not None:
+            return  # a container exits once: the first report is the fact
+        self.set(workload_exit=event.code)
+        self.latch(Cause.WORKLOAD_EXIT if self.state.reached_ready else Cause.STARTUP_FAILURE,
+                   f"the workload exited with code {event.code}")
+        self.announce_workload_exit()
+
+    def on_observation_lost(self, event: ObservationLost) -> None:
+        self.set(observation_lost=event.reason)
+        self.latch(Cause.RUNTIME_OBSERVATION_LOST, event.reason)
+
+    def on_controller_exited(self, event: ControllerExited) -> None:
         state = self.state
-        if isinstance(event, WorkloadExited):
-            self.set(workload_exit=event.code)
-            self.latch(Cause.WORKLOAD_EXIT if state.reached_ready else Cause.STARTUP_FAILURE,
-                       f"the workload exited with code {event.code}")
-            self.announce_workload_exit()
-        elif isinstance(event, ObservationLost):
-            self.set(observation_lost=event.reason)
-            self.latch(Cause.RUNTIME_OBSERVATION_LOST, event.reason)
-        elif isinstance(event, ControllerExited):
-            self.set(controller_exit=event.code, controller_gone=True)
-            if event.code is None:
-                self.emit(Log("lost sight of the controller"))
-            if state.reached_ready:
-                self.latch(Cause.CONTROLLER_LOST, "the controller container exited")
-            elif state.phase is Phase.PREPARING and event.code is not None:
-                self.emit(ReadControllerLog())  # its last line explains the failure (ControllerLog)
-            else:
-                self.latch(Cause.STARTUP_FAILURE, "the controller exited during startup")
-        elif isinstance(event, ControllerLog):
-            self.set(controller_log=event.last_line)
+        self.set(controller_exit=event.code, controller_gone=True)
+        if state.reached_ready:
+            self.latch(Cause.CONTROLLER_LOST, "the controller container exited")
+        elif state.phase is Phase.PREPARING and event.code is not None:
+            self.emit(ReadControllerLog())  # its last line explains the failure (ControllerLog)
+        else:
             self.latch(Cause.STARTUP_FAILURE, "the controller exited during startup")
-        elif isinstance(event, HolderLost):
-            self.on_holder_lost(event.how)
-        elif isinstance(event, Signalled):
-            if self.latch(Cause.HOST_CANCEL, f"received {event.name}"):
-                self.set(error=f"cancelled by {event.name}")
-            else:
-                self.emit(Log(f"received {event.name}; the session is already ending"))
-        elif isinstance(event, Removed):
-            owned = state.owned if event.error else state.owned - {event.role}
-            asked = event.error is not None and event.role in state.removing
-            failures = state.removal_failures + ((event.error,) if asked else ())
-            self.set(owned=owned, removing=state.removing - {event.role},
-                     removal_failures=failures)
-        elif isinstance(event, LogCopied):
-            self.set(log_copied=True)
-        elif isinstance(event, Published):
-            self.on_published(event.error)
-        elif isinstance(event, PathsRemoved):
-            self.finish(state.tail_failures + event.failures)
-        elif isinstance(event, InternalError):
-            self.set(error=f"internal error: {event.text}")
-            if state.step not in TAIL_STEPS:
-                if state.cause is None:
-                    self.set(phase=LIFECYCLE_TABLE[(state.phase, Transition.TERMINATE)],
-                             cause=Cause.STARTUP_FAILURE)
-                self.begin_tail()
 
-    def on_started(self, role: Role) -> None:
+    def on_controller_log(self, event: ControllerLog) -> None:
+        self.set(controller_log=event.last_line)
+        self.latch(Cause.STARTUP_FAILURE, "the controller exited during startup")
+
+    def on_signal(self, event: Signalled) -> None:
+        """SIGINT/SIGTERM cancel the session (host-cancel) if nothing else ended it first; a
+        later one changes none of the termination's steps (main() still exits 130/143)."""
+        if self.latch(Cause.HOST_CANCEL, f"received {event.name}"):
+            self.set(error=f"cancelled by {event.name}")
+        else:
+            self.emit(Log(f"received {event.name}; the session is already ending"))
+
+    def on_removed(self, event: Removed) -> None:
+        """A removal reported; its failure counts where the core asked for it."""
         state = self.state
+        asked = event.error is not None and event.role in state.removing
+        self.set(owned=state.owned if event.error else state.owned - {event.role},
+                 removing=state.removing - {event.role},
+                 removal_failures=state.removal_failures + ((event.error,) if asked else ()))
+
+    def on_log_copied(self, _event: LogCopied) -> None:
+        self.set(log_copied=True)
+
+    def on_paths_removed(self, event: PathsRemoved) -> None:
+        if self.state.step is Step.REMOVING_PATHS:
+            self.finish(self.state.tail_failures + event.failures)
+
+    def on_internal_error(self, event: InternalError) -> None:
+        """A bug in the host: it still cleans up and reports, skipping what it cannot trust."""
+        state = self.state
+        self.set(error=f"internal error: {event.text}")
+        if state.step in TAIL_STEPS:
+            return
+        if state.cause is None:
+            self.set(phase=LIFECYCLE_TABLE[(state.phase, Transition.TERMINATE)],
+                     cause=Cause.STARTUP_FAILURE)
+        self.begin_tail()
+
+    def on_started(self, event: Started) -> None:
+        state, role = self.state, event.role
         if role is Role.HOLDER and state.step is Step.STARTING_HOLDER:
             self.start_controller()
         elif role is Role.CONTROLLER:
@@ -1460,8 +1489,8 @@ class HostCore:
                 self.disarm(Timer.STARTUP)
                 self.send(wire.Ready())
 
-    def on_channel_lost(self, reason: str) -> None:
-        state = self.state
+    def on_channel_lost(self, event: ChannelLost) -> None:
+        state, reason = self.state, event.reason
         if state.channel is not Channel.OPEN:
             return
         self.set(channel=Channel.GONE, channel_lost=reason, unflushed=False)
@@ -1470,9 +1499,10 @@ class HostCore:
         self.latch(Cause.STARTUP_FAILURE if state.phase is Phase.PREPARING
                    else Cause.CONTROLLER_LOST, reason)
 
-    def on_request(self, request: wire.Message) -> None:
+    def on_request(self, event: Requested) -> None:
         """Resize and terminate only while active (repeats are idempotent); complete and the
         acknowledgement are facts whenever they come (the broker holds them to their turn)."""
+        request = event.request
         active = self.state.phase is Phase.ACTIVE
         if isinstance(request, wire.Resize) and active:
             self.emit(Resize(request.columns, request.rows))
@@ -1483,10 +1513,10 @@ class HostCore:
         elif isinstance(request, wire.AcknowledgeTerminated):
             self.set(acknowledged=True)
 
-    def on_holder_lost(self, how: str) -> None:
+    def on_holder_lost(self, event: HolderLost) -> None:
         """Before the session containers joined the holder's namespace, nothing can: a startup
         failure. After, the namespace lives on in them: a diagnostic, nothing more."""
-        lost = f"the session's network namespace holder {how}"
+        lost = f"the session's network namespace holder {event.how}"
         self.set(holder_lost=lost)
         if self.state.phase is Phase.PREPARING:
             self.latch(Cause.STARTUP_FAILURE, lost)
@@ -1494,15 +1524,6 @@ class HostCore:
             self.emit(Log(f"{lost}; the session's namespace lives on in its containers"))
             if not self.state.finalization_announced:
                 self.send(wire.Diagnostic(code="namespace_holder_lost", message=lost))
-
-    def on_deadline(self, timer: Timer) -> None:
-        """A deadline that ends no step by itself: the grace's SIGKILL. The others end their
-        step (STEP_TABLE), in advance()."""
-        if timer is Timer.GRACE and not self.state.workload_gone:
-            self.emit(Log(f"workload still running after the "
-                          f"{format_duration(int(self.config.timeouts.grace_s * 1000))} grace; "
-                          "sending SIGKILL"),
-                      Kill(Role.WORKLOAD, "SIGKILL"))
 
     def announce_workload_exit(self) -> None:
         """workload-exit precedes terminating when it is the cause, otherwise follows it; never
@@ -1555,45 +1576,47 @@ class HostCore:
         return done.get(step, False)
 
     def next_step(self, step: Step, timed_out: bool) -> None:
-        state = self.state
-        if step is Step.STARTING_CONTROLLER and timed_out:
+        if step in STARTUP_STEPS and timed_out:
+            self.startup_timed_out(step)
+        else:
+            STEP_ENDS[step](self, timed_out)
+
+    def startup_timed_out(self, step: Step) -> None:
+        if step is Step.STARTING_CONTROLLER:
             self.set(controller_started=True)  # or still starting: the tail stops it
             self.fail_startup("the controller did not start within the startup timeout")
-            self.begin_termination()
-        elif step in STARTUP_STEPS and timed_out:
-            self.fail_startup(self.shortfall(STARTUP_WHAT.get(step, "startup")))
-            self.begin_termination()
-        elif step is Step.STARTING_CONTROLLER:
-            self.set(step=Step.AWAITING_CHANNEL)
-        elif step is Step.AWAITING_CHANNEL:
-            self.set(step=Step.AWAITING_ATTACHMENT)
-            self.send(wire.Opened(
-                operations=wire.OPERATIONS, endpoints=self.config.endpoints,
-                columns=self.config.columns, rows=self.config.rows,
-                output_finalization_timeout_milliseconds=OUTPUT_FINALIZATION_TIMEOUT_MS))
-        elif step is Step.AWAITING_ATTACHMENT:
-            self.set(step=Step.STARTING_WORKLOAD)
-            self.emit(Start(Role.WORKLOAD))
-        elif step is Step.DRAINING:
-            self.end_drain()
-        elif step is Step.AWAITING_EXIT:
-            self.end_workload(timed_out)
-        elif step is Step.FINALIZING:
-            self.end_finalization(timed_out)
-        elif step is Step.REMOVING_WORKLOAD:
-            self.end_session(self.cleanup_status(Role.WORKLOAD in state.removing))
-        elif step is Step.DELIVERING:
-            delivered = not timed_out and state.channel is Channel.OPEN
-            self.set(result_delivered=delivered, step=Step.AWAITING_ACKNOWLEDGEMENT)
-            if not delivered:
-                self.set(result_acknowledged=False)
-                self.begin_tail()
-        elif step is Step.AWAITING_ACKNOWLEDGEMENT:
-            self.set(result_acknowledged=state.acknowledged and not timed_out)
-            self.disarm(Timer.ACKNOWLEDGEMENT)
-            self.begin_tail()
         else:
-            self.next_tail_step(step, timed_out)
+            self.fail_startup(self.shortfall(STARTUP_WHAT.get(step, "startup")))
+        self.begin_termination()
+
+    def end_controller_start(self, _timed_out: bool) -> None:
+        self.set(step=Step.AWAITING_CHANNEL)
+
+    def end_channel_wait(self, _timed_out: bool) -> None:
+        self.set(step=Step.AWAITING_ATTACHMENT)
+        self.send(wire.Opened(
+            operations=wire.OPERATIONS, endpoints=self.config.endpoints,
+            columns=self.config.columns, rows=self.config.rows,
+            output_finalization_timeout_milliseconds=OUTPUT_FINALIZATION_TIMEOUT_MS))
+
+    def end_attachment_wait(self, _timed_out: bool) -> None:
+        self.set(step=Step.STARTING_WORKLOAD)
+        self.emit(Start(Role.WORKLOAD))
+
+    def end_workload_removal(self, _timed_out: bool) -> None:
+        self.end_session(self.cleanup_status(Role.WORKLOAD in self.state.removing))
+
+    def end_delivery(self, timed_out: bool) -> None:
+        delivered = not timed_out and self.state.channel is Channel.OPEN
+        self.set(result_delivered=delivered, step=Step.AWAITING_ACKNOWLEDGEMENT)
+        if not delivered:
+            self.set(result_acknowledged=False)
+            self.begin_tail()
+
+    def end_acknowledgement(self, timed_out: bool) -> None:
+        self.set(result_acknowledged=self.state.acknowledged and not timed_out)
+        self.disarm(Timer.ACKNOWLEDGEMENT)
+        self.begin_tail()
 
     def stop_short(self, step: Step) -> None:
         """A cause was latched before the session was active, or while it was."""
@@ -1620,13 +1643,6 @@ class HostCore:
             return f"{what} before termination began ({state.cause.value})"
         return f"{what} within the startup timeout"
 
-    def begin_startup(self) -> None:
-        if Role.HOLDER in self.state.owned:  # its namespace must exist before anything joins
-            self.set(step=Step.STARTING_HOLDER)
-            self.emit(Start(Role.HOLDER))
-        else:
-            self.start_controller()
-
     def start_controller(self) -> None:
         """The controller starts while the workload is created and attached to; the workload
         itself starts only once the attachment is connected."""
@@ -1648,7 +1664,7 @@ class HostCore:
             self.emit(Kill(Role.WORKLOAD, "SIGTERM"))
             self.arm(Timer.GRACE)
 
-    def end_drain(self) -> None:
+    def end_drain(self, _timed_out: bool) -> None:
         """The drain's outcome, from the relay as seen before the barrier. A workload that
         never started produced no output; output the attachment could not take fails it."""
         state, seen = self.state, self.state.seen
@@ -1787,40 +1803,45 @@ class HostCore:
         if self.state.channel is Channel.OPEN:
             self.emit(Close(ClosePart.CHANNEL_WRITE))
 
-    def next_tail_step(self, step: Step, timed_out: bool) -> None:
+    def end_channel_close(self, _timed_out: bool) -> None:
+        if self.state.channel is Channel.OPEN:
+            self.set(channel=Channel.GONE)
+        self.emit(Close(ClosePart.CHANNEL))
+        self.set(step=Step.FLUSHING_ATTACHMENT)  # the attachment may still be reading
+
+    def end_attachment_flush(self, _timed_out: bool) -> None:
         state = self.state
-        if step is Step.CLOSING_CHANNEL:
-            if state.channel is Channel.OPEN:
-                self.set(channel=Channel.GONE)
-            self.emit(Close(ClosePart.CHANNEL))
-            self.set(step=Step.FLUSHING_ATTACHMENT)  # the attachment may still be reading
-        elif step is Step.FLUSHING_ATTACHMENT:
-            self.emit(Close(ClosePart.TERMINAL), Close(ClosePart.LISTENER))
-            stopping = state.controller_started and Role.CONTROLLER in state.owned
-            self.set(step=Step.STOPPING_CONTROLLER if stopping else Step.COPYING_LOG,
-                     log_copied=not stopping)
-        elif step is Step.STOPPING_CONTROLLER:
-            self.set(step=Step.KILLING_CONTROLLER)
-            if timed_out:
-                self.emit(Log("the controller is still running after the session; stopping it"),
-                          Kill(Role.CONTROLLER, "SIGKILL"))
-        elif step is Step.KILLING_CONTROLLER:
-            status = Status.of("process", "unavailable",
-                               reason="the controller's exit was not observed")
-            if state.controller_exit is not None:
-                status = process_status(state.controller_exit)
-            self.set(controller_status=status, step=Step.COPYING_LOG)
-            self.emit(CopyControllerLog())
-        elif step is Step.COPYING_LOG:
-            self.set(step=Step.REMOVING)
-            self.remove(*(role for role in state.owned if role is not Role.HOLDER))
-        elif step is Step.REMOVING:
-            self.tail_cleanup(timed_out)
-            self.set(step=Step.REMOVING_HOLDER)  # last: others joined its namespace
-            self.remove(Role.HOLDER)
-        elif step is Step.REMOVING_HOLDER:
-            self.tail_cleanup(timed_out)
-            self.publish()
+        self.emit(Close(ClosePart.TERMINAL), Close(ClosePart.LISTENER))
+        stopping = state.controller_started and Role.CONTROLLER in state.owned
+        self.set(step=Step.STOPPING_CONTROLLER if stopping else Step.COPYING_LOG,
+                 log_copied=not stopping)
+
+    def end_controller_stop(self, timed_out: bool) -> None:
+        self.set(step=Step.KILLING_CONTROLLER)
+        if timed_out:
+            self.emit(Log("the controller is still running after the session; stopping it"),
+                      Kill(Role.CONTROLLER, "SIGKILL"))
+
+    def end_controller_kill(self, _timed_out: bool) -> None:
+        status = Status.of("process", "unavailable",
+                           reason="the controller's exit was not observed")
+        if self.state.controller_exit is not None:
+            status = process_status(self.state.controller_exit)
+        self.set(controller_status=status, step=Step.COPYING_LOG)
+        self.emit(CopyControllerLog())
+
+    def end_log_copy(self, _timed_out: bool) -> None:
+        self.set(step=Step.REMOVING)
+        self.remove(*(role for role in self.state.owned if role is not Role.HOLDER))
+
+    def end_removal(self, timed_out: bool) -> None:
+        self.tail_cleanup(timed_out)
+        self.set(step=Step.REMOVING_HOLDER)  # last: others joined its namespace
+        self.remove(Role.HOLDER)
+
+    def end_holder_removal(self, timed_out: bool) -> None:
+        self.tail_cleanup(timed_out)
+        self.publish()
 
     def tail_cleanup(self, timed_out: bool) -> None:
         status = self.cleanup_status(timed_out)
@@ -1844,7 +1865,8 @@ class HostCore:
                    "did not complete"))
         self.remove_paths()
 
-    def on_published(self, error: Optional[str]) -> None:
+    def on_published(self, event: Published) -> None:
+        error = event.error
         if error is None:
             self.set(controller_output=Status.of("controller_output", "file-published"))
         else:
@@ -1880,6 +1902,42 @@ TAIL_STEPS = frozenset({Step.CLOSING_CHANNEL, Step.FLUSHING_ATTACHMENT,
                         Step.STOPPING_CONTROLLER, Step.KILLING_CONTROLLER, Step.COPYING_LOG,
                         Step.REMOVING, Step.REMOVING_HOLDER, Step.PUBLISHING,
                         Step.REMOVING_PATHS, Step.DONE})
+#: How each step ends (by its condition, or timed out by its timer): STEP_TABLE's other half.
+#: PLANNING, PREPARING, STARTING_HOLDER, ACTIVE and the last steps end by an event instead.
+STEP_ENDS: dict[Step, Callable[[HostCore, bool], None]] = {
+    Step.STARTING_CONTROLLER: HostCore.end_controller_start,
+    Step.AWAITING_CHANNEL: HostCore.end_channel_wait,
+    Step.AWAITING_ATTACHMENT: HostCore.end_attachment_wait,
+    Step.DRAINING: HostCore.end_drain,
+    Step.AWAITING_EXIT: HostCore.end_workload,
+    Step.FINALIZING: HostCore.end_finalization,
+    Step.REMOVING_WORKLOAD: HostCore.end_workload_removal,
+    Step.DELIVERING: HostCore.end_delivery,
+    Step.AWAITING_ACKNOWLEDGEMENT: HostCore.end_acknowledgement,
+    Step.CLOSING_CHANNEL: HostCore.end_channel_close,
+    Step.FLUSHING_ATTACHMENT: HostCore.end_attachment_flush,
+    Step.STOPPING_CONTROLLER: HostCore.end_controller_stop,
+    Step.KILLING_CONTROLLER: HostCore.end_controller_kill,
+    Step.COPYING_LOG: HostCore.end_log_copy,
+    Step.REMOVING: HostCore.end_removal,
+    Step.REMOVING_HOLDER: HostCore.end_holder_removal,
+}
+#: Each event's handler: one per event type, so an event the core does not know cannot be fed.
+HOST_EVENT_HANDLERS: dict[type, Callable[[HostCore, Any], None]] = {
+    Deadline: HostCore.on_deadline, Planned: HostCore.on_planned,
+    PlanFailed: HostCore.on_plan_failed, OutputPrepared: HostCore.on_output_prepared,
+    Created: HostCore.on_created, Begin: HostCore.on_begin, Started: HostCore.on_started,
+    EngineFailed: HostCore.on_engine_failed, ChannelConnected: HostCore.on_channel_connected,
+    ChannelLost: HostCore.on_channel_lost, ChannelFlushed: HostCore.on_channel_flushed,
+    Requested: HostCore.on_request, Attached: HostCore.on_attached,
+    AttachmentRejected: HostCore.on_attachment_rejected, RelayObserved: HostCore.on_relay,
+    WorkloadExited: HostCore.on_workload_exited, ObservationLost: HostCore.on_observation_lost,
+    ControllerExited: HostCore.on_controller_exited, ControllerLog: HostCore.on_controller_log,
+    HolderLost: HostCore.on_holder_lost, Signalled: HostCore.on_signal,
+    Removed: HostCore.on_removed, LogCopied: HostCore.on_log_copied,
+    Published: HostCore.on_published, PathsRemoved: HostCore.on_paths_removed,
+    InternalError: HostCore.on_internal_error,
+}
 
 
 # ============================================================================================
@@ -3183,13 +3241,14 @@ class TerminalRelay:
 
 
 class ControlledSession:
-    """One run of `reploy controlled-session run`, from planning to the delivery tail.
+    """One run of `reploy controlled-session run`: HostCore decides, this performs.
 
-    The phases are sequential code; waiting happens in `wait_until`, which runs one selector
-    loop (the channel, the TerminalRelay's PTY and attachment, wait-thread notices, signals)
-    until a condition holds or a deadline passes. The loop never decides the lifecycle on its
-    own: it records facts (requests, EOFs, exits, signals) and latches causes through the
-    LifecycleMachine.
+    Planning (images, the derived controller image, the python probe) and preparation (the
+    channel, the outputs, the holder and the controller) are sequential code, as is every
+    action; everything else is the selector loop (the channel, the TerminalRelay's PTY and
+    attachment, wait-thread notices, signals) turning what it sees into events. Events seen
+    in one pass are fed after that pass, behind every deadline that passed meanwhile: what
+    is first seen after a deadline did not happen before it (issue 23).
     """
 
     def __init__(self, options: RunOptions, plan: SessionPlan, backend: DockerBackend,
@@ -3198,100 +3257,201 @@ class ControlledSession:
         self.plan = plan
         self.backend = backend
         self.signals = signals
-        self.machine = LifecycleMachine()
-        self.result = RunResult()
+        self.core = HostCore(HostConfig(
+            HostTimeouts.of(options), endpoints=plan.endpoints, columns=options.columns,
+            rows=options.rows, requested_output=requested_output_status(options),
+            output_file=options.output_file is not None))
+        self.result: Optional[RunResult] = None
         self.owned = Owned()
         self.watchdog = Watchdog(plan.run_id, plan.workload.dir)
         self.notifier = Notifier()
         self.selector = selectors.DefaultSelector()
         self.selector.register(self.notifier.read_fd, selectors.EVENT_READ, self.on_notice)
         self.selector.register(signals.read_fd, selectors.EVENT_READ, self.on_signal)
-        #: The signal that cancelled the session (it latched host-cancel, or stopped planning).
-        self.cancelled_by: Optional[int] = None
-        #: Why the latched cause happened, in words (startup-failed and lost reasons use it).
-        self.cause_detail = ""
-        #: What off_loop() calls reported, by tag.
+        #: When each armed deadline passes (time.monotonic()).
+        self.due: dict[Timer, float] = {}
+        #: Events not yet fed: a pass's, or an action's answers.
+        self.events: list[HostEvent] = []
+        self.feeding = False
+        #: The relay's facts as last fed, and whether a sent event may still be unwritten.
+        self.relay_fed = RelayFacts()
+        self.unflushed = False
+        #: What off_loop() calls reported, by tag, and what to do when one reports.
         self.call_results: dict[str, Any] = {}
-        #: What to do on the loop the moment a call reports, by tag (see begin_call).
         self.call_handlers: dict[str, Callable[[Any], None]] = {}
         self.calls_started = 0
+        self.workload_spec: Optional[ContainerSpec] = None
         self.listener: Optional[socket.socket] = None
         self.channel: Optional[wire.FramedConnection] = None
-        self.channel_lost: Optional[str] = None
         self.interest = Interest(self.selector)
-        self.relay = TerminalRelay(self.interest, lambda: self.machine.phase is Phase.ACTIVE,
+        self.relay = TerminalRelay(self.interest, lambda: self.core.state.phase is Phase.ACTIVE,
                                    self.resize_workload)
-        #: Why the handed-over attachment was refused, if it was.
-        self.attachment_refused: Optional[str] = None
-        self.complete_received = False
-        self.ack_received = False
-        self.workload_exit: Optional[int] = None
-        #: The workload status the host reports, fixed before workload-outputs-finalized.
-        self.workload_status: Optional[Status] = None
-        self.exit_announced = False
-        self.finalization_announced = False
-        self.terminating_sent = False
-        self.controller_exit: Optional[int] = None
-        self.observation_lost: Optional[str] = None
-        self.workload_started = False
-        self.controller_started = False
-        self.holder_lost: Optional[str] = None
-        self.peer_cred: Optional[tuple[int, int, int]] = None
 
     # -- the whole run ----------------------------------------------------------------------
 
     def run(self) -> RunResult:
-        """Every outcome, including our own bugs, ends in termination and the delivery tail.
-
-        Planning (images, the derived controller image, the python probe) comes first, with
-        the watchdog already armed; a plan that fails leaves nothing of the session and the
-        result says only that. The startup timeout counts from the end of planning."""
+        """Every outcome, including our own bugs, ends in the core's Finish."""
         try:
-            try:
-                self.watchdog.arm()  # before the first container of the session exists
-            except (reploy_watchdog.WatchdogUnavailable, OSError) as e:
-                self.result.error = f"plan rejected: the watchdog could not be armed: " \
-                                    f"{error_text(e)}"
-                self.result.controller_output = requested_output_status(self.options)
-                return self.result
-            self.selector.register(self.watchdog.link, selectors.EVENT_READ, self.on_watchdog)
-            try:
-                controller_image = self.plan_images()
-            except (PlanRejected, BackendError, OSError) as e:
-                controller_image = None
-                if self.cancelled_by is None:
-                    self.result.error = f"plan rejected: {error_text(e)}"
-            if controller_image is None:  # rejected, or cancelled while planning
-                self.result.controller_output = requested_output_status(self.options)
-                return self.result
-            startup_deadline = time.monotonic() + self.options.timeout_s("--startup-timeout")
-            try:
-                workload = self.prepare(controller_image)
-                self.start(workload, startup_deadline)
-                self.wait_until(lambda: False)  # active: until a cause is latched
-            except (StartupFailure, BackendError, OSError) as e:
-                if self.machine.cause in (None, Cause.STARTUP_FAILURE):
-                    self.result.error = f"startup failed: {error_text(e)}"
-                self.latch(Cause.STARTUP_FAILURE, error_text(e))
-            self.terminate()
+            self.watchdog.arm()  # before the first container of the session exists
+        except (reploy_watchdog.WatchdogUnavailable, OSError) as e:
+            return RunResult(error=f"plan rejected: the watchdog could not be armed: "
+                                   f"{error_text(e)}",
+                             controller_output=requested_output_status(self.options))
+        self.selector.register(self.watchdog.link, selectors.EVENT_READ, self.on_watchdog)
+        try:
+            self.plan_and_prepare()
+            while self.result is None:
+                self.loop_once()
         except Exception as e:  # noqa: BLE001 - a bug must still clean up and report
             log(f"internal error: {e!r}")
-            self.result.error = f"internal error: {e!r}"
-            if self.machine.cause is None:
-                self.machine.terminate(Cause.STARTUP_FAILURE)
+            self.events.clear()
+            self.feeding = False
+            self.feed(InternalError(repr(e)))
+            while self.result is None:
+                self.loop_once()
         finally:
-            self.delivery_tail()
+            self.notifier.close()
+            self.selector.close()
         return self.result
 
-    def latch(self, cause: Cause, detail: str = "") -> bool:
-        """Latch `cause` if none is latched yet; True when this call latched it."""
-        if self.machine.phase is Phase.TERMINATED:
-            return False
-        if not self.machine.terminate(cause):
-            return False
-        self.cause_detail = detail
-        log(f"terminating: {cause.value}{': ' + detail if detail else ''}")
-        return True
+    def plan_and_prepare(self) -> None:
+        """The startup timeout counts from the end of planning."""
+        try:
+            controller_image = self.plan_images()
+        except (PlanRejected, BackendError, OSError) as e:
+            self.feed(PlanFailed(error_text(e)))
+            return
+        if controller_image is None:
+            return  # cancelled: the core is in its delivery tail already
+        self.feed(Planned())
+        try:
+            self.workload_spec = self.prepare(controller_image)
+        except (BackendError, OSError) as e:
+            self.feed(EngineFailed(error_text(e)))
+            return
+        self.feed(Begin())
+
+    # -- feeding the core and performing its actions -----------------------------------------
+
+    def feed(self, event: HostEvent) -> None:
+        """Hand `event` to the core and perform its answer, unless a pass or an action is
+        being handled: then it waits its turn."""
+        self.events.append(event)
+        if not self.feeding:
+            self.pump()
+
+    def pump(self) -> None:
+        """Feed every waiting event, each behind the deadlines that passed before it."""
+        self.feeding = True
+        try:
+            self.observe()
+            self.expire()
+            while self.events:
+                self.step(self.events.pop(0))
+                self.observe()
+                self.expire()
+        finally:
+            self.feeding = False
+
+    def step(self, event: HostEvent) -> None:
+        for action in self.core.handle(event):
+            self.perform(action)
+        armed = self.core.state.armed
+        if len(armed) != len(self.due):
+            self.due = {timer: at for timer, at in self.due.items() if timer in armed}
+
+    def expire(self) -> None:
+        now = time.monotonic()
+        for timer, at in sorted(self.due.items(), key=lambda item: item[1]):
+            if at <= now and self.due.get(timer) == at:
+                del self.due[timer]
+                self.step(Deadline(timer))
+
+    def observe(self) -> None:
+        """Facts the relay and channel hold rather than report: fed when they change (the
+        relay's only once the session is no longer active, when its drain matters)."""
+        if self.unflushed and (self.channel is None or not self.channel.wants_write):
+            self.unflushed = False
+            self.events.append(ChannelFlushed())
+        if self.core.state.phase is Phase.ACTIVE:
+            return
+        relay = self.relay
+        facts = RelayFacts(relay.pty_eof, relay.output_lost, relay.delivered)
+        if facts != self.relay_fed:
+            self.relay_fed = facts
+            self.events.append(RelayObserved(facts))
+
+    def perform(self, action: HostAction) -> None:
+        if isinstance(action, Send):
+            if self.channel is not None:
+                self.channel.send(wire.encode_frame(FrameKind.EVENT,
+                                                    wire.encode_compact(action.event.to_json())))
+                self.unflushed = True
+        elif isinstance(action, Arm):
+            self.due[action.timer] = time.monotonic() + action.seconds
+        elif isinstance(action, Start):
+            self.start(action.role)
+        elif isinstance(action, Kill):
+            self.kill(action.role, action.signame)
+        elif isinstance(action, Remove):
+            self.begin_removal(*action.roles)
+        elif isinstance(action, Resize):
+            self.resize_workload(action.columns, action.rows)
+        elif isinstance(action, Log):
+            log(action.message)
+        elif isinstance(action, Close):
+            self.close(action.part)
+        elif isinstance(action, EndOutput):
+            self.relay.end_output(action.status)
+        elif isinstance(action, Finish):
+            self.finish(action)
+        else:
+            self.perform_file_action(action)
+
+    def perform_file_action(self, action: HostAction) -> None:
+        if isinstance(action, ReadControllerLog):
+            last_line = ""
+            with contextlib.suppress(BackendError):
+                lines = self.backend.log_tail(self.owned.containers["controller"]).splitlines()
+                last_line = lines[-1].decode(errors="replace")[:300] if lines else ""
+            self.feed(ControllerLog(last_line))
+        elif isinstance(action, CopyControllerLog):
+            self.copy_controller_log()
+        elif isinstance(action, Publish):
+            assert self.options.output_file is not None and self.owned.output_staging_dir
+            try:
+                publish_regular_file(self.owned.output_staging_dir, self.options.output_file)
+                self.feed(Published())
+            except OSError as e:
+                self.feed(Published(error_text(e)))
+        elif isinstance(action, RemovePaths):
+            self.feed(PathsRemoved(self.remove_paths()))
+
+    def close(self, part: ClosePart) -> None:
+        if part is ClosePart.PTY:
+            self.relay.close_pty()
+        elif part is ClosePart.TERMINAL:
+            self.relay.close_terminal()
+        elif part is ClosePart.LISTENER:
+            self.close_listener()
+        elif self.channel is not None and part is ClosePart.CHANNEL_WRITE:
+            with contextlib.suppress(OSError):
+                self.channel.close_write()
+        elif self.channel is not None:
+            self.interest.set(self.channel.sock, self.on_channel, 0)
+            self.channel.close()
+            self.channel = None
+
+    def finish(self, action: Finish) -> None:
+        if action.keep_manifest:
+            # Keep a true manifest of what remains, for `controlled-session cleanup`.
+            self.watchdog.record_owned(self.owned)
+            log("cleanup left something behind; `reploy.py controlled-session cleanup "
+                f"--workload-dir {self.plan.workload.dir}` reconciles it")
+        if self.watchdog.link is not None:
+            self.selector.unregister(self.watchdog.link)
+        self.watchdog.disarm(keep_manifest=action.keep_manifest)
+        self.result = action.result
 
     # -- planning ---------------------------------------------------------------------------
 
@@ -3358,22 +3518,20 @@ class ControlledSession:
             refusal = probe_refusal(*outcome, runtime)
         except PlanRejected as e:
             refusal = str(e)
-        cleanup = self.await_removals(self.begin_removal(PROBE_ROLE), time.monotonic()
-                                      + self.options.timeout_s("--cleanup-timeout"))
+        removal = self.begin_call("remove the python-probe container", lambda api: (
+            remove_container_quietly(api, container_id)))
+        deadline = time.monotonic() + self.options.timeout_s("--cleanup-timeout")
+        removed = self.await_call(removal, deadline)
+        if removed is not None and not isinstance(removed[0], BaseException):
+            self.forget(Role.PROBE)
         if refusal is not None:
             with contextlib.suppress(BackendError):
                 self.backend.remove_image(image_id)
             raise PlanRejected(refusal)
-        if cleanup.kind != "succeeded":
-            raise PlanRejected(f"the python probe could not be removed: {cleanup.reason}")
+        if Role.PROBE.value in self.owned.containers:
+            reason = removed[0] if removed else "not finished within the cleanup timeout"
+            raise PlanRejected(f"the python probe could not be removed: {reason}")
         return True
-
-    def call_off_loop(self, what: str, call: Callable[[docker.APIClient], Any],
-                      deadline: Optional[float], stop_on_latch: bool) -> tuple[bool, Any]:
-        """Run a blocking Engine call in a thread while the loop goes on (signals, the
-        channel). (True, its value or BackendError) once it returns; (False, None) when the
-        deadline passed or (with stop_on_latch) a cause was latched first."""
-        return self.await_call(self.begin_call(what, call), deadline, stop_on_latch)
 
     def begin_call(self, what: str, call: Callable[[docker.APIClient], Any],
                    on_done: Optional[Callable[[Any], None]] = None) -> str:
@@ -3394,26 +3552,29 @@ class ControlledSession:
         self.backend.in_thread(tag, guarded, self.notifier.report)
         return tag
 
-    def await_call(self, tag: str, deadline: Optional[float],
-                   stop_on_latch: bool) -> tuple[bool, Any]:
-        """The result of begin_call's call, as call_off_loop says."""
-        if not self.wait_until(lambda: tag in self.call_results, deadline, stop_on_latch):
-            return False, None
-        return True, self.call_results.pop(tag)
+    def await_call(self, tag: str, deadline: Optional[float] = None) -> Optional[tuple[Any]]:
+        """A planning call's (value,) once it reports; None when the deadline passed first or
+        a signal ended planning."""
+        while tag not in self.call_results and self.core.state.step is Step.PLANNING:
+            timeout = None if deadline is None else deadline - time.monotonic()
+            if timeout is not None and timeout <= 0:
+                return None
+            self.loop_once(timeout)
+        return (self.call_results.pop(tag),) if tag in self.call_results else None
 
     def off_loop(self, what: str, call: Callable[[docker.APIClient], Any]) -> Any:
         """A planning call (the engine's checks, an image build, the probe) that a signal
         cancels promptly: its value, or None when cancelled. Raises its ReployError."""
-        finished, value = self.call_off_loop(what, call, None, stop_on_latch=True)
-        if isinstance(value, ReployError):
-            raise value
-        return value if finished else None
+        reported = self.await_call(self.begin_call(what, call))
+        if reported is not None and isinstance(reported[0], ReployError):
+            raise reported[0]
+        return None if reported is None else reported[0]
 
     # -- preparing --------------------------------------------------------------------------
 
     def prepare(self, controller_image: str) -> ContainerSpec:
         """The channel, the outputs, the holder and the controller; returns the workload's
-        spec, which start() creates while the controller starts."""
+        spec, which the controller's start creates while the controller starts."""
         plan = self.plan
         controller_runtime = plan.controller_blueprint.runtime
         self.open_channel(controller_runtime)
@@ -3456,7 +3617,14 @@ class ControlledSession:
         self.owned.containers[spec.role] = container_id
         self.owned.labels[container_id] = spec.labels
         self.watchdog.record_owned(self.owned)
+        self.feed(Created(Role(spec.role)))
         return container_id
+
+    def forget(self, role: Role) -> None:
+        """The role's container is removed: it leaves the watchdog's manifest at once."""
+        self.owned.containers.pop(role.value, None)
+        self.watchdog.record_owned(self.owned)
+        self.feed(Removed(role))
 
     def labels(self, role: str) -> dict[str, str]:
         """Every session container says whose it is, for the watchdog and for reconciliation
@@ -3504,132 +3672,149 @@ class ControlledSession:
             try:
                 make_output_dir(options.output_dir, runtime)
             except OSError as e:  # a startup failure; the requested output still has a fate
-                self.result.controller_output = Status.of(
+                self.feed(OutputPrepared(Status.of(
                     "controller_output", "failed",
-                    reason=f"could not prepare the output directory: {error_text(e)}")
+                    reason=f"could not prepare the output directory: {error_text(e)}")))
                 raise
-            self.result.controller_output = Status.of("controller_output", "directory-retained")
+            self.feed(OutputPrepared(Status.of("controller_output", "directory-retained")))
             return [(Mount(str(options.output_dir.resolve()), OUTPUT_DIR_MOUNT, False),
                      ("REPLOY_OUTPUT_DIR", OUTPUT_DIR_MOUNT))]
         if options.output_file is not None:
             staging = Path(tempfile.mkdtemp(prefix=f".reploy-output-{self.plan.run_id[:8]}-",
                                             dir=options.output_file.parent))
+            self.owned.output_staging_dir = staging
+            self.feed(OutputPrepared(None, staged=True))
             os.chown(staging, runtime.uid, runtime.gid)
             os.chmod(staging, 0o700)
-            self.owned.output_staging_dir = staging
             return [(Mount(str(staging), OUTPUT_FILE_MOUNT, False),
                      ("REPLOY_OUTPUT_FILE", f"{OUTPUT_FILE_MOUNT}/{options.output_file.name}"))]
-        self.result.controller_output = Status.of("controller_output", "not-requested")
+        self.feed(OutputPrepared(Status.of("controller_output", "not-requested")))
         return []
 
-    # -- starting ---------------------------------------------------------------------------
+    # -- the engine's part ------------------------------------------------------------------
 
-    def start(self, workload: ContainerSpec, deadline: float) -> None:
-        """Start the session, overlapping what may overlap: while the controller starts, the
-        workload is created and attached to. The workload itself starts only once the
-        attachment is connected: a controller that never attaches leaves no workload process
-        behind."""
-        backend, plan = self.backend, self.plan
-        holder_id = self.owned.containers.get("holder")
-        if holder_id is not None:  # its namespace must exist before anything joins it
-            backend.start(holder_id)
-            backend.wait_in_thread(holder_id, self.notifier.report, "holder")
-        controller_id = self.owned.containers["controller"]
-        controller_start = self.begin_call("start the controller",
-                                           lambda api: api.start(controller_id))
+    def start(self, role: Role) -> None:
+        """Start a container and watch it. The controller starts off the loop while the
+        workload is created and attached to (before it starts: no byte is missed)."""
+        backend, containers = self.backend, self.owned.containers
         try:
-            workload_id = self.acquire_container(workload)
-            # Attached before it starts: no byte is missed.
-            self.relay.open_pty(backend.attach_pty(workload_id))
-        finally:
-            self.await_controller_start(controller_start, deadline)
-        backend.wait_in_thread(controller_id, self.notifier.report, "controller")
-        if not self.wait_until(lambda: self.channel is not None, deadline):
-            raise StartupFailure(self.startup_shortfall("the controller did not connect"))
-        self.send_event(wire.Opened(
-            operations=wire.OPERATIONS, endpoints=plan.endpoints,
-            columns=self.options.columns, rows=self.options.rows,
-            output_finalization_timeout_milliseconds=OUTPUT_FINALIZATION_TIMEOUT_MS))
-        if not self.wait_until(lambda: self.relay.attached, deadline):
-            raise StartupFailure(self.startup_shortfall("no terminal attachment connected"))
-        backend.start(workload_id)
-        self.workload_started = True
-        backend.resize(workload_id, self.options.columns, self.options.rows)
-        backend.wait_in_thread(workload_id, self.notifier.report, "workload")
-        if self.machine.phase is not Phase.PREPARING:
+            if role is Role.CONTROLLER:
+                controller_id = containers["controller"]
+
+                def started(value: Any) -> None:
+                    if isinstance(value, BackendError):
+                        self.feed(EngineFailed(error_text(value), Role.CONTROLLER))
+                        return
+                    backend.wait_in_thread(controller_id, self.notifier.report, "controller")
+                    self.feed(Started(Role.CONTROLLER))
+
+                self.begin_call("start the controller", lambda api: api.start(controller_id),
+                                started)
+                assert self.workload_spec is not None
+                self.relay.open_pty(backend.attach_pty(self.acquire_container(
+                    self.workload_spec)))
+                return
+            backend.start(containers[role.value])
+            backend.wait_in_thread(containers[role.value], self.notifier.report, role.value)
+        except (BackendError, OSError) as e:
+            self.feed(EngineFailed(error_text(e), role))
             return
-        self.machine.ready()
-        self.send_event(wire.Ready())
+        if role is Role.WORKLOAD:
+            self.resize_workload(self.options.columns, self.options.rows)
+        self.feed(Started(role))
 
-    def await_controller_start(self, tag: str, deadline: float) -> None:
-        """The controller's start call, begun in start(): it is not cut short (the controller
-        may be running once it returns, and the delivery tail must know)."""
-        finished, value = self.await_call(tag, deadline, stop_on_latch=False)
-        if isinstance(value, BackendError):
-            raise value
-        self.controller_started = True  # or still starting, past the deadline: stop it later
-        if not finished:
-            raise StartupFailure("the controller did not start within the startup timeout")
+    def kill(self, role: Role, signame: str) -> None:
+        """SIGTERM at once; SIGKILL from a thread: the Engine answers it only once the
+        container has exited, and the exit can wait for us to read the PTY stream."""
+        container_id = self.owned.containers.get(role.value)
+        if container_id is None:
+            return
+        if signame == "SIGTERM":
+            try:
+                self.backend.kill(container_id, signame)
+            except BackendError as e:
+                log(f"could not signal the {role.value}: {e}")
+            return
+        self.backend.in_thread("kill", lambda api: kill_if_running(api, container_id, signame),
+                               self.notifier.report)
 
-    def startup_shortfall(self, what: str) -> str:
-        """Why startup stopped short, in the words most useful to the user."""
-        if self.attachment_refused:
-            return self.attachment_refused
-        if self.holder_lost:
-            return f"{what}: {self.holder_lost}"
-        if self.controller_exit is not None:
-            last_line = ""
-            with contextlib.suppress(BackendError):
-                lines = self.backend.log_tail(self.owned.containers["controller"]).splitlines()
-                last_line = lines[-1].decode(errors="replace")[:300] if lines else ""
-            return (f"{what}: the controller exited with code {self.controller_exit}"
-                    + (f" ({last_line})" if last_line else ""))
-        if self.channel_lost:
-            return f"{what}: {self.channel_lost}"
-        if self.machine.cause is not None:
-            return f"{what} before termination began ({self.machine.cause.value})"
-        return f"{what} within the startup timeout"
+    def resize_workload(self, columns: int, rows: int) -> None:
+        """A resize the session honours (a structured one, or the attachment's SIGWINCH)."""
+        try:
+            self.backend.resize(self.owned.containers["workload"], columns, rows)
+        except BackendError as e:  # e.g. racing the workload's exit: not fatal
+            log(f"could not resize the workload's terminal: {e}")
+
+    def begin_removal(self, *roles: Role) -> None:
+        """Remove these containers all at once, off the loop; each one removed leaves the
+        watchdog's manifest at once, so it stays a true record however long nobody awaits."""
+        for role in roles:
+            container_id = self.owned.containers.get(role.value)
+            if container_id is None:
+                self.feed(Removed(role))
+                continue
+
+            def removed(value: Any, role: Role = role) -> None:
+                if isinstance(value, BaseException):
+                    self.feed(Removed(role, str(value)))
+                else:
+                    self.forget(role)
+
+            self.begin_call(f"remove the {role.value} container",
+                            lambda api, cid=container_id: remove_container_quietly(api, cid),
+                            removed)
+
+    def copy_controller_log(self) -> None:
+        """The controller's own output, for the user, on the host's stderr (bounded)."""
+        controller_id = self.owned.containers["controller"]
+
+        def copied(tail: Any) -> None:
+            if isinstance(tail, bytes) and tail:
+                sys.stderr.write("reploy: controller output follows\n")
+                sys.stderr.write(tail[-CONTROLLER_LOG_TAIL_BYTES:].decode(errors="replace"))
+                sys.stderr.flush()
+            self.feed(LogCopied())
+
+        self.begin_call("read the controller log",
+                        lambda api: api.logs(controller_id, stdout=True, stderr=True), copied)
+
+    def remove_paths(self) -> tuple[str, ...]:
+        failures = []
+        for attribute in ("channel_dir", "output_staging_dir"):
+            path = getattr(self.owned, attribute)
+            try:
+                if path is not None:
+                    reploy_watchdog.remove_tree(path)
+                setattr(self.owned, attribute, None)
+            except FileNotFoundError:
+                setattr(self.owned, attribute, None)
+            except OSError as e:
+                failures.append(f"remove {path}: {error_text(e)}")
+        return tuple(failures)
 
     # -- the loop ---------------------------------------------------------------------------
 
-    def wait_until(self, condition: Callable[[], bool], deadline: Optional[float] = None,
-                   stop_on_latch: bool = True) -> bool:
-        """Run the loop until condition() (True), the deadline, or (if stop_on_latch) a cause
-        being latched (False): phases that must end on any cause wait with stop_on_latch.
-
-        A deadline is a barrier: a condition seen to hold only once it passed did not hold in
-        time (False), however the loop got there late (a host suspended and resumed, a slow
-        pass), so what came after a deadline never counts as before it."""
-        while True:
-            if condition():
-                return deadline is None or time.monotonic() <= deadline
-            if stop_on_latch and self.machine.cause is not None:
-                return False
-            timeout = None if deadline is None else deadline - time.monotonic()
-            if timeout is not None and timeout <= 0:
-                return False
-            self.loop_once(timeout)
-
-    def loop_once(self, timeout: Optional[float]) -> None:
-        """One pass, fixed order: set interest, select, then handle what is ready."""
+    def loop_once(self, timeout: Optional[float] = None) -> None:
+        """One pass: set interest, select until the next deadline, handle what is ready, then
+        feed what the pass saw (fed behind the deadlines that passed meanwhile)."""
         if self.channel is not None:
             self.interest.set(self.channel.sock, self.on_channel, selectors.EVENT_READ | (
                 selectors.EVENT_WRITE if self.channel.wants_write else 0))
         self.relay.set_interest()
-        for key, mask in self.selector.select(self.relay.timeout(timeout)):
-            key.data(mask)
+        if self.due:
+            next_s = max(0.0, min(self.due.values()) - time.monotonic())
+            timeout = next_s if timeout is None else min(timeout, next_s)
+        self.feeding = True  # what the pass sees waits for its end
+        try:
+            for key, mask in self.selector.select(self.relay.timeout(timeout)):
+                key.data(mask)
+        finally:
+            self.feeding = False
+        self.pump()
 
     def on_signal(self, _mask: int) -> None:
-        """SIGINT/SIGTERM cancel the session (host-cancel), if nothing else ended it first;
-        one that comes later changes none of the termination's steps, each bounded anyway
-        (main() still exits 130/143 when the result is not ok)."""
         for signum in self.signals.drain():
-            name = signal.Signals(signum).name
-            if self.latch(Cause.HOST_CANCEL, f"received {name}"):
-                self.cancelled_by = signum
-                self.result.error = f"cancelled by {name}"
-            else:
-                log(f"received {name}; the session is already ending")
+            self.feed(Signalled(signal.Signals(signum).name))
 
     def on_watchdog(self, _mask: int) -> None:
         """The watchdog never speaks after `armed`: its link turning readable means it died."""
@@ -3641,60 +3826,23 @@ class ControlledSession:
     def on_notice(self, _mask: int) -> None:
         for tag, value in self.notifier.drain():
             if tag == "workload":
-                if isinstance(value, Exception):
-                    self.observation_lost = str(value)
-                    self.latch(Cause.RUNTIME_OBSERVATION_LOST, str(value))
-                else:
-                    self.workload_exit = value
-                    self.latch(Cause.WORKLOAD_EXIT if self.machine.reached_ready
-                               else Cause.STARTUP_FAILURE, f"the workload exited with code {value}")
-                    self.announce_workload_exit()
+                self.feed(ObservationLost(str(value)) if isinstance(value, Exception)
+                          else WorkloadExited(value))
             elif tag == "controller":
-                self.controller_exit = value if isinstance(value, int) else None
                 if isinstance(value, Exception):
                     log(f"lost sight of the controller: {value}")
-                if self.machine.reached_ready:
-                    self.latch(Cause.CONTROLLER_LOST, "the controller container exited")
-                elif self.machine.phase is Phase.PREPARING:
-                    self.latch(Cause.STARTUP_FAILURE, "the controller exited during startup")
+                self.feed(ControllerExited(value if isinstance(value, int) else None))
             elif tag == "holder":
-                self.lose_holder(value)
+                self.feed(HolderLost(f"exited with code {value}" if isinstance(value, int)
+                                     else f"was lost: {value}"))
             elif tag == "kill" and isinstance(value, Exception):
-                log(f"could not kill the workload: {value}")
+                log(f"could not kill: {value}")
             elif tag.startswith(CALL_TAG):
-                self.call_results[tag] = value
                 handler = self.call_handlers.pop(tag, None)
-                if handler is not None:
+                if handler is None:
+                    self.call_results[tag] = value
+                else:
                     handler(value)
-
-    def lose_holder(self, value: Any) -> None:
-        """The holder of a granted session's network namespace exited or was removed.
-
-        Before the session containers have joined its namespace there is nothing to join: a
-        startup failure. Once they have, the namespace lives on in them (a network namespace
-        lasts while any process is in it, and it holds nothing but `lo`), so the session and its
-        isolation are unaffected: the controller hears a diagnostic, nothing is invented about
-        the workload, and cleanup finds the holder gone."""
-        how = (f"exited with code {value}" if isinstance(value, int) else f"was lost: {value}")
-        self.holder_lost = f"the session's network namespace holder {how}"
-        if self.machine.phase is Phase.PREPARING:
-            self.latch(Cause.STARTUP_FAILURE, self.holder_lost)
-        elif self.machine.phase is not Phase.TERMINATED:
-            log(f"{self.holder_lost}; the session's namespace lives on in its containers")
-            if not self.finalization_announced:
-                self.send_event(wire.Diagnostic(code="namespace_holder_lost",
-                                                message=self.holder_lost))
-
-    def announce_workload_exit(self) -> None:
-        """workload-exit precedes terminating when it is the cause; otherwise it follows. Never
-        after workload-outputs-finalized: the workload status was fixed before it, and an exit
-        seen later changes nothing the controller hears or the result says."""
-        if (self.workload_exit is None or self.exit_announced or self.finalization_announced
-                or not self.machine.reached_ready
-                or not (self.machine.cause is Cause.WORKLOAD_EXIT or self.terminating_sent)):
-            return
-        self.exit_announced = True
-        self.send_event(wire.WorkloadExit(status=process_status(self.workload_exit)))
 
     def on_listener(self, _mask: int) -> None:
         assert self.listener is not None
@@ -3709,11 +3857,11 @@ class ControlledSession:
             log(f"refused a channel peer with uid:gid {uid}:{gid} (pid {pid})")
             conn.close()
             return
-        self.peer_cred = (pid, uid, gid)
         self.close_listener()  # exactly one peer; the path is gone from now on
         self.channel = wire.FramedConnection(
             conn, descriptor_kinds=frozenset({FrameKind.ATTACHED}))
         self.interest.set(conn, self.on_channel, selectors.EVENT_READ)
+        self.feed(ChannelConnected())
 
     def close_listener(self) -> None:
         if self.listener is None:
@@ -3748,21 +3896,16 @@ class ControlledSession:
     def lose_channel(self, reason: str) -> None:
         if self.channel is None:
             return
-        self.interest.set(self.channel.sock, self.on_channel, 0)
-        self.channel.close()
-        self.channel = None
-        self.channel_lost = reason
-        if self.machine.phase is Phase.PREPARING:
-            self.latch(Cause.STARTUP_FAILURE, reason)
-        else:
-            self.latch(Cause.CONTROLLER_LOST, reason)
+        self.close(ClosePart.CHANNEL)
+        self.feed(ChannelLost(reason))
 
     def on_frame(self, frame: wire.Frame) -> None:
         """A frame from the broker: the attachment's hand-over, or a public request."""
         if frame.kind is FrameKind.ATTACHED:
             self.adopt_attachment(frame)
         elif frame.kind is FrameKind.REQUEST:
-            self.on_request(wire.decode_message(frame.payload + b"\n", wire.Direction.REQUEST))
+            self.feed(Requested(wire.decode_message(frame.payload + b"\n",
+                                                    wire.Direction.REQUEST)))
         else:
             raise wire.FramingError(f"unexpected {frame.kind.name} frame from the controller")
 
@@ -3771,7 +3914,7 @@ class ControlledSession:
         between it and the engine from now on. A connection that is not what an attachment's
         must be is refused, and startup fails closed."""
         try:
-            if self.relay.attached or self.attachment_refused:
+            if self.relay.attached or self.core.state.attachment_refused:
                 raise wire.FramingError("a second attachment was handed over")
             if frame.json() != {}:
                 raise wire.FramingError("an ATTACHED frame carries an empty object")
@@ -3782,362 +3925,10 @@ class ControlledSession:
         try:
             sock = attachment_socket(frame.descriptors, runtime.uid, runtime.gid)
         except AttachmentRefused as e:
-            self.attachment_refused = f"the terminal attachment was refused: {e}"
-            log(self.attachment_refused)
-            if self.machine.phase is Phase.PREPARING:
-                self.latch(Cause.STARTUP_FAILURE, self.attachment_refused)
+            self.feed(AttachmentRejected(str(e)))
             return
         self.relay.adopt(sock)
-
-    def on_request(self, request: wire.Message) -> None:
-        if isinstance(request, wire.Resize):
-            if self.machine.phase is Phase.ACTIVE:
-                self.resize_workload(request.columns, request.rows)
-        elif isinstance(request, wire.Terminate):
-            if self.machine.phase is Phase.ACTIVE:
-                self.latch(Cause.CONTROLLER_TERMINATE)
-        elif isinstance(request, wire.Complete):
-            self.complete_received = True
-        elif isinstance(request, wire.AcknowledgeTerminated):
-            self.ack_received = True
-
-    def resize_workload(self, columns: int, rows: int) -> None:
-        """A resize the session honours (a structured one, or the attachment's SIGWINCH)."""
-        try:
-            self.backend.resize(self.owned.containers["workload"], columns, rows)
-        except BackendError as e:  # e.g. racing the workload's exit: not fatal
-            log(f"could not resize the workload's terminal: {e}")
-
-    def send_event(self, event: wire.Message) -> None:
-        if self.channel is not None:
-            self.channel.send(wire.encode_frame(FrameKind.EVENT,
-                                                wire.encode_compact(event.to_json())))
-
-    # -- terminating ------------------------------------------------------------------------
-
-    def terminate(self) -> None:
-        """The termination sequence; each step is bounded and each outcome a separate fact.
-
-        Every workload fact goes out before workload-outputs-finalized: the drain's outcome
-        is decided at its deadline, then the exit is awaited (a failed drain abandons the PTY
-        so the Engine can finish it), announced if seen, and the workload status fixed; only
-        then is finalization announced. After it the controller hears only `terminated`.
-        The workload's removal runs while the controller finalizes; it ends before
-        `terminated`, as the contract wants."""
-        machine = self.machine
-        cause = machine.cause
-        assert cause is not None
-        output_deadline = time.monotonic() + OUTPUT_FINALIZATION_TIMEOUT_MS / 1000.0
-        if machine.reached_ready:
-            self.send_event(wire.Terminating(cause=cause))
-            self.terminating_sent = True
-            self.announce_workload_exit()  # an exit seen before terminating went out
-        self.stop_workload()
-        output_status = self.finalize_output(output_deadline)
-        self.await_workload_exit()
-        self.workload_status = self.final_workload_status()
-        self.announce_workload_exit()
-        self.announce_outputs_finalized(output_status)
-        self.relay.close_pty()
-        cleanup_deadline = time.monotonic() + self.options.timeout_s("--cleanup-timeout")
-        removal = self.begin_removal("workload")
-        controller_finalization = self.controller_finalization()
-        workload_cleanup = self.await_removals(removal, cleanup_deadline)
-        observation = Status.of("runtime_observation", "maintained")
-        if self.observation_lost:
-            observation = Status.of("runtime_observation", "lost", reason=self.observation_lost)
-        session_result = SessionResult(
-            cause=cause,
-            workload_status=self.workload_status,
-            workload_output_finalization_status=output_status,
-            runtime_observation_status=observation,
-            controller_finalization_status=controller_finalization,
-            cleanup_status=workload_cleanup,
-            recovery_action=RecoveryAction.NONE if workload_cleanup.kind == "succeeded"
-            else RecoveryAction.RECONCILE_NEXT_OPERATION,
-        )
-        machine.finish()
-        self.result.session_result = session_result
-        self.deliver_result(session_result)
-
-    def stop_workload(self) -> None:
-        """SIGTERM, the termination grace, then SIGKILL. A never-started workload is skipped.
-
-        SIGKILL is sent from a thread: the Engine answers it only once the container has
-        exited, and the exit can wait for us to read the PTY stream, so the loop must go on.
-        """
-        if not self.workload_started or self.workload_gone():
-            return
-        workload_id = self.owned.containers["workload"]
-        grace_s = self.options.timeout_s("--termination-grace")
-        try:
-            self.backend.kill(workload_id, "SIGTERM")
-        except BackendError as e:
-            log(f"could not signal the workload: {e}")
-        if self.wait_until(self.workload_gone, time.monotonic() + grace_s,
-                           stop_on_latch=False) or self.workload_gone():  # (seen late: gone)
-            return
-        log(f"workload still running after the {format_duration(int(grace_s * 1000))} grace; "
-            "sending SIGKILL")
-        self.backend.in_thread("kill", lambda api: kill_if_running(api, workload_id, "SIGKILL"),
-                               self.notifier.report)
-
-    def await_workload_exit(self) -> None:
-        """After output finalization (which may have had to abandon the PTY stream so the
-        Engine could finish the exit), give the exit the cleanup timeout to be observed."""
-        if self.workload_started:
-            self.wait_until(self.workload_gone,
-                            time.monotonic() + self.options.timeout_s("--cleanup-timeout"),
-                            stop_on_latch=False)
-
-    def final_workload_status(self) -> Status:
-        """The workload's status as the host reports it: an observed exit, or why none was
-        (never an invented code)."""
-        if self.workload_exit is not None:
-            return process_status(self.workload_exit)
-        if self.observation_lost:
-            return Status.of("process", "unavailable", reason=self.observation_lost)
-        if not self.workload_started:
-            return Status.of("process", "unavailable", reason="the workload never started")
-        timeout = format_duration(self.options.timeouts_ms["--cleanup-timeout"])
-        return Status.of("process", "unavailable",
-                         reason=f"the workload's exit was not observed within {timeout}")
-
-    def workload_gone(self) -> bool:
-        return self.workload_exit is not None or self.observation_lost is not None
-
-    def finalize_output(self, deadline: float) -> Status:
-        """Drain the PTY to EOF within the host-owned deadline: drained or failed (decided
-        here, announced by announce_outputs_finalized once the workload facts are out). A
-        workload that never started produced no output: there is nothing left undelivered.
-        Drained means the attachment got every byte: output it could not take fails it.
-
-        The decision rests on the relay's state as last seen before the deadline (`seen`,
-        taken only while the deadline has not passed): an end of file or a delivery observed
-        later, after a host resumed past the deadline, is not a drain."""
-        relay = self.relay
-        seen = {"eof": False, "lost": False, "delivered": False}
-
-        def drained() -> bool:
-            if time.monotonic() <= deadline:
-                seen.update(eof=relay.pty_eof, lost=relay.output_lost,
-                            delivered=relay.delivered)
-            # The exit is awaited too (it follows EOF closely), so workload-exit normally
-            # precedes workload-outputs-finalized; EOF alone decides whether output drained.
-            return seen["eof"] and seen["delivered"] and self.workload_gone()
-
-        if self.workload_started:
-            self.wait_until(drained, deadline, stop_on_latch=False)
-        if self.observation_lost:
-            reason = f"the runtime observation was lost: {self.observation_lost}"
-        elif not self.workload_started:
-            return Status.of("output_finalization", "drained")
-        elif not seen["eof"]:
-            reason = (f"terminal output did not reach end of file within "
-                      f"{OUTPUT_FINALIZATION_TIMEOUT_MS // 1000} s of termination")
-        elif seen["lost"]:
-            reason = "the terminal attachment ended before it had all of the terminal output"
-        elif not seen["delivered"]:
-            reason = "terminal output could not be delivered to the attachment in time"
-        else:
-            return Status.of("output_finalization", "drained")
-        relay.close_pty()  # abandon what is left, so the Engine can finish the exit
-        return failed("output_finalization", reason)
-
-    def announce_outputs_finalized(self, status: Status) -> None:
-        """The attachment's end of output, then (after ready) the public event."""
-        self.finalization_announced = True
-        self.relay.end_output(status)
-        if self.machine.reached_ready:
-            self.send_event(wire.WorkloadOutputsFinalized(
-                status=status.kind, reason=status.reason))
-
-    def controller_finalization(self) -> Status:
-        """Whether the controller finalized its artifacts: `complete` (after ready), or the
-        fact that stands in for it in each other ending."""
-        cause, reason = self.machine.cause, self.cause_detail
-        if cause is Cause.STARTUP_FAILURE:
-            return Status.of("controller_finalization", "startup-failed",
-                             reason=reason or "the session did not become ready")
-        if not self.machine.reached_ready:
-            return Status.of("controller_finalization", "not-completed",
-                             reason=f"the session ended before it became ready ({reason})")
-        if cause is Cause.CONTROLLER_LOST:
-            return Status.of("controller_finalization", "lost", reason=reason)
-        timeout_s = self.options.timeout_s("--controller-finalization-timeout")
-        if self.wait_until(lambda: self.complete_received or self.channel is None,
-                           time.monotonic() + timeout_s, stop_on_latch=False) \
-                and self.complete_received:
-            return Status.of("controller_finalization", "completed")
-        if self.channel is None:
-            return Status.of("controller_finalization", "lost",
-                             reason=self.channel_lost or "the controller channel was lost")
-        return Status.of("controller_finalization", "finalization-timeout",
-                         reason=f"no complete within {format_duration(int(timeout_s * 1000))}")
-
-    def begin_removal(self, *roles: str) -> dict[str, str]:
-        """Start removing these containers (the ones this run owns), all at once and off the
-        loop; their call tags by role, for await_removals. Each one removed leaves the
-        watchdog's manifest at once, so it stays a true record however long nobody awaits."""
-
-        def forget(role: str) -> Callable[[Any], None]:
-            def removed(value: Any) -> None:
-                if not isinstance(value, BaseException):
-                    del self.owned.containers[role]
-                    self.watchdog.record_owned(self.owned)
-            return removed
-
-        return {role: self.begin_call(f"remove the {role} container",
-                                      lambda api, cid=container_id: remove_container_quietly(
-                                          api, cid), forget(role))
-                for role in roles
-                if (container_id := self.owned.containers.get(role)) is not None}
-
-    def await_removals(self, removals: dict[str, str], deadline: float) -> Status:
-        """The outcome of begin_removal's calls, none awaited past `deadline`."""
-        failures = []
-        for role, tag in removals.items():
-            finished, value = self.await_call(tag, deadline, stop_on_latch=False)
-            if not finished:
-                failures.append(f"remove the {role} container: not finished within the cleanup "
-                                "timeout")
-            elif isinstance(value, BaseException):
-                failures.append(str(value))
-        return failed("cleanup", "; ".join(failures)) if failures else succeeded()
-
-    def deliver_result(self, session_result: SessionResult) -> None:
-        if self.channel is None:
-            self.result.result_delivered = False
-            self.result.result_acknowledged = False
-            return
-        self.send_event(wire.Terminated(result=session_result))
-        ack_timeout_s = self.options.timeout_s("--result-acknowledgement-timeout")
-        deadline = time.monotonic() + ack_timeout_s
-        delivered = self.wait_until(
-            lambda: self.channel is None or not self.channel.wants_write, deadline,
-            stop_on_latch=False) and self.channel is not None
-        self.result.result_delivered = delivered
-        acknowledged = delivered and self.wait_until(
-            lambda: self.ack_received or self.channel is None, deadline, stop_on_latch=False)
-        self.result.result_acknowledged = bool(acknowledged and self.ack_received)
-
-    # -- the delivery tail ------------------------------------------------------------------
-
-    def close_channel(self, deadline: float) -> None:
-        """Close the channel cleanly: end our side, let the broker see end of file and go,
-        reading (and dropping) what it still sends until its end, then close."""
-        channel = self.channel
-        if channel is None:
-            return
-        with contextlib.suppress(OSError):
-            channel.close_write()
-        self.wait_until(lambda: self.channel is None or self.channel.eof, deadline,
-                        stop_on_latch=False)
-        if self.channel is not None:
-            self.interest.set(self.channel.sock, self.on_channel, 0)
-            self.channel.close()
-            self.channel = None
-
-    def delivery_tail(self) -> None:
-        """Close the channel, let the controller finish, then remove everything else; the
-        whole of it within --cleanup-timeout, Engine calls included."""
-        cleanup_s = self.options.timeout_s("--cleanup-timeout")
-        began = time.monotonic()
-        deadline = began + cleanup_s
-        self.close_channel(min(deadline, began + CHANNEL_CLOSE_S))
-        # The attachment may still be reading its end of output: give it the same time.
-        self.wait_until(lambda: self.relay.delivered, min(deadline, began + CHANNEL_CLOSE_S),
-                        stop_on_latch=False)
-        self.relay.close_terminal()
-        self.close_listener()
-        session_ran = self.result.session_result is not None
-        failures: list[str] = []
-        controller_id = self.owned.containers.get("controller")
-        if controller_id and self.controller_started:
-            exited = self.wait_until(lambda: self.controller_exit is not None,
-                                     began + cleanup_s / 2, stop_on_latch=False)
-            if not exited:
-                log("the controller is still running after the session; stopping it")
-                self.backend.in_thread(
-                    "kill the controller",
-                    lambda api: kill_if_running(api, controller_id, "SIGKILL"),
-                    self.notifier.report)
-                self.wait_until(lambda: self.controller_exit is not None,
-                                began + cleanup_s * 3 / 4, stop_on_latch=False)
-            if self.controller_exit is not None:
-                self.result.controller_status = process_status(self.controller_exit)
-            else:
-                self.result.controller_status = Status.of(
-                    "process", "unavailable", reason="the controller's exit was not observed")
-            self.copy_controller_log(controller_id, deadline)
-        # The holder goes last: it must outlive the containers that joined its namespace.
-        for roles in ([role for role in self.owned.containers if role != "holder"], ["holder"]):
-            status = self.await_removals(self.begin_removal(*roles), deadline)
-            if status.kind != "succeeded":
-                failures.append(status.reason or "remove containers")
-        self.publish_output()
-        for attribute in ("channel_dir", "output_staging_dir"):
-            path = getattr(self.owned, attribute)
-            try:
-                if path is not None:
-                    reploy_watchdog.remove_tree(path)
-                setattr(self.owned, attribute, None)
-            except FileNotFoundError:
-                setattr(self.owned, attribute, None)
-            except OSError as e:
-                failures.append(f"remove {path}: {error_text(e)}")
-        if session_ran:
-            self.result.delivery_tail_cleanup_status = (
-                failed("cleanup", "; ".join(failures)) if failures else succeeded())
-            self.result.delivery_tail_recovery_action = (
-                RecoveryAction.RECONCILE_NEXT_OPERATION if failures else RecoveryAction.NONE)
-        elif failures:  # planning's probe: the result has no cleanup phase to report it in
-            self.result.error = "; ".join(filter(None, (
-                self.result.error, f"cleanup failed: {'; '.join(failures)}")))
-        if failures:
-            # Keep a true manifest of what remains, for `controlled-session cleanup`.
-            self.watchdog.record_owned(self.owned)
-            log("cleanup left something behind; `reploy.py controlled-session cleanup "
-                f"--workload-dir {self.plan.workload.dir}` reconciles it")
-        if self.watchdog.link is not None:
-            self.selector.unregister(self.watchdog.link)
-        self.watchdog.disarm(keep_manifest=bool(failures))
-        self.notifier.close()
-        self.selector.close()
-
-    def copy_controller_log(self, controller_id: str, deadline: float) -> None:
-        """The controller's own output, for the user, on the host's stderr (bounded)."""
-        _, tail = self.call_off_loop(
-            "read the controller log",
-            lambda api: api.logs(controller_id, stdout=True, stderr=True), deadline,
-            stop_on_latch=False)
-        if isinstance(tail, bytes) and tail:
-            sys.stderr.write("reploy: controller output follows\n")
-            sys.stderr.write(tail[-CONTROLLER_LOG_TAIL_BYTES:].decode(errors="replace"))
-            sys.stderr.flush()
-
-    def publish_output(self) -> None:
-        """--output-file: publish the staged regular file without clobbering, only after
-        controller finalization completed; otherwise discard it."""
-        destination, staging = self.options.output_file, self.owned.output_staging_dir
-        if destination is None or staging is None:
-            return
-        session = self.result.session_result
-        completed = session is not None and session.controller_finalization_status is not None \
-            and session.controller_finalization_status.kind == "completed"
-        if not completed:
-            self.result.controller_output = Status.of(
-                "controller_output", "file-discarded",
-                reason="controller output file was discarded because controller finalization "
-                       "did not complete")
-            return
-        try:
-            publish_regular_file(staging, destination)
-            self.result.controller_output = Status.of("controller_output", "file-published")
-        except OSError as e:
-            self.result.error = PUBLISH_ERROR + error_text(e)
-            self.result.controller_output = Status.of(
-                "controller_output", "failed", reason="controller output publication failed")
+        self.feed(Attached())
 
 
 def reconcile(backend: DockerBackend, workload_dirs: list[Path]) -> list[dict[str, Any]]:
