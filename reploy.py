@@ -638,34 +638,12 @@ class LifecycleError(ReployError):
     """A transition the table does not allow: a bug in the caller, never peer input."""
 
 
-class LifecycleMachine:
-    """Applies LIFECYCLE_TABLE and latches the first termination cause."""
-
-    def __init__(self) -> None:
-        self.phase = Phase.PREPARING
-        self.cause: Optional[Cause] = None
-        self.reached_ready = False
-
-    def _apply(self, transition: Transition) -> None:
-        try:
-            self.phase = LIFECYCLE_TABLE[(self.phase, transition)]
-        except KeyError:
-            raise LifecycleError(f"{transition.value} is illegal in {self.phase.value}") from None
-
-    def ready(self) -> None:
-        self._apply(Transition.READY)  # PREPARING -> ACTIVE
-        self.reached_ready = True
-
-    def terminate(self, cause: Cause) -> bool:
-        """Begin termination; True only for the call that latched the cause."""
-        self._apply(Transition.TERMINATE)  # PREPARING|ACTIVE|TERMINATING -> TERMINATING
-        if self.cause is not None:
-            return False
-        self.cause = cause
-        return True
-
-    def finish(self) -> None:
-        self._apply(Transition.FINISH)  # TERMINATING -> TERMINATED
+def next_phase(phase: Phase, transition: Transition) -> Phase:
+    """LIFECYCLE_TABLE's edge from `phase`; HostCore moves only along these."""
+    try:
+        return LIFECYCLE_TABLE[(phase, transition)]
+    except KeyError:
+        raise LifecycleError(f"{transition.value} is illegal in {phase.value}") from None
 
 
 # ============================================================================================
@@ -1333,7 +1311,7 @@ class HostCore:
         state = self.state
         if state.cause is not None or state.step in TAIL_STEPS:
             return False
-        self.set(phase=LIFECYCLE_TABLE[(state.phase, Transition.TERMINATE)], cause=cause,
+        self.set(phase=next_phase(state.phase, Transition.TERMINATE), cause=cause,
                  cause_detail=detail)
         self.emit(Log(f"terminating: {cause.value}{': ' + detail if detail else ''}"))
         return True
@@ -1471,7 +1449,7 @@ class HostCore:
         if state.step in TAIL_STEPS:
             return
         if state.cause is None:
-            self.set(phase=LIFECYCLE_TABLE[(state.phase, Transition.TERMINATE)],
+            self.set(phase=next_phase(state.phase, Transition.TERMINATE),
                      cause=Cause.STARTUP_FAILURE)
         self.begin_tail()
 
@@ -1484,7 +1462,7 @@ class HostCore:
         elif role is Role.WORKLOAD:
             self.set(workload_started=True)
             if state.phase is Phase.PREPARING:
-                self.set(phase=LIFECYCLE_TABLE[(Phase.PREPARING, Transition.READY)],
+                self.set(phase=next_phase(Phase.PREPARING, Transition.READY),
                          reached_ready=True, step=Step.ACTIVE)
                 self.disarm(Timer.STARTUP)
                 self.send(wire.Ready())
@@ -1781,7 +1759,7 @@ class HostCore:
             controller_finalization_status=state.finalization_status, cleanup_status=cleanup,
             recovery_action=RecoveryAction.NONE if cleanup.kind == "succeeded"
             else RecoveryAction.RECONCILE_NEXT_OPERATION)
-        self.set(phase=LIFECYCLE_TABLE[(Phase.TERMINATING, Transition.FINISH)],
+        self.set(phase=next_phase(Phase.TERMINATING, Transition.FINISH),
                  session_result=result, step=Step.DELIVERING)
         if state.channel is not Channel.OPEN:
             self.set(result_delivered=False, result_acknowledged=False)
@@ -2910,6 +2888,21 @@ class Owned:
     channel_dir: Optional[Path] = None
     output_staging_dir: Optional[Path] = None
 
+    def remove_paths(self) -> tuple[str, ...]:
+        """Remove the directories; what could not be removed stays named here, in words."""
+        failures = []
+        for attribute in ("channel_dir", "output_staging_dir"):
+            path = getattr(self, attribute)
+            try:
+                if path is not None:
+                    reploy_watchdog.remove_tree(path)
+                setattr(self, attribute, None)
+            except FileNotFoundError:
+                setattr(self, attribute, None)
+            except OSError as e:
+                failures.append(f"remove {path}: {error_text(e)}")
+        return tuple(failures)
+
 
 class Watchdog:
     """The host's end of the machine's watchdog (reploy_watchdog.py).
@@ -3240,6 +3233,376 @@ class TerminalRelay:
         self.close_terminal()
 
 
+def session_labels(plan: SessionPlan, manifest: reploy_watchdog.Manifest,
+                   role: str) -> dict[str, str]:
+    """Every session container says whose it is, for the watchdog and for reconciliation
+    after a crash that took the watchdog too."""
+    deployment = plan.workload if role == "workload" else plan.controller
+    labels = {LABEL_RUN: plan.run_id, LABEL_ROLE: role,
+              reploy_watchdog.LABEL_HOST: manifest.host,
+              reploy_watchdog.LABEL_WATCHDOG: manifest.watchdog,
+              reploy_watchdog.LABEL_WORKLOAD_DIR: str(plan.workload.dir)}
+    if role != "holder":  # the holder belongs to the session, not to a deployment
+        labels[LABEL_DEPLOYMENT] = deployment.deployment_id
+        labels[LABEL_GENERATION] = str(deployment.current.number)  # type: ignore[union-attr]
+    return labels
+
+
+def holder_spec(image: str, labels: dict[str, str]) -> ContainerSpec:
+    """The owner of a granted session's network namespace: a pause, as nobody."""
+    return ContainerSpec(
+        role="holder", image_id=image, command=HOLDER_COMMAND,
+        runtime=Runtime(HOLDER_UID_GID, HOLDER_UID_GID, (), HOLDER_MEMORY_MIB, HOLDER_PIDS),
+        environment={}, labels=labels, extra_hosts=((WORKLOAD_HOST, "127.0.0.1"),),
+        hostname=HOLDER_HOSTNAME)
+
+
+def controller_spec(plan: SessionPlan, image: str, network_mode: str, channel_dir: Path,
+                    outputs: list[tuple[Mount, tuple[str, str]]],
+                    labels: dict[str, str]) -> ContainerSpec:
+    """The controller: the channel (read-only) and its outputs mounted, nothing else."""
+    mounts = [Mount(str(channel_dir), CHANNEL_MOUNT, read_only=True)]
+    environment = {"HOME": CONTAINER_HOME,
+                   wire.SESSION_SOCKET_ENV: f"{CHANNEL_MOUNT}/{CHANNEL_SOCKET_NAME}"}
+    for mount, (name, value) in outputs:
+        mounts.append(mount)
+        environment[name] = value
+    return ContainerSpec(
+        role="controller", image_id=image, command=plan.controller_argv,
+        runtime=plan.controller_blueprint.runtime, environment=environment, labels=labels,
+        network_mode=network_mode, mounts=tuple(mounts),
+        hostname="controller" if network_mode == NETWORK_NONE else None, init=True)
+
+
+def workload_spec(plan: SessionPlan, options: RunOptions, network_mode: str,
+                  labels: dict[str, str]) -> ContainerSpec:
+    """The workload: /bin/sh on a TTY of the requested size in its exact image."""
+    return ContainerSpec(
+        role="workload", image_id=plan.workload.current.image_id,  # type: ignore[union-attr]
+        command=(WORKLOAD_SHELL,), runtime=plan.workload_blueprint.runtime,
+        environment={"HOME": CONTAINER_HOME, "TERM": WORKLOAD_TERM}, labels=labels,
+        network_mode=network_mode, tty=True,
+        hostname=WORKLOAD_HOST if network_mode == NETWORK_NONE else None,
+        console_size=(options.columns, options.rows))
+
+
+def prepare_outputs(options: RunOptions, runtime: Runtime, owned: Owned, run_id: str,
+                    feed: Callable[[HostEvent], None]) -> list[tuple[Mount, tuple[str, str]]]:
+    """Mount the controller-only output destination, if one was requested; its status (or
+    its staging, which `owned` keeps) goes to `feed`."""
+    if options.output_dir is not None:
+        try:
+            make_output_dir(options.output_dir, runtime)
+        except OSError as e:  # a startup failure; the requested output still has a fate
+            feed(OutputPrepared(Status.of(
+                "controller_output", "failed",
+                reason=f"could not prepare the output directory: {error_text(e)}")))
+            raise
+        feed(OutputPrepared(Status.of("controller_output", "directory-retained")))
+        return [(Mount(str(options.output_dir.resolve()), OUTPUT_DIR_MOUNT, False),
+                 ("REPLOY_OUTPUT_DIR", OUTPUT_DIR_MOUNT))]
+    if options.output_file is not None:
+        staging = Path(tempfile.mkdtemp(prefix=f".reploy-output-{run_id[:8]}-",
+                                        dir=options.output_file.parent))
+        owned.output_staging_dir = staging
+        feed(OutputPrepared(None, staged=True))
+        os.chown(staging, runtime.uid, runtime.gid)
+        os.chmod(staging, 0o700)
+        return [(Mount(str(staging), OUTPUT_FILE_MOUNT, False),
+                 ("REPLOY_OUTPUT_FILE", f"{OUTPUT_FILE_MOUNT}/{options.output_file.name}"))]
+    feed(OutputPrepared(Status.of("controller_output", "not-requested")))
+    return []
+
+
+def last_log_line(backend: DockerBackend, container_id: str) -> str:
+    """The last line of a container's log (bounded), or nothing when it cannot be read."""
+    with contextlib.suppress(BackendError):
+        lines = backend.log_tail(container_id).splitlines()
+        return lines[-1].decode(errors="replace")[:300] if lines else ""
+    return ""
+
+
+def show_controller_log(tail: Any) -> None:
+    """The controller's own output, for the user, on the host's stderr (bounded)."""
+    if isinstance(tail, bytes) and tail:
+        sys.stderr.write("reploy: controller output follows\n")
+        sys.stderr.write(tail[-CONTROLLER_LOG_TAIL_BYTES:].decode(errors="replace"))
+        sys.stderr.flush()
+
+
+def plan_images(session: "ControlledSession") -> Optional[str]:
+    """The Docker half of planning: the engine can hold the sandbox, both generations'
+    images exist, the derived controller image (built if new) and, unless it already
+    passed on an engine configured like this one, its probe. Every Engine call here runs
+    off the loop, so a signal cancels promptly. Returns the controller image to run, or
+    None when a signal cancelled planning. Raises PlanRejected."""
+    plan, backend = session.plan, session.backend
+    base_image = plan.controller.current.image_id  # type: ignore[union-attr]
+
+    def check(_api: docker.APIClient) -> tuple[str, bool]:
+        try:
+            sandbox_key = backend.require_sandbox_support()
+        except BackendError as e:
+            raise PlanRejected(str(e)) from e
+        for role, deployment in (("controller", plan.controller),
+                                 ("workload", plan.workload)):
+            image_id = deployment.current.image_id  # type: ignore[union-attr]
+            if not backend.image_exists(image_id):
+                raise PlanRejected(f"the {role} image {image_id} is gone (run reploy build)")
+        probed = probed_reference(base_image, sandbox_key)
+        return probed, derived_image_cached(backend, base_image, probed)
+
+    checked = session.off_loop("check the engine and the images", check)
+    if checked is None:
+        return None
+    probed, cached = checked
+    if cached:
+        return probed
+    built = session.off_loop("build the controller image",
+                          lambda _api: build_derived_image(backend, base_image))
+    if built is None or not probe(session, built):
+        return None  # cancelled: without the probed tag, the next session probes again
+    backend.tag_image(built, probed)
+    return probed
+
+def probe(session: "ControlledSession", image_id: str) -> bool:
+    """Run the installed client in a container made like the controller's (PROBE_COMMAND)
+    and refuse the plan, saying why, when it cannot run or when the engine did not give it
+    the sandbox asked for (probe_refusal). The probe is a session container like the
+    others: labelled, in the watchdog's manifest, removed in every outcome. False when a
+    signal cancelled it."""
+    runtime = session.plan.controller_blueprint.runtime
+    container_id = session.acquire_container(ContainerSpec(
+        role=PROBE_ROLE, image_id=image_id, command=PROBE_COMMAND, runtime=runtime,
+        environment={"HOME": CONTAINER_HOME}, labels=session.labels(PROBE_ROLE)))
+
+    def run_probe(api: docker.APIClient) -> tuple[int, bytes, bytes]:
+        try:
+            api.start(container_id)
+        except docker.errors.APIError as e:  # the Engine could not exec the client at all
+            raise PlanRejected(f"{CLIENT_NEEDS}; the probe could not start: "
+                               f"{e.explanation or e}") from e
+        code = int(api.wait(container_id, timeout=PROBE_TIMEOUT_S)["StatusCode"])
+        return (code, api.logs(container_id, stdout=True, stderr=False)[-PROBE_OUTPUT_BYTES:],
+                api.logs(container_id, stdout=False, stderr=True)[-PROBE_OUTPUT_BYTES:])
+
+    try:
+        outcome = session.off_loop("run the python probe", run_probe)
+        if outcome is None:
+            return False  # cancelled: the delivery tail removes the probe
+        refusal = probe_refusal(*outcome, runtime)
+    except PlanRejected as e:
+        refusal = str(e)
+    removal = session.calls.begin("remove the python-probe container", lambda api: (
+        remove_container_quietly(api, container_id)))
+    deadline = time.monotonic() + session.options.timeout_s("--cleanup-timeout")
+    removed = session.await_call(removal, deadline)
+    if removed is not None and not isinstance(removed[0], BaseException):
+        session.forget(Role.PROBE)
+    if refusal is not None:
+        with contextlib.suppress(BackendError):
+            session.backend.remove_image(image_id)
+        raise PlanRejected(refusal)
+    if Role.PROBE.value in session.owned.containers:
+        reason = removed[0] if removed else "not finished within the cleanup timeout"
+        raise PlanRejected(f"the python probe could not be removed: {reason}")
+    return True
+
+
+class EngineCalls:
+    """Blocking Engine calls, each in a thread so the loop goes on (signals, the channel): what
+    one returns (or its BackendError) comes back to the loop through the notifier."""
+
+    def __init__(self, backend: DockerBackend, notifier: Notifier) -> None:
+        self.backend = backend
+        self.notifier = notifier
+        self.started = 0
+        #: What calls without a handler reported, by tag; what to do when one reports.
+        self.results: dict[str, Any] = {}
+        self.handlers: dict[str, Callable[[Any], None]] = {}
+
+    def begin(self, what: str, call: Callable[[docker.APIClient], Any],
+              on_done: Optional[Callable[[Any], None]] = None) -> str:
+        """Start the call; its tag. `on_done` gets its value on the loop as soon as it
+        reports; without one, the value waits in `results`."""
+        self.started += 1
+        tag = f"{CALL_TAG}{self.started}"
+        if on_done is not None:
+            self.handlers[tag] = on_done
+
+        def guarded(api: docker.APIClient) -> Any:
+            try:
+                return call(api)
+            except (docker.errors.DockerException, requests.exceptions.RequestException) as e:
+                raise BackendError(f"{what}: {e}") from e
+
+        self.backend.in_thread(tag, guarded, self.notifier.report)
+        return tag
+
+    def report(self, tag: str, value: Any) -> None:
+        handler = self.handlers.pop(tag, None)
+        if handler is None:
+            self.results[tag] = value
+        else:
+            handler(value)
+
+
+class ControllerChannel:
+    """The host's end of the private channel: a listener that takes exactly one peer, of the
+    controller's uid:gid, then the framed connection to that peer's broker. What arrives is
+    fed to the core as events; the attachment's own connection goes to the relay."""
+
+    def __init__(self, interest: Interest, relay: TerminalRelay,
+                 feed: Callable[[HostEvent], None], refused: Callable[[], bool]) -> None:
+        self.interest = interest
+        self.relay = relay
+        #: The controller's runtime: the one peer the channel and the attachment may have.
+        self.runtime: Optional[Runtime] = None
+        self.feed = feed
+        #: Whether an attachment was refused already (the core knows).
+        self.refused = refused
+        self.listener: Optional[socket.socket] = None
+        self.socket_path: Optional[Path] = None
+        self.conn: Optional[wire.FramedConnection] = None
+        #: A sent event may still be unwritten.
+        self.unflushed = False
+
+    def listen(self, channel_dir: Path, runtime: Runtime) -> None:
+        """A 0600 socket owned by the controller's uid:gid in `channel_dir`."""
+        self.runtime = runtime
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        # Bind through /proc/self/fd so a deep workload dir cannot exceed sun_path's 108 bytes.
+        dir_fd = os.open(channel_dir, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            old_umask = os.umask(0o177)
+            try:
+                listener.bind(f"/proc/self/fd/{dir_fd}/{CHANNEL_SOCKET_NAME}")
+            finally:
+                os.umask(old_umask)
+        finally:
+            os.close(dir_fd)
+        self.socket_path = channel_dir / CHANNEL_SOCKET_NAME
+        os.chown(self.socket_path, self.runtime.uid, self.runtime.gid, follow_symlinks=False)
+        os.chmod(self.socket_path, 0o600)
+        listener.listen(1)
+        listener.setblocking(False)
+        self.listener = listener
+        self.interest.set(listener, self.on_listener, selectors.EVENT_READ)
+
+    def set_interest(self) -> None:
+        if self.conn is not None:
+            self.interest.set(self.conn.sock, self.on_channel, selectors.EVENT_READ | (
+                selectors.EVENT_WRITE if self.conn.wants_write else 0))
+
+    def flushed(self) -> bool:
+        """True once, when every event sent is written out (or there is nowhere to write)."""
+        if not self.unflushed or (self.conn is not None and self.conn.wants_write):
+            return False
+        self.unflushed = False
+        return True
+
+    def send(self, event: wire.Message) -> None:
+        if self.conn is not None:
+            self.conn.send(wire.encode_frame(FrameKind.EVENT,
+                                             wire.encode_compact(event.to_json())))
+            self.unflushed = True
+
+    def close_write(self) -> None:
+        if self.conn is not None:
+            with contextlib.suppress(OSError):
+                self.conn.close_write()
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.interest.set(self.conn.sock, self.on_channel, 0)
+            self.conn.close()
+            self.conn = None
+
+    def on_listener(self, _mask: int) -> None:
+        assert self.listener is not None
+        try:
+            conn, _ = self.listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        pid, uid, gid = struct.unpack("3i", conn.getsockopt(
+            socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+        assert self.runtime is not None
+        if (uid, gid) != (self.runtime.uid, self.runtime.gid):
+            log(f"refused a channel peer with uid:gid {uid}:{gid} (pid {pid})")
+            conn.close()
+            return
+        self.close_listener()  # exactly one peer; the path is gone from now on
+        self.conn = wire.FramedConnection(conn, descriptor_kinds=frozenset({FrameKind.ATTACHED}))
+        self.interest.set(conn, self.on_channel, selectors.EVENT_READ)
+        self.feed(ChannelConnected())
+
+    def close_listener(self) -> None:
+        if self.listener is None:
+            return
+        self.interest.set(self.listener, self.on_listener, 0)
+        self.listener.close()
+        self.listener = None
+        assert self.socket_path is not None
+        with contextlib.suppress(FileNotFoundError):
+            self.socket_path.unlink()
+
+    def on_channel(self, mask: int) -> None:
+        conn = self.conn
+        assert conn is not None
+        try:
+            if mask & selectors.EVENT_WRITE:
+                conn.flush()
+            if mask & selectors.EVENT_READ:
+                frames = iter(conn.receive())
+                try:
+                    for frame in frames:
+                        self.on_frame(frame)
+                finally:  # frames a failure left unhandled keep no descriptor open
+                    wire.close_descriptors(d for frame in frames for d in frame.descriptors)
+                if conn.eof:
+                    self.lose("the controller closed the session channel")
+        except wire.ProtocolError as e:
+            self.lose(f"channel protocol violation: {e.message}")
+        except OSError as e:
+            self.lose(f"channel failed: {error_text(e)}")
+
+    def lose(self, reason: str) -> None:
+        if self.conn is not None:
+            self.close()
+            self.feed(ChannelLost(reason))
+
+    def on_frame(self, frame: wire.Frame) -> None:
+        """A frame from the broker: the attachment's hand-over, or a public request."""
+        if frame.kind is FrameKind.ATTACHED:
+            self.adopt_attachment(frame)
+        elif frame.kind is FrameKind.REQUEST:
+            self.feed(Requested(wire.decode_message(frame.payload + b"\n",
+                                                    wire.Direction.REQUEST)))
+        else:
+            raise wire.FramingError(f"unexpected {frame.kind.name} frame from the controller")
+
+    def adopt_attachment(self, frame: wire.Frame) -> None:
+        """The broker handed over the attachment's own connection: terminal bytes go straight
+        between it and the engine from now on. A connection that is not what an attachment's
+        must be is refused, and startup fails closed."""
+        try:
+            if self.relay.attached or self.refused():
+                raise wire.FramingError("a second attachment was handed over")
+            if frame.json() != {}:
+                raise wire.FramingError("an ATTACHED frame carries an empty object")
+        except wire.ProtocolError:
+            wire.close_descriptors(frame.descriptors)
+            raise
+        assert self.runtime is not None
+        try:
+            sock = attachment_socket(frame.descriptors, self.runtime.uid, self.runtime.gid)
+        except AttachmentRefused as e:
+            self.feed(AttachmentRejected(str(e)))
+            return
+        self.relay.adopt(sock)
+        self.feed(Attached())
+
+
 class ControlledSession:
     """One run of `reploy controlled-session run`: HostCore decides, this performs.
 
@@ -3273,19 +3636,15 @@ class ControlledSession:
         #: Events not yet fed: a pass's, or an action's answers.
         self.events: list[HostEvent] = []
         self.feeding = False
-        #: The relay's facts as last fed, and whether a sent event may still be unwritten.
+        #: The relay's facts as last fed.
         self.relay_fed = RelayFacts()
-        self.unflushed = False
-        #: What off_loop() calls reported, by tag, and what to do when one reports.
-        self.call_results: dict[str, Any] = {}
-        self.call_handlers: dict[str, Callable[[Any], None]] = {}
-        self.calls_started = 0
+        self.calls = EngineCalls(backend, self.notifier)
         self.workload_spec: Optional[ContainerSpec] = None
-        self.listener: Optional[socket.socket] = None
-        self.channel: Optional[wire.FramedConnection] = None
         self.interest = Interest(self.selector)
         self.relay = TerminalRelay(self.interest, lambda: self.core.state.phase is Phase.ACTIVE,
                                    self.resize_workload)
+        self.channel = ControllerChannel(self.interest, self.relay, self.feed,
+                                         lambda: self.core.state.attachment_refused is not None)
 
     # -- the whole run ----------------------------------------------------------------------
 
@@ -3317,7 +3676,7 @@ class ControlledSession:
     def plan_and_prepare(self) -> None:
         """The startup timeout counts from the end of planning."""
         try:
-            controller_image = self.plan_images()
+            controller_image = plan_images(self)
         except (PlanRejected, BackendError, OSError) as e:
             self.feed(PlanFailed(error_text(e)))
             return
@@ -3370,8 +3729,7 @@ class ControlledSession:
     def observe(self) -> None:
         """Facts the relay and channel hold rather than report: fed when they change (the
         relay's only once the session is no longer active, when its drain matters)."""
-        if self.unflushed and (self.channel is None or not self.channel.wants_write):
-            self.unflushed = False
+        if self.channel.flushed():
             self.events.append(ChannelFlushed())
         if self.core.state.phase is Phase.ACTIVE:
             return
@@ -3383,10 +3741,7 @@ class ControlledSession:
 
     def perform(self, action: HostAction) -> None:
         if isinstance(action, Send):
-            if self.channel is not None:
-                self.channel.send(wire.encode_frame(FrameKind.EVENT,
-                                                    wire.encode_compact(action.event.to_json())))
-                self.unflushed = True
+            self.channel.send(action.event)
         elif isinstance(action, Arm):
             self.due[action.timer] = time.monotonic() + action.seconds
         elif isinstance(action, Start):
@@ -3410,13 +3765,13 @@ class ControlledSession:
 
     def perform_file_action(self, action: HostAction) -> None:
         if isinstance(action, ReadControllerLog):
-            last_line = ""
-            with contextlib.suppress(BackendError):
-                lines = self.backend.log_tail(self.owned.containers["controller"]).splitlines()
-                last_line = lines[-1].decode(errors="replace")[:300] if lines else ""
-            self.feed(ControllerLog(last_line))
+            self.feed(ControllerLog(last_log_line(self.backend,
+                                                  self.owned.containers["controller"])))
         elif isinstance(action, CopyControllerLog):
-            self.copy_controller_log()
+            controller_id = self.owned.containers["controller"]
+            self.calls.begin("read the controller log", lambda api: api.logs(
+                controller_id, stdout=True, stderr=True),
+                lambda tail: (show_controller_log(tail), self.feed(LogCopied())))
         elif isinstance(action, Publish):
             assert self.options.output_file is not None and self.owned.output_staging_dir
             try:
@@ -3425,7 +3780,7 @@ class ControlledSession:
             except OSError as e:
                 self.feed(Published(error_text(e)))
         elif isinstance(action, RemovePaths):
-            self.feed(PathsRemoved(self.remove_paths()))
+            self.feed(PathsRemoved(self.owned.remove_paths()))
 
     def close(self, part: ClosePart) -> None:
         if part is ClosePart.PTY:
@@ -3433,14 +3788,11 @@ class ControlledSession:
         elif part is ClosePart.TERMINAL:
             self.relay.close_terminal()
         elif part is ClosePart.LISTENER:
-            self.close_listener()
-        elif self.channel is not None and part is ClosePart.CHANNEL_WRITE:
-            with contextlib.suppress(OSError):
-                self.channel.close_write()
-        elif self.channel is not None:
-            self.interest.set(self.channel.sock, self.on_channel, 0)
+            self.channel.close_listener()
+        elif part is ClosePart.CHANNEL_WRITE:
+            self.channel.close_write()
+        else:
             self.channel.close()
-            self.channel = None
 
     def finish(self, action: Finish) -> None:
         if action.keep_manifest:
@@ -3455,117 +3807,21 @@ class ControlledSession:
 
     # -- planning ---------------------------------------------------------------------------
 
-    def plan_images(self) -> Optional[str]:
-        """The Docker half of planning: the engine can hold the sandbox, both generations'
-        images exist, the derived controller image (built if new) and, unless it already
-        passed on an engine configured like this one, its probe. Every Engine call here runs
-        off the loop, so a signal cancels promptly. Returns the controller image to run, or
-        None when a signal cancelled planning. Raises PlanRejected."""
-        plan, backend = self.plan, self.backend
-        base_image = plan.controller.current.image_id  # type: ignore[union-attr]
-
-        def check(_api: docker.APIClient) -> tuple[str, bool]:
-            try:
-                sandbox_key = backend.require_sandbox_support()
-            except BackendError as e:
-                raise PlanRejected(str(e)) from e
-            for role, deployment in (("controller", plan.controller),
-                                     ("workload", plan.workload)):
-                image_id = deployment.current.image_id  # type: ignore[union-attr]
-                if not backend.image_exists(image_id):
-                    raise PlanRejected(f"the {role} image {image_id} is gone (run reploy build)")
-            probed = probed_reference(base_image, sandbox_key)
-            return probed, derived_image_cached(backend, base_image, probed)
-
-        checked = self.off_loop("check the engine and the images", check)
-        if checked is None:
-            return None
-        probed, cached = checked
-        if cached:
-            return probed
-        built = self.off_loop("build the controller image",
-                              lambda _api: build_derived_image(backend, base_image))
-        if built is None or not self.probe(built):
-            return None  # cancelled: without the probed tag, the next session probes again
-        backend.tag_image(built, probed)
-        return probed
-
-    def probe(self, image_id: str) -> bool:
-        """Run the installed client in a container made like the controller's (PROBE_COMMAND)
-        and refuse the plan, saying why, when it cannot run or when the engine did not give it
-        the sandbox asked for (probe_refusal). The probe is a session container like the
-        others: labelled, in the watchdog's manifest, removed in every outcome. False when a
-        signal cancelled it."""
-        runtime = self.plan.controller_blueprint.runtime
-        container_id = self.acquire_container(ContainerSpec(
-            role=PROBE_ROLE, image_id=image_id, command=PROBE_COMMAND, runtime=runtime,
-            environment={"HOME": CONTAINER_HOME}, labels=self.labels(PROBE_ROLE)))
-
-        def run_probe(api: docker.APIClient) -> tuple[int, bytes, bytes]:
-            try:
-                api.start(container_id)
-            except docker.errors.APIError as e:  # the Engine could not exec the client at all
-                raise PlanRejected(f"{CLIENT_NEEDS}; the probe could not start: "
-                                   f"{e.explanation or e}") from e
-            code = int(api.wait(container_id, timeout=PROBE_TIMEOUT_S)["StatusCode"])
-            return (code, api.logs(container_id, stdout=True, stderr=False)[-PROBE_OUTPUT_BYTES:],
-                    api.logs(container_id, stdout=False, stderr=True)[-PROBE_OUTPUT_BYTES:])
-
-        try:
-            outcome = self.off_loop("run the python probe", run_probe)
-            if outcome is None:
-                return False  # cancelled: the delivery tail removes the probe
-            refusal = probe_refusal(*outcome, runtime)
-        except PlanRejected as e:
-            refusal = str(e)
-        removal = self.begin_call("remove the python-probe container", lambda api: (
-            remove_container_quietly(api, container_id)))
-        deadline = time.monotonic() + self.options.timeout_s("--cleanup-timeout")
-        removed = self.await_call(removal, deadline)
-        if removed is not None and not isinstance(removed[0], BaseException):
-            self.forget(Role.PROBE)
-        if refusal is not None:
-            with contextlib.suppress(BackendError):
-                self.backend.remove_image(image_id)
-            raise PlanRejected(refusal)
-        if Role.PROBE.value in self.owned.containers:
-            reason = removed[0] if removed else "not finished within the cleanup timeout"
-            raise PlanRejected(f"the python probe could not be removed: {reason}")
-        return True
-
-    def begin_call(self, what: str, call: Callable[[docker.APIClient], Any],
-                   on_done: Optional[Callable[[Any], None]] = None) -> str:
-        """Start a blocking Engine call in a thread, so other work overlaps it; its tag, for
-        await_call. `on_done` gets its value (or BackendError) on the loop as soon as it
-        reports, awaited or not."""
-        self.calls_started += 1
-        tag = f"{CALL_TAG}{self.calls_started}"
-        if on_done is not None:
-            self.call_handlers[tag] = on_done
-
-        def guarded(api: docker.APIClient) -> Any:
-            try:
-                return call(api)
-            except (docker.errors.DockerException, requests.exceptions.RequestException) as e:
-                raise BackendError(f"{what}: {e}") from e
-
-        self.backend.in_thread(tag, guarded, self.notifier.report)
-        return tag
-
     def await_call(self, tag: str, deadline: Optional[float] = None) -> Optional[tuple[Any]]:
         """A planning call's (value,) once it reports; None when the deadline passed first or
         a signal ended planning."""
-        while tag not in self.call_results and self.core.state.step is Step.PLANNING:
+        results = self.calls.results
+        while tag not in results and self.core.state.step is Step.PLANNING:
             timeout = None if deadline is None else deadline - time.monotonic()
             if timeout is not None and timeout <= 0:
                 return None
             self.loop_once(timeout)
-        return (self.call_results.pop(tag),) if tag in self.call_results else None
+        return (results.pop(tag),) if tag in results else None
 
     def off_loop(self, what: str, call: Callable[[docker.APIClient], Any]) -> Any:
         """A planning call (the engine's checks, an image build, the probe) that a signal
         cancels promptly: its value, or None when cancelled. Raises its ReployError."""
-        reported = self.await_call(self.begin_call(what, call))
+        reported = self.await_call(self.calls.begin(what, call))
         if reported is not None and isinstance(reported[0], ReployError):
             raise reported[0]
         return None if reported is None else reported[0]
@@ -3576,41 +3832,21 @@ class ControlledSession:
         """The channel, the outputs, the holder and the controller; returns the workload's
         spec, which the controller's start creates while the controller starts."""
         plan = self.plan
-        controller_runtime = plan.controller_blueprint.runtime
-        self.open_channel(controller_runtime)
+        self.open_channel(plan.controller_blueprint.runtime)
         self.watchdog.record_owned(self.owned)
-        mounts = [Mount(str(self.owned.channel_dir), CHANNEL_MOUNT, read_only=True)]
-        environment = {
-            "HOME": CONTAINER_HOME,
-            wire.SESSION_SOCKET_ENV: f"{CHANNEL_MOUNT}/{CHANNEL_SOCKET_NAME}",
-        }
-        mounts_env = self.prepare_outputs(controller_runtime)
+        outputs = prepare_outputs(self.options, plan.controller_blueprint.runtime, self.owned,
+                                  plan.run_id, self.feed)
         self.watchdog.record_owned(self.owned)
-        for mount, (name, value) in mounts_env:
-            mounts.append(mount)
-            environment[name] = value
         network_mode = NETWORK_NONE
         if plan.endpoints:
-            holder_id = self.acquire_container(ContainerSpec(
-                role="holder", image_id=controller_image, command=HOLDER_COMMAND,
-                runtime=Runtime(HOLDER_UID_GID, HOLDER_UID_GID, (), HOLDER_MEMORY_MIB,
-                                HOLDER_PIDS),
-                environment={}, labels=self.labels("holder"),
-                extra_hosts=((WORKLOAD_HOST, "127.0.0.1"),), hostname=HOLDER_HOSTNAME))
+            holder_id = self.acquire_container(holder_spec(controller_image,
+                                                           self.labels("holder")))
             network_mode = f"container:{holder_id}"
-        joined = network_mode != NETWORK_NONE
-        self.acquire_container(ContainerSpec(
-            role="controller", image_id=controller_image, command=plan.controller_argv,
-            runtime=controller_runtime, environment=environment,
-            labels=self.labels("controller"), network_mode=network_mode, mounts=tuple(mounts),
-            hostname=None if joined else "controller", init=True))
-        return ContainerSpec(
-            role="workload", image_id=plan.workload.current.image_id,  # type: ignore[union-attr]
-            command=(WORKLOAD_SHELL,), runtime=plan.workload_blueprint.runtime,
-            environment={"HOME": CONTAINER_HOME, "TERM": WORKLOAD_TERM},
-            labels=self.labels("workload"), network_mode=network_mode,
-            tty=True, hostname=None if joined else WORKLOAD_HOST,
-            console_size=(self.options.columns, self.options.rows))
+        assert self.owned.channel_dir is not None
+        self.acquire_container(controller_spec(plan, controller_image, network_mode,
+                                               self.owned.channel_dir, outputs,
+                                               self.labels("controller")))
+        return workload_spec(plan, self.options, network_mode, self.labels("workload"))
 
     def acquire_container(self, spec: ContainerSpec) -> str:
         container_id = self.backend.create(spec)
@@ -3627,69 +3863,16 @@ class ControlledSession:
         self.feed(Removed(role))
 
     def labels(self, role: str) -> dict[str, str]:
-        """Every session container says whose it is, for the watchdog and for reconciliation
-        after a crash that took the watchdog too."""
-        deployment = self.plan.workload if role == "workload" else self.plan.controller
-        labels = {LABEL_RUN: self.plan.run_id, LABEL_ROLE: role,
-                  reploy_watchdog.LABEL_HOST: self.watchdog.manifest.host,
-                  reploy_watchdog.LABEL_WATCHDOG: self.watchdog.manifest.watchdog,
-                  reploy_watchdog.LABEL_WORKLOAD_DIR: str(self.plan.workload.dir)}
-        if role != "holder":  # the holder belongs to the session, not to a deployment
-            labels[LABEL_DEPLOYMENT] = deployment.deployment_id
-            labels[LABEL_GENERATION] = str(deployment.current.number)  # type: ignore[union-attr]
-        return labels
+        return session_labels(self.plan, self.watchdog.manifest, role)
 
     def open_channel(self, runtime: Runtime) -> None:
-        """The private channel: a 0700 dir and a 0600 socket owned by the controller's uid:gid."""
+        """The private channel's 0700 directory, owned by the controller's uid:gid."""
         channel_dir = reploy_watchdog.channel_dir_for(str(self.plan.workload.dir), self.plan.run_id)
         channel_dir.parent.mkdir(parents=True, exist_ok=True)
         channel_dir.mkdir(mode=0o700)
         self.owned.channel_dir = channel_dir
         os.chown(channel_dir, runtime.uid, runtime.gid)
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        # Bind through /proc/self/fd so a deep workload dir cannot exceed sun_path's 108 bytes.
-        dir_fd = os.open(channel_dir, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            old_umask = os.umask(0o177)
-            try:
-                listener.bind(f"/proc/self/fd/{dir_fd}/{CHANNEL_SOCKET_NAME}")
-            finally:
-                os.umask(old_umask)
-        finally:
-            os.close(dir_fd)
-        socket_path = channel_dir / CHANNEL_SOCKET_NAME
-        os.chown(socket_path, runtime.uid, runtime.gid, follow_symlinks=False)
-        os.chmod(socket_path, 0o600)
-        listener.listen(1)
-        listener.setblocking(False)
-        self.listener = listener
-        self.selector.register(listener, selectors.EVENT_READ, self.on_listener)
-
-    def prepare_outputs(self, runtime: Runtime) -> list[tuple[Mount, tuple[str, str]]]:
-        """Mount the controller-only output destination, if one was requested."""
-        options = self.options
-        if options.output_dir is not None:
-            try:
-                make_output_dir(options.output_dir, runtime)
-            except OSError as e:  # a startup failure; the requested output still has a fate
-                self.feed(OutputPrepared(Status.of(
-                    "controller_output", "failed",
-                    reason=f"could not prepare the output directory: {error_text(e)}")))
-                raise
-            self.feed(OutputPrepared(Status.of("controller_output", "directory-retained")))
-            return [(Mount(str(options.output_dir.resolve()), OUTPUT_DIR_MOUNT, False),
-                     ("REPLOY_OUTPUT_DIR", OUTPUT_DIR_MOUNT))]
-        if options.output_file is not None:
-            staging = Path(tempfile.mkdtemp(prefix=f".reploy-output-{self.plan.run_id[:8]}-",
-                                            dir=options.output_file.parent))
-            self.owned.output_staging_dir = staging
-            self.feed(OutputPrepared(None, staged=True))
-            os.chown(staging, runtime.uid, runtime.gid)
-            os.chmod(staging, 0o700)
-            return [(Mount(str(staging), OUTPUT_FILE_MOUNT, False),
-                     ("REPLOY_OUTPUT_FILE", f"{OUTPUT_FILE_MOUNT}/{options.output_file.name}"))]
-        self.feed(OutputPrepared(Status.of("controller_output", "not-requested")))
-        return []
+        self.channel.listen(channel_dir, runtime)
 
     # -- the engine's part ------------------------------------------------------------------
 
@@ -3708,7 +3891,7 @@ class ControlledSession:
                     backend.wait_in_thread(controller_id, self.notifier.report, "controller")
                     self.feed(Started(Role.CONTROLLER))
 
-                self.begin_call("start the controller", lambda api: api.start(controller_id),
+                self.calls.begin("start the controller", lambda api: api.start(controller_id),
                                 started)
                 assert self.workload_spec is not None
                 self.relay.open_pty(backend.attach_pty(self.acquire_container(
@@ -3760,46 +3943,16 @@ class ControlledSession:
                 else:
                     self.forget(role)
 
-            self.begin_call(f"remove the {role.value} container",
+            self.calls.begin(f"remove the {role.value} container",
                             lambda api, cid=container_id: remove_container_quietly(api, cid),
                             removed)
-
-    def copy_controller_log(self) -> None:
-        """The controller's own output, for the user, on the host's stderr (bounded)."""
-        controller_id = self.owned.containers["controller"]
-
-        def copied(tail: Any) -> None:
-            if isinstance(tail, bytes) and tail:
-                sys.stderr.write("reploy: controller output follows\n")
-                sys.stderr.write(tail[-CONTROLLER_LOG_TAIL_BYTES:].decode(errors="replace"))
-                sys.stderr.flush()
-            self.feed(LogCopied())
-
-        self.begin_call("read the controller log",
-                        lambda api: api.logs(controller_id, stdout=True, stderr=True), copied)
-
-    def remove_paths(self) -> tuple[str, ...]:
-        failures = []
-        for attribute in ("channel_dir", "output_staging_dir"):
-            path = getattr(self.owned, attribute)
-            try:
-                if path is not None:
-                    reploy_watchdog.remove_tree(path)
-                setattr(self.owned, attribute, None)
-            except FileNotFoundError:
-                setattr(self.owned, attribute, None)
-            except OSError as e:
-                failures.append(f"remove {path}: {error_text(e)}")
-        return tuple(failures)
 
     # -- the loop ---------------------------------------------------------------------------
 
     def loop_once(self, timeout: Optional[float] = None) -> None:
         """One pass: set interest, select until the next deadline, handle what is ready, then
         feed what the pass saw (fed behind the deadlines that passed meanwhile)."""
-        if self.channel is not None:
-            self.interest.set(self.channel.sock, self.on_channel, selectors.EVENT_READ | (
-                selectors.EVENT_WRITE if self.channel.wants_write else 0))
+        self.channel.set_interest()
         self.relay.set_interest()
         if self.due:
             next_s = max(0.0, min(self.due.values()) - time.monotonic())
@@ -3838,97 +3991,8 @@ class ControlledSession:
             elif tag == "kill" and isinstance(value, Exception):
                 log(f"could not kill: {value}")
             elif tag.startswith(CALL_TAG):
-                handler = self.call_handlers.pop(tag, None)
-                if handler is None:
-                    self.call_results[tag] = value
-                else:
-                    handler(value)
+                self.calls.report(tag, value)
 
-    def on_listener(self, _mask: int) -> None:
-        assert self.listener is not None
-        try:
-            conn, _ = self.listener.accept()
-        except (BlockingIOError, InterruptedError):
-            return
-        pid, uid, gid = struct.unpack("3i", conn.getsockopt(
-            socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-        runtime = self.plan.controller_blueprint.runtime
-        if (uid, gid) != (runtime.uid, runtime.gid):
-            log(f"refused a channel peer with uid:gid {uid}:{gid} (pid {pid})")
-            conn.close()
-            return
-        self.close_listener()  # exactly one peer; the path is gone from now on
-        self.channel = wire.FramedConnection(
-            conn, descriptor_kinds=frozenset({FrameKind.ATTACHED}))
-        self.interest.set(conn, self.on_channel, selectors.EVENT_READ)
-        self.feed(ChannelConnected())
-
-    def close_listener(self) -> None:
-        if self.listener is None:
-            return
-        self.selector.unregister(self.listener)
-        self.listener.close()
-        self.listener = None
-        assert self.owned.channel_dir is not None
-        with contextlib.suppress(FileNotFoundError):
-            (self.owned.channel_dir / CHANNEL_SOCKET_NAME).unlink()
-
-    def on_channel(self, mask: int) -> None:
-        channel = self.channel
-        assert channel is not None
-        try:
-            if mask & selectors.EVENT_WRITE:
-                channel.flush()
-            if mask & selectors.EVENT_READ:
-                frames = iter(channel.receive())
-                try:
-                    for frame in frames:
-                        self.on_frame(frame)
-                finally:  # frames a failure left unhandled keep no descriptor open
-                    wire.close_descriptors(d for frame in frames for d in frame.descriptors)
-                if channel.eof:
-                    self.lose_channel("the controller closed the session channel")
-        except wire.ProtocolError as e:
-            self.lose_channel(f"channel protocol violation: {e.message}")
-        except OSError as e:
-            self.lose_channel(f"channel failed: {error_text(e)}")
-
-    def lose_channel(self, reason: str) -> None:
-        if self.channel is None:
-            return
-        self.close(ClosePart.CHANNEL)
-        self.feed(ChannelLost(reason))
-
-    def on_frame(self, frame: wire.Frame) -> None:
-        """A frame from the broker: the attachment's hand-over, or a public request."""
-        if frame.kind is FrameKind.ATTACHED:
-            self.adopt_attachment(frame)
-        elif frame.kind is FrameKind.REQUEST:
-            self.feed(Requested(wire.decode_message(frame.payload + b"\n",
-                                                    wire.Direction.REQUEST)))
-        else:
-            raise wire.FramingError(f"unexpected {frame.kind.name} frame from the controller")
-
-    def adopt_attachment(self, frame: wire.Frame) -> None:
-        """The broker handed over the attachment's own connection: terminal bytes go straight
-        between it and the engine from now on. A connection that is not what an attachment's
-        must be is refused, and startup fails closed."""
-        try:
-            if self.relay.attached or self.core.state.attachment_refused:
-                raise wire.FramingError("a second attachment was handed over")
-            if frame.json() != {}:
-                raise wire.FramingError("an ATTACHED frame carries an empty object")
-        except wire.ProtocolError:
-            wire.close_descriptors(frame.descriptors)
-            raise
-        runtime = self.plan.controller_blueprint.runtime
-        try:
-            sock = attachment_socket(frame.descriptors, runtime.uid, runtime.gid)
-        except AttachmentRefused as e:
-            self.feed(AttachmentRejected(str(e)))
-            return
-        self.relay.adopt(sock)
-        self.feed(Attached())
 
 
 def reconcile(backend: DockerBackend, workload_dirs: list[Path]) -> list[dict[str, Any]]:
