@@ -103,6 +103,15 @@ class Driver:
         self.feed(Started(Role.WORKLOAD))
         assert self.state.phase is Phase.ACTIVE and self.sent_types() == ["opened", "ready"]
 
+    def to_tail(self) -> None:
+        """A requested termination, drained, completed, delivered and acknowledged."""
+        self.to_active()
+        self.feed(Requested(wire.Terminate()))
+        self.drain()
+        self.feed(Requested(wire.Complete()), Removed(Role.WORKLOAD), ChannelFlushed(),
+                  Requested(wire.AcknowledgeTerminated()))
+        assert self.state.step is Step.CLOSING_CHANNEL
+
     def drain(self, code: int = 0) -> None:
         """The workload's output ends, is delivered, and its exit is seen."""
         self.feed(RelayObserved(DRAINED), WorkloadExited(code))
@@ -301,11 +310,7 @@ def test_a_workload_removal_past_its_deadline_is_a_cleanup_failure() -> None:
 
 def test_the_delivery_tail_shares_out_the_cleanup_timeout() -> None:
     driver = Driver()
-    driver.to_active()
-    driver.feed(Requested(wire.Terminate()))
-    driver.drain()
-    driver.feed(Requested(wire.Complete()), Removed(Role.WORKLOAD), ChannelFlushed(),
-                Requested(wire.AcknowledgeTerminated()))
+    driver.to_tail()
     assert [driver.armed(t) for t in (Timer.TAIL, Timer.CHANNEL_CLOSE, Timer.CONTROLLER_STOP,
                                       Timer.CONTROLLER_KILL)] == [30, 2.0, 15, 22.5]
     driver.feed(Deadline(Timer.CHANNEL_CLOSE))  # the broker never closed: we close
@@ -390,11 +395,7 @@ def test_a_signal_while_active_is_host_cancel() -> None:
 
 def test_a_signal_in_the_tail_changes_nothing() -> None:
     driver = Driver()
-    driver.to_active()
-    driver.feed(Requested(wire.Terminate()))
-    driver.drain()
-    driver.feed(Requested(wire.Complete()), Removed(Role.WORKLOAD), ChannelFlushed(),
-                Requested(wire.AcknowledgeTerminated()))
+    driver.to_tail()
     before = driver.state
     out = driver.feed(Signalled("SIGTERM"))
     assert [type(a) for a in out] == [Log] and driver.state == before
