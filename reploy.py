@@ -1229,7 +1229,10 @@ class HostState:
     owned: frozenset[Role] = frozenset()
     removing: frozenset[Role] = frozenset()
     removal_failures: tuple[str, ...] = ()
+    #: The controller may be running (its start was asked for and did not fail): the tail
+    #: stops it; and its start call returned.
     controller_started: bool = False
+    controller_up: bool = False
     controller_exit: Optional[int] = None
     controller_gone: bool = False
     controller_log: Optional[str] = None
@@ -1458,7 +1461,7 @@ class HostCore:
         if role is Role.HOLDER and state.step is Step.STARTING_HOLDER:
             self.start_controller()
         elif role is Role.CONTROLLER:
-            self.set(controller_started=True)
+            self.set(controller_started=True, controller_up=True)
         elif role is Role.WORKLOAD:
             self.set(workload_started=True)
             if state.phase is Phase.PREPARING:
@@ -1533,7 +1536,7 @@ class HostCore:
     def step_done(self, step: Step) -> bool:
         state = self.state
         done = {
-            Step.STARTING_CONTROLLER: state.controller_started and Role.WORKLOAD in state.owned,
+            Step.STARTING_CONTROLLER: state.controller_up and Role.WORKLOAD in state.owned,
             Step.AWAITING_CHANNEL: state.channel is Channel.OPEN,
             Step.AWAITING_ATTACHMENT: state.attached,
             Step.DRAINING: not state.workload_started or (
@@ -1560,8 +1563,7 @@ class HostCore:
             STEP_ENDS[step](self, timed_out)
 
     def startup_timed_out(self, step: Step) -> None:
-        if step is Step.STARTING_CONTROLLER:
-            self.set(controller_started=True)  # or still starting: the tail stops it
+        if step is Step.STARTING_CONTROLLER:  # it may still be starting: the tail stops it
             self.fail_startup("the controller did not start within the startup timeout")
         else:
             self.fail_startup(self.shortfall(STARTUP_WHAT.get(step, "startup")))
@@ -1624,7 +1626,7 @@ class HostCore:
     def start_controller(self) -> None:
         """The controller starts while the workload is created and attached to; the workload
         itself starts only once the attachment is connected."""
-        self.set(step=Step.STARTING_CONTROLLER)
+        self.set(step=Step.STARTING_CONTROLLER, controller_started=True)  # it may run from now
         self.emit(Start(Role.CONTROLLER))
 
     def begin_termination(self) -> None:
@@ -3899,8 +3901,9 @@ class ControlledSession:
                 return
             backend.start(containers[role.value])
             backend.wait_in_thread(containers[role.value], self.notifier.report, role.value)
-        except (BackendError, OSError) as e:
-            self.feed(EngineFailed(error_text(e), role))
+        except (BackendError, OSError) as e:  # (the controller's start: the workload's creation)
+            self.feed(EngineFailed(error_text(e), Role.WORKLOAD if role is Role.CONTROLLER
+                                   else role))
             return
         if role is Role.WORKLOAD:
             self.resize_workload(self.options.columns, self.options.rows)
