@@ -801,8 +801,8 @@ def succeeded() -> Status:
 # Pure core: the controlled session's host
 # ============================================================================================
 
-# HostCore holds every rule of a controlled session's run, from the end of planning to the
-# delivery tail's last step: events in, actions out, one frozen HostState, no Docker, socket or
+# HostCore holds every rule of a controlled session's run, from planning to the delivery
+# tail's last step: events in, actions out, one frozen HostState, no Docker, socket or
 # clock. ControlledSession performs the actions and turns what it sees into events; a deadline
 # it armed passes as a Deadline event, fed before anything seen in the same pass of its loop (a
 # deadline is a barrier: what is first seen after it did not happen before it).
@@ -3772,8 +3772,7 @@ class ControlledSession:
         elif isinstance(action, CopyControllerLog):
             controller_id = self.owned.containers["controller"]
             self.calls.begin("read the controller log", lambda api: api.logs(
-                controller_id, stdout=True, stderr=True),
-                lambda tail: (show_controller_log(tail), self.feed(LogCopied())))
+                controller_id, stdout=True, stderr=True), self.controller_log_copied)
         elif isinstance(action, Publish):
             assert self.options.output_file is not None and self.owned.output_staging_dir
             try:
@@ -3783,6 +3782,10 @@ class ControlledSession:
                 self.feed(Published(error_text(e)))
         elif isinstance(action, RemovePaths):
             self.feed(PathsRemoved(self.owned.remove_paths()))
+
+    def controller_log_copied(self, tail: Any) -> None:
+        show_controller_log(tail)
+        self.feed(LogCopied())
 
     def close(self, part: ClosePart) -> None:
         if part is ClosePart.PTY:
@@ -3947,8 +3950,8 @@ class ControlledSession:
                     self.forget(role)
 
             self.calls.begin(f"remove the {role.value} container",
-                            lambda api, cid=container_id: remove_container_quietly(api, cid),
-                            removed)
+                             lambda api, cid=container_id: remove_container_quietly(api, cid),
+                             removed)
 
     # -- the loop ---------------------------------------------------------------------------
 

@@ -156,7 +156,7 @@ def test_a_workload_exit_is_announced_before_terminating() -> None:
     assert driver.state.cause is reploy.Cause.WORKLOAD_EXIT
     driver.finalize()
     check_stream(driver)
-    assert not driver.result().ok and "exited with code 3" in driver.result().summary()
+    assert not driver.result().ok and "exited with code 3" in (driver.result().summary() or "")
 
 
 def test_outputs_finalized_waits_for_the_exit_and_nothing_of_the_workload_follows_it() -> None:
@@ -337,7 +337,8 @@ def test_the_holder_is_removed_last() -> None:
                   Removed(Role.WORKLOAD), Removed(Role.HOLDER)):
         removes += [a.roles for a in driver.feed(event) if isinstance(a, Remove)]
     assert removes[-1] == (Role.HOLDER,) and Role.HOLDER not in sum(removes[:-1], ())
-    assert driver.result().delivery_tail_cleanup_status.kind == "succeeded"
+    tail = driver.result().delivery_tail_cleanup_status
+    assert tail is not None and tail.kind == "succeeded"
 
 
 def test_output_file_is_published_only_after_completion() -> None:

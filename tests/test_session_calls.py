@@ -63,7 +63,12 @@ def removals(session: reploy.ControlledSession, calls: dict[reploy.Role, Any]) -
     """Remove these roles' containers (each removal runs `calls[role]`) as the core's Remove
     action does; what the core is fed, once every removal reported."""
     fed: list[Any] = []
-    session.core.handle = lambda event: fed.append(event) or []  # type: ignore[method-assign]
+
+    def handle(event: Any) -> list[Any]:
+        fed.append(event)
+        return []
+
+    session.core.handle = handle  # type: ignore[method-assign]
     for role, call in calls.items():
         session.owned.containers[role.value] = f"{role.value}-id"
         session.owned.labels[f"{role.value}-id"] = {}
