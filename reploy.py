@@ -4000,7 +4000,6 @@ class ControlledSession:
                 self.calls.report(tag, value)
 
 
-
 def reconcile(backend: DockerBackend, workload_dirs: list[Path]) -> list[dict[str, Any]]:
     """Clean up after sessions whose host and watchdog both died; every reploy operation that
     touches Docker does this first, so such leftovers never accumulate."""
