@@ -180,7 +180,7 @@ import time
 import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Union
 
 import docker
 import docker.errors
@@ -667,34 +667,12 @@ class LifecycleError(ReployError):
     """A transition the table does not allow: a bug in the caller, never peer input."""
 
 
-class LifecycleMachine:
-    """Applies LIFECYCLE_TABLE and latches the first termination cause."""
-
-    def __init__(self) -> None:
-        self.phase = Phase.PREPARING
-        self.cause: Optional[Cause] = None
-        self.reached_ready = False
-
-    def _apply(self, transition: Transition) -> None:
-        try:
-            self.phase = LIFECYCLE_TABLE[(self.phase, transition)]
-        except KeyError:
-            raise LifecycleError(f"{transition.value} is illegal in {self.phase.value}") from None
-
-    def ready(self) -> None:
-        self._apply(Transition.READY)  # PREPARING -> ACTIVE
-        self.reached_ready = True
-
-    def terminate(self, cause: Cause) -> bool:
-        """Begin termination; True only for the call that latched the cause."""
-        self._apply(Transition.TERMINATE)  # PREPARING|ACTIVE|TERMINATING -> TERMINATING
-        if self.cause is not None:
-            return False
-        self.cause = cause
-        return True
-
-    def finish(self) -> None:
-        self._apply(Transition.FINISH)  # TERMINATING -> TERMINATED
+def next_phase(phase: Phase, transition: Transition) -> Phase:
+    """LIFECYCLE_TABLE's edge from `phase`; HostCore moves only along these."""
+    try:
+        return LIFECYCLE_TABLE[(phase, transition)]
+    except KeyError:
+        raise LifecycleError(f"{transition.value} is illegal in {phase.value}") from None
 
 
 # ============================================================================================
@@ -846,6 +824,1129 @@ def failed(family: str, reason: str) -> Status:
 
 def succeeded() -> Status:
     return Status.of("cleanup", "succeeded")
+
+
+# ============================================================================================
+# Pure core: the controlled session's host
+# ============================================================================================
+
+# HostCore holds every rule of a controlled session's run, from planning to the delivery
+# tail's last step: events in, actions out, one frozen HostState, no Docker, socket or
+# clock. ControlledSession performs the actions and turns what it sees into events; a deadline
+# it armed passes as a Deadline event, fed before anything seen in the same pass of its loop (a
+# deadline is a barrier: what is first seen after it did not happen before it).
+
+
+class Role(str, enum.Enum):
+    """A session container, by what it is for."""
+
+    PROBE = "python-probe"
+    HOLDER = "holder"
+    CONTROLLER = "controller"
+    WORKLOAD = "workload"
+
+
+class Timer(enum.Enum):
+    """Each deadline the host keeps; HostCore says for how long (HostTimeouts)."""
+
+    STARTUP = "startup"                  # --startup-timeout, from the end of planning
+    GRACE = "grace"                      # --termination-grace: SIGTERM, then SIGKILL
+    OUTPUT = "output"                    # the host-owned 30 s output barrier
+    EXIT = "exit"                        # --cleanup-timeout for an exit after the drain
+    FINALIZATION = "finalization"        # --controller-finalization-timeout
+    CLEANUP = "cleanup"                  # --cleanup-timeout for the workload's removal
+    ACKNOWLEDGEMENT = "acknowledgement"  # --result-acknowledgement-timeout
+    TAIL = "tail"                        # --cleanup-timeout, the whole delivery tail
+    CHANNEL_CLOSE = "channel-close"      # CHANNEL_CLOSE_S of the tail for channel and attachment
+    CONTROLLER_STOP = "controller-stop"  # half the tail: the controller is then killed
+    CONTROLLER_KILL = "controller-kill"  # three quarters of the tail
+
+
+class Step(enum.Enum):
+    """Where the host is in its run; STEP_TABLE says what each waits for."""
+
+    PLANNING = "planning"
+    PREPARING = "preparing"
+    STARTING_HOLDER = "starting-holder"
+    STARTING_CONTROLLER = "starting-controller"
+    AWAITING_CHANNEL = "awaiting-channel"
+    AWAITING_ATTACHMENT = "awaiting-attachment"
+    STARTING_WORKLOAD = "starting-workload"
+    ACTIVE = "active"
+    DRAINING = "draining"
+    AWAITING_EXIT = "awaiting-exit"
+    FINALIZING = "finalizing"
+    REMOVING_WORKLOAD = "removing-workload"
+    DELIVERING = "delivering"
+    AWAITING_ACKNOWLEDGEMENT = "awaiting-acknowledgement"
+    CLOSING_CHANNEL = "closing-channel"
+    FLUSHING_ATTACHMENT = "flushing-attachment"
+    STOPPING_CONTROLLER = "stopping-controller"
+    KILLING_CONTROLLER = "killing-controller"
+    COPYING_LOG = "copying-log"
+    REMOVING = "removing"
+    REMOVING_HOLDER = "removing-holder"
+    PUBLISHING = "publishing"
+    REMOVING_PATHS = "removing-paths"
+    DONE = "done"
+
+
+@dataclass(frozen=True)
+class StepRule:
+    until: str  # what ends the step (HostCore.step_done decides it)
+    timer: Optional[Timer] = None  # the deadline that ends it otherwise
+
+
+#: The host's run, in order. Startup steps end early when a cause is latched (termination
+#: begins); every later step runs in every outcome, each bounded by its timer. The public
+#: phases (LIFECYCLE_TABLE) move alongside: READY at STARTING_WORKLOAD's end, TERMINATE at the
+#: first cause, FINISH when the session result is fixed (before DELIVERING).
+STEP_TABLE: dict[Step, StepRule] = {
+    Step.PLANNING: StepRule("the executor's planning ends (Planned, PlanRejected)"),
+    Step.PREPARING: StepRule("channel, outputs, holder and controller exist (Begin)"),
+    Step.STARTING_HOLDER: StepRule("the holder runs", Timer.STARTUP),
+    Step.STARTING_CONTROLLER: StepRule("the controller started, the workload created",
+                                       Timer.STARTUP),
+    Step.AWAITING_CHANNEL: StepRule("the controller connects the channel", Timer.STARTUP),
+    Step.AWAITING_ATTACHMENT: StepRule("the attachment is handed over", Timer.STARTUP),
+    Step.STARTING_WORKLOAD: StepRule("the workload runs", Timer.STARTUP),
+    Step.ACTIVE: StepRule("a cause is latched"),
+    Step.DRAINING: StepRule("output at end of file, delivered, and the workload gone",
+                            Timer.OUTPUT),
+    Step.AWAITING_EXIT: StepRule("the workload's exit is observed", Timer.EXIT),
+    Step.FINALIZING: StepRule("complete, or the channel lost", Timer.FINALIZATION),
+    Step.REMOVING_WORKLOAD: StepRule("the workload is removed", Timer.CLEANUP),
+    Step.DELIVERING: StepRule("terminated is written out", Timer.ACKNOWLEDGEMENT),
+    Step.AWAITING_ACKNOWLEDGEMENT: StepRule("acknowledge-terminated, or the channel lost",
+                                            Timer.ACKNOWLEDGEMENT),
+    Step.CLOSING_CHANNEL: StepRule("the broker closes its end", Timer.CHANNEL_CLOSE),
+    Step.FLUSHING_ATTACHMENT: StepRule("the attachment has every byte", Timer.CHANNEL_CLOSE),
+    Step.STOPPING_CONTROLLER: StepRule("the controller exits", Timer.CONTROLLER_STOP),
+    Step.KILLING_CONTROLLER: StepRule("the killed controller exits", Timer.CONTROLLER_KILL),
+    Step.COPYING_LOG: StepRule("the controller's log is copied", Timer.TAIL),
+    Step.REMOVING: StepRule("every container but the holder is removed", Timer.TAIL),
+    Step.REMOVING_HOLDER: StepRule("the holder is removed", Timer.TAIL),
+    Step.PUBLISHING: StepRule("--output-file is published"),
+    Step.REMOVING_PATHS: StepRule("the channel and staging directories are removed"),
+    Step.DONE: StepRule("nothing: the run is over"),
+}
+STARTUP_STEPS = frozenset({Step.STARTING_HOLDER, Step.STARTING_CONTROLLER,
+                           Step.AWAITING_CHANNEL, Step.AWAITING_ATTACHMENT,
+                           Step.STARTING_WORKLOAD})
+#: What a startup step that stopped short was doing, in the words of its error.
+STARTUP_WHAT = {Step.AWAITING_CHANNEL: "the controller did not connect",
+                Step.STARTING_CONTROLLER: "the controller did not connect",
+                Step.AWAITING_ATTACHMENT: "no terminal attachment connected"}
+
+
+class Channel(enum.Enum):
+    AWAITED = "awaited"
+    OPEN = "open"
+    GONE = "gone"  # lost, or closed by the delivery tail
+
+
+@dataclass(frozen=True)
+class RelayFacts:
+    """The terminal relay as last observed: the PTY at end of file, output lost (the
+    attachment ended first), every byte read written to the attachment."""
+
+    eof: bool = False
+    lost: bool = False
+    delivered: bool = True
+
+
+@dataclass(frozen=True)
+class HostTimeouts:
+    """Every duration HostCore arms, in seconds."""
+
+    startup_s: float
+    grace_s: float
+    finalization_s: float
+    acknowledgement_s: float
+    cleanup_s: float
+    output_s: float = OUTPUT_FINALIZATION_TIMEOUT_MS / 1000.0
+
+    @classmethod
+    def of(cls, options: "RunOptions") -> "HostTimeouts":
+        return cls(*(options.timeout_s(flag) for flag in (
+            "--startup-timeout", "--termination-grace", "--controller-finalization-timeout",
+            "--result-acknowledgement-timeout", "--cleanup-timeout")))
+
+    def duration(self, timer: Timer) -> float:
+        return {Timer.STARTUP: self.startup_s, Timer.GRACE: self.grace_s,
+                Timer.OUTPUT: self.output_s, Timer.EXIT: self.cleanup_s,
+                Timer.FINALIZATION: self.finalization_s, Timer.CLEANUP: self.cleanup_s,
+                Timer.ACKNOWLEDGEMENT: self.acknowledgement_s, Timer.TAIL: self.cleanup_s,
+                Timer.CHANNEL_CLOSE: min(self.cleanup_s, CHANNEL_CLOSE_S),
+                Timer.CONTROLLER_STOP: self.cleanup_s / 2,
+                Timer.CONTROLLER_KILL: self.cleanup_s * 3 / 4}[timer]
+
+
+@dataclass(frozen=True)
+class HostConfig:
+    """What the plan fixes for the core: the grants it announces and what output was asked."""
+
+    timeouts: HostTimeouts
+    endpoints: tuple[wire.Endpoint, ...] = ()
+    columns: int = DEFAULT_COLUMNS
+    rows: int = DEFAULT_ROWS
+    #: The requested output's status before the session touches it (requested_output_status).
+    requested_output: Optional[Status] = None
+    output_file: bool = False
+
+
+# -- events ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Planned:
+    """Planning succeeded: the startup timeout counts from now."""
+
+
+@dataclass(frozen=True)
+class PlanFailed:
+    reason: str
+
+
+@dataclass(frozen=True)
+class OutputPrepared:
+    """The controller's output destination is ready (status None: a staged file), or failed."""
+
+    status: Optional[Status]
+    staged: bool = False
+
+
+@dataclass(frozen=True)
+class Created:
+    role: Role
+
+
+@dataclass(frozen=True)
+class Begin:
+    """Preparation is done: the channel listens, the holder and controller exist."""
+
+
+@dataclass(frozen=True)
+class Started:
+    role: Role
+
+
+@dataclass(frozen=True)
+class EngineFailed:
+    """A step of preparation or startup failed (its text says which)."""
+
+    reason: str
+    role: Optional[Role] = None
+
+
+@dataclass(frozen=True)
+class ChannelConnected:
+    pass
+
+
+@dataclass(frozen=True)
+class ChannelLost:
+    reason: str
+
+
+@dataclass(frozen=True)
+class ChannelFlushed:
+    """Every event sent so far is written out."""
+
+
+@dataclass(frozen=True)
+class Requested:
+    request: wire.Message  # Resize, Terminate, Complete or AcknowledgeTerminated
+
+
+@dataclass(frozen=True)
+class Attached:
+    pass
+
+
+@dataclass(frozen=True)
+class AttachmentRejected:
+    reason: str
+
+
+@dataclass(frozen=True)
+class RelayObserved:
+    facts: RelayFacts
+
+
+@dataclass(frozen=True)
+class WorkloadExited:
+    code: int
+
+
+@dataclass(frozen=True)
+class ObservationLost:
+    reason: str
+
+
+@dataclass(frozen=True)
+class ControllerExited:
+    """The controller's exit (its code), or sight of it lost (code None)."""
+
+    code: Optional[int]
+
+
+@dataclass(frozen=True)
+class ControllerLog:
+    """The last line of the exited controller's log, for a startup failure's words."""
+
+    last_line: str
+
+
+@dataclass(frozen=True)
+class HolderLost:
+    how: str
+
+
+@dataclass(frozen=True)
+class Signalled:
+    name: str
+
+
+@dataclass(frozen=True)
+class Deadline:
+    timer: Timer
+
+
+@dataclass(frozen=True)
+class Removed:
+    role: Role
+    error: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class LogCopied:
+    pass
+
+
+@dataclass(frozen=True)
+class Published:
+    error: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class PathsRemoved:
+    failures: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class InternalError:
+    text: str
+
+
+HostEvent = Union[Planned, PlanFailed, OutputPrepared, Created, Begin, Started, EngineFailed,
+                  ChannelConnected, ChannelLost, ChannelFlushed, Requested, Attached,
+                  AttachmentRejected, RelayObserved, WorkloadExited, ObservationLost,
+                  ControllerExited, ControllerLog, HolderLost, Signalled, Deadline, Removed,
+                  LogCopied, Published, PathsRemoved, InternalError]
+
+
+# -- actions -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Send:
+    event: wire.Message
+
+
+@dataclass(frozen=True)
+class Start:
+    """Start the role's container (the workload: and resize it, and watch it); Started or
+    EngineFailed follows. Starting the controller also creates the workload (Created)."""
+
+    role: Role
+
+
+@dataclass(frozen=True)
+class Kill:
+    role: Role
+    signame: str
+
+
+@dataclass(frozen=True)
+class Remove:
+    roles: tuple[Role, ...]
+
+
+@dataclass(frozen=True)
+class Arm:
+    timer: Timer
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Resize:
+    columns: int
+    rows: int
+
+
+@dataclass(frozen=True)
+class Log:
+    message: str
+
+
+@dataclass(frozen=True)
+class Close:
+    """Close one end: ClosePart names which."""
+
+    part: "ClosePart"
+
+
+class ClosePart(enum.Enum):
+    PTY = "pty"                      # abandon the workload's stream
+    CHANNEL_WRITE = "channel-write"  # end our side; the broker reads to the end
+    CHANNEL = "channel"
+    TERMINAL = "terminal"            # the attachment's connection
+    LISTENER = "listener"
+
+
+@dataclass(frozen=True)
+class EndOutput:
+    """The attachment's end of output, after its last byte."""
+
+    status: Status
+
+
+@dataclass(frozen=True)
+class ReadControllerLog:
+    pass
+
+
+@dataclass(frozen=True)
+class CopyControllerLog:
+    pass
+
+
+@dataclass(frozen=True)
+class Publish:
+    pass
+
+
+@dataclass(frozen=True)
+class RemovePaths:
+    pass
+
+
+@dataclass(frozen=True)
+class Finish:
+    """The run is over: print `result`; keep the manifest when something was left behind."""
+
+    result: RunResult
+    keep_manifest: bool
+
+
+HostAction = Union[Send, Start, Kill, Remove, Arm, Resize, Log, Close, EndOutput,
+                   ReadControllerLog, CopyControllerLog, Publish, RemovePaths, Finish]
+
+
+@dataclass(frozen=True)
+class HostState:
+    """Everything the host knows of its run: the phase and step, the latched cause, and each
+    separate fact (never inferred from another)."""
+
+    phase: Phase = Phase.PREPARING
+    step: Step = Step.PLANNING
+    cause: Optional[Cause] = None
+    cause_detail: str = ""
+    error: Optional[str] = None
+    reached_ready: bool = False
+    armed: frozenset[Timer] = frozenset()
+    expired: frozenset[Timer] = frozenset()
+    owned: frozenset[Role] = frozenset()
+    removing: frozenset[Role] = frozenset()
+    removal_failures: tuple[str, ...] = ()
+    #: The controller may be running (its start was asked for and did not fail): the tail
+    #: stops it; and its start call returned.
+    controller_started: bool = False
+    controller_up: bool = False
+    controller_exit: Optional[int] = None
+    controller_gone: bool = False
+    controller_log: Optional[str] = None
+    workload_started: bool = False
+    workload_exit: Optional[int] = None
+    observation_lost: Optional[str] = None
+    holder_lost: Optional[str] = None
+    channel: Channel = Channel.AWAITED
+    channel_lost: Optional[str] = None
+    unflushed: bool = False
+    attached: bool = False
+    attachment_refused: Optional[str] = None
+    complete: bool = False
+    acknowledged: bool = False
+    relay: RelayFacts = RelayFacts()
+    #: The relay as last observed before the output barrier passed.
+    seen: RelayFacts = RelayFacts()
+    terminating_sent: bool = False
+    exit_announced: bool = False
+    finalization_announced: bool = False
+    output_status: Optional[Status] = None
+    workload_status: Optional[Status] = None
+    finalization_status: Optional[Status] = None
+    session_result: Optional[SessionResult] = None
+    result_delivered: Optional[bool] = None
+    result_acknowledged: Optional[bool] = None
+    controller_status: Optional[Status] = None
+    controller_output: Optional[Status] = None
+    staged: bool = False
+    log_copied: bool = False
+    tail_failures: tuple[str, ...] = ()
+
+    @property
+    def workload_gone(self) -> bool:
+        return self.workload_exit is not None or self.observation_lost is not None
+
+
+class HostCore:
+    """A controlled session's decisions: `handle(event)` returns the actions to perform, in
+    order; `state` is the whole of what is known. Nothing follows Finish."""
+
+    def __init__(self, config: HostConfig) -> None:
+        self.config = config
+        self.state = HostState()
+        self.actions: list[HostAction] = []
+
+    def handle(self, event: HostEvent) -> list[HostAction]:
+        if self.state.step is Step.DONE:
+            return []  # a late report (a call, a wait thread) after the result: nobody listens
+        self.actions = []
+        self.on(event)
+        self.advance()
+        return self.actions
+
+    # -- small moves ---------------------------------------------------------------------------
+
+    def set(self, **changes: Any) -> None:
+        self.state = replace(self.state, **changes)
+
+    def emit(self, *actions: HostAction) -> None:
+        self.actions.extend(actions)
+
+    def send(self, event: wire.Message) -> None:
+        """An event for the controller, while there is a channel to carry it."""
+        if self.state.channel is Channel.OPEN:
+            self.set(unflushed=True)
+            self.emit(Send(event))
+
+    def arm(self, *timers: Timer) -> None:
+        self.set(armed=self.state.armed | set(timers), expired=self.state.expired - set(timers))
+        self.emit(*(Arm(timer, self.config.timeouts.duration(timer)) for timer in timers))
+
+    def disarm(self, *timers: Timer) -> None:
+        self.set(armed=self.state.armed - set(timers))
+
+    def latch(self, cause: Cause, detail: str = "") -> bool:
+        """Latch `cause` if none is latched yet (LIFECYCLE_TABLE's TERMINATE); True when this
+        call latched it. Termination itself begins in advance()."""
+        state = self.state
+        if state.cause is not None or state.step in TAIL_STEPS:
+            return False
+        self.set(phase=next_phase(state.phase, Transition.TERMINATE), cause=cause,
+                 cause_detail=detail)
+        self.emit(Log(f"terminating: {cause.value}{': ' + detail if detail else ''}"))
+        return True
+
+    def fail_startup(self, reason: str) -> None:
+        """A startup step failed: the run's error says so, unless another cause came first."""
+        if self.state.cause in (None, Cause.STARTUP_FAILURE) and self.state.error is None:
+            self.set(error=f"startup failed: {reason}")
+        self.latch(Cause.STARTUP_FAILURE, reason)
+
+    # -- events --------------------------------------------------------------------------------
+
+    def on(self, event: HostEvent) -> None:
+        HOST_EVENT_HANDLERS[type(event)](self, event)
+
+    def on_deadline(self, event: Deadline) -> None:
+        """A deadline that was armed passes: it ends its step (STEP_TABLE) in advance(); the
+        grace's also sends SIGKILL."""
+        state, timer = self.state, event.timer
+        if timer not in state.armed:
+            return  # disarmed meanwhile: stale
+        self.set(armed=state.armed - {timer}, expired=state.expired | {timer})
+        if timer is Timer.GRACE and not state.workload_gone:
+            self.emit(Log(f"workload still running after the "
+                          f"{format_duration(int(self.config.timeouts.grace_s * 1000))} grace; "
+                          "sending SIGKILL"),
+                      Kill(Role.WORKLOAD, "SIGKILL"))
+
+    def on_planned(self, _event: Planned) -> None:
+        if self.state.step is Step.PLANNING:
+            self.set(step=Step.PREPARING)
+            self.arm(Timer.STARTUP)
+
+    def on_plan_failed(self, event: PlanFailed) -> None:
+        if self.state.step is Step.PLANNING:  # not after a signal ended planning
+            self.set(error=f"plan rejected: {event.reason}")
+            self.begin_tail()
+
+    def on_output_prepared(self, event: OutputPrepared) -> None:
+        self.set(controller_output=event.status, staged=event.staged)
+
+    def on_created(self, event: Created) -> None:
+        self.set(owned=self.state.owned | {event.role})
+
+    def on_begin(self, _event: Begin) -> None:
+        if Role.HOLDER in self.state.owned:  # its namespace must exist before anything joins
+            self.set(step=Step.STARTING_HOLDER)
+            self.emit(Start(Role.HOLDER))
+        else:
+            self.start_controller()
+
+    def on_engine_failed(self, event: EngineFailed) -> None:
+        if event.role is Role.CONTROLLER:
+            self.set(controller_started=False)
+        if self.state.phase is Phase.PREPARING:
+            self.fail_startup(event.reason)
+        else:
+            self.emit(Log(event.reason))
+
+    def on_channel_connected(self, _event: ChannelConnected) -> None:
+        self.set(channel=Channel.OPEN)
+
+    def on_channel_flushed(self, _event: ChannelFlushed) -> None:
+        self.set(unflushed=False)
+
+    def on_attached(self, _event: Attached) -> None:
+        self.set(attached=True)
+
+    def on_attachment_rejected(self, event: AttachmentRejected) -> None:
+        reason = f"the terminal attachment was refused: {event.reason}"
+        self.set(attachment_refused=reason)
+        self.emit(Log(reason))
+        if self.state.phase is Phase.PREPARING:
+            self.latch(Cause.STARTUP_FAILURE, reason)
+
+    def on_relay(self, event: RelayObserved) -> None:
+        """The relay's facts; those seen before the output barrier decide the drain."""
+        self.set(relay=event.facts)
+        if Timer.OUTPUT not in self.state.expired:
+            self.set(seen=event.facts)
+
+    def on_workload_exited(self, event: WorkloadExited) -> None:
+        if self.state.workload_exit is not None:
+            return  # a container exits once: the first report is the fact
+        self.set(workload_exit=event.code)
+        self.latch(Cause.WORKLOAD_EXIT if self.state.reached_ready else Cause.STARTUP_FAILURE,
+                   f"the workload exited with code {event.code}")
+        self.announce_workload_exit()
+
+    def on_observation_lost(self, event: ObservationLost) -> None:
+        self.set(observation_lost=event.reason)
+        self.latch(Cause.RUNTIME_OBSERVATION_LOST, event.reason)
+
+    def on_controller_exited(self, event: ControllerExited) -> None:
+        state = self.state
+        self.set(controller_exit=event.code, controller_gone=True)
+        if state.reached_ready:
+            self.latch(Cause.CONTROLLER_LOST, "the controller container exited")
+        elif state.phase is Phase.PREPARING and event.code is not None:
+            self.emit(ReadControllerLog())  # its last line explains the failure (ControllerLog)
+        else:
+            self.latch(Cause.STARTUP_FAILURE, "the controller exited during startup")
+
+    def on_controller_log(self, event: ControllerLog) -> None:
+        self.set(controller_log=event.last_line)
+        self.latch(Cause.STARTUP_FAILURE, "the controller exited during startup")
+
+    def on_signal(self, event: Signalled) -> None:
+        """SIGINT/SIGTERM cancel the session (host-cancel) if nothing else ended it first; a
+        later one changes none of the termination's steps (main() still exits 130/143)."""
+        if self.latch(Cause.HOST_CANCEL, f"received {event.name}"):
+            self.set(error=f"cancelled by {event.name}")
+        else:
+            self.emit(Log(f"received {event.name}; the session is already ending"))
+
+    def on_removed(self, event: Removed) -> None:
+        """A removal reported; its failure counts where the core asked for it."""
+        state = self.state
+        asked = event.error is not None and event.role in state.removing
+        self.set(owned=state.owned if event.error else state.owned - {event.role},
+                 removing=state.removing - {event.role},
+                 removal_failures=state.removal_failures + ((event.error,) if asked else ()))
+
+    def on_log_copied(self, _event: LogCopied) -> None:
+        self.set(log_copied=True)
+
+    def on_paths_removed(self, event: PathsRemoved) -> None:
+        if self.state.step is Step.REMOVING_PATHS:
+            self.finish(self.state.tail_failures + event.failures)
+
+    def on_internal_error(self, event: InternalError) -> None:
+        """A bug in the host: it still cleans up and reports, skipping what it cannot trust."""
+        state = self.state
+        self.set(error=f"internal error: {event.text}")
+        if state.step in TAIL_STEPS:
+            return
+        if state.cause is None:
+            self.set(phase=next_phase(state.phase, Transition.TERMINATE),
+                     cause=Cause.STARTUP_FAILURE)
+        self.begin_tail()
+
+    def on_started(self, event: Started) -> None:
+        state, role = self.state, event.role
+        if role is Role.HOLDER and state.step is Step.STARTING_HOLDER:
+            self.start_controller()
+        elif role is Role.CONTROLLER:
+            self.set(controller_started=True, controller_up=True)
+        elif role is Role.WORKLOAD:
+            self.set(workload_started=True)
+            if state.phase is Phase.PREPARING:
+                self.set(phase=next_phase(Phase.PREPARING, Transition.READY),
+                         reached_ready=True, step=Step.ACTIVE)
+                self.disarm(Timer.STARTUP)
+                self.send(wire.Ready())
+
+    def on_channel_lost(self, event: ChannelLost) -> None:
+        state, reason = self.state, event.reason
+        if state.channel is not Channel.OPEN:
+            return
+        self.set(channel=Channel.GONE, channel_lost=reason, unflushed=False)
+        if state.step in TAIL_STEPS:
+            return  # the broker ended its side, as the delivery tail asked
+        self.latch(Cause.STARTUP_FAILURE if state.phase is Phase.PREPARING
+                   else Cause.CONTROLLER_LOST, reason)
+
+    def on_request(self, event: Requested) -> None:
+        """Resize and terminate only while active (repeats are idempotent); complete and the
+        acknowledgement are facts whenever they come (the broker holds them to their turn)."""
+        request = event.request
+        active = self.state.phase is Phase.ACTIVE
+        if isinstance(request, wire.Resize) and active:
+            self.emit(Resize(request.columns, request.rows))
+        elif isinstance(request, wire.Terminate) and active:
+            self.latch(Cause.CONTROLLER_TERMINATE)
+        elif isinstance(request, wire.Complete):
+            self.set(complete=True)
+        elif isinstance(request, wire.AcknowledgeTerminated):
+            self.set(acknowledged=True)
+
+    def on_holder_lost(self, event: HolderLost) -> None:
+        """Before the session containers joined the holder's namespace, nothing can: a startup
+        failure. After, the namespace lives on in them: a diagnostic, nothing more."""
+        lost = f"the session's network namespace holder {event.how}"
+        self.set(holder_lost=lost)
+        if self.state.phase is Phase.PREPARING:
+            self.latch(Cause.STARTUP_FAILURE, lost)
+        elif self.state.phase is not Phase.TERMINATED:
+            self.emit(Log(f"{lost}; the session's namespace lives on in its containers"))
+            if not self.state.finalization_announced:
+                self.send(wire.Diagnostic(code="namespace_holder_lost", message=lost))
+
+    def announce_workload_exit(self) -> None:
+        """workload-exit precedes terminating when it is the cause, otherwise follows it; never
+        before ready, never after workload-outputs-finalized (the status was fixed then)."""
+        state = self.state
+        if state.workload_exit is None or state.exit_announced or state.finalization_announced:
+            return
+        if state.reached_ready and (state.cause is Cause.WORKLOAD_EXIT or state.terminating_sent):
+            self.set(exit_announced=True)
+            self.send(wire.WorkloadExit(status=process_status(state.workload_exit)))
+
+    # -- the steps -------------------------------------------------------------------------------
+
+    def advance(self) -> None:
+        """Move through STEP_TABLE while steps end: by their condition, by their timer, or
+        (startup and active) by a latched cause."""
+        while True:
+            step = self.state.step
+            if self.state.cause is not None and (step in STARTUP_STEPS or step in (
+                    Step.PLANNING, Step.PREPARING, Step.ACTIVE)):
+                self.stop_short(step)
+            elif self.step_done(step):
+                self.next_step(step, timed_out=False)
+            elif STEP_TABLE[step].timer in self.state.expired:
+                self.next_step(step, timed_out=True)
+            if self.state.step is step:
+                return
+
+    def step_done(self, step: Step) -> bool:
+        state = self.state
+        done = {
+            Step.STARTING_CONTROLLER: state.controller_up and Role.WORKLOAD in state.owned,
+            Step.AWAITING_CHANNEL: state.channel is Channel.OPEN,
+            Step.AWAITING_ATTACHMENT: state.attached,
+            Step.DRAINING: not state.workload_started or (
+                state.seen.eof and state.seen.delivered and state.workload_gone),
+            Step.AWAITING_EXIT: not state.workload_started or state.workload_gone,
+            Step.FINALIZING: state.complete or state.channel is not Channel.OPEN,
+            Step.REMOVING_WORKLOAD: Role.WORKLOAD not in state.removing,
+            Step.DELIVERING: state.channel is not Channel.OPEN or not state.unflushed,
+            Step.AWAITING_ACKNOWLEDGEMENT: state.acknowledged or state.channel is not Channel.OPEN,
+            Step.CLOSING_CHANNEL: state.channel is not Channel.OPEN,
+            Step.FLUSHING_ATTACHMENT: state.relay.delivered,
+            Step.STOPPING_CONTROLLER: state.controller_gone,
+            Step.KILLING_CONTROLLER: state.controller_gone,
+            Step.COPYING_LOG: state.log_copied,
+            Step.REMOVING: not state.removing,
+            Step.REMOVING_HOLDER: not state.removing,
+        }
+        return done.get(step, False)
+
+    def next_step(self, step: Step, timed_out: bool) -> None:
+        if step in STARTUP_STEPS and timed_out:
+            self.startup_timed_out(step)
+        else:
+            STEP_ENDS[step](self, timed_out)
+
+    def startup_timed_out(self, step: Step) -> None:
+        if step is Step.STARTING_CONTROLLER:  # it may still be starting: the tail stops it
+            self.fail_startup("the controller did not start within the startup timeout")
+        else:
+            self.fail_startup(self.shortfall(STARTUP_WHAT.get(step, "startup")))
+        self.begin_termination()
+
+    def end_controller_start(self, _timed_out: bool) -> None:
+        self.set(step=Step.AWAITING_CHANNEL)
+
+    def end_channel_wait(self, _timed_out: bool) -> None:
+        self.set(step=Step.AWAITING_ATTACHMENT)
+        self.send(wire.Opened(
+            operations=wire.OPERATIONS, endpoints=self.config.endpoints,
+            columns=self.config.columns, rows=self.config.rows,
+            output_finalization_timeout_milliseconds=OUTPUT_FINALIZATION_TIMEOUT_MS))
+
+    def end_attachment_wait(self, _timed_out: bool) -> None:
+        self.set(step=Step.STARTING_WORKLOAD)
+        self.emit(Start(Role.WORKLOAD))
+
+    def end_workload_removal(self, _timed_out: bool) -> None:
+        self.end_session(self.cleanup_status(Role.WORKLOAD in self.state.removing))
+
+    def end_delivery(self, timed_out: bool) -> None:
+        delivered = not timed_out and self.state.channel is Channel.OPEN
+        self.set(result_delivered=delivered, step=Step.AWAITING_ACKNOWLEDGEMENT)
+        if not delivered:
+            self.set(result_acknowledged=False)
+            self.begin_tail()
+
+    def end_acknowledgement(self, timed_out: bool) -> None:
+        self.set(result_acknowledged=self.state.acknowledged and not timed_out)
+        self.disarm(Timer.ACKNOWLEDGEMENT)
+        self.begin_tail()
+
+    def stop_short(self, step: Step) -> None:
+        """A cause was latched before the session was active, or while it was."""
+        if step in STARTUP_WHAT and self.state.cause is Cause.STARTUP_FAILURE:
+            self.fail_startup(self.shortfall(STARTUP_WHAT[step]))
+        if step is Step.PLANNING:
+            self.begin_tail()
+        else:
+            self.begin_termination()
+
+    def shortfall(self, what: str) -> str:
+        """Why startup stopped short, in the words most useful to the user."""
+        state = self.state
+        if state.attachment_refused:
+            return state.attachment_refused
+        if state.holder_lost:
+            return f"{what}: {state.holder_lost}"
+        if state.controller_exit is not None:
+            line = f" ({state.controller_log})" if state.controller_log else ""
+            return f"{what}: the controller exited with code {state.controller_exit}{line}"
+        if state.channel_lost:
+            return f"{what}: {state.channel_lost}"
+        if state.cause is not None:
+            return f"{what} before termination began ({state.cause.value})"
+        return f"{what} within the startup timeout"
+
+    def start_controller(self) -> None:
+        """The controller starts while the workload is created and attached to; the workload
+        itself starts only once the attachment is connected."""
+        self.set(step=Step.STARTING_CONTROLLER, controller_started=True)  # it may run from now
+        self.emit(Start(Role.CONTROLLER))
+
+    def begin_termination(self) -> None:
+        """Terminating (after ready), SIGTERM with the grace armed, and the output barrier."""
+        state = self.state
+        self.disarm(Timer.STARTUP)
+        self.set(step=Step.DRAINING)
+        self.arm(Timer.OUTPUT)
+        if state.reached_ready:
+            assert state.cause is not None
+            self.send(wire.Terminating(cause=state.cause))
+            self.set(terminating_sent=True)
+            self.announce_workload_exit()  # an exit seen before terminating went out
+        if state.workload_started and not state.workload_gone:
+            self.emit(Kill(Role.WORKLOAD, "SIGTERM"))
+            self.arm(Timer.GRACE)
+
+    def end_drain(self, _timed_out: bool) -> None:
+        """The drain's outcome, from the relay as seen before the barrier. A workload that
+        never started produced no output; output the attachment could not take fails it."""
+        state, seen = self.state, self.state.seen
+        self.disarm(Timer.OUTPUT)
+        reason = None
+        if state.observation_lost:
+            reason = f"the runtime observation was lost: {state.observation_lost}"
+        elif not state.workload_started:
+            pass
+        elif not seen.eof:
+            reason = (f"terminal output did not reach end of file within "
+                      f"{OUTPUT_FINALIZATION_TIMEOUT_MS // 1000} s of termination")
+        elif seen.lost:
+            reason = "the terminal attachment ended before it had all of the terminal output"
+        elif not seen.delivered:
+            reason = "terminal output could not be delivered to the attachment in time"
+        if reason is None:
+            self.set(output_status=Status.of("output_finalization", "drained"))
+        else:
+            self.set(output_status=failed("output_finalization", reason))
+            self.emit(Close(ClosePart.PTY))  # abandon the rest, so the Engine finishes the exit
+        self.set(step=Step.AWAITING_EXIT)
+        if not self.step_done(Step.AWAITING_EXIT):
+            self.arm(Timer.EXIT)
+
+    def end_workload(self, timed_out: bool) -> None:
+        """The workload's status is fixed and every workload fact sent; then finalization is
+        announced, the workload removed while the controller finalizes."""
+        state = self.state
+        self.disarm(Timer.EXIT, Timer.GRACE)
+        if state.workload_exit is not None:
+            status = process_status(state.workload_exit)
+        elif state.observation_lost:
+            status = Status.of("process", "unavailable", reason=state.observation_lost)
+        elif not state.workload_started:
+            status = Status.of("process", "unavailable", reason="the workload never started")
+        else:
+            timeout = format_duration(int(self.config.timeouts.cleanup_s * 1000))
+            status = Status.of("process", "unavailable",
+                               reason=f"the workload's exit was not observed within {timeout}")
+        self.set(workload_status=status)
+        self.announce_workload_exit()
+        output = state.output_status
+        assert output is not None
+        self.set(finalization_announced=True)
+        self.emit(EndOutput(output))
+        if state.reached_ready:
+            self.send(wire.WorkloadOutputsFinalized(status=output.kind, reason=output.reason))
+        self.emit(Close(ClosePart.PTY))
+        self.arm(Timer.CLEANUP)
+        self.remove(Role.WORKLOAD)
+        self.set(step=Step.FINALIZING)
+        finalization = self.finalization_without_complete()
+        if finalization is not None:
+            self.set(finalization_status=finalization, step=Step.REMOVING_WORKLOAD)
+        else:
+            self.arm(Timer.FINALIZATION)
+
+    def finalization_without_complete(self) -> Optional[Status]:
+        """The fact that stands in for `complete` in an ending that cannot have one."""
+        state, reason = self.state, self.state.cause_detail
+        if state.cause is Cause.STARTUP_FAILURE:
+            return Status.of("controller_finalization", "startup-failed",
+                             reason=reason or "the session did not become ready")
+        if not state.reached_ready:
+            return Status.of("controller_finalization", "not-completed",
+                             reason=f"the session ended before it became ready ({reason})")
+        if state.cause is Cause.CONTROLLER_LOST:
+            return Status.of("controller_finalization", "lost", reason=reason)
+        return None
+
+    def end_finalization(self, timed_out: bool) -> None:
+        state = self.state
+        self.disarm(Timer.FINALIZATION)
+        if state.complete and not timed_out:
+            status = Status.of("controller_finalization", "completed")
+        elif state.channel is not Channel.OPEN:
+            status = Status.of("controller_finalization", "lost",
+                               reason=state.channel_lost or "the controller channel was lost")
+        else:
+            timeout = format_duration(int(self.config.timeouts.finalization_s * 1000))
+            status = Status.of("controller_finalization", "finalization-timeout",
+                               reason=f"no complete within {timeout}")
+        self.set(finalization_status=status, step=Step.REMOVING_WORKLOAD)
+
+    def remove(self, *roles: Role) -> None:
+        roles = tuple(role for role in roles if role in self.state.owned)
+        if roles:
+            self.set(removing=self.state.removing | set(roles))
+            self.emit(Remove(roles))
+
+    def cleanup_status(self, unfinished: bool) -> Status:
+        """The removals' outcome: each failure reported, and what the deadline cut short."""
+        state = self.state
+        failures = list(state.removal_failures) + [
+            f"remove the {role.value} container: not finished within the cleanup timeout"
+            for role in sorted(state.removing, key=lambda r: r.value) if unfinished]
+        self.set(removal_failures=(), removing=frozenset() if unfinished else state.removing)
+        return failed("cleanup", "; ".join(failures)) if failures else succeeded()
+
+    def end_session(self, cleanup: Status) -> None:
+        """The session result is fixed (FINISH), then delivered."""
+        state = self.state
+        self.disarm(Timer.CLEANUP)
+        assert state.cause is not None and state.workload_status is not None
+        assert state.output_status is not None and state.finalization_status is not None
+        observation = Status.of("runtime_observation", "maintained")
+        if state.observation_lost:
+            observation = Status.of("runtime_observation", "lost", reason=state.observation_lost)
+        result = SessionResult(
+            cause=state.cause, workload_status=state.workload_status,
+            workload_output_finalization_status=state.output_status,
+            runtime_observation_status=observation,
+            controller_finalization_status=state.finalization_status, cleanup_status=cleanup,
+            recovery_action=RecoveryAction.NONE if cleanup.kind == "succeeded"
+            else RecoveryAction.RECONCILE_NEXT_OPERATION)
+        self.set(phase=next_phase(Phase.TERMINATING, Transition.FINISH),
+                 session_result=result, step=Step.DELIVERING)
+        if state.channel is not Channel.OPEN:
+            self.set(result_delivered=False, result_acknowledged=False)
+            self.begin_tail()
+            return
+        self.send(wire.Terminated(result=result))
+        self.arm(Timer.ACKNOWLEDGEMENT)
+
+    # -- the delivery tail ---------------------------------------------------------------------
+
+    def begin_tail(self) -> None:
+        """Close the channel, let the controller finish, then remove everything else: the
+        whole of it within --cleanup-timeout, its parts within their shares (Timer)."""
+        if self.state.controller_output is None:
+            self.set(controller_output=self.config.requested_output)
+        self.disarm(*self.state.armed)
+        self.arm(Timer.TAIL, Timer.CHANNEL_CLOSE, Timer.CONTROLLER_STOP, Timer.CONTROLLER_KILL)
+        self.set(step=Step.CLOSING_CHANNEL)
+        if self.state.channel is Channel.OPEN:
+            self.emit(Close(ClosePart.CHANNEL_WRITE))
+
+    def end_channel_close(self, _timed_out: bool) -> None:
+        if self.state.channel is Channel.OPEN:
+            self.set(channel=Channel.GONE)
+        self.emit(Close(ClosePart.CHANNEL))
+        self.set(step=Step.FLUSHING_ATTACHMENT)  # the attachment may still be reading
+
+    def end_attachment_flush(self, _timed_out: bool) -> None:
+        state = self.state
+        self.emit(Close(ClosePart.TERMINAL), Close(ClosePart.LISTENER))
+        stopping = state.controller_started and Role.CONTROLLER in state.owned
+        self.set(step=Step.STOPPING_CONTROLLER if stopping else Step.COPYING_LOG,
+                 log_copied=not stopping)
+
+    def end_controller_stop(self, timed_out: bool) -> None:
+        self.set(step=Step.KILLING_CONTROLLER)
+        if timed_out:
+            self.emit(Log("the controller is still running after the session; stopping it"),
+                      Kill(Role.CONTROLLER, "SIGKILL"))
+
+    def end_controller_kill(self, _timed_out: bool) -> None:
+        status = Status.of("process", "unavailable",
+                           reason="the controller's exit was not observed")
+        if self.state.controller_exit is not None:
+            status = process_status(self.state.controller_exit)
+        self.set(controller_status=status, step=Step.COPYING_LOG)
+        self.emit(CopyControllerLog())
+
+    def end_log_copy(self, _timed_out: bool) -> None:
+        self.set(step=Step.REMOVING)
+        self.remove(*(role for role in self.state.owned if role is not Role.HOLDER))
+
+    def end_removal(self, timed_out: bool) -> None:
+        self.tail_cleanup(timed_out)
+        self.set(step=Step.REMOVING_HOLDER)  # last: others joined its namespace
+        self.remove(Role.HOLDER)
+
+    def end_holder_removal(self, timed_out: bool) -> None:
+        self.tail_cleanup(timed_out)
+        self.publish()
+
+    def tail_cleanup(self, timed_out: bool) -> None:
+        status = self.cleanup_status(timed_out)
+        if status.kind != "succeeded":
+            self.set(tail_failures=self.state.tail_failures + (status.reason or "remove containers",))
+
+    def publish(self) -> None:
+        """--output-file is published only after controller finalization completed."""
+        state = self.state
+        self.set(step=Step.PUBLISHING)
+        if not (self.config.output_file and state.staged):
+            self.remove_paths()
+            return
+        session = state.session_result
+        if session is not None and session.controller_finalization_status.kind == "completed":
+            self.emit(Publish())
+            return
+        self.set(controller_output=Status.of(
+            "controller_output", "file-discarded",
+            reason="controller output file was discarded because controller finalization "
+                   "did not complete"))
+        self.remove_paths()
+
+    def on_published(self, event: Published) -> None:
+        error = event.error
+        if error is None:
+            self.set(controller_output=Status.of("controller_output", "file-published"))
+        else:
+            self.set(error=PUBLISH_ERROR + error, controller_output=Status.of(
+                "controller_output", "failed", reason="controller output publication failed"))
+        self.remove_paths()
+
+    def remove_paths(self) -> None:
+        self.set(step=Step.REMOVING_PATHS)
+        self.emit(RemovePaths())
+
+    def finish(self, failures: tuple[str, ...]) -> None:
+        state = self.state
+        result = RunResult(
+            error=state.error, session_result=state.session_result,
+            result_delivered=state.result_delivered,
+            result_acknowledged=state.result_acknowledged,
+            controller_status=state.controller_status, controller_output=state.controller_output)
+        if state.session_result is not None:
+            result.delivery_tail_cleanup_status = (
+                failed("cleanup", "; ".join(failures)) if failures else succeeded())
+            result.delivery_tail_recovery_action = (
+                RecoveryAction.RECONCILE_NEXT_OPERATION if failures else RecoveryAction.NONE)
+        elif failures:  # planning's probe: the result has no cleanup phase to report it in
+            result.error = "; ".join(filter(None, (
+                result.error, f"cleanup failed: {'; '.join(failures)}")))
+        self.disarm(*state.armed)
+        self.set(step=Step.DONE)
+        self.emit(Finish(result, keep_manifest=bool(failures)))
+
+
+TAIL_STEPS = frozenset({Step.CLOSING_CHANNEL, Step.FLUSHING_ATTACHMENT,
+                        Step.STOPPING_CONTROLLER, Step.KILLING_CONTROLLER, Step.COPYING_LOG,
+                        Step.REMOVING, Step.REMOVING_HOLDER, Step.PUBLISHING,
+                        Step.REMOVING_PATHS, Step.DONE})
+#: How each step ends (by its condition, or timed out by its timer): STEP_TABLE's other half.
+#: PLANNING, PREPARING, STARTING_HOLDER, ACTIVE and the last steps end by an event instead.
+STEP_ENDS: dict[Step, Callable[[HostCore, bool], None]] = {
+    Step.STARTING_CONTROLLER: HostCore.end_controller_start,
+    Step.AWAITING_CHANNEL: HostCore.end_channel_wait,
+    Step.AWAITING_ATTACHMENT: HostCore.end_attachment_wait,
+    Step.DRAINING: HostCore.end_drain,
+    Step.AWAITING_EXIT: HostCore.end_workload,
+    Step.FINALIZING: HostCore.end_finalization,
+    Step.REMOVING_WORKLOAD: HostCore.end_workload_removal,
+    Step.DELIVERING: HostCore.end_delivery,
+    Step.AWAITING_ACKNOWLEDGEMENT: HostCore.end_acknowledgement,
+    Step.CLOSING_CHANNEL: HostCore.end_channel_close,
+    Step.FLUSHING_ATTACHMENT: HostCore.end_attachment_flush,
+    Step.STOPPING_CONTROLLER: HostCore.end_controller_stop,
+    Step.KILLING_CONTROLLER: HostCore.end_controller_kill,
+    Step.COPYING_LOG: HostCore.end_log_copy,
+    Step.REMOVING: HostCore.end_removal,
+    Step.REMOVING_HOLDER: HostCore.end_holder_removal,
+}
+#: Each event's handler: one per event type, so an event the core does not know cannot be fed.
+HOST_EVENT_HANDLERS: dict[type, Callable[[HostCore, Any], None]] = {
+    Deadline: HostCore.on_deadline, Planned: HostCore.on_planned,
+    PlanFailed: HostCore.on_plan_failed, OutputPrepared: HostCore.on_output_prepared,
+    Created: HostCore.on_created, Begin: HostCore.on_begin, Started: HostCore.on_started,
+    EngineFailed: HostCore.on_engine_failed, ChannelConnected: HostCore.on_channel_connected,
+    ChannelLost: HostCore.on_channel_lost, ChannelFlushed: HostCore.on_channel_flushed,
+    Requested: HostCore.on_request, Attached: HostCore.on_attached,
+    AttachmentRejected: HostCore.on_attachment_rejected, RelayObserved: HostCore.on_relay,
+    WorkloadExited: HostCore.on_workload_exited, ObservationLost: HostCore.on_observation_lost,
+    ControllerExited: HostCore.on_controller_exited, ControllerLog: HostCore.on_controller_log,
+    HolderLost: HostCore.on_holder_lost, Signalled: HostCore.on_signal,
+    Removed: HostCore.on_removed, LogCopied: HostCore.on_log_copied,
+    Published: HostCore.on_published, PathsRemoved: HostCore.on_paths_removed,
+    InternalError: HostCore.on_internal_error,
+}
 
 
 # ============================================================================================
@@ -1849,6 +2950,21 @@ class Owned:
     channel_dir: Optional[Path] = None
     output_staging_dir: Optional[Path] = None
 
+    def remove_paths(self) -> tuple[str, ...]:
+        """Remove the directories; what could not be removed stays named here, in words."""
+        failures = []
+        for attribute in ("channel_dir", "output_staging_dir"):
+            path = getattr(self, attribute)
+            try:
+                if path is not None:
+                    reploy_watchdog.remove_tree(path)
+                setattr(self, attribute, None)
+            except FileNotFoundError:
+                setattr(self, attribute, None)
+            except OSError as e:
+                failures.append(f"remove {path}: {error_text(e)}")
+        return tuple(failures)
+
 
 class Watchdog:
     """The host's end of the machine's watchdog (reploy_watchdog.py).
@@ -2180,209 +3296,202 @@ class TerminalRelay:
         self.close_terminal()
 
 
-class ControlledSession:
-    """One run of `reploy controlled-session run`, from planning to the delivery tail.
+def session_labels(plan: SessionPlan, manifest: reploy_watchdog.Manifest,
+                   role: str) -> dict[str, str]:
+    """Every session container says whose it is, for the watchdog and for reconciliation
+    after a crash that took the watchdog too."""
+    deployment = plan.workload if role == "workload" else plan.controller
+    labels = {LABEL_RUN: plan.run_id, LABEL_ROLE: role,
+              reploy_watchdog.LABEL_HOST: manifest.host,
+              reploy_watchdog.LABEL_WATCHDOG: manifest.watchdog,
+              reploy_watchdog.LABEL_WORKLOAD_DIR: str(plan.workload.dir)}
+    if role != "holder":  # the holder belongs to the session, not to a deployment
+        labels[LABEL_DEPLOYMENT] = deployment.deployment_id
+        labels[LABEL_GENERATION] = str(deployment.current.number)  # type: ignore[union-attr]
+    return labels
 
-    The phases are sequential code; waiting happens in `wait_until`, which runs one selector
-    loop (the channel, the TerminalRelay's PTY and attachment, wait-thread notices, signals)
-    until a condition holds or a deadline passes. The loop never decides the lifecycle on its
-    own: it records facts (requests, EOFs, exits, signals) and latches causes through the
-    LifecycleMachine.
-    """
 
-    def __init__(self, options: RunOptions, plan: SessionPlan, backend: DockerBackend,
-                 signals: HostSignals) -> None:
-        self.options = options
-        self.plan = plan
-        self.backend = backend
-        self.signals = signals
-        self.machine = LifecycleMachine()
-        self.result = RunResult()
-        self.owned = Owned()
-        self.watchdog = Watchdog(plan.run_id, plan.workload.dir)
-        self.notifier = Notifier()
-        self.selector = selectors.DefaultSelector()
-        self.selector.register(self.notifier.read_fd, selectors.EVENT_READ, self.on_notice)
-        self.selector.register(signals.read_fd, selectors.EVENT_READ, self.on_signal)
-        #: The signal that cancelled the session (it latched host-cancel, or stopped planning).
-        self.cancelled_by: Optional[int] = None
-        #: Why the latched cause happened, in words (startup-failed and lost reasons use it).
-        self.cause_detail = ""
-        #: What off_loop() calls reported, by tag.
-        self.call_results: dict[str, Any] = {}
-        #: What to do on the loop the moment a call reports, by tag (see begin_call).
-        self.call_handlers: dict[str, Callable[[Any], None]] = {}
-        self.calls_started = 0
-        self.listener: Optional[socket.socket] = None
-        self.channel: Optional[wire.FramedConnection] = None
-        self.channel_lost: Optional[str] = None
-        self.interest = Interest(self.selector)
-        self.relay = TerminalRelay(self.interest, lambda: self.machine.phase is Phase.ACTIVE,
-                                   self.resize_workload)
-        #: Why the handed-over attachment was refused, if it was.
-        self.attachment_refused: Optional[str] = None
-        self.complete_received = False
-        self.ack_received = False
-        self.workload_exit: Optional[int] = None
-        #: The workload status the host reports, fixed before workload-outputs-finalized.
-        self.workload_status: Optional[Status] = None
-        self.exit_announced = False
-        self.finalization_announced = False
-        self.terminating_sent = False
-        self.controller_exit: Optional[int] = None
-        self.observation_lost: Optional[str] = None
-        self.workload_started = False
-        self.controller_started = False
-        self.holder_lost: Optional[str] = None
-        self.peer_cred: Optional[tuple[int, int, int]] = None
+def holder_spec(image: str, labels: dict[str, str]) -> ContainerSpec:
+    """The owner of a granted session's network namespace: a pause, as nobody."""
+    return ContainerSpec(
+        role="holder", image_id=image, command=HOLDER_COMMAND,
+        runtime=Runtime(HOLDER_UID_GID, HOLDER_UID_GID, (), HOLDER_MEMORY_MIB, HOLDER_PIDS),
+        environment={}, labels=labels, extra_hosts=((WORKLOAD_HOST, "127.0.0.1"),),
+        hostname=HOLDER_HOSTNAME)
 
-    # -- the whole run ----------------------------------------------------------------------
 
-    def run(self) -> RunResult:
-        """Every outcome, including our own bugs, ends in termination and the delivery tail.
+def controller_spec(plan: SessionPlan, image: str, network_mode: str, channel_dir: Path,
+                    outputs: list[tuple[Mount, tuple[str, str]]],
+                    labels: dict[str, str]) -> ContainerSpec:
+    """The controller: the channel (read-only) and its outputs mounted, nothing else."""
+    mounts = [Mount(str(channel_dir), CHANNEL_MOUNT, read_only=True)]
+    environment = {"HOME": CONTAINER_HOME,
+                   wire.SESSION_SOCKET_ENV: f"{CHANNEL_MOUNT}/{CHANNEL_SOCKET_NAME}"}
+    for mount, (name, value) in outputs:
+        mounts.append(mount)
+        environment[name] = value
+    return ContainerSpec(
+        role="controller", image_id=image, command=plan.controller_argv,
+        runtime=plan.controller_blueprint.runtime, environment=environment, labels=labels,
+        network_mode=network_mode, mounts=tuple(mounts),
+        hostname="controller" if network_mode == NETWORK_NONE else None, init=True)
 
-        Planning (images, the derived controller image, the python probe) comes first, with
-        the watchdog already armed; a plan that fails leaves nothing of the session and the
-        result says only that. The startup timeout counts from the end of planning."""
+
+def workload_spec(plan: SessionPlan, options: RunOptions, network_mode: str,
+                  labels: dict[str, str]) -> ContainerSpec:
+    """The workload: /bin/sh on a TTY of the requested size in its exact image."""
+    return ContainerSpec(
+        role="workload", image_id=plan.workload.current.image_id,  # type: ignore[union-attr]
+        command=(WORKLOAD_SHELL,), runtime=plan.workload_blueprint.runtime,
+        environment={"HOME": CONTAINER_HOME, "TERM": WORKLOAD_TERM}, labels=labels,
+        network_mode=network_mode, tty=True,
+        hostname=WORKLOAD_HOST if network_mode == NETWORK_NONE else None,
+        console_size=(options.columns, options.rows))
+
+
+def prepare_outputs(options: RunOptions, runtime: Runtime, owned: Owned, run_id: str,
+                    feed: Callable[[HostEvent], None]) -> list[tuple[Mount, tuple[str, str]]]:
+    """Mount the controller-only output destination, if one was requested; its status (or
+    its staging, which `owned` keeps) goes to `feed`."""
+    if options.output_dir is not None:
         try:
-            try:
-                link = self.watchdog.arm()  # before the first container of the session exists
-            except (reploy_watchdog.WatchdogUnavailable, OSError) as e:
-                self.result.error = f"plan rejected: the watchdog could not be armed: " \
-                                    f"{error_text(e)}"
-                self.result.controller_output = requested_output_status(self.options)
-                return self.result
-            self.selector.register(link, selectors.EVENT_READ, self.on_watchdog)
-            try:
-                controller_image = self.plan_images()
-            except (PlanRejected, BackendError, OSError) as e:
-                controller_image = None
-                if self.cancelled_by is None:
-                    self.result.error = f"plan rejected: {error_text(e)}"
-            if controller_image is None:  # rejected, or cancelled while planning
-                self.result.controller_output = requested_output_status(self.options)
-                return self.result
-            startup_deadline = time.monotonic() + self.options.timeout_s("--startup-timeout")
-            try:
-                workload = self.prepare(controller_image)
-                self.start(workload, startup_deadline)
-                self.wait_until(lambda: False)  # active: until a cause is latched
-            except (StartupFailure, BackendError, OSError) as e:
-                if self.machine.cause in (None, Cause.STARTUP_FAILURE):
-                    self.result.error = f"startup failed: {error_text(e)}"
-                self.latch(Cause.STARTUP_FAILURE, error_text(e))
-            self.terminate()
-        except Exception as e:  # noqa: BLE001 - a bug must still clean up and report
-            log(f"internal error: {e!r}")
-            self.result.error = f"internal error: {e!r}"
-            if self.machine.cause is None:
-                self.machine.terminate(Cause.STARTUP_FAILURE)
-        finally:
-            self.delivery_tail()
-        return self.result
+            make_output_dir(options.output_dir, runtime)
+        except OSError as e:  # a startup failure; the requested output still has a fate
+            feed(OutputPrepared(Status.of(
+                "controller_output", "failed",
+                reason=f"could not prepare the output directory: {error_text(e)}")))
+            raise
+        feed(OutputPrepared(Status.of("controller_output", "directory-retained")))
+        return [(Mount(str(options.output_dir.resolve()), OUTPUT_DIR_MOUNT, False),
+                 ("REPLOY_OUTPUT_DIR", OUTPUT_DIR_MOUNT))]
+    if options.output_file is not None:
+        staging = Path(tempfile.mkdtemp(prefix=f".reploy-output-{run_id[:8]}-",
+                                        dir=options.output_file.parent))
+        owned.output_staging_dir = staging
+        feed(OutputPrepared(None, staged=True))
+        os.chown(staging, runtime.uid, runtime.gid)
+        os.chmod(staging, 0o700)
+        return [(Mount(str(staging), OUTPUT_FILE_MOUNT, False),
+                 ("REPLOY_OUTPUT_FILE", f"{OUTPUT_FILE_MOUNT}/{options.output_file.name}"))]
+    feed(OutputPrepared(Status.of("controller_output", "not-requested")))
+    return []
 
-    def latch(self, cause: Cause, detail: str = "") -> bool:
-        """Latch `cause` if none is latched yet; True when this call latched it."""
-        if self.machine.phase is Phase.TERMINATED:
-            return False
-        if not self.machine.terminate(cause):
-            return False
-        self.cause_detail = detail
-        log(f"terminating: {cause.value}{': ' + detail if detail else ''}")
-        return True
 
-    # -- planning ---------------------------------------------------------------------------
+def last_log_line(backend: DockerBackend, container_id: str) -> str:
+    """The last line of a container's log (bounded), or nothing when it cannot be read."""
+    with contextlib.suppress(BackendError):
+        lines = backend.log_tail(container_id).splitlines()
+        return lines[-1].decode(errors="replace")[:300] if lines else ""
+    return ""
 
-    def plan_images(self) -> Optional[str]:
-        """The Docker half of planning: the engine can hold the sandbox, both generations'
-        images exist, the derived controller image (built if new) and, unless it already
-        passed on an engine configured like this one, its probe. Every Engine call here runs
-        off the loop, so a signal cancels promptly. Returns the controller image to run, or
-        None when a signal cancelled planning. Raises PlanRejected."""
-        plan, backend = self.plan, self.backend
-        base_image = plan.controller.current.image_id  # type: ignore[union-attr]
 
-        def check(_api: docker.APIClient) -> tuple[str, bool]:
-            try:
-                sandbox_key = backend.require_sandbox_support()
-            except BackendError as e:
-                raise PlanRejected(str(e)) from e
-            for role, deployment in (("controller", plan.controller),
-                                     ("workload", plan.workload)):
-                image_id = deployment.current.image_id  # type: ignore[union-attr]
-                if not backend.image_exists(image_id):
-                    raise PlanRejected(f"the {role} image {image_id} is gone (run reploy build)")
-            probed = probed_reference(base_image, sandbox_key)
-            return probed, derived_image_cached(backend, base_image, probed)
+def show_controller_log(tail: Any) -> None:
+    """The controller's own output, for the user, on the host's stderr (bounded)."""
+    if isinstance(tail, bytes) and tail:
+        sys.stderr.write("reploy: controller output follows\n")
+        sys.stderr.write(tail[-CONTROLLER_LOG_TAIL_BYTES:].decode(errors="replace"))
+        sys.stderr.flush()
 
-        checked = self.off_loop("check the engine and the images", check)
-        if checked is None:
-            return None
-        probed, cached = checked
-        if cached:
-            return probed
-        built = self.off_loop("build the controller image",
-                              lambda _api: build_derived_image(backend, base_image))
-        if built is None or not self.probe(built):
-            return None  # cancelled: without the probed tag, the next session probes again
-        backend.tag_image(built, probed)
+
+def plan_images(session: "ControlledSession") -> Optional[str]:
+    """The Docker half of planning: the engine can hold the sandbox, both generations'
+    images exist, the derived controller image (built if new) and, unless it already
+    passed on an engine configured like this one, its probe. Every Engine call here runs
+    off the loop, so a signal cancels promptly. Returns the controller image to run, or
+    None when a signal cancelled planning. Raises PlanRejected."""
+    plan, backend = session.plan, session.backend
+    base_image = plan.controller.current.image_id  # type: ignore[union-attr]
+
+    def check(_api: docker.APIClient) -> tuple[str, bool]:
+        try:
+            sandbox_key = backend.require_sandbox_support()
+        except BackendError as e:
+            raise PlanRejected(str(e)) from e
+        for role, deployment in (("controller", plan.controller),
+                                 ("workload", plan.workload)):
+            image_id = deployment.current.image_id  # type: ignore[union-attr]
+            if not backend.image_exists(image_id):
+                raise PlanRejected(f"the {role} image {image_id} is gone (run reploy build)")
+        probed = probed_reference(base_image, sandbox_key)
+        return probed, derived_image_cached(backend, base_image, probed)
+
+    checked = session.off_loop("check the engine and the images", check)
+    if checked is None:
+        return None
+    probed, cached = checked
+    if cached:
         return probed
+    built = session.off_loop("build the controller image",
+                          lambda _api: build_derived_image(backend, base_image))
+    if built is None or not probe(session, built):
+        return None  # cancelled: without the probed tag, the next session probes again
+    backend.tag_image(built, probed)
+    return probed
 
-    def probe(self, image_id: str) -> bool:
-        """Run the installed client in a container made like the controller's (PROBE_COMMAND)
-        and refuse the plan, saying why, when it cannot run or when the engine did not give it
-        the sandbox asked for (probe_refusal). The probe is a session container like the
-        others: labelled, in the watchdog's manifest, removed in every outcome. False when a
-        signal cancelled it."""
-        runtime = self.plan.controller_blueprint.runtime
-        container_id = self.acquire_container(ContainerSpec(
-            role=PROBE_ROLE, image_id=image_id, command=PROBE_COMMAND, runtime=runtime,
-            environment={"HOME": CONTAINER_HOME}, labels=self.labels(PROBE_ROLE)))
+def probe(session: "ControlledSession", image_id: str) -> bool:
+    """Run the installed client in a container made like the controller's (PROBE_COMMAND)
+    and refuse the plan, saying why, when it cannot run or when the engine did not give it
+    the sandbox asked for (probe_refusal). The probe is a session container like the
+    others: labelled, in the watchdog's manifest, removed in every outcome. False when a
+    signal cancelled it."""
+    runtime = session.plan.controller_blueprint.runtime
+    container_id = session.acquire_container(ContainerSpec(
+        role=PROBE_ROLE, image_id=image_id, command=PROBE_COMMAND, runtime=runtime,
+        environment={"HOME": CONTAINER_HOME}, labels=session.labels(PROBE_ROLE)))
 
-        def run_probe(api: docker.APIClient) -> tuple[int, bytes, bytes]:
-            try:
-                api.start(container_id)
-            except docker.errors.APIError as e:  # the Engine could not exec the client at all
-                raise PlanRejected(f"{CLIENT_NEEDS}; the probe could not start: "
-                                   f"{e.explanation or e}") from e
-            code = int(api.wait(container_id, timeout=PROBE_TIMEOUT_S)["StatusCode"])
-            return (code, api.logs(container_id, stdout=True, stderr=False)[-PROBE_OUTPUT_BYTES:],
-                    api.logs(container_id, stdout=False, stderr=True)[-PROBE_OUTPUT_BYTES:])
-
+    def run_probe(api: docker.APIClient) -> tuple[int, bytes, bytes]:
         try:
-            outcome: Optional[tuple[int, bytes, bytes]] = self.off_loop("run the python probe",
-                                                                        run_probe)
-            if outcome is None:
-                return False  # cancelled: the delivery tail removes the probe
-            refusal = probe_refusal(*outcome, runtime)
-        except PlanRejected as e:
-            refusal = str(e)
-        cleanup = self.await_removals(self.begin_removal(PROBE_ROLE), time.monotonic()
-                                      + self.options.timeout_s("--cleanup-timeout"))
-        if refusal is not None:
-            with contextlib.suppress(BackendError):
-                self.backend.remove_image(image_id)
-            raise PlanRejected(refusal)
-        if cleanup.kind != "succeeded":
-            raise PlanRejected(f"the python probe could not be removed: {cleanup.reason}")
-        return True
+            api.start(container_id)
+        except docker.errors.APIError as e:  # the Engine could not exec the client at all
+            raise PlanRejected(f"{CLIENT_NEEDS}; the probe could not start: "
+                               f"{e.explanation or e}") from e
+        code = int(api.wait(container_id, timeout=PROBE_TIMEOUT_S)["StatusCode"])
+        return (code, api.logs(container_id, stdout=True, stderr=False)[-PROBE_OUTPUT_BYTES:],
+                api.logs(container_id, stdout=False, stderr=True)[-PROBE_OUTPUT_BYTES:])
 
-    def call_off_loop(self, what: str, call: Callable[[docker.APIClient], Any],
-                      deadline: Optional[float], stop_on_latch: bool) -> tuple[bool, Any]:
-        """Run a blocking Engine call in a thread while the loop goes on (signals, the
-        channel). (True, its value or BackendError) once it returns; (False, None) when the
-        deadline passed or (with stop_on_latch) a cause was latched first."""
-        return self.await_call(self.begin_call(what, call), deadline, stop_on_latch)
+    try:
+        outcome = session.off_loop("run the python probe", run_probe)
+        if outcome is None:
+            return False  # cancelled: the delivery tail removes the probe
+        refusal = probe_refusal(*outcome, runtime)
+    except PlanRejected as e:
+        refusal = str(e)
+    removal = session.calls.begin("remove the python-probe container", lambda api: (
+        remove_container_quietly(api, container_id)))
+    deadline = time.monotonic() + session.options.timeout_s("--cleanup-timeout")
+    removed = session.await_call(removal, deadline)
+    if removed is not None and not isinstance(removed[0], BaseException):
+        session.forget(Role.PROBE)
+    if refusal is not None:
+        with contextlib.suppress(BackendError):
+            session.backend.remove_image(image_id)
+        raise PlanRejected(refusal)
+    if Role.PROBE.value in session.owned.containers:
+        reason = removed[0] if removed else "not finished within the cleanup timeout"
+        raise PlanRejected(f"the python probe could not be removed: {reason}")
+    return True
 
-    def begin_call(self, what: str, call: Callable[[docker.APIClient], Any],
-                   on_done: Optional[Callable[[Any], None]] = None) -> str:
-        """Start a blocking Engine call in a thread, so other work overlaps it; its tag, for
-        await_call. `on_done` gets its value (or BackendError) on the loop as soon as it
-        reports, awaited or not."""
-        self.calls_started += 1
-        tag = f"{CALL_TAG}{self.calls_started}"
+
+class EngineCalls:
+    """Blocking Engine calls, each in a thread so the loop goes on (signals, the channel): what
+    one returns (or its BackendError) comes back to the loop through the notifier."""
+
+    def __init__(self, backend: DockerBackend, notifier: Notifier) -> None:
+        self.backend = backend
+        self.notifier = notifier
+        self.started = 0
+        #: What calls without a handler reported, by tag; what to do when one reports.
+        self.results: dict[str, Any] = {}
+        self.handlers: dict[str, Callable[[Any], None]] = {}
+
+    def begin(self, what: str, call: Callable[[docker.APIClient], Any],
+              on_done: Optional[Callable[[Any], None]] = None) -> str:
+        """Start the call; its tag. `on_done` gets its value on the loop as soon as it
+        reports; without one, the value waits in `results`."""
+        self.started += 1
+        tag = f"{CALL_TAG}{self.started}"
         if on_done is not None:
-            self.call_handlers[tag] = on_done
+            self.handlers[tag] = on_done
 
         def guarded(api: docker.APIClient) -> Any:
             try:
@@ -2393,90 +3502,37 @@ class ControlledSession:
         self.backend.in_thread(tag, guarded, self.notifier.report)
         return tag
 
-    def await_call(self, tag: str, deadline: Optional[float],
-                   stop_on_latch: bool) -> tuple[bool, Any]:
-        """The result of begin_call's call, as call_off_loop says."""
-        if not self.wait_until(lambda: tag in self.call_results, deadline, stop_on_latch):
-            return False, None
-        return True, self.call_results.pop(tag)
+    def report(self, tag: str, value: Any) -> None:
+        handler = self.handlers.pop(tag, None)
+        if handler is None:
+            self.results[tag] = value
+        else:
+            handler(value)
 
-    def off_loop(self, what: str, call: Callable[[docker.APIClient], Any]) -> Any:
-        """A planning call (the engine's checks, an image build, the probe) that a signal
-        cancels promptly: its value, or None when cancelled. Raises its ReployError."""
-        finished, value = self.call_off_loop(what, call, None, stop_on_latch=True)
-        if isinstance(value, ReployError):
-            raise value
-        return value if finished else None
 
-    # -- preparing --------------------------------------------------------------------------
+class ControllerChannel:
+    """The host's end of the private channel: a listener that takes exactly one peer, of the
+    controller's uid:gid, then the framed connection to that peer's broker. What arrives is
+    fed to the core as events; the attachment's own connection goes to the relay."""
 
-    def prepare(self, controller_image: str) -> ContainerSpec:
-        """The channel, the outputs, the holder and the controller; returns the workload's
-        spec, which start() creates while the controller starts."""
-        plan = self.plan
-        controller_runtime = plan.controller_blueprint.runtime
-        self.open_channel(controller_runtime)
-        self.watchdog.record_owned(self.owned)
-        mounts = [Mount(str(self.owned.channel_dir), CHANNEL_MOUNT, read_only=True)]
-        environment = {
-            "HOME": CONTAINER_HOME,
-            wire.SESSION_SOCKET_ENV: f"{CHANNEL_MOUNT}/{CHANNEL_SOCKET_NAME}",
-        }
-        mounts_env = self.prepare_outputs(controller_runtime)
-        self.watchdog.record_owned(self.owned)
-        for mount, (name, value) in mounts_env:
-            mounts.append(mount)
-            environment[name] = value
-        network_mode = NETWORK_NONE
-        if plan.endpoints:
-            holder_id = self.acquire_container(ContainerSpec(
-                role="holder", image_id=controller_image, command=HOLDER_COMMAND,
-                runtime=Runtime(HOLDER_UID_GID, HOLDER_UID_GID, (), HOLDER_MEMORY_MIB,
-                                HOLDER_PIDS),
-                environment={}, labels=self.labels("holder"),
-                extra_hosts=((WORKLOAD_HOST, "127.0.0.1"),), hostname=HOLDER_HOSTNAME))
-            network_mode = f"container:{holder_id}"
-        joined = network_mode != NETWORK_NONE
-        self.acquire_container(ContainerSpec(
-            role="controller", image_id=controller_image, command=plan.controller_argv,
-            runtime=controller_runtime, environment=environment,
-            labels=self.labels("controller"), network_mode=network_mode, mounts=tuple(mounts),
-            hostname=None if joined else "controller", init=True))
-        return ContainerSpec(
-            role="workload", image_id=plan.workload.current.image_id,  # type: ignore[union-attr]
-            command=(WORKLOAD_SHELL,), runtime=plan.workload_blueprint.runtime,
-            environment={"HOME": CONTAINER_HOME, "TERM": WORKLOAD_TERM},
-            labels=self.labels("workload"), network_mode=network_mode,
-            tty=True, hostname=None if joined else WORKLOAD_HOST,
-            console_size=(self.options.columns, self.options.rows))
+    def __init__(self, interest: Interest, relay: TerminalRelay,
+                 feed: Callable[[HostEvent], None], refused: Callable[[], bool]) -> None:
+        self.interest = interest
+        self.relay = relay
+        #: The controller's runtime: the one peer the channel and the attachment may have.
+        self.runtime: Optional[Runtime] = None
+        self.feed = feed
+        #: Whether an attachment was refused already (the core knows).
+        self.refused = refused
+        self.listener: Optional[socket.socket] = None
+        self.socket_path: Optional[Path] = None
+        self.conn: Optional[wire.FramedConnection] = None
+        #: A sent event may still be unwritten.
+        self.unflushed = False
 
-    def acquire_container(self, spec: ContainerSpec) -> str:
-        container_id = self.backend.create(spec)
-        self.owned.containers[spec.role] = container_id
-        self.owned.labels[container_id] = spec.labels
-        self.watchdog.record_owned(self.owned)
-        return container_id
-
-    def labels(self, role: str) -> dict[str, str]:
-        """Every session container says whose it is, for the watchdog and for reconciliation
-        after a crash that took the watchdog too."""
-        deployment = self.plan.workload if role == "workload" else self.plan.controller
-        labels = {LABEL_RUN: self.plan.run_id, LABEL_ROLE: role,
-                  reploy_watchdog.LABEL_HOST: self.watchdog.manifest.host,
-                  reploy_watchdog.LABEL_WATCHDOG: self.watchdog.manifest.watchdog,
-                  reploy_watchdog.LABEL_WORKLOAD_DIR: str(self.plan.workload.dir)}
-        if role != "holder":  # the holder belongs to the session, not to a deployment
-            labels[LABEL_DEPLOYMENT] = deployment.deployment_id
-            labels[LABEL_GENERATION] = str(deployment.current.number)  # type: ignore[union-attr]
-        return labels
-
-    def open_channel(self, runtime: Runtime) -> None:
-        """The private channel: a 0700 dir and a 0600 socket owned by the controller's uid:gid."""
-        channel_dir = reploy_watchdog.channel_dir_for(str(self.plan.workload.dir), self.plan.run_id)
-        channel_dir.parent.mkdir(parents=True, exist_ok=True)
-        channel_dir.mkdir(mode=0o700)
-        self.owned.channel_dir = channel_dir
-        os.chown(channel_dir, runtime.uid, runtime.gid)
+    def listen(self, channel_dir: Path, runtime: Runtime) -> None:
+        """A 0600 socket owned by the controller's uid:gid in `channel_dir`."""
+        self.runtime = runtime
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         # Bind through /proc/self/fd so a deep workload dir cannot exceed sun_path's 108 bytes.
         dir_fd = os.open(channel_dir, os.O_RDONLY | os.O_DIRECTORY)
@@ -2488,147 +3544,497 @@ class ControlledSession:
                 os.umask(old_umask)
         finally:
             os.close(dir_fd)
-        socket_path = channel_dir / CHANNEL_SOCKET_NAME
-        os.chown(socket_path, runtime.uid, runtime.gid, follow_symlinks=False)
-        os.chmod(socket_path, 0o600)
+        self.socket_path = channel_dir / CHANNEL_SOCKET_NAME
+        os.chown(self.socket_path, self.runtime.uid, self.runtime.gid, follow_symlinks=False)
+        os.chmod(self.socket_path, 0o600)
         listener.listen(1)
         listener.setblocking(False)
         self.listener = listener
-        self.selector.register(listener, selectors.EVENT_READ, self.on_listener)
+        self.interest.set(listener, self.on_listener, selectors.EVENT_READ)
 
-    def prepare_outputs(self, runtime: Runtime) -> list[tuple[Mount, tuple[str, str]]]:
-        """Mount the controller-only output destination, if one was requested."""
-        options = self.options
-        if options.output_dir is not None:
-            try:
-                make_output_dir(options.output_dir, runtime)
-            except OSError as e:  # a startup failure; the requested output still has a fate
-                self.result.controller_output = Status.of(
-                    "controller_output", "failed",
-                    reason=f"could not prepare the output directory: {error_text(e)}")
-                raise
-            self.result.controller_output = Status.of("controller_output", "directory-retained")
-            return [(Mount(str(options.output_dir.resolve()), OUTPUT_DIR_MOUNT, False),
-                     ("REPLOY_OUTPUT_DIR", OUTPUT_DIR_MOUNT))]
-        if options.output_file is not None:
-            staging = Path(tempfile.mkdtemp(prefix=f".reploy-output-{self.plan.run_id[:8]}-",
-                                            dir=options.output_file.parent))
-            os.chown(staging, runtime.uid, runtime.gid)
-            os.chmod(staging, 0o700)
-            self.owned.output_staging_dir = staging
-            return [(Mount(str(staging), OUTPUT_FILE_MOUNT, False),
-                     ("REPLOY_OUTPUT_FILE", f"{OUTPUT_FILE_MOUNT}/{options.output_file.name}"))]
-        self.result.controller_output = Status.of("controller_output", "not-requested")
-        return []
+    def set_interest(self) -> None:
+        if self.conn is not None:
+            self.interest.set(self.conn.sock, self.on_channel, selectors.EVENT_READ | (
+                selectors.EVENT_WRITE if self.conn.wants_write else 0))
 
-    # -- starting ---------------------------------------------------------------------------
+    def flushed(self) -> bool:
+        """True once, when every event sent is written out (or there is nowhere to write)."""
+        if not self.unflushed or (self.conn is not None and self.conn.wants_write):
+            return False
+        self.unflushed = False
+        return True
 
-    def start(self, workload: ContainerSpec, deadline: float) -> None:
-        """Start the session, overlapping what may overlap: while the controller starts, the
-        workload is created and attached to. The workload itself starts only once the
-        attachment is connected: a controller that never attaches leaves no workload process
-        behind."""
-        backend, plan = self.backend, self.plan
-        holder_id = self.owned.containers.get("holder")
-        if holder_id is not None:  # its namespace must exist before anything joins it
-            backend.start(holder_id)
-            backend.wait_in_thread(holder_id, self.notifier.report, "holder")
-        controller_id = self.owned.containers["controller"]
-        controller_start = self.begin_call("start the controller",
-                                           lambda api: api.start(controller_id))
+    def send(self, event: wire.Message) -> None:
+        if self.conn is not None:
+            self.conn.send(wire.encode_frame(FrameKind.EVENT,
+                                             wire.encode_compact(event.to_json())))
+            self.unflushed = True
+
+    def close_write(self) -> None:
+        if self.conn is not None:
+            with contextlib.suppress(OSError):
+                self.conn.close_write()
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.interest.set(self.conn.sock, self.on_channel, 0)
+            self.conn.close()
+            self.conn = None
+
+    def on_listener(self, _mask: int) -> None:
+        assert self.listener is not None
         try:
-            workload_id = self.acquire_container(workload)
-            # Attached before it starts: no byte is missed.
-            self.relay.open_pty(backend.attach_pty(workload_id))
-        finally:
-            self.await_controller_start(controller_start, deadline)
-        backend.wait_in_thread(controller_id, self.notifier.report, "controller")
-        if not self.wait_until(lambda: self.channel is not None, deadline):
-            raise StartupFailure(self.startup_shortfall("the controller did not connect"))
-        self.send_event(wire.Opened(
-            operations=wire.OPERATIONS, endpoints=plan.endpoints,
-            columns=self.options.columns, rows=self.options.rows,
-            output_finalization_timeout_milliseconds=OUTPUT_FINALIZATION_TIMEOUT_MS))
-        if not self.wait_until(lambda: self.relay.attached, deadline):
-            raise StartupFailure(self.startup_shortfall("no terminal attachment connected"))
-        backend.start(workload_id)
-        self.workload_started = True
-        backend.resize(workload_id, self.options.columns, self.options.rows)
-        backend.wait_in_thread(workload_id, self.notifier.report, "workload")
-        if self.machine.phase is not Phase.PREPARING:
+            conn, _ = self.listener.accept()
+        except (BlockingIOError, InterruptedError):
             return
-        self.machine.ready()
-        self.send_event(wire.Ready())
+        pid, uid, gid = struct.unpack("3i", conn.getsockopt(
+            socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+        assert self.runtime is not None
+        if (uid, gid) != (self.runtime.uid, self.runtime.gid):
+            log(f"refused a channel peer with uid:gid {uid}:{gid} (pid {pid})")
+            conn.close()
+            return
+        self.close_listener()  # exactly one peer; the path is gone from now on
+        self.conn = wire.FramedConnection(conn, descriptor_kinds=frozenset({FrameKind.ATTACHED}))
+        self.interest.set(conn, self.on_channel, selectors.EVENT_READ)
+        self.feed(ChannelConnected())
 
-    def await_controller_start(self, tag: str, deadline: float) -> None:
-        """The controller's start call, begun in start(): it is not cut short (the controller
-        may be running once it returns, and the delivery tail must know)."""
-        finished, value = self.await_call(tag, deadline, stop_on_latch=False)
-        if isinstance(value, BackendError):
-            raise value
-        self.controller_started = True  # or still starting, past the deadline: stop it later
-        if not finished:
-            raise StartupFailure("the controller did not start within the startup timeout")
+    def close_listener(self) -> None:
+        if self.listener is None:
+            return
+        self.interest.set(self.listener, self.on_listener, 0)
+        self.listener.close()
+        self.listener = None
+        assert self.socket_path is not None
+        with contextlib.suppress(FileNotFoundError):
+            self.socket_path.unlink()
 
-    def startup_shortfall(self, what: str) -> str:
-        """Why startup stopped short, in the words most useful to the user."""
-        if self.attachment_refused:
-            return self.attachment_refused
-        if self.holder_lost:
-            return f"{what}: {self.holder_lost}"
-        if self.controller_exit is not None:
-            last_line = ""
-            with contextlib.suppress(BackendError):
-                lines = self.backend.log_tail(self.owned.containers["controller"]).splitlines()
-                last_line = lines[-1].decode(errors="replace")[:300] if lines else ""
-            return (f"{what}: the controller exited with code {self.controller_exit}"
-                    + (f" ({last_line})" if last_line else ""))
-        if self.channel_lost:
-            return f"{what}: {self.channel_lost}"
-        if self.machine.cause is not None:
-            return f"{what} before termination began ({self.machine.cause.value})"
-        return f"{what} within the startup timeout"
+    def on_channel(self, mask: int) -> None:
+        conn = self.conn
+        assert conn is not None
+        try:
+            if mask & selectors.EVENT_WRITE:
+                conn.flush()
+            if mask & selectors.EVENT_READ:
+                frames = iter(conn.receive())
+                try:
+                    for frame in frames:
+                        self.on_frame(frame)
+                finally:  # frames a failure left unhandled keep no descriptor open
+                    wire.close_descriptors(d for frame in frames for d in frame.descriptors)
+                if conn.eof:
+                    self.lose("the controller closed the session channel")
+        except wire.ProtocolError as e:
+            self.lose(f"channel protocol violation: {e.message}")
+        except OSError as e:
+            self.lose(f"channel failed: {error_text(e)}")
+
+    def lose(self, reason: str) -> None:
+        if self.conn is not None:
+            self.close()
+            self.feed(ChannelLost(reason))
+
+    def on_frame(self, frame: wire.Frame) -> None:
+        """A frame from the broker: the attachment's hand-over, or a public request."""
+        if frame.kind is FrameKind.ATTACHED:
+            self.adopt_attachment(frame)
+        elif frame.kind is FrameKind.REQUEST:
+            self.feed(Requested(wire.decode_message(frame.payload + b"\n",
+                                                    wire.Direction.REQUEST)))
+        else:
+            raise wire.FramingError(f"unexpected {frame.kind.name} frame from the controller")
+
+    def adopt_attachment(self, frame: wire.Frame) -> None:
+        """The broker handed over the attachment's own connection: terminal bytes go straight
+        between it and the engine from now on. A connection that is not what an attachment's
+        must be is refused, and startup fails closed."""
+        try:
+            if self.relay.attached or self.refused():
+                raise wire.FramingError("a second attachment was handed over")
+            if frame.json() != {}:
+                raise wire.FramingError("an ATTACHED frame carries an empty object")
+        except wire.ProtocolError:
+            wire.close_descriptors(frame.descriptors)
+            raise
+        assert self.runtime is not None
+        try:
+            sock = attachment_socket(frame.descriptors, self.runtime.uid, self.runtime.gid)
+        except AttachmentRefused as e:
+            self.feed(AttachmentRejected(str(e)))
+            return
+        self.relay.adopt(sock)
+        self.feed(Attached())
+
+
+class ControlledSession:
+    """One run of `reploy controlled-session run`: HostCore decides, this performs.
+
+    Planning (images, the derived controller image, the python probe) and preparation (the
+    channel, the outputs, the holder and the controller) are sequential code, as is every
+    action; everything else is the selector loop (the channel, the TerminalRelay's PTY and
+    attachment, wait-thread notices, signals) turning what it sees into events. Events seen
+    in one pass are fed after that pass, behind every deadline that passed meanwhile: what
+    is first seen after a deadline did not happen before it (issue 23).
+    """
+
+    def __init__(self, options: RunOptions, plan: SessionPlan, backend: DockerBackend,
+                 signals: HostSignals) -> None:
+        self.options = options
+        self.plan = plan
+        self.backend = backend
+        self.signals = signals
+        self.core = HostCore(HostConfig(
+            HostTimeouts.of(options), endpoints=plan.endpoints, columns=options.columns,
+            rows=options.rows, requested_output=requested_output_status(options),
+            output_file=options.output_file is not None))
+        self.result: Optional[RunResult] = None
+        self.owned = Owned()
+        self.watchdog = Watchdog(plan.run_id, plan.workload.dir)
+        self.notifier = Notifier()
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(self.notifier.read_fd, selectors.EVENT_READ, self.on_notice)
+        self.selector.register(signals.read_fd, selectors.EVENT_READ, self.on_signal)
+        #: When each armed deadline passes (time.monotonic()).
+        self.due: dict[Timer, float] = {}
+        #: Events not yet fed: a pass's, or an action's answers.
+        self.events: list[HostEvent] = []
+        self.feeding = False
+        #: The relay's facts as last fed.
+        self.relay_fed = RelayFacts()
+        self.calls = EngineCalls(backend, self.notifier)
+        self.workload_spec: Optional[ContainerSpec] = None
+        self.interest = Interest(self.selector)
+        self.relay = TerminalRelay(self.interest, lambda: self.core.state.phase is Phase.ACTIVE,
+                                   self.resize_workload)
+        self.channel = ControllerChannel(self.interest, self.relay, self.feed,
+                                         lambda: self.core.state.attachment_refused is not None)
+
+    # -- the whole run ----------------------------------------------------------------------
+
+    def run(self) -> RunResult:
+        """Every outcome, including our own bugs, ends in the core's Finish."""
+        try:
+            self.watchdog.arm()  # before the first container of the session exists
+        except (reploy_watchdog.WatchdogUnavailable, OSError) as e:
+            return RunResult(error=f"plan rejected: the watchdog could not be armed: "
+                                   f"{error_text(e)}",
+                             controller_output=requested_output_status(self.options))
+        self.selector.register(self.watchdog.link, selectors.EVENT_READ, self.on_watchdog)
+        try:
+            self.plan_and_prepare()
+            while self.result is None:
+                self.loop_once()
+        except Exception as e:  # noqa: BLE001 - a bug must still clean up and report
+            log(f"internal error: {e!r}")
+            self.events.clear()
+            self.feeding = False
+            self.feed(InternalError(repr(e)))
+            while self.result is None:
+                self.loop_once()
+        finally:
+            self.notifier.close()
+            self.selector.close()
+        return self.result
+
+    def plan_and_prepare(self) -> None:
+        """The startup timeout counts from the end of planning."""
+        try:
+            controller_image = plan_images(self)
+        except (PlanRejected, BackendError, OSError) as e:
+            self.feed(PlanFailed(error_text(e)))
+            return
+        if controller_image is None:
+            return  # cancelled: the core is in its delivery tail already
+        self.feed(Planned())
+        try:
+            self.workload_spec = self.prepare(controller_image)
+        except (BackendError, OSError) as e:
+            self.feed(EngineFailed(error_text(e)))
+            return
+        self.feed(Begin())
+
+    # -- feeding the core and performing its actions -----------------------------------------
+
+    def feed(self, event: HostEvent) -> None:
+        """Hand `event` to the core and perform its answer, unless a pass or an action is
+        being handled: then it waits its turn."""
+        self.events.append(event)
+        if not self.feeding:
+            self.pump()
+
+    def pump(self) -> None:
+        """Feed every waiting event, each behind the deadlines that passed before it."""
+        self.feeding = True
+        try:
+            self.observe()
+            self.expire()
+            while self.events:
+                self.step(self.events.pop(0))
+                self.observe()
+                self.expire()
+        finally:
+            self.feeding = False
+
+    def step(self, event: HostEvent) -> None:
+        for action in self.core.handle(event):
+            self.perform(action)
+        armed = self.core.state.armed
+        if len(armed) != len(self.due):
+            self.due = {timer: at for timer, at in self.due.items() if timer in armed}
+
+    def expire(self) -> None:
+        now = time.monotonic()
+        for timer, at in sorted(self.due.items(), key=lambda item: item[1]):
+            if at <= now and self.due.get(timer) == at:
+                del self.due[timer]
+                self.step(Deadline(timer))
+
+    def observe(self) -> None:
+        """Facts the relay and channel hold rather than report: fed when they change (the
+        relay's only once the session is no longer active, when its drain matters)."""
+        if self.channel.flushed():
+            self.events.append(ChannelFlushed())
+        if self.core.state.phase is Phase.ACTIVE:
+            return
+        relay = self.relay
+        facts = RelayFacts(relay.pty_eof, relay.output_lost, relay.delivered)
+        if facts != self.relay_fed:
+            self.relay_fed = facts
+            self.events.append(RelayObserved(facts))
+
+    def perform(self, action: HostAction) -> None:
+        if isinstance(action, Send):
+            self.channel.send(action.event)
+        elif isinstance(action, Arm):
+            self.due[action.timer] = time.monotonic() + action.seconds
+        elif isinstance(action, Start):
+            self.start(action.role)
+        elif isinstance(action, Kill):
+            self.kill(action.role, action.signame)
+        elif isinstance(action, Remove):
+            self.begin_removal(*action.roles)
+        elif isinstance(action, Resize):
+            self.resize_workload(action.columns, action.rows)
+        elif isinstance(action, Log):
+            log(action.message)
+        elif isinstance(action, Close):
+            self.close(action.part)
+        elif isinstance(action, EndOutput):
+            self.relay.end_output(action.status)
+        elif isinstance(action, Finish):
+            self.finish(action)
+        else:
+            self.perform_file_action(action)
+
+    def perform_file_action(self, action: HostAction) -> None:
+        if isinstance(action, ReadControllerLog):
+            self.feed(ControllerLog(last_log_line(self.backend,
+                                                  self.owned.containers["controller"])))
+        elif isinstance(action, CopyControllerLog):
+            controller_id = self.owned.containers["controller"]
+            self.calls.begin("read the controller log", lambda api: api.logs(
+                controller_id, stdout=True, stderr=True), self.controller_log_copied)
+        elif isinstance(action, Publish):
+            assert self.options.output_file is not None and self.owned.output_staging_dir
+            try:
+                publish_regular_file(self.owned.output_staging_dir, self.options.output_file)
+                self.feed(Published())
+            except OSError as e:
+                self.feed(Published(error_text(e)))
+        elif isinstance(action, RemovePaths):
+            self.feed(PathsRemoved(self.owned.remove_paths()))
+
+    def controller_log_copied(self, tail: Any) -> None:
+        show_controller_log(tail)
+        self.feed(LogCopied())
+
+    def close(self, part: ClosePart) -> None:
+        if part is ClosePart.PTY:
+            self.relay.close_pty()
+        elif part is ClosePart.TERMINAL:
+            self.relay.close_terminal()
+        elif part is ClosePart.LISTENER:
+            self.channel.close_listener()
+        elif part is ClosePart.CHANNEL_WRITE:
+            self.channel.close_write()
+        else:
+            self.channel.close()
+
+    def finish(self, action: Finish) -> None:
+        if action.keep_manifest:
+            # Keep a true manifest of what remains, for `controlled-session cleanup`.
+            self.watchdog.record_owned(self.owned)
+            log("cleanup left something behind; `reploy.py controlled-session cleanup "
+                f"--workload-dir {self.plan.workload.dir}` reconciles it")
+        if self.watchdog.link is not None:
+            self.selector.unregister(self.watchdog.link)
+        self.watchdog.disarm(keep_manifest=action.keep_manifest)
+        self.result = action.result
+
+    # -- planning ---------------------------------------------------------------------------
+
+    def await_call(self, tag: str, deadline: Optional[float] = None) -> Optional[tuple[Any]]:
+        """A planning call's (value,) once it reports; None when the deadline passed first or
+        a signal ended planning."""
+        results = self.calls.results
+        while tag not in results and self.core.state.step is Step.PLANNING:
+            timeout = None if deadline is None else deadline - time.monotonic()
+            if timeout is not None and timeout <= 0:
+                return None
+            self.loop_once(timeout)
+        return (results.pop(tag),) if tag in results else None
+
+    def off_loop(self, what: str, call: Callable[[docker.APIClient], Any]) -> Any:
+        """A planning call (the engine's checks, an image build, the probe) that a signal
+        cancels promptly: its value, or None when cancelled. Raises its ReployError."""
+        reported = self.await_call(self.calls.begin(what, call))
+        if reported is not None and isinstance(reported[0], ReployError):
+            raise reported[0]
+        return None if reported is None else reported[0]
+
+    # -- preparing --------------------------------------------------------------------------
+
+    def prepare(self, controller_image: str) -> ContainerSpec:
+        """The channel, the outputs, the holder and the controller; returns the workload's
+        spec, which the controller's start creates while the controller starts."""
+        plan = self.plan
+        self.open_channel(plan.controller_blueprint.runtime)
+        self.watchdog.record_owned(self.owned)
+        outputs = prepare_outputs(self.options, plan.controller_blueprint.runtime, self.owned,
+                                  plan.run_id, self.feed)
+        self.watchdog.record_owned(self.owned)
+        network_mode = NETWORK_NONE
+        if plan.endpoints:
+            holder_id = self.acquire_container(holder_spec(controller_image,
+                                                           self.labels("holder")))
+            network_mode = f"container:{holder_id}"
+        assert self.owned.channel_dir is not None
+        self.acquire_container(controller_spec(plan, controller_image, network_mode,
+                                               self.owned.channel_dir, outputs,
+                                               self.labels("controller")))
+        return workload_spec(plan, self.options, network_mode, self.labels("workload"))
+
+    def acquire_container(self, spec: ContainerSpec) -> str:
+        container_id = self.backend.create(spec)
+        self.owned.containers[spec.role] = container_id
+        self.owned.labels[container_id] = spec.labels
+        self.watchdog.record_owned(self.owned)
+        self.feed(Created(Role(spec.role)))
+        return container_id
+
+    def forget(self, role: Role) -> None:
+        """The role's container is removed: it leaves the watchdog's manifest at once."""
+        self.owned.containers.pop(role.value, None)
+        self.watchdog.record_owned(self.owned)
+        self.feed(Removed(role))
+
+    def labels(self, role: str) -> dict[str, str]:
+        return session_labels(self.plan, self.watchdog.manifest, role)
+
+    def open_channel(self, runtime: Runtime) -> None:
+        """The private channel's 0700 directory, owned by the controller's uid:gid."""
+        channel_dir = reploy_watchdog.channel_dir_for(str(self.plan.workload.dir), self.plan.run_id)
+        channel_dir.parent.mkdir(parents=True, exist_ok=True)
+        channel_dir.mkdir(mode=0o700)
+        self.owned.channel_dir = channel_dir
+        os.chown(channel_dir, runtime.uid, runtime.gid)
+        self.channel.listen(channel_dir, runtime)
+
+    # -- the engine's part ------------------------------------------------------------------
+
+    def start(self, role: Role) -> None:
+        """Start a container and watch it. The controller starts off the loop while the
+        workload is created and attached to (before it starts: no byte is missed)."""
+        backend, containers = self.backend, self.owned.containers
+        try:
+            if role is Role.CONTROLLER:
+                controller_id = containers["controller"]
+
+                def started(value: Any) -> None:
+                    if isinstance(value, BackendError):
+                        self.feed(EngineFailed(error_text(value), Role.CONTROLLER))
+                        return
+                    backend.wait_in_thread(controller_id, self.notifier.report, "controller")
+                    self.feed(Started(Role.CONTROLLER))
+
+                self.calls.begin("start the controller", lambda api: api.start(controller_id),
+                                started)
+                assert self.workload_spec is not None
+                self.relay.open_pty(backend.attach_pty(self.acquire_container(
+                    self.workload_spec)))
+                return
+            backend.start(containers[role.value])
+            backend.wait_in_thread(containers[role.value], self.notifier.report, role.value)
+        except (BackendError, OSError) as e:  # (the controller's start: the workload's creation)
+            self.feed(EngineFailed(error_text(e), Role.WORKLOAD if role is Role.CONTROLLER
+                                   else role))
+            return
+        if role is Role.WORKLOAD:
+            self.resize_workload(self.options.columns, self.options.rows)
+        self.feed(Started(role))
+
+    def kill(self, role: Role, signame: str) -> None:
+        """SIGTERM at once; SIGKILL from a thread: the Engine answers it only once the
+        container has exited, and the exit can wait for us to read the PTY stream."""
+        container_id = self.owned.containers.get(role.value)
+        if container_id is None:
+            return
+        if signame == "SIGTERM":
+            try:
+                self.backend.kill(container_id, signame)
+            except BackendError as e:
+                log(f"could not signal the {role.value}: {e}")
+            return
+        self.backend.in_thread("kill", lambda api: kill_if_running(api, container_id, signame),
+                               self.notifier.report)
+
+    def resize_workload(self, columns: int, rows: int) -> None:
+        """A resize the session honours (a structured one, or the attachment's SIGWINCH)."""
+        try:
+            self.backend.resize(self.owned.containers["workload"], columns, rows)
+        except BackendError as e:  # e.g. racing the workload's exit: not fatal
+            log(f"could not resize the workload's terminal: {e}")
+
+    def begin_removal(self, *roles: Role) -> None:
+        """Remove these containers all at once, off the loop; each one removed leaves the
+        watchdog's manifest at once, so it stays a true record however long nobody awaits."""
+        for role in roles:
+            container_id = self.owned.containers.get(role.value)
+            if container_id is None:
+                self.feed(Removed(role))
+                continue
+
+            def removed(value: Any, role: Role = role) -> None:
+                if isinstance(value, BaseException):
+                    self.feed(Removed(role, str(value)))
+                else:
+                    self.forget(role)
+
+            self.calls.begin(f"remove the {role.value} container",
+                             lambda api, cid=container_id: remove_container_quietly(api, cid),
+                             removed)
 
     # -- the loop ---------------------------------------------------------------------------
 
-    def wait_until(self, condition: Callable[[], bool], deadline: Optional[float] = None,
-                   stop_on_latch: bool = True) -> bool:
-        """Run the loop until condition() (True), the deadline, or (if stop_on_latch) a cause
-        being latched (False): phases that must end on any cause wait with stop_on_latch.
-
-        A deadline is a barrier: a condition seen to hold only once it passed did not hold in
-        time (False), however the loop got there late (a host suspended and resumed, a slow
-        pass), so what came after a deadline never counts as before it."""
-        while True:
-            if condition():
-                return deadline is None or time.monotonic() <= deadline
-            if stop_on_latch and self.machine.cause is not None:
-                return False
-            timeout = None if deadline is None else deadline - time.monotonic()
-            if timeout is not None and timeout <= 0:
-                return False
-            self.loop_once(timeout)
-
-    def loop_once(self, timeout: Optional[float]) -> None:
-        """One pass, fixed order: set interest, select, then handle what is ready."""
-        if self.channel is not None:
-            self.interest.set(self.channel.sock, self.on_channel, selectors.EVENT_READ | (
-                selectors.EVENT_WRITE if self.channel.wants_write else 0))
+    def loop_once(self, timeout: Optional[float] = None) -> None:
+        """One pass: set interest, select until the next deadline, handle what is ready, then
+        feed what the pass saw (fed behind the deadlines that passed meanwhile)."""
+        self.channel.set_interest()
         self.relay.set_interest()
-        for key, mask in self.selector.select(self.relay.timeout(timeout)):
-            key.data(mask)
+        if self.due:
+            next_s = max(0.0, min(self.due.values()) - time.monotonic())
+            timeout = next_s if timeout is None else min(timeout, next_s)
+        self.feeding = True  # what the pass sees waits for its end
+        try:
+            for key, mask in self.selector.select(self.relay.timeout(timeout)):
+                key.data(mask)
+        finally:
+            self.feeding = False
+        self.pump()
 
     def on_signal(self, _mask: int) -> None:
-        """SIGINT/SIGTERM cancel the session (host-cancel), if nothing else ended it first;
-        one that comes later changes none of the termination's steps, each bounded anyway
-        (main() still exits 130/143 when the result is not ok)."""
         for signum in self.signals.drain():
-            name = signal.Signals(signum).name
-            if self.latch(Cause.HOST_CANCEL, f"received {name}"):
-                self.cancelled_by = signum
-                self.result.error = f"cancelled by {name}"
-            else:
-                log(f"received {name}; the session is already ending")
+            self.feed(Signalled(signal.Signals(signum).name))
 
     def on_watchdog(self, _mask: int) -> None:
         """The watchdog never speaks after `armed`: its link turning readable means it died."""
@@ -2640,503 +4046,19 @@ class ControlledSession:
     def on_notice(self, _mask: int) -> None:
         for tag, value in self.notifier.drain():
             if tag == "workload":
-                if isinstance(value, Exception):
-                    self.observation_lost = str(value)
-                    self.latch(Cause.RUNTIME_OBSERVATION_LOST, str(value))
-                else:
-                    self.workload_exit = value
-                    self.latch(Cause.WORKLOAD_EXIT if self.machine.reached_ready
-                               else Cause.STARTUP_FAILURE, f"the workload exited with code {value}")
-                    self.announce_workload_exit()
+                self.feed(ObservationLost(str(value)) if isinstance(value, Exception)
+                          else WorkloadExited(value))
             elif tag == "controller":
-                self.controller_exit = value if isinstance(value, int) else None
                 if isinstance(value, Exception):
                     log(f"lost sight of the controller: {value}")
-                if self.machine.reached_ready:
-                    self.latch(Cause.CONTROLLER_LOST, "the controller container exited")
-                elif self.machine.phase is Phase.PREPARING:
-                    self.latch(Cause.STARTUP_FAILURE, "the controller exited during startup")
+                self.feed(ControllerExited(value if isinstance(value, int) else None))
             elif tag == "holder":
-                self.lose_holder(value)
+                self.feed(HolderLost(f"exited with code {value}" if isinstance(value, int)
+                                     else f"was lost: {value}"))
             elif tag == "kill" and isinstance(value, Exception):
-                log(f"could not kill the workload: {value}")
+                log(f"could not kill: {value}")
             elif tag.startswith(CALL_TAG):
-                self.call_results[tag] = value
-                handler = self.call_handlers.pop(tag, None)
-                if handler is not None:
-                    handler(value)
-
-    def lose_holder(self, value: Any) -> None:
-        """The holder of a granted session's network namespace exited or was removed.
-
-        Before the session containers have joined its namespace there is nothing to join: a
-        startup failure. Once they have, the namespace lives on in them (a network namespace
-        lasts while any process is in it, and it holds nothing but `lo`), so the session and its
-        isolation are unaffected: the controller hears a diagnostic, nothing is invented about
-        the workload, and cleanup finds the holder gone."""
-        how = (f"exited with code {value}" if isinstance(value, int) else f"was lost: {value}")
-        self.holder_lost = f"the session's network namespace holder {how}"
-        if self.machine.phase is Phase.PREPARING:
-            self.latch(Cause.STARTUP_FAILURE, self.holder_lost)
-        elif self.machine.phase is not Phase.TERMINATED:
-            log(f"{self.holder_lost}; the session's namespace lives on in its containers")
-            if not self.finalization_announced:
-                self.send_event(wire.Diagnostic(code="namespace_holder_lost",
-                                                message=self.holder_lost))
-
-    def announce_workload_exit(self) -> None:
-        """workload-exit precedes terminating when it is the cause; otherwise it follows. Never
-        after workload-outputs-finalized: the workload status was fixed before it, and an exit
-        seen later changes nothing the controller hears or the result says."""
-        if (self.workload_exit is None or self.exit_announced or self.finalization_announced
-                or not self.machine.reached_ready
-                or not (self.machine.cause is Cause.WORKLOAD_EXIT or self.terminating_sent)):
-            return
-        self.exit_announced = True
-        self.send_event(wire.WorkloadExit(status=process_status(self.workload_exit)))
-
-    def on_listener(self, _mask: int) -> None:
-        assert self.listener is not None
-        try:
-            conn, _ = self.listener.accept()
-        except (BlockingIOError, InterruptedError):
-            return
-        pid, uid, gid = struct.unpack("3i", conn.getsockopt(
-            socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-        runtime = self.plan.controller_blueprint.runtime
-        if (uid, gid) != (runtime.uid, runtime.gid):
-            log(f"refused a channel peer with uid:gid {uid}:{gid} (pid {pid})")
-            conn.close()
-            return
-        self.peer_cred = (pid, uid, gid)
-        self.close_listener()  # exactly one peer; the path is gone from now on
-        self.channel = wire.FramedConnection(
-            conn, descriptor_kinds=frozenset({FrameKind.ATTACHED}))
-        self.interest.set(conn, self.on_channel, selectors.EVENT_READ)
-
-    def close_listener(self) -> None:
-        if self.listener is None:
-            return
-        self.selector.unregister(self.listener)
-        self.listener.close()
-        self.listener = None
-        assert self.owned.channel_dir is not None
-        with contextlib.suppress(FileNotFoundError):
-            (self.owned.channel_dir / CHANNEL_SOCKET_NAME).unlink()
-
-    def on_channel(self, mask: int) -> None:
-        channel = self.channel
-        assert channel is not None
-        try:
-            if mask & selectors.EVENT_WRITE:
-                channel.flush()
-            if mask & selectors.EVENT_READ:
-                frames = iter(channel.receive())
-                try:
-                    for frame in frames:
-                        self.on_frame(frame)
-                finally:  # frames a failure left unhandled keep no descriptor open
-                    wire.close_descriptors(d for frame in frames for d in frame.descriptors)
-                if channel.eof:
-                    self.lose_channel("the controller closed the session channel")
-        except wire.ProtocolError as e:
-            self.lose_channel(f"channel protocol violation: {e.message}")
-        except OSError as e:
-            self.lose_channel(f"channel failed: {error_text(e)}")
-
-    def lose_channel(self, reason: str) -> None:
-        if self.channel is None:
-            return
-        self.interest.set(self.channel.sock, self.on_channel, 0)
-        self.channel.close()
-        self.channel = None
-        self.channel_lost = reason
-        if self.machine.phase is Phase.PREPARING:
-            self.latch(Cause.STARTUP_FAILURE, reason)
-        else:
-            self.latch(Cause.CONTROLLER_LOST, reason)
-
-    def on_frame(self, frame: wire.Frame) -> None:
-        """A frame from the broker: the attachment's hand-over, or a public request."""
-        if frame.kind is FrameKind.ATTACHED:
-            self.adopt_attachment(frame)
-        elif frame.kind is FrameKind.REQUEST:
-            self.on_request(wire.decode_message(frame.payload + b"\n", wire.Direction.REQUEST))
-        else:
-            raise wire.FramingError(f"unexpected {frame.kind.name} frame from the controller")
-
-    def adopt_attachment(self, frame: wire.Frame) -> None:
-        """The broker handed over the attachment's own connection: terminal bytes go straight
-        between it and the engine from now on. A connection that is not what an attachment's
-        must be is refused, and startup fails closed."""
-        try:
-            if self.relay.attached or self.attachment_refused:
-                raise wire.FramingError("a second attachment was handed over")
-            if frame.json() != {}:
-                raise wire.FramingError("an ATTACHED frame carries an empty object")
-        except wire.ProtocolError:
-            wire.close_descriptors(frame.descriptors)
-            raise
-        runtime = self.plan.controller_blueprint.runtime
-        try:
-            sock = attachment_socket(frame.descriptors, runtime.uid, runtime.gid)
-        except AttachmentRefused as e:
-            self.attachment_refused = f"the terminal attachment was refused: {e}"
-            log(self.attachment_refused)
-            if self.machine.phase is Phase.PREPARING:
-                self.latch(Cause.STARTUP_FAILURE, self.attachment_refused)
-            return
-        self.relay.adopt(sock)
-
-    def on_request(self, request: wire.Message) -> None:
-        if isinstance(request, wire.Resize):
-            if self.machine.phase is Phase.ACTIVE:
-                self.resize_workload(request.columns, request.rows)
-        elif isinstance(request, wire.Terminate):
-            if self.machine.phase is Phase.ACTIVE:
-                self.latch(Cause.CONTROLLER_TERMINATE)
-        elif isinstance(request, wire.Complete):
-            self.complete_received = True
-        elif isinstance(request, wire.AcknowledgeTerminated):
-            self.ack_received = True
-
-    def resize_workload(self, columns: int, rows: int) -> None:
-        """A resize the session honours (a structured one, or the attachment's SIGWINCH)."""
-        try:
-            self.backend.resize(self.owned.containers["workload"], columns, rows)
-        except BackendError as e:  # e.g. racing the workload's exit: not fatal
-            log(f"could not resize the workload's terminal: {e}")
-
-    def send_event(self, event: wire.Message) -> None:
-        if self.channel is not None:
-            self.channel.send(wire.encode_frame(FrameKind.EVENT,
-                                                wire.encode_compact(event.to_json())))
-
-    # -- terminating ------------------------------------------------------------------------
-
-    def terminate(self) -> None:
-        """The termination sequence; each step is bounded and each outcome a separate fact.
-
-        Every workload fact goes out before workload-outputs-finalized: the drain's outcome
-        is decided at its deadline, then the exit is awaited (a failed drain abandons the PTY
-        so the Engine can finish it), announced if seen, and the workload status fixed; only
-        then is finalization announced. After it the controller hears only `terminated`.
-        The workload's removal runs while the controller finalizes; it ends before
-        `terminated`, as the contract wants."""
-        machine = self.machine
-        cause = machine.cause
-        assert cause is not None
-        output_deadline = time.monotonic() + OUTPUT_FINALIZATION_TIMEOUT_MS / 1000.0
-        if machine.reached_ready:
-            self.send_event(wire.Terminating(cause=cause))
-            self.terminating_sent = True
-            self.announce_workload_exit()  # an exit seen before terminating went out
-        self.stop_workload()
-        output_status = self.finalize_output(output_deadline)
-        self.await_workload_exit()
-        self.workload_status = self.final_workload_status()
-        self.announce_workload_exit()
-        self.announce_outputs_finalized(output_status)
-        self.relay.close_pty()
-        cleanup_deadline = time.monotonic() + self.options.timeout_s("--cleanup-timeout")
-        removal = self.begin_removal("workload")
-        controller_finalization = self.controller_finalization()
-        workload_cleanup = self.await_removals(removal, cleanup_deadline)
-        observation = Status.of("runtime_observation", "maintained")
-        if self.observation_lost:
-            observation = Status.of("runtime_observation", "lost", reason=self.observation_lost)
-        session_result = SessionResult(
-            cause=cause,
-            workload_status=self.workload_status,
-            workload_output_finalization_status=output_status,
-            runtime_observation_status=observation,
-            controller_finalization_status=controller_finalization,
-            cleanup_status=workload_cleanup,
-            recovery_action=RecoveryAction.NONE if workload_cleanup.kind == "succeeded"
-            else RecoveryAction.RECONCILE_NEXT_OPERATION,
-        )
-        machine.finish()
-        self.result.session_result = session_result
-        self.deliver_result(session_result)
-
-    def stop_workload(self) -> None:
-        """SIGTERM, the termination grace, then SIGKILL. A never-started workload is skipped.
-
-        SIGKILL is sent from a thread: the Engine answers it only once the container has
-        exited, and the exit can wait for us to read the PTY stream, so the loop must go on.
-        """
-        if not self.workload_started or self.workload_gone():
-            return
-        workload_id = self.owned.containers["workload"]
-        grace_s = self.options.timeout_s("--termination-grace")
-        try:
-            self.backend.kill(workload_id, "SIGTERM")
-        except BackendError as e:
-            log(f"could not signal the workload: {e}")
-        if self.wait_until(self.workload_gone, time.monotonic() + grace_s,
-                           stop_on_latch=False) or self.workload_gone():  # (seen late: gone)
-            return
-        log(f"workload still running after the {format_duration(int(grace_s * 1000))} grace; "
-            "sending SIGKILL")
-        self.backend.in_thread("kill", lambda api: kill_if_running(api, workload_id, "SIGKILL"),
-                               self.notifier.report)
-
-    def await_workload_exit(self) -> None:
-        """After output finalization (which may have had to abandon the PTY stream so the
-        Engine could finish the exit), give the exit the cleanup timeout to be observed."""
-        if self.workload_started:
-            self.wait_until(self.workload_gone,
-                            time.monotonic() + self.options.timeout_s("--cleanup-timeout"),
-                            stop_on_latch=False)
-
-    def final_workload_status(self) -> Status:
-        """The workload's status as the host reports it: an observed exit, or why none was
-        (never an invented code)."""
-        if self.workload_exit is not None:
-            return process_status(self.workload_exit)
-        if self.observation_lost:
-            return Status.of("process", "unavailable", reason=self.observation_lost)
-        if not self.workload_started:
-            return Status.of("process", "unavailable", reason="the workload never started")
-        timeout = format_duration(self.options.timeouts_ms["--cleanup-timeout"])
-        return Status.of("process", "unavailable",
-                         reason=f"the workload's exit was not observed within {timeout}")
-
-    def workload_gone(self) -> bool:
-        return self.workload_exit is not None or self.observation_lost is not None
-
-    def finalize_output(self, deadline: float) -> Status:
-        """Drain the PTY to EOF within the host-owned deadline: drained or failed (decided
-        here, announced by announce_outputs_finalized once the workload facts are out). A
-        workload that never started produced no output: there is nothing left undelivered.
-        Drained means the attachment got every byte: output it could not take fails it.
-
-        The decision rests on the relay's state as last seen before the deadline (`seen`,
-        taken only while the deadline has not passed): an end of file or a delivery observed
-        later, after a host resumed past the deadline, is not a drain."""
-        relay = self.relay
-        seen = {"eof": False, "lost": False, "delivered": False}
-
-        def drained() -> bool:
-            if time.monotonic() <= deadline:
-                seen.update(eof=relay.pty_eof, lost=relay.output_lost,
-                            delivered=relay.delivered)
-            # The exit is awaited too (it follows EOF closely), so workload-exit normally
-            # precedes workload-outputs-finalized; EOF alone decides whether output drained.
-            return seen["eof"] and seen["delivered"] and self.workload_gone()
-
-        if self.workload_started:
-            self.wait_until(drained, deadline, stop_on_latch=False)
-        if self.observation_lost:
-            reason = f"the runtime observation was lost: {self.observation_lost}"
-        elif not self.workload_started:
-            return Status.of("output_finalization", "drained")
-        elif not seen["eof"]:
-            reason = (f"terminal output did not reach end of file within "
-                      f"{OUTPUT_FINALIZATION_TIMEOUT_MS // 1000} s of termination")
-        elif seen["lost"]:
-            reason = "the terminal attachment ended before it had all of the terminal output"
-        elif not seen["delivered"]:
-            reason = "terminal output could not be delivered to the attachment in time"
-        else:
-            return Status.of("output_finalization", "drained")
-        relay.close_pty()  # abandon what is left, so the Engine can finish the exit
-        return failed("output_finalization", reason)
-
-    def announce_outputs_finalized(self, status: Status) -> None:
-        """The attachment's end of output, then (after ready) the public event."""
-        self.finalization_announced = True
-        self.relay.end_output(status)
-        if self.machine.reached_ready:
-            self.send_event(wire.WorkloadOutputsFinalized(
-                status=status.kind, reason=status.reason))
-
-    def controller_finalization(self) -> Status:
-        """Whether the controller finalized its artifacts: `complete` (after ready), or the
-        fact that stands in for it in each other ending."""
-        cause, reason = self.machine.cause, self.cause_detail
-        if cause is Cause.STARTUP_FAILURE:
-            return Status.of("controller_finalization", "startup-failed",
-                             reason=reason or "the session did not become ready")
-        if not self.machine.reached_ready:
-            return Status.of("controller_finalization", "not-completed",
-                             reason=f"the session ended before it became ready ({reason})")
-        if cause is Cause.CONTROLLER_LOST:
-            return Status.of("controller_finalization", "lost", reason=reason)
-        timeout_s = self.options.timeout_s("--controller-finalization-timeout")
-        if self.wait_until(lambda: self.complete_received or self.channel is None,
-                           time.monotonic() + timeout_s, stop_on_latch=False) \
-                and self.complete_received:
-            return Status.of("controller_finalization", "completed")
-        if self.channel is None:
-            return Status.of("controller_finalization", "lost",
-                             reason=self.channel_lost or "the controller channel was lost")
-        return Status.of("controller_finalization", "finalization-timeout",
-                         reason=f"no complete within {format_duration(int(timeout_s * 1000))}")
-
-    def begin_removal(self, *roles: str) -> dict[str, str]:
-        """Start removing these containers (the ones this run owns), all at once and off the
-        loop; their call tags by role, for await_removals. Each one removed leaves the
-        watchdog's manifest at once, so it stays a true record however long nobody awaits."""
-
-        def forget(role: str) -> Callable[[Any], None]:
-            def removed(value: Any) -> None:
-                if not isinstance(value, BaseException):
-                    del self.owned.containers[role]
-                    self.watchdog.record_owned(self.owned)
-            return removed
-
-        return {role: self.begin_call(f"remove the {role} container",
-                                      functools.partial(remove_container_quietly,
-                                                        container_id=container_id), forget(role))
-                for role in roles
-                if (container_id := self.owned.containers.get(role)) is not None}
-
-    def await_removals(self, removals: dict[str, str], deadline: float) -> Status:
-        """The outcome of begin_removal's calls, none awaited past `deadline`."""
-        failures = []
-        for role, tag in removals.items():
-            finished, value = self.await_call(tag, deadline, stop_on_latch=False)
-            if not finished:
-                failures.append(f"remove the {role} container: not finished within the cleanup "
-                                "timeout")
-            elif isinstance(value, BaseException):
-                failures.append(str(value))
-        return failed("cleanup", "; ".join(failures)) if failures else succeeded()
-
-    def deliver_result(self, session_result: SessionResult) -> None:
-        if self.channel is None:
-            self.result.result_delivered = False
-            self.result.result_acknowledged = False
-            return
-        self.send_event(wire.Terminated(result=session_result))
-        ack_timeout_s = self.options.timeout_s("--result-acknowledgement-timeout")
-        deadline = time.monotonic() + ack_timeout_s
-        delivered = self.wait_until(
-            lambda: self.channel is None or not self.channel.wants_write, deadline,
-            stop_on_latch=False) and self.channel is not None
-        self.result.result_delivered = delivered
-        acknowledged = delivered and self.wait_until(
-            lambda: self.ack_received or self.channel is None, deadline, stop_on_latch=False)
-        self.result.result_acknowledged = bool(acknowledged and self.ack_received)
-
-    # -- the delivery tail ------------------------------------------------------------------
-
-    def close_channel(self, deadline: float) -> None:
-        """Close the channel cleanly: end our side, let the broker see end of file and go,
-        reading (and dropping) what it still sends until its end, then close."""
-        channel = self.channel
-        if channel is None:
-            return
-        with contextlib.suppress(OSError):
-            channel.close_write()
-        self.wait_until(lambda: self.channel is None or self.channel.eof, deadline,
-                        stop_on_latch=False)
-        if self.channel is not None:
-            self.interest.set(self.channel.sock, self.on_channel, 0)
-            self.channel.close()
-            self.channel = None
-
-    def delivery_tail(self) -> None:
-        """Close the channel, let the controller finish, then remove everything else; the
-        whole of it within --cleanup-timeout, Engine calls included."""
-        cleanup_s = self.options.timeout_s("--cleanup-timeout")
-        began = time.monotonic()
-        deadline = began + cleanup_s
-        self.close_channel(min(deadline, began + CHANNEL_CLOSE_S))
-        # The attachment may still be reading its end of output: give it the same time.
-        self.wait_until(lambda: self.relay.delivered, min(deadline, began + CHANNEL_CLOSE_S),
-                        stop_on_latch=False)
-        self.relay.close_terminal()
-        self.close_listener()
-        session_ran = self.result.session_result is not None
-        failures: list[str] = []
-        controller_id = self.owned.containers.get("controller")
-        if controller_id and self.controller_started:
-            exited = self.wait_until(lambda: self.controller_exit is not None,
-                                     began + cleanup_s / 2, stop_on_latch=False)
-            if not exited:
-                log("the controller is still running after the session; stopping it")
-                self.backend.in_thread(
-                    "kill the controller",
-                    lambda api: kill_if_running(api, controller_id, "SIGKILL"),
-                    self.notifier.report)
-                self.wait_until(lambda: self.controller_exit is not None,
-                                began + cleanup_s * 3 / 4, stop_on_latch=False)
-            if self.controller_exit is not None:
-                self.result.controller_status = process_status(self.controller_exit)
-            else:
-                self.result.controller_status = Status.of(
-                    "process", "unavailable", reason="the controller's exit was not observed")
-            self.copy_controller_log(controller_id, deadline)
-        # The holder goes last: it must outlive the containers that joined its namespace.
-        for roles in ([role for role in self.owned.containers if role != "holder"], ["holder"]):
-            status = self.await_removals(self.begin_removal(*roles), deadline)
-            if status.kind != "succeeded":
-                failures.append(status.reason or "remove containers")
-        self.publish_output()
-        for attribute in ("channel_dir", "output_staging_dir"):
-            path = getattr(self.owned, attribute)
-            try:
-                if path is not None:
-                    reploy_watchdog.remove_tree(path)
-                setattr(self.owned, attribute, None)
-            except FileNotFoundError:
-                setattr(self.owned, attribute, None)
-            except OSError as e:
-                failures.append(f"remove {path}: {error_text(e)}")
-        if session_ran:
-            self.result.delivery_tail_cleanup_status = (
-                failed("cleanup", "; ".join(failures)) if failures else succeeded())
-            self.result.delivery_tail_recovery_action = (
-                RecoveryAction.RECONCILE_NEXT_OPERATION if failures else RecoveryAction.NONE)
-        elif failures:  # planning's probe: the result has no cleanup phase to report it in
-            self.result.error = "; ".join(filter(None, (
-                self.result.error, f"cleanup failed: {'; '.join(failures)}")))
-        if failures:
-            # Keep a true manifest of what remains, for `controlled-session cleanup`.
-            self.watchdog.record_owned(self.owned)
-            log("cleanup left something behind; `reploy.py controlled-session cleanup "
-                f"--workload-dir {self.plan.workload.dir}` reconciles it")
-        if self.watchdog.link is not None:
-            self.selector.unregister(self.watchdog.link)
-        self.watchdog.disarm(keep_manifest=bool(failures))
-        self.notifier.close()
-        self.selector.close()
-
-    def copy_controller_log(self, controller_id: str, deadline: float) -> None:
-        """The controller's own output, for the user, on the host's stderr (bounded)."""
-        _, tail = self.call_off_loop(
-            "read the controller log",
-            lambda api: api.logs(controller_id, stdout=True, stderr=True), deadline,
-            stop_on_latch=False)
-        if isinstance(tail, bytes) and tail:
-            sys.stderr.write("reploy: controller output follows\n")
-            sys.stderr.write(tail[-CONTROLLER_LOG_TAIL_BYTES:].decode(errors="replace"))
-            sys.stderr.flush()
-
-    def publish_output(self) -> None:
-        """--output-file: publish the staged regular file without clobbering, only after
-        controller finalization completed; otherwise discard it."""
-        destination, staging = self.options.output_file, self.owned.output_staging_dir
-        if destination is None or staging is None:
-            return
-        session = self.result.session_result
-        completed = session is not None and session.controller_finalization_status is not None \
-            and session.controller_finalization_status.kind == "completed"
-        if not completed:
-            self.result.controller_output = Status.of(
-                "controller_output", "file-discarded",
-                reason="controller output file was discarded because controller finalization "
-                       "did not complete")
-            return
-        try:
-            publish_regular_file(staging, destination)
-            self.result.controller_output = Status.of("controller_output", "file-published")
-        except OSError as e:
-            self.result.error = PUBLISH_ERROR + error_text(e)
-            self.result.controller_output = Status.of(
-                "controller_output", "failed", reason="controller output publication failed")
+                self.calls.report(tag, value)
 
 
 def reconcile(backend: DockerBackend, workload_dirs: list[Path]) -> list[dict[str, Any]]:

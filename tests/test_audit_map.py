@@ -199,7 +199,7 @@ def document(kept: str, proved: str, header: tuple[str, ...] = MAP_HEADER) -> st
                       f"| a promise | {kept} | {proved} |", ""))
 
 
-GOOD_KEPT = "`reploy.py:LifecycleMachine.terminate`, `reploy.py:parse_duration_ms`"
+GOOD_KEPT = "`reploy.py:HostCore.latch`, `reploy.py:parse_duration_ms`"
 GOOD_PROVED = "`tests/test_lifecycle.py::test_first_cause_is_latched`"
 
 
@@ -229,11 +229,11 @@ def test_test_ids_in_a_class_and_methods_are_found(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("kept", "proved", "complaint"), [
     # A function or method misspelt, in the wrong class, in the wrong file, or nested.
     ("`reploy.py:parse_duraton_ms`", GOOD_PROVED, "has no function or method parse_duraton_ms"),
-    ("`reploy.py:LifecycleMachine.terminat`", GOOD_PROVED, "method LifecycleMachine.terminat"),
+    ("`reploy.py:HostCore.latc`", GOOD_PROVED, "method HostCore.latc"),
     ("`reploy.py:RunResult.terminate`", GOOD_PROVED, "no function or method RunResult.terminate"),
     ("`agent.py:decide_access`", GOOD_PROVED, "agent.py has no function or method decide_access"),
     ("`reploy.py:inner`", GOOD_PROVED, "no function or method inner"),  # nested in _docker_call
-    ("`reploy.py:LifecycleMachine.terminate.x`", GOOD_PROVED, "not `file.py:function`"),
+    ("`reploy.py:HostCore.latch.x`", GOOD_PROVED, "not `file.py:function`"),
     # A file that is no role file.
     ("`reploy_serv.py:decide_access`", GOOD_PROVED, "reploy_serv.py is not a role file"),
     ("`conftest.py:stage_and_build`", GOOD_PROVED, "conftest.py is not a role file"),

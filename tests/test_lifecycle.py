@@ -8,59 +8,44 @@ import os
 import pytest
 
 import reploy
-from reploy import LIFECYCLE_TABLE, LifecycleError, LifecycleMachine, Phase, Transition
+from reploy import (
+    LIFECYCLE_TABLE, HostConfig, HostCore, HostTimeouts, LifecycleError, Phase, Transition,
+    next_phase,
+)
 from reploy_session_client import Cause, RecoveryAction, SessionResult, Status
 
 
-def machine_in(phase: Phase) -> LifecycleMachine:
-    machine = LifecycleMachine()
-    if phase is Phase.ACTIVE:
-        machine.ready()
-    elif phase is Phase.TERMINATING:
-        machine.terminate(Cause.HOST_CANCEL)
-    elif phase is Phase.TERMINATED:
-        machine.terminate(Cause.HOST_CANCEL)
-        machine.finish()
-    assert machine.phase is phase
-    return machine
-
-
-def apply(machine: LifecycleMachine, transition: Transition) -> None:
-    if transition is Transition.READY:
-        machine.ready()
-    elif transition is Transition.TERMINATE:
-        machine.terminate(Cause.CONTROLLER_LOST)
-    else:
-        machine.finish()
+#: Every timeout option at its default.
+DEFAULT_TIMEOUTS = HostTimeouts(*(option.default_ms / 1000 for option in reploy.TIMEOUT_OPTIONS))
 
 
 @pytest.mark.parametrize("phase,transition", list(itertools.product(Phase, Transition)))
 def test_every_edge_follows_the_table(phase: Phase, transition: Transition) -> None:
-    machine = machine_in(phase)
     expected = LIFECYCLE_TABLE.get((phase, transition))
     if expected is None:
         with pytest.raises(LifecycleError):
-            apply(machine, transition)
-        assert machine.phase is phase  # an illegal call changes nothing
+            next_phase(phase, transition)
     else:
-        apply(machine, transition)
-        assert machine.phase is expected
+        assert next_phase(phase, transition) is expected
 
 
 def test_first_cause_is_latched() -> None:
-    machine = LifecycleMachine()
-    machine.ready()
-    assert machine.terminate(Cause.WORKLOAD_EXIT) is True
-    assert machine.terminate(Cause.CONTROLLER_TERMINATE) is False
-    assert machine.terminate(Cause.HOST_CANCEL) is False
-    assert machine.cause is Cause.WORKLOAD_EXIT
+    core = HostCore(HostConfig(DEFAULT_TIMEOUTS))
+    core.handle(reploy.Planned())
+    core.handle(reploy.Signalled("SIGINT"))  # nothing of a session yet: the delivery tail
+    for later in (reploy.WorkloadExited(0), reploy.ChannelLost("x"), reploy.Signalled("SIGTERM")):
+        core.handle(later)
+    assert core.state.cause is Cause.HOST_CANCEL
 
 
 def test_startup_branch_never_reaches_ready() -> None:
-    machine = LifecycleMachine()
-    machine.terminate(Cause.STARTUP_FAILURE)
-    machine.finish()
-    assert not machine.reached_ready and machine.phase is Phase.TERMINATED
+    core = HostCore(HostConfig(DEFAULT_TIMEOUTS))
+    for event in (reploy.Planned(), reploy.Created(reploy.Role.CONTROLLER), reploy.Begin(),
+                  reploy.Created(reploy.Role.WORKLOAD), reploy.Started(reploy.Role.CONTROLLER),
+                  reploy.Deadline(reploy.Timer.STARTUP), reploy.Removed(reploy.Role.WORKLOAD)):
+        core.handle(event)
+    assert not core.state.reached_ready and core.state.phase is Phase.TERMINATED
+    assert core.state.cause is Cause.STARTUP_FAILURE
 
 
 @pytest.mark.parametrize("text,ms", [("30s", 30000), ("100ms", 100), ("5m", 300000),

@@ -1,5 +1,6 @@
-"""ControlledSession's off-loop Engine calls without an engine: a cleanup call that hangs is
-cut off at --cleanup-timeout, and a signal cancels a planning call at once.
+"""ControlledSession's off-loop Engine calls without an engine: removals overlap and report
+what failed, and a signal cancels a planning call at once. (That a removal past its deadline
+is a cleanup failure is the core's rule: test_host_core.py.)
 
 An Engine that hangs cannot be had on demand from the real one (stopping dockerd would hit
 every other user of the machine), so the backend seam here runs plain Python callables that
@@ -22,13 +23,20 @@ import reploy_session_client as wire
 
 
 class ThreadBackend:
-    """The one DockerBackend method these calls use: run `call` in a thread, report it."""
+    """The one DockerBackend method these calls use: run `call` in a thread, report it. The
+    call's Engine client is this object too: removing a container runs `removals[id]`."""
+
+    def __init__(self) -> None:
+        self.removals: dict[str, Callable[[Any], None]] = {}
+
+    def remove_container(self, container_id: str, force: bool, v: bool) -> None:
+        self.removals[container_id](self)
 
     def in_thread(self, tag: str, call: Callable[[Any], Any],
                   report: Callable[[str, Any], None]) -> None:
         def run() -> None:
             try:
-                report(tag, call(None))
+                report(tag, call(self))
             except Exception as e:  # noqa: BLE001 - as DockerBackend.in_thread: reported
                 report(tag, e)
 
@@ -51,45 +59,47 @@ def session(tmp_path: Path) -> Iterator[reploy.ControlledSession]:
         controlled.selector.close()
 
 
-def test_a_hanging_cleanup_call_is_cut_off_at_its_deadline(
-        session: reploy.ControlledSession) -> None:
-    release = threading.Event()
-    try:
-        tag = session.begin_call("remove the workload container", lambda _api: release.wait())
-        status = session.await_removals({"workload": tag}, 0.0)
-    finally:
-        release.set()
-    assert status == reploy.failed(
-        "cleanup", "remove the workload container: not finished within the cleanup timeout")
+def removals(session: reploy.ControlledSession, calls: dict[reploy.Role, Any]) -> list[Any]:
+    """Remove these roles' containers (each removal runs `calls[role]`) as the core's Remove
+    action does; what the core is fed, once every removal reported."""
+    fed: list[Any] = []
+
+    def handle(event: Any) -> list[Any]:
+        fed.append(event)
+        return []
+
+    session.core.handle = handle  # type: ignore[method-assign]
+    for role, call in calls.items():
+        session.owned.containers[role.value] = f"{role.value}-id"
+        session.owned.labels[f"{role.value}-id"] = {}
+        session.backend.removals[f"{role.value}-id"] = call  # type: ignore[attr-defined]
+    session.perform(reploy.Remove(tuple(calls)))
+    while len([e for e in fed if isinstance(e, reploy.Removed)]) < len(calls):
+        session.loop_once()
+    return fed
 
 
-def test_a_failed_cleanup_call_says_what_failed(session: reploy.ControlledSession) -> None:
+def test_a_failed_removal_says_what_failed(session: reploy.ControlledSession) -> None:
     def refuse(_api: Any) -> None:
         raise docker.errors.APIError("500 Server Error: engine timeout")
 
-    deadline = reploy.time.monotonic() + 30
-    status = session.await_removals(
-        {"holder": session.begin_call("remove the holder container", refuse)}, deadline)
-    assert status == reploy.failed(
-        "cleanup", "remove the holder container: 500 Server Error: engine timeout")
-    assert session.await_removals(
-        {"holder": session.begin_call("remove it", lambda _api: None)}, deadline
-    ) == reploy.succeeded()
+    assert removals(session, {reploy.Role.HOLDER: refuse}) == [reploy.Removed(
+        reploy.Role.HOLDER, "remove the holder container: 500 Server Error: engine timeout")]
+    assert "holder" in session.owned.containers  # it may still be there: cleanup reconciles
 
 
-def test_removals_run_at_once_and_are_all_awaited(session: reploy.ControlledSession) -> None:
-    """Calls begun together overlap (as begin_removal begins them): the second runs while
-    the first still waits for it."""
+def test_removals_run_at_once(session: reploy.ControlledSession) -> None:
+    """Removals begun together overlap: the second runs while the first still waits for it."""
     first_may_end = threading.Event()
 
     def first(_api: Any) -> None:
         assert first_may_end.wait(30)
 
-    deadline = reploy.time.monotonic() + 30
-    removals = {"workload": session.begin_call("remove the workload container", first),
-                "controller": session.begin_call("remove the controller container",
-                                                 lambda _api: first_may_end.set())}
-    assert session.await_removals(removals, deadline) == reploy.succeeded()
+    fed = removals(session, {reploy.Role.WORKLOAD: first,
+                             reploy.Role.CONTROLLER: lambda _api: first_may_end.set()})
+    assert set(fed) == {reploy.Removed(reploy.Role.WORKLOAD),
+                        reploy.Removed(reploy.Role.CONTROLLER)}
+    assert session.owned.containers == {}  # each left the manifest as it went
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
@@ -106,6 +116,5 @@ def test_a_signal_cancels_a_planning_call(session: reploy.ControlledSession,
         assert session.off_loop("build the controller image", build) is None
     finally:
         release.set()
-    assert session.cancelled_by == signum
-    assert session.result.error == f"cancelled by {signal.Signals(signum).name}"
-    assert session.machine.cause is reploy.Cause.HOST_CANCEL
+    assert session.core.state.error == f"cancelled by {signal.Signals(signum).name}"
+    assert session.core.state.cause is reploy.Cause.HOST_CANCEL
