@@ -3450,7 +3450,8 @@ def probe(session: "ControlledSession", image_id: str) -> bool:
                 api.logs(container_id, stdout=False, stderr=True)[-PROBE_OUTPUT_BYTES:])
 
     try:
-        outcome = session.off_loop("run the python probe", run_probe)
+        outcome: Optional[tuple[int, bytes, bytes]] = session.off_loop("run the python probe",
+                                                                       run_probe)
         if outcome is None:
             return False  # cancelled: the delivery tail removes the probe
         refusal = probe_refusal(*outcome, runtime)
@@ -3714,12 +3715,12 @@ class ControlledSession:
     def run(self) -> RunResult:
         """Every outcome, including our own bugs, ends in the core's Finish."""
         try:
-            self.watchdog.arm()  # before the first container of the session exists
+            link = self.watchdog.arm()  # before the first container of the session exists
         except (reploy_watchdog.WatchdogUnavailable, OSError) as e:
             return RunResult(error=f"plan rejected: the watchdog could not be armed: "
                                    f"{error_text(e)}",
                              controller_output=requested_output_status(self.options))
-        self.selector.register(self.watchdog.link, selectors.EVENT_READ, self.on_watchdog)
+        self.selector.register(link, selectors.EVENT_READ, self.on_watchdog)
         try:
             self.plan_and_prepare()
             while self.result is None:
@@ -4011,7 +4012,7 @@ class ControlledSession:
                     self.forget(role)
 
             self.calls.begin(f"remove the {role.value} container",
-                             lambda api, cid=container_id: remove_container_quietly(api, cid),
+                             functools.partial(remove_container_quietly, container_id=container_id),
                              removed)
 
     # -- the loop ---------------------------------------------------------------------------
