@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import tarfile
 
 import pytest
@@ -151,3 +152,107 @@ def test_an_archive_for_the_other_workload_is_refused(start_agent, short_dir):
     target = start_agent("--workload", "agent", "--agent-command", FAKE_AGENT_ARGV, "--await-restore", name="t")
     error = target.error("restore", path=result["path"])
     assert error["code"] == "command_error" and "for the shell workload" in error["message"]
+
+
+# ---- issue 26, item 2: checkpoints a workload cannot break (sparse files, deep trees, many entries)
+
+
+def test_a_sparse_file_is_archived_by_its_data_and_restored_sparse(start_agent):
+    source = start_agent("--workload", "shell")
+    sparse = source.session_dir / "workspace" / "sparse"
+    with open(sparse, "wb") as out:
+        out.seek(100 << 20)
+        out.write(b"middle")
+        out.truncate(1 << 30)
+    result = checkpoint(source, "sparse")
+    assert result["bytes"] < 1 << 20  # the archive holds the data, not the gigabyte of holes
+    with tarfile.open(result["path"]) as archive:
+        member = archive.getmember("workspace/sparse")
+        assert member.size == 1 << 30 and member.sparse and sum(n for _, n in member.sparse) < 1 << 20
+    source.stop()
+    sparse.unlink()
+
+    start_agent("--workload", "shell", "--restore", result["path"])
+    st = sparse.stat()
+    assert st.st_size == 1 << 30 and st.st_blocks * 512 < 1 << 20  # restored sparse
+    with open(sparse, "rb") as restored:
+        restored.seek((100 << 20) - 3)
+        assert restored.read(9) == b"\0\0\0middle"
+        restored.seek(-4096, 2)
+        assert restored.read() == bytes(4096)
+
+
+def deep_tree(top, levels):
+    """`levels` directories nested in top, a file and a symlink at the bottom; returns the deepest."""
+    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(levels):
+            os.mkdir("d", dir_fd=fd)
+            below = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = below
+        with open(os.open("bottom.txt", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd), "w") as bottom:
+            bottom.write("at the bottom")
+        os.symlink("bottom.txt", "link", dir_fd=fd)
+    finally:
+        os.close(fd)
+
+
+def deep_tree_bottom(top, levels):
+    """(the bottom file's text, the link's target), reached one level at a time (the path outgrows PATH_MAX)."""
+    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(levels):
+            below = os.open("d", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            os.close(fd)
+            fd = below
+        with open(os.open("bottom.txt", os.O_RDONLY, dir_fd=fd)) as bottom:
+            return bottom.read(), os.readlink("link", dir_fd=fd)
+    finally:
+        os.close(fd)
+
+
+def remove_deep_tree(workspace):
+    """shutil.rmtree (the fixture's cleanup) recurses once per level: the agent's own removal does not."""
+    fd = os.open(workspace, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        agent.remove_entry(fd, "d")
+    finally:
+        os.close(fd)
+
+
+def test_a_tree_1200_levels_deep_round_trips(start_agent):
+    levels = 1200
+    source = start_agent("--workload", "shell")
+    workspace = source.session_dir / "workspace"
+    deep_tree(workspace, levels)
+    try:
+        result = checkpoint(source, "deep")
+        source.stop()
+        remove_deep_tree(workspace)
+        assert not (workspace / "d").exists()
+
+        restored = start_agent("--workload", "shell", "--restore", result["path"])
+        assert deep_tree_bottom(workspace, levels) == ("at the bottom", "bottom.txt")
+        again = checkpoint(restored, "again")  # the restored tree archives, and its old copy is removed, too
+        restored.stop()
+        start_agent("--workload", "shell", "--restore", again["path"])
+        assert deep_tree_bottom(workspace, levels) == ("at the bottom", "bottom.txt")
+    finally:
+        remove_deep_tree(workspace)
+
+
+def test_a_tree_a_restore_could_not_take_is_refused_before_writing(start_agent):
+    source = start_agent("--workload", "shell")
+    many = source.session_dir / "workspace" / "many"
+    many.mkdir()
+    fd = os.open(many, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for number in range(agent.MAX_ARCHIVE_ENTRIES):
+            os.close(os.open(f"{number}", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd))
+    finally:
+        os.close(fd)
+    error = source.error("checkpoint", id="many")
+    assert error["code"] == "command_error" and f"more than {agent.MAX_ARCHIVE_ENTRIES} entries" in error["message"]
+    assert not list(source.agent_dir.glob("*checkpoint-many*"))  # nothing was written
+    assert source.status()["admission_open"] is True
