@@ -2518,25 +2518,29 @@ def fd_identity(fd: int) -> tuple[int, int]:
     return st.st_dev, st.st_ino
 
 
-def _sorted_entries(dir_fd: int) -> list[tuple[str, os.stat_result]]:
-    """A directory's entries with their lstat, last name first (so that pop() gives name order)."""
+_Listing = list[tuple[str, bool, Any]]  #: (name, is a directory, what the walk yields of it), last name first
+
+
+def _sorted_entries(dir_fd: int) -> _Listing:
+    """A directory's entries with their lstat, in name order."""
     with os.scandir(dir_fd) as scan:
-        return sorted(((entry.name, entry.stat(follow_symlinks=False)) for entry in scan), reverse=True)
+        named = sorted(((entry.name, entry.stat(follow_symlinks=False)) for entry in scan), reverse=True)
+    return [(name, stat.S_ISDIR(st.st_mode), st) for name, st in named]
 
 
-def walk_tree_fds(dir_fd: int, leave: Optional[Callable[[int, str], None]] = None,
-                  ) -> Iterator[tuple[str, int, str, os.stat_result]]:
-    """(member name, parent fd, entry name, lstat) for everything below dir_fd, parents before children, in name
-    order, never following a symlink. The parent fd stays open while the caller handles the entry; `leave(parent
-    fd, name)` is called once a directory's entries are all handled (a removal's rmdir).
+def _typed_entries(dir_fd: int) -> _Listing:
+    """A directory's entries as the directory itself types them (no stat, no order): what counting needs."""
+    with os.scandir(dir_fd) as scan:
+        return [(entry.name, entry.is_dir(follow_symlinks=False), None) for entry in scan]
 
-    A loop, not a recursion: a workload nests its trees as deep as it likes. It keeps one directory fd of its own
-    open, going down by name and back up through '..', checked against the identity it recorded on the way down (a
-    directory moved meanwhile ends the walk with ESTALE rather than let it wander outside the tree)."""
+
+def _walk_below(dir_fd: int, listing: Callable[[int], _Listing],
+                leave: Optional[Callable[[int, str], None]]) -> Iterator[tuple[str, int, str, Any]]:
+    """walk_tree_fds's loop, with the listing of each directory as a parameter."""
     fd = os.dup(dir_fd)
-    above: list[tuple[list[tuple[str, os.stat_result]], str, str, tuple[int, int]]] = []
+    above: list[tuple[_Listing, str, str, tuple[int, int]]] = []
     try:
-        pending, prefix = _sorted_entries(fd), ""
+        pending, prefix = listing(fd), ""
         while pending or above:
             if not pending:
                 pending, prefix, name, identity = above.pop()
@@ -2548,16 +2552,16 @@ def walk_tree_fds(dir_fd: int, leave: Optional[Callable[[int, str], None]] = Non
                 if leave is not None:
                     leave(fd, name)
                 continue
-            name, st = pending.pop()
-            yield prefix + name, fd, name, st
-            if not stat.S_ISDIR(st.st_mode):
+            name, is_dir, payload = pending.pop()
+            yield prefix + name, fd, name, payload
+            if not is_dir:
                 continue
             try:
                 child = os.open(name, DIR_OPEN_FLAGS, dir_fd=fd)
             except OSError:
                 continue  # replaced meanwhile by something that is not a directory: not followed
             try:
-                entries = _sorted_entries(child)
+                entries = listing(child)
             except BaseException:
                 os.close(child)
                 raise
@@ -2566,6 +2570,29 @@ def walk_tree_fds(dir_fd: int, leave: Optional[Callable[[int, str], None]] = Non
             fd, pending, prefix = child, entries, f"{prefix}{name}/"
     finally:
         os.close(fd)
+
+
+def walk_tree_fds(dir_fd: int, leave: Optional[Callable[[int, str], None]] = None,
+                  ) -> Iterator[tuple[str, int, str, os.stat_result]]:
+    """(member name, parent fd, entry name, lstat) for everything below dir_fd, parents before children, in name
+    order, never following a symlink. The parent fd stays open while the caller handles the entry; `leave(parent
+    fd, name)` is called once a directory's entries are all handled (a removal's rmdir).
+
+    A loop, not a recursion: a workload nests its trees as deep as it likes. It keeps one directory fd of its own
+    open, going down by name and back up through '..', checked against the identity it recorded on the way down (a
+    directory moved meanwhile ends the walk with ESTALE rather than let it wander outside the tree)."""
+    return _walk_below(dir_fd, _sorted_entries, leave)
+
+
+def count_entries(dir_fd: int, limit: int) -> int:
+    """The entries below dir_fd, counted up to one past `limit` without a stat (so a tree too large to archive is
+    refused at the speed of reading its directories)."""
+    count = 0
+    for _ in _walk_below(dir_fd, _typed_entries, None):
+        count += 1
+        if count > limit:
+            break
+    return count
 
 
 def remove_entry(dir_fd: int, name: str) -> None:
@@ -2795,7 +2822,10 @@ def tar_member_bytes(info: tarfile.TarInfo) -> int:
 def measure_tree(dir_fd: int, prefix: str, max_entries: int) -> tuple[int, int]:
     """(entries, bytes) the tree below dir_fd takes in a checkpoint, as ArchiveMembers would write it (sparse),
     from lstat alone but for files that may have holes, whose data segments are looked up: what the archive needs
-    before a byte of it is written. It stops at the entry past max_entries."""
+    before a byte of it is written. A tree of more than max_entries is counted only that far (count_entries)."""
+    entries = count_entries(dir_fd, max_entries)
+    if entries > max_entries:
+        return entries, 0
     entries = needed_bytes = 0
     for member, parent, name, st in walk_tree_fds(dir_fd):
         info = tarfile.TarInfo(prefix + member)
@@ -2816,7 +2846,7 @@ def measure_tree(dir_fd: int, prefix: str, max_entries: int) -> tuple[int, int]:
             info.size = st.st_size
         entries += 1
         if entries > max_entries:
-            break  # too many: the caller says so
+            break  # grown since it was counted: too many, the caller says so
         needed_bytes += tar_member_bytes(info)
     return entries, needed_bytes
 

@@ -240,19 +240,3 @@ def test_a_tree_1200_levels_deep_round_trips(start_agent):
         assert deep_tree_bottom(workspace, levels) == ("at the bottom", "bottom.txt")
     finally:
         remove_deep_tree(workspace)
-
-
-def test_a_tree_a_restore_could_not_take_is_refused_before_writing(start_agent):
-    source = start_agent("--workload", "shell")
-    many = source.session_dir / "workspace" / "many"
-    many.mkdir()
-    fd = os.open(many, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        for number in range(agent.MAX_ARCHIVE_ENTRIES):
-            os.close(os.open(f"{number}", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd))
-    finally:
-        os.close(fd)
-    error = source.error("checkpoint", id="many")
-    assert error["code"] == "command_error" and f"more than {agent.MAX_ARCHIVE_ENTRIES} entries" in error["message"]
-    assert not list(source.agent_dir.glob("*checkpoint-many*"))  # nothing was written
-    assert source.status()["admission_open"] is True
