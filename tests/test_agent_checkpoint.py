@@ -5,12 +5,18 @@ from __future__ import annotations
 import io
 import json
 import os
+import subprocess
+import sys
 import tarfile
+from pathlib import Path
 
 import pytest
 
 from agent_fixtures.harness import (FAKE_AGENT_ARGV, agent, short_dir, start_agent,  # noqa: F401
                                     wait_until)
+
+
+DEEP_TREE = Path(__file__).resolve().parent / "agent_fixtures" / "deep_tree.py"
 
 
 def checkpoint(process, checkpoint_id):
@@ -182,34 +188,10 @@ def test_a_sparse_file_is_archived_by_its_data_and_restored_sparse(start_agent):
         assert restored.read() == bytes(4096)
 
 
-def deep_tree(top, levels):
-    """`levels` directories nested in top, a file and a symlink at the bottom; returns the deepest."""
-    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        for _ in range(levels):
-            os.mkdir("d", dir_fd=fd)
-            below = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
-            os.close(fd)
-            fd = below
-        with open(os.open("bottom.txt", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd), "w") as bottom:
-            bottom.write("at the bottom")
-        os.symlink("bottom.txt", "link", dir_fd=fd)
-    finally:
-        os.close(fd)
-
-
-def deep_tree_bottom(top, levels):
-    """(the bottom file's text, the link's target), reached one level at a time (the path outgrows PATH_MAX)."""
-    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        for _ in range(levels):
-            below = os.open("d", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
-            os.close(fd)
-            fd = below
-        with open(os.open("bottom.txt", os.O_RDONLY, dir_fd=fd)) as bottom:
-            return bottom.read(), os.readlink("link", dir_fd=fd)
-    finally:
-        os.close(fd)
+def deep_tree(*args):
+    """tests/agent_fixtures/deep_tree.py, run as the test's own process (the paths outgrow PATH_MAX)."""
+    return subprocess.run([sys.executable, str(DEEP_TREE), *map(str, args)], check=True, capture_output=True,
+                          text=True, timeout=120).stdout
 
 
 def remove_deep_tree(workspace):
@@ -225,7 +207,7 @@ def test_a_tree_1200_levels_deep_round_trips(start_agent):
     levels = 1200
     source = start_agent("--workload", "shell")
     workspace = source.session_dir / "workspace"
-    deep_tree(workspace, levels)
+    deep_tree("make", workspace, levels)
     try:
         result = checkpoint(source, "deep")
         source.stop()
@@ -233,10 +215,10 @@ def test_a_tree_1200_levels_deep_round_trips(start_agent):
         assert not (workspace / "d").exists()
 
         restored = start_agent("--workload", "shell", "--restore", result["path"])
-        assert deep_tree_bottom(workspace, levels) == ("at the bottom", "bottom.txt")
+        assert deep_tree("check", workspace) == f"{levels} at the bottom\n"
         again = checkpoint(restored, "again")  # the restored tree archives, and its old copy is removed, too
         restored.stop()
         start_agent("--workload", "shell", "--restore", again["path"])
-        assert deep_tree_bottom(workspace, levels) == ("at the bottom", "bottom.txt")
+        assert deep_tree("check", workspace) == f"{levels} at the bottom\n"
     finally:
         remove_deep_tree(workspace)

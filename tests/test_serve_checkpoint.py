@@ -75,64 +75,39 @@ print(json.dumps({"size": st.st_size, "allocated": st.st_blocks * 512, "middle":
 """
 
 
-def test_a_sparse_gigabyte_in_home_is_archived_by_its_data_and_restored_sparse(
-        serve_factory: Callable[..., ServeProcess], docker_engine: Any) -> None:
-    server = serve_factory("--session-disk-mib", "64")
+def snapshot_and_restore(server: ServeProcess, name: str, argv: list[str]) -> tuple[str, dict[str, Any]]:
+    """A session whose home `argv` (run by exec) filled, snapshotted (writing next to nothing on
+    the host, no failure) and switched back: its id and the snapshot."""
     api = server.api
-    sid = api.create("sparse")["id"]
+    sid = api.create(name)["id"]
     api.wait_output(sid, b"$ ")
-    run(api, sid, SPARSE)
-    before = disk_written_bytes(server, sid)
-
-    snapshot = api.call("POST", f"/sessions/{sid}/snapshot", {})
-    assert snapshot["state"] == "snapshot" and snapshot["checkpoint"]["sizeBytes"] < MIB
-    assert disk_written_bytes(server, sid) - before < SMALL_WRITE_BYTES
-    assert "lastFailure" not in snapshot
-
-    assert api.call("POST", f"/sessions/{sid}/switch", {})["state"] == "active"
-    restored = json.loads(run(api, sid, SPARSE_CHECK)["stdout"])
-    assert restored == {"size": 1 << 30, "allocated": restored["allocated"],
-                        "middle": (b"\0\0\0middle").hex()}
-    assert restored["allocated"] < MIB  # sparse again, in the new container's home
-
-
-DEEP = """
-import os
-fd = os.open(os.path.expanduser("~"), os.O_RDONLY | os.O_DIRECTORY)
-for _ in range(1200):
-    os.mkdir("d", dir_fd=fd)
-    below = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
-    os.close(fd)
-    fd = below
-with open(os.open("bottom.txt", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd), "w") as f:
-    f.write("at the bottom")
-"""
-
-DEEP_CHECK = """
-import os
-fd = os.open(os.path.expanduser("~"), os.O_RDONLY | os.O_DIRECTORY)
-levels = 0
-while "d" in os.listdir(fd):
-    below = os.open("d", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
-    os.close(fd)
-    fd, levels = below, levels + 1
-print(levels, open(os.open("bottom.txt", os.O_RDONLY, dir_fd=fd)).read())
-"""
-
-
-def test_a_home_1200_levels_deep_snapshots_and_restores_intact(
-        serve_factory: Callable[..., ServeProcess], docker_engine: Any) -> None:
-    server = serve_factory("--session-disk-mib", "64")
-    api = server.api
-    sid = api.create("deep")["id"]
-    api.wait_output(sid, b"$ ")
-    run(api, sid, DEEP)
+    assert api.call("POST", f"/sessions/{sid}/exec", {"argv": argv})["exitCode"] == 0
     before = disk_written_bytes(server, sid)
     snapshot = api.call("POST", f"/sessions/{sid}/snapshot", {})
     assert snapshot["state"] == "snapshot" and "lastFailure" not in snapshot
     assert disk_written_bytes(server, sid) - before < SMALL_WRITE_BYTES
     assert api.call("POST", f"/sessions/{sid}/switch", {})["state"] == "active"
-    assert run(api, sid, DEEP_CHECK)["stdout"] == "1200 at the bottom\n"
+    return sid, snapshot
+
+
+def test_a_sparse_gigabyte_in_home_is_archived_by_its_data_and_restored_sparse(
+        serve_factory: Callable[..., ServeProcess], docker_engine: Any) -> None:
+    server = serve_factory("--session-disk-mib", "64")
+    sid, snapshot = snapshot_and_restore(server, "sparse", ["python3", "-c", SPARSE])
+    assert snapshot["checkpoint"]["sizeBytes"] < MIB
+    restored = json.loads(run(server.api, sid, SPARSE_CHECK)["stdout"])
+    assert restored == {"size": 1 << 30, "allocated": restored["allocated"],
+                        "middle": (b"\0\0\0middle").hex()}
+    assert restored["allocated"] < MIB  # sparse again, in the new container's home
+
+
+def test_a_home_1200_levels_deep_snapshots_and_restores_intact(
+        serve_factory: Callable[..., ServeProcess], docker_engine: Any) -> None:
+    server = serve_factory("--session-disk-mib", "64")
+    tree = ["python3", "/opt/fake/deep_tree.py"]
+    sid, _ = snapshot_and_restore(server, "deep", [*tree, "make", "/mnt/reploy-home", "1200"])
+    checked = server.api.call("POST", f"/sessions/{sid}/exec", {"argv": [*tree, "check", "/mnt/reploy-home"]})
+    assert checked["stdout"] == "1200 at the bottom\n"
 
 
 #: 200,000 names of one empty file: the tree the walk sees is 200,000 empty files, and hard
