@@ -352,6 +352,7 @@ async function workspaceScreen(id) {
                     h("span", { class: "muted" }, `${session.workloadType}${session.model ? " · " + session.model : ""} · ${session.deployment}`),
                     h("span", { class: "spacer" }), snapshot);
   const failure = h("div", { class: "error", "data-test": "last-failure" }, failureText(session) || "");
+  toolbar.append(failure); // the views show the toolbar: the last failure goes with it
 
   // The session's state, polled passively: a snapshot taken meanwhile routes to restore.
   const poll = setInterval(async () => {
@@ -475,7 +476,7 @@ function shellView(id, toolbar, status, cleanups) {
     relaunchButton.disabled = false;
   } }, "Relaunch");
   const exited = h("div", { class: "notice", "data-test": "exited", hidden: true }, exitNote, relaunchButton);
-  show(toolbar, failure, exited, frame, status);
+  show(toolbar, exited, frame, status);
   const term = new Terminal({ cursorBlink: true, fontSize: 14, fontFamily: "DejaVu Sans Mono, monospace",
                               scrollback: 5000, theme: { background: "#000000" },
                               linkHandler: workloadLinks(status) });
@@ -544,7 +545,7 @@ function agentView(id, toolbar, status, cleanups) {
     } }, "Relaunch and forget"),
     h("button", { "data-test": "cancel-relaunch", onclick: () => { confirmRelaunch.hidden = true; } }, "Cancel"));
   const relaunchButton = h("button", { "data-test": "relaunch", onclick: () => { confirmRelaunch.hidden = false; } }, "Relaunch");
-  show(toolbar, failure, h("div", { class: "agent" }, transcript,
+  show(toolbar, h("div", { class: "agent" }, transcript,
        h("div", { class: "prompt" }, prompt, h("div", { class: "buttons" }, send, interrupt, relaunchButton)),
        confirmRelaunch, queue), status);
 
