@@ -2425,9 +2425,10 @@ class SessionManager:
                 state = self.backend.container_state(container_id)
                 if state is None or state.get("Status") == "exited":
                     tail = self.backend.log_tail(container_id).decode(errors="replace").strip()
-                    raise ServiceUnavailable(
-                        "the session container exited before its agent answered (the image "
-                        f"needs python3): {tail[-2000:] or 'no output'}")
+                    hint = "" if "agent.py serve:" in tail else " (the image needs python3)"
+                    raise ServiceUnavailable(  # the agent's own refusal (a restore's) says why
+                        f"the session container exited before its agent answered{hint}: "
+                        f"{tail[-2000:] or 'no output'}")
                 next_check = now + 0.5
             if now >= deadline:
                 raise ServiceUnavailable(f"the session agent did not answer within "

@@ -110,6 +110,42 @@ def test_a_home_1200_levels_deep_snapshots_and_restores_intact(
     assert checked["stdout"] == "1200 at the bottom\n"
 
 
+FILL = """
+import os
+with open("/mnt/reploy-session/workspace/fill", "wb") as f:
+    try:
+        while True:
+            f.write(bytes(1 << 20))
+            f.flush()
+    except OSError as e:
+        assert e.errno == 28  # ENOSPC: the workload filled what the disk gives it
+with open(os.path.expanduser("~/data"), "wb") as f:
+    f.write(os.urandom(20 << 20))
+"""
+
+
+def test_a_home_its_disk_cannot_hold_is_refused_before_a_byte_is_written(
+        serve_factory: Callable[..., ServeProcess], docker_engine: Any) -> None:
+    """The workload filled its disk; its home holds 20 MiB more than ext4 keeps for root. The
+    snapshot is refused at once (saying how much is free and needed; seed 002's snapshot route
+    names no 507, so it is its 500 with the message), writes nothing, and the agent's own files
+    still grow."""
+    server = serve_factory("--session-disk-mib", "64")
+    api = server.api
+    sid = api.create("full")["id"]
+    api.wait_output(sid, b"$ ")
+    run(api, sid, FILL)
+    before = disk_written_bytes(server, sid)
+    status, raw = api.raw("POST", f"/api/v1/sessions/{sid}/snapshot", b"{}")
+    error = json.loads(raw)["error"]
+    assert status == 500 and "not enough space in the session's disk (a checkpoint)" in error, raw
+    assert disk_written_bytes(server, sid) - before < SMALL_WRITE_BYTES
+    session = api.get(sid)
+    assert session["state"] == "idle" and session["lastFailure"]["reason"] == error
+    api.call("POST", f"/sessions/{sid}/message", {"text": "echo still-$((6*7))"})
+    api.wait_output(sid, b"still-42")
+
+
 #: 200,000 names of one empty file: the tree the walk sees is 200,000 empty files, and hard
 #: links keep the home's inodes (kernel memory the container's limit counts) to one.
 MANY = """
