@@ -166,6 +166,7 @@ MAX_ARCHIVE_BYTES = 8 * 1024 * MIB
 CHECKPOINT_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 REASON_RE = re.compile(r"[a-z][a-z_]{0,31}")  #: a `suspend` reason, as the outbox records it
 COPY_CHUNK_BYTES = 1 * MIB
+MAX_SPARSE_SEGMENTS = 4096  #: data segments a checkpoint's sparse member maps; past them the rest is stored whole
 
 # exec: commands run beside the workload, each in its own process session
 MAX_RUNNING_EXECS = 8  #: one more is refused with server_unavailable
@@ -1345,15 +1346,42 @@ def check_archive_members(members: list[tarfile.TarInfo], include: tuple[str, ..
             raise ArchiveError(f"member {member.name!r} is not a regular file, directory or symlink")
         if member.issym() and not symlink_stays_inside(member.name, member.linkname, symlinks):
             raise ArchiveError(f"symlink {member.name!r} -> {member.linkname!r} escapes its tree")
-        parents = member.name.split("/")[:-1]
-        if any("/".join(parents[:i]) in symlinks for i in range(1, len(parents) + 1)):
+        if symlinks and _below_symlink(member.name, symlinks):
             raise ArchiveError(f"member {member.name!r} lies below a symlink")
-        total_bytes += member.size if member.isfile() else 0
+        total_bytes += member_data_bytes(member) if member.isfile() else 0
         if total_bytes > max_bytes:
             raise ArchiveError(f"archive content exceeds {max_bytes} bytes")
     for required in (ARCHIVE_MANIFEST,) + ((ARCHIVE_LOG,) if "log" in include else ()):
         if required not in names:
             raise ArchiveError(f"archive lacks {required}")
+
+
+def _below_symlink(name: str, symlinks: set[str]) -> bool:
+    """Whether a member lies below one of the archive's symlinks: each of its parents looked up, or each symlink
+    tried as a prefix, whichever is fewer (a tree a thousand levels deep must not cost a thousand slices a member)."""
+    if len(symlinks) < name.count("/"):
+        return any(name.startswith(link + "/") for link in symlinks)
+    cut = name.rfind("/")
+    while cut > 0:
+        if name[:cut] in symlinks:
+            return True
+        cut = name.rfind("/", 0, cut)
+    return False
+
+
+def member_data_bytes(member: tarfile.TarInfo) -> int:
+    """The bytes a regular member writes: its size, or a sparse one's data segments, checked to be in order,
+    apart and inside its size (a restore seeks to each)."""
+    if member.sparse is None:
+        return member.size
+    if len(member.sparse) > MAX_SPARSE_SEGMENTS + 1:
+        raise ArchiveError(f"sparse member {member.name!r} maps more than {MAX_SPARSE_SEGMENTS} segments")
+    end = 0
+    for offset, length in member.sparse:
+        if offset < end or length < 0 or offset + length > member.size:
+            raise ArchiveError(f"sparse member {member.name!r} has a segment out of order or past its size")
+        end = offset + length
+    return sum(length for _, length in member.sparse)
 
 
 def parse_manifest(data: bytes) -> Manifest:
@@ -1478,7 +1506,7 @@ def vet_upload_members(members: list[tarfile.TarInfo], max_entries: int = MAX_AR
             if target not in earlier or kinds.get(target) != "file":
                 raise ArchiveError(f"refused: hard link {name!r} -> {member.linkname!r} does not point at a regular "
                                    "file earlier in the archive")
-        total_bytes += member.size if member.isfile() else 0
+        total_bytes += member_data_bytes(member) if member.isfile() else 0
         if total_bytes > max_bytes:
             raise ArchiveError(f"too large: the archive's content exceeds {max_bytes} bytes")
         earlier.add(name)
@@ -2229,33 +2257,81 @@ def files_made_as(identity: Optional[Identity]) -> Iterator[None]:
 # ======================================================================================================================
 
 
-def write_archive(destination: Path, manifest: Manifest, log_path: Path, walk_tree: Callable[[str], "Walk"]) -> int:
+def write_archive(destination: Path, manifest: Manifest, log_path: Path, walk_tree: Callable[[str], "Walk"],
+                  measure_tree: Callable[[str, int], tuple[int, int]]) -> int:
     """Writes one checkpoint tar: the manifest, then what it includes: the first manifest.log_bytes of the log, and
-    each tree as `walk_tree(name)` walks it (write_walked_entries). Returns the entries left out."""
+    each tree as `walk_tree(name)` walks it (write_walked_entries, sparse files as their data). The archive is
+    measured first, the trees by `measure_tree(name, entries left)`, and refused with nothing written when a restore
+    could not take it (more than MAX_ARCHIVE_ENTRIES members) or its disk could not hold it and still keep
+    MIN_FREE_RESERVED_BYTES for the agent's log and outbox (the spool's rule: it may use the blocks kept for root);
+    the writing then stops at what was measured, so a tree that grew meanwhile fails the checkpoint instead of
+    filling the disk. Returns the entries left out."""
+    now = int(time.time())
+    fixed = [_bytes_info(ARCHIVE_MANIFEST, len(manifest.to_json()), now)]
+    if "log" in manifest.include:
+        fixed.append(_bytes_info(ARCHIVE_LOG, manifest.log_bytes, now))
+    for tree in manifest.trees:
+        info = tarfile.TarInfo(tree)
+        info.type, info.mode, info.mtime = tarfile.DIRTYPE, PRIVATE_DIR_MODE, now
+        fixed.append(info)
+    entries, needed_bytes = len(fixed), sum(tar_member_bytes(info) for info in fixed)
+    for tree in manifest.trees:
+        tree_entries, tree_bytes = measure_tree(tree, MAX_ARCHIVE_ENTRIES - entries)
+        entries, needed_bytes = entries + tree_entries, needed_bytes + tree_bytes
+        if entries > MAX_ARCHIVE_ENTRIES:
+            raise CommandError(f"too large: the checkpoint would hold more than {MAX_ARCHIVE_ENTRIES} entries, "
+                               f"more than a restore takes (the {tree} has too many)")
+    needed_bytes += 2 * tarfile.BLOCKSIZE  # the end of the archive, then padding to a whole record
+    needed_bytes += -needed_bytes % tarfile.RECORDSIZE
+    dir_fd = os.open(destination.parent, DIR_OPEN_FLAGS)
+    try:
+        require_free_space(dir_fd, needed_bytes, "the session's disk (a checkpoint)", reserved=True)
+    finally:
+        os.close(dir_fd)
     skipped = 0
-    with tarfile.open(destination, "w", format=tarfile.PAX_FORMAT) as archive:
-        _add_bytes(archive, ARCHIVE_MANIFEST, manifest.to_json())
+    with open(destination, "wb") as raw, tarfile.open(fileobj=MeasuredSink(raw, needed_bytes), mode="w",
+                                                     format=tarfile.PAX_FORMAT) as archive:
+        info, *rest = fixed
+        archive.addfile(info, io.BytesIO(manifest.to_json()))
         if "log" in manifest.include:
-            info = tarfile.TarInfo(ARCHIVE_LOG)
-            info.size, info.mode, info.mtime = manifest.log_bytes, 0o600, int(time.time())
+            info, *rest = rest
             with open(log_path, "rb") as log_file:
                 archive.addfile(info, log_file)
-        for tree in manifest.trees:
-            info = tarfile.TarInfo(tree)
-            info.type, info.mode, info.mtime = tarfile.DIRTYPE, PRIVATE_DIR_MODE, int(time.time())
+        written = len(fixed)
+        for tree, info in zip(manifest.trees, rest):
             archive.addfile(info)
             walk = walk_tree(tree)
             try:
-                skipped += write_walked_entries(archive, walk, prefix=f"{tree}/")
+                members = ArchiveMembers(walk, f"{tree}/", sparse=True, max_entries=MAX_ARCHIVE_ENTRIES - written)
+                for member, data in members:
+                    archive.addfile(member, data)
+                written, skipped = written + members.entries, skipped + members.left_out
             finally:
                 walk.close()
     return skipped
 
 
-def _add_bytes(archive: tarfile.TarFile, name: str, data: bytes) -> None:
+class MeasuredSink:
+    """A checkpoint's file, written no further than what was measured for it (write_archive)."""
+
+    def __init__(self, raw: BinaryIO, limit_bytes: int) -> None:
+        self._raw, self._limit_bytes, self._written_bytes = raw, limit_bytes, 0
+
+    def write(self, data: bytes) -> int:
+        if self._written_bytes + len(data) > self._limit_bytes:
+            raise CommandError(f"the checkpoint outgrew the {self._limit_bytes} bytes measured for it (its trees "
+                               "changed while it was written); retry")
+        self._written_bytes += len(data)
+        return self._raw.write(data)
+
+    def tell(self) -> int:
+        return self._written_bytes
+
+
+def _bytes_info(name: str, size: int, mtime: int) -> tarfile.TarInfo:
     info = tarfile.TarInfo(name)
-    info.size, info.mode, info.mtime = len(data), 0o600, int(time.time())
-    archive.addfile(info, io.BytesIO(data))
+    info.size, info.mode, info.mtime = size, 0o600, mtime
+    return info
 
 
 def read_checked_archive(archive: tarfile.TarFile, workload: Optional[WorkloadKind] = None,
@@ -2364,7 +2440,8 @@ def restore_tree(archive_file: BinaryIO, root: Path, tree: str) -> None:
                 os.close(staging_fd)
         finally:
             for name in (staging, trash):
-                shutil.rmtree(name, dir_fd=root_fd, ignore_errors=True)
+                with contextlib.suppress(OSError):
+                    remove_entry(root_fd, name)
             os.close(root_fd)
 
 
@@ -2548,23 +2625,103 @@ def list_entries(root: Path, parts: tuple[str, ...], offset: int, limit: int) ->
         os.close(dir_fd)
 
 
-def walk_tree_fds(dir_fd: int, prefix: str = "") -> Iterator[tuple[str, int, str, os.stat_result]]:
-    """(member name, parent fd, entry name, lstat) for everything below dir_fd, parents before children, in name
-    order, never following a symlink. The parent fd stays open while the caller handles the entry."""
+def fd_identity(fd: int) -> tuple[int, int]:
+    """What names one directory however it is reached: its device and inode."""
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
+
+
+_Listing = list[tuple[str, bool, Any]]  #: (name, is a directory, what the walk yields of it), last name first
+
+
+def _sorted_entries(dir_fd: int) -> _Listing:
+    """A directory's entries with their lstat, in name order."""
     with os.scandir(dir_fd) as scan:
-        entries = sorted((entry.name, entry.stat(follow_symlinks=False)) for entry in scan)
-    for name, st in entries:
-        member = prefix + name
-        yield member, dir_fd, name, st
-        if stat.S_ISDIR(st.st_mode):
+        named = sorted(((entry.name, entry.stat(follow_symlinks=False)) for entry in scan), reverse=True)
+    return [(name, stat.S_ISDIR(st.st_mode), st) for name, st in named]
+
+
+def _typed_entries(dir_fd: int) -> _Listing:
+    """A directory's entries as the directory itself types them (no stat, no order): what counting needs."""
+    with os.scandir(dir_fd) as scan:
+        return [(entry.name, entry.is_dir(follow_symlinks=False), None) for entry in scan]
+
+
+def _walk_below(dir_fd: int, listing: Callable[[int], _Listing],
+                leave: Optional[Callable[[int, str], None]]) -> Iterator[tuple[str, int, str, Any]]:
+    """walk_tree_fds's loop, with the listing of each directory as a parameter."""
+    fd = os.dup(dir_fd)
+    above: list[tuple[_Listing, str, str, tuple[int, int]]] = []
+    try:
+        pending, prefix = listing(fd), ""
+        while pending or above:
+            if not pending:
+                pending, prefix, name, identity = above.pop()
+                up = os.open("..", DIR_OPEN_FLAGS, dir_fd=fd)
+                os.close(fd)
+                fd = up
+                if fd_identity(fd) != identity:
+                    raise OSError(errno.ESTALE, "a directory moved while its tree was walked")
+                if leave is not None:
+                    leave(fd, name)
+                continue
+            name, is_dir, payload = pending.pop()
+            yield prefix + name, fd, name, payload
+            if not is_dir:
+                continue
             try:
-                child = os.open(name, DIR_OPEN_FLAGS, dir_fd=dir_fd)
+                child = os.open(name, DIR_OPEN_FLAGS, dir_fd=fd)
             except OSError:
                 continue  # replaced meanwhile by something that is not a directory: not followed
             try:
-                yield from walk_tree_fds(child, member + "/")
-            finally:
+                entries = listing(child)
+            except BaseException:
                 os.close(child)
+                raise
+            above.append((pending, prefix, name, fd_identity(fd)))
+            os.close(fd)
+            fd, pending, prefix = child, entries, f"{prefix}{name}/"
+    finally:
+        os.close(fd)
+
+
+def walk_tree_fds(dir_fd: int, leave: Optional[Callable[[int, str], None]] = None,
+                  ) -> Iterator[tuple[str, int, str, os.stat_result]]:
+    """(member name, parent fd, entry name, lstat) for everything below dir_fd, parents before children, in name
+    order, never following a symlink. The parent fd stays open while the caller handles the entry; `leave(parent
+    fd, name)` is called once a directory's entries are all handled (a removal's rmdir).
+
+    A loop, not a recursion: a workload nests its trees as deep as it likes. It keeps one directory fd of its own
+    open, going down by name and back up through '..', checked against the identity it recorded on the way down (a
+    directory moved meanwhile ends the walk with ESTALE rather than let it wander outside the tree)."""
+    return _walk_below(dir_fd, _sorted_entries, leave)
+
+
+def count_entries(dir_fd: int, limit: int) -> int:
+    """The entries below dir_fd, counted up to one past `limit` without a stat (so a tree too large to archive is
+    refused at the speed of reading its directories)."""
+    count = 0
+    for _ in _walk_below(dir_fd, _typed_entries, None):
+        count += 1
+        if count > limit:
+            break
+    return count
+
+
+def remove_entry(dir_fd: int, name: str) -> None:
+    """Removes `name` from a directory, whatever it is, following no symlink: a directory with everything below it,
+    by the walk's loop (shutil.rmtree recurses once per level in Python 3.11)."""
+    if not stat.S_ISDIR(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
+        os.unlink(name, dir_fd=dir_fd)
+        return
+    fd = os.open(name, DIR_OPEN_FLAGS, dir_fd=dir_fd)
+    try:
+        for _, parent, entry, st in walk_tree_fds(fd, leave=lambda up, below: os.rmdir(below, dir_fd=up)):
+            if not stat.S_ISDIR(st.st_mode):
+                os.unlink(entry, dir_fd=parent)
+    finally:
+        os.close(fd)
+    os.rmdir(name, dir_fd=dir_fd)
 
 
 class Walk:
@@ -2604,57 +2761,207 @@ class TreeWalk(Walk):
                 self.skipped += 1  # replaced by something else or removed meanwhile
 
 
-def write_walked_entries(archive: tarfile.TarFile, walk: Walk, prefix: str = "") -> int:
-    """Writes a walked tree into a tar, each entry checked as the hostile input it may be (a worker's walk): a name
-    not seen before, directly below a directory written before it (so nothing lies below a file or a symlink), at
-    most MAX_ARCHIVE_ENTRIES entries and MAX_TRANSFER_BYTES of content. A regular file's size, mode and mtime come
-    from fstat of its fd (which must show a regular file), its bytes from the fd. Modes lose setuid, setgid and
-    sticky. Symlinks go last, and only those that stay inside the tree without passing through another symlink.
-    Returns the entries left out, the walk's own included."""
-    kinds: dict[str, str] = {}
-    symlinks: list[WalkEntry] = []
-    content_bytes = 0
-    for entry, fd in walk:
-        try:
-            parent = entry.name.rpartition("/")[0]
-            if entry.name in kinds or (parent and kinds.get(parent) != "directory"):
-                raise WorkerProtocolError(f"the walk's entry {entry.name[:80]!r} is not new or not below a directory")
-            if len(kinds) >= MAX_ARCHIVE_ENTRIES:
-                raise CommandError(f"too large: the tree has more than {MAX_ARCHIVE_ENTRIES} entries")
-            kinds[entry.name] = entry.kind
-            info = tarfile.TarInfo(prefix + entry.name)
-            info.mode, info.mtime = entry.mode & OUTGOING_MODE_MASK, entry.mtime
-            if entry.kind == "symlink":
-                symlinks.append(entry)
-            elif entry.kind == "directory":
-                info.type = tarfile.DIRTYPE
-                archive.addfile(info)
+def data_segments(fd: int, st: os.stat_result) -> list[tuple[int, int]]:
+    """(offset, length) of the parts of a regular file that hold data, by SEEK_DATA and SEEK_HOLE: a checkpoint
+    stores a sparse file's data, not its holes. A file with no fewer blocks than its size is all data (no lseek);
+    a file system that cannot say is too. At most MAX_SPARSE_SEGMENTS: the last runs to the end."""
+    size = st.st_size
+    if st.st_blocks * 512 >= size:
+        return [(0, size)]
+    segments: list[tuple[int, int]] = []
+    offset = 0
+    try:
+        while offset < size:
+            try:
+                start = os.lseek(fd, offset, os.SEEK_DATA)
+            except OSError as e:
+                if e.errno != errno.ENXIO:
+                    raise
+                break  # a hole runs to the end
+            if start >= size:
+                break
+            end = size if len(segments) == MAX_SPARSE_SEGMENTS - 1 else min(os.lseek(fd, start, os.SEEK_HOLE), size)
+            segments.append((start, end - start))
+            offset = end
+    except OSError:
+        return [(0, size)]
+    return segments
+
+
+def sparse_map(segments: list[tuple[int, int]], size: int) -> bytes:
+    """The data of a GNU sparse 1.0 member starts with its map: the count, then offset and length of each segment,
+    one decimal number a line, padded to a tar block. A file ending in a hole ends with an empty segment at its
+    size, as GNU tar writes it."""
+    if not segments or sum(segments[-1]) < size:
+        segments = segments + [(size, 0)]
+    text = "".join(f"{offset}\n{length}\n" for offset, length in segments)
+    data = f"{len(segments)}\n{text}".encode("ascii")
+    return data + b"\0" * (-len(data) % tarfile.BLOCKSIZE)
+
+
+class FileData:
+    """A regular file's bytes as a tar member carries them: whole, or (sparse) its map then its data segments."""
+
+    def __init__(self, fd: int, name: str, size: int, segments: Optional[list[tuple[int, int]]]) -> None:
+        self._fd, self._name = fd, name
+        self._head = b"" if segments is None else sparse_map(segments, size)
+        self._segments = [(0, size)] if segments is None else segments
+        self.stored_bytes = len(self._head) + sum(length for _, length in self._segments)
+
+    def read(self, limit: int = -1) -> bytes:
+        """tarfile's copy reads exactly stored_bytes, in full pieces; a file that shrank meanwhile is an error,
+        never short data."""
+        limit = self.stored_bytes if limit < 0 else limit
+        pieces = [self._head[:limit]]
+        self._head = self._head[limit:]
+        wanted = limit - len(pieces[0])
+        while wanted and self._segments:
+            offset, length = self._segments[0]
+            piece = os.pread(self._fd, min(wanted, length, COPY_CHUNK_BYTES), offset) if length else b""
+            if length and not piece:
+                raise CommandError(f"{self._name[:200]} shrank while it was archived; retry")
+            if len(piece) == length:
+                self._segments.pop(0)
             else:
+                self._segments[0] = (offset + len(piece), length - len(piece))
+            pieces.append(piece)
+            wanted -= len(piece)
+        return b"".join(pieces)
+
+
+class ArchiveMembers:
+    """A walked tree as the tar members it becomes, each entry checked as the hostile input it may be (a worker's
+    walk): a name not seen before, directly below a directory given before it (so nothing lies below a file or a
+    symlink), at most `max_entries` entries and MAX_TRANSFER_BYTES of data. A regular file's size, mode and mtime
+    come from fstat of its fd (which must show a regular file), its bytes from the fd; with `sparse` (checkpoints)
+    a file with holes becomes a GNU sparse 1.0 member (PAX), holding its data segments only, which Python's tarfile
+    reads back. Modes lose setuid, setgid and sticky. Symlinks go last, and only those that stay inside the tree
+    without passing through another symlink. Each pair is (member, data or None); `left_out` counts, once the
+    iteration is done, the entries left out, the walk's own included."""
+
+    def __init__(self, walk: Walk, prefix: str = "", sparse: bool = False,
+                 max_entries: int = MAX_ARCHIVE_ENTRIES) -> None:
+        self._walk, self._prefix, self._sparse, self._max_entries = walk, prefix, sparse, max_entries
+        self.entries = 0
+        self.left_out = 0
+
+    def __iter__(self) -> Iterator[tuple[tarfile.TarInfo, Optional[FileData]]]:
+        kinds: dict[str, str] = {}
+        symlinks: list[WalkEntry] = []
+        content_bytes = 0
+        for entry, fd in self._walk:
+            try:
+                parent = entry.name.rpartition("/")[0]
+                if entry.name in kinds or (parent and kinds.get(parent) != "directory"):
+                    raise WorkerProtocolError(f"the walk's entry {entry.name[:80]!r} is not new or not below a "
+                                              "directory")
+                if len(kinds) >= self._max_entries:
+                    raise CommandError(f"too large: the tree has more than {self._max_entries} entries")
+                kinds[entry.name] = entry.kind
+                info = tarfile.TarInfo(self._prefix + entry.name)
+                info.mode, info.mtime = entry.mode & OUTGOING_MODE_MASK, entry.mtime
+                if entry.kind == "symlink":
+                    symlinks.append(entry)
+                    continue
+                if entry.kind == "directory":
+                    info.type = tarfile.DIRTYPE
+                    self.entries += 1
+                    yield info, None
+                    continue
                 assert fd is not None  # check_walk_entry: a file comes with its fd
                 st = os.fstat(fd)
                 if not stat.S_ISREG(st.st_mode):
                     raise WorkerProtocolError(f"the walk's file {entry.name[:80]!r} is not a regular file")
-                content_bytes += st.st_size
+                data = file_member(info, fd, st, self._sparse)
+                content_bytes += data.stored_bytes
                 if content_bytes > MAX_TRANSFER_BYTES:
                     raise CommandError(f"too large: the tree's content exceeds {MAX_TRANSFER_BYTES} bytes")
-                info.size, info.mode, info.mtime = st.st_size, stat.S_IMODE(st.st_mode) & OUTGOING_MODE_MASK, \
-                    int(st.st_mtime)
-                with os.fdopen(fd, "rb", closefd=False) as source:
-                    archive.addfile(info, source)
-        finally:
-            if fd is not None:
+                self.entries += 1
+                yield info, data
+            finally:
+                if fd is not None:
+                    os.close(fd)
+        links = {f"{_UPLOAD_TREE}/{entry.name}" for entry in symlinks}
+        for entry in symlinks:
+            assert entry.target is not None
+            if not symlink_stays_inside(f"{_UPLOAD_TREE}/{entry.name}", entry.target, links):
+                self.left_out += 1
+                continue
+            info = tarfile.TarInfo(self._prefix + entry.name)
+            info.type, info.linkname, info.mode, info.mtime = tarfile.SYMTYPE, entry.target, 0o777, entry.mtime
+            self.entries += 1
+            yield info, None
+        self.left_out += self._walk.skipped
+
+
+def write_walked_entries(archive: tarfile.TarFile, walk: Walk) -> int:
+    """Writes a walked tree into a tar, files whole (ArchiveMembers). Returns the entries left out."""
+    members = ArchiveMembers(walk)
+    for info, data in members:
+        archive.addfile(info, data)
+    return members.left_out
+
+
+def file_member(info: tarfile.TarInfo, fd: int, st: os.stat_result, sparse: bool) -> FileData:
+    """A regular file's member completed from its fstat, and its data. With `sparse` (checkpoints), a file with
+    holes becomes a GNU sparse 1.0 member (PAX) holding its data segments only, which Python's tarfile reads back."""
+    segments = data_segments(fd, st) if sparse and st.st_size else None
+    if segments is not None and sum(length for _, length in segments) == st.st_size:
+        segments = None  # no hole: an ordinary member
+    data = FileData(fd, info.name, st.st_size, segments)
+    info.size, info.mode, info.mtime = data.stored_bytes, stat.S_IMODE(st.st_mode) & OUTGOING_MODE_MASK, \
+        int(st.st_mtime)
+    if segments is not None:
+        info.pax_headers = {"GNU.sparse.major": "1", "GNU.sparse.minor": "0", "GNU.sparse.name": info.name,
+                            "GNU.sparse.realsize": str(st.st_size)}
+    return data
+
+
+#: A member whose name and link fit ustar's fields as ASCII, with no PAX header of its own, is one header block.
+_USTAR_NAME_BYTES = 100
+_USTAR_NUMBER_LIMIT = 8 ** 11
+
+
+def tar_member_bytes(info: tarfile.TarInfo) -> int:
+    """What one member takes in a PAX tar as tarfile writes it: its headers and its data, padded to blocks."""
+    data_bytes = info.size + (-info.size % tarfile.BLOCKSIZE)
+    if (not info.pax_headers and info.name.isascii() and len(info.name) + info.isdir() <= _USTAR_NAME_BYTES
+            and info.linkname.isascii() and len(info.linkname) <= _USTAR_NAME_BYTES
+            and 0 <= info.mtime < _USTAR_NUMBER_LIMIT and info.size < _USTAR_NUMBER_LIMIT):
+        return tarfile.BLOCKSIZE + data_bytes  # tobuf's answer, without building it for each of many entries
+    return len(info.tobuf(tarfile.PAX_FORMAT, tarfile.ENCODING, "surrogateescape")) + data_bytes
+
+
+def measure_tree(dir_fd: int, prefix: str, max_entries: int) -> tuple[int, int]:
+    """(entries, bytes) the tree below dir_fd takes in a checkpoint, as ArchiveMembers would write it (sparse),
+    from lstat alone but for files that may have holes, whose data segments are looked up: what the archive needs
+    before a byte of it is written. A tree of more than max_entries is counted only that far (count_entries)."""
+    entries = count_entries(dir_fd, max_entries)
+    if entries > max_entries:
+        return entries, 0
+    entries = needed_bytes = 0
+    for member, parent, name, st in walk_tree_fds(dir_fd):
+        info = tarfile.TarInfo(prefix + member)
+        info.mtime = int(st.st_mtime)
+        if stat.S_ISDIR(st.st_mode):
+            info.type = tarfile.DIRTYPE
+        elif stat.S_ISLNK(st.st_mode):
+            info.type, info.linkname = tarfile.SYMTYPE, os.readlink(name, dir_fd=parent)
+        elif not stat.S_ISREG(st.st_mode):
+            continue  # left out of the archive
+        elif st.st_blocks * 512 < st.st_size:
+            fd = os.open(name, FILE_READ_FLAGS, dir_fd=parent)
+            try:
+                file_member(info, fd, os.fstat(fd), sparse=True)
+            finally:
                 os.close(fd)
-    links = {f"{_UPLOAD_TREE}/{entry.name}" for entry in symlinks}
-    left_out = 0
-    for entry in symlinks:
-        assert entry.target is not None
-        if not symlink_stays_inside(f"{_UPLOAD_TREE}/{entry.name}", entry.target, links):
-            left_out += 1
-            continue
-        info = tarfile.TarInfo(prefix + entry.name)
-        info.type, info.linkname, info.mode, info.mtime = tarfile.SYMTYPE, entry.target, 0o777, entry.mtime
-        archive.addfile(info)
-    return left_out + walk.skipped
+        else:
+            info.size = st.st_size
+        entries += 1
+        if entries > max_entries:
+            break  # grown since it was counted: too many, the caller says so
+        needed_bytes += tar_member_bytes(info)
+    return entries, needed_bytes
 
 
 def write_tree_tar(dir_fd: int, fileobj: Any) -> int:
@@ -2762,7 +3069,8 @@ def extract_upload(archive_file: BinaryIO, root: Path, parts: tuple[str, ...], s
                 finally:
                     os.close(staging)
             finally:
-                shutil.rmtree(staging_name, dir_fd=deepest, ignore_errors=True)
+                with contextlib.suppress(OSError):
+                    remove_entry(deepest, staging_name)
         return len(planned)
     except (tarfile.TarError, EOFError) as e:
         kind = "tar archive" if compressed else "uncompressed tar archive"
@@ -2771,44 +3079,72 @@ def extract_upload(archive_file: BinaryIO, root: Path, parts: tuple[str, ...], s
         os.close(deepest)
 
 
+class _DirCursor:
+    """The directories of an extraction, each opened one level below the last when the members come parents first
+    (as an archive the agent wrote does): a tree nested a thousand levels deep costs an open a member, not an open
+    a level a member. `open` answers an fd the cursor owns."""
+
+    def __init__(self, base: int) -> None:
+        self._base = base
+        self._parts: tuple[str, ...] = ()
+        self._fd: Optional[int] = None
+
+    def open(self, parts: tuple[str, ...]) -> int:
+        if self._fd is not None and parts == self._parts:
+            return self._fd
+        below = self._fd is not None and parts[:len(self._parts)] == self._parts
+        fd = open_dir_below(self._fd if below else self._base, parts[len(self._parts):] if below else parts,
+                            create=True)
+        self.close()
+        self._parts, self._fd = parts, fd
+        return fd
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
 def _extract_members(archive: tarfile.TarFile, planned: list[tuple[str, tarfile.TarInfo]], staging: int) -> None:
-    """Writes vetted members into the empty private directory `staging`: files with O_EXCL|O_NOFOLLOW, hard links
-    within it, symlinks last, directory modes children first."""
-    for name, member in planned:
-        parts = tuple(name.split("/"))
-        if member.isdir():
-            os.close(open_dir_below(staging, parts, create=True))
-        elif member.isfile() or member.islnk():
-            parent = open_dir_below(staging, parts[:-1], create=True)
-            try:
-                if member.islnk():
-                    os.link(_normalise_member_name(member.linkname), parts[-1], src_dir_fd=staging, dst_dir_fd=parent,
-                            follow_symlinks=False)
-                    continue
-                fd = os.open(parts[-1], FILE_CREATE_FLAGS, 0o600, dir_fd=parent)
+    """Writes vetted members into the empty private directory `staging`: files with O_EXCL|O_NOFOLLOW (a sparse
+    one's holes left holes), hard links within it, symlinks last. Directory modes keep u+rwx (sane_mode), so each
+    is set as its directory is reached."""
+    cursor = _DirCursor(staging)
+    try:
+        for name, member in planned:
+            parts = tuple(name.split("/"))
+            if member.isdir():
+                os.fchmod(cursor.open(parts), sane_mode(member.mode, directory=True))
+            elif member.islnk():
+                os.link(_normalise_member_name(member.linkname), parts[-1], src_dir_fd=staging,
+                        dst_dir_fd=cursor.open(parts[:-1]), follow_symlinks=False)
+            elif member.isfile():
+                fd = os.open(parts[-1], FILE_CREATE_FLAGS, 0o600, dir_fd=cursor.open(parts[:-1]))
                 with os.fdopen(fd, "wb") as target:
                     source = archive.extractfile(member)
                     assert source is not None  # vetted: a regular file
-                    shutil.copyfileobj(source, target, COPY_CHUNK_BYTES)
+                    for offset, length in member.sparse or [(0, member.size)]:
+                        source.seek(offset)
+                        target.seek(offset)
+                        _copy_exactly(source, target, length)
+                    target.truncate(member.size)
                     os.fchmod(fd, sane_mode(member.mode, directory=False))
                     os.utime(fd, (member.mtime, member.mtime))
-            finally:
-                os.close(parent)
-    for name, member in planned:
-        if member.issym():
-            parts = tuple(name.split("/"))
-            parent = open_dir_below(staging, parts[:-1], create=True)
-            try:
-                os.symlink(member.linkname, parts[-1], dir_fd=parent)
-            finally:
-                os.close(parent)
-    for name, member in reversed(planned):
-        if member.isdir():
-            fd = open_dir_below(staging, tuple(name.split("/")))
-            try:
-                os.fchmod(fd, sane_mode(member.mode, directory=True))
-            finally:
-                os.close(fd)
+        for name, member in planned:
+            if member.issym():
+                parts = tuple(name.split("/"))
+                os.symlink(member.linkname, parts[-1], dir_fd=cursor.open(parts[:-1]))
+    finally:
+        cursor.close()
+
+
+def _copy_exactly(source: BinaryIO, target: BinaryIO, length: int) -> None:
+    while length:
+        piece = source.read(min(length, COPY_CHUNK_BYTES))
+        if not piece:
+            raise ArchiveError("a member's data ends early")
+        target.write(piece)
+        length -= len(piece)
 
 
 def _check_merge(staged: int, target: int, shown: str) -> None:
@@ -3119,6 +3455,14 @@ class FileWorkers:
     def walk(self, root: Path, parts: tuple[str, ...]) -> WorkerWalk:
         return WorkerWalk(self.start("walk", root=str(root), path=list(parts)))
 
+    def measure(self, root: Path, prefix: str, max_entries: int) -> tuple[int, int]:
+        """(entries, bytes) the tree at root takes in a checkpoint (measure_tree), by a worker's walk of it. Only
+        the refusal before writing trusts it: the writing is bounded by it (MeasuredSink) and checks every entry."""
+        with self.start("measure", root=str(root), prefix=prefix, max_entries=max_entries) as stream:
+            fields, _ = stream.final(WORKER_SILENCE_S, {"entries": int, "bytes": int})
+        return (worker_count(fields["entries"], "measured entries", max_entries + 1),
+                worker_count(fields["bytes"], "measured bytes"))
+
     def upload_open(self, root: Path, parts: tuple[str, ...], kind: UploadKind) -> int:
         """An upload's staging: the target checked, then an unnamed file of the runtime user in the root's tree
         (O_TMPFILE), open for writing. It counts against the workload's space and vanishes with its last fd."""
@@ -3262,6 +3606,11 @@ def _op_walk(sock: socket.socket, request: dict[str, Any], fds: list[int]) -> No
     _done(sock, skipped=walk.skipped)
 
 
+def _op_measure(sock: socket.socket, request: dict[str, Any], fds: list[int]) -> None:
+    entries, needed_bytes = measure_tree(open_root(Path(request["root"])), request["prefix"], request["max_entries"])
+    _done(sock, entries=entries, bytes=needed_bytes)
+
+
 def _op_upload_open(sock: socket.socket, request: dict[str, Any], fds: list[int]) -> None:
     root, parts = Path(request["root"]), tuple(request["path"])
     if UploadKind(request["kind"]) is UploadKind.FILE:
@@ -3294,7 +3643,8 @@ def _op_restore_tree(sock: socket.socket, request: dict[str, Any], fds: list[int
 
 
 _WORKER_OPS: dict[str, Callable[[socket.socket, dict[str, Any], list[int]], None]] = {
-    "stat": _op_stat, "list": _op_list, "download": _op_download, "walk": _op_walk, "upload_open": _op_upload_open,
+    "stat": _op_stat, "list": _op_list, "download": _op_download, "walk": _op_walk, "measure": _op_measure,
+    "upload_open": _op_upload_open,
     "upload_install": _op_upload_install, "upload_extract": _op_upload_extract, "restore_tree": _op_restore_tree,
 }
 
@@ -4509,7 +4859,8 @@ class _Checkpoint(PendingRequest):
             log_path, trees, temporary, workers = server.log.path, server.config.trees, self._temporary, server.workers
             self._manifest = manifest
             self._job = server.start_job(
-                lambda: write_archive(temporary, manifest, log_path, lambda tree: workers.walk(trees[tree], ())),
+                lambda: write_archive(temporary, manifest, log_path, lambda tree: workers.walk(trees[tree], ()),
+                                      lambda tree, entries: workers.measure(trees[tree], f"{tree}/", entries)),
                 lambda _: temporary.unlink(missing_ok=True))
             return None
         if not self._job.finished:

@@ -146,6 +146,13 @@ DEFAULT_SNAPSHOT_AFTER_MS = 60 * 60_000
 #: The bound on work the reaper respects: no access for this long, and a busy or watched session
 #: is paused anyway (see decide_reap).
 DEFAULT_MAX_BUSY_MS = 24 * 60 * 60_000
+#: A snapshot that failed leaves its session paused, and the reaper tries it again only after
+#: --snapshot-after x 2^(failures - 1), at most this (snapshot_retry_after_s): each try writes
+#: at most the archive the agent measured first (or nothing when it refused), so what retries
+#: write shrinks by half every time they keep failing.
+SNAPSHOT_RETRY_MAX_S = 24 * 3600.0
+#: A failure's reason, as the record keeps it and the API shows it (lastFailure).
+MAX_FAILURE_CHARS = 2000
 DEFAULT_SSE_KEEPALIVE_MS = 15_000
 DEFAULT_MAX_SESSIONS = 64
 #: What a create refused at --max-sessions tells its client to wait (Retry-After): a session
@@ -454,6 +461,7 @@ class SessionEvent(enum.Enum):
     RESUMED = "resumed"  # docker unpause
     CHECKPOINT = "checkpoint"  # about to ask the agent for an archive
     CHECKPOINTED = "checkpointed"  # archive on disk, container removed
+    SNAPSHOT_FAILED = "snapshot_failed"  # no archive: the container paused, the reason kept
     RESTORE = "restore"  # about to start a container that restores the archive
     RELAUNCHED = "relaunched"  # the container was lost; a fresh one serves the same session dir
     ROLLBACK = "rollback"  # the operation failed, or its `serve` died: undo it
@@ -474,7 +482,10 @@ class IdleBlock(enum.Enum):
 #: finishes or undoes it (SessionManager.recover): creating rolls back to nothing (the client
 #: never got an answer), snapshotting rolls forward when the archive exists and back to active
 #: when it does not, restoring rolls back to snapshot (the archive is kept until restored),
-#: and deleting always rolls forward.
+#: and deleting always rolls forward. A snapshot that fails while its `serve` lives leaves the
+#: session idle (its container paused, never active to be retried at once), the reason and the
+#: time of a retry recorded; a restore that fails leaves it a snapshot, the archive and the
+#: reason kept (the record's failure fields, the API's lastFailure).
 SESSION_TRANSITIONS: dict[tuple[SessionState, SessionEvent], SessionState] = {
     (SessionState.CREATING, SessionEvent.STARTED): SessionState.ACTIVE,
     (SessionState.CREATING, SessionEvent.ROLLBACK): SessionState.DELETING,
@@ -483,6 +494,7 @@ SESSION_TRANSITIONS: dict[tuple[SessionState, SessionEvent], SessionState] = {
     (SessionState.ACTIVE, SessionEvent.CHECKPOINT): SessionState.SNAPSHOTTING,
     (SessionState.IDLE, SessionEvent.CHECKPOINT): SessionState.SNAPSHOTTING,
     (SessionState.SNAPSHOTTING, SessionEvent.CHECKPOINTED): SessionState.SNAPSHOT,
+    (SessionState.SNAPSHOTTING, SessionEvent.SNAPSHOT_FAILED): SessionState.IDLE,
     (SessionState.SNAPSHOTTING, SessionEvent.ROLLBACK): SessionState.ACTIVE,
     (SessionState.SNAPSHOT, SessionEvent.RESTORE): SessionState.RESTORING,
     (SessionState.RESTORING, SessionEvent.STARTED): SessionState.ACTIVE,
@@ -565,6 +577,11 @@ class SessionRecord:
     lease_expires: float = 0.0
     busy_at: Optional[float] = None  # when the workload was last known busy (the reaper's facts)
     idle_blocked_by: tuple[IdleBlock, ...] = ()  # as the reaper last found it; frozen while paused
+    failed_step: Optional[str] = None  # "snapshot" | "restore": the last step that failed
+    failure: Optional[str] = None  # why (at most MAX_FAILURE_CHARS)
+    failed_at: Optional[float] = None
+    snapshot_failures: int = 0  # in a row: the reaper's backoff grows with them
+    snapshot_retry_at: Optional[float] = None  # the reaper snapshots it again no earlier
 
 
 def apply_session_event(record: SessionRecord, event: SessionEvent, now: float,
@@ -584,6 +601,11 @@ def lease_is_stale(owner: Optional[str], expires: float, now: float, host: str) 
     owner_host, _, rest = owner.partition("/")
     identity = rest.rpartition("/")[0]
     return owner_host == host and not reploy_watchdog.identity_alive(identity)
+
+
+#: A step that succeeded clears what the last failure recorded.
+_NO_FAILURE: dict[str, Any] = {"failed_step": None, "failure": None, "failed_at": None,
+                               "snapshot_failures": 0, "snapshot_retry_at": None}
 
 
 # ============================================================================================
@@ -632,6 +654,12 @@ class ReapDecision:
     idle_since: float  # when the idle clock started
 
 
+def snapshot_retry_after_s(failures: int, snapshot_after_s: float) -> float:
+    """How long after its `failures`-th failure in a row a snapshot is tried again: doubling
+    from --snapshot-after, at most SNAPSHOT_RETRY_MAX_S."""
+    return min(snapshot_after_s * 2.0 ** min(failures - 1, 64), SNAPSHOT_RETRY_MAX_S)
+
+
 def idle_clock_start(last_access: float, busy_at: Optional[float]) -> float:
     """Idle time runs from the later of the last access and the end of the last busy stretch."""
     return last_access if busy_at is None else max(last_access, busy_at)
@@ -650,7 +678,10 @@ def idle_clock_start(last_access: float, busy_at: Optional[float]) -> float:
 #:     pause. A session frozen with work in flight is therefore never snapshotted (its work
 #:     could not drain); it stays paused until an access resumes it. A viewer holds a paused
 #:     session back from its snapshot too;
-#:   * an active session whose agent does not answer counts as not busy (the earlier rule).
+#:   * an active session whose agent does not answer counts as not busy (the earlier rule);
+#:   * a session whose last snapshot failed is snapshotted again no earlier than its
+#:     snapshot_retry_at (snapshot_retry_after_s): the reaper never loops on one (meanwhile an
+#:     active one is paused as any other).
 def decide_reap(record: SessionRecord, facts: Optional[WorkloadFacts], viewers: int, now: float,
                 policy: ReapPolicy) -> ReapDecision:
     """What the reaper does with one session now, and why it holds back. Pure."""
@@ -670,7 +701,8 @@ def decide_reap(record: SessionRecord, facts: Optional[WorkloadFacts], viewers: 
         forced = (record.state is SessionState.ACTIVE
                   and now - record.last_access >= policy.max_busy_s)
         action = ReapAction.FORCE_PAUSE if forced else ReapAction.KEEP
-    elif quiet_s >= policy.snapshot_after_s:
+    elif quiet_s >= policy.snapshot_after_s and (record.snapshot_retry_at is None
+                                                 or now >= record.snapshot_retry_at):
         action = ReapAction.SNAPSHOT
     elif record.state is SessionState.ACTIVE and quiet_s >= policy.idle_after_s:
         action = ReapAction.PAUSE
@@ -683,7 +715,7 @@ def decide_reap(record: SessionRecord, facts: Optional[WorkloadFacts], viewers: 
 # the store (SQLite, compare-and-swap, leases)
 # ============================================================================================
 
-_STORE_SCHEMA_VERSION = 3
+_STORE_SCHEMA_VERSION = 4
 _STORE_DDL = """
 CREATE TABLE IF NOT EXISTS sessions (
     id TEXT PRIMARY KEY,
@@ -702,7 +734,9 @@ CREATE TABLE IF NOT EXISTS sessions (
 )"""
 #: Columns added after schema 1, each added in place to an older store when it opens.
 _STORE_ADDED_COLUMNS = (("busy_at", "REAL"), ("idle_blocked_by", "TEXT NOT NULL DEFAULT ''"),
-                        ("checkpoint_at", "REAL"))
+                        ("checkpoint_at", "REAL"), ("failed_step", "TEXT"), ("failure", "TEXT"),
+                        ("failed_at", "REAL"), ("snapshot_failures", "INTEGER NOT NULL DEFAULT 0"),
+                        ("snapshot_retry_at", "REAL"))
 #: One row per open SSE stream, in whichever `serve` holds it: the reaper of every `serve`
 #: sharing the store counts them. A row expires unless its stream renews it.
 _VIEWERS_DDL = """
@@ -713,7 +747,8 @@ CREATE TABLE IF NOT EXISTS viewers (
 )"""
 _RECORD_COLUMNS = ("id", "name", "spec", "state", "version", "created_at", "last_access",
                    "state_since", "container_id", "archive", "snapshot_bytes", "lease_owner",
-                   "lease_expires", "busy_at", "idle_blocked_by", "checkpoint_at")
+                   "lease_expires", "busy_at", "idle_blocked_by", "checkpoint_at", "failed_step",
+                   "failure", "failed_at", "snapshot_failures", "snapshot_retry_at")
 
 
 class SessionStore:
@@ -799,12 +834,14 @@ class SessionStore:
             cursor = db.execute(
                 "UPDATE sessions SET state = ?, version = ?, last_access = ?, state_since = ?, "
                 "container_id = ?, archive = ?, snapshot_bytes = ?, checkpoint_at = ?, "
-                "busy_at = ?, idle_blocked_by = ? "
+                "busy_at = ?, idle_blocked_by = ?, failed_step = ?, failure = ?, failed_at = ?, "
+                "snapshot_failures = ?, snapshot_retry_at = ? "
                 "WHERE id = ? AND version = ? AND lease_owner = ? AND lease_expires > ?",
                 (new.state.value, new.version, new.last_access, new.state_since,
                  new.container_id, new.archive, new.snapshot_bytes, new.checkpoint_at,
-                 new.busy_at, _blocks_to_text(new.idle_blocked_by), old.id, old.version, owner,
-                 now))
+                 new.busy_at, _blocks_to_text(new.idle_blocked_by), new.failed_step, new.failure,
+                 new.failed_at, new.snapshot_failures, new.snapshot_retry_at, old.id,
+                 old.version, owner, now))
         if cursor.rowcount != 1:
             raise SessionConflict(f"session {old.id} changed under us (lost its lease or version)")
         return replace(new, lease_owner=owner)
@@ -1113,7 +1150,16 @@ def session_json(record: SessionRecord, idle_after_s: float, snapshot_after_s: f
     if record.state is SessionState.ACTIVE and not blocked:
         document["idleAt"] = iso_time(idle_since + idle_after_s)
     if record.state in (SessionState.ACTIVE, SessionState.IDLE) and not blocked:
-        document["snapshotAt"] = iso_time(idle_since + snapshot_after_s)
+        document["snapshotAt"] = iso_time(max(idle_since + snapshot_after_s,
+                                              record.snapshot_retry_at or 0.0))
+    if record.failed_step is not None:
+        failure: dict[str, Any] = {"step": record.failed_step, "reason": record.failure or "",
+                                   "at": iso_time(record.failed_at or record.state_since)}
+        if record.failed_step == "snapshot":
+            failure["failures"] = record.snapshot_failures
+            if record.snapshot_retry_at is not None:
+                failure["retryAt"] = iso_time(record.snapshot_retry_at)
+        document["lastFailure"] = failure
     return document
 
 
@@ -2574,9 +2620,10 @@ class SessionManager:
             raise ServiceUnavailable(str(e)) from e
 
     def _launch(self, lease: Lease, archive: Optional[str]) -> None:
-        """Create and start the session's container (its disk mounted first), record it, and
-        wait for its agent."""
+        """Create and start the session's container (its disk mounted first, its workspace
+        given back to the runtime user), record it, and wait for its agent."""
         self._mount_disk(lease.record.id)
+        self._repair_workspace(lease.record)
         container_id = self.backend.create(self._container_spec(lease.record, archive))
         lease.update(container_id=container_id)
         self.backend.start(container_id)
@@ -2596,9 +2643,10 @@ class SessionManager:
                 state = self.backend.container_state(container_id)
                 if state is None or state.get("Status") == "exited":
                     tail = self.backend.log_tail(container_id).decode(errors="replace").strip()
-                    raise ServiceUnavailable(
-                        "the session container exited before its agent answered (the image "
-                        f"needs python3): {tail[-2000:] or 'no output'}")
+                    hint = "" if "agent.py serve:" in tail else " (the image needs python3)"
+                    raise ServiceUnavailable(  # the agent's own refusal (a restore's) says why
+                        f"the session container exited before its agent answered{hint}: "
+                        f"{tail[-2000:] or 'no output'}")
                 next_check = now + 0.5
             if now >= deadline:
                 raise ServiceUnavailable(f"the session agent did not answer within "
@@ -2613,6 +2661,28 @@ class SessionManager:
                                     self.config.min_free_bytes, self.config.session_disk_mib * 1024 * 1024)
         if refusal is not None:
             raise InsufficientStorage(refusal)
+    def _repair_workspace(self, record: SessionRecord) -> None:
+        """The workload owns its workspace and may take its own access to it away (chmod 000):
+        the agent, root without CAP_DAC_OVERRIDE or CAP_FOWNER in the container, could then
+        neither start the shell in it nor restore. So before every launch, as the host's root,
+        the workspace gets back the runtime user as owner and u+rwx; it is reached without
+        following a link (the session dir is root's: the workload cannot replace it)."""
+        runtime = record.spec.runtime
+        try:
+            with opened_dir(self.config.session_dir(record.id)) as session_fd:
+                fd = os.open("workspace", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+                             | os.O_CLOEXEC, dir_fd=session_fd)
+                try:
+                    st = os.fstat(fd)
+                    if (st.st_uid, st.st_gid) != (runtime.uid, runtime.gid):
+                        os.fchown(fd, runtime.uid, runtime.gid)
+                    if stat.S_IMODE(st.st_mode) & 0o700 != 0o700:
+                        os.fchmod(fd, stat.S_IMODE(st.st_mode) | 0o700)
+                finally:
+                    os.close(fd)
+        except OSError as e:
+            raise ServiceUnavailable(f"the session's workspace cannot be given back to its "
+                                     f"user: {e}") from e
 
     def _require_free_space(self) -> None:
         free = shutil.disk_usage(self.config.state_dir).free
@@ -2794,6 +2864,7 @@ class SessionManager:
         assert record.archive is not None
         agent_dir = self.config.agent_dir(record.id)
         failure: Optional[ServeError] = None
+        undrained = False
         archive_bytes: Optional[int] = None
         try:
             if self._archive_bytes(record) is None and record.container_id:
@@ -2805,9 +2876,10 @@ class SessionManager:
                                                          "include": list(SNAPSHOT_INCLUDES)})
             archive_bytes = self._archive_bytes(record)
         except AgentCallError as e:
+            undrained = e.code == "timeout"
             failure = (SessionConflict("the session is busy (work did not drain within the "
-                                       "agent's bound); interrupt it and retry")
-                       if e.code == "timeout" else serve_error_for(e))
+                                       f"agent's bound); interrupt it and retry: {e}")
+                       if undrained else serve_error_for(e))
         except BackendError as e:
             failure = ServiceUnavailable(str(e))
         except ServeError as e:  # the archive is refused
@@ -2815,9 +2887,13 @@ class SessionManager:
         if failure is not None:
             with contextlib.suppress(ServeError):  # written after all (the agent timed out late)
                 archive_bytes = self._archive_bytes(record)
-        if archive_bytes is None:
+        if archive_bytes is None and failure is None:  # no container, or a dead serve's step
             lease.apply(SessionEvent.ROLLBACK, archive=None)
-            raise failure or ServiceUnavailable("the session's container is gone; nothing to snapshot")
+            raise ServiceUnavailable("the session's container is gone; nothing to snapshot")
+        if archive_bytes is None:
+            assert failure is not None
+            self._snapshot_failed(lease, failure, busy=undrained)
+            raise failure
         self._remove_containers(record.id)
         try:
             archive_bytes = self._archive_bytes(record)
@@ -2828,7 +2904,32 @@ class SessionManager:
             raise
         self._remove_old_archives(record)
         return lease.apply(SessionEvent.CHECKPOINTED, container_id=None,
-                           snapshot_bytes=archive_bytes, checkpoint_at=self.clock())
+                           snapshot_bytes=archive_bytes, checkpoint_at=self.clock(),
+                           **_NO_FAILURE)
+
+    def _snapshot_failed(self, lease: Lease, failure: ServeError, busy: bool) -> None:
+        """No archive: the session is paused, not active (so nothing retries it at once), with
+        why and when the reaper may try again (snapshot_retry_after_s); a container that cannot
+        be paused (gone meanwhile) goes back to active, the reason kept, for a fresh container
+        to serve it at the next access. `busy`: work did not drain, so the reaper leaves it be
+        (as after a --max-busy pause) until an access."""
+        record, now = lease.record, self.clock()
+        failures = record.snapshot_failures + 1
+        facts = {"archive": None, "failed_step": "snapshot", "failed_at": now,
+                 "failure": str(failure)[:MAX_FAILURE_CHARS], "snapshot_failures": failures,
+                 "snapshot_retry_at": now + snapshot_retry_after_s(
+                     failures, self.config.snapshot_after_s)}
+        log(f"serve: session {record.id}: snapshot {failures} in a row failed, next no earlier "
+            f"than {iso_time(facts['snapshot_retry_at'])}: {failure}")
+        container_id = record.container_id
+        state = self.backend.container_state(container_id) if container_id else None
+        if container_id and state is not None and state.get("Running"):
+            with contextlib.suppress(BackendError):
+                self.backend.pause(container_id)
+                lease.apply(SessionEvent.SNAPSHOT_FAILED, busy_at=now if busy else record.busy_at,
+                            idle_blocked_by=(IdleBlock.BUSY,) if busy else (), **facts)
+                return
+        lease.apply(SessionEvent.ROLLBACK, **facts)
 
     def _archive_bytes(self, record: SessionRecord) -> Optional[int]:
         """The size of the session's checkpoint archive, None while there is none. The session
@@ -2867,19 +2968,23 @@ class SessionManager:
             self.stopping.wait(AGENT_READY_POLL_S)
 
     def _restore(self, lease: Lease) -> SessionRecord:
+        """snapshot -> active. A restore that fails leaves the snapshot as it was, its archive
+        kept, and says why (lastFailure), in its answer and in the session's status."""
         archive = lease.record.archive
         lease.apply(SessionEvent.RESTORE)
         try:
             self._remove_containers(lease.record.id)
             self._launch(lease, archive=archive)
-        except BaseException:
+        except BaseException as e:
             with contextlib.suppress(ReployError):  # else recovery finishes the undo
                 self._remove_containers(lease.record.id)
-                lease.apply(SessionEvent.ROLLBACK, container_id=None)
+                lease.apply(SessionEvent.ROLLBACK, container_id=None, failed_step="restore",
+                            failure=str(e)[:MAX_FAILURE_CHARS] or type(e).__name__,
+                            failed_at=self.clock())
             raise
         record = lease.apply(SessionEvent.STARTED, archive=None, snapshot_bytes=None,
                              checkpoint_at=None, last_access=self.clock(), busy_at=None,
-                             idle_blocked_by=())
+                             idle_blocked_by=(), **_NO_FAILURE)
         if archive:  # the session dir holds the restored state now
             with contextlib.suppress(OSError), opened_dir(self.config.agent_dir(record.id)) as fd:
                 reploy_watchdog.remove_entry(fd, archive)

@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import subprocess
+import sys
 import tarfile
+from pathlib import Path
 
 import pytest
 
 from agent_fixtures.harness import (FAKE_AGENT_ARGV, agent, short_dir, start_agent,  # noqa: F401
                                     wait_until)
+
+
+DEEP_TREE = Path(__file__).resolve().parent / "agent_fixtures" / "deep_tree.py"
 
 
 def checkpoint(process, checkpoint_id):
@@ -151,3 +158,67 @@ def test_an_archive_for_the_other_workload_is_refused(start_agent, short_dir):
     target = start_agent("--workload", "agent", "--agent-command", FAKE_AGENT_ARGV, "--await-restore", name="t")
     error = target.error("restore", path=result["path"])
     assert error["code"] == "command_error" and "for the shell workload" in error["message"]
+
+
+# ---- issue 26, item 2: checkpoints a workload cannot break (sparse files, deep trees, many entries)
+
+
+def test_a_sparse_file_is_archived_by_its_data_and_restored_sparse(start_agent):
+    source = start_agent("--workload", "shell")
+    sparse = source.session_dir / "workspace" / "sparse"
+    with open(sparse, "wb") as out:
+        out.seek(100 << 20)
+        out.write(b"middle")
+        out.truncate(1 << 30)
+    result = checkpoint(source, "sparse")
+    assert result["bytes"] < 1 << 20  # the archive holds the data, not the gigabyte of holes
+    with tarfile.open(result["path"]) as archive:
+        member = archive.getmember("workspace/sparse")
+        assert member.size == 1 << 30 and member.sparse and sum(n for _, n in member.sparse) < 1 << 20
+    source.stop()
+    sparse.unlink()
+
+    start_agent("--workload", "shell", "--restore", result["path"])
+    st = sparse.stat()
+    assert st.st_size == 1 << 30 and st.st_blocks * 512 < 1 << 20  # restored sparse
+    with open(sparse, "rb") as restored:
+        restored.seek((100 << 20) - 3)
+        assert restored.read(9) == b"\0\0\0middle"
+        restored.seek(-4096, 2)
+        assert restored.read() == bytes(4096)
+
+
+def deep_tree(*args):
+    """tests/agent_fixtures/deep_tree.py, run as the test's own process (the paths outgrow PATH_MAX)."""
+    return subprocess.run([sys.executable, str(DEEP_TREE), *map(str, args)], check=True, capture_output=True,
+                          text=True, timeout=120).stdout
+
+
+def remove_deep_tree(workspace):
+    """shutil.rmtree (the fixture's cleanup) recurses once per level: the agent's own removal does not."""
+    fd = os.open(workspace, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        agent.remove_entry(fd, "d")
+    finally:
+        os.close(fd)
+
+
+def test_a_tree_1200_levels_deep_round_trips(start_agent):
+    levels = 1200
+    source = start_agent("--workload", "shell")
+    workspace = source.session_dir / "workspace"
+    deep_tree("make", workspace, levels)
+    try:
+        result = checkpoint(source, "deep")
+        source.stop()
+        remove_deep_tree(workspace)
+        assert not (workspace / "d").exists()
+
+        restored = start_agent("--workload", "shell", "--restore", result["path"])
+        assert deep_tree("check", workspace) == f"{levels} at the bottom\n"
+        again = checkpoint(restored, "again")  # the restored tree archives, and its old copy is removed, too
+        restored.stop()
+        start_agent("--workload", "shell", "--restore", again["path"])
+        assert deep_tree("check", workspace) == f"{levels} at the bottom\n"
+    finally:
+        remove_deep_tree(workspace)

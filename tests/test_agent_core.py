@@ -604,6 +604,59 @@ def test_archive_limits_on_entries_and_bytes():
         agent.check_archive_members(BASE + [member("workspace/x", size=6)], ALL, max_bytes=20)
 
 
+def sparse_member(name, size, segments):
+    info = member(name, size=size)
+    info.sparse = segments
+    return info
+
+
+def test_a_sparse_members_data_counts_and_its_map_must_be_sane():
+    """Issue 26: a restore counts a sparse member by its data, so a sparse file that fits restores, and seeks to each
+    segment only once its map is in order and inside the member."""
+    big = sparse_member("workspace/sparse", 1 << 40, [(0, 4), (1 << 39, 6), (1 << 40, 0)])
+    agent.check_archive_members(BASE + [big], ALL, max_bytes=25)  # the manifest's 10, the log's 5 and its 10
+    with pytest.raises(agent.ArchiveError, match="exceeds 25 bytes"):
+        agent.check_archive_members(BASE + [sparse_member("workspace/s", 1 << 40, [(0, 11)])], ALL, max_bytes=25)
+    for segments in ([(10, 4), (0, 4)], [(0, 8), (4, 4)], [(0, 4), (1 << 40, 1)], [(0, -1)]):
+        with pytest.raises(agent.ArchiveError, match="out of order or past its size"):
+            agent.check_archive_members(BASE + [sparse_member("workspace/s", 1 << 40, segments)], ALL)
+
+
+def test_a_member_below_a_symlink_is_found_however_deep():
+    deep = "workspace/" + "/".join(["d"] * 1200)
+    links = [member("workspace/l", tarfile.SYMTYPE, linkname="d"), member("workspace/l/x")]
+    with pytest.raises(agent.ArchiveError, match="lies below a symlink"):
+        agent.check_archive_members(BASE + links, ALL)
+    many_links = [member(f"workspace/l{n}", tarfile.SYMTYPE, linkname="d") for n in range(2000)]
+    with pytest.raises(agent.ArchiveError, match="lies below a symlink"):
+        agent.check_archive_members(BASE + many_links + [member("workspace/l1999/x")], ALL)
+    agent.check_archive_members(BASE + [member(deep, size=1)] + links[:1], ALL)
+
+
+@settings(max_examples=300, deadline=None)
+@given(name=st.text(min_size=1, max_size=300), target=st.text(max_size=200),
+       kind=st.sampled_from([tarfile.REGTYPE, tarfile.DIRTYPE, tarfile.SYMTYPE]),
+       size=st.integers(0, 2 ** 40), mtime=st.integers(-10, 2 ** 40), sparse=st.booleans())
+def test_a_members_measure_is_what_tarfile_writes(name, target, kind, size, mtime, sparse):
+    """measure_tree sums tar_member_bytes before the archive exists; MeasuredSink then refuses a byte past it. So
+    the measure must be exactly what tarfile writes, headers and padding, for any name, link, size and time."""
+    info = tarfile.TarInfo(name)
+    info.type, info.mtime = kind, mtime
+    if kind == tarfile.SYMTYPE:
+        info.linkname = target
+    if kind == tarfile.REGTYPE:
+        info.size = size
+        if sparse:
+            info.pax_headers = {"GNU.sparse.major": "1", "GNU.sparse.minor": "0", "GNU.sparse.name": name,
+                                "GNU.sparse.realsize": str(size * 2)}
+    try:
+        header = info.tobuf(tarfile.PAX_FORMAT, tarfile.ENCODING, "surrogateescape")
+    except (ValueError, UnicodeEncodeError):  # what tarfile cannot write at all, no walk yields
+        return
+    assert agent.tar_member_bytes(info) == len(header) + size * (kind == tarfile.REGTYPE) + (
+        -info.size % tarfile.BLOCKSIZE)
+
+
 @pytest.mark.parametrize("missing", [agent.ARCHIVE_MANIFEST, agent.ARCHIVE_LOG])
 def test_archive_must_hold_manifest_and_log(missing):
     with pytest.raises(agent.ArchiveError, match=f"lacks {missing}"):
@@ -641,6 +694,17 @@ def local_walk(root):
     return agent.TreeWalk(os.open(root, os.O_RDONLY | os.O_DIRECTORY))
 
 
+def local_measure(trees):
+    """What a worker measures (the `measure` operation), measured here."""
+    def measure(tree, max_entries):
+        fd = os.open(trees[tree], os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            return agent.measure_tree(fd, f"{tree}/", max_entries)
+        finally:
+            os.close(fd)
+    return measure
+
+
 def test_archive_written_then_restored_keeps_files_links_and_log_prefix(tmp_path):
     workspace, home = tmp_path / "ws", tmp_path / "home"
     (workspace / "sub").mkdir(parents=True)
@@ -654,7 +718,8 @@ def test_archive_written_then_restored_keeps_files_links_and_log_prefix(tmp_path
     manifest = agent.Manifest("snap", agent.WorkloadKind.SHELL, 4, False)
     archive = tmp_path / "a.tar"
     trees = {"workspace": workspace, "home": home}
-    assert agent.write_archive(archive, manifest, log_path, lambda tree: local_walk(trees[tree])) == 1
+    assert agent.write_archive(archive, manifest, log_path, lambda tree: local_walk(trees[tree]),
+                               local_measure(trees)) == 1
     with tarfile.open(archive) as opened:
         assert agent.read_checked_archive(opened, agent.WorkloadKind.SHELL)[0] == manifest
         assert opened.extractfile(agent.ARCHIVE_LOG).read() == b"0123"
@@ -676,9 +741,40 @@ def test_a_home_only_archive_leaves_log_and_workspace_out(tmp_path):
     (home / ".config" / "x").write_text("x")
     manifest = agent.Manifest("snap", agent.WorkloadKind.SHELL, 10, False, ("home",))
     archive = tmp_path / "a.tar"
-    agent.write_archive(archive, manifest, tmp_path / "no-log", lambda tree: local_walk(home))
+    agent.write_archive(archive, manifest, tmp_path / "no-log", lambda tree: local_walk(home),
+                        local_measure({"home": home}))
     with tarfile.open(archive) as opened:
         assert opened.getnames() == [agent.ARCHIVE_MANIFEST, "home", "home/.config", "home/.config/x"]
+
+
+def test_a_checkpoint_is_exactly_what_was_measured_and_never_more(tmp_path):
+    """The measure is the archive's size to the byte (long names, a sparse file and all); a tree that outgrows it
+    while it is written fails the checkpoint at the measure instead of filling the disk."""
+    home = tmp_path / "home"
+    deep = home / ("n" * 120) / ("m" * 120)
+    deep.mkdir(parents=True)
+    (deep / "data").write_bytes(os.urandom(50_000))
+    with open(home / "sparse", "wb") as sparse:
+        sparse.seek(1 << 30)
+        sparse.write(b"end")
+    (home / "link").symlink_to("sparse")
+    manifest = agent.Manifest("snap", agent.WorkloadKind.SHELL, 0, False, ("home",))
+    measured = []
+
+    def measure(tree, max_entries):
+        measured.append(local_measure({"home": home})(tree, max_entries))
+        return measured[-1]
+    archive = tmp_path / "a.tar"
+    agent.write_archive(archive, manifest, tmp_path / "no-log", lambda tree: local_walk(home), measure)
+    fixed = [tarfile.TarInfo(agent.ARCHIVE_MANIFEST), tarfile.TarInfo("home")]
+    fixed[0].size, fixed[1].type = len(manifest.to_json()), tarfile.DIRTYPE
+    need = sum(agent.tar_member_bytes(info) for info in fixed) + measured[0][1] + 2 * tarfile.BLOCKSIZE
+    assert archive.stat().st_size == need + -need % tarfile.RECORDSIZE < 1 << 20
+    assert measured[0][0] == 5  # the two directories, data, sparse and link
+    short = lambda tree, max_entries: (measured[0][0], measured[0][1] - 2 * tarfile.RECORDSIZE)  # noqa: E731 - lies
+    with pytest.raises(agent.CommandError, match="outgrew"):
+        agent.write_archive(tmp_path / "b.tar", manifest, tmp_path / "no-log", lambda tree: local_walk(home), short)
+    assert (tmp_path / "b.tar").stat().st_size <= need - tarfile.RECORDSIZE
 
 
 def test_a_truncated_archive_is_an_archive_error(tmp_path):

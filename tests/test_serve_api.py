@@ -311,10 +311,14 @@ def test_busy_agent_queue_interrupt_and_snapshot_conflict(
     assert status == 429, raw
     agent = api.call("GET", f"/sessions/{sid}/status")["agent"]
     assert agent["turnState"] == "in_progress" and agent["queueDepth"] == 64
-    # The run cannot drain within the agent's bound: 409, and the session stays usable.
+    # The run cannot drain within the agent's bound: 409. The session is paused with its work
+    # (issue 26: a failed snapshot never leaves it active), held busy, saying why; an access
+    # resumes it.
     status, raw = api.raw("POST", f"/api/v1/sessions/{sid}/snapshot", b"{}")
     assert status == 409 and "busy" in json.loads(raw)["error"]
-    assert api.get(sid)["state"] == "active"
+    session = api.get(sid)
+    assert (session["state"], session["idleBlockedBy"]) == ("idle", ["busy"])
+    assert "did not drain" in session["lastFailure"]["reason"]
     assert api.call("POST", f"/sessions/{sid}/interrupt", {})["cancelled"] is True
     api.wait_output(sid, b"[reploy: interrupted]")
 

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -38,6 +39,7 @@ from reploy_serve import SessionEvent as E, SessionState as S  # noqa: E402
     (S.ACTIVE, E.CHECKPOINT, S.SNAPSHOTTING),
     (S.IDLE, E.CHECKPOINT, S.SNAPSHOTTING),
     (S.SNAPSHOTTING, E.CHECKPOINTED, S.SNAPSHOT),
+    (S.SNAPSHOTTING, E.SNAPSHOT_FAILED, S.IDLE),
     (S.SNAPSHOTTING, E.ROLLBACK, S.ACTIVE),
     (S.SNAPSHOT, E.RESTORE, S.RESTORING),
     (S.RESTORING, E.STARTED, S.ACTIVE),
@@ -55,7 +57,7 @@ def test_every_edge_of_the_table(state: S, event: E, after: S) -> None:
 
 def test_everything_else_is_illegal_and_a_conflict() -> None:
     legal = set(reploy_serve.SESSION_TRANSITIONS)
-    assert len(legal) == 17
+    assert len(legal) == 18
     for state in S:
         for event in E:
             if (state, event) not in legal:
@@ -147,6 +149,12 @@ BUSY = reploy_serve.WorkloadFacts(busy=True, quiet_s=0)
     ("idle, the viewer left", dict(state=S.IDLE, last_access=0, idle_blocked_by=(B.VIEWER,)), None, 0, 600,
      A.SNAPSHOT, ()),
     ("idle, live facts ignored", dict(state=S.IDLE, last_access=0), BUSY, 0, 600, A.SNAPSHOT, ()),
+    # A session whose last snapshot failed: not again before its retry time (issue 26).
+    ("failed, retry not yet", dict(state=S.IDLE, last_access=0, snapshot_retry_at=1200), None, 0, 1199, A.KEEP,
+     ()),
+    ("failed, retry due", dict(state=S.IDLE, last_access=0, snapshot_retry_at=1200), None, 0, 1200, A.SNAPSHOT,
+     ()),
+    ("failed, accessed since", dict(last_access=0, snapshot_retry_at=1200), NOT_BUSY, 0, 700, A.PAUSE, ()),
 ])
 def test_reap_decisions(case: str, record: dict[str, Any], facts: Any, viewers: int, now: float,
                         action: Any, blocked: tuple[Any, ...]) -> None:
@@ -192,6 +200,30 @@ def test_reap_rules_hold_over_the_whole_grid() -> None:
                             if d.action is A.SNAPSHOT:
                                 assert quiet >= POLICY.snapshot_after_s
                             assert d.idle_since >= record.last_access
+
+
+def test_a_failed_snapshot_waits_longer_each_time_and_never_past_the_bound() -> None:
+    waits = [reploy_serve.snapshot_retry_after_s(n, 60.0) for n in range(1, 200)]
+    assert waits[:4] == [60.0, 120.0, 240.0, 480.0]
+    assert all(a <= b for a, b in zip(waits, waits[1:])) and max(waits) == reploy_serve.SNAPSHOT_RETRY_MAX_S
+
+
+def test_the_last_failure_is_shown_until_a_step_succeeds() -> None:
+    failed = _record(state=S.IDLE, last_access=100.0, failed_step="snapshot", failure="not enough space",
+                     failed_at=150.0, snapshot_failures=2, snapshot_retry_at=400.0)
+    doc = reploy_serve.session_json(failed, 10, 60)
+    assert doc["lastFailure"] == {"step": "snapshot", "reason": "not enough space", "failures": 2,
+                                  "at": "1970-01-01T00:02:30.000000Z", "retryAt": "1970-01-01T00:06:40.000000Z"}
+    assert seconds(doc["snapshotAt"]) == 400.0  # the retry, not the idle clock's 160
+    restore = reploy_serve.session_json(_record(state=S.SNAPSHOT, archive="a.tar", failed_step="restore",
+                                                failure="the agent refused", failed_at=5.0), 10, 60)
+    assert restore["lastFailure"] == {"step": "restore", "reason": "the agent refused",
+                                      "at": "1970-01-01T00:00:05.000000Z"}
+    assert "lastFailure" not in reploy_serve.session_json(replace(failed, **reploy_serve._NO_FAILURE), 10, 60)
+    schema = json.loads((ROOT / "web/openapi.json").read_text())["components"]["schemas"]["Session"]
+    for document in (doc, restore):
+        assert set(document) <= set(schema["properties"])
+        assert set(document["lastFailure"]) <= set(schema["properties"]["lastFailure"]["properties"])
 
 
 def test_workload_facts_come_from_the_agents_status() -> None:

@@ -113,8 +113,9 @@ def test_symlinked_files_and_archives_never_yield_the_host_file(
     status, refused = answer(api, "POST", f"/sessions/{sid}/snapshot", {})
     assert status == 409 and "checkpoint archive is refused" in refused["error"]
     assert "is a symlink, not a regular file" in refused["error"]
-    session = api.get(sid)
-    assert session["state"] == "active" and "checkpoint" not in session
+    session = api.get(sid)  # paused, not active, the refusal kept (issue 26)
+    assert session["state"] == "idle" and "checkpoint" not in session
+    assert "checkpoint archive is refused" in session["lastFailure"]["reason"]
     assert "output.log is a symlink, not a regular file" in server.stderr
 
     assert b"still-here" in without_canary(json.dumps(run(api, sid, "echo still-here")).encode())

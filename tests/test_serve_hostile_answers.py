@@ -146,7 +146,8 @@ def test_every_answer_family_fails_only_its_request(
         stand.answers.clear()
         assert status == (500 if path in SEED_002_PATHS else 502), (what, status, document)
         assert "session agent" in document["error"], (what, document)
-        assert api.get(sid)["state"] == "active", what
+        # A failed snapshot leaves the session paused, the reason kept (issue 26).
+        assert api.get(sid)["state"] == ("idle" if path == "/snapshot" else "active"), what
     assert not json.dumps(api.call("POST", f"/sessions/{sid}/exec",
                                    {"argv": ["ls", "-a"]})["stdout"]).count("u.txt")
     still_serving(server, sid, bystander)

@@ -497,3 +497,28 @@ def test_a_name_from_the_session_never_leads_the_files_panel_elsewhere(
     theirs = api.call("POST", f"/sessions/{other}/exec", {"argv": ["ls", "-A", "drop"]})
     assert mine["stdout"] == "dropped by the files panel\n"
     assert (theirs["exitCode"], theirs["stdout"]) == (0, "")
+
+
+def test_the_last_failure_shows_in_the_list_and_on_the_restore_screen(
+        serve_factory: Callable[..., ServeProcess], docker_engine: Any, browser: Browser) -> None:
+    """Issue 26: a failed restore (its archive spoilt from outside) says why in the UI, as the
+    API's lastFailure does, and the restore screen still offers to try again."""
+    server = serve_factory()
+    url, api = server.ready["url"], server.api
+    sid = api.create("ui-failed")["id"]
+    api.wait_output(sid, b"$ ")
+    snapshot = api.call("POST", f"/sessions/{sid}/snapshot", {})
+    (server.state_dir / "sessions" / sid / "agent" / snapshot["checkpoint"]["ref"]).write_bytes(b"not a tar")
+    status, _ = api.raw("POST", f"/api/v1/sessions/{sid}/switch", b"{}")
+    assert status >= 500
+    log_in(browser, server)
+    browser.navigate(url + "/#/")
+    note = f"document.querySelector(\"tr[data-session='{sid}'] [data-test=last-failure]\")"
+    browser.wait_for(f"!!{note} && {note}.textContent === 'restore failed'", "the failure in the list")
+    browser.navigate(f"{url}/#/s/{sid}")
+    note = "document.querySelector('[data-test=restore-screen] [data-test=last-failure]')"
+    browser.wait_for(f"!!{note}", "the failure on the restore screen")
+    text = browser.evaluate(f"{note}.textContent")
+    assert text.startswith("restore failed: ") and "cannot restore" in text, text
+    assert browser.evaluate("!!document.querySelector('[data-test=restore]')")
+    browser.screenshot(ARTIFACTS / "10-last-failure.png")

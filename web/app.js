@@ -147,6 +147,21 @@ function openStream(url, on, onEnd) {
 
 function badge(state) { return h("span", { class: `badge ${state}`, "data-test": "state" }, state); }
 
+// The last snapshot or restore that failed (lastFailure), as text: why, how often, and when the
+// reaper tries a snapshot again. Null when the last one succeeded.
+function failureText(s) {
+  const failure = s.lastFailure;
+  if (!failure) return null;
+  const times = failure.failures > 1 ? ` (${failure.failures} in a row)` : "";
+  const retry = failure.retryAt ? `; tried again from ${new Date(failure.retryAt).toLocaleString()}` : "";
+  return `${failure.step} failed${times}: ${failure.reason}${retry}`;
+}
+
+function failureNote(s) {
+  const text = failureText(s);
+  return text && h("div", { class: "error", "data-test": "last-failure" }, text);
+}
+
 // ---- router ---------------------------------------------------------------------------------
 
 const view = document.getElementById("view");
@@ -219,7 +234,8 @@ function sessionsScreen() {
         h("td", {}, badge(s.state)),
         h("td", { class: "muted" }, s.deployment),
         h("td", { class: "muted" }, ago(now - when(s.lastAccess))),
-        h("td", { class: "muted", "data-test": "countdown" }, countdown(s)),
+        h("td", { class: "muted", "data-test": "countdown", title: failureText(s) },
+          countdown(s), s.lastFailure ? h("div", { class: "error", "data-test": "last-failure" }, `${s.lastFailure.step} failed`) : null),
         h("td", { class: "actions" }, ...del));
     }));
   }
@@ -335,6 +351,8 @@ async function workspaceScreen(id) {
   const toolbar = h("div", { class: "toolbar" }, h("h1", {}, session.name), state,
                     h("span", { class: "muted" }, `${session.workloadType}${session.model ? " · " + session.model : ""} · ${session.deployment}`),
                     h("span", { class: "spacer" }), snapshot);
+  const failure = h("div", { class: "error", "data-test": "last-failure" }, failureText(session) || "");
+  toolbar.append(failure); // the views show the toolbar: the last failure goes with it
 
   // The session's state, polled passively: a snapshot taken meanwhile routes to restore.
   const poll = setInterval(async () => {
@@ -342,6 +360,7 @@ async function workspaceScreen(id) {
       const current = await api("GET", `/sessions/${id}`);
       state.className = `badge ${current.state}`;
       state.textContent = current.state;
+      failure.textContent = failureText(current) || "";
       if (current.state === "snapshot" && !current.phase) route();
     } catch (e) { if (e.status === 404) location.hash = "#/"; }
   }, POLL_MS);
@@ -580,7 +599,7 @@ function restoreScreen(session) {
          h("p", { class: "muted" }, session.workloadType === "shell"
            ? "Restoring starts a fresh shell in a new container; the earlier output stays above it."
            : "Restoring starts a new container; the conversation continues where it stopped."),
-         h("div", {}, button), error));
+         failureNote(session), h("div", {}, button), error));
 }
 
 route();
