@@ -68,7 +68,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterable, Iterator, NoReturn, Optional, cast
+from typing import IO, Any, BinaryIO, Callable, Iterable, Iterator, NoReturn, Optional, cast
 
 # ======================================================================================================================
 # Constants
@@ -1372,16 +1372,23 @@ def _below_symlink(name: str, symlinks: set[str]) -> bool:
 def member_data_bytes(member: tarfile.TarInfo) -> int:
     """The bytes a regular member writes: its size, or a sparse one's data segments, checked to be in order,
     apart and inside its size (a restore seeks to each)."""
-    if member.sparse is None:
+    segments = sparse_segments(member)
+    if segments is None:
         return member.size
-    if len(member.sparse) > MAX_SPARSE_SEGMENTS + 1:
+    if len(segments) > MAX_SPARSE_SEGMENTS + 1:
         raise ArchiveError(f"sparse member {member.name!r} maps more than {MAX_SPARSE_SEGMENTS} segments")
     end = 0
-    for offset, length in member.sparse:
+    for offset, length in segments:
         if offset < end or length < 0 or offset + length > member.size:
             raise ArchiveError(f"sparse member {member.name!r} has a segment out of order or past its size")
         end = offset + length
-    return sum(length for _, length in member.sparse)
+    return sum(length for _, length in segments)
+
+
+def sparse_segments(member: tarfile.TarInfo) -> Optional[list[tuple[int, int]]]:
+    """A sparse member's (offset, length) data segments, as tarfile reads them; None for a
+    member stored whole (typeshed types the attribute loosely)."""
+    return cast(Optional[list[tuple[int, int]]], member.sparse)
 
 
 def parse_manifest(data: bytes) -> Manifest:
@@ -2289,7 +2296,7 @@ def write_archive(destination: Path, manifest: Manifest, log_path: Path, walk_tr
     finally:
         os.close(dir_fd)
     skipped = 0
-    with open(destination, "wb") as raw, tarfile.open(fileobj=MeasuredSink(raw, needed_bytes), mode="w",
+    with open(destination, "wb") as raw, tarfile.open(fileobj=cast(BinaryIO, MeasuredSink(raw, needed_bytes)), mode="w",
                                                      format=tarfile.PAX_FORMAT) as archive:
         info, *rest = fixed
         archive.addfile(info, io.BytesIO(manifest.to_json()))
@@ -3093,8 +3100,8 @@ class _DirCursor:
         if self._fd is not None and parts == self._parts:
             return self._fd
         below = self._fd is not None and parts[:len(self._parts)] == self._parts
-        fd = open_dir_below(self._fd if below else self._base, parts[len(self._parts):] if below else parts,
-                            create=True)
+        start = self._fd if below and self._fd is not None else self._base
+        fd = open_dir_below(start, parts[len(self._parts):] if below else parts, create=True)
         self.close()
         self._parts, self._fd = parts, fd
         return fd
@@ -3123,7 +3130,7 @@ def _extract_members(archive: tarfile.TarFile, planned: list[tuple[str, tarfile.
                 with os.fdopen(fd, "wb") as target:
                     source = archive.extractfile(member)
                     assert source is not None  # vetted: a regular file
-                    for offset, length in member.sparse or [(0, member.size)]:
+                    for offset, length in sparse_segments(member) or [(0, member.size)]:
                         source.seek(offset)
                         target.seek(offset)
                         _copy_exactly(source, target, length)
@@ -3138,7 +3145,7 @@ def _extract_members(archive: tarfile.TarFile, planned: list[tuple[str, tarfile.
         cursor.close()
 
 
-def _copy_exactly(source: BinaryIO, target: BinaryIO, length: int) -> None:
+def _copy_exactly(source: IO[bytes], target: BinaryIO, length: int) -> None:
     while length:
         piece = source.read(min(length, COPY_CHUNK_BYTES))
         if not piece:

@@ -2915,12 +2915,12 @@ class SessionManager:
         (as after a --max-busy pause) until an access."""
         record, now = lease.record, self.clock()
         failures = record.snapshot_failures + 1
+        retry_at = now + snapshot_retry_after_s(failures, self.config.snapshot_after_s)
         facts = {"archive": None, "failed_step": "snapshot", "failed_at": now,
                  "failure": str(failure)[:MAX_FAILURE_CHARS], "snapshot_failures": failures,
-                 "snapshot_retry_at": now + snapshot_retry_after_s(
-                     failures, self.config.snapshot_after_s)}
+                 "snapshot_retry_at": retry_at}
         log(f"serve: session {record.id}: snapshot {failures} in a row failed, next no earlier "
-            f"than {iso_time(facts['snapshot_retry_at'])}: {failure}")
+            f"than {iso_time(retry_at)}: {failure}")
         container_id = record.container_id
         state = self.backend.container_state(container_id) if container_id else None
         if container_id and state is not None and state.get("Running"):
