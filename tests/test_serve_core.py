@@ -333,20 +333,27 @@ reploy_serve.SessionStore(__import__("pathlib").Path({str(db)!r})).hold_viewer("
     assert store.viewer_count(sid, now=131.0) == 0
 
 
-def test_a_schema_1_store_gains_the_new_columns_in_place(tmp_path: Path) -> None:
+def _old_store(db: Path, record: reploy_serve.SessionRecord, version: int, added_columns: int) -> None:
+    """A store as schema `version` made it (its first `added_columns` of _STORE_ADDED_COLUMNS), holding record."""
     import sqlite3
 
-    db = tmp_path / "s.db"
     old = sqlite3.connect(db)
     old.execute(reploy_serve._STORE_DDL)
-    record = _record()
-    columns = reploy_serve._RECORD_COLUMNS[:13]  # schema 1's columns
-    values = {**record.__dict__, "spec": record.spec.to_json(), "state": record.state.value}
+    for column, declaration in reploy_serve._STORE_ADDED_COLUMNS[:added_columns]:
+        old.execute(f"ALTER TABLE sessions ADD COLUMN {column} {declaration}")
+    columns = reploy_serve._RECORD_COLUMNS[:13 + added_columns]
+    values = {**record.__dict__, "spec": record.spec.to_json(), "state": record.state.value, "idle_blocked_by": ""}
     old.execute(f"INSERT INTO sessions ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))})",
                 [values[c] for c in columns])
-    old.execute("PRAGMA user_version=1")
+    old.execute(f"PRAGMA user_version={version}")
     old.commit()
     old.close()
+
+
+def test_a_schema_1_store_gains_the_new_columns_in_place(tmp_path: Path) -> None:
+    db = tmp_path / "s.db"
+    record = _record()
+    _old_store(db, record, version=1, added_columns=0)
     store = reploy_serve.SessionStore(db)
     assert store.get(record.id) == record  # busy_at None, idle_blocked_by ()
     reploy_serve.SessionStore(db)  # opening again changes nothing
@@ -384,22 +391,9 @@ def test_labels_and_a_time_to_live_are_stored_listed_and_filtered(tmp_path: Path
 
 
 def test_a_schema_3_store_gains_labels_and_expiry(tmp_path: Path) -> None:
-    import sqlite3
-
-    db = tmp_path / "s.db"
-    old = sqlite3.connect(db)
-    old.execute(reploy_serve._STORE_DDL)
-    for column, declaration in reploy_serve._STORE_ADDED_COLUMNS[:3]:  # schema 3's
-        old.execute(f"ALTER TABLE sessions ADD COLUMN {column} {declaration}")
     record = _record()
-    columns = reploy_serve._RECORD_COLUMNS[:16]
-    values = {**record.__dict__, "spec": record.spec.to_json(), "state": record.state.value, "idle_blocked_by": ""}
-    old.execute(f"INSERT INTO sessions ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))})",
-                [values[c] for c in columns])
-    old.execute("PRAGMA user_version=3")
-    old.commit()
-    old.close()
-    store = reploy_serve.SessionStore(db)
+    _old_store(tmp_path / "s.db", record, version=3, added_columns=3)
+    store = reploy_serve.SessionStore(tmp_path / "s.db")
     assert store.get(record.id) == record and record.labels == () and record.expires_at is None
 
 
