@@ -60,6 +60,7 @@ import http.client
 import http.server
 import ipaddress
 import json
+import math
 import os
 import re
 import secrets
@@ -257,13 +258,17 @@ AGENT_POLL_MIN_S = 0.25
 #: The agent's exec and transfer bounds (docs/agent.md), which it alone defines: stdin travels
 #: in one request line, output is kept per stream up to the cap, files move in chunks whose
 #: base64 fits its 1 MiB request line.
-DEFAULT_EXEC_TIMEOUT_MS = agent_role.DEFAULT_EXEC_TIMEOUT_MS
 MAX_EXEC_TIMEOUT_MS = agent_role.MAX_EXEC_TIMEOUT_MS
 MAX_EXEC_STDIN_BYTES = agent_role.MAX_EXEC_STDIN_BYTES
 DEFAULT_EXEC_OUTPUT_BYTES = agent_role.DEFAULT_EXEC_OUTPUT_CAP_BYTES
 MAX_EXEC_OUTPUT_BYTES = agent_role.MAX_EXEC_OUTPUT_CAP_BYTES
 TRANSFER_CHUNK_BYTES = agent_role.MAX_TRANSFER_CHUNK_BYTES
 MAX_UPLOAD_BYTES = agent_role.MAX_TRANSFER_BYTES
+#: Where a file route's path starts: `?root=`, or `container` for an absolute path (from the
+#: session container's `/`, as its runtime user reaches it).
+FILE_ROOTS = tuple(root.value for root in agent_role.FileRoot)
+#: The agent's request line: serve refuses (413) what it would not take, before sending it.
+AGENT_MAX_REQUEST_BYTES = agent_role.MAX_REQUEST_BYTES
 #: What a tar adds to its files' bytes, at most, per entry (a header, and padding to 512).
 TAR_BYTES_PER_ENTRY = 1024
 #: A listing answers at most this many entries (then `truncated`); the answer parser bounds
@@ -291,6 +296,13 @@ WORKLOAD_TYPES = {"shell": "shell", "claude-code": "agent"}
 WIRE_WORKLOAD_TYPES = {workload: wire_name for wire_name, workload in WORKLOAD_TYPES.items()}
 DEFAULT_WORKLOAD_TYPE = "shell"
 _ENV_NAME = agent_role.ENV_NAME_RE  #: what the agent accepts as a variable name
+#: Labels at create (`labels: {k: v}`), for a harness to find what it made (GET /sessions?label=k=v):
+#: a key is a name such as `inspect.eval` or `io.example/run`, a value a short word of URL-safe
+#: characters (no space, comma or `&`), so a filter needs no escaping beyond the URL's own.
+_LABEL_KEY = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._/-]{0,61}[A-Za-z0-9])?")
+_LABEL_VALUE = re.compile(r"[A-Za-z0-9._:@/+=-]{0,128}")
+MAX_LABELS = 32
+MAX_TTL_S = 30 * 24 * 3600  #: `ttlSeconds` at create: the reaper deletes the session when it passes
 #: The credential of one state dir (see "who may drive serve"): STATE_DIR/token, mode 0600.
 TOKEN_FILE_NAME = "token"
 TOKEN_BYTES = 32
@@ -313,9 +325,17 @@ class CredentialError(ReployError):
 
 class ServeError(ReployError):
     """A managed-session request that failed; `status` is its HTTP status, the message its
-    {"error": ...} text. Subclasses split the blame the way seed 002's error mapping does."""
+    {"error": ..., "code": ...} text. Subclasses split the blame the way seed 002's error
+    mapping does; `code` is Reploy's machine-readable word for the failure (ERROR_CODES), the
+    class's own unless the raiser names a finer one (serve_error_for: `permission_denied`...)."""
 
     status = 500
+    code = "internal"
+
+    def __init__(self, message: str, code: Optional[str] = None) -> None:
+        super().__init__(message)
+        if code is not None:
+            self.code = code
 
     def response_headers(self) -> dict[str, str]:
         """Headers the error response must carry besides its JSON body."""
@@ -326,20 +346,24 @@ class BadRequest(ServeError):
     """Malformed: not JSON, unknown fields, wrong types, trailing data."""
 
     status = 400
+    code = "bad_request"
 
 
 class SessionNotFound(ServeError):
     status = 404
+    code = "not_found"
 
 
 class SessionConflict(ServeError):
     """The session's state refuses this now (busy with another operation, or a lost race)."""
 
     status = 409
+    code = "conflict"
 
 
 class MethodNotAllowed(ServeError):
     status = 405
+    code = "method_not_allowed"
 
     def __init__(self, message: str, allowed: tuple[str, ...]) -> None:
         super().__init__(message)
@@ -351,6 +375,7 @@ class MethodNotAllowed(ServeError):
 
 class PayloadTooLarge(ServeError):
     status = 413
+    code = "too_large"
 
 
 class Unprocessable(ServeError):
@@ -358,12 +383,14 @@ class Unprocessable(ServeError):
     (on Reploy's own routes) what the agent refuses, such as a path outside the workspace."""
 
     status = 422
+    code = "unprocessable"
 
 
 class TooManyRequests(ServeError):
     """A bounded queue is full, or the session limit is reached: try again later."""
 
     status = 429
+    code = "too_many_requests"
 
     def response_headers(self) -> dict[str, str]:
         return {"Retry-After": str(LIMIT_RETRY_AFTER_S)}
@@ -373,6 +400,7 @@ class ServiceUnavailable(ServeError):
     """Docker or the agent cannot serve this right now."""
 
     status = 503
+    code = "unavailable"
 
 
 class TooManyReaders(ServiceUnavailable):
@@ -387,18 +415,21 @@ class InsufficientStorage(ServeError):
     `disk_full`)."""
 
     status = 507
+    code = "disk_full"
 
 
 class BadGateway(ServeError):
     """The session's agent gave an answer that is not one (see "the agent's answers")."""
 
     status = 502
+    code = "bad_gateway"
 
 
 class GatewayTimeout(ServeError):
     """The session's agent did not finish within the deadline of a loop that waits on it."""
 
     status = 504
+    code = "gateway_timeout"
 
 
 class UnsafeHeader(ServeError):
@@ -412,6 +443,7 @@ class Unauthorized(ServeError):
     """No credentials, or wrong ones (see "who may drive serve")."""
 
     status = 401
+    code = "unauthorized"
 
     def response_headers(self) -> dict[str, str]:
         return {"WWW-Authenticate": 'Bearer realm="reploy"'}
@@ -421,16 +453,19 @@ class Forbidden(ServeError):
     """A browser request from another origin or site."""
 
     status = 403
+    code = "forbidden"
 
 
 class PathNotFound(ServeError):
     """No such file or directory in a session's workspace or home."""
 
     status = 404
+    code = "not_found"
 
 
 class UnsupportedMediaType(ServeError):
     status = 415
+    code = "unsupported_media_type"
 
 
 class MisdirectedRequest(ServeError):
@@ -438,6 +473,7 @@ class MisdirectedRequest(ServeError):
     --allow-host."""
 
     status = 421
+    code = "misdirected"
 
 
 # ============================================================================================
@@ -582,6 +618,8 @@ class SessionRecord:
     failed_at: Optional[float] = None
     snapshot_failures: int = 0  # in a row: the reaper's backoff grows with them
     snapshot_retry_at: Optional[float] = None  # the reaper snapshots it again no earlier
+    labels: tuple[tuple[str, str], ...] = ()  # given at create, sorted by key
+    expires_at: Optional[float] = None  # created_at + ttlSeconds; None: no time to live
 
 
 def apply_session_event(record: SessionRecord, event: SessionEvent, now: float,
@@ -715,7 +753,7 @@ def decide_reap(record: SessionRecord, facts: Optional[WorkloadFacts], viewers: 
 # the store (SQLite, compare-and-swap, leases)
 # ============================================================================================
 
-_STORE_SCHEMA_VERSION = 4
+_STORE_SCHEMA_VERSION = 5
 _STORE_DDL = """
 CREATE TABLE IF NOT EXISTS sessions (
     id TEXT PRIMARY KEY,
@@ -736,7 +774,8 @@ CREATE TABLE IF NOT EXISTS sessions (
 _STORE_ADDED_COLUMNS = (("busy_at", "REAL"), ("idle_blocked_by", "TEXT NOT NULL DEFAULT ''"),
                         ("checkpoint_at", "REAL"), ("failed_step", "TEXT"), ("failure", "TEXT"),
                         ("failed_at", "REAL"), ("snapshot_failures", "INTEGER NOT NULL DEFAULT 0"),
-                        ("snapshot_retry_at", "REAL"))
+                        ("snapshot_retry_at", "REAL"), ("labels", "TEXT NOT NULL DEFAULT '[]'"),
+                        ("expires_at", "REAL"))
 #: One row per open SSE stream, in whichever `serve` holds it: the reaper of every `serve`
 #: sharing the store counts them. A row expires unless its stream renews it.
 _VIEWERS_DDL = """
@@ -748,7 +787,8 @@ CREATE TABLE IF NOT EXISTS viewers (
 _RECORD_COLUMNS = ("id", "name", "spec", "state", "version", "created_at", "last_access",
                    "state_since", "container_id", "archive", "snapshot_bytes", "lease_owner",
                    "lease_expires", "busy_at", "idle_blocked_by", "checkpoint_at", "failed_step",
-                   "failure", "failed_at", "snapshot_failures", "snapshot_retry_at")
+                   "failure", "failed_at", "snapshot_failures", "snapshot_retry_at", "labels",
+                   "expires_at")
 
 
 class SessionStore:
@@ -801,11 +841,13 @@ class SessionStore:
         values["spec"] = SessionSpec.from_json(values["spec"])
         values["state"] = SessionState(values["state"])
         values["idle_blocked_by"] = _blocks_from_text(values["idle_blocked_by"])
+        values["labels"] = tuple((key, value) for key, value in json.loads(values["labels"]))
         return SessionRecord(**values)
 
     def insert(self, record: SessionRecord) -> None:
         values = {**record.__dict__, "spec": record.spec.to_json(), "state": record.state.value,
-                  "idle_blocked_by": _blocks_to_text(record.idle_blocked_by)}
+                  "idle_blocked_by": _blocks_to_text(record.idle_blocked_by),
+                  "labels": json.dumps([list(pair) for pair in record.labels])}
         with self._db() as db:
             db.execute(f"INSERT INTO sessions ({', '.join(_RECORD_COLUMNS)}) VALUES "
                        f"({', '.join('?' * len(_RECORD_COLUMNS))})",
@@ -952,7 +994,9 @@ BODY_RULES: dict[str, dict[str, FieldRule]] = {
     "create": {"name": FieldRule(str, True),
                "workloadType": FieldRule(str, choices=tuple(WORKLOAD_TYPES)),
                "model": SESSION_MODEL_RULE,
-               "deployment": FieldRule(str, pattern=_NAME)},
+               "deployment": FieldRule(str, pattern=_NAME),
+               "labels": FieldRule(dict),
+               "ttlSeconds": FieldRule(int, minimum=1, maximum=MAX_TTL_S)},
     "read": {"offset": FieldRule(int, minimum=0, maximum=MAX_OFFSET),
              "waitMs": FieldRule(int, minimum=0, maximum=MAX_READ_WAIT_MS)},
     "write": {"payload": FieldRule(str)},
@@ -960,12 +1004,15 @@ BODY_RULES: dict[str, dict[str, FieldRule]] = {
     "resize": {"columns": FieldRule(int, True, minimum=1, maximum=agent_role.MAX_TERMINAL_SIDE),
                "rows": FieldRule(int, True, minimum=1, maximum=agent_role.MAX_TERMINAL_SIDE)},
     "exec": {"argv": FieldRule(list, True), "cwd": FieldRule(str), "env": FieldRule(dict),
-             "stdinBase64": FieldRule(str),
+             "stdinBase64": FieldRule(str), "stdinPath": FieldRule(str),
+             "detach": FieldRule(bool),
              "timeoutMs": FieldRule(int, minimum=1, maximum=MAX_EXEC_TIMEOUT_MS),
-             "maxOutputBytes": FieldRule(int, minimum=0, maximum=MAX_EXEC_OUTPUT_BYTES)},
+             "maxOutputBytes": FieldRule(int, minimum=0, maximum=MAX_EXEC_OUTPUT_BYTES),
+             "user": FieldRule(str)},
     "empty": {},
 }
-_JSON_KIND_NAMES = {int: "an integer", str: "a string", list: "an array", dict: "an object"}
+_JSON_KIND_NAMES = {int: "an integer", str: "a string", list: "an array", dict: "an object",
+                    bool: "true or false"}
 
 
 def parse_body(raw: bytes, rules: dict[str, FieldRule]) -> dict[str, Any]:
@@ -994,7 +1041,7 @@ def parse_body(raw: bytes, rules: dict[str, FieldRule]) -> dict[str, Any]:
 
 def check_field(name: str, value: Any, rule: FieldRule) -> None:
     """One value against its rule; BadRequest for what does not fit."""
-    if isinstance(value, bool) or not issubclass(type(value), rule.kind):  # keeps value Any
+    if isinstance(value, bool) != (rule.kind is bool) or not issubclass(type(value), rule.kind):  # keeps value Any
         raise BadRequest(f"{name}: must be {_JSON_KIND_NAMES[rule.kind]}")
     if rule.minimum is not None and value < rule.minimum or (
             rule.maximum is not None and value > rule.maximum):
@@ -1010,12 +1057,15 @@ def check_field(name: str, value: Any, rule: FieldRule) -> None:
 @dataclass(frozen=True)
 class CreateRequest:
     """A valid create body: the trimmed name, the agent's workload, the model (claude-code
-    only: the one given, or the platform-default alias) and the deployment (None: the first)."""
+    only: the one given, or the platform-default alias), the deployment (None: the first), the
+    labels (parse_labels) and the time to live (None: for ever)."""
 
     name: str
     workload: str
     model: Optional[str]
     deployment: Optional[str]
+    labels: tuple[tuple[str, str], ...] = ()
+    ttl_s: Optional[int] = None
 
     @classmethod
     def from_fields(cls, fields: dict[str, Any]) -> "CreateRequest":
@@ -1030,7 +1080,48 @@ class CreateRequest:
             raise BadRequest("model: only claude-code sessions have a model")
         if workload == "agent" and model is None:
             model = PLATFORM_DEFAULT_MODEL
-        return cls(name, workload, model, fields.get("deployment"))
+        return cls(name, workload, model, fields.get("deployment"),
+                   parse_labels(fields.get("labels", {})), fields.get("ttlSeconds"))
+
+
+def _check_label(key: Any, value: Any, where: str) -> tuple[str, str]:
+    if not isinstance(key, str) or not _LABEL_KEY.fullmatch(key):
+        raise BadRequest(f"{where}: the key {str(key)[:80]!r} is not a label key ({_LABEL_KEY.pattern})")
+    if not isinstance(value, str) or not _LABEL_VALUE.fullmatch(value):
+        raise BadRequest(f"{where}.{key}: must be a string matching {_LABEL_VALUE.pattern}")
+    return key, value
+
+
+def parse_labels(document: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+    """A create's labels, checked (keys and values by _LABEL_KEY and _LABEL_VALUE, at most
+    MAX_LABELS), in key order."""
+    if len(document) > MAX_LABELS:
+        raise BadRequest(f"labels: at most {MAX_LABELS}")
+    return tuple(sorted(_check_label(key, value, "labels") for key, value in document.items()))
+
+
+def label_filter(query: str) -> tuple[tuple[str, str], ...]:
+    """GET /sessions' query: `label=k=v`, repeatable (every one must match); nothing else."""
+    params = urllib.parse.parse_qs(query, keep_blank_values=True)
+    unknown = sorted(set(params) - {"label"})
+    if unknown:
+        raise BadRequest(f"unknown query parameter(s): {', '.join(unknown)}")
+    wanted = []
+    for text in params.get("label", []):
+        key, equals, value = text.partition("=")
+        if not equals:
+            raise BadRequest(f"label: {text[:80]!r} is not KEY=VALUE")
+        wanted.append(_check_label(key, value, "label"))
+    return tuple(wanted)
+
+
+def has_labels(record: "SessionRecord", wanted: tuple[tuple[str, str], ...]) -> bool:
+    return set(wanted) <= set(record.labels)
+
+
+def is_expired(record: "SessionRecord", now: float) -> bool:
+    """Its time to live has passed: the reaper deletes it."""
+    return record.expires_at is not None and now >= record.expires_at
 
 
 def message_parts(text: str, part_bytes: int = MAX_MESSAGE_PART_BYTES) -> list[str]:
@@ -1049,14 +1140,21 @@ def exec_params(fields: dict[str, Any]) -> dict[str, Any]:
     """An exec body (parsed by BODY_RULES["exec"]) as the agent's `exec` params. Item types are
     checked here (400); what does not fit, the agent refuses (422)."""
     argv, env = fields["argv"], fields.get("env", {})
+    if "user" in fields:
+        raise Unprocessable(f"user: every exec runs as the session's runtime user; it cannot run "
+                            f"as {fields['user'][:64]!r} (root never)", "user_unsupported")
     if not argv or not all(isinstance(arg, str) for arg in argv):
         raise BadRequest("argv: must be a non-empty array of strings")
     if not all(isinstance(value, str) for value in env.values()):
         raise BadRequest("env: every value must be a string")
     params: dict[str, Any] = {
         "argv": argv, "cwd": fields.get("cwd", ""), "env": env,
-        "timeout_ms": fields.get("timeoutMs", DEFAULT_EXEC_TIMEOUT_MS),
-        "output_cap_bytes": fields.get("maxOutputBytes", DEFAULT_EXEC_OUTPUT_BYTES)}
+        "output_cap_bytes": fields.get("maxOutputBytes", DEFAULT_EXEC_OUTPUT_BYTES),
+        "detach": fields.get("detach", False)}
+    if "timeoutMs" in fields:  # none given: no timeout
+        params["timeout_ms"] = fields["timeoutMs"]
+    if "stdinPath" in fields:
+        params["stdin_path"] = fields["stdinPath"]
     if "stdinBase64" in fields:
         try:
             stdin = base64.b64decode(fields["stdinBase64"], validate=True)
@@ -1064,7 +1162,7 @@ def exec_params(fields: dict[str, Any]) -> dict[str, Any]:
             raise BadRequest("stdinBase64: not base64") from None
         if len(stdin) > MAX_EXEC_STDIN_BYTES:
             raise PayloadTooLarge(f"stdinBase64: more than {MAX_EXEC_STDIN_BYTES} bytes; upload a "
-                                  "file and redirect from it instead")
+                                  "file and name it as stdinPath instead")
         params["stdin_b64"] = base64.b64encode(stdin).decode("ascii")
     return params
 
@@ -1089,19 +1187,25 @@ def file_route_path(api_path: str) -> str:
     return urllib.parse.unquote(parts[3]) if len(parts) > 3 else ""
 
 
-def file_query(query: str) -> tuple[str, Optional[int]]:
-    """(root, mode) from a files route's query: ?root=workspace|home, ?mode=0755 (octal)."""
+def file_query(query: str, path: str) -> tuple[str, str, Optional[int]]:
+    """(root, path below it, mode) from a files route's path (file_route_path) and query:
+    ?root=workspace|home|container, ?mode=0755 (octal). An absolute path (`files//etc/x`, or
+    `files/%2Fetc%2Fx`) starts at the container's `/`: its root is `container`."""
     params = urllib.parse.parse_qs(query, keep_blank_values=True)
     unknown = sorted(set(params) - {"root", "mode"})
     if unknown:
         raise BadRequest(f"unknown query parameter(s): {', '.join(unknown)}")
-    root = (params.get("root") or ["workspace"])[-1]
-    if root not in ("workspace", "home"):
-        raise BadRequest("root: must be workspace or home")
-    mode_text = params["mode"][-1] if params.get("mode") else None
+    given = (params.get("root") or [None])[-1]
+    if given is not None and given not in FILE_ROOTS:
+        raise BadRequest(f"root: must be one of {', '.join(FILE_ROOTS)}")
+    root = "container" if path.startswith("/") else given or "workspace"
+    if given not in (None, root):
+        raise BadRequest(f"root: an absolute path starts at the container's /, not at {given}")
+    mode_text = (params.get("mode") or [None])[-1]
     if mode_text is not None and not re.fullmatch(r"0?[0-7]{1,4}", mode_text):
         raise BadRequest("mode: an octal mode such as 0644")
-    return root, None if mode_text is None else int(mode_text, 8)
+    return root, path.lstrip("/") if root == "container" else path, (
+        None if mode_text is None else int(mode_text, 8))
 
 
 def iso_time(seconds: float) -> str:
@@ -1144,6 +1248,9 @@ def session_json(record: SessionRecord, idle_after_s: float, snapshot_after_s: f
                      "version": record.version, "stateSince": iso_time(record.state_since)})
     if phase is not None:
         document["phase"] = phase
+    document["labels"] = dict(record.labels)
+    if record.expires_at is not None:
+        document["expiresAt"] = iso_time(record.expires_at)
     blocked = record.idle_blocked_by if record.state in (SessionState.ACTIVE, SessionState.IDLE) else ()
     document["idleBlockedBy"] = [block.value for block in blocked]
     idle_since = idle_clock_start(record.last_access, record.busy_at)
@@ -1693,7 +1800,7 @@ _COUNT = _integer(0, 2**62)
 _OFFSET = _integer(0, MAX_OFFSET)
 _SIDE = _integer(1, agent_role.MAX_TERMINAL_SIDE)
 _PID = _integer(1, MAX_PID)
-_ROOT = _one_of("workspace", "home")
+_ROOT = _one_of(*FILE_ROOTS)
 
 #: The fields of each verb's result (docs/agent.md), besides `type`. Optional fields are the
 #: ones a workload kind, a state, or an older agent may leave out.
@@ -1735,10 +1842,14 @@ ANSWER_FIELDS: dict[str, tuple[AnswerField, ...]] = {
         AnswerField("log_bytes", _COUNT),
         AnswerField("skipped_entries", _COUNT)),
     "suspend": (AnswerField("seq", _COUNT),),
-    "exec": (AnswerField("exec_id", _matching(_HANDLE_ID)), AnswerField("pid", _PID)),
+    "exec": (AnswerField("exec_id", _matching(_HANDLE_ID)), AnswerField("pid", _nullable(_PID)),
+             AnswerField("queued", _boolean, required=False),
+             AnswerField("stdout_path", _plain_text(agent_role.MAX_PATH_BYTES), required=False),
+             AnswerField("stderr_path", _plain_text(agent_role.MAX_PATH_BYTES), required=False)),
     "exec_wait": (
         AnswerField("exec_id", _matching(_HANDLE_ID)), AnswerField("running", _boolean),
-        AnswerField("pid", _PID), AnswerField("exit_code", _nullable(_integer(0, 255))),
+        AnswerField("queued", _boolean, required=False),
+        AnswerField("pid", _nullable(_PID)), AnswerField("exit_code", _nullable(_integer(0, 255))),
         AnswerField("signal", _nullable(_matching(_SIGNAL_NAME))),
         AnswerField("timed_out", _boolean), AnswerField("killed", _boolean),
         AnswerField("duration_ms", _number(0, 2.0**53)),
@@ -1967,6 +2078,10 @@ def agent_call(agent_dir: Path, method: str, params: dict[str, Any],
     peer that trickles bytes cannot hold the caller, the reaper among them), and the answer is
     bounded and parsed as hostile input."""
     line = wire.encode_compact({"id": "serve", "method": method, "params": params}) + b"\n"
+    if len(line) > AGENT_MAX_REQUEST_BYTES + 1:
+        raise AgentCallError("invalid_request", f"too large: the {method} request encodes to "
+                             f"{len(line) - 1} bytes; the session agent takes at most "
+                             f"{AGENT_MAX_REQUEST_BYTES} (pass big input as a file)")
     deadline = time.monotonic() + timeout_s
     response = bytearray()
     try:
@@ -1997,22 +2112,42 @@ def agent_call(agent_dir: Path, method: str, params: dict[str, Any],
                                              f"{e}") from None
 
 
+#: The stable words an agent's file and exec errors start with (docs/agent.md, "Errors of the
+#: harness verbs"), in the order they are tried: the status and `code` each becomes.
+AGENT_ERROR_WORDS: tuple[tuple[str, type[ServeError], str], ...] = (
+    ("no such file or directory", PathNotFound, "not_found"),
+    ("permission denied", Forbidden, "permission_denied"),
+    ("is a directory", SessionConflict, "is_a_directory"),
+    ("not a directory", SessionConflict, "not_a_directory"),
+    ("not enough space", InsufficientStorage, "disk_full"),
+    ("too large", PayloadTooLarge, "too_large"),
+    ("refused:", Unprocessable, "path_refused"),
+    ("cannot run", Unprocessable, "cannot_run"),
+    ("conflict:", SessionConflict, "conflict"),
+)
+#: Every `code` an error answer may carry (web/openapi.json lists the same).
+ERROR_CODES = ("bad_request", "not_found", "conflict", "method_not_allowed", "too_large",
+               "unprocessable", "too_many_requests", "unavailable", "disk_full", "bad_gateway",
+               "gateway_timeout", "unauthorized", "forbidden", "unsupported_media_type",
+               "misdirected", "internal", "permission_denied", "is_a_directory",
+               "not_a_directory", "path_refused", "cannot_run", "user_unsupported")
+
+
 def serve_error_for(error: AgentCallError) -> ServeError:
     """The agent's blame-split codes, as HTTP statuses. The file and exec verbs name some
-    failures in stable words (docs/agent.md, "Errors of the harness verbs"), mapped first."""
+    failures in stable words (AGENT_ERROR_WORDS), mapped first, each to its own `code`."""
     message, text = f"agent: {error}", str(error)
     if error.code == INVALID_ANSWER:
         return BadGateway(text)
     if error.code == "disk_full":
         return InsufficientStorage(message)
-    if error.code == "command_error" and text.startswith("no such file or directory"):
-        return PathNotFound(message)
-    if text.startswith("not enough space") or "cumulative output cap" in text:
-        return InsufficientStorage(message)  # the disk, or seed 002's output quota
-    if text.startswith("too large"):
-        return PayloadTooLarge(message)
-    if error.code == "invalid_request" or "UTF-8 boundary" in text or text.startswith(
-            ("refused:", "cannot run")):
+    if error.code in ("invalid_request", "command_error"):
+        for words, error_class, code in AGENT_ERROR_WORDS:
+            if text.startswith(words):
+                return error_class(message, code)
+    if "cumulative output cap" in text:
+        return InsufficientStorage(message)  # seed 002's output quota
+    if error.code == "invalid_request" or "UTF-8 boundary" in text:
         return Unprocessable(message)
     if error.code == "command_error":
         return SessionConflict(message)
@@ -2742,7 +2877,8 @@ class SessionManager:
         record = SessionRecord(id=secrets.token_hex(8), name=request.name, spec=spec,
                                state=SessionState.CREATING, version=1, created_at=now,
                                last_access=now, state_since=now, lease_owner=owner,
-                               lease_expires=now + LEASE_TTL_S)
+                               lease_expires=now + LEASE_TTL_S, labels=request.labels,
+                               expires_at=None if request.ttl_s is None else now + request.ttl_s)
         self.store.insert(record)  # first, so a crash leaves a record that recovery rolls back
         lease = Lease(self, record, owner)
         image = self.config.disk_image(record.id)
@@ -2812,8 +2948,8 @@ class SessionManager:
                 f"({self.config.min_free_bytes >> 20} MiB) would be left; every create is refused "
                 "(507) until enough sessions are deleted")
 
-    def delete(self, session_id: str) -> None:
-        with self.leased(session_id) as lease:
+    def delete(self, session_id: str, wait_s: float = LEASE_WAIT_S) -> None:
+        with self.leased(session_id, wait_s) as lease:
             lease.apply(SessionEvent.DELETE)
             self._finish_delete(lease)
 
@@ -3172,10 +3308,18 @@ class SessionManager:
         """Runs one command in the session's container and waits for its result. The agent
         answers within 5 s, so the wait is a chain of long-polls; a client that went away,
         serve stopping, or the command outliving its own timeout by EXEC_END_GRACE_S (the
-        agent kills it at its timeout) kills the command's whole process group."""
-        exec_id = self.call(session_id, "exec", params)["exec_id"]
-        wait = self._wait(f"the command {exec_id}", params["timeout_ms"] / 1000 + EXEC_END_GRACE_S,
-                          client_gone)
+        agent kills it at its timeout; no timeout: none) kills the command's whole process
+        group. A command queued behind the agent's running ones has its wait start again at
+        every poll. A detached command is answered once started: its pid and output files."""
+        started = self.call(session_id, "exec", params)
+        exec_id = started["exec_id"]
+        if params["detach"]:
+            if started["pid"] is None or "stdout_path" not in started or "stderr_path" not in started:
+                raise BadGateway("the session agent's detached exec has no pid or output files")
+            return {"execId": exec_id, "detached": True, "pid": started["pid"],
+                    "stdoutPath": started["stdout_path"], "stderrPath": started["stderr_path"]}
+        timeout_s = params["timeout_ms"] / 1000 + EXEC_END_GRACE_S if "timeout_ms" in params else math.inf
+        wait = self._wait(f"the command {exec_id}", timeout_s, client_gone)
         output: dict[str, bytearray] = {"stdout": bytearray(), "stderr": bytearray()}
         try:
             while True:
@@ -3183,6 +3327,8 @@ class SessionManager:
                 page = self._poll(session_id, "exec_wait", {
                     "exec_id": exec_id, "wait_ms": EXEC_POLL_MS, "release": True,
                     "stdout_offset": len(output["stdout"]), "stderr_offset": len(output["stderr"])})
+                if page.get("queued"):
+                    wait.renew(timeout_s)
                 for name, data in output.items():
                     data += page[name]
                     if page[f"{name}_bytes"] > params["output_cap_bytes"]:  # a hostile agent's
@@ -3489,6 +3635,9 @@ class SessionManager:
         for record in self.store.list():
             if self.stopping.is_set():
                 return
+            if record.state in STABLE_STATES and is_expired(record, self.clock()):
+                self._expire(record)
+                continue
             if record.state not in (SessionState.ACTIVE, SessionState.IDLE):
                 continue
             try:
@@ -3506,6 +3655,15 @@ class SessionManager:
                 # answers, its files): whatever it makes us trip over costs that session's
                 # step, never the one reaper of every session
                 log(f"serve: reaper: session {record.id}: {e!r}")
+
+    def _expire(self, record: SessionRecord) -> None:
+        """A session past its time to live, deleted as DELETE would (a holder of its lease
+        keeps it until the next pass)."""
+        try:
+            self.delete(record.id, wait_s=0)
+            log(f"serve: reaper: session {record.id} deleted: its time to live passed")
+        except (ServeError, BackendError) as e:
+            log(f"serve: reaper: session {record.id}: {e}")
 
     def _reap_decision(self, record: SessionRecord) -> ReapDecision:
         """Gather the facts decide_reap needs (an active session's agent status, the viewers in
@@ -3571,7 +3729,7 @@ API_ROUTES: tuple[tuple[str, str, str], ...] = (
 #: The refusals before any route runs (401, 403, 415, 421: "who may drive serve"), an unknown
 #: path or method (404, 405) and a body over the bound (413) are the same on every route.
 SPEC_ERROR_STATUSES: dict[str, frozenset[int]] = {
-    "healthz": frozenset(), "get_config": frozenset(), "list_sessions": frozenset(),
+    "healthz": frozenset(), "get_config": frozenset(), "list_sessions": frozenset({400}),
     "create_session": frozenset({400, 413, 429, 507}), "get_session": frozenset({404}),
     "delete_session": frozenset({404, 409}), "stream": frozenset({400, 404, 422, 503}),
     "read": frozenset({400, 404, 413}), "write": frozenset({400, 404, 413, 429, 507}),
@@ -3665,13 +3823,15 @@ class ServeHTTPServer(http.server.ThreadingHTTPServer):
 
 class ApiHandler(http.server.BaseHTTPRequestHandler):
     """Thin: decide access (decide_access, before anything else), parse, call the
-    SessionManager, encode. Every failure is {"error": "..."}; no response ever carries a CORS
-    header."""
+    SessionManager, encode. Every failure is {"error": "...", "code": "..."}; no response ever
+    carries a CORS header. `Expect: 100-continue` is answered only once access and the route
+    are decided (send_continue), so a refused request never has its body sent."""
 
     server: ServeHTTPServer
     protocol_version = "HTTP/1.1"
     server_version = "reploy"
     timeout = BODY_READ_TIMEOUT_S  # a client that stalls mid-request is dropped
+    expecting_continue = False  # this request sent `Expect: 100-continue`, not yet answered
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base's name
         pass  # request lines would only repeat what the client knows; errors are logged
@@ -3690,10 +3850,28 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
         """The stdlib's own refusals (a request line or headers it cannot parse, before any
         check can run) in the API's shape, on a connection that then closes."""
         self.close_connection = True
-        self.send_json(code, {"error": message or http.HTTPStatus(code).phrase},
+        self.send_json(code, {"error": message or http.HTTPStatus(code).phrase,
+                              "code": PayloadTooLarge.code if code in (413, 414, 431)
+                              else BadRequest.code},
                        {"Connection": "close"})
 
+    def handle_expect_100(self) -> bool:
+        """The stdlib would send 100 Continue at once, before any check: deferred instead to
+        the moment the body is about to be read (send_continue)."""
+        self.expecting_continue = True
+        return True
+
+    def send_continue(self) -> None:
+        """The interim 100 Continue a client that sent `Expect: 100-continue` waits for, once
+        access and the route are decided and the body is about to be read."""
+        if self.expecting_continue:
+            self.expecting_continue = False
+            self.wfile.write(b"%s 100 Continue\r\n\r\n" % self.protocol_version.encode("ascii"))
+            self.wfile.flush()
+
     def send_response(self, code: int, message: Optional[str] = None) -> None:
+        if self.expecting_continue:
+            self.close_connection = True  # refused before its body was asked for: never read
         self.header_names: set[str] = set()
         super().send_response(code, message)
 
@@ -3740,14 +3918,14 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
             if result is not None:
                 self.send_json(*result)
         except ServeError as e:
-            self.send_json(e.status, {"error": str(e)}, e.response_headers())
+            self.send_json(e.status, {"error": str(e), "code": e.code}, e.response_headers())
         except BackendError as e:
-            self.send_json(503, {"error": str(e)})
+            self.send_json(503, {"error": str(e), "code": ServiceUnavailable.code})
         except (BrokenPipeError, ConnectionResetError, socket.timeout, ClientGone):
             self.close_connection = True
         except Exception as e:  # noqa: BLE001 - a bug answers 500 and keeps the server up
             log(f"serve: internal error on {method} {path}: {e!r}")
-            self.send_json(500, {"error": "internal error"})
+            self.send_json(500, {"error": "internal error", "code": ServeError.code})
 
     def body_length(self, max_bytes: int) -> int:
         """The body's Content-Length (0 when absent), refused before any byte is read when it
@@ -3763,6 +3941,8 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
         if length > max_bytes:
             self.close_connection = True
             raise PayloadTooLarge(f"the body exceeds {max_bytes} bytes")
+        if length:
+            self.send_continue()
         return length
 
     def read_body(self) -> bytes:
@@ -3817,7 +3997,7 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
             path = "/openapi.json"
         entry = self.server.static.get(path)
         if entry is None or method != "GET":
-            self.send_json(404, {"error": f"not found: {path}"})
+            self.send_json(404, {"error": f"not found: {path}", "code": PathNotFound.code})
             return
         content_type, data = entry
         self.send_response(200)
@@ -3850,8 +4030,10 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
         return 201, self.manager.session_json(self.manager.create(request))
 
     @spec_statuses
-    def api_list_sessions(self, _sid: None, body: bytes, _query: str) -> tuple[int, dict[str, Any]]:
-        return 200, {"sessions": [self.manager.session_json(r) for r in self.manager.shown_records()]}
+    def api_list_sessions(self, _sid: None, body: bytes, query: str) -> tuple[int, dict[str, Any]]:
+        wanted = label_filter(query)
+        return 200, {"sessions": [self.manager.session_json(r) for r in self.manager.shown_records()
+                                  if has_labels(r, wanted)]}
 
     @spec_statuses
     def api_get_session(self, sid: str, body: bytes, _query: str) -> tuple[int, dict[str, Any]]:
@@ -3948,16 +4130,15 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
 
     def api_list_files(self, sid: str, body: bytes, query: str) -> tuple[int, dict[str, Any]]:
         parse_body(body, BODY_RULES["empty"])
-        root, mode = file_query(query)
+        root, path, mode = file_query(query, file_route_path(self.api_path))
         if mode is not None:
             raise BadRequest("mode: only for uploads")
-        return 200, self.manager.list_files(sid, root, file_route_path(self.api_path),
-                                            self.client_gone)
+        return 200, self.manager.list_files(sid, root, path, self.client_gone)
 
     def api_put_file(self, sid: str, _body: bytes, query: str) -> tuple[int, dict[str, Any]]:
         """Raw bytes streamed in: application/octet-stream makes one file, application/x-tar is
         extracted into the directory at the path (made if missing, merged if not)."""
-        root, mode = file_query(query)
+        root, path, mode = file_query(query, file_route_path(self.api_path))
         content_type = self.headers.get("Content-Type", "").split(";")[0].strip().lower()
         if content_type not in RAW_BODY_ROUTES["put_file"]:
             self.close_connection = True
@@ -3966,8 +4147,8 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
         size_bytes = self.body_length(MAX_UPLOAD_BYTES)
         kind = "tar" if content_type == "application/x-tar" else "file"
         try:
-            result = self.manager.upload(sid, root, file_route_path(self.api_path), kind, mode,
-                                         size_bytes, self.rfile, self.client_gone)
+            result = self.manager.upload(sid, root, path, kind, mode, size_bytes, self.rfile,
+                                         self.client_gone)
         except BaseException:
             self.close_connection = True  # the rest of the body may still be on its way
             raise
@@ -3976,10 +4157,9 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
     def api_get_file(self, sid: str, body: bytes, query: str) -> None:
         """A file's bytes, or a directory as a tar (its entries relative to it), streamed."""
         parse_body(body, BODY_RULES["empty"])
-        root, mode = file_query(query)
+        root, path, mode = file_query(query, file_route_path(self.api_path))
         if mode is not None:
             raise BadRequest("mode: only for uploads")
-        path = file_route_path(self.api_path)
         opened, chunks = self.manager.download(sid, root, path, self.client_gone)
         name = (path.rstrip("/").rpartition("/")[2] or root) + (".tar" if opened["kind"] == "tar" else "")
         try:
