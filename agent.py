@@ -4535,7 +4535,8 @@ class ExecProcess:
         if self.start_error is not None:
             raise self.start_error
         if self.running or self.proc is None:  # a queued one that was killed has no exit status of its own
-            exit_code, signal_name = (None, None) if self.running else (None, "SIGKILL")
+            exit_code: Optional[int] = None
+            signal_name: Optional[str] = None if self.running else "SIGKILL"
         else:
             exit_code, signal_name = describe_exit(self.proc.returncode)
         end = self.ended_at if self.ended_at is not None else now

@@ -1195,13 +1195,13 @@ def file_query(query: str, path: str) -> tuple[str, str, Optional[int]]:
     unknown = sorted(set(params) - {"root", "mode"})
     if unknown:
         raise BadRequest(f"unknown query parameter(s): {', '.join(unknown)}")
-    given = (params.get("root") or [None])[-1]
+    given = params["root"][-1] if params.get("root") else None
     if given is not None and given not in FILE_ROOTS:
         raise BadRequest(f"root: must be one of {', '.join(FILE_ROOTS)}")
     root = "container" if path.startswith("/") else given or "workspace"
     if given not in (None, root):
         raise BadRequest(f"root: an absolute path starts at the container's /, not at {given}")
-    mode_text = (params.get("mode") or [None])[-1]
+    mode_text = params["mode"][-1] if params.get("mode") else None
     if mode_text is not None and not re.fullmatch(r"0?[0-7]{1,4}", mode_text):
         raise BadRequest("mode: an octal mode such as 0644")
     return root, path.lstrip("/") if root == "container" else path, (

@@ -207,7 +207,7 @@ def test_labels_filter_and_a_time_to_live(serve_factory: Callable[..., ServeProc
     server = serve_factory()
     api = server.api
     one = api.create("one", labels={"inspect.eval": "e1", "sample": "1"})
-    two = api.create("two", labels={"inspect.eval": "e1", "sample": "2"})
+    api.create("two", labels={"inspect.eval": "e1", "sample": "2"})
     other = api.create("other")
     assert one["labels"] == {"inspect.eval": "e1", "sample": "1"} and other["labels"] == {}
     assert "expiresAt" not in one and api.get(one["id"])["labels"] == one["labels"]
