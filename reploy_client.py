@@ -54,6 +54,8 @@ from typing import Any, BinaryIO, Callable, Iterator, Optional
 
 import reploy_session_client as wire
 
+__version__ = "0.1.0"
+
 # ============================================================================================
 # Constants
 # ============================================================================================
@@ -603,6 +605,18 @@ class Client:
         return document
 
 
+@contextlib.contextmanager
+def naming(path: str) -> Iterator[None]:
+    """A files call's error names the path it was asked for (the server names the first
+    component it could not reach), as OSError's filename does."""
+    try:
+        yield
+    except ReployError as e:
+        if path in e.reason:
+            raise
+        raise type(e)(e.status, e.code, f"{path}: {e.reason}") from e
+
+
 class Files:
     """A session's files. A path is the workspace's when relative, home's under `~/`, the
     container's when absolute (where serve takes it). The runtime user's permissions apply."""
@@ -614,7 +628,8 @@ class Files:
         """A regular file's bytes. ReployError (code too_large) past limit_bytes."""
         root, below = file_target(path)
         client = self.session.client
-        with client.open_stream("GET", file_route("files", self.session.id, root, below)) as response:
+        with naming(path), client.open_stream("GET", file_route("files", self.session.id, root,
+                                                                  below)) as response:
             announced = response.getheader("Content-Length")
             if limit_bytes is not None and announced is not None and announced.isdigit() \
                     and int(announced) > limit_bytes:
@@ -640,14 +655,16 @@ class Files:
         """Streams `size_bytes` of `source` as one file, or (`tar`) as a tar merged into the
         directory at `path`."""
         root, below = file_target(path)
-        return self.session.client.upload(
-            file_route("files", self.session.id, root, below, mode), source, size_bytes,
-            "application/x-tar" if tar else "application/octet-stream")
+        with naming(path):
+            return self.session.client.upload(
+                file_route("files", self.session.id, root, below, mode), source, size_bytes,
+                "application/x-tar" if tar else "application/octet-stream")
 
     def list(self, path: str = "") -> dict[str, Any]:
         """The entry at `path` and, for a directory, its entries (FileListing)."""
         root, below = file_target(path)
-        document = self.session.client.call("GET", file_route("list", self.session.id, root, below))
+        with naming(path):
+            document = self.session.client.call("GET", file_route("list", self.session.id, root, below))
         assert document is not None
         return document
 

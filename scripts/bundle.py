@@ -6,6 +6,7 @@ mirror. Run it on a connected machine with the Python minor version and platform
 (the wheels are that interpreter's). The archive holds one directory, reploy-VERSION-offline/:
 
   reploy.py reploy_serve.py reploy_session_client.py reploy_watchdog.py agent.py
+  reploy_client.py reploy_inspect.py   the Python client and the Inspect AI provider
   README.md web/ docs/ examples/
   tests/agent_fixtures/fake_claude.py   the stand-in agent CLI examples/sandboxed-agent copies in
   wheels/         the run-time requirements (requirements-runtime.txt, not the test-only ones)
@@ -45,7 +46,7 @@ from typing import Any, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 ROLE_FILES = ("reploy.py", "reploy_serve.py", "reploy_session_client.py", "reploy_watchdog.py",
-              "agent.py")
+              "agent.py", "reploy_client.py", "reploy_inspect.py")
 #: Whole trees bundled as the checkout tracks them (git's ignore rules leave out prepared copies).
 APP_TREES = ("web", "docs", "examples")
 APP_EXTRA_FILES = ("README.md", "tests/agent_fixtures/fake_claude.py")
@@ -69,7 +70,7 @@ class BundleError(Exception):
 
 
 def release_version() -> str:
-    """The `__version__` all five role files agree on."""
+    """The `__version__` all role files agree on."""
     versions = {}
     for name in ROLE_FILES:
         found = VERSION_LINE.findall((ROOT / name).read_text(encoding="utf-8"))

@@ -32,7 +32,8 @@ pytestmark = pytest.mark.docker
 
 VERSION = reploy.__version__
 TOP = f"reploy-{VERSION}-offline"
-ROLE_FILES = ["reploy.py", "reploy_serve.py", "reploy_session_client.py", "reploy_watchdog.py", "agent.py"]
+ROLE_FILES = ["reploy.py", "reploy_serve.py", "reploy_session_client.py", "reploy_watchdog.py", "agent.py",
+              "reploy_client.py", "reploy_inspect.py"]
 #: The images examples/*/Dockerfile build FROM.
 EXAMPLE_BASE_IMAGES = ["reploy-base/browser:bookworm-1", "reploy-base/busybox:1",
                        "reploy-base/python:bookworm-1"]
