@@ -42,6 +42,7 @@ import http.client
 import ipaddress
 import os
 import re
+import secrets
 import shutil
 import stat
 import sys
@@ -76,6 +77,10 @@ TRANSFER_TIMEOUT_S = 600.0  #: a stall of this long ends an upload or a download
 EXEC_GRACE_S = 60.0  #: beyond an exec's own timeout, for serve to answer
 POOL_IDLE_MAX = 8  #: idle keep-alive connections kept per client (more may be open at once)
 HOME_PREFIX = "~/"
+#: An exec's stdin travels in its request up to this (agent.py's MAX_EXEC_STDIN_BYTES); more
+#: is uploaded to a file first and named as the exec's stdinPath.
+MAX_INLINE_STDIN_BYTES = 512 * 1024
+STDIN_FILE_PREFIX = ".reploy-stdin-"
 MAX_SSE_LINE_BYTES = 1024 * 1024  #: serve's events carry 64 KiB of output, base64 in JSON
 #: The most `session cp` takes out of a session is its disk quota plus this much per tar entry
 #: (headers and padding), and never more than one transfer.
@@ -275,8 +280,9 @@ def parse_exec_result(document: dict[str, Any]) -> ExecResult:
 
 def exec_body(argv: list[str], cwd: Optional[str], env: Optional[dict[str, str]],
               stdin: Optional[bytes], timeout_s: Optional[float],
-              max_output_bytes: Optional[int]) -> dict[str, Any]:
-    """The API's exec body. Pure. No timeout leaves serve's default."""
+              max_output_bytes: Optional[int], stdin_path: Optional[str] = None) -> dict[str, Any]:
+    """The API's exec body. Pure. No timeout leaves serve's default (none, where serve has
+    the harness API)."""
     if not argv or not all(isinstance(arg, str) for arg in argv):
         raise ValueError("exec: argv is a non-empty list of strings")
     body: dict[str, Any] = {"argv": list(argv)}
@@ -286,6 +292,8 @@ def exec_body(argv: list[str], cwd: Optional[str], env: Optional[dict[str, str]]
         body["env"] = dict(env)
     if stdin is not None:
         body["stdinBase64"] = base64.b64encode(stdin).decode("ascii")
+    if stdin_path is not None:
+        body["stdinPath"] = stdin_path
     if timeout_s is not None:
         body["timeoutMs"] = max(1, int(timeout_s * 1000))
     if max_output_bytes is not None:
@@ -576,12 +584,15 @@ class Client:
 
     def create(self, name: str = "reploy-client", workload_type: Optional[str] = None,
                deployment: Optional[str] = None, model: Optional[str] = None,
+               labels: Optional[dict[str, str]] = None, ttl_seconds: Optional[int] = None,
                **extra: Any) -> "Session":
-        """A new session (POST /sessions); `extra` are further fields of the create body in
-        the API's spelling (e.g. labels, ttlSeconds where serve takes them)."""
+        """A new session (POST /sessions). `labels` find it again (sessions(labels=...)) and
+        `ttl_seconds` has the reaper delete it once they pass, where serve takes them; `extra`
+        are further fields of the create body in the API's spelling."""
         body: dict[str, Any] = {"name": name}
         for key, value in (("workloadType", workload_type), ("model", model),
-                           ("deployment", deployment)):
+                           ("deployment", deployment), ("labels", labels),
+                           ("ttlSeconds", ttl_seconds)):
             if value is not None:
                 body[key] = value
         body.update(extra)
@@ -630,6 +641,9 @@ class Files:
         client = self.session.client
         with naming(path), client.open_stream("GET", file_route("files", self.session.id, root,
                                                                   below)) as response:
+            if response.getheader("Content-Type", "").startswith("application/x-tar"):
+                raise ReployIsADirectoryError(response.status, "is_a_directory",
+                                              f"{path}: is a directory")
             announced = response.getheader("Content-Length")
             if limit_bytes is not None and announced is not None and announced.isdigit() \
                     and int(announced) > limit_bytes:
@@ -726,14 +740,32 @@ class Session:
         callbacks get each stream's bytes once the command has ended (serve answers an exec
         whole). Closing the connection kills the command."""
         data = stdin.encode("utf-8") if isinstance(stdin, str) else stdin
-        body = exec_body(argv, cwd, env, data, timeout, max_output_bytes)
         timeout_s = None if timeout is None else timeout + EXEC_GRACE_S
-        document = self._call("POST", "/exec", body, timeout_s)
+        if data is not None and len(data) > MAX_INLINE_STDIN_BYTES:
+            document = self._exec_from_file(argv, cwd, env, data, timeout, max_output_bytes)
+        else:
+            document = self._call("POST", "/exec", exec_body(argv, cwd, env, data, timeout,
+                                                             max_output_bytes), timeout_s)
         result = self.client.checked(lambda: parse_exec_result(document or {}))
         for callback, chunk in ((on_stdout, result.stdout), (on_stderr, result.stderr)):
             if callback is not None and chunk:
                 callback(chunk)
         return result
+
+    def _exec_from_file(self, argv: list[str], cwd: Optional[str], env: Optional[dict[str, str]],
+                        data: bytes, timeout: Optional[float],
+                        max_output_bytes: Optional[int]) -> Optional[dict[str, Any]]:
+        """An exec whose stdin is too large for its request: uploaded to a private file of
+        the workspace first (0600), named as stdinPath, removed after."""
+        path = STDIN_FILE_PREFIX + secrets.token_hex(8)
+        self.files.write(path, data, mode=0o600)
+        try:
+            return self._call("POST", "/exec", exec_body(argv, cwd, env, None, timeout,
+                                                         max_output_bytes, stdin_path=path),
+                              None if timeout is None else timeout + EXEC_GRACE_S)
+        finally:
+            self._call("POST", "/exec", exec_body(["rm", "-f", "--", path], None, None, None,
+                                                  EXEC_GRACE_S, None))
 
     def read(self, offset: int = 0, wait_ms: int = 0) -> OutputChunk:
         """The output log from `offset` to its end (a cursor past the end answers empty, with

@@ -144,7 +144,7 @@ class ReploySandboxEnvironment(SandboxEnvironment):
         if settings.sweep:
             extra["labels"] = {LABEL_PROVIDER: PROVIDER, LABEL_TASK: label_value(task_name),
                                **current_sample_labels()}
-            extra["ttlSeconds"] = settings.ttl_seconds
+            extra["ttl_seconds"] = settings.ttl_seconds
         if settings.disk_mib is not None:
             extra["diskMib"] = settings.disk_mib
         if settings.cpus is not None:
