@@ -94,7 +94,9 @@ PRIVATE_DIR_MODE = 0o700
 SESSION_DIR_MODE = 0o755
 
 # Control socket
-MAX_REQUEST_BYTES = 1 * MIB  #: one request line, newline excluded
+#: One request line, newline excluded: room for an exec's argv up to the kernel's ARG_MAX and its inline stdin as
+#: base64 (serve checks its own lines against this before it sends them).
+MAX_REQUEST_BYTES = 8 * MIB
 CLIENT_IDLE_TIMEOUT_S = 5.0  #: a client must send its request line (and take its response) within this
 HANDLER_TIMEOUT_S = 5.0  #: every request is answered within this, if need be with `timeout`
 MAX_ID_CHARS = 256
@@ -169,19 +171,24 @@ REASON_RE = re.compile(r"[a-z][a-z_]{0,31}")  #: a `suspend` reason, as the outb
 COPY_CHUNK_BYTES = 1 * MIB
 
 # exec: commands run beside the workload, each in its own process session
-MAX_RUNNING_EXECS = 8  #: one more is refused with server_unavailable
+MAX_RUNNING_EXECS = 8  #: one more waits in the queue, started in order as running ones end
+MAX_QUEUED_EXECS = 64  #: one more is refused with server_unavailable ("the exec queue is full")
+MAX_DETACHED_EXECS = 32  #: detached commands alive at once (they never queue); one more is refused
+#: $HOME/.reploy/detached: where a detached exec's stdout and stderr go, files of the runtime user named by its id
+DETACHED_OUTPUT_DIR = (".reploy", "detached")
 #: kill_command's passes over an exec's processes: each pass kills what the last one found, and what they forked or
 #: orphaned meanwhile comes up in the next; a command forking faster than that is bounded by the pid limit.
 KILL_PASSES = 64
 PR_SET_CHILD_SUBREAPER = 36  #: prctl(2), linux/prctl.h
 MAX_FINISHED_EXECS = 64  #: finished results kept for exec_wait; the oldest goes first
 FINISHED_EXEC_KEEP_S = 300.0  #: a finished result nobody released is dropped after this
-DEFAULT_EXEC_TIMEOUT_MS = 60_000
-MAX_EXEC_TIMEOUT_MS = 24 * 3600 * 1000
+MAX_EXEC_TIMEOUT_MS = 24 * 3600 * 1000  #: no timeout given: none (the command runs until it ends or is killed)
 DEFAULT_EXEC_OUTPUT_CAP_BYTES = 1 * MIB  #: per stream; more is read and discarded, `truncated` says so
-MAX_EXEC_OUTPUT_CAP_BYTES = 4 * MIB  #: per stream; bounds the agent's memory at 8 execs x 2 streams x 4 MiB
-MAX_EXEC_ARGS_BYTES = 256 * KIB  #: argv and env together
-MAX_EXEC_STDIN_BYTES = 512 * KIB  #: stdin travels inside the request line, so it must fit in it
+#: Per stream. Output is spooled to an unnamed file in the agent's dir (the session's disk), not held in memory.
+MAX_EXEC_OUTPUT_CAP_BYTES = 16 * MIB
+MAX_EXEC_ARGS_BYTES = 2 * MIB  #: argv and env, each: the kernel's ARG_MAX (more fails to start: `cannot run`)
+#: Inline stdin travels inside the request line; more comes from a file (`stdin_path`: upload it first).
+MAX_EXEC_STDIN_BYTES = 4 * MIB
 MAX_EXEC_ENV_VARS = 256
 EXEC_PAGE_BYTES = 256 * KIB  #: output per stream in one exec_wait answer: two pages stay under 1 MiB as base64
 EXEC_DRAIN_POLL_S = 0.02  #: after an exec's command exits, how often what it left is looked for and killed
@@ -206,7 +213,8 @@ LIST_PAGE_BYTES = 512 * KIB
 DEFAULT_FILE_MODE = 0o644
 SANE_MODE_MASK = 0o755  #: uploaded modes keep read and execute bits; setuid, setgid, sticky and g/o write go
 OUTGOING_MODE_MASK = 0o777  #: tar members going out (downloads, checkpoints) never carry setuid, setgid or sticky
-STAGING_PREFIX = ".reploy-upload-"  #: the spare name an upload is linked under beside its target, then renamed
+STAGING_PREFIX = ".reploy-upload-"
+CONTAINER_ROOT = Path("/")  #: where an absolute path starts (FileRoot.CONTAINER)  #: the spare name an upload is linked under beside its target, then renamed
 
 # Privilege separation: the workload runs as the runtime user; file work on its trees is done by workers that are it
 WORKER_PACKET_BYTES = 64 * KIB  #: one message between the agent and a file worker (SOCK_SEQPACKET)
@@ -320,10 +328,12 @@ class Method(enum.Enum):
 
 
 class FileRoot(enum.Enum):
-    """The two trees the file verbs may touch."""
+    """Where a file verb's path starts: the workspace, the home, or the container's `/` (an absolute path; what the
+    runtime user can reach there, the kernel decides, as it does for the workload)."""
 
     WORKSPACE = "workspace"
     HOME = "home"
+    CONTAINER = "container"
 
 
 class UploadKind(enum.Enum):
@@ -407,13 +417,23 @@ class SuspendParams:
 
 
 @dataclasses.dataclass(frozen=True)
+class Where:
+    """A path a request named: where it starts and its components below that; () is the root itself."""
+
+    root: FileRoot
+    parts: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class ExecParams:
     argv: tuple[str, ...]
-    cwd: tuple[str, ...]  # path components below the workspace; () is the workspace itself
+    cwd: Where  # relative: below the workspace; absolute: from the container's `/`
     env: tuple[tuple[str, str], ...]
-    stdin: Optional[bytes]  # None: /dev/null
-    timeout_ms: int
+    stdin: Optional[bytes]  # None: stdin_path, or /dev/null
+    stdin_path: Optional[Where]  # a file the command reads as its stdin, opened as the runtime user
+    timeout_ms: Optional[int]  # None: no timeout
     output_cap_bytes: int
+    detach: bool  # started and left running: output to files (DETACHED_OUTPUT_DIR), killed with the session
 
 
 @dataclasses.dataclass(frozen=True)
@@ -573,6 +593,11 @@ class AgentConfig:
         """Archive tree name -> the directory it holds."""
         return {"workspace": self.workspace_dir, "home": self.home_dir}
 
+    def root_dir(self, root: FileRoot) -> Path:
+        """The directory a file verb's path (or an exec's cwd) starts from."""
+        return {FileRoot.WORKSPACE: self.workspace_dir, FileRoot.HOME: self.home_dir,
+                FileRoot.CONTAINER: CONTAINER_ROOT}[root]
+
     @property
     def log_cap_bytes(self) -> int:
         if self.workload is WorkloadKind.SHELL:
@@ -625,6 +650,7 @@ class _FieldKind(enum.Enum):
     SHA256 = "sha256"  # 64 lowercase hex digits
     CHOICE = "choice"  # one value of the enum in `choices`
     PATH = "path"  # a path below a root -> its components (see parse_relative_path)
+    WHERE = "where"  # a path below the workspace, or absolute -> Where (see parse_where)
     ARGV = "argv"  # non-empty array of strings -> tuple
     ENV = "env"  # object of variable name -> string -> tuple of pairs
     PARTS = "parts"  # non-empty array of distinct ARCHIVE_PARTS -> tuple in ARCHIVE_PARTS order
@@ -670,12 +696,14 @@ _PARAM_SCHEMAS: dict[Method, tuple[type, tuple[_Field, ...]]] = {
     Method.SUSPEND: (SuspendParams, (_Field("reason", "reason", _FieldKind.REASON),)),
     Method.EXEC: (ExecParams, (
         _Field("argv", "argv", _FieldKind.ARGV),
-        _Field("cwd", "cwd", _FieldKind.PATH, ()),
+        _Field("cwd", "cwd", _FieldKind.WHERE, Where(FileRoot.WORKSPACE, ())),
         _Field("env", "env", _FieldKind.ENV, ()),
         _Field("stdin_b64", "stdin", _FieldKind.BASE64, high=MAX_EXEC_STDIN_BYTES, optional=True),
-        _Field("timeout_ms", "timeout_ms", _FieldKind.INT, DEFAULT_EXEC_TIMEOUT_MS, 1, MAX_EXEC_TIMEOUT_MS),
+        _Field("stdin_path", "stdin_path", _FieldKind.WHERE, optional=True),
+        _Field("timeout_ms", "timeout_ms", _FieldKind.INT, None, 1, MAX_EXEC_TIMEOUT_MS, optional=True),
         _Field("output_cap_bytes", "output_cap_bytes", _FieldKind.INT, DEFAULT_EXEC_OUTPUT_CAP_BYTES, 0,
                MAX_EXEC_OUTPUT_CAP_BYTES),
+        _Field("detach", "detach", _FieldKind.BOOL, False),
     )),
     Method.EXEC_WAIT: (ExecWaitParams, (
         _Field("exec_id", "exec_id", _FieldKind.HANDLE),
@@ -759,6 +787,8 @@ def _convert_field(field: _Field, value: Any) -> Any:
         return value
     if field.kind is _FieldKind.PATH:
         return parse_relative_path(value, where)
+    if field.kind is _FieldKind.WHERE:
+        return parse_where(value, where)
     if field.kind is _FieldKind.CHOICE:
         assert field.choices is not None
         try:
@@ -786,7 +816,7 @@ def _convert_argv(where: str, value: Any) -> tuple[str, ...]:
     if not value[0] or any("\0" in arg for arg in value):
         raise RequestError(f"{where}: the program must be named and no argument may hold a NUL")
     if sum(len(arg.encode("utf-8", "surrogatepass")) + 1 for arg in value) > MAX_EXEC_ARGS_BYTES:
-        raise RequestError(f"{where} exceeds {MAX_EXEC_ARGS_BYTES} bytes")
+        raise RequestError(f"too large: {where} exceeds {MAX_EXEC_ARGS_BYTES} bytes")
     return tuple(value)
 
 
@@ -802,7 +832,7 @@ def _convert_env(where: str, value: Any) -> tuple[tuple[str, str], ...]:
             raise RequestError(f"{where}.{name} must be a string without NUL")
         size_bytes += len(name) + len(text.encode("utf-8", "surrogatepass")) + 2
     if size_bytes > MAX_EXEC_ARGS_BYTES:
-        raise RequestError(f"{where} exceeds {MAX_EXEC_ARGS_BYTES} bytes")
+        raise RequestError(f"too large: {where} exceeds {MAX_EXEC_ARGS_BYTES} bytes")
     return tuple(value.items())
 
 
@@ -1333,6 +1363,13 @@ def parse_relative_path(text: str, where: str = "path") -> tuple[str, ...]:
         if len(part.encode("utf-8")) > MAX_NAME_BYTES:
             raise RequestError(f"{where}: the name {part[:40]!r}... is longer than {MAX_NAME_BYTES} bytes")
     return parts
+
+
+def parse_where(text: str, where: str) -> Where:
+    """A path relative to the workspace, or an absolute one, from the container's `/`; the same rules below either."""
+    if text.startswith("/"):
+        return Where(FileRoot.CONTAINER, parse_relative_path(text.lstrip("/"), where))
+    return Where(FileRoot.WORKSPACE, parse_relative_path(text, where))
 
 
 def sane_mode(mode: int, directory: bool) -> int:
@@ -2047,25 +2084,27 @@ def runtime_credentials(config: AgentConfig) -> dict[str, Any]:
     return {"extra_groups": [], "group": identity.gid, "user": identity.uid}
 
 
-def spawn_in_workload(config: AgentConfig, argv: list[str], cwd: tuple[str, ...] = (),
+def spawn_in_workload(config: AgentConfig, argv: list[str], cwd: Optional[Where] = None,
                       setup: Optional[Callable[[], None]] = None, **popen: Any) -> subprocess.Popen[bytes]:
     """Starts one process of the workload: its own process session, the runtime user, default signals
-    (reset_child_signals), and as its working directory the workspace or `cwd` below it, reached as the runtime user
-    without following a symlink (the agent itself may not enter the workspace). A failed walk comes back through a
-    close-on-exec pipe as the AgentError it was; a program that cannot be run raises OSError as Popen does."""
+    (reset_child_signals), and as its working directory the workspace or `cwd` (below it, or from the container's
+    `/`), reached as the runtime user without following a symlink (the agent itself may not enter the workspace). A
+    failed walk (or an AgentError of `setup`) comes back through a close-on-exec pipe as the AgentError it was; a
+    program that cannot be run raises OSError as Popen does."""
     errors_read, errors_write = os.pipe()
+    where = cwd or Where(FileRoot.WORKSPACE, ())
 
     def prepare() -> None:
         reset_child_signals()
         try:
-            fd = open_confined_dir(config.workspace_dir, cwd)
+            fd = open_confined_dir(config.root_dir(where.root), where.parts)
+            os.fchdir(fd)
+            os.close(fd)
+            if setup is not None:
+                setup()
         except AgentError as e:
             os.write(errors_write, _encode_line({"code": e.code, "message": str(e)[:MAX_WORKER_MESSAGE_CHARS]}))
             raise
-        os.fchdir(fd)
-        os.close(fd)
-        if setup is not None:
-            setup()
 
     try:
         return subprocess.Popen(argv, start_new_session=True, preexec_fn=prepare, **runtime_credentials(config),
@@ -2282,6 +2321,8 @@ def _walk_error(error: OSError, parts: tuple[str, ...], dir_fd: int) -> AgentErr
         return CommandError(f"no such file or directory: {where}")
     if error.errno == errno.ENOTDIR:
         return CommandError(f"not a directory: {where}")
+    if error.errno in (errno.EACCES, errno.EPERM):
+        return CommandError(f"permission denied: {where}")
     return CommandError(f"cannot open {where}: {error.strerror}")
 
 
@@ -2412,6 +2453,27 @@ def stat_entry(root: Path, parts: tuple[str, ...]) -> dict[str, Any]:
         return entry_json(parts[-1], st, parent)
     finally:
         os.close(parent)
+
+
+def open_regular_file(root: Path, parts: tuple[str, ...]) -> int:
+    """The regular file root/parts, opened for reading (blocking) as whoever runs this, without following a link."""
+    if not parts:
+        raise CommandError(f"is a directory: {shown_path(parts)}")
+    parent = open_confined_dir(root, parts[:-1])
+    try:
+        fd = os.open(parts[-1], FILE_READ_FLAGS, dir_fd=parent)
+    except OSError as e:
+        raise _walk_error(e, parts, parent) from e
+    finally:
+        os.close(parent)
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):  # replaced since it was looked at, or never a file
+        os.close(fd)
+        if stat.S_ISDIR(mode):
+            raise CommandError(f"is a directory: {shown_path(parts)}")
+        raise RequestError(f"refused: {shown_path(parts)} is not a regular file")
+    os.set_blocking(fd, True)
+    return fd
 
 
 def list_entries(root: Path, parts: tuple[str, ...], offset: int, limit: int) -> dict[str, Any]:
@@ -2590,7 +2652,8 @@ def install_staged_file(staged_fd: int, root: Path, parts: tuple[str, ...], mode
 
 
 def check_file_target(root: Path, parts: tuple[str, ...]) -> None:
-    """A file upload may create root/parts or replace a regular file there, nothing else. Writes nothing."""
+    """A file upload may create root/parts or replace a regular file there that the runtime user may write, nothing
+    else. Writes nothing."""
     if not parts:
         raise RequestError("refused: a file upload needs a path below the root")
     root_fd = open_root(root)
@@ -2600,11 +2663,17 @@ def check_file_target(root: Path, parts: tuple[str, ...]) -> None:
         os.close(root_fd)
     try:
         st = lstat_at(parent, parts[-1]) if depth == len(parts) - 1 else None
+        # Checked as the worker, the runtime user: an upload replaces the file, which only its writer may.
+        writable = st is None or os.access(parts[-1], os.W_OK, dir_fd=parent, follow_symlinks=False)
     finally:
         os.close(parent)
+    if st is not None and stat.S_ISDIR(st.st_mode):
+        raise CommandError(f"is a directory: {shown_path(parts)}; upload a tar to fill a directory")
     if st is not None and not stat.S_ISREG(st.st_mode):
         raise CommandError(f"conflict: {shown_path(parts)} exists and is a {file_type(st.st_mode)}, not a regular "
-                           "file" + ("; upload a tar to fill a directory" if stat.S_ISDIR(st.st_mode) else ""))
+                           "file")
+    if st is not None and not writable:
+        raise CommandError(f"permission denied: {shown_path(parts)} is not writable")
 
 
 def check_tree_target(root: Path, parts: tuple[str, ...]) -> None:
@@ -3074,8 +3143,10 @@ def serve_worker(fd: int) -> None:
         _send_error(sock, e.code, str(e))
     except OSError as e:
         full = e.errno in DISK_FULL_ERRNOS
+        denied = e.errno in (errno.EACCES, errno.EPERM, errno.EROFS)
         _send_error(sock, DiskFullError.code if full else CommandError.code,
-                    f"not enough space: {e.strerror}" if full else f"the file worker failed: {e}")
+                    f"not enough space: {e.strerror}" if full else f"permission denied: {e}" if denied
+                    else f"the file worker failed: {e}")
     except Exception as e:  # noqa: BLE001 - whatever went wrong is this one operation's answer
         _send_error(sock, CommandError.code, f"the file worker failed: {e!r}")
 
@@ -3111,16 +3182,7 @@ def _op_download(sock: socket.socket, request: dict[str, Any], fds: list[int]) -
     if entry["type"] != "file":
         raise RequestError(f"refused: {shown_path(parts)} is a {entry['type']}; only regular files and directories "
                            "can be downloaded")
-    parent = open_confined_dir(root, parts[:-1])
-    try:
-        fd = os.open(parts[-1], FILE_READ_FLAGS, dir_fd=parent)
-    except OSError as e:
-        raise _walk_error(e, parts, parent) from e
-    finally:
-        os.close(parent)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):  # replaced between the stat and the open
-        raise RequestError(f"refused: {shown_path(parts)} is not a regular file")
-    _done(sock, [fd], entry=entry)
+    _done(sock, [open_regular_file(root, parts)], entry=entry)
 
 
 def _op_walk(sock: socket.socket, request: dict[str, Any], fds: list[int]) -> None:
@@ -3143,11 +3205,21 @@ def _op_upload_open(sock: socket.socket, request: dict[str, Any], fds: list[int]
         check_file_target(root, parts)
     else:
         check_tree_target(root, parts)
+    # Staged in the deepest directory on the way that exists: on the file system the target lies on (the container's
+    # `/` holds several), and one the runtime user may write, or the upload is refused now.
     root_fd = open_root(root)
     try:
-        staged = os.open(".", os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600, dir_fd=root_fd)
+        near_fd, _ = open_deepest_dir(root_fd, parts[:-1] if UploadKind(request["kind"]) is UploadKind.FILE else parts)
     finally:
         os.close(root_fd)
+    try:
+        staged = os.open(".", os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600, dir_fd=near_fd)
+    except OSError as e:
+        if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise CommandError(f"permission denied: {shown_path(parts)} cannot be written there") from e
+        raise
+    finally:
+        os.close(near_fd)
     _done(sock, [staged])
 
 
@@ -3720,72 +3792,146 @@ def prompt_input(agent_dir: Path, prompt: Optional[str]) -> Iterator[int]:
         yield file.fileno()
 
 
-def spawn_exec(config: AgentConfig, params: ExecParams) -> subprocess.Popen[bytes]:
-    """Starts one command as the workload does (spawn_in_workload), in the workspace or a directory below it, with the
-    session's HOME and the agent's environment minus the redacted variables."""
+def detached_output_paths(config: AgentConfig, exec_id: str) -> tuple[Path, Path]:
+    """Where a detached exec's stdout and stderr go (made by the command itself, as the runtime user)."""
+    directory = config.home_dir.joinpath(*DETACHED_OUTPUT_DIR)
+    return directory / f"{exec_id}.stdout", directory / f"{exec_id}.stderr"
+
+
+def exec_setup(config: AgentConfig, params: ExecParams, exec_id: str) -> Callable[[], None]:
+    """What an exec's child runs before exec, as the runtime user: subreaper_setup, then its stdin from
+    `stdin_path` and, detached, its stdout and stderr into new files of DETACHED_OUTPUT_DIR; each reached without
+    following a link, a failure reported as the AgentError it is (spawn_in_workload)."""
+    subreaper = subreaper_setup()
+    names = [path.name for path in detached_output_paths(config, exec_id)]
+
+    def setup() -> None:
+        if subreaper is not None:
+            subreaper()
+        if params.stdin_path is not None:
+            fd = open_regular_file(config.root_dir(params.stdin_path.root), params.stdin_path.parts)
+            os.dup2(fd, 0)
+            os.close(fd)
+        if params.detach:
+            dir_fd = open_confined_dir(config.home_dir, DETACHED_OUTPUT_DIR, create=True)
+            try:
+                for target, name in enumerate(names, start=1):
+                    fd = os.open(name, FILE_CREATE_FLAGS, 0o600, dir_fd=dir_fd)
+                    os.dup2(fd, target)
+                    os.close(fd)
+            finally:
+                os.close(dir_fd)
+    return setup
+
+
+def spawn_exec(config: AgentConfig, params: ExecParams, exec_id: str) -> subprocess.Popen[bytes]:
+    """Starts one command as the workload does (spawn_in_workload), in the workspace, a directory below it or an
+    absolute one, with the session's HOME and the agent's environment minus the redacted variables."""
     env = {name: value for name, value in os.environ.items() if name not in config.redact_env}
     env.update(params.env)
     env["HOME"] = str(config.home_dir)
+    piped = subprocess.DEVNULL if params.detach else subprocess.PIPE
     try:
-        return spawn_in_workload(config, list(params.argv), params.cwd, setup=subreaper_setup(), env=env,
-                                 stdin=subprocess.DEVNULL if params.stdin is None else subprocess.PIPE,
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        return spawn_in_workload(config, list(params.argv), params.cwd, setup=exec_setup(config, params, exec_id),
+                                 env=env, stdin=subprocess.PIPE if params.stdin is not None else subprocess.DEVNULL,
+                                 stdout=piped, stderr=piped)
     except OSError as e:
         raise CommandError(f"cannot run {params.argv[0]!r}: {e.strerror}") from e
 
 
 class ExecOutput:
-    """One output stream of an exec: kept up to its cap; later bytes are read and dropped, and `truncated` says so."""
+    """One output stream of an exec, spooled to an unnamed file in the agent's dir (the session's disk, so a
+    16 MiB cap times eight execs costs no memory): kept up to its cap; later bytes are read and dropped, and
+    `truncated` says so."""
 
-    def __init__(self, cap_bytes: int) -> None:
+    def __init__(self, cap_bytes: int, spool_dir: Path) -> None:
         self.cap_bytes = cap_bytes
-        self.data = bytearray()
+        self.size_bytes = 0
         self.truncated = False
+        self._fd = os.open(spool_dir, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600) if cap_bytes else -1
 
     def feed(self, chunk: bytes) -> None:
-        room_bytes = self.cap_bytes - len(self.data)
+        room_bytes = self.cap_bytes - self.size_bytes
         if len(chunk) > room_bytes:
             self.truncated = True
             chunk = chunk[:max(room_bytes, 0)]
-        self.data += chunk
+        if chunk:
+            try:
+                _write_all(self._fd, chunk)
+            except OSError:  # the session's disk is full: what did not fit is lost, and said so
+                self.truncated = True
+                self.cap_bytes = self.size_bytes
+                return
+            self.size_bytes += len(chunk)
+
+    def read(self, offset_bytes: int, max_bytes: int) -> bytes:
+        length = min(max_bytes, self.size_bytes - offset_bytes)
+        return os.pread(self._fd, length, offset_bytes) if length > 0 else b""
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 class ExecProcess:
-    """One command beside the workload: stdin fed from the request, stdout and stderr kept apart, a timeout.
+    """One command beside the workload: stdin fed from the request (or a file), stdout and stderr kept apart, an
+    optional timeout. Made queued (no process yet: `launch` starts it) when MAX_RUNNING_EXECS already run.
 
     The command leads its own process session (and group). Its result is final once it has exited, its pipes are
     drained and nothing of it is left: when it exits, whatever it left running is killed (as after an agent run),
     and on timeout or exec_kill all of it is killed at once (see command_processes), so nothing of an exec outlives
-    its result.
+    its result (a plain `nohup cmd &` included). A detached one has no pipes (its output goes to files) and is
+    answered as soon as it started; it runs on, and is killed by exec_kill, its timeout, or the agent's end.
     """
 
-    def __init__(self, exec_id: str, proc: subprocess.Popen[bytes], params: ExecParams, reactor: Reactor,
-                 now: float) -> None:
-        assert proc.stdout is not None and proc.stderr is not None
+    def __init__(self, exec_id: str, params: ExecParams, reactor: Reactor, spool_dir: Path, now: float) -> None:
         self.exec_id = exec_id
-        self.proc = proc
+        self.params = params
+        self.proc: Optional[subprocess.Popen[bytes]] = None
         self._reactor = reactor
+        self.queued_at = now
         self.started_at = now
-        self.timeout_at = now + params.timeout_ms / 1000
+        self.timeout_at: Optional[float] = None
         self.ended_at: Optional[float] = None  # the command itself exited
         self.drain_until: Optional[float] = None
         self.finished_at: Optional[float] = None  # the result is final
+        self.start_error: Optional[AgentError] = None  # a queued command that could not be started
         self.timed_out = False
         self.killed = False
-        self.stdout = ExecOutput(params.output_cap_bytes)
-        self.stderr = ExecOutput(params.output_cap_bytes)
-        self._pipes = {proc.stdout.fileno(): self.stdout, proc.stderr.fileno(): self.stderr}  # open until EOF
-        for fd in self._pipes:
-            os.set_blocking(fd, False)
-            reactor.watch(fd, selectors.EVENT_READ, lambda mask, fd=fd: self._read(fd))
+        cap_bytes = 0 if params.detach else params.output_cap_bytes
+        self.stdout = ExecOutput(cap_bytes, spool_dir)
+        self.stderr = ExecOutput(cap_bytes, spool_dir)
+        self._pipes: dict[int, ExecOutput] = {}  # open until EOF
         self._stdin = memoryview(params.stdin or b"")
+
+    def launch(self, proc: subprocess.Popen[bytes], now: float) -> None:
+        """The command started: its pipes watched, its timeout running from now."""
+        self.proc, self.started_at = proc, now
+        if self.params.timeout_ms is not None:
+            self.timeout_at = now + self.params.timeout_ms / 1000
+        for pipe, output in ((proc.stdout, self.stdout), (proc.stderr, self.stderr)):
+            if pipe is not None:
+                fd = pipe.fileno()
+                self._pipes[fd] = output
+                os.set_blocking(fd, False)
+                self._reactor.watch(fd, selectors.EVENT_READ, lambda mask, fd=fd: self._read(fd))
         if proc.stdin is not None:
             os.set_blocking(proc.stdin.fileno(), False)
-            reactor.watch(proc.stdin.fileno(), selectors.EVENT_WRITE, lambda mask: self._feed_stdin())
+            self._reactor.watch(proc.stdin.fileno(), selectors.EVENT_WRITE, lambda mask: self._feed_stdin())
+
+    def fail_to_start(self, error: AgentError, now: float) -> None:
+        """A queued command that could not be started: exec_wait answers with this error."""
+        self.start_error = error
+        self._finish(now)
 
     @property
     def running(self) -> bool:
         return self.finished_at is None
+
+    @property
+    def queued(self) -> bool:
+        return self.proc is None and self.finished_at is None
 
     def _read(self, fd: int) -> bool:
         """One bounded read of a pipe; False when nothing more is there now."""
@@ -3801,6 +3947,7 @@ class ExecProcess:
         return False
 
     def _feed_stdin(self) -> None:
+        assert self.proc is not None
         stdin = self.proc.stdin
         assert stdin is not None
         try:
@@ -3814,25 +3961,28 @@ class ExecProcess:
             self._close_stdin()
 
     def _close_stdin(self) -> None:
-        stdin = self.proc.stdin
+        stdin = self.proc.stdin if self.proc is not None else None
         if stdin is not None and not stdin.closed:
             self._reactor.unwatch(stdin.fileno())
             stdin.close()
 
-    def kill(self) -> bool:
-        """exec_kill: the whole session at once. True when the command was still running."""
-        if self.ended_at is not None:
+    def kill(self, now: float) -> bool:
+        """exec_kill: the whole session at once (a queued command is dropped). True when it was still running."""
+        if self.ended_at is not None or self.finished_at is not None:
             return False
         self.killed = True
-        kill_command(self.proc.pid, leader_running=True)
+        if self.proc is None:
+            self._finish(now)
+        else:
+            kill_command(self.proc.pid, leader_running=True)
         return True
 
     def tick(self, now: float) -> None:
-        if self.finished_at is not None:
+        if self.finished_at is not None or self.proc is None:
             return
         if self.ended_at is None and self.proc.poll() is not None:
             self.ended_at, self.drain_until = now, now + PIPE_DRAIN_S
-        elif self.ended_at is None and now >= self.timeout_at and not self.timed_out:
+        elif self.ended_at is None and self.timeout_at is not None and now >= self.timeout_at and not self.timed_out:
             self.timed_out = True
             kill_command(self.proc.pid, leader_running=True)
         if self.ended_at is None:
@@ -3845,7 +3995,7 @@ class ExecProcess:
             self._finish(now)
 
     def next_deadline(self, now: float) -> Optional[float]:
-        if self.finished_at is not None:
+        if self.finished_at is not None or self.proc is None:
             return None
         if self.ended_at is None:
             return self.timeout_at  # the command's exit wakes the loop through SIGCHLD
@@ -3859,55 +4009,96 @@ class ExecProcess:
                 self._reactor.unwatch(fd)
                 del self._pipes[fd]
         self._close_stdin()
-        for pipe in (self.proc.stdout, self.proc.stderr):
-            if pipe is not None:
-                pipe.close()
+        if self.proc is not None:
+            for pipe in (self.proc.stdout, self.proc.stderr):
+                if pipe is not None:
+                    pipe.close()
         self.finished_at = now
 
     def stop(self, now: float) -> None:
-        """Shutdown: the whole command killed, reaped, its pipes closed."""
-        kill_command(self.proc.pid, leader_running=self.ended_at is None)
-        self.proc.wait()
-        self._finish(now)
+        """Shutdown: the whole command killed, reaped, its pipes and spools closed."""
+        if self.proc is not None and self.finished_at is None:
+            kill_command(self.proc.pid, leader_running=self.ended_at is None)
+            self.proc.wait()
+        if self.finished_at is None:
+            self._finish(now)
+        self.close()
+
+    def close(self) -> None:
+        self.stdout.close()
+        self.stderr.close()
 
     def result(self, now: float, params: ExecWaitParams) -> dict[str, Any]:
-        exit_code, signal_name = describe_exit(self.proc.returncode) if not self.running else (None, None)
+        if self.start_error is not None:
+            raise self.start_error
+        if self.running or self.proc is None:  # a queued one that was killed has no exit status of its own
+            exit_code, signal_name = (None, None) if self.running else (None, "SIGKILL")
+        else:
+            exit_code, signal_name = describe_exit(self.proc.returncode)
         end = self.ended_at if self.ended_at is not None else now
         fields: dict[str, Any] = {
-            "exec_id": self.exec_id, "running": self.running, "pid": self.proc.pid, "exit_code": exit_code,
+            "exec_id": self.exec_id, "running": self.running, "queued": self.queued,
+            "pid": self.proc.pid if self.proc is not None else None, "exit_code": exit_code,
             "signal": signal_name, "timed_out": self.timed_out, "killed": self.killed,
-            "duration_ms": round((end - self.started_at) * 1000, 3),
+            "duration_ms": round((end - self.started_at) * 1000, 3) if self.proc is not None else 0,
         }
         for name, output, offset in (("stdout", self.stdout, params.stdout_offset_bytes),
                                      ("stderr", self.stderr, params.stderr_offset_bytes)):
-            if offset > len(output.data):
-                raise RequestError(f"params.{name}_offset is past the {len(output.data)} bytes kept")
-            piece = bytes(output.data[offset:offset + params.max_bytes])
+            if offset > output.size_bytes:
+                raise RequestError(f"params.{name}_offset is past the {output.size_bytes} bytes kept")
+            piece = output.read(offset, params.max_bytes)
             fields.update({f"{name}_b64": base64.b64encode(piece).decode("ascii"),
-                           f"{name}_next_offset": offset + len(piece), f"{name}_bytes": len(output.data),
+                           f"{name}_next_offset": offset + len(piece), f"{name}_bytes": output.size_bytes,
                            f"{name}_truncated": output.truncated})
         return fields
 
 
 class ExecTable:
-    """The execs of one agent: at most MAX_RUNNING_EXECS running at once; finished results are kept until released,
+    """The execs of one agent: at most MAX_RUNNING_EXECS running at once, up to MAX_QUEUED_EXECS more waiting their
+    turn in order, and up to MAX_DETACHED_EXECS detached ones besides; finished results are kept until released,
     for FINISHED_EXEC_KEEP_S, and at most MAX_FINISHED_EXECS of them (the oldest go first)."""
 
     def __init__(self, config: AgentConfig, reactor: Reactor) -> None:
         self._config = config
         self._reactor = reactor
         self._execs: dict[str, ExecProcess] = {}
+        self._queue: collections.deque[ExecProcess] = collections.deque()
+
+    def _count(self, detached: bool) -> int:
+        return sum(1 for p in self._execs.values() if p.running and not p.queued and p.params.detach == detached)
 
     @property
     def running_count(self) -> int:
-        return sum(1 for process in self._execs.values() if process.running)
+        return self._count(detached=False)
+
+    @property
+    def busy(self) -> bool:
+        """An exec that is not detached runs or waits its turn."""
+        return bool(self.running_count or self._queue)
 
     def start(self, params: ExecParams, now: float) -> ExecProcess:
-        if self.running_count >= MAX_RUNNING_EXECS:
-            raise UnavailableError(f"{MAX_RUNNING_EXECS} execs are running; wait for one to end")
-        process = ExecProcess(secrets.token_hex(8), spawn_exec(self._config, params), params, self._reactor, now)
+        if params.detach and params.stdin is not None:
+            raise RequestError("params.stdin_b64: a detached exec reads no request's stdin; use stdin_path")
+        if params.stdin is not None and params.stdin_path is not None:
+            raise RequestError("params.stdin_b64 and params.stdin_path: one stdin at most")
+        if params.detach and self._count(detached=True) >= MAX_DETACHED_EXECS:
+            raise UnavailableError(f"the detached execs are full: {MAX_DETACHED_EXECS} run; kill one")
+        if not params.detach and len(self._queue) >= MAX_QUEUED_EXECS:
+            raise UnavailableError(f"the exec queue is full: {MAX_RUNNING_EXECS} run, {MAX_QUEUED_EXECS} wait")
+        process = ExecProcess(secrets.token_hex(8), params, self._reactor, self._config.agent_dir, now)
+        try:
+            if params.detach or (self.running_count < MAX_RUNNING_EXECS and not self._queue):
+                process.launch(spawn_exec(self._config, params, process.exec_id), now)
+            else:
+                self._queue.append(process)
+        except BaseException:
+            process.close()
+            raise
         self._execs[process.exec_id] = process
         return process
+
+    def output_paths(self, process: ExecProcess) -> tuple[Path, Path]:
+        return detached_output_paths(self._config, process.exec_id)
 
     def get(self, exec_id: str) -> ExecProcess:
         try:
@@ -3917,17 +4108,31 @@ class ExecTable:
                                "until released)") from None
 
     def release(self, exec_id: str) -> None:
-        self._execs.pop(exec_id, None)
+        process = self._execs.pop(exec_id, None)
+        if process is not None:
+            process.close()
+
+    def _start_queued(self, now: float) -> None:
+        """Queued commands started in order while there is room; one that was killed meanwhile is skipped."""
+        while self._queue and (self.running_count < MAX_RUNNING_EXECS or not self._queue[0].running):
+            process = self._queue.popleft()
+            if not process.running:
+                continue
+            try:
+                process.launch(spawn_exec(self._config, process.params, process.exec_id), now)
+            except AgentError as e:
+                process.fail_to_start(e, now)
 
     def tick(self, now: float) -> None:
         for process in list(self._execs.values()):
             process.tick(now)
+        self._start_queued(now)
         finished = sorted((p for p in self._execs.values() if not p.running), key=lambda p: p.finished_at or 0.0)
         excess = len(finished) - MAX_FINISHED_EXECS
         for index, process in enumerate(finished):
             assert process.finished_at is not None
             if index < excess or now - process.finished_at >= FINISHED_EXEC_KEEP_S:
-                del self._execs[process.exec_id]
+                self.release(process.exec_id)
 
     def next_deadline(self, now: float) -> Optional[float]:
         times = [p.next_deadline(now) if p.running else (p.finished_at or 0.0) + FINISHED_EXEC_KEEP_S
@@ -3936,9 +4141,9 @@ class ExecTable:
 
     def stop(self, now: float) -> None:
         for process in self._execs.values():
-            if process.running:
-                process.stop(now)
+            process.stop(now)
         self._execs.clear()
+        self._queue.clear()
 
 
 class TarSink:
@@ -4024,7 +4229,7 @@ class TransferTable:
         self._closing: list[_Download] = []  # closed while their job still writes; freed once it ends
 
     def root(self, root: FileRoot) -> Path:
-        return self._config.workspace_dir if root is FileRoot.WORKSPACE else self._config.home_dir
+        return self._config.root_dir(root)
 
     def committing(self) -> bool:
         return any(upload.job is not None and not upload.job.finished for upload in self._uploads.values())
@@ -4634,7 +4839,7 @@ class AgentServer:
 
     def harness_drained(self) -> bool:
         """No exec runs and no upload is being committed: the workspace holds still for a checkpoint."""
-        return self.execs.running_count == 0 and not self.transfers.committing()
+        return not self.execs.busy and not self.transfers.committing()
 
     def start_job(self, work: Callable[[], Any], discard: Callable[[Any], None]) -> BackgroundJob:
         if self.job is not None:
@@ -4885,7 +5090,11 @@ class AgentServer:
     def _exec(self, params: ExecParams, now: float) -> dict[str, Any]:
         self._admitting()
         process = self.execs.start(params, now)
-        return {"exec_id": process.exec_id, "pid": process.proc.pid}
+        answer: dict[str, Any] = {"exec_id": process.exec_id, "pid": process.proc.pid if process.proc else None,
+                                  "queued": process.queued}
+        if params.detach:
+            answer["stdout_path"], answer["stderr_path"] = map(str, self.execs.output_paths(process))
+        return answer
 
     def _exec_wait(self, params: ExecWaitParams, now: float) -> dict[str, Any] | PendingRequest:
         pending = _ExecWait(self.execs, params, now)
@@ -4893,7 +5102,7 @@ class AgentServer:
         return pending if answer is None else answer
 
     def _exec_kill(self, params: HandleParams, now: float) -> dict[str, Any]:
-        return {"exec_id": params.handle_id, "killed": self.execs.get(params.handle_id).kill()}
+        return {"exec_id": params.handle_id, "killed": self.execs.get(params.handle_id).kill(now)}
 
     def _stat(self, params: PathParams, now: float) -> PendingRequest:
         self._workload_or_unavailable()

@@ -60,6 +60,7 @@ import http.client
 import http.server
 import ipaddress
 import json
+import math
 import os
 import re
 import secrets
@@ -216,13 +217,17 @@ AGENT_POLL_MIN_S = 0.25
 #: The agent's exec and transfer bounds (docs/agent.md), which it alone defines: stdin travels
 #: in one request line, output is kept per stream up to the cap, files move in chunks whose
 #: base64 fits its 1 MiB request line.
-DEFAULT_EXEC_TIMEOUT_MS = agent_role.DEFAULT_EXEC_TIMEOUT_MS
 MAX_EXEC_TIMEOUT_MS = agent_role.MAX_EXEC_TIMEOUT_MS
 MAX_EXEC_STDIN_BYTES = agent_role.MAX_EXEC_STDIN_BYTES
 DEFAULT_EXEC_OUTPUT_BYTES = agent_role.DEFAULT_EXEC_OUTPUT_CAP_BYTES
 MAX_EXEC_OUTPUT_BYTES = agent_role.MAX_EXEC_OUTPUT_CAP_BYTES
 TRANSFER_CHUNK_BYTES = agent_role.MAX_TRANSFER_CHUNK_BYTES
 MAX_UPLOAD_BYTES = agent_role.MAX_TRANSFER_BYTES
+#: Where a file route's path starts: `?root=`, or `container` for an absolute path (from the
+#: session container's `/`, as its runtime user reaches it).
+FILE_ROOTS = tuple(root.value for root in agent_role.FileRoot)
+#: The agent's request line: serve refuses (413) what it would not take, before sending it.
+AGENT_MAX_REQUEST_BYTES = agent_role.MAX_REQUEST_BYTES
 #: What a tar adds to its files' bytes, at most, per entry (a header, and padding to 512).
 TAR_BYTES_PER_ENTRY = client_role.TAR_BYTES_PER_ENTRY
 #: A listing answers at most this many entries (then `truncated`); the answer parser bounds
@@ -272,9 +277,17 @@ CredentialError = client_role.CredentialError
 
 class ServeError(ReployError):
     """A managed-session request that failed; `status` is its HTTP status, the message its
-    {"error": ...} text. Subclasses split the blame the way seed 002's error mapping does."""
+    {"error": ..., "code": ...} text. Subclasses split the blame the way seed 002's error
+    mapping does; `code` is Reploy's machine-readable word for the failure (ERROR_CODES), the
+    class's own unless the raiser names a finer one (serve_error_for: `permission_denied`...)."""
 
     status = 500
+    code = "internal"
+
+    def __init__(self, message: str, code: Optional[str] = None) -> None:
+        super().__init__(message)
+        if code is not None:
+            self.code = code
 
     def response_headers(self) -> dict[str, str]:
         """Headers the error response must carry besides its JSON body."""
@@ -285,20 +298,24 @@ class BadRequest(ServeError):
     """Malformed: not JSON, unknown fields, wrong types, trailing data."""
 
     status = 400
+    code = "bad_request"
 
 
 class SessionNotFound(ServeError):
     status = 404
+    code = "not_found"
 
 
 class SessionConflict(ServeError):
     """The session's state refuses this now (busy with another operation, or a lost race)."""
 
     status = 409
+    code = "conflict"
 
 
 class MethodNotAllowed(ServeError):
     status = 405
+    code = "method_not_allowed"
 
     def __init__(self, message: str, allowed: tuple[str, ...]) -> None:
         super().__init__(message)
@@ -310,6 +327,7 @@ class MethodNotAllowed(ServeError):
 
 class PayloadTooLarge(ServeError):
     status = 413
+    code = "too_large"
 
 
 class Unprocessable(ServeError):
@@ -317,18 +335,21 @@ class Unprocessable(ServeError):
     (on Reploy's own routes) what the agent refuses, such as a path outside the workspace."""
 
     status = 422
+    code = "unprocessable"
 
 
 class TooManyRequests(ServeError):
     """A bounded queue is full, or the session limit is reached."""
 
     status = 429
+    code = "too_many_requests"
 
 
 class ServiceUnavailable(ServeError):
     """Docker or the agent cannot serve this right now."""
 
     status = 503
+    code = "unavailable"
 
 
 class InsufficientStorage(ServeError):
@@ -336,18 +357,21 @@ class InsufficientStorage(ServeError):
     `disk_full`)."""
 
     status = 507
+    code = "disk_full"
 
 
 class BadGateway(ServeError):
     """The session's agent gave an answer that is not one (see "the agent's answers")."""
 
     status = 502
+    code = "bad_gateway"
 
 
 class GatewayTimeout(ServeError):
     """The session's agent did not finish within the deadline of a loop that waits on it."""
 
     status = 504
+    code = "gateway_timeout"
 
 
 class UnsafeHeader(ServeError):
@@ -361,6 +385,7 @@ class Unauthorized(ServeError):
     """No credentials, or wrong ones (see "who may drive serve")."""
 
     status = 401
+    code = "unauthorized"
 
     def response_headers(self) -> dict[str, str]:
         return {"WWW-Authenticate": 'Bearer realm="reploy"'}
@@ -370,16 +395,19 @@ class Forbidden(ServeError):
     """A browser request from another origin or site."""
 
     status = 403
+    code = "forbidden"
 
 
 class PathNotFound(ServeError):
     """No such file or directory in a session's workspace or home."""
 
     status = 404
+    code = "not_found"
 
 
 class UnsupportedMediaType(ServeError):
     status = 415
+    code = "unsupported_media_type"
 
 
 class MisdirectedRequest(ServeError):
@@ -387,6 +415,7 @@ class MisdirectedRequest(ServeError):
     --allow-host."""
 
     status = 421
+    code = "misdirected"
 
 
 # ============================================================================================
@@ -879,12 +908,15 @@ BODY_RULES: dict[str, dict[str, FieldRule]] = {
     "resize": {"columns": FieldRule(int, True, minimum=1, maximum=agent_role.MAX_TERMINAL_SIDE),
                "rows": FieldRule(int, True, minimum=1, maximum=agent_role.MAX_TERMINAL_SIDE)},
     "exec": {"argv": FieldRule(list, True), "cwd": FieldRule(str), "env": FieldRule(dict),
-             "stdinBase64": FieldRule(str),
+             "stdinBase64": FieldRule(str), "stdinPath": FieldRule(str),
+             "detach": FieldRule(bool),
              "timeoutMs": FieldRule(int, minimum=1, maximum=MAX_EXEC_TIMEOUT_MS),
-             "maxOutputBytes": FieldRule(int, minimum=0, maximum=MAX_EXEC_OUTPUT_BYTES)},
+             "maxOutputBytes": FieldRule(int, minimum=0, maximum=MAX_EXEC_OUTPUT_BYTES),
+             "user": FieldRule(str)},
     "empty": {},
 }
-_JSON_KIND_NAMES = {int: "an integer", str: "a string", list: "an array", dict: "an object"}
+_JSON_KIND_NAMES = {int: "an integer", str: "a string", list: "an array", dict: "an object",
+                    bool: "true or false"}
 
 
 def parse_body(raw: bytes, rules: dict[str, FieldRule]) -> dict[str, Any]:
@@ -912,7 +944,7 @@ def parse_body(raw: bytes, rules: dict[str, FieldRule]) -> dict[str, Any]:
 
 def check_field(name: str, value: Any, rule: FieldRule) -> None:
     """One value against its rule; BadRequest for what does not fit."""
-    if isinstance(value, bool) or not isinstance(value, rule.kind):
+    if isinstance(value, bool) != (rule.kind is bool) or not isinstance(value, rule.kind):
         raise BadRequest(f"{name}: must be {_JSON_KIND_NAMES[rule.kind]}")
     if rule.minimum is not None and value < rule.minimum or (
             rule.maximum is not None and value > rule.maximum):
@@ -967,14 +999,21 @@ def exec_params(fields: dict[str, Any]) -> dict[str, Any]:
     """An exec body (parsed by BODY_RULES["exec"]) as the agent's `exec` params. Item types are
     checked here (400); what does not fit, the agent refuses (422)."""
     argv, env = fields["argv"], fields.get("env", {})
+    if "user" in fields:
+        raise Unprocessable(f"user: every exec runs as the session's runtime user; it cannot run "
+                            f"as {fields['user'][:64]!r} (root never)", "user_unsupported")
     if not argv or not all(isinstance(arg, str) for arg in argv):
         raise BadRequest("argv: must be a non-empty array of strings")
     if not all(isinstance(value, str) for value in env.values()):
         raise BadRequest("env: every value must be a string")
     params: dict[str, Any] = {
         "argv": argv, "cwd": fields.get("cwd", ""), "env": env,
-        "timeout_ms": fields.get("timeoutMs", DEFAULT_EXEC_TIMEOUT_MS),
-        "output_cap_bytes": fields.get("maxOutputBytes", DEFAULT_EXEC_OUTPUT_BYTES)}
+        "output_cap_bytes": fields.get("maxOutputBytes", DEFAULT_EXEC_OUTPUT_BYTES),
+        "detach": fields.get("detach", False)}
+    if "timeoutMs" in fields:  # none given: no timeout
+        params["timeout_ms"] = fields["timeoutMs"]
+    if "stdinPath" in fields:
+        params["stdin_path"] = fields["stdinPath"]
     if "stdinBase64" in fields:
         try:
             stdin = base64.b64decode(fields["stdinBase64"], validate=True)
@@ -982,7 +1021,7 @@ def exec_params(fields: dict[str, Any]) -> dict[str, Any]:
             raise BadRequest("stdinBase64: not base64") from None
         if len(stdin) > MAX_EXEC_STDIN_BYTES:
             raise PayloadTooLarge(f"stdinBase64: more than {MAX_EXEC_STDIN_BYTES} bytes; upload a "
-                                  "file and redirect from it instead")
+                                  "file and name it as stdinPath instead")
         params["stdin_b64"] = base64.b64encode(stdin).decode("ascii")
     return params
 
@@ -1007,19 +1046,25 @@ def file_route_path(api_path: str) -> str:
     return urllib.parse.unquote(parts[3]) if len(parts) > 3 else ""
 
 
-def file_query(query: str) -> tuple[str, Optional[int]]:
-    """(root, mode) from a files route's query: ?root=workspace|home, ?mode=0755 (octal)."""
+def file_query(query: str, path: str) -> tuple[str, str, Optional[int]]:
+    """(root, path below it, mode) from a files route's path (file_route_path) and query:
+    ?root=workspace|home|container, ?mode=0755 (octal). An absolute path (`files//etc/x`, or
+    `files/%2Fetc%2Fx`) starts at the container's `/`: its root is `container`."""
     params = urllib.parse.parse_qs(query, keep_blank_values=True)
     unknown = sorted(set(params) - {"root", "mode"})
     if unknown:
         raise BadRequest(f"unknown query parameter(s): {', '.join(unknown)}")
-    root = (params.get("root") or ["workspace"])[-1]
-    if root not in ("workspace", "home"):
-        raise BadRequest("root: must be workspace or home")
+    given = (params.get("root") or [None])[-1]
+    if given is not None and given not in FILE_ROOTS:
+        raise BadRequest(f"root: must be one of {', '.join(FILE_ROOTS)}")
+    root = "container" if path.startswith("/") else given or "workspace"
+    if given not in (None, root):
+        raise BadRequest(f"root: an absolute path starts at the container's /, not at {given}")
     mode_text = (params.get("mode") or [None])[-1]
     if mode_text is not None and not re.fullmatch(r"0?[0-7]{1,4}", mode_text):
         raise BadRequest("mode: an octal mode such as 0644")
-    return root, None if mode_text is None else int(mode_text, 8)
+    return root, path.lstrip("/") if root == "container" else path, (
+        None if mode_text is None else int(mode_text, 8))
 
 
 def iso_time(seconds: float) -> str:
@@ -1588,7 +1633,7 @@ _COUNT = _integer(0, 2**62)
 _OFFSET = _integer(0, MAX_OFFSET)
 _SIDE = _integer(1, agent_role.MAX_TERMINAL_SIDE)
 _PID = _integer(1, MAX_PID)
-_ROOT = _one_of("workspace", "home")
+_ROOT = _one_of(*FILE_ROOTS)
 
 #: The fields of each verb's result (docs/agent.md), besides `type`. Optional fields are the
 #: ones a workload kind, a state, or an older agent may leave out.
@@ -1630,10 +1675,14 @@ ANSWER_FIELDS: dict[str, tuple[AnswerField, ...]] = {
         AnswerField("log_bytes", _COUNT),
         AnswerField("skipped_entries", _COUNT)),
     "suspend": (AnswerField("seq", _COUNT),),
-    "exec": (AnswerField("exec_id", _matching(_HANDLE_ID)), AnswerField("pid", _PID)),
+    "exec": (AnswerField("exec_id", _matching(_HANDLE_ID)), AnswerField("pid", _nullable(_PID)),
+             AnswerField("queued", _boolean, required=False),
+             AnswerField("stdout_path", _plain_text(agent_role.MAX_PATH_BYTES), required=False),
+             AnswerField("stderr_path", _plain_text(agent_role.MAX_PATH_BYTES), required=False)),
     "exec_wait": (
         AnswerField("exec_id", _matching(_HANDLE_ID)), AnswerField("running", _boolean),
-        AnswerField("pid", _PID), AnswerField("exit_code", _nullable(_integer(0, 255))),
+        AnswerField("queued", _boolean, required=False),
+        AnswerField("pid", _nullable(_PID)), AnswerField("exit_code", _nullable(_integer(0, 255))),
         AnswerField("signal", _nullable(_matching(_SIGNAL_NAME))),
         AnswerField("timed_out", _boolean), AnswerField("killed", _boolean),
         AnswerField("duration_ms", _number(0, 2.0**53)),
@@ -1859,6 +1908,10 @@ def agent_call(agent_dir: Path, method: str, params: dict[str, Any],
     peer that trickles bytes cannot hold the caller, the reaper among them), and the answer is
     bounded and parsed as hostile input."""
     line = wire.encode_compact({"id": "serve", "method": method, "params": params}) + b"\n"
+    if len(line) > AGENT_MAX_REQUEST_BYTES + 1:
+        raise AgentCallError("invalid_request", f"too large: the {method} request encodes to "
+                             f"{len(line) - 1} bytes; the session agent takes at most "
+                             f"{AGENT_MAX_REQUEST_BYTES} (pass big input as a file)")
     deadline = time.monotonic() + timeout_s
     response = bytearray()
     try:
@@ -1889,22 +1942,42 @@ def agent_call(agent_dir: Path, method: str, params: dict[str, Any],
                                              f"{e}") from None
 
 
+#: The stable words an agent's file and exec errors start with (docs/agent.md, "Errors of the
+#: harness verbs"), in the order they are tried: the status and `code` each becomes.
+AGENT_ERROR_WORDS: tuple[tuple[str, type[ServeError], str], ...] = (
+    ("no such file or directory", PathNotFound, "not_found"),
+    ("permission denied", Forbidden, "permission_denied"),
+    ("is a directory", SessionConflict, "is_a_directory"),
+    ("not a directory", SessionConflict, "not_a_directory"),
+    ("not enough space", InsufficientStorage, "disk_full"),
+    ("too large", PayloadTooLarge, "too_large"),
+    ("refused:", Unprocessable, "path_refused"),
+    ("cannot run", Unprocessable, "cannot_run"),
+    ("conflict:", SessionConflict, "conflict"),
+)
+#: Every `code` an error answer may carry (web/openapi.json lists the same).
+ERROR_CODES = ("bad_request", "not_found", "conflict", "method_not_allowed", "too_large",
+               "unprocessable", "too_many_requests", "unavailable", "disk_full", "bad_gateway",
+               "gateway_timeout", "unauthorized", "forbidden", "unsupported_media_type",
+               "misdirected", "internal", "permission_denied", "is_a_directory",
+               "not_a_directory", "path_refused", "cannot_run", "user_unsupported")
+
+
 def serve_error_for(error: AgentCallError) -> ServeError:
     """The agent's blame-split codes, as HTTP statuses. The file and exec verbs name some
-    failures in stable words (docs/agent.md, "Errors of the harness verbs"), mapped first."""
+    failures in stable words (AGENT_ERROR_WORDS), mapped first, each to its own `code`."""
     message, text = f"agent: {error}", str(error)
     if error.code == INVALID_ANSWER:
         return BadGateway(text)
     if error.code == "disk_full":
         return InsufficientStorage(message)
-    if error.code == "command_error" and text.startswith("no such file or directory"):
-        return PathNotFound(message)
-    if text.startswith("not enough space") or "cumulative output cap" in text:
-        return InsufficientStorage(message)  # the disk, or seed 002's output quota
-    if text.startswith("too large"):
-        return PayloadTooLarge(message)
-    if error.code == "invalid_request" or "UTF-8 boundary" in text or text.startswith(
-            ("refused:", "cannot run")):
+    if error.code in ("invalid_request", "command_error"):
+        for words, error_class, code in AGENT_ERROR_WORDS:
+            if text.startswith(words):
+                return error_class(message, code)
+    if "cumulative output cap" in text:
+        return InsufficientStorage(message)  # seed 002's output quota
+    if error.code == "invalid_request" or "UTF-8 boundary" in text:
         return Unprocessable(message)
     if error.code == "command_error":
         return SessionConflict(message)
@@ -2824,10 +2897,18 @@ class SessionManager:
         """Runs one command in the session's container and waits for its result. The agent
         answers within 5 s, so the wait is a chain of long-polls; a client that went away,
         serve stopping, or the command outliving its own timeout by EXEC_END_GRACE_S (the
-        agent kills it at its timeout) kills the command's whole process group."""
-        exec_id = self.call(session_id, "exec", params)["exec_id"]
-        wait = self._wait(f"the command {exec_id}", params["timeout_ms"] / 1000 + EXEC_END_GRACE_S,
-                          client_gone)
+        agent kills it at its timeout; no timeout: none) kills the command's whole process
+        group. A command queued behind the agent's running ones has its wait start again at
+        every poll. A detached command is answered once started: its pid and output files."""
+        started = self.call(session_id, "exec", params)
+        exec_id = started["exec_id"]
+        if params["detach"]:
+            if started["pid"] is None or "stdout_path" not in started or "stderr_path" not in started:
+                raise BadGateway("the session agent's detached exec has no pid or output files")
+            return {"execId": exec_id, "detached": True, "pid": started["pid"],
+                    "stdoutPath": started["stdout_path"], "stderrPath": started["stderr_path"]}
+        timeout_s = params["timeout_ms"] / 1000 + EXEC_END_GRACE_S if "timeout_ms" in params else math.inf
+        wait = self._wait(f"the command {exec_id}", timeout_s, client_gone)
         output: dict[str, bytearray] = {"stdout": bytearray(), "stderr": bytearray()}
         try:
             while True:
@@ -2835,6 +2916,8 @@ class SessionManager:
                 page = self._poll(session_id, "exec_wait", {
                     "exec_id": exec_id, "wait_ms": EXEC_POLL_MS, "release": True,
                     "stdout_offset": len(output["stdout"]), "stderr_offset": len(output["stderr"])})
+                if page.get("queued"):
+                    wait.renew(timeout_s)
                 for name, data in output.items():
                     data += page[name]
                     if page[f"{name}_bytes"] > params["output_cap_bytes"]:  # a hostile agent's
@@ -3289,13 +3372,15 @@ class ServeHTTPServer(http.server.ThreadingHTTPServer):
 
 class ApiHandler(http.server.BaseHTTPRequestHandler):
     """Thin: decide access (decide_access, before anything else), parse, call the
-    SessionManager, encode. Every failure is {"error": "..."}; no response ever carries a CORS
-    header."""
+    SessionManager, encode. Every failure is {"error": "...", "code": "..."}; no response ever
+    carries a CORS header. `Expect: 100-continue` is answered only once access and the route
+    are decided (send_continue), so a refused request never has its body sent."""
 
     server: ServeHTTPServer
     protocol_version = "HTTP/1.1"
     server_version = "reploy"
     timeout = BODY_READ_TIMEOUT_S  # a client that stalls mid-request is dropped
+    expecting_continue = False  # this request sent `Expect: 100-continue`, not yet answered
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base's name
         pass  # request lines would only repeat what the client knows; errors are logged
@@ -3314,10 +3399,28 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
         """The stdlib's own refusals (a request line or headers it cannot parse, before any
         check can run) in the API's shape, on a connection that then closes."""
         self.close_connection = True
-        self.send_json(code, {"error": message or http.HTTPStatus(code).phrase},
+        self.send_json(code, {"error": message or http.HTTPStatus(code).phrase,
+                              "code": PayloadTooLarge.code if code in (413, 414, 431)
+                              else BadRequest.code},
                        {"Connection": "close"})
 
+    def handle_expect_100(self) -> bool:
+        """The stdlib would send 100 Continue at once, before any check: deferred instead to
+        the moment the body is about to be read (send_continue)."""
+        self.expecting_continue = True
+        return True
+
+    def send_continue(self) -> None:
+        """The interim 100 Continue a client that sent `Expect: 100-continue` waits for, once
+        access and the route are decided and the body is about to be read."""
+        if self.expecting_continue:
+            self.expecting_continue = False
+            self.wfile.write(b"%s 100 Continue\r\n\r\n" % self.protocol_version.encode("ascii"))
+            self.wfile.flush()
+
     def send_response(self, code: int, message: Optional[str] = None) -> None:
+        if self.expecting_continue:
+            self.close_connection = True  # refused before its body was asked for: never read
         self.header_names: set[str] = set()
         super().send_response(code, message)
 
@@ -3364,14 +3467,14 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
             if result is not None:
                 self.send_json(*result)
         except ServeError as e:
-            self.send_json(e.status, {"error": str(e)}, e.response_headers())
+            self.send_json(e.status, {"error": str(e), "code": e.code}, e.response_headers())
         except BackendError as e:
-            self.send_json(503, {"error": str(e)})
+            self.send_json(503, {"error": str(e), "code": ServiceUnavailable.code})
         except (BrokenPipeError, ConnectionResetError, socket.timeout, ClientGone):
             self.close_connection = True
         except Exception as e:  # noqa: BLE001 - a bug answers 500 and keeps the server up
             log(f"serve: internal error on {method} {path}: {e!r}")
-            self.send_json(500, {"error": "internal error"})
+            self.send_json(500, {"error": "internal error", "code": ServeError.code})
 
     def body_length(self, max_bytes: int) -> int:
         """The body's Content-Length (0 when absent), refused before any byte is read when it
@@ -3387,6 +3490,8 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
         if length > max_bytes:
             self.close_connection = True
             raise PayloadTooLarge(f"the body exceeds {max_bytes} bytes")
+        if length:
+            self.send_continue()
         return length
 
     def read_body(self) -> bytes:
@@ -3441,7 +3546,7 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
             path = "/openapi.json"
         entry = self.server.static.get(path)
         if entry is None or method != "GET":
-            self.send_json(404, {"error": f"not found: {path}"})
+            self.send_json(404, {"error": f"not found: {path}", "code": PathNotFound.code})
             return
         content_type, data = entry
         self.send_response(200)
@@ -3572,16 +3677,15 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
 
     def api_list_files(self, sid: str, body: bytes, query: str) -> tuple[int, dict[str, Any]]:
         parse_body(body, BODY_RULES["empty"])
-        root, mode = file_query(query)
+        root, path, mode = file_query(query, file_route_path(self.api_path))
         if mode is not None:
             raise BadRequest("mode: only for uploads")
-        return 200, self.manager.list_files(sid, root, file_route_path(self.api_path),
-                                            self.client_gone)
+        return 200, self.manager.list_files(sid, root, path, self.client_gone)
 
     def api_put_file(self, sid: str, _body: bytes, query: str) -> tuple[int, dict[str, Any]]:
         """Raw bytes streamed in: application/octet-stream makes one file, application/x-tar is
         extracted into the directory at the path (made if missing, merged if not)."""
-        root, mode = file_query(query)
+        root, path, mode = file_query(query, file_route_path(self.api_path))
         content_type = self.headers.get("Content-Type", "").split(";")[0].strip().lower()
         if content_type not in RAW_BODY_ROUTES["put_file"]:
             self.close_connection = True
@@ -3590,8 +3694,8 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
         size_bytes = self.body_length(MAX_UPLOAD_BYTES)
         kind = "tar" if content_type == "application/x-tar" else "file"
         try:
-            result = self.manager.upload(sid, root, file_route_path(self.api_path), kind, mode,
-                                         size_bytes, self.rfile, self.client_gone)
+            result = self.manager.upload(sid, root, path, kind, mode, size_bytes, self.rfile,
+                                         self.client_gone)
         except BaseException:
             self.close_connection = True  # the rest of the body may still be on its way
             raise
@@ -3600,10 +3704,9 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
     def api_get_file(self, sid: str, body: bytes, query: str) -> None:
         """A file's bytes, or a directory as a tar (its entries relative to it), streamed."""
         parse_body(body, BODY_RULES["empty"])
-        root, mode = file_query(query)
+        root, path, mode = file_query(query, file_route_path(self.api_path))
         if mode is not None:
             raise BadRequest("mode: only for uploads")
-        path = file_route_path(self.api_path)
         opened, chunks = self.manager.download(sid, root, path, self.client_gone)
         name = (path.rstrip("/").rpartition("/")[2] or root) + (".tar" if opened["kind"] == "tar" else "")
         try:

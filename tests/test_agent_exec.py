@@ -130,16 +130,70 @@ def test_output_is_capped_per_stream_and_paged_under_the_line_bound(shell):
     assert big["stdout_truncated"] is False
 
 
-def test_a_bounded_number_run_at_once(shell):
+def test_past_the_bound_execs_queue_in_order(shell):
     seconds = unique_sleep()
     running = [exec_start(shell, ["sleep", seconds]) for _ in range(agent.MAX_RUNNING_EXECS)]
-    assert shell.error("exec", argv=["true"])["code"] == "server_unavailable"
-    for exec_id in running:
+    first = shell.result("exec", argv=["echo", "first"])
+    second = shell.result("exec", argv=["echo", "second"])
+    dropped = shell.result("exec", argv=["echo", "dropped"])
+    assert (first["queued"], first["pid"], second["queued"]) == (True, None, True)
+    waited = shell.result("exec_wait", exec_id=first["exec_id"], wait_ms=0)
+    assert (waited["running"], waited["queued"], waited["pid"]) == (True, True, None)
+    # A queued one that is killed never starts, and ends as killed.
+    assert shell.result("exec_kill", exec_id=dropped["exec_id"])["killed"] is True
+    gone = exec_finish(shell, dropped["exec_id"])
+    assert (gone["killed"], gone["signal"], gone["pid"], gone["stdout"]) == (True, "SIGKILL", None, b"")
+    # One slot frees: the first queued starts, then the next, in order.
+    shell.result("exec_kill", exec_id=running[0])
+    assert exec_finish(shell, first["exec_id"])["stdout"] == b"first\n"
+    assert exec_finish(shell, second["exec_id"])["stdout"] == b"second\n"
+    for exec_id in running[1:]:
         shell.result("exec_kill", exec_id=exec_id)
     for exec_id in running:
         exec_finish(shell, exec_id)
-    assert run_exec(shell, ["true"])["exit_code"] == 0
     assert marked(seconds) == []
+
+
+def test_the_queue_is_bounded(shell):
+    seconds = unique_sleep()
+    running = [exec_start(shell, ["sleep", seconds]) for _ in range(agent.MAX_RUNNING_EXECS)]
+    queued = [exec_start(shell, ["true"]) for _ in range(agent.MAX_QUEUED_EXECS)]
+    refused = shell.error("exec", argv=["true"])
+    assert refused["code"] == "server_unavailable" and "queue is full" in refused["message"]
+    for batch in (queued, running):  # queued first: dropped, never started
+        for exec_id in batch:
+            shell.result("exec_kill", exec_id=exec_id)
+        for exec_id in batch:
+            assert exec_finish(shell, exec_id)["killed"] is True
+    assert marked(seconds) == []
+
+
+def test_a_detached_exec_outlives_its_call_and_dies_with_the_agent(start_agent):
+    shell = start_agent("--workload", "shell")
+    seconds = unique_sleep()
+    started = shell.result("exec", argv=["sh", "-c", f"echo up; echo err >&2; exec sleep {seconds}"], detach=True)
+    out, err = (shell.session_dir / "home" / ".reploy" / "detached" / f"{started['exec_id']}.{n}"
+                for n in ("stdout", "stderr"))
+    assert (started["stdout_path"], started["stderr_path"]) == (str(out), str(err))
+    wait_until(lambda: out.read_bytes() == b"up\n" and err.read_bytes() == b"err\n", "the detached output")
+    assert [p.pid for p in marked(seconds)] == [started["pid"]]
+    # Not counted against the running bound, and stdin comes from a file, never the request.
+    assert shell.error("exec", argv=["cat"], detach=True, stdin_b64="eA==")["code"] == "invalid_request"
+    shell.stop()
+    assert marked(seconds) == []
+
+
+def test_an_absolute_cwd_starts_at_the_root(shell):
+    assert run_exec(shell, ["pwd"], cwd="/usr/bin")["stdout"] == b"/usr/bin\n"
+
+
+def test_stdin_from_a_file_and_no_timeout(shell):
+    (shell.session_dir / "workspace" / "in.txt").write_bytes(b"from a file\n" * 1000)
+    result = run_exec(shell, ["wc", "-l"], stdin_path="in.txt")
+    assert result["stdout"].strip() == b"1000"
+    assert shell.error("exec", argv=["cat"], stdin_path="missing")["message"].startswith("no such file")
+    assert shell.error("exec", argv=["cat"], stdin_path="in.txt", stdin_b64="eA==")["code"] == "invalid_request"
+    assert run_exec(shell, ["sleep", "0.1"])["timed_out"] is False  # none given: none
 
 
 def test_exec_wait_long_polls_within_the_handler_bound(shell):
@@ -155,7 +209,7 @@ def test_exec_wait_long_polls_within_the_handler_bound(shell):
     ({"argv": ["true"], "cwd": "missing"}, "command_error", "no such file or directory: missing"),
     ({"argv": ["true"], "cwd": "link"}, "invalid_request", "refused: link is a symlink"),
     ({"argv": ["true"], "cwd": "../.."}, "invalid_request", "refused"),
-    ({"argv": ["true"], "cwd": "/tmp"}, "invalid_request", "absolute"),
+    ({"argv": ["true"], "cwd": "/nonexistent-reploy"}, "command_error", "no such file or directory"),  # from /
 ])
 def test_what_cannot_run_is_refused(shell, params, code, words):
     (shell.session_dir / "workspace" / "link").symlink_to("/etc")

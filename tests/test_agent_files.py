@@ -180,7 +180,7 @@ def test_a_tar_that_would_replace_a_directory_with_a_file_is_refused(shell):
     response = upload_bytes(shell, "d", tar_of((entry("new.txt"), b"n"), (entry("sub"), b"file now")), kind="tar")
     assert response["error"]["message"].startswith("conflict: d/sub exists as a directory")
     assert tree_snapshot(workspace(shell)) == before
-    assert upload_bytes(shell, "d", b"x")["error"]["message"].startswith("conflict: d exists and is a directory")
+    assert upload_bytes(shell, "d", b"x")["error"]["message"].startswith("is a directory: d")
 
 
 def test_a_digest_mismatch_writes_nothing(shell):

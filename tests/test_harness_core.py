@@ -41,9 +41,15 @@ def refused(method: str, **params: object) -> str:
 def test_exec_params_take_defaults_and_convert() -> None:
     parsed = request("exec", argv=["sh", "-c", "true"], cwd="a/./b//", env={"X": "1"},
                      stdin_b64=base64.b64encode(b"in").decode()).params
-    assert parsed == agent.ExecParams(argv=("sh", "-c", "true"), cwd=("a", "b"), env=(("X", "1"),),
-                                      stdin=b"in", timeout_ms=60_000, output_cap_bytes=1024 * 1024)
+    workspace, container = agent.FileRoot.WORKSPACE, agent.FileRoot.CONTAINER
+    assert parsed == agent.ExecParams(argv=("sh", "-c", "true"), cwd=agent.Where(workspace, ("a", "b")),
+                                      env=(("X", "1"),), stdin=b"in", stdin_path=None, timeout_ms=None,
+                                      output_cap_bytes=1024 * 1024, detach=False)
     assert request("exec", argv=["true"]).params.stdin is None  # absent: /dev/null
+    # An absolute cwd or stdin file starts at the container's `/`; the same rules hold below it.
+    absolute = request("exec", argv=["true"], cwd="/usr//bin/", stdin_path="/tmp/in", detach=True).params
+    assert (absolute.cwd, absolute.stdin_path, absolute.detach) == (
+        agent.Where(container, ("usr", "bin")), agent.Where(container, ("tmp", "in")), True)
 
 
 @pytest.mark.parametrize(("params", "words"), [
@@ -51,16 +57,16 @@ def test_exec_params_take_defaults_and_convert() -> None:
     ({"argv": "true"}, "non-empty array"),
     ({"argv": [""]}, "program must be named"),
     ({"argv": ["a\0b"]}, "NUL"),
-    ({"argv": ["x" * (256 * 1024)]}, "exceeds"),
+    ({"argv": ["x" * (2 * 1024 * 1024)]}, "exceeds"),
     ({"argv": ["true"], "env": {"HOME": "/"}}, "HOME is the session's"),
     ({"argv": ["true"], "env": {"1X": "v"}}, "not a variable name"),
     ({"argv": ["true"], "env": {"X": 1}}, "must be a string"),
     ({"argv": ["true"], "env": ["X"]}, "must be an object"),
-    ({"argv": ["true"], "cwd": "/etc"}, "absolute"),
+    ({"argv": ["true"], "cwd": "/etc/../.."}, "'..'"),
     ({"argv": ["true"], "cwd": "a/../../etc"}, "'..'"),
     ({"argv": ["true"], "timeout_ms": 0}, "between 1 and"),
-    ({"argv": ["true"], "output_cap_bytes": 4 * 1024 * 1024 + 1}, "between 0 and"),
-    ({"argv": ["true"], "stdin_b64": base64.b64encode(b"x" * (512 * 1024 + 1)).decode()}, "limit is"),
+    ({"argv": ["true"], "output_cap_bytes": agent.MAX_EXEC_OUTPUT_CAP_BYTES + 1}, "between 0 and"),
+    ({"argv": ["true"], "stdin_b64": base64.b64encode(b"x" * (agent.MAX_EXEC_STDIN_BYTES + 1)).decode()}, "limit is"),
     ({"argv": ["true"], "nope": 1}, "unknown params"),
 ])
 def test_exec_params_refuse_what_does_not_fit(params: dict[str, object], words: str) -> None:
@@ -199,7 +205,17 @@ def test_exec_bodies_become_agent_params() -> None:
                                b'"stdinBase64": "aGk="}', reploy_serve.BODY_RULES["exec"])
     assert reploy_serve.exec_params(fields) == {
         "argv": ["sh", "-c", "exit 3"], "cwd": "", "env": {"A": "b"}, "timeout_ms": 5,
-        "output_cap_bytes": 1024 * 1024, "stdin_b64": "aGk="}
+        "output_cap_bytes": 1024 * 1024, "stdin_b64": "aGk=", "detach": False}
+    # No timeout given: none; a stdin file and detach pass on; a user is refused, root or not.
+    assert reploy_serve.exec_params({"argv": ["a"], "stdinPath": "/tmp/in", "detach": True}) == {
+        "argv": ["a"], "cwd": "", "env": {}, "output_cap_bytes": 1024 * 1024, "detach": True,
+        "stdin_path": "/tmp/in"}
+    for user in ("root", "1000"):
+        with pytest.raises(reploy_serve.Unprocessable) as refused:
+            reploy_serve.exec_params({"argv": ["id"], "user": user})
+        assert refused.value.code == "user_unsupported" and refused.value.status == 422
+    with pytest.raises(reploy_serve.BadRequest, match="detach: must be true or false"):
+        reploy_serve.parse_body(b'{"argv": ["a"], "detach": 1}', reploy_serve.BODY_RULES["exec"])
     with pytest.raises(reploy_serve.BadRequest, match="argv: must be an array"):
         reploy_serve.parse_body(b'{"argv": "true"}', reploy_serve.BODY_RULES["exec"])
     with pytest.raises(reploy_serve.BadRequest, match="non-empty array of strings"):
@@ -253,14 +269,14 @@ def test_file_routes_carry_a_path_with_slashes() -> None:
 
 
 def test_file_queries() -> None:
-    assert reploy_serve.file_query("") == ("workspace", None)
-    assert reploy_serve.file_query("root=home&mode=0755") == ("home", 0o755)
-    with pytest.raises(reploy_serve.BadRequest):
-        reploy_serve.file_query("root=etc")
-    with pytest.raises(reploy_serve.BadRequest):
-        reploy_serve.file_query("mode=0999")
-    with pytest.raises(reploy_serve.BadRequest):
-        reploy_serve.file_query("follow=1")
+    assert reploy_serve.file_query("", "a") == ("workspace", "a", None)
+    assert reploy_serve.file_query("root=home&mode=0755", "a") == ("home", "a", 0o755)
+    # An absolute path starts at the container's `/`, whether or not ?root=container says so.
+    assert reploy_serve.file_query("", "/etc/x") == ("container", "etc/x", None)
+    assert reploy_serve.file_query("root=container", "tmp/x") == ("container", "tmp/x", None)
+    for query, path in (("root=etc", "a"), ("mode=0999", "a"), ("follow=1", "a"), ("root=home", "/etc")):
+        with pytest.raises(reploy_serve.BadRequest):
+            reploy_serve.file_query(query, path)
 
 
 @pytest.mark.parametrize(("code", "message", "status"), [
@@ -270,12 +286,20 @@ def test_file_queries() -> None:
     ("invalid_request", "refused: a is a symlink", 422),
     ("command_error", "refused: unsafe member name '../x'", 422),
     ("command_error", "cannot run 'nope': No such file or directory", 422),
-    ("command_error", "conflict: a exists and is a directory", 409),
+    ("command_error", "conflict: a exists and is a fifo", 409),
+    ("command_error", "is a directory: a; upload a tar to fill a directory", 409),
+    ("command_error", "not a directory: a/b", 409),
+    ("command_error", "permission denied: a is not writable", 403),
     ("command_error", "no such exec 0123456789abcdef", 409),
-    ("server_unavailable", "8 execs are running", 503),
+    ("server_unavailable", "the exec queue is full: 8 run, 64 wait", 429),
+    ("server_unavailable", "the agent is stopping", 503),
 ])
 def test_agent_errors_map_to_statuses(code: str, message: str, status: int) -> None:
-    assert reploy_serve.serve_error_for(reploy_serve.AgentCallError(code, message)).status == status
+    error = reploy_serve.serve_error_for(reploy_serve.AgentCallError(code, message))
+    assert error.status == status and error.code in reploy_serve.ERROR_CODES
+    words = {"no such file": "not_found", "permission denied": "permission_denied", "is a directory": "is_a_directory",
+             "not a directory": "not_a_directory", "too large": "too_large", "cannot run": "cannot_run"}
+    assert error.code == next((c for w, c in words.items() if message.startswith(w)), error.code)
 
 
 # -- the `session exec` and `session cp` clients ---------------------------------------------------

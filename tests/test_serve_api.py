@@ -263,7 +263,7 @@ def test_error_mapping(serve_factory: Callable[..., ServeProcess], docker_engine
     for method, path, body, status in cases:
         got, raw = api.raw(method, path, body)
         assert got == status, (method, path, body, raw)
-        assert set(json.loads(raw)) == {"error"}
+        assert set(json.loads(raw)) == {"error", "code"}
     # A shell write has no bound but the body's: 2 MiB is typed whole (in parts), here into cat.
     api.wait_output(sid, b"$ ")
     api.call("POST", f"/sessions/{sid}/message", {"text": "stty -echo; wc -c; stty echo"})

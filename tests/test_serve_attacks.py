@@ -297,10 +297,10 @@ def test_the_issue_requests_are_refused(serve_factory: Callable[..., ServeProces
     for auth in (False, True):
         status, _, raw = api.request("POST", "/api/v1/sessions", body, auth=auth, headers={
             "Content-Type": "text/plain", "Origin": "http://evil.example"})
-        assert status == 403 and set(json.loads(raw)) == {"error"}
+        assert status == 403 and set(json.loads(raw)) == {"error", "code"}
         status, _, raw = api.request("GET", "/api/v1/sessions", auth=auth,
                                      headers={"Host": f"evil.example:{port}"})
-        assert status == 421 and set(json.loads(raw)) == {"error"}
+        assert status == 421 and set(json.loads(raw)) == {"error", "code"}
     # Each check holds on its own: same origin but text/plain is 415; no Origin, no token 401.
     assert api.request("POST", "/api/v1/sessions", body, headers={"Content-Type": "text/plain"})[0] == 415
     assert api.request("POST", "/api/v1/sessions", body, auth=False)[0] == 401
@@ -345,7 +345,7 @@ def test_methods_without_a_route_meet_the_same_checks(
             assert status == 421, (method, path, status)
             assert headers["content-type"] == "application/json"
             if method != "HEAD":  # a HEAD answer has the headers only
-                assert set(json.loads(raw)) == {"error"}, raw
+                assert set(json.loads(raw)) == {"error", "code"}, raw
         assert api.request(method, "/api/v1/sessions", auth=False)[0] == 401, method
         assert api.request(method, "/api/v1/sessions", headers={
             "Origin": "http://evil.example"})[0] == 403, method
@@ -371,7 +371,7 @@ def test_methods_without_a_route_meet_the_same_checks(
             answer += chunk
     head, _, body = answer.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 431 ") and b"Content-Type: application/json" in head
-    assert set(json.loads(body)) == {"error"}, answer
+    assert set(json.loads(body)) == {"error", "code"}, answer
 
 
 def test_credentials_login_and_headers(serve_factory: Callable[..., ServeProcess]) -> None:
