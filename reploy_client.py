@@ -79,7 +79,7 @@ POOL_IDLE_MAX = 8  #: idle keep-alive connections kept per client (more may be o
 HOME_PREFIX = "~/"
 #: An exec's stdin travels in its request up to this (agent.py's MAX_EXEC_STDIN_BYTES); more
 #: is uploaded to a file first and named as the exec's stdinPath.
-MAX_INLINE_STDIN_BYTES = 512 * 1024
+MAX_INLINE_STDIN_BYTES = 4 * 1024 * 1024
 STDIN_FILE_PREFIX = ".reploy-stdin-"
 MAX_SSE_LINE_BYTES = 1024 * 1024  #: serve's events carry 64 KiB of output, base64 in JSON
 #: The most `session cp` takes out of a session is its disk quota plus this much per tar entry

@@ -53,7 +53,9 @@ NOT_FOUND_EXIT = 127  #: a shell's exit code for a program it cannot find
 class ReployConfig(BaseModel, frozen=True):
     """The sandbox's config. `server` defaults to $REPLOY_SERVER; the token is
     `token_file`'s, else $REPLOY_TOKEN's. `deployment` is one of serve's (GET /server; default
-    its first). `exec_timeout` (seconds) applies when Inspect gives none. `disk_mib` and `cpus`
+    its first). `exec_timeout` (seconds) applies when Inspect gives none (else none: serve
+    runs it until it ends). `max_output_bytes` caps each stream (default Inspect's limit,
+    INSPECT_SANDBOX_MAX_EXEC_OUTPUT_SIZE, 10 MiB; serve takes up to 16). `disk_mib` and `cpus`
     are passed on at create only when set (serve sizes sessions itself otherwise). `sweep`
     labels each session and gives it `ttl_seconds`, for serve versions that take labels."""
 
@@ -194,7 +196,7 @@ class ReploySandboxEnvironment(SandboxEnvironment):
             result = await in_thread(functools.partial(
                 self.session.exec, cmd, cwd=cwd, env=env, stdin=input,
                 timeout=None if timeout_s is None else float(timeout_s),
-                max_output_bytes=self.config.max_output_bytes))
+                max_output_bytes=self.config.max_output_bytes or limit_bytes))
         except FileNotFoundError as e:  # Inspect: a missing program is a failed result
             return ExecResult(success=False, returncode=NOT_FOUND_EXIT, stdout="", stderr=str(e))
         if result.timed_out:

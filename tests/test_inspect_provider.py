@@ -29,15 +29,6 @@ OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "INSPECT_DISP
 #: Inspect's hooks that would load a module (and may call out): none.
 UNSET_ENV = ("INSPECT_TELEMETRY", "INSPECT_API_KEY_OVERRIDE", "INSPECT_REQUIRED_HOOKS")
 
-#: Self-check tests that need the harness API of branch i28-api (absolute paths and cwd,
-#: permission errors that are errors, large stdin and argv); they fail on serve without it.
-NEEDS_HARNESS_API = frozenset({
-    "test_read_and_write_file_including_directory_absolute",
-    "test_read_file_is_directory", "test_write_text_file_is_directory",
-    "test_write_binary_file_is_directory", "test_write_text_file_without_permissions",
-    "test_write_binary_file_without_permissions", "test_exec_input_large",
-    "test_exec_large_command", "test_cwd_custom", "test_cwd_absolute",
-})
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +65,6 @@ def sandbox_env(shared_sandbox: Any, request: pytest.FixtureRequest) -> Any:
     name = request.node.originalname
     if name == "test_exec_as_user":  # by design: every command runs as the runtime user
         request.node.add_marker(pytest.mark.xfail(raises=SandboxUserUnsupportedError, strict=True))
-    elif name in NEEDS_HARNESS_API:
-        request.node.add_marker(pytest.mark.xfail(reason="needs branch i28-api", strict=True))
     return shared_sandbox
 
 
