@@ -45,6 +45,7 @@ from serve_harness import ServeProcess  # noqa: E402
 UPLOAD_BYTES = 1024 * 1024
 EXECS_PER_SAMPLE = 20
 PARALLEL = 8
+SDK_WORKSPACE = "/mnt/workspace"
 #: The baselines' containers, each removed by the code that made it (see bench_serve.py's).
 BASELINE_LABELS = {"io.reploy.bench.harness-baseline": str(os.getpid())}
 
@@ -61,28 +62,35 @@ def reploy_sample(client: reploy_client.Client, payload: bytes) -> None:
 
 def sdk_sample(engine: docker.DockerClient, image_id: str, user: str, payload: bytes) -> None:
     """The same sample with the SDK: the image, read-only root, caps dropped,
-    no-new-privileges, no network, the runtime user, a writable /tmp."""
+    no-new-privileges, no network, the runtime user, and a host directory of its own as the
+    writable workspace (the engine refuses put_archive anywhere on a read-only root, a tmpfs
+    included), as serve's sessions have one."""
+    uid, gid = map(int, user.split(":"))
     archive = io.BytesIO()
     with tarfile.open(fileobj=archive, mode="w") as tar:
         info = tarfile.TarInfo("in.bin")
-        info.size, info.uid, info.gid = len(payload), *map(int, user.split(":"))
+        info.size, info.uid, info.gid = len(payload), uid, gid
         tar.addfile(info, io.BytesIO(payload))
+    workspace = Path(tempfile.mkdtemp(prefix="bhw-"))
+    os.chown(workspace, uid, gid)
     container = engine.containers.run(
         image_id, ["sleep", "infinity"], detach=True, read_only=True, cap_drop=["ALL"],
         security_opt=["no-new-privileges"], network_mode="none", user=user,
-        tmpfs={"/tmp": "mode=1777"}, labels=BASELINE_LABELS, init=True)
+        volumes={str(workspace): {"bind": SDK_WORKSPACE, "mode": "rw"}}, working_dir=SDK_WORKSPACE,
+        labels=BASELINE_LABELS, init=True)
     try:
-        container.put_archive("/tmp", archive.getvalue())
+        container.put_archive(SDK_WORKSPACE, archive.getvalue())
         for _ in range(EXECS_PER_SAMPLE):
-            if container.exec_run(["test", "-s", "/tmp/in.bin"]).exit_code != 0:
+            if container.exec_run(["test", "-s", "in.bin"]).exit_code != 0:
                 raise RuntimeError("an SDK exec failed")
-        stream, _ = container.get_archive("/tmp/in.bin")
+        stream, _ = container.get_archive(f"{SDK_WORKSPACE}/in.bin")
         with tarfile.open(fileobj=io.BytesIO(b"".join(stream))) as tar:
             member = tar.extractfile("in.bin")
             if member is None or member.read() != payload:
                 raise RuntimeError("the SDK's file came back changed")
     finally:
         container.remove(force=True)
+        shutil.rmtree(workspace, ignore_errors=True)
 
 
 def timed(work: Callable[[], None]) -> float:

@@ -188,6 +188,23 @@ def test_exec_results_files_and_errors(client: reploy_client.Client) -> None:
 
 
 @pytest.mark.docker
+def test_container_paths_big_stdin_and_no_timeout(client: reploy_client.Client) -> None:
+    """Paths from the container's `/`, stdin past the inline bound (through a file that is
+    gone afterwards), and an exec with no timeout."""
+    with client.create(name="harness") as s:
+        s.files.write("/tmp/abs/f.txt", "abs\n")
+        assert s.exec(["cat", "f.txt"], cwd="/tmp/abs").stdout == b"abs\n"
+        assert [e["name"] for e in s.files.list("/tmp/abs")["entries"]] == ["f.txt"]
+        big = b"a" * (reploy_client.MAX_INLINE_STDIN_BYTES + 1)
+        assert s.exec(["wc", "-c"], stdin=big, timeout=120).stdout.split() == [str(len(big)).encode()]
+        assert not [e for e in s.files.list("")["entries"]
+                    if e["name"].startswith(reploy_client.STDIN_FILE_PREFIX)]
+        assert s.exec(["sleep", "1"]).exit_code == 0  # no timeout given: none
+        with pytest.raises(PermissionError):
+            s.files.write("/etc/passwd", "x")
+
+
+@pytest.mark.docker
 def test_parallel_execs_share_one_client(client: reploy_client.Client) -> None:
     """Threads share the client; each call takes its own pooled connection, and serial calls
     reuse them (the pool never holds more than were open at once)."""
