@@ -255,6 +255,13 @@ WORKLOAD_TYPES = {"shell": "shell", "claude-code": "agent"}
 WIRE_WORKLOAD_TYPES = {workload: wire_name for wire_name, workload in WORKLOAD_TYPES.items()}
 DEFAULT_WORKLOAD_TYPE = "shell"
 _ENV_NAME = agent_role.ENV_NAME_RE  #: what the agent accepts as a variable name
+#: Labels at create (`labels: {k: v}`), for a harness to find what it made (GET /sessions?label=k=v):
+#: a key is a name such as `inspect.eval` or `io.example/run`, a value a short word of URL-safe
+#: characters (no space, comma or `&`), so a filter needs no escaping beyond the URL's own.
+_LABEL_KEY = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._/-]{0,61}[A-Za-z0-9])?")
+_LABEL_VALUE = re.compile(r"[A-Za-z0-9._:@/+=-]{0,128}")
+MAX_LABELS = 32
+MAX_TTL_S = 30 * 24 * 3600  #: `ttlSeconds` at create: the reaper deletes the session when it passes
 #: The credential of one state dir (see "who may drive serve"): STATE_DIR/token, mode 0600.
 TOKEN_FILE_NAME = "token"
 TOKEN_BYTES = 32
@@ -550,6 +557,8 @@ class SessionRecord:
     lease_expires: float = 0.0
     busy_at: Optional[float] = None  # when the workload was last known busy (the reaper's facts)
     idle_blocked_by: tuple[IdleBlock, ...] = ()  # as the reaper last found it; frozen while paused
+    labels: tuple[tuple[str, str], ...] = ()  # given at create, sorted by key
+    expires_at: Optional[float] = None  # created_at + ttlSeconds; None: no time to live
 
 
 def apply_session_event(record: SessionRecord, event: SessionEvent, now: float,
@@ -668,7 +677,7 @@ def decide_reap(record: SessionRecord, facts: Optional[WorkloadFacts], viewers: 
 # the store (SQLite, compare-and-swap, leases)
 # ============================================================================================
 
-_STORE_SCHEMA_VERSION = 3
+_STORE_SCHEMA_VERSION = 4
 _STORE_DDL = """
 CREATE TABLE IF NOT EXISTS sessions (
     id TEXT PRIMARY KEY,
@@ -687,7 +696,8 @@ CREATE TABLE IF NOT EXISTS sessions (
 )"""
 #: Columns added after schema 1, each added in place to an older store when it opens.
 _STORE_ADDED_COLUMNS = (("busy_at", "REAL"), ("idle_blocked_by", "TEXT NOT NULL DEFAULT ''"),
-                        ("checkpoint_at", "REAL"))
+                        ("checkpoint_at", "REAL"), ("labels", "TEXT NOT NULL DEFAULT '[]'"),
+                        ("expires_at", "REAL"))
 #: One row per open SSE stream, in whichever `serve` holds it: the reaper of every `serve`
 #: sharing the store counts them. A row expires unless its stream renews it.
 _VIEWERS_DDL = """
@@ -698,7 +708,8 @@ CREATE TABLE IF NOT EXISTS viewers (
 )"""
 _RECORD_COLUMNS = ("id", "name", "spec", "state", "version", "created_at", "last_access",
                    "state_since", "container_id", "archive", "snapshot_bytes", "lease_owner",
-                   "lease_expires", "busy_at", "idle_blocked_by", "checkpoint_at")
+                   "lease_expires", "busy_at", "idle_blocked_by", "checkpoint_at", "labels",
+                   "expires_at")
 
 
 class SessionStore:
@@ -751,11 +762,13 @@ class SessionStore:
         values["spec"] = SessionSpec.from_json(values["spec"])
         values["state"] = SessionState(values["state"])
         values["idle_blocked_by"] = _blocks_from_text(values["idle_blocked_by"])
+        values["labels"] = tuple((key, value) for key, value in json.loads(values["labels"]))
         return SessionRecord(**values)
 
     def insert(self, record: SessionRecord) -> None:
         values = {**record.__dict__, "spec": record.spec.to_json(), "state": record.state.value,
-                  "idle_blocked_by": _blocks_to_text(record.idle_blocked_by)}
+                  "idle_blocked_by": _blocks_to_text(record.idle_blocked_by),
+                  "labels": json.dumps([list(pair) for pair in record.labels])}
         with self._db() as db:
             db.execute(f"INSERT INTO sessions ({', '.join(_RECORD_COLUMNS)}) VALUES "
                        f"({', '.join('?' * len(_RECORD_COLUMNS))})",
@@ -900,7 +913,9 @@ BODY_RULES: dict[str, dict[str, FieldRule]] = {
     "create": {"name": FieldRule(str, True),
                "workloadType": FieldRule(str, choices=tuple(WORKLOAD_TYPES)),
                "model": SESSION_MODEL_RULE,
-               "deployment": FieldRule(str, pattern=_NAME)},
+               "deployment": FieldRule(str, pattern=_NAME),
+               "labels": FieldRule(dict),
+               "ttlSeconds": FieldRule(int, minimum=1, maximum=MAX_TTL_S)},
     "read": {"offset": FieldRule(int, minimum=0, maximum=MAX_OFFSET),
              "waitMs": FieldRule(int, minimum=0, maximum=MAX_READ_WAIT_MS)},
     "write": {"payload": FieldRule(str)},
@@ -960,12 +975,15 @@ def check_field(name: str, value: Any, rule: FieldRule) -> None:
 @dataclass(frozen=True)
 class CreateRequest:
     """A valid create body: the trimmed name, the agent's workload, the model (claude-code
-    only: the one given, or the platform-default alias) and the deployment (None: the first)."""
+    only: the one given, or the platform-default alias), the deployment (None: the first), the
+    labels (parse_labels) and the time to live (None: for ever)."""
 
     name: str
     workload: str
     model: Optional[str]
     deployment: Optional[str]
+    labels: tuple[tuple[str, str], ...] = ()
+    ttl_s: Optional[int] = None
 
     @classmethod
     def from_fields(cls, fields: dict[str, Any]) -> "CreateRequest":
@@ -980,7 +998,48 @@ class CreateRequest:
             raise BadRequest("model: only claude-code sessions have a model")
         if workload == "agent" and model is None:
             model = PLATFORM_DEFAULT_MODEL
-        return cls(name, workload, model, fields.get("deployment"))
+        return cls(name, workload, model, fields.get("deployment"),
+                   parse_labels(fields.get("labels", {})), fields.get("ttlSeconds"))
+
+
+def _check_label(key: Any, value: Any, where: str) -> tuple[str, str]:
+    if not isinstance(key, str) or not _LABEL_KEY.fullmatch(key):
+        raise BadRequest(f"{where}: the key {str(key)[:80]!r} is not a label key ({_LABEL_KEY.pattern})")
+    if not isinstance(value, str) or not _LABEL_VALUE.fullmatch(value):
+        raise BadRequest(f"{where}.{key}: must be a string matching {_LABEL_VALUE.pattern}")
+    return key, value
+
+
+def parse_labels(document: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+    """A create's labels, checked (keys and values by _LABEL_KEY and _LABEL_VALUE, at most
+    MAX_LABELS), in key order."""
+    if len(document) > MAX_LABELS:
+        raise BadRequest(f"labels: at most {MAX_LABELS}")
+    return tuple(sorted(_check_label(key, value, "labels") for key, value in document.items()))
+
+
+def label_filter(query: str) -> tuple[tuple[str, str], ...]:
+    """GET /sessions' query: `label=k=v`, repeatable (every one must match); nothing else."""
+    params = urllib.parse.parse_qs(query, keep_blank_values=True)
+    unknown = sorted(set(params) - {"label"})
+    if unknown:
+        raise BadRequest(f"unknown query parameter(s): {', '.join(unknown)}")
+    wanted = []
+    for text in params.get("label", []):
+        key, equals, value = text.partition("=")
+        if not equals:
+            raise BadRequest(f"label: {text[:80]!r} is not KEY=VALUE")
+        wanted.append(_check_label(key, value, "label"))
+    return tuple(wanted)
+
+
+def has_labels(record: "SessionRecord", wanted: tuple[tuple[str, str], ...]) -> bool:
+    return set(wanted) <= set(record.labels)
+
+
+def is_expired(record: "SessionRecord", now: float) -> bool:
+    """Its time to live has passed: the reaper deletes it."""
+    return record.expires_at is not None and now >= record.expires_at
 
 
 def message_parts(text: str, part_bytes: int = MAX_MESSAGE_PART_BYTES) -> list[str]:
@@ -1107,6 +1166,9 @@ def session_json(record: SessionRecord, idle_after_s: float, snapshot_after_s: f
                      "version": record.version, "stateSince": iso_time(record.state_since)})
     if phase is not None:
         document["phase"] = phase
+    document["labels"] = dict(record.labels)
+    if record.expires_at is not None:
+        document["expiresAt"] = iso_time(record.expires_at)
     blocked = record.idle_blocked_by if record.state in (SessionState.ACTIVE, SessionState.IDLE) else ()
     document["idleBlockedBy"] = [block.value for block in blocked]
     idle_since = idle_clock_start(record.last_access, record.busy_at)
@@ -2515,7 +2577,8 @@ class SessionManager:
         record = SessionRecord(id=secrets.token_hex(8), name=request.name, spec=spec,
                                state=SessionState.CREATING, version=1, created_at=now,
                                last_access=now, state_since=now, lease_owner=owner,
-                               lease_expires=now + LEASE_TTL_S)
+                               lease_expires=now + LEASE_TTL_S, labels=request.labels,
+                               expires_at=None if request.ttl_s is None else now + request.ttl_s)
         self.store.insert(record)  # first, so a crash leaves a record that recovery rolls back
         lease = Lease(self, record, owner)
         try:
@@ -2572,8 +2635,8 @@ class SessionManager:
             except ServeError as e:
                 log(f"serve: session {record.id}: {e}")
 
-    def delete(self, session_id: str) -> None:
-        with self.leased(session_id) as lease:
+    def delete(self, session_id: str, wait_s: float = LEASE_WAIT_S) -> None:
+        with self.leased(session_id, wait_s) as lease:
             lease.apply(SessionEvent.DELETE)
             self._finish_delete(lease)
 
@@ -3198,6 +3261,9 @@ class SessionManager:
         for record in self.store.list():
             if self.stopping.is_set():
                 return
+            if record.state in STABLE_STATES and is_expired(record, self.clock()):
+                self._expire(record)
+                continue
             if record.state not in (SessionState.ACTIVE, SessionState.IDLE):
                 continue
             try:
@@ -3215,6 +3281,15 @@ class SessionManager:
                 # answers, its files): whatever it makes us trip over costs that session's
                 # step, never the one reaper of every session
                 log(f"serve: reaper: session {record.id}: {e!r}")
+
+    def _expire(self, record: SessionRecord) -> None:
+        """A session past its time to live, deleted as DELETE would (a holder of its lease
+        keeps it until the next pass)."""
+        try:
+            self.delete(record.id, wait_s=0)
+            log(f"serve: reaper: session {record.id} deleted: its time to live passed")
+        except (ServeError, BackendError) as e:
+            log(f"serve: reaper: session {record.id}: {e}")
 
     def _reap_decision(self, record: SessionRecord) -> ReapDecision:
         """Gather the facts decide_reap needs (an active session's agent status, the viewers in
@@ -3278,7 +3353,7 @@ API_ROUTES: tuple[tuple[str, str, str], ...] = (
 #: The refusals before any route runs (401, 403, 415, 421: "who may drive serve"), an unknown
 #: path or method (404, 405) and a body over the bound (413) are the same on every route.
 SPEC_ERROR_STATUSES: dict[str, frozenset[int]] = {
-    "healthz": frozenset(), "get_config": frozenset(), "list_sessions": frozenset(),
+    "healthz": frozenset(), "get_config": frozenset(), "list_sessions": frozenset({400}),
     "create_session": frozenset({400, 413}), "get_session": frozenset({404}),
     "delete_session": frozenset({404, 409}), "stream": frozenset({400, 404, 422}),
     "read": frozenset({400, 404, 413}), "write": frozenset({400, 404, 413, 429, 507}),
@@ -3579,8 +3654,10 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
         return 201, self.manager.session_json(self.manager.create(request))
 
     @spec_statuses
-    def api_list_sessions(self, _sid: None, body: bytes, _query: str) -> tuple[int, dict[str, Any]]:
-        return 200, {"sessions": [self.manager.session_json(r) for r in self.manager.shown_records()]}
+    def api_list_sessions(self, _sid: None, body: bytes, query: str) -> tuple[int, dict[str, Any]]:
+        wanted = label_filter(query)
+        return 200, {"sessions": [self.manager.session_json(r) for r in self.manager.shown_records()
+                                  if has_labels(r, wanted)]}
 
     @spec_statuses
     def api_get_session(self, sid: str, body: bytes, _query: str) -> tuple[int, dict[str, Any]]:

@@ -58,7 +58,7 @@ def test_a_request_over_one_mebibyte_is_rejected(shell):
     text = "x" * agent.MAX_REQUEST_BYTES
     payload = json.dumps({"id": "big", "method": "message", "params": {"text": text}}).encode() + b"\n"
     reply = response(raw_exchange(shell.session_dir, payload))
-    assert reply["error"]["code"] == "invalid_request" and "exceeds 1048576 bytes" in reply["error"]["message"]
+    assert reply["error"]["code"] == "invalid_request" and f"exceeds {agent.MAX_REQUEST_BYTES} bytes" in reply["error"]["message"]
     assert shell.status()["queue_depth"] == 0
 
 

@@ -370,3 +370,14 @@ def test_only_the_upload_route_takes_raw_bodies_past_the_access_check() -> None:
             ("PUT", "/api/v1/sessions/not-an-id/files/a", "application/octet-stream")):
         with pytest.raises(reploy_serve.UnsupportedMediaType):
             decide(method, target, content_type)
+
+
+def test_a_request_line_the_agent_would_refuse_is_never_sent(tmp_path: Path) -> None:
+    """Escaped JSON can grow a body that fits serve's bound past the agent's line: refused here,
+    413 with its reason, before any connection (the agent dir does not even exist)."""
+    argv = ["true", *(["\x01" * 65536] * 24)]  # 1.5 MiB of argv, 9 MiB as JSON
+    with pytest.raises(reploy_serve.AgentCallError) as refused:
+        reploy_serve.agent_call(tmp_path / "none", "exec", {"argv": argv})
+    assert refused.value.transport is False and str(refused.value).startswith("too large: ")
+    error = reploy_serve.serve_error_for(refused.value)
+    assert (error.status, error.code) == (413, "too_large")

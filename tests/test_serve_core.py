@@ -333,25 +333,68 @@ reploy_serve.SessionStore(__import__("pathlib").Path({str(db)!r})).hold_viewer("
     assert store.viewer_count(sid, now=131.0) == 0
 
 
-def test_a_schema_1_store_gains_the_new_columns_in_place(tmp_path: Path) -> None:
+def _old_store(db: Path, record: reploy_serve.SessionRecord, version: int, added_columns: int) -> None:
+    """A store as schema `version` made it (its first `added_columns` of _STORE_ADDED_COLUMNS), holding record."""
     import sqlite3
 
-    db = tmp_path / "s.db"
     old = sqlite3.connect(db)
     old.execute(reploy_serve._STORE_DDL)
-    record = _record()
-    columns = reploy_serve._RECORD_COLUMNS[:13]  # schema 1's columns
-    values = {**record.__dict__, "spec": record.spec.to_json(), "state": record.state.value}
+    for column, declaration in reploy_serve._STORE_ADDED_COLUMNS[:added_columns]:
+        old.execute(f"ALTER TABLE sessions ADD COLUMN {column} {declaration}")
+    columns = reploy_serve._RECORD_COLUMNS[:13 + added_columns]
+    values = {**record.__dict__, "spec": record.spec.to_json(), "state": record.state.value, "idle_blocked_by": ""}
     old.execute(f"INSERT INTO sessions ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))})",
                 [values[c] for c in columns])
-    old.execute("PRAGMA user_version=1")
+    old.execute(f"PRAGMA user_version={version}")
     old.commit()
     old.close()
+
+
+def test_a_schema_1_store_gains_the_new_columns_in_place(tmp_path: Path) -> None:
+    db = tmp_path / "s.db"
+    record = _record()
+    _old_store(db, record, version=1, added_columns=0)
     store = reploy_serve.SessionStore(db)
     assert store.get(record.id) == record  # busy_at None, idle_blocked_by ()
     reploy_serve.SessionStore(db)  # opening again changes nothing
     store.observe(record.id, S.ACTIVE, 5.0, (B.VIEWER,))
     assert store.get(record.id).idle_blocked_by == (B.VIEWER,)
+
+
+def test_labels_and_a_time_to_live_are_stored_listed_and_filtered(tmp_path: Path) -> None:
+    store = reploy_serve.SessionStore(tmp_path / "s.db")
+    labelled = _record(labels=(("inspect.eval", "e1"), ("sample", "3")), expires_at=61.0)
+    store.insert(labelled)
+    assert store.get(labelled.id) == labelled
+    doc = reploy_serve.session_json(labelled, idle_after_s=10, snapshot_after_s=60)
+    assert doc["labels"] == {"inspect.eval": "e1", "sample": "3"} and seconds(doc["expiresAt"]) == 61.0
+    assert "expiresAt" not in reploy_serve.session_json(_record(), 10, 60)
+    assert (reploy_serve.is_expired(labelled, 60.9), reploy_serve.is_expired(labelled, 61.0)) == (False, True)
+    assert not reploy_serve.is_expired(_record(), 10.0**9)
+    # Repeated filters must all match.
+    wanted = reploy_serve.label_filter("label=inspect.eval=e1&label=sample=3")
+    assert wanted == (("inspect.eval", "e1"), ("sample", "3")) and reploy_serve.has_labels(labelled, wanted)
+    assert not reploy_serve.has_labels(labelled, reploy_serve.label_filter("label=sample=3&label=x=y"))
+    assert reploy_serve.label_filter("label=k=a=b") == (("k", "a=b"),)  # split at the first `=`
+    for query in ("label=novalue", "label=bad%20key=v", "label=k=sp%20ace", "other=1"):
+        with pytest.raises(reploy_serve.BadRequest):
+            reploy_serve.label_filter(query)
+    fields = reploy_serve.parse_body(b'{"name": "x", "labels": {"b": "2", "a": "1"}, "ttlSeconds": 600}', CREATE)
+    request = reploy_serve.CreateRequest.from_fields(fields)
+    assert (request.labels, request.ttl_s) == ((("a", "1"), ("b", "2")), 600)
+    too_many = json.dumps({"name": "x", "labels": {f"k{n}": "v" for n in range(33)}}).encode()
+    for raw in (too_many, b'{"name": "x", "labels": {"-k": "v"}}', b'{"name": "x", "labels": {"k": 1}}',
+                b'{"name": "x", "labels": {"k": "a b"}}', b'{"name": "x", "ttlSeconds": 0}',
+                b'{"name": "x", "labels": []}'):
+        with pytest.raises(reploy_serve.BadRequest):
+            reploy_serve.CreateRequest.from_fields(reploy_serve.parse_body(raw, CREATE))
+
+
+def test_a_schema_3_store_gains_labels_and_expiry(tmp_path: Path) -> None:
+    record = _record()
+    _old_store(tmp_path / "s.db", record, version=3, added_columns=3)
+    store = reploy_serve.SessionStore(tmp_path / "s.db")
+    assert store.get(record.id) == record and record.labels == () and record.expires_at is None
 
 
 # -- request bodies ---------------------------------------------------------------------------

@@ -200,3 +200,31 @@ def test_execs_queue_detach_and_run_without_a_timeout(serve_factory: Callable[..
     # Killed with the session.
     api.call("DELETE", f"/sessions/{sid}", expect=204)
     assert not session_containers(docker_engine, server.state_dir, sid)
+
+
+def test_labels_filter_and_a_time_to_live(serve_factory: Callable[..., ServeProcess],
+                                          docker_engine: Any) -> None:
+    server = serve_factory()
+    api = server.api
+    one = api.create("one", labels={"inspect.eval": "e1", "sample": "1"})
+    two = api.create("two", labels={"inspect.eval": "e1", "sample": "2"}, ttlSeconds=3)
+    other = api.create("other")
+    assert one["labels"] == {"inspect.eval": "e1", "sample": "1"} and other["labels"] == {}
+    assert "expiresAt" in two and "expiresAt" not in one
+    assert api.get(one["id"])["labels"] == one["labels"]
+
+    def listed(query: str) -> list[str]:
+        return [s["name"] for s in api.call("GET", f"/sessions{query}")["sessions"]]
+
+    assert listed("?label=inspect.eval=e1") == ["one", "two"]
+    assert listed("?label=inspect.eval=e1&label=sample=2") == ["two"]
+    assert listed("?label=inspect.eval=e2") == [] and listed("") == ["one", "two", "other"]
+    assert error_of(api, "GET", "/sessions?label=nokey", None, 400) == "bad_request"
+    assert error_of(api, "POST", "/sessions", {"name": "x", "labels": {"k": "a b"}}, 400) == "bad_request"
+    # Past its time to live the reaper deletes it, container and disk and all.
+    # (The record leaves the list as the delete begins; its container and disk go after.)
+    wait_until(lambda: listed("?label=sample=2") == [] and not (server.state_dir / "sessions" / two["id"]).exists(),
+               "the reaper to delete the expired session")
+    assert not session_containers(docker_engine, server.state_dir, two["id"])
+    assert error_of(api, "GET", f"/sessions/{two['id']}", None, 404) == "not_found"
+    assert listed("") == ["one", "other"]
