@@ -7,7 +7,6 @@ output carries its usage (no tokenizer), and Inspect's hub and telemetry switche
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -37,7 +36,7 @@ def anyio_backend() -> str:
 
 
 @pytest.fixture(scope="module")
-def inspect_serve(docker_client: Any, managed_workload: Path) -> Iterator[ServeProcess]:
+def inspect_serve(docker_client: Any, managed_workload: Path) -> Iterator[ServeProcess]:  # noqa: F811
     with serve_processes(managed_workload) as start:
         yield start()
 
@@ -50,7 +49,7 @@ def config_for(server: ServeProcess, **extra: Any) -> reploy_inspect.ReployConfi
 @pytest.fixture(scope="module")
 def shared_sandbox(inspect_serve: ServeProcess) -> Iterator[Any]:
     """One session for the whole battery, as Inspect's own runner shares one environment."""
-    config = config_for(inspect_serve, sweep=False)
+    config = config_for(inspect_serve)
     anyio.run(reploy_inspect.ReploySandboxEnvironment.task_init, "self-check", config)
     environments = anyio.run(reploy_inspect.ReploySandboxEnvironment.sample_init,
                              "self-check", config, {})
@@ -112,16 +111,19 @@ def test_an_eval_of_four_concurrent_samples_is_scored_from_their_files(
         output.usage = usage
         return output
 
+    seen: list[dict[str, Any]] = []  # what each sample's session carried
+
     @scorer(metrics=[accuracy()])
     def answer_file() -> Any:
         async def score(state: TaskState, target: Target) -> Score:
+            seen.append(sandbox().as_type(reploy_inspect.ReploySandboxEnvironment).session.get())
             written = (await sandbox().read_file("out/answer.txt")).strip()
             return Score(value=CORRECT if written == target.text else INCORRECT, answer=written)
         return score
 
     task = Task(dataset=[Sample(input=str(n), target=str(2 * n), id=f"s{n}") for n in range(1, 5)],
                 solver=[use_tools(bash(timeout=60)), generate()], scorer=answer_file(),
-                sandbox=("reploy", config_for(inspect_serve, sweep=False)))
+                sandbox=("reploy", config_for(inspect_serve, ttl_seconds=600)))
     model = get_model("mockllm/model", custom_outputs=model_turn)
     before = {session["id"] for session in inspect_serve.api.call("GET", "/sessions")["sessions"]}
     logs = inspect_eval(task, model=model, log_dir=str(tmp_path / "logs"), max_samples=4,
@@ -132,4 +134,32 @@ def test_an_eval_of_four_concurrent_samples_is_scored_from_their_files(
     assert sorted(s.scores["answer_file"].answer for s in logs[0].samples or []) == ["2", "4", "6", "8"]
     after = {session["id"] for session in inspect_serve.api.call("GET", "/sessions")["sessions"]}
     assert after == before  # every sample's session is gone
-    assert os.environ["HF_HUB_OFFLINE"] == "1"
+    # Each sample's session carried the eval's, task's and sample's ids, and a time to live.
+    eval_id = reploy_inspect.label_value(logs[0].eval.eval_id)
+    assert sorted(s["labels"][reploy_inspect.LABEL_SAMPLE] for s in seen) == ["s1-1", "s2-1", "s3-1", "s4-1"]
+    assert {(s["labels"][reploy_inspect.LABEL_EVAL], s["labels"][reploy_inspect.LABEL_PROVIDER])
+            for s in seen} == {(eval_id, "reploy")}
+    assert all("expiresAt" in s for s in seen)
+
+
+def test_cleanup_deletes_by_label_and_only_the_providers(inspect_serve: ServeProcess,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a killed harness left is found by its labels: task_cleanup takes its task's,
+    `inspect sandbox cleanup reploy` (cli_cleanup) every session of the provider; a session
+    of someone else stays."""
+    environment = reploy_inspect.ReploySandboxEnvironment
+    config = config_for(inspect_serve)
+    left = [anyio.run(environment.sample_init, task, config, {})["default"] for task in ("a", "a", "b")]
+    other = inspect_serve.api.create("not-inspects")["id"]
+
+    def ids() -> set[str]:
+        return {session["id"] for session in inspect_serve.api.call("GET", "/sessions")["sessions"]}
+
+    anyio.run(environment.task_cleanup, "a", config, True)
+    assert {e.session.id for e in left} & ids() == {left[2].session.id}
+    monkeypatch.setenv("REPLOY_SERVER", inspect_serve.ready["url"])
+    monkeypatch.setenv("REPLOY_TOKEN", inspect_serve.ready["token"])
+    reploy_inspect.client_for.cache_clear()
+    anyio.run(environment.cli_cleanup, None)
+    assert {e.session.id for e in left} & ids() == set() and other in ids()
+    inspect_serve.api.call("DELETE", f"/sessions/{other}", expect=204)
