@@ -220,6 +220,7 @@ CONTAINER_ROOT = Path("/")  #: where an absolute path starts (FileRoot.CONTAINER
 WORKER_PACKET_BYTES = 64 * KIB  #: one message between the agent and a file worker (SOCK_SEQPACKET)
 MAX_WORKER_FDS = 1  #: file descriptors one message may carry
 MAX_WORKER_MESSAGE_CHARS = 2000  #: an error message a worker sends, cut to this
+CHILD_REPORT_BYTES = 2 * MAX_WORKER_MESSAGE_CHARS  #: the most read of what a child's preparation reports
 #: A worker that says nothing for this long is given up (its socket closed): a tree walk sends as it goes, an
 #: upload's commit only at its end, after extracting up to MAX_TRANSFER_BYTES.
 WORKER_SILENCE_S = 600.0
@@ -606,6 +607,84 @@ class AgentConfig:
 
 
 # ======================================================================================================================
+# Strict JSON, the first parser any peer's bytes meet. The same section, word for word, is in
+# agent.py, reploy_session_client.py and reploy_watchdog.py: each role file runs alone
+# (tests/test_strict_json.py keeps the copies identical).
+# ======================================================================================================================
+
+
+#: The deepest nesting of arrays and objects a peer may send. Every Reploy message is far
+#: shallower; deeper input would otherwise end in the interpreter's recursion limit.
+MAX_JSON_DEPTH = 32
+
+
+class StrictJsonError(ValueError):
+    """Bytes that are not exactly one strict JSON value. The caller says whose they were."""
+
+
+def _json_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in obj:
+            raise StrictJsonError(f"duplicate field {key[:40]!r}")
+        obj[key] = value
+    return obj
+
+
+def _json_constant(name: str) -> Any:
+    raise StrictJsonError(f"non-standard JSON constant {name}")
+
+
+def _json_float(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):  # 1e999: JSON can carry no infinity
+        raise StrictJsonError(f"{text[:40]} is beyond a float's range")
+    return value
+
+
+_STRICT_JSON = json.JSONDecoder(object_pairs_hook=_json_pairs, parse_constant=_json_constant,
+                                parse_float=_json_float)
+
+
+def _json_depth(value: Any) -> int:
+    """How deeply arrays and objects nest in a decoded value, up to one past MAX_JSON_DEPTH:
+    level by level (a loop, not recursion: the value came from a peer)."""
+    depth, level = 0, [value] if isinstance(value, (dict, list)) else []
+    while level and depth <= MAX_JSON_DEPTH:
+        depth += 1
+        level = [child for item in level
+                 for child in (item.values() if isinstance(item, dict) else item)
+                 if isinstance(child, (dict, list))]
+    return depth
+
+
+def parse_strict_json(data: bytes, max_bytes: int) -> Any:
+    """Exactly one JSON value in at most max_bytes of UTF-8 (JSON's whitespace around it
+    allowed, as json.loads allows it), nested at most MAX_JSON_DEPTH deep, with no duplicate
+    field, NaN or infinity. Anything else raises StrictJsonError and nothing else: every byte
+    a peer sends meets this first."""
+    if len(data) > max_bytes:
+        raise StrictJsonError(f"more than {max_bytes} bytes")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise StrictJsonError(f"invalid UTF-8 at byte {e.start}") from None
+    try:
+        value = _STRICT_JSON.decode(text)
+    except StrictJsonError:
+        raise
+    except json.JSONDecodeError as e:
+        raise StrictJsonError(f"malformed JSON: {e.msg} at {e.pos}") from None
+    except RecursionError:
+        raise StrictJsonError(f"nested deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError as e:  # an integer past int()'s digit limit
+        raise StrictJsonError(f"malformed JSON: {e}") from None
+    if _json_depth(value) > MAX_JSON_DEPTH:
+        raise StrictJsonError(f"nested deeper than {MAX_JSON_DEPTH} levels")
+    return value
+
+
+# ======================================================================================================================
 # Pure core: the request codec (framing, one validating parser, response encoding)
 # ======================================================================================================================
 
@@ -753,13 +832,6 @@ _PARAM_SCHEMAS: dict[Method, tuple[type, tuple[_Field, ...]]] = {
 }
 
 
-def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    keys = [key for key, _ in pairs]
-    if len(set(keys)) != len(keys):
-        raise ValueError("duplicate key in JSON object")
-    return dict(pairs)
-
-
 def _convert_field(field: _Field, value: Any) -> Any:
     """One parameter value, checked against its kind and range."""
     where = f"params.{field.wire_name}"
@@ -865,9 +937,9 @@ def _parse_params(method: Method, params: Any) -> Params:
 def parse_request(line: bytes) -> Request:
     """Validates one request line into a Request. RequestError carries the id when one could be read."""
     try:
-        document = json.loads(line.decode("utf-8"), object_pairs_hook=_reject_duplicate_keys)
-    except (UnicodeDecodeError, ValueError) as e:
-        raise RequestError(f"request is not a JSON document: {e}") from e
+        document = parse_strict_json(line, MAX_REQUEST_BYTES)
+    except StrictJsonError as e:
+        raise RequestError(f"request is not a JSON document: {e}") from None
     if not isinstance(document, dict):
         raise RequestError("request must be a JSON object")
     request_id = document.get("id")
@@ -1025,8 +1097,8 @@ class StreamJsonProjector:
 
     def _project(self, line: bytes) -> str:
         try:
-            document = json.loads(line)
-        except ValueError:  # includes UnicodeDecodeError: not JSON, so plain text
+            document = parse_strict_json(line, self._max_line_bytes)
+        except StrictJsonError:  # not (strict) JSON, so plain text
             document = None
         if not isinstance(document, dict):
             return self._put(line.decode("utf-8", errors="replace") + "\n")
@@ -1311,9 +1383,9 @@ def check_archive_members(members: list[tarfile.TarInfo], include: tuple[str, ..
 
 def parse_manifest(data: bytes) -> Manifest:
     try:
-        document = json.loads(data.decode("utf-8"), object_pairs_hook=_reject_duplicate_keys)
-    except (UnicodeDecodeError, ValueError) as e:
-        raise ArchiveError(f"manifest is not JSON: {e}") from e
+        document = parse_strict_json(data, MAX_MANIFEST_BYTES)
+    except StrictJsonError as e:
+        raise ArchiveError(f"manifest is not JSON: {e}") from None
     expected = {"format", "version", "id", "workload", "log_bytes", "continue", "include"}
     if not isinstance(document, dict) or set(document) != expected:
         raise ArchiveError(f"manifest must hold exactly {sorted(expected)} (a {ARCHIVE_FORMAT} v{ARCHIVE_VERSION} "
@@ -1499,9 +1571,8 @@ MAX_MTIME_S = 10 ** 12  #: further from 1970 than this (either way) is not a tim
 def parse_worker_packet(data: bytes) -> WorkerPacket:
     """One message from a worker: a JSON object with exactly one key, a WorkerAnswer, whose value is an object."""
     try:
-        document = json.loads(data.decode("utf-8"), object_pairs_hook=_reject_duplicate_keys,
-                              parse_constant=_reject_constant)
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        document = parse_strict_json(data, WORKER_PACKET_BYTES)
+    except StrictJsonError as e:
         raise WorkerProtocolError(f"the file worker sent a message that is not JSON: {e}") from None
     if not isinstance(document, dict) or len(document) != 1:
         raise WorkerProtocolError("the file worker sent a message that is not one {kind: fields} object")
@@ -1513,10 +1584,6 @@ def parse_worker_packet(data: bytes) -> WorkerPacket:
     if not isinstance(fields, dict):
         raise WorkerProtocolError(f"the file worker's {kind.value} is not an object")
     return WorkerPacket(kind, fields)
-
-
-def _reject_constant(name: str) -> None:
-    raise ValueError(f"{name} is not a JSON number")
 
 
 def worker_failure(fields: dict[str, Any]) -> AgentError:
@@ -2112,7 +2179,7 @@ def spawn_in_workload(config: AgentConfig, argv: list[str], cwd: Optional[Where]
     except subprocess.SubprocessError:
         os.close(errors_write)
         errors_write = -1
-        raise child_setup_error(os.read(errors_read, 2 * MAX_WORKER_MESSAGE_CHARS)) from None
+        raise child_setup_error(os.read(errors_read, CHILD_REPORT_BYTES)) from None
     finally:
         os.close(errors_read)
         if errors_write >= 0:
@@ -2122,11 +2189,12 @@ def spawn_in_workload(config: AgentConfig, argv: list[str], cwd: Optional[Where]
 def child_setup_error(report: bytes) -> AgentError:
     """What a child's preparation wrote before it gave up (see spawn_in_workload), as the error it was."""
     try:
-        fields = json.loads(report)
-    except ValueError:
+        fields = parse_strict_json(report, CHILD_REPORT_BYTES)
+    except StrictJsonError:  # the child runs as the runtime user, whom the workload can trace
         fields = None
-    if isinstance(fields, dict) and not isinstance(error := worker_failure(fields), WorkerProtocolError):
-        return error
+    with contextlib.suppress(WorkerProtocolError):  # not an error report (worker_failure raises): the one below
+        if isinstance(fields, dict) and not isinstance(error := worker_failure(fields), WorkerProtocolError):
+            return error
     return CommandError("cannot start the process: its preparation as the runtime user failed")
 
 
@@ -2686,10 +2754,12 @@ def check_tree_target(root: Path, parts: tuple[str, ...]) -> None:
         os.close(root_fd)
 
 
-def extract_upload(archive_file: BinaryIO, root: Path, parts: tuple[str, ...], staging_name: str) -> int:
-    """Vets a tar (plain or gzip, read from its start), extracts it into a private directory beside the target,
-    then merges that into the target directory root/parts (made if missing). A refused archive or a conflict writes
-    nothing. Returns entries written."""
+def extract_upload(archive_file: BinaryIO, root: Path, parts: tuple[str, ...], staging_name: str, *,
+                   max_bytes: int = MAX_TRANSFER_BYTES, compressed: bool = True) -> int:
+    """Vets a tar (read from its start; compressed as tarfile reads it only when `compressed`, and holding at most
+    max_bytes of content, sparse files counted at their full size), extracts it into a private directory beside the
+    target, then merges that into the target directory root/parts (made if missing). A refused archive or a conflict
+    writes nothing. Returns entries written."""
     root_fd = open_root(root)
     try:
         deepest, depth = open_deepest_dir(root_fd, parts)
@@ -2697,8 +2767,8 @@ def extract_upload(archive_file: BinaryIO, root: Path, parts: tuple[str, ...], s
         os.close(root_fd)
     try:
         archive_file.seek(0)
-        with tarfile.open(fileobj=archive_file, mode="r:*") as archive:
-            planned = vet_upload_members(archive.getmembers())
+        with tarfile.open(fileobj=archive_file, mode="r:*" if compressed else "r:") as archive:
+            planned = vet_upload_members(archive.getmembers(), max_bytes=max_bytes)
             content_bytes = sum(member.size for _, member in planned if member.isfile())
             require_free_space(deepest, content_bytes, shown_path(parts))
             os.mkdir(staging_name, PRIVATE_DIR_MODE, dir_fd=deepest)
@@ -2719,7 +2789,8 @@ def extract_upload(archive_file: BinaryIO, root: Path, parts: tuple[str, ...], s
                 shutil.rmtree(staging_name, dir_fd=deepest, ignore_errors=True)
         return len(planned)
     except (tarfile.TarError, EOFError) as e:
-        raise ArchiveError(f"refused: not a readable tar archive: {e}") from e
+        kind = "tar archive" if compressed else "uncompressed tar archive"
+        raise ArchiveError(f"refused: not a readable {kind}: {e}") from e
     finally:
         os.close(deepest)
 
@@ -3167,6 +3238,8 @@ def _op_stat(sock: socket.socket, request: dict[str, Any], fds: list[int]) -> No
 def _op_list(sock: socket.socket, request: dict[str, Any], fds: list[int]) -> None:
     root, parts = Path(request["root"]), tuple(request["path"])
     entry = stat_entry(root, parts)
+    if entry["type"] != "directory":  # as listing it would say, also when a directory takes its place meanwhile
+        raise CommandError(f"not a directory: {shown_path(parts)}")
     page = list_entries(root, parts, request["offset"], request["limit"])
     for item in page["entries"]:
         _send_packet(sock, {WorkerAnswer.ENTRY.value: {"entry": item}})

@@ -1667,7 +1667,7 @@ def probe_problem(report: bytes, runtime: Runtime) -> Optional[str]:
     no-new-privileges and no capability in any set. Anything unreadable fails closed."""
     try:
         line = report.strip().splitlines()[-1] if report.strip() else b""
-        obj = wire.parse_strict_object(line)
+        obj = wire.parse_strict_object(line, max_bytes=wire.MAX_LINE_BYTES)
     except wire.ProtocolError:
         return f"its report is unreadable ({printable(report[-200:].decode(errors='replace'))!r})"
     if obj.get("version") != __version__:

@@ -43,7 +43,6 @@ import ipaddress
 import os
 import re
 import secrets
-import shutil
 import stat
 import sys
 import tempfile
@@ -326,7 +325,7 @@ def parse_sse_event(lines: list[str]) -> Optional[OutputChunk]:
     if not data:
         return None
     try:
-        document = wire.parse_strict_object(data.encode())
+        document = wire.parse_strict_object(data.encode(), max_bytes=MAX_SSE_LINE_BYTES)
     except wire.ProtocolError as e:
         raise AnswerInvalid(f"a stream event is not one JSON object: {e}") from None
     if event == "reset":
@@ -506,7 +505,7 @@ class Client:
         if len(answer.body) > MAX_ANSWER_BYTES:
             raise self.unexpected(answer.status, f"an answer longer than {MAX_ANSWER_BYTES} bytes")
         try:
-            return wire.parse_strict_object(answer.body)
+            return wire.parse_strict_object(answer.body, max_bytes=MAX_ANSWER_BYTES)
         except wire.ProtocolError as e:
             raise self.unexpected(answer.status, f"HTTP {answer.status}, {e}") from None
 
@@ -860,57 +859,101 @@ def copy_bounded(source: Any, sink: Any, limit_bytes: int, what: str) -> int:
     return copied
 
 
-def copy_from_session(session: Session, root: str, path: str, local: str) -> dict[str, Any]:
-    """Session -> here. A file is written under a temporary name and renamed; a directory comes
-    as a tar, vetted like any untrusted archive (agent.py's rules) and merged in, so a refused
-    archive writes nothing. What is spooled is bounded by copy_limit_bytes() and removed on
-    any error, SIGINT or SIGTERM. `-` as `local` is stdout."""
+#: What a download is, by the Content-Type serve sets from what the agent opened for it (a
+#: file's bytes or a directory's tar), as `session cp` names it.
+DOWNLOAD_KINDS = {"application/octet-stream": "file", "application/x-tar": "tree"}
+KIND_NAMES = {"file": "a file", "tree": "a directory"}
+
+
+def download_kind(content_type: str, source: str) -> str:
+    """What a download carries, from its own response: never from an earlier listing, which
+    the session may have made untrue since (a directory swapped with a file)."""
+    kind = DOWNLOAD_KINDS.get(content_type.partition(";")[0].strip().lower())
+    if kind is None:
+        raise ReployError(None, None, f"{source}: the download is {shown(content_type[:60])!r}, "
+                                      "neither a file nor a directory's tar")
+    return kind
+
+
+def receive_file(response: Any, target: Path, mode: int, limit_bytes: int, source: str) -> int:
+    """A file's download, spooled beside `target` (at most limit_bytes) and renamed onto it
+    with a sane `mode`; nothing is left on any error. Returns its size."""
     import agent as agent_role
 
+    spool_fd, spool_name = tempfile.mkstemp(dir=target.parent, prefix=".reploy-cp-")
+    try:
+        with os.fdopen(spool_fd, "w+b") as spool:
+            copied = copy_bounded(response, spool, limit_bytes, f"{source}: the download")
+            os.fchmod(spool.fileno(), agent_role.sane_mode(mode, directory=False))
+            spool.flush()
+            os.replace(spool_name, target)
+            return copied
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(spool_name)
+
+
+def receive_tree(response: Any, target: Path, limit_bytes: int, source: str) -> int:
+    """A directory's download: an uncompressed tar (nothing a session sends is decompressed),
+    spooled beside `target` (at most limit_bytes), vetted whole like any untrusted archive
+    (agent.py's rules, its members' sizes summed against limit_bytes, a sparse file at its full
+    size) before its first byte is written, then merged in. Returns the entries written."""
+    import agent as agent_role
+
+    spool_fd, spool_name = tempfile.mkstemp(dir=target.parent, prefix=".reploy-cp-")
+    try:
+        with os.fdopen(spool_fd, "w+b") as spool:
+            copy_bounded(response, spool, limit_bytes, f"{source}: the download")
+            return agent_role.extract_upload(spool, target.parent, (target.name,),
+                                             f"{Path(spool_name).name}.d", max_bytes=limit_bytes,
+                                             compressed=False)
+    except agent_role.AgentError as e:
+        raise ReployError(None, None, f"{source}: {e}") from e
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(spool_name)
+
+
+def copy_from_session(session: Session, root: str, path: str, local: str) -> dict[str, Any]:
+    """Session -> here. A file is written under a temporary name and renamed; a directory comes
+    as a tar, vetted and merged in (receive_tree), so a refused archive writes nothing. The
+    kind is the download's own (download_kind); a listing that said otherwise means the session
+    changed the path meanwhile, which is an error. What is spooled is bounded by
+    copy_limit_bytes() and removed on any error, SIGINT or SIGTERM. `-` as `local` is stdout."""
     client = session.client
-    shown_path = path if root == "workspace" else f"~/{path}"
-    entry = session.files.entry(shown_path)
+    entry = session.files.entry(path if root == "workspace" else f"~/{path}")
     source = f"{session.id}:{path}"
     if entry is None:
         raise ReployFileNotFoundError(404, "not_found", f"{source}: no such file or directory")
-    kind = "tree" if entry["type"] == "directory" else "file"
+    listed = "tree" if entry["type"] == "directory" else "file"
     limit_bytes = copy_limit_bytes(client)
-    with client.open_stream("GET", file_route("files", session.id, root, path)) as response:
-        if local == "-":
-            shutil.copyfileobj(response, sys.stdout.buffer, TRANSFER_CHUNK_BYTES)
-            sys.stdout.buffer.flush()
-            return {"source": source, "destination": "-", "kind": kind}
-        announced = response.getheader("Content-Length")
-        if announced is not None and (not announced.isdigit() or int(announced) > limit_bytes):
-            raise ReployError(None, "too_large",
-                              f"{source}: the download announces more than {limit_bytes} bytes")
-        target = Path(local)
-        if target.is_dir():
-            target = target / (Path(path).name or root)
-        if not target.parent.is_dir():
-            raise ReployFileNotFoundError(None, "not_found", f"{target.parent}: no such directory")
-        spool_fd, spool_name = -1, ""
-        try:
-            spool_fd, spool_name = tempfile.mkstemp(dir=target.parent, prefix=".reploy-cp-")
-            with os.fdopen(spool_fd, "w+b") as spool:
-                copied = copy_bounded(response, spool, limit_bytes, f"{source}: the download")
-                if kind == "file":
-                    os.fchmod(spool.fileno(), agent_role.sane_mode(entry["mode"], directory=False))
-                    spool.flush()
-                    os.replace(spool_name, target)
-                    return {"source": source, "destination": str(target), "kind": kind,
-                            "bytes": copied}
-                entries = agent_role.extract_upload(spool, target.parent, (target.name,),
-                                                    f"{Path(spool_name).name}.d")
-        except agent_role.AgentError as e:
-            raise ReployError(None, None, f"{source}: {e}") from e
-        except http.client.HTTPException as e:  # a tar the server had to end short, say
-            raise ReployError(None, None, f"{source}: the download ended early ({e!r})") from e
-        finally:
-            if spool_name:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(spool_name)
-    return {"source": source, "destination": str(target), "kind": kind, "entries": entries}
+    try:
+        with client.open_stream("GET", file_route("files", session.id, root, path)) as response:
+            kind = download_kind(response.getheader("Content-Type", ""), source)
+            if kind != listed:
+                raise ReployError(None, None, f"{source} changed while it was copied: listed as "
+                                              f"{KIND_NAMES[listed]}, downloaded as {KIND_NAMES[kind]}; "
+                                              "nothing was written")
+            announced = response.getheader("Content-Length")
+            if announced is not None and (not announced.isdigit() or int(announced) > limit_bytes):
+                raise ReployError(None, "too_large",
+                                  f"{source}: the download announces more than {limit_bytes} bytes")
+            if local == "-":
+                copy_bounded(response, sys.stdout.buffer, limit_bytes, f"{source}: the download")
+                sys.stdout.buffer.flush()
+                return {"source": source, "destination": "-", "kind": kind}
+            target = Path(local)
+            if target.is_dir():
+                target = target / (Path(path).name or root)
+            if not target.parent.is_dir():
+                raise ReployFileNotFoundError(None, "not_found", f"{target.parent}: no such directory")
+            if kind == "file":
+                return {"source": source, "destination": str(target), "kind": kind,
+                        "bytes": receive_file(response, target, entry["mode"], limit_bytes, source)}
+            return {"source": source, "destination": str(target), "kind": kind,
+                    "entries": receive_tree(response, target, limit_bytes, source)}
+    except http.client.HTTPException as e:  # a tar the server had to end short, say
+        raise ReployError(None, None, f"{source}: the download ended early ({e!r})") from e
 
 
 def copy_to_session(local: str, session: Session, root: str, path: str) -> dict[str, Any]:

@@ -943,7 +943,8 @@ def parse_body(raw: bytes, rules: dict[str, FieldRule]) -> dict[str, Any]:
         doc: dict[str, Any] = {}
     else:
         try:
-            doc = wire.parse_strict_object(raw.strip(b" \t\r\n"))  # JSON's own whitespace
+            doc = wire.parse_strict_object(raw.strip(b" \t\r\n"),  # JSON's own whitespace
+                                           max_bytes=MAX_BODY_BYTES)
         except wire.ProtocolError as e:
             raise BadRequest(f"the body: {e}") from None
     unknown = sorted(set(doc) - set(rules))
@@ -1927,7 +1928,8 @@ def parse_agent_response(method: str, params: dict[str, Any], line: bytes) -> di
     neither."""
     try:
         # Every string kept is checked to be writable by its field's rule (_text, patterns).
-        document = wire.parse_strict_object(line.removesuffix(b"\n"), writable=False)
+        document = wire.parse_strict_object(line.removesuffix(b"\n"), writable=False,
+                                            max_bytes=AGENT_MAX_RESPONSE_BYTES)
     except wire.ProtocolError as e:
         raise AnswerInvalid(f"the answer is not one JSON object ({e})") from None
     _require(document.get("id") == "serve" and set(document) in ({"id", "result"}, {"id", "error"}),

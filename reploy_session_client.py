@@ -123,44 +123,103 @@ class FramingError(ProtocolError):
 
 
 # ============================================================================================
-# Strict JSON: one object, no duplicates, no trailing data, no NaN
+# Strict JSON, the first parser any peer's bytes meet. The same section, word for word, is in
+# agent.py, reploy_session_client.py and reploy_watchdog.py: each role file runs alone
+# (tests/test_strict_json.py keeps the copies identical).
 # ============================================================================================
 
 
-def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+#: The deepest nesting of arrays and objects a peer may send. Every Reploy message is far
+#: shallower; deeper input would otherwise end in the interpreter's recursion limit.
+MAX_JSON_DEPTH = 32
+
+
+class StrictJsonError(ValueError):
+    """Bytes that are not exactly one strict JSON value. The caller says whose they were."""
+
+
+def _json_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     obj: dict[str, Any] = {}
     for key, value in pairs:
         if key in obj:
-            raise ProtocolError("invalid_request", f"duplicate field {key!r}")
+            raise StrictJsonError(f"duplicate field {key[:40]!r}")
         obj[key] = value
     return obj
 
 
-def _reject_constant(name: str) -> Any:
-    raise ProtocolError("invalid_request", f"non-standard JSON constant {name}")
+def _json_constant(name: str) -> Any:
+    raise StrictJsonError(f"non-standard JSON constant {name}")
 
 
-_STRICT_DECODER = json.JSONDecoder(
-    object_pairs_hook=_reject_duplicate_keys, parse_constant=_reject_constant
-)
+def _json_float(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):  # 1e999: JSON can carry no infinity
+        raise StrictJsonError(f"{text[:40]} is beyond a float's range")
+    return value
 
 
-def parse_strict_object(data: bytes, *, writable: bool = True) -> dict[str, Any]:
-    """Decode exactly one JSON object from UTF-8 bytes; anything else is a ProtocolError.
-    `writable=False` skips checking that the object can be written back (no lone surrogate
-    escape): a reader that checks each string it keeps saves encoding a large object twice."""
+_STRICT_JSON = json.JSONDecoder(object_pairs_hook=_json_pairs, parse_constant=_json_constant,
+                                parse_float=_json_float)
+
+
+def _json_depth(value: Any) -> int:
+    """How deeply arrays and objects nest in a decoded value, up to one past MAX_JSON_DEPTH:
+    level by level (a loop, not recursion: the value came from a peer)."""
+    depth, level = 0, [value] if isinstance(value, (dict, list)) else []
+    while level and depth <= MAX_JSON_DEPTH:
+        depth += 1
+        level = [child for item in level
+                 for child in (item.values() if isinstance(item, dict) else item)
+                 if isinstance(child, (dict, list))]
+    return depth
+
+
+def parse_strict_json(data: bytes, max_bytes: int) -> Any:
+    """Exactly one JSON value in at most max_bytes of UTF-8 (JSON's whitespace around it
+    allowed, as json.loads allows it), nested at most MAX_JSON_DEPTH deep, with no duplicate
+    field, NaN or infinity. Anything else raises StrictJsonError and nothing else: every byte
+    a peer sends meets this first."""
+    if len(data) > max_bytes:
+        raise StrictJsonError(f"more than {max_bytes} bytes")
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ProtocolError("invalid_request", f"invalid UTF-8 at byte {e.start}") from e
+        raise StrictJsonError(f"invalid UTF-8 at byte {e.start}") from None
     try:
-        obj, end = _STRICT_DECODER.raw_decode(text)
+        value = _STRICT_JSON.decode(text)
+    except StrictJsonError:
+        raise
     except json.JSONDecodeError as e:
-        raise ProtocolError("invalid_request", f"malformed JSON: {e.msg} at {e.pos}") from e
-    except (ValueError, RecursionError) as e:  # an integer past int()'s digit limit; deep nesting
-        raise ProtocolError("invalid_request", f"malformed JSON: {e}") from e
-    if end != len(text):
-        raise ProtocolError("invalid_request", "trailing data after the JSON object")
+        raise StrictJsonError(f"malformed JSON: {e.msg} at {e.pos}") from None
+    except RecursionError:
+        raise StrictJsonError(f"nested deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError as e:  # an integer past int()'s digit limit
+        raise StrictJsonError(f"malformed JSON: {e}") from None
+    if _json_depth(value) > MAX_JSON_DEPTH:
+        raise StrictJsonError(f"nested deeper than {MAX_JSON_DEPTH} levels")
+    return value
+
+
+# ============================================================================================
+# Strict JSON objects: the messages of the stream, the channel and serve's API
+# ============================================================================================
+
+#: JSON's own whitespace, which a message may not carry around its object.
+_JSON_SPACE = frozenset(b" \t\r\n")
+
+
+def parse_strict_object(data: bytes, *, max_bytes: int,
+                        writable: bool = True) -> dict[str, Any]:
+    """Decode exactly one JSON object (parse_strict_json's rules, nothing around it) from at
+    most max_bytes of UTF-8; anything else is a ProtocolError.
+    `writable=False` skips checking that the object can be written back (no lone surrogate
+    escape): a reader that checks each string it keeps saves encoding a large object twice."""
+    if data and (data[0] in _JSON_SPACE or data[-1] in _JSON_SPACE):
+        raise ProtocolError("invalid_request", "whitespace around the JSON object")
+    try:
+        obj = parse_strict_json(data, max_bytes)
+    except StrictJsonError as e:
+        raise ProtocolError("invalid_request", str(e)) from None
     if not isinstance(obj, dict):
         raise ProtocolError("invalid_request", "a message must be a JSON object")
     if not writable:
@@ -169,8 +228,6 @@ def parse_strict_object(data: bytes, *, writable: bool = True) -> dict[str, Any]
         encode_compact(obj)  # a lone surrogate escape (\ud800) decodes but can never be written
     except UnicodeEncodeError as e:
         raise ProtocolError("invalid_request", "a string holds a lone surrogate escape") from e
-    except ValueError as e:  # 1e999 decodes as infinity, which JSON cannot carry
-        raise ProtocolError("invalid_request", f"malformed JSON: {e}") from e
     return obj
 
 
@@ -716,7 +773,7 @@ def decode_message(line: bytes, direction: Direction) -> Message:
         raise ProtocolError("line_too_long", f"line exceeds {MAX_LINE_BYTES} bytes")
     if not line.endswith(b"\n"):
         raise ProtocolError("invalid_request", "a message must end with a newline")
-    obj = parse_strict_object(line[:-1])
+    obj = parse_strict_object(line[:-1], max_bytes=MAX_LINE_BYTES)
     if obj.get("schema") != CLIENT_SCHEMA:
         raise ProtocolError("unsupported_schema", f"schema must be {CLIENT_SCHEMA!r}")
     kind = obj.get("type")
@@ -882,7 +939,7 @@ class Frame:
 
     def json(self) -> dict[str, Any]:
         """The payload of a structured frame, parsed strictly."""
-        return parse_strict_object(self.payload)
+        return parse_strict_object(self.payload, max_bytes=MAX_FRAME_PAYLOAD_BYTES)
 
 
 def encode_frame(kind: FrameKind, payload: bytes = b"") -> bytes:

@@ -203,6 +203,84 @@ HOST_MESSAGES = frozenset({MessageType.ARM, MessageType.DISARM})
 WATCHDOG_MESSAGES = frozenset({MessageType.ARMED, MessageType.REFUSED})
 
 # ============================================================================================
+# Strict JSON, the first parser any peer's bytes meet. The same section, word for word, is in
+# agent.py, reploy_session_client.py and reploy_watchdog.py: each role file runs alone
+# (tests/test_strict_json.py keeps the copies identical).
+# ============================================================================================
+
+
+#: The deepest nesting of arrays and objects a peer may send. Every Reploy message is far
+#: shallower; deeper input would otherwise end in the interpreter's recursion limit.
+MAX_JSON_DEPTH = 32
+
+
+class StrictJsonError(ValueError):
+    """Bytes that are not exactly one strict JSON value. The caller says whose they were."""
+
+
+def _json_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in obj:
+            raise StrictJsonError(f"duplicate field {key[:40]!r}")
+        obj[key] = value
+    return obj
+
+
+def _json_constant(name: str) -> Any:
+    raise StrictJsonError(f"non-standard JSON constant {name}")
+
+
+def _json_float(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):  # 1e999: JSON can carry no infinity
+        raise StrictJsonError(f"{text[:40]} is beyond a float's range")
+    return value
+
+
+_STRICT_JSON = json.JSONDecoder(object_pairs_hook=_json_pairs, parse_constant=_json_constant,
+                                parse_float=_json_float)
+
+
+def _json_depth(value: Any) -> int:
+    """How deeply arrays and objects nest in a decoded value, up to one past MAX_JSON_DEPTH:
+    level by level (a loop, not recursion: the value came from a peer)."""
+    depth, level = 0, [value] if isinstance(value, (dict, list)) else []
+    while level and depth <= MAX_JSON_DEPTH:
+        depth += 1
+        level = [child for item in level
+                 for child in (item.values() if isinstance(item, dict) else item)
+                 if isinstance(child, (dict, list))]
+    return depth
+
+
+def parse_strict_json(data: bytes, max_bytes: int) -> Any:
+    """Exactly one JSON value in at most max_bytes of UTF-8 (JSON's whitespace around it
+    allowed, as json.loads allows it), nested at most MAX_JSON_DEPTH deep, with no duplicate
+    field, NaN or infinity. Anything else raises StrictJsonError and nothing else: every byte
+    a peer sends meets this first."""
+    if len(data) > max_bytes:
+        raise StrictJsonError(f"more than {max_bytes} bytes")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise StrictJsonError(f"invalid UTF-8 at byte {e.start}") from None
+    try:
+        value = _STRICT_JSON.decode(text)
+    except StrictJsonError:
+        raise
+    except json.JSONDecodeError as e:
+        raise StrictJsonError(f"malformed JSON: {e.msg} at {e.pos}") from None
+    except RecursionError:
+        raise StrictJsonError(f"nested deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError as e:  # an integer past int()'s digit limit
+        raise StrictJsonError(f"malformed JSON: {e}") from None
+    if _json_depth(value) > MAX_JSON_DEPTH:
+        raise StrictJsonError(f"nested deeper than {MAX_JSON_DEPTH} levels")
+    return value
+
+
+# ============================================================================================
 # The protocol: JSON lines, one validating parser, per-run state (no I/O below this point
 # until "Manifests")
 # ============================================================================================
@@ -220,28 +298,12 @@ def encode(message: Message) -> bytes:
     return line
 
 
-def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    obj: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in obj:
-            raise ProtocolError(f"duplicate field {key!r}")
-        obj[key] = value
-    return obj
-
-
-def _reject_constant(name: str) -> Any:
-    raise ProtocolError(f"non-standard JSON constant {name}")
-
-
 def decode(line: bytes, allowed: frozenset[MessageType]) -> Message:
     """The one parser: a JSON object line of a type in `allowed`, with exactly its fields."""
     try:
-        obj = json.loads(line.decode("utf-8"), object_pairs_hook=_reject_duplicate_keys,
-                         parse_constant=_reject_constant)
-    except UnicodeDecodeError as e:
-        raise ProtocolError("a message must be UTF-8") from e
-    except json.JSONDecodeError as e:
-        raise ProtocolError(f"a message must be one JSON object: {e.msg}") from e
+        obj = parse_strict_json(line, MAX_MESSAGE_BYTES)
+    except StrictJsonError as e:
+        raise ProtocolError(f"a message must be one JSON object: {e}") from None
     if not isinstance(obj, dict):
         raise ProtocolError("a message must be a JSON object")
     try:

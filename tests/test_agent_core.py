@@ -128,7 +128,7 @@ def test_malformed_requests_with_an_id_echo_it(document, message):
 
 
 def test_duplicate_keys_are_rejected():
-    with pytest.raises(agent.RequestError, match="duplicate key"):
+    with pytest.raises(agent.RequestError, match="duplicate field"):
         agent.parse_request(b'{"id":"1","method":"status","method":"read"}')
 
 

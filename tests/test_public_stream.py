@@ -245,7 +245,7 @@ def optional_status(family: str, value: Any) -> Optional[wire.Status]:
 @pytest.mark.parametrize("line", run_result_cases())
 def test_run_result_rebuilds_byte_for_byte(line: bytes) -> None:
     assert [key for key, _ in ordered_pairs(line)] == list(reploy.RESULT_KEYS)
-    obj = wire.parse_strict_object(line[:-1])
+    obj = wire.parse_strict_object(line[:-1], max_bytes=wire.MAX_LINE_BYTES)
     assert obj["schema"] == wire.RUN_RESULT_SCHEMA
     session = obj["session_result"]
     action = obj["delivery_tail_recovery_action"]
