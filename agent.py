@@ -184,8 +184,9 @@ MAX_FINISHED_EXECS = 64  #: finished results kept for exec_wait; the oldest goes
 FINISHED_EXEC_KEEP_S = 300.0  #: a finished result nobody released is dropped after this
 MAX_EXEC_TIMEOUT_MS = 24 * 3600 * 1000  #: no timeout given: none (the command runs until it ends or is killed)
 DEFAULT_EXEC_OUTPUT_CAP_BYTES = 1 * MIB  #: per stream; more is read and discarded, `truncated` says so
-#: Per stream. Output is spooled to an unnamed file in the agent's dir (the session's disk), not held in memory.
+#: Per stream; past EXEC_HELD_BYTES it is spooled to an unnamed file in the agent's dir (the session's disk).
 MAX_EXEC_OUTPUT_CAP_BYTES = 16 * MIB
+EXEC_HELD_BYTES = 1 * MIB  #: per stream, held in memory; past it output is spooled (ExecOutput)
 MAX_EXEC_ARGS_BYTES = 2 * MIB  #: argv and env, each: the kernel's ARG_MAX (more fails to start: `cannot run`)
 #: Inline stdin travels inside the request line; more comes from a file (`stdin_path`: upload it first).
 MAX_EXEC_STDIN_BYTES = 4 * MIB
@@ -3913,33 +3914,47 @@ def spawn_exec(config: AgentConfig, params: ExecParams, exec_id: str) -> subproc
 
 
 class ExecOutput:
-    """One output stream of an exec, spooled to an unnamed file in the agent's dir (the session's disk, so a
-    16 MiB cap times eight execs costs no memory): kept up to its cap; later bytes are read and dropped, and
-    `truncated` says so."""
+    """One output stream of an exec: kept up to its cap; later bytes are read and dropped, and `truncated` says so.
+    The first EXEC_HELD_BYTES are held in memory, so ordinary output (an error on a full disk among it) never needs
+    the disk; the rest is spooled to an unnamed file in the agent's dir (the session's disk), so eight execs at a
+    16 MiB cap cost no more memory than that. What the disk cannot take is lost, and marked truncated."""
 
     def __init__(self, cap_bytes: int, spool_dir: Path) -> None:
         self.cap_bytes = cap_bytes
         self.size_bytes = 0
         self.truncated = False
-        self._fd = os.open(spool_dir, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600) if cap_bytes else -1
+        self._held = bytearray()
+        self._spool_dir = spool_dir
+        self._fd = -1
 
     def feed(self, chunk: bytes) -> None:
         room_bytes = self.cap_bytes - self.size_bytes
         if len(chunk) > room_bytes:
             self.truncated = True
             chunk = chunk[:max(room_bytes, 0)]
-        if chunk:
-            try:
-                _write_all(self._fd, chunk)
-            except OSError:  # the session's disk is full: what did not fit is lost, and said so
-                self.truncated = True
-                self.cap_bytes = self.size_bytes
-                return
-            self.size_bytes += len(chunk)
+        held = chunk[:max(EXEC_HELD_BYTES - len(self._held), 0)]
+        self._held += held
+        self.size_bytes += len(held)
+        rest = chunk[len(held):]
+        if not rest:
+            return
+        try:
+            if self._fd < 0:
+                self._fd = os.open(self._spool_dir, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+            _write_all(self._fd, rest)
+        except OSError:  # the session's disk is full: the rest is lost, and said so
+            self.truncated = True
+            self.cap_bytes = self.size_bytes
+            return
+        self.size_bytes += len(rest)
 
     def read(self, offset_bytes: int, max_bytes: int) -> bytes:
-        length = min(max_bytes, self.size_bytes - offset_bytes)
-        return os.pread(self._fd, length, offset_bytes) if length > 0 else b""
+        end_bytes = min(offset_bytes + max_bytes, self.size_bytes)
+        piece = bytes(self._held[offset_bytes:end_bytes])
+        spooled_from = max(offset_bytes, len(self._held))
+        if end_bytes > spooled_from:
+            piece += os.pread(self._fd, end_bytes - spooled_from, spooled_from - len(self._held))
+        return piece
 
     def close(self) -> None:
         if self._fd >= 0:

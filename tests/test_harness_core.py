@@ -381,3 +381,17 @@ def test_a_request_line_the_agent_would_refuse_is_never_sent(tmp_path: Path) -> 
     assert refused.value.transport is False and str(refused.value).startswith("too large: ")
     error = reploy_serve.serve_error_for(refused.value)
     assert (error.status, error.code) == (413, "too_large")
+
+
+def test_exec_output_is_held_then_spooled_and_reads_across_the_seam(tmp_path: Path) -> None:
+    output = agent.ExecOutput(agent.EXEC_HELD_BYTES + 1000, tmp_path)
+    data = bytes(range(256)) * ((agent.EXEC_HELD_BYTES + 2000) // 256 + 1)
+    for start in range(0, len(data), 65536):
+        output.feed(data[start:start + 65536])
+    kept = data[:agent.EXEC_HELD_BYTES + 1000]
+    assert (output.size_bytes, output.truncated) == (len(kept), True)
+    seam = agent.EXEC_HELD_BYTES
+    assert output.read(seam - 10, 20) == kept[seam - 10:seam + 10]  # memory, then the spool
+    assert output.read(0, len(kept) + 5) == kept and output.read(len(kept), 10) == b""
+    output.close()
+    assert list(tmp_path.iterdir()) == []  # the spool was an unnamed file
