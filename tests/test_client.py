@@ -130,6 +130,43 @@ def test_a_client_checks_its_server_and_token(tmp_path: Path, monkeypatch: pytes
     assert reploy_client.Client("http://127.0.0.1:1", token_file=token_file).token == TOKEN
     assert reploy_client.Client("http://127.0.0.1:1").token == "m" * 43
 
+def test_a_stale_keep_alive_connection_is_retried_once_on_a_new_one() -> None:
+    """A server that drops each connection after its answer without saying so (an idle
+    keep-alive timing out): the pooled connection fails before anything is answered on it,
+    and the call goes through on a fresh one."""
+    import http.server
+
+    connections: list[int] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self) -> None:
+            connections.append(id(self.connection))
+            body = b'{"sessions": []}'
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            self.close_connection = True  # without a Connection: close header
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base's
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        with reploy_client.Client(f"http://127.0.0.1:{server.server_address[1]}", token=TOKEN) as client:
+            assert client.sessions() == [] and len(client.connections._idle) == 1
+            assert client.sessions() == [] and client.sessions() == []
+        assert len(connections) == 3
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 # -- against a real serve -------------------------------------------------------------------
 
 
