@@ -72,7 +72,6 @@ import sqlite3
 import stat
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.parse
@@ -84,6 +83,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import agent as agent_role  # noqa: E402  (the data plane; `session cp` reuses its archive rules)
+import reploy_client as client_role  # noqa: E402  (the Python client: `reploy session`, tokens)
 import reploy_session_client as wire  # noqa: E402  (the strict JSON parser and encoder)
 import reploy_watchdog  # noqa: E402  (process identities, link-safe removal)
 from reploy import (  # noqa: E402  (the host role: Docker adapter, deployments, durations)
@@ -270,7 +270,7 @@ FILE_ROOTS = tuple(root.value for root in agent_role.FileRoot)
 #: The agent's request line: serve refuses (413) what it would not take, before sending it.
 AGENT_MAX_REQUEST_BYTES = agent_role.MAX_REQUEST_BYTES
 #: What a tar adds to its files' bytes, at most, per entry (a header, and padding to 512).
-TAR_BYTES_PER_ENTRY = 1024
+TAR_BYTES_PER_ENTRY = client_role.TAR_BYTES_PER_ENTRY
 #: A listing answers at most this many entries (then `truncated`); the answer parser bounds
 #: each one (a name, a link target), so a listing's memory is bounded too.
 MAX_LIST_ENTRIES = 10_000
@@ -308,19 +308,19 @@ TOKEN_FILE_NAME = "token"
 TOKEN_BYTES = 32
 #: What a token may be: at least 32 characters (128 bits as hex), nothing that a header, a
 #: cookie or a percent-encoded URL could not carry.
-_TOKEN = re.compile(r"[A-Za-z0-9._~+/=-]{32,512}")
-MAX_TOKEN_FILE_BYTES = 4096
 #: The browser's way in: the UI at this fragment keeps the token in the tab's sessionStorage
 #: (scoped to scheme, host and port) and clears the address bar. A fragment never reaches a
 #: server or a Referer header; no credential ever lives in a cookie, which every port of a
 #: host would receive.
 LOGIN_FRAGMENT = "/#token="
+_TOKEN = client_role.TOKEN_RE  #: what a token is (the client checks the ones it sends)
 #: The Host names a loopback listen answers for (lowercase, IPv6 without brackets).
 LOOPBACK_HOST_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 
 
-class CredentialError(ReployError):
-    """A token file or token that cannot be used (unreadable, open to others, malformed)."""
+#: A token file or token that cannot be used (unreadable, open to others, malformed): the
+#: client's, since serve and `reploy session` read token files by the same rules.
+CredentialError = client_role.CredentialError
 
 
 class ServeError(ReployError):
@@ -1615,14 +1615,14 @@ AGENT_ERROR_CODES = frozenset({"invalid_request", "command_error", "timeout", "s
 #: serve's own code for an answer that is not one: never an agent's (those are checked above).
 INVALID_ANSWER = "invalid_answer"
 #: The longest agent error message passed on (longer ones are cut, and marked so).
-MAX_AGENT_MESSAGE_CHARS = 2000
+MAX_AGENT_MESSAGE_CHARS = client_role.MAX_MESSAGE_CHARS
 MAX_FILE_SIZE_BYTES = 2**63 - 1
 MAX_PID = 2**22  # Linux's pid_max ceiling
 _HANDLE_ID = agent_role.HANDLE_ID_RE  #: exec and transfer ids
 _SHA256_HEX = agent_role.SHA256_HEX_RE
 _SIGNAL_NAME = re.compile(r"SIG[A-Z0-9]{1,12}")
 #: C0 and C1 controls and DEL: never in an entry name, a link target or a path serve passes on.
-_CONTROL_CHARACTERS = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+_CONTROL_CHARACTERS = client_role.CONTROL_CHARACTERS
 ENTRY_TYPES = ("file", "directory", "symlink", "fifo", "socket", "char-device", "block-device",
                "unknown")
 Check = Callable[[Any], Any]
@@ -2021,11 +2021,9 @@ def parse_agent_result(method: str, params: dict[str, Any], result: Any) -> dict
     return answer
 
 
-def safe_message(text: str, limit_chars: int = MAX_AGENT_MESSAGE_CHARS) -> str:
-    """An agent's error message as serve passes it on (to a client, to its own log): control
-    characters shown as escapes, at most limit_chars."""
-    shown = _CONTROL_CHARACTERS.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
-    return shown if len(shown) <= limit_chars else shown[:limit_chars] + "..."
+#: An agent's error message as serve passes it on (to a client, to its own log): control
+#: characters shown as escapes, at most MAX_AGENT_MESSAGE_CHARS.
+safe_message = client_role.shown
 
 
 def parse_agent_response(method: str, params: dict[str, Any], line: bytes) -> dict[str, Any]:
@@ -4279,34 +4277,8 @@ def serve_access_from(args: argparse.Namespace) -> ServeAccess:
     return ServeAccess(host, int(port), tuple(names), token_file.absolute())
 
 
-def read_token(path: Path, must_own: bool = False) -> str:
-    """The token a token file holds (one line). CredentialError when the file cannot be read,
-    is not a regular file (a FIFO or a device would hold the reader), is open to other users,
-    belongs to another user (`must_own`: serve's own secret, which another user could
-    otherwise plant where --token-file points), or holds anything else; the message never
-    quotes the file."""
-    try:  # non-blocking: a FIFO opens at once, and fstat then refuses it
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as e:
-        raise CredentialError(f"cannot read the token file {path}: {e.strerror}") from None
-    try:
-        facts = os.fstat(fd)
-        mode = facts.st_mode
-        if not stat.S_ISREG(mode):
-            raise CredentialError(f"the token file {path} is not a regular file")
-        if must_own and facts.st_uid != os.geteuid():
-            raise CredentialError(f"the token file {path} belongs to uid {facts.st_uid}, not to "
-                                  "this user")
-        if mode & 0o077:
-            raise CredentialError(f"the token file {path} is open to other users "
-                                  f"(mode {stat.S_IMODE(mode):04o}); chmod 600 it")
-        text = os.read(fd, MAX_TOKEN_FILE_BYTES + 1).decode("ascii", "replace")
-    finally:
-        os.close(fd)
-    if not _TOKEN.fullmatch(text.rstrip("\n")):
-        raise CredentialError(f"the token file {path} does not hold one token (32 to 512 of "
-                              "A-Z a-z 0-9 . _ ~ + / = -, on one line)")
-    return text.rstrip("\n")
+#: The one reader of token files (regular files only, opened O_NONBLOCK then fstat-checked).
+read_token = client_role.read_token
 
 
 def load_or_create_token(path: Path) -> str:
@@ -4431,7 +4403,7 @@ def run_serve(config: ServeConfig, access: ServeAccess) -> int:
         manager.reconcile()
         server = ServeHTTPServer((access.host, access.port), manager, load_static(WEB_DIR),
                                  token, hosts)
-    except (ReployError, OSError) as e:
+    except (ReployError, client_role.ReployError, OSError) as e:
         print(f"reploy: serve: {e}", file=sys.stderr)
         emit({"schema": SERVE_SCHEMA, "ok": False, "error": str(e)})
         return EXIT_FAILED
@@ -4517,40 +4489,21 @@ def text_argument(argument: str, action: str, drop_newline: bool) -> str:
 
 def session_server(args: argparse.Namespace) -> str:
     """The server `reploy session` talks to: --server, else $REPLOY_SERVER, else the default
-    listen address. UsageError for anything but an http(s) URL of a host, and for plain http
-    beyond loopback without --allow-plain-http: the token would cross the network in clear."""
-    text = args.server or os.environ.get("REPLOY_SERVER") or f"http://{DEFAULT_LISTEN}"
+    listen address, checked by the client (reploy_client.check_server); UsageError if not."""
+    text = args.server or os.environ.get(client_role.SERVER_ENV) or f"http://{DEFAULT_LISTEN}"
     try:
-        url = urllib.parse.urlsplit(text)
-        host = url.hostname if url.port != 0 else None  # .port raises for one that is not a port
-    except ValueError:
-        raise UsageError(f"--server: {text!r} is not http(s)://HOST[:PORT]") from None
-    if url.scheme not in ("http", "https") or not host or url.username or url.query or url.fragment:
-        raise UsageError(f"--server: {text!r} is not http(s)://HOST[:PORT]")
-    try:
-        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = False
-    if url.scheme == "http" and not loopback and not args.allow_plain_http:
-        raise UsageError(f"--server {text}: plain http beyond loopback would send the token in "
-                         "clear; use https (a TLS proxy in front of serve), or say "
-                         "--allow-plain-http")
-    return text
+        return client_role.check_server(text, args.allow_plain_http)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def session_token(args: argparse.Namespace) -> Optional[str]:
     """The token `reploy session` sends: --token-file's, else $REPLOY_TOKEN, else none.
     UsageError when the one named is not a token."""
     try:
-        if args.token_file is not None:
-            return read_token(args.token_file)
+        return client_role.resolve_token(None, args.token_file)
     except CredentialError as e:
         raise UsageError(str(e)) from None
-    text = os.environ.get("REPLOY_TOKEN")
-    if text is not None and not _TOKEN.fullmatch(text):
-        raise UsageError("$REPLOY_TOKEN does not hold a token (e.g. export "
-                         "REPLOY_TOKEN=$(cat STATE_DIR/token))")
-    return text
 
 
 def exec_request_body(args: argparse.Namespace, command: list[str]) -> dict[str, Any]:
@@ -4602,120 +4555,6 @@ def parse_copy_operand(text: str) -> tuple[Optional[str], str, str]:
     return session_id, root, path
 
 
-class ApiCallError(ReployError):
-    """An API call that failed: `document` is the server's {"error"} with its `status` (None
-    when nothing answered, or when what answered is not a reploy serve)."""
-
-    def __init__(self, document: dict[str, Any]) -> None:
-        super().__init__(document["error"])
-        self.document = document
-
-
-class ApiClient:
-    """`reploy session`'s HTTP: the token as Bearer on every call, errors as ApiCallError with
-    the server's {"error"} document and status. Whatever answers is checked: an answer that is
-    not a JSON object from reploy serve (some other server on the port) is one clear error."""
-
-    def __init__(self, server: str, token: Optional[str]) -> None:
-        self.server = server
-        self.token = token
-
-    def unexpected(self, status: Optional[int], why: str) -> ApiCallError:
-        return ApiCallError({"error": f"{self.server} did not answer as reploy serve does "
-                                      f"({why}); is --server right?", "status": status})
-
-    def _document(self, raw: bytes, status: int, content_type: str) -> dict[str, Any]:
-        """A JSON object answer, or ApiCallError."""
-        if content_type.partition(";")[0].strip().lower() != "application/json":
-            shown = safe_message(content_type[:60]) or "none"
-            raise self.unexpected(status, f"HTTP {status} with Content-Type {shown}")
-        if len(raw) > MAX_ANSWER_BYTES:
-            raise self.unexpected(status, f"an answer longer than {MAX_ANSWER_BYTES} bytes")
-        try:
-            return wire.parse_strict_object(raw, max_bytes=MAX_ANSWER_BYTES)
-        except wire.ProtocolError as e:
-            raise self.unexpected(status, f"HTTP {status}, {e}") from None
-
-    def _error(self, status: int, raw: bytes, content_type: str) -> ApiCallError:
-        document = self._document(raw, status, content_type)
-        if not isinstance(document.get("error"), str):
-            return self.unexpected(status, f"HTTP {status} without an error message")
-        message = safe_message(document["error"])
-        if status == 401 and self.token is None:
-            message += " (this client sends $REPLOY_TOKEN or --token-file)"
-        return ApiCallError({"error": message, "status": status})
-
-    def open(self, method: str, path: str, data: Any = None, headers: Optional[dict[str, str]] = None,
-             timeout_s: float = 120) -> Any:
-        import urllib.error
-        import urllib.request
-
-        headers = dict(headers or {})
-        if self.token is not None:
-            headers["Authorization"] = f"Bearer {self.token}"
-        request = urllib.request.Request(self.server.rstrip("/") + API_PREFIX + path, data=data,
-                                         method=method, headers=headers)
-        try:
-            return urllib.request.urlopen(request, timeout=timeout_s)
-        except urllib.error.HTTPError as e:
-            with e:
-                raise self._error(e.code, e.read(MAX_ANSWER_BYTES + 1),
-                                  e.headers.get("Content-Type", "")) from None
-        except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
-            raise ApiCallError({"error": f"no answer from {self.server}: "
-                                         f"{getattr(e, 'reason', e)}", "status": None}) from None
-
-    def upload(self, path: str, source: Any, headers: dict[str, str], timeout_s: float) -> dict[str, Any]:
-        """PUT a streamed body and return the JSON answer. Unlike urlopen, it still reads an
-        answer the server sent before taking the whole body (a 507 or 413 checked up front)."""
-        url = urllib.parse.urlsplit(self.server.rstrip("/") + API_PREFIX + path)
-        connection_type = http.client.HTTPSConnection if url.scheme == "https" else http.client.HTTPConnection
-        if url.hostname is None:
-            raise ReployError(f"{self.server}: not a URL with a host")
-        connection = connection_type(url.hostname, url.port, timeout=timeout_s,
-                                     blocksize=TRANSFER_CHUNK_BYTES)
-        if self.token is not None:
-            headers = {**headers, "Authorization": f"Bearer {self.token}"}
-        try:
-            try:
-                connection.request("PUT", url.path + (f"?{url.query}" if url.query else ""), source, headers)
-            except (BrokenPipeError, ConnectionResetError):
-                pass  # refused before the whole body was sent: its answer is waiting
-            response = connection.getresponse()
-            status, raw = response.status, response.read(MAX_ANSWER_BYTES + 1)
-            content_type = response.getheader("Content-Type", "")
-        except (OSError, http.client.HTTPException) as e:
-            raise ApiCallError({"error": f"no answer from {self.server}: {e}", "status": None}) from None
-        finally:
-            connection.close()
-        if status >= 400:
-            raise self._error(status, raw, content_type)
-        return self._document(raw, status, content_type)
-
-    def json(self, method: str, path: str, body: Optional[dict[str, Any]] = None,
-             timeout_s: float = 120) -> Optional[dict[str, Any]]:
-        """The answer's JSON document; None for an answer without a body (204)."""
-        data = wire.encode_compact(body) if body is not None else None
-        with self.open(method, path, data, {"Content-Type": "application/json"}, timeout_s) as response:
-            if response.status == 204:  # no content (a delete)
-                return None
-            try:
-                raw = response.read(MAX_ANSWER_BYTES + 1)
-            except (OSError, http.client.HTTPException) as e:
-                raise ApiCallError({"error": f"{self.server} broke off its answer: {e}",
-                                    "status": response.status}) from None
-            return self._document(raw, response.status, response.headers.get("Content-Type", ""))
-
-    def field(self, document: Optional[dict[str, Any]], name: str, check: Check) -> Any:
-        """One field of an answer the client acts on, checked (the server may not be serve)."""
-        try:
-            if document is None or name not in document:
-                raise AnswerInvalid("is missing")
-            return check(document[name])
-        except AnswerInvalid as e:
-            raise self.unexpected(None, f"{name} {e}") from None
-
-
 class Terminated(BaseException):
     """SIGTERM while `reploy session` runs: raised like KeyboardInterrupt (so every `finally`
     runs: a spool is removed, a connection dropped), never caught as an error."""
@@ -4726,38 +4565,43 @@ def _raise_terminated(signum: int, _frame: Any) -> None:
 
 
 def run_session_client(args: argparse.Namespace, token: Optional[str]) -> int:
-    """`reploy session ACTION`: one API call, its JSON document on stdout; exit 1 on an error
-    status (the document then carries `error` and `status`). `exec --raw` instead passes the
-    command's output through and exits with its code; `cp` copies files (to `-`, stdout
-    carries only the data and an error goes to stderr). SIGINT and SIGTERM end it with
-    128+N once what it was writing is removed."""
-    client = ApiClient(args.server_url, token)
+    """`reploy session ACTION`: one call through reploy_client, its JSON document on stdout;
+    exit 1 on an error status (the document then carries `error` and `status`, and `code`
+    when serve sent one). `exec --raw` instead passes the command's output through and exits
+    with its code; `cp` copies files (to `-`, stdout carries only the data and an error goes
+    to stderr). SIGINT and SIGTERM end it with 128+N once what it was writing is removed."""
+    client = client_role.Client(args.server_url, token, allow_plain_http=True)  # checked above
     raw = args.session_action == "exec" and args.raw
     # `cp ID:PATH -` streams the data itself to stdout: no summary line may follow it there.
     data_to_stdout = args.session_action == "cp" and args.copy_destination == (None, "", "-")
     signal.signal(signal.SIGTERM, _raise_terminated)
     try:
-        if args.session_action == "cp":
-            summary = copy_files(client, args.copy_source, args.copy_destination)
-            if not data_to_stdout:
-                emit(summary)
-            return EXIT_OK
-        method, path, body = client_request(args)
-        timeout_s = body["timeoutMs"] / 1000 + 60 if body and args.session_action == "exec" else 120
-        document = client.json(method, path, body, timeout_s)
-        if document is None and args.session_action == "delete":  # its 204
-            document = {"id": args.id, "deleted": True}
-        shapes = SESSION_ANSWER_KEYS[args.session_action]
-        if document is None or not any(all(key in document for key in shape) for shape in shapes):
-            raise client.unexpected(None, f"an answer without {' and '.join(shapes[0])}")
-        if raw:
-            stdout, stderr, exit_code = raw_exec_result(client, document)
-    except ApiCallError as e:
+        with client:
+            if args.session_action == "cp":
+                summary = copy_files(client, args.copy_source, args.copy_destination)
+                if not data_to_stdout:
+                    emit(summary)
+                return EXIT_OK
+            method, path, body = client_request(args)
+            if raw:
+                result = client.session(args.id).exec(
+                    body["argv"], body.get("cwd"), body.get("env"),
+                    base64.b64decode(body["stdinBase64"]) if "stdinBase64" in body else None,
+                    body["timeoutMs"] / 1000)
+            else:
+                timeout_s = body["timeoutMs"] / 1000 + 60 if args.session_action == "exec" else 120
+                document = client.call(method, path, body, timeout_s)
+                if document is None and args.session_action == "delete":  # its 204
+                    document = {"id": args.id, "deleted": True}
+                shapes = SESSION_ANSWER_KEYS[args.session_action]
+                if document is None or not any(all(key in document for key in shape) for shape in shapes):
+                    raise client.unexpected(None, f"an answer without {' and '.join(shapes[0])}")
+    except client_role.ReployError as e:
         if not raw:
             emit(e.document, to_stderr=data_to_stdout)
             return EXIT_FAILED
         print(f"reploy: session exec: {e}", file=sys.stderr)
-        return 126 if e.document["status"] == 422 else EXIT_FAILED  # 126: cannot run, as docker exec
+        return 126 if e.status == 422 else EXIT_FAILED  # 126: cannot run, as docker exec
     except UsageError as e:
         print(f"reploy: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -4772,222 +4616,37 @@ def run_session_client(args: argparse.Namespace, token: Optional[str]) -> int:
     if not raw:
         emit(document)
         return EXIT_OK
-    sys.stdout.buffer.write(stdout)
+    sys.stdout.buffer.write(result.stdout)
     sys.stdout.buffer.flush()
-    sys.stderr.buffer.write(stderr)
+    sys.stderr.buffer.write(result.stderr)
     sys.stderr.buffer.flush()
-    return exit_code
+    return raw_exec_exit_code(result)
 
 
-def raw_exec_result(client: ApiClient, result: dict[str, Any]) -> tuple[bytes, bytes, int]:
-    """`session exec --raw`'s stdout, stderr and exit code, from an answer checked first."""
-    stdout = client.field(result, "stdoutBase64", _base64(MAX_EXEC_OUTPUT_BYTES))
-    stderr = client.field(result, "stderrBase64", _base64(MAX_EXEC_OUTPUT_BYTES))
-    client.field(result, "exitCode", _nullable(_integer(0, 255)))
-    client.field(result, "signal", _nullable(_matching(_SIGNAL_NAME)))
-    client.field(result, "timedOut", _boolean)
-    return stdout, stderr, raw_exec_exit_code(result)
-
-
-def raw_exec_exit_code(result: dict[str, Any]) -> int:
+def raw_exec_exit_code(result: client_role.ExecResult) -> int:
     """`session exec --raw`'s exit code, as a shell reports a command: its exit code, 128+N
     after signal N, 124 after the timeout (as timeout(1))."""
-    if result["timedOut"]:
+    if result.timed_out:
         return 124
-    if result["exitCode"] is not None:
-        return int(result["exitCode"])
+    if result.exit_code is not None:
+        return result.exit_code
     try:
-        return 128 + signal.Signals[result["signal"]].value
+        return 128 + signal.Signals[result.signal or ""].value
     except KeyError:
         return 128
 
 
-def copy_files(client: ApiClient, source: tuple[Optional[str], str, str],
+def copy_files(client: client_role.Client, source: tuple[Optional[str], str, str],
                destination: tuple[Optional[str], str, str]) -> dict[str, Any]:
     """`session cp`, like `docker cp`: files and directories either way; copying onto an
     existing directory puts the source inside it; `-` as the source is a tar on stdin, as the
-    destination stdout (a file's bytes, a directory's tar)."""
-    session_id, root, path = source
-    if session_id is not None:
-        try:
-            return copy_from_session(client, session_id, root, path, destination[2])
-        except http.client.HTTPException as e:  # a tar the server had to end short, say
-            raise ReployError(f"{session_id}:{path}: the download ended early ({e!r})") from e
+    destination stdout (a file's bytes, a directory's tar). The copies are the client's."""
+    if source[0] is not None:
+        session_id, root, path = source
+        return client_role.copy_from_session(client.session(session_id), root, path, destination[2])
+    assert destination[0] is not None
     session_id, root, path = destination
-    assert session_id is not None
-    return copy_to_session(client, source[2], session_id, root, path)
-
-
-def _file_route(kind: str, session_id: str, root: str, path: str,
-                mode: Optional[int] = None) -> str:
-    query = {"root": root} if root != "workspace" else {}
-    if mode is not None:
-        query["mode"] = f"{mode:04o}"
-    return (f"/sessions/{session_id}/{kind}/{urllib.parse.quote(path)}"
-            + (f"?{urllib.parse.urlencode(query)}" if query else ""))
-
-
-def _remote_entry(client: ApiClient, session_id: str, root: str,
-                  path: str) -> Optional[dict[str, Any]]:
-    """The entry at a session path (its type and mode checked), or None when there is none."""
-    try:
-        listing = client.json("GET", _file_route("list", session_id, root, path))
-    except ApiCallError as e:
-        if e.document["status"] == 404 and "no such file" in str(e):
-            return None
-        raise
-    return client.field(listing, "entry", lambda value: _parse_fields(value, _ENTRY_FIELDS, "entry"))
-
-
-def copy_limit_bytes(client: ApiClient) -> int:
-    """The most `session cp` takes out of a session before it stops: the session's disk quota
-    as serve reports it (GET /server, limits.sessionDiskBytes), plus the tar's own overhead,
-    and never more than the agent's bound on one download (MAX_UPLOAD_BYTES)."""
-    limits = client.field(client.json("GET", "/server"), "limits",
-                          lambda value: _parse_fields(value, (AnswerField(
-                              "sessionDiskBytes", _nullable(_COUNT), required=False),), "limits"))
-    quota_bytes = limits.get("sessionDiskBytes")
-    if quota_bytes is None:
-        return MAX_UPLOAD_BYTES
-    return min(quota_bytes + agent_role.MAX_ARCHIVE_ENTRIES * TAR_BYTES_PER_ENTRY, MAX_UPLOAD_BYTES)
-
-
-def copy_bounded(source: Any, sink: Any, limit_bytes: int, what: str) -> int:
-    """Copies until the end of `source`; ReployError past limit_bytes (the caller removes what
-    was written). Returns the bytes copied."""
-    copied = 0
-    while chunk := source.read(TRANSFER_CHUNK_BYTES):
-        copied += len(chunk)
-        if copied > limit_bytes:
-            raise ReployError(f"{what} exceeds {limit_bytes} bytes; nothing was kept")
-        sink.write(chunk)
-    return copied
-
-
-#: What a download is, by the Content-Type serve sets from what the agent opened for it (a
-#: file's bytes or a directory's tar), as `session cp` names it.
-DOWNLOAD_KINDS = {"application/octet-stream": "file", "application/x-tar": "tree"}
-KIND_NAMES = {"file": "a file", "tree": "a directory"}
-
-
-def download_kind(content_type: str, source: str) -> str:
-    """What a download carries, from its own response: never from an earlier listing, which
-    the session may have made untrue since (a directory swapped with a file)."""
-    kind = DOWNLOAD_KINDS.get(content_type.partition(";")[0].strip().lower())
-    if kind is None:
-        raise ReployError(f"{source}: the download is {safe_message(content_type[:60])!r}, "
-                          "neither a file nor a directory's tar")
-    return kind
-
-
-def receive_file(response: Any, target: Path, mode: int, limit_bytes: int, source: str) -> int:
-    """A file's download, spooled beside `target` (at most limit_bytes) and renamed onto it
-    with a sane `mode`; nothing is left on any error. Returns its size."""
-    spool_fd, spool_name = tempfile.mkstemp(dir=target.parent, prefix=".reploy-cp-")
-    try:
-        with os.fdopen(spool_fd, "w+b") as spool:
-            copied = copy_bounded(response, spool, limit_bytes, f"{source}: the download")
-            os.fchmod(spool.fileno(), agent_role.sane_mode(mode, directory=False))
-            spool.flush()
-            os.replace(spool_name, target)
-            return copied
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(spool_name)
-
-
-def receive_tree(response: Any, target: Path, limit_bytes: int, source: str) -> int:
-    """A directory's download: an uncompressed tar (nothing a session sends is decompressed),
-    spooled beside `target` (at most limit_bytes), vetted whole like any untrusted archive
-    (agent.py's rules, its members' sizes summed against limit_bytes, a sparse file at its full
-    size) before its first byte is written, then merged in. Returns the entries written."""
-    spool_fd, spool_name = tempfile.mkstemp(dir=target.parent, prefix=".reploy-cp-")
-    try:
-        with os.fdopen(spool_fd, "w+b") as spool:
-            copy_bounded(response, spool, limit_bytes, f"{source}: the download")
-            return agent_role.extract_upload(spool, target.parent, (target.name,),
-                                             f"{Path(spool_name).name}.d", max_bytes=limit_bytes,
-                                             compressed=False)
-    except agent_role.AgentError as e:
-        raise ReployError(f"{source}: {e}") from e
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(spool_name)
-
-
-def copy_from_session(client: ApiClient, session_id: str, root: str, path: str,
-                      local: str) -> dict[str, Any]:
-    """Session -> here. A file is written under a temporary name and renamed; a directory comes
-    as a tar, vetted and merged in (receive_tree), so a refused archive writes nothing. The
-    kind is the download's own (download_kind); a listing that said otherwise means the session
-    changed the path meanwhile, which is an error. What is spooled is bounded by
-    copy_limit_bytes() and removed on any error, SIGINT or SIGTERM."""
-    entry = _remote_entry(client, session_id, root, path)
-    if entry is None:
-        raise ReployError(f"{session_id}:{path}: no such file or directory")
-    listed = "tree" if entry["type"] == "directory" else "file"
-    source = f"{session_id}:{path}"
-    limit_bytes = copy_limit_bytes(client)
-    with client.open("GET", _file_route("files", session_id, root, path), timeout_s=600) as response:
-        kind = download_kind(response.headers.get("Content-Type", ""), source)
-        if kind != listed:
-            raise ReployError(f"{source} changed while it was copied: listed as {KIND_NAMES[listed]}, "
-                              f"downloaded as {KIND_NAMES[kind]}; nothing was written")
-        announced = response.headers.get("Content-Length")
-        if announced is not None and (not announced.isdigit() or int(announced) > limit_bytes):
-            raise ReployError(f"{source}: the download announces more than {limit_bytes} bytes")
-        if local == "-":
-            copy_bounded(response, sys.stdout.buffer, limit_bytes, f"{source}: the download")
-            sys.stdout.buffer.flush()
-            return {"source": source, "destination": "-", "kind": kind}
-        target = Path(local)
-        if target.is_dir():
-            target = target / (Path(path).name or root)
-        if not target.parent.is_dir():
-            raise ReployError(f"{target.parent}: no such directory")
-        if kind == "file":
-            return {"source": source, "destination": str(target), "kind": kind,
-                    "bytes": receive_file(response, target, entry["mode"], limit_bytes, source)}
-        return {"source": source, "destination": str(target), "kind": kind,
-                "entries": receive_tree(response, target, limit_bytes, source)}
-
-
-def copy_to_session(client: ApiClient, local: str, session_id: str, root: str,
-                    path: str) -> dict[str, Any]:
-    """Here -> session. A file is streamed as it is; a directory (or `-`, a tar on stdin) is
-    spooled as a tar first, since an upload carries its Content-Length."""
-    mode = None
-    source: BinaryIO
-    with tempfile.TemporaryFile(prefix="reploy-cp-") as spool:
-        if local == "-":
-            copy_bounded(sys.stdin.buffer, spool, MAX_UPLOAD_BYTES, "the tar on stdin")
-            source, kind = spool, "tree"
-        else:
-            local_path = Path(local)
-            if local_path.is_dir():
-                dir_fd = os.open(local_path, os.O_RDONLY | os.O_DIRECTORY)
-                try:
-                    agent_role.write_tree_tar(dir_fd, spool)
-                finally:
-                    os.close(dir_fd)
-                source, kind = spool, "tree"
-            elif local_path.is_file():
-                source, kind = open(local_path, "rb"), "file"
-                mode = stat.S_IMODE(os.fstat(source.fileno()).st_mode)
-            else:
-                raise ReployError(f"{local}: no such file or directory")
-            existing = _remote_entry(client, session_id, root, path)
-            if existing is not None and existing["type"] == "directory":
-                path = f"{path.rstrip('/')}/{local_path.resolve().name}".lstrip("/")
-        with source:
-            size_bytes = source.seek(0, os.SEEK_END)
-            source.seek(0)
-            content_type = "application/x-tar" if kind == "tree" else "application/octet-stream"
-            result = client.upload(_file_route("files", session_id, root, path, mode), source,
-                                   {"Content-Type": content_type, "Content-Length": str(size_bytes)},
-                                   timeout_s=600)
-    return {"source": local, "destination": f"{session_id}:{path}", "kind": kind,
-            "bytes": size_bytes, "result": result}
+    return client_role.copy_to_session(source[2], client.session(session_id), root, path)
 
 
 # ============================================================================================

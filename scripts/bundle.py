@@ -6,10 +6,12 @@ mirror. Run it on a connected machine with the Python minor version and platform
 (the wheels are that interpreter's). The archive holds one directory, reploy-VERSION-offline/:
 
   reploy.py reploy_serve.py reploy_session_client.py reploy_watchdog.py agent.py
+  reploy_client.py reploy_inspect.py   the Python client and the Inspect AI provider
   README.md web/ docs/ examples/
   tests/agent_fixtures/fake_claude.py   the stand-in agent CLI examples/sandboxed-agent copies in
   wheels/         the run-time requirements (requirements-runtime.txt, not the test-only ones)
-                  and their dependencies, from pip's configured index, for this interpreter
+                  and their dependencies, from pip's configured index, for this interpreter,
+                  and Reploy's own wheel (pyproject.toml), which install.sh puts in the venv too
   installer/      pip's own wheel: install.sh runs pip from it, so a host whose python3 lacks
                   ensurepip (Debian without python3-venv) installs all the same
   images/         with --images: the base images the examples build FROM, saved with the Docker
@@ -45,12 +47,13 @@ from typing import Any, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 ROLE_FILES = ("reploy.py", "reploy_serve.py", "reploy_session_client.py", "reploy_watchdog.py",
-              "agent.py")
+              "agent.py", "reploy_client.py", "reploy_inspect.py")
 #: Whole trees bundled as the checkout tracks them (git's ignore rules leave out prepared copies).
 APP_TREES = ("web", "docs", "examples")
 APP_EXTRA_FILES = ("README.md", "tests/agent_fixtures/fake_claude.py")
 RUNTIME_REQUIREMENTS = ROOT / "requirements-runtime.txt"
 INSTALLER_SOURCE = ROOT / "scripts" / "install.sh"
+PROJECT_FILE = ROOT / "pyproject.toml"
 BUNDLE_SCHEMA = "reploy-offline-bundle-v1"
 RESULT_SCHEMA = "reploy-bundle-result-v1"
 #: zlib level for the archive: the image tars dominate, and 9 costs twice the time for ~1%.
@@ -69,7 +72,7 @@ class BundleError(Exception):
 
 
 def release_version() -> str:
-    """The `__version__` all five role files agree on."""
+    """The `__version__` all role files agree on."""
     versions = {}
     for name in ROLE_FILES:
         found = VERSION_LINE.findall((ROOT / name).read_text(encoding="utf-8"))
@@ -123,10 +126,23 @@ def pip(*args: str) -> None:
         raise BundleError(f"pip {' '.join(args)} failed (exit {proc.returncode}; see above)")
 
 
+def build_project_wheel(stage: Path, wheels: Path) -> None:
+    """Reploy's own wheel (pyproject.toml: the `reploy` command, the role modules, the client
+    and the Inspect provider), built from a copy of the staged files so that the checkout
+    gets no build/ or egg-info."""
+    with tempfile.TemporaryDirectory(prefix=".reploy-wheel-") as source:
+        for name in (*ROLE_FILES, "README.md"):
+            shutil.copy(stage / name, Path(source) / name)
+        shutil.copytree(stage / "web", Path(source) / "web")
+        shutil.copy(PROJECT_FILE, Path(source) / PROJECT_FILE.name)
+        pip("wheel", "--no-deps", "--wheel-dir", str(wheels), source)
+
+
 def download_wheels(stage: Path) -> tuple[list[dict[str, str]], dict[str, str]]:
-    """The run-time wheels and pip's own, for this interpreter and platform."""
+    """The run-time wheels, Reploy's own and pip's, for this interpreter and platform."""
     wheels, installer = stage / "wheels", stage / "installer"
     pip("download", "--only-binary=:all:", "--dest", str(wheels), "-r", str(RUNTIME_REQUIREMENTS))
+    build_project_wheel(stage, wheels)
     pip("download", "--only-binary=:all:", "--no-deps", "--dest", str(installer),
         f"pip=={importlib.metadata.version('pip')}")
     (installer_wheel,) = installer.glob("pip-*.whl")

@@ -10,6 +10,7 @@ Synchronisation is by real conditions with deadlines (`wait_until`), never by sl
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import http.server
 import json
@@ -221,11 +222,11 @@ def managed_workload(docker_client: Any, tmp_path_factory: pytest.TempPathFactor
     return directory
 
 
-@pytest.fixture
-def serve_factory(docker_engine: Any, managed_workload: Path) -> Iterator[Callable[..., ServeProcess]]:
+@contextlib.contextmanager
+def serve_processes(managed_workload: Path) -> Iterator[Callable[..., ServeProcess]]:
     """Starts serve processes (a fresh state dir unless given); afterwards deletes every session
     through the API of a live one, stops them all and removes the state dirs, failing when a
-    session disk was left mounted. The docker_engine check then asserts no container is left."""
+    session disk was left mounted."""
     started: list[ServeProcess] = []
     temp_dirs: list[Path] = []
 
@@ -254,6 +255,14 @@ def serve_factory(docker_engine: Any, managed_workload: Path) -> Iterator[Callab
         for directory in temp_dirs:
             shutil.rmtree(directory, ignore_errors=True)
     assert not disks_left, f"session disks left mounted after every session was deleted: {disks_left}"
+
+
+@pytest.fixture
+def serve_factory(docker_engine: Any, managed_workload: Path) -> Iterator[Callable[..., ServeProcess]]:
+    """serve_processes() for one test; the docker_engine check then asserts no container is
+    left."""
+    with serve_processes(managed_workload) as start:
+        yield start
 
 
 def start_browser(*flags: str) -> Browser:

@@ -19,9 +19,10 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 AUDIT_MAP = ROOT / "docs" / "audit.md"
 
-#: The files a promise may be kept in: the five role files.
+#: The files a promise may be kept in: the five role files, the Python client and its
+#: Inspect AI provider.
 ROLE_FILES = ("reploy.py", "reploy_serve.py", "reploy_session_client.py", "reploy_watchdog.py",
-              "agent.py")
+              "agent.py", "reploy_client.py", "reploy_inspect.py")
 #: The map's tables, and the one of promises no test proves yet (a gap: no test named).
 MAP_HEADER = ("promise", "kept by", "proved by")
 GAP_HEADER = ("promise", "kept by", "what a test would have to show")

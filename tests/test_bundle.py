@@ -32,7 +32,8 @@ pytestmark = pytest.mark.docker
 
 VERSION = reploy.__version__
 TOP = f"reploy-{VERSION}-offline"
-ROLE_FILES = ["reploy.py", "reploy_serve.py", "reploy_session_client.py", "reploy_watchdog.py", "agent.py"]
+ROLE_FILES = ["reploy.py", "reploy_serve.py", "reploy_session_client.py", "reploy_watchdog.py", "agent.py",
+              "reploy_client.py", "reploy_inspect.py"]
 #: The images examples/*/Dockerfile build FROM.
 EXAMPLE_BASE_IMAGES = ["reploy-base/browser:bookworm-1", "reploy-base/busybox:1",
                        "reploy-base/python:bookworm-1"]
@@ -144,6 +145,8 @@ def test_the_bundle_holds_what_its_manifest_names(bundle: Path, docker_client: A
         name, version = requirement.lower().split("==")
         assert wheels[name]["version"] == version
     assert {"requests", "urllib3"} <= set(wheels) and not {"pytest", "hypothesis"} & set(wheels)
+    assert wheels["reploy"]["version"] == VERSION  # Reploy's own, from pyproject.toml
+    assert "inspect_ai" not in set(wheels)  # an optional extra, never bundled
     assert all((bundle / w["file"]).is_file() for w in manifest["wheels"])
     assert manifest["installer"]["name"] == "pip" and (bundle / manifest["installer"]["file"]).is_file()
     # Each image tar is the image this engine has under that tag.
@@ -184,7 +187,7 @@ def test_offline_install_runs_a_controlled_session(docker_engine: Any, bundle: P
         assert (app / name).read_bytes() == (bundle / name).read_bytes()
     # The venv holds the bundled packages and answers for them itself.
     probe = offline(app / "venv/bin/python3", "-c",
-                    "import docker, psutil, yaml; print(docker.__file__, docker.__version__)")
+                    "import docker, psutil, yaml, reploy_client; print(docker.__file__, docker.__version__)")
     assert probe.returncode == 0, probe.stderr.decode()
     where, docker_version = probe.stdout.decode().split()
     assert where.startswith(str(app / "venv/")) and docker_version == "7.1.0"

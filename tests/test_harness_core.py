@@ -12,6 +12,7 @@ import sys
 import tarfile
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -240,13 +241,14 @@ def test_exec_results_keep_streams_apart_as_text_and_exact_bytes() -> None:
 
 
 @pytest.mark.parametrize(("result", "code"), [
-    ({"timedOut": False, "exitCode": 0, "signal": None}, 0),
-    ({"timedOut": False, "exitCode": 3, "signal": None}, 3),
-    ({"timedOut": False, "exitCode": None, "signal": "SIGTERM"}, 143),
-    ({"timedOut": True, "exitCode": None, "signal": "SIGKILL"}, 124),
+    ({"timed_out": False, "exit_code": 0, "signal": None}, 0),
+    ({"timed_out": False, "exit_code": 3, "signal": None}, 3),
+    ({"timed_out": False, "exit_code": None, "signal": "SIGTERM"}, 143),
+    ({"timed_out": True, "exit_code": None, "signal": "SIGKILL"}, 124),
 ])
-def test_raw_exec_exit_codes_follow_the_shell(result: dict[str, object], code: int) -> None:
-    assert reploy_serve.raw_exec_exit_code(result) == code
+def test_raw_exec_exit_codes_follow_the_shell(result: dict[str, Any], code: int) -> None:
+    executed = reploy_serve.client_role.ExecResult(stdout=b"", stderr=b"", truncated=False, **result)
+    assert reploy_serve.raw_exec_exit_code(executed) == code
 
 
 # -- serve: file routes, queries and the error mapping -------------------------------------------

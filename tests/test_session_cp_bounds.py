@@ -168,7 +168,10 @@ while True:
 MAX_TRIES = 40
 #: What the listing itself answers when the swap lands inside it (serve stats the path, then
 #: lists it): a clear error before any download, so nothing is written either.
-LISTING_RACES = ({"error": "agent: not a directory: d", "status": 409},)
+#: (serve's answer carries its machine-readable `code` too since the harness API, issue 28, whose
+#: agent also says when the path turned into a directory under its look)
+LISTING_RACES = ({"error": "agent: not a directory: d", "status": 409, "code": "not_a_directory"},
+                 {"error": "agent: is a directory: d", "status": 409, "code": "is_a_directory"})
 
 
 def tree_bytes(path: Path) -> int:

@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 import agent
 import reploy
+import reploy_client
 import reploy_serve as serve
 import reploy_session_client as wire
 import reploy_watchdog as wd
@@ -80,7 +81,7 @@ def test_the_standalone_role_files_carry_the_same_strict_json_section() -> None:
     assert len(set(sections.values())) == 1, "the Strict JSON sections differ: copy one to all"
 
 
-@pytest.mark.parametrize("path", ["reploy.py", "reploy_serve.py"])
+@pytest.mark.parametrize("path", ["reploy.py", "reploy_serve.py", "reploy_client.py"])
 def test_the_other_role_files_use_the_client_s_parser_with_a_bound(
         path: str) -> None:
     """They import reploy_session_client (they cannot run without it): its copy is theirs."""
@@ -206,8 +207,8 @@ PEER_PARSERS: dict[str, tuple[Callable[[bytes], Any], tuple[type[BaseException],
     "serve-agent-list": (lambda data: serve.parse_agent_response("list", {}, data),
                          (serve.AnswerInvalid, serve.AgentCallError)),
     "serve-body": (lambda data: serve.parse_body(data, serve.BODY_RULES["create"]), (serve.ServeError,)),
-    "session-client-answer": (lambda data: serve.ApiClient("http://127.0.0.1:1", None)._document(
-        data, 200, "application/json"), (serve.ApiCallError,)),
+    "session-client-answer": (lambda data: reploy_client.Client("http://127.0.0.1:1", "t" * 43).document(
+        reploy_client.Answer(200, "application/json", data)), (reploy_client.ReployError,)),
     "host-probe-report": (lambda data: reploy.probe_problem(data, RUNTIME), ()),
 }
 
@@ -326,9 +327,9 @@ def test_the_broker_refuses_a_deep_host_frame_with_its_code(nesting: bytes) -> N
 
 
 def test_serve_s_client_refuses_a_deep_answer() -> None:
-    client = serve.ApiClient("http://127.0.0.1:1", "t" * 43)
-    with pytest.raises(serve.ApiCallError, match="nested deeper than 32"):
-        client._document(WATCHDOG_KILLER, 200, "application/json")
+    client = reploy_client.Client("http://127.0.0.1:1", "t" * 43)
+    with pytest.raises(reploy_client.ReployError, match="nested deeper than 32"):
+        client.document(reploy_client.Answer(200, "application/json", WATCHDOG_KILLER))
 
 
 def test_a_controller_image_probe_of_deep_nesting_fails_closed() -> None:
