@@ -962,6 +962,7 @@ def copy_to_session(local: str, session: Session, root: str, path: str) -> dict[
     import agent as agent_role
 
     mode = None
+    source: BinaryIO
     with tempfile.TemporaryFile(prefix="reploy-cp-") as spool:
         if local == "-":
             copy_bounded(sys.stdin.buffer, spool, agent_role.MAX_TRANSFER_BYTES, "the tar on stdin")

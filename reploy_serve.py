@@ -77,7 +77,7 @@ import time
 import urllib.parse
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Generator, Iterable, Iterator, Optional, Sequence
+from typing import Any, Callable, Generator, Iterable, Iterator, Optional, Sequence
 
 import psutil
 
@@ -4584,12 +4584,13 @@ def run_session_client(args: argparse.Namespace, token: Optional[str]) -> int:
                 return EXIT_OK
             method, path, body = client_request(args)
             if raw:
+                assert body is not None  # an exec always has one
                 result = client.session(args.id).exec(
                     body["argv"], body.get("cwd"), body.get("env"),
                     base64.b64decode(body["stdinBase64"]) if "stdinBase64" in body else None,
                     body["timeoutMs"] / 1000)
             else:
-                timeout_s = body["timeoutMs"] / 1000 + 60 if args.session_action == "exec" else 120
+                timeout_s = body["timeoutMs"] / 1000 + 60 if body and args.session_action == "exec" else 120
                 document = client.call(method, path, body, timeout_s)
                 if document is None and args.session_action == "delete":  # its 204
                     document = {"id": args.id, "deleted": True}
@@ -4614,6 +4615,7 @@ def run_session_client(args: argparse.Namespace, token: Optional[str]) -> int:
         print(f"reploy: session {args.session_action}: {what}", file=sys.stderr)
         return EXIT_FOR_SIGNAL[signum]
     if not raw:
+        assert document is not None  # checked against its shapes above
         emit(document)
         return EXIT_OK
     sys.stdout.buffer.write(result.stdout)
@@ -4641,11 +4643,11 @@ def copy_files(client: client_role.Client, source: tuple[Optional[str], str, str
     """`session cp`, like `docker cp`: files and directories either way; copying onto an
     existing directory puts the source inside it; `-` as the source is a tar on stdin, as the
     destination stdout (a file's bytes, a directory's tar). The copies are the client's."""
-    if source[0] is not None:
-        session_id, root, path = source
+    session_id, root, path = source
+    if session_id is not None:
         return client_role.copy_from_session(client.session(session_id), root, path, destination[2])
-    assert destination[0] is not None
     session_id, root, path = destination
+    assert session_id is not None
     return client_role.copy_to_session(source[2], client.session(session_id), root, path)
 
 
