@@ -1551,7 +1551,8 @@ def vet_upload_members(members: list[tarfile.TarInfo], max_entries: int = MAX_AR
             if target not in earlier or kinds.get(target) != "file":
                 raise ArchiveError(f"refused: hard link {name!r} -> {member.linkname!r} does not point at a regular "
                                    "file earlier in the archive")
-        total_bytes += member_data_bytes(member) if member.isfile() else 0
+        if member.isfile():  # at its full size, holes included (its sparse map checked all the same)
+            total_bytes += max(member.size, member_data_bytes(member))
         if total_bytes > max_bytes:
             raise ArchiveError(f"too large: the archive's content exceeds {max_bytes} bytes")
         earlier.add(name)
