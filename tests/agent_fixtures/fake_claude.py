@@ -17,14 +17,20 @@ the prompt names a scenario and its argument:
   hang              one delta, then waits forever
   grandchild FILE   starts a grandchild that sleeps forever, writes its pid to FILE, then waits forever
   write FILE TEXT   writes TEXT into FILE (relative to the workspace), says done
+  model TEXT        asks the Messages API at $ANTHROPIC_BASE_URL (as the real CLI does: POST
+                    /v1/messages?beta=true, streaming, the placeholder as Authorization: Bearer)
+                    and says each text delta as it arrives; an HTTP error or an error event is a
+                    result with is_error true and the API's message, exit status 1
 """
 
 import hashlib
+import http.client
 import json
 import os
 import subprocess
 import sys
 import time
+import urllib.parse
 
 
 def emit(document: dict) -> None:
@@ -52,6 +58,45 @@ def write_raw(stream_file, data: bytes) -> None:
     stream_file.buffer.write(data)
     stream_file.buffer.flush()
     time.sleep(0.05)  # the fake's own pacing, so the agent is likely to see separate reads
+
+
+def ask_model(prompt: str) -> int:
+    """One streaming request, the real CLI's shape; the answer's deltas go out as they arrive."""
+    base = urllib.parse.urlsplit(os.environ["ANTHROPIC_BASE_URL"])
+    body = json.dumps({"model": "fake", "max_tokens": 64, "stream": True,
+                       "messages": [{"role": "user", "content": prompt}]})
+    connection = http.client.HTTPConnection(base.hostname, base.port, timeout=60)
+    try:
+        connection.request("POST", "/v1/messages?beta=true", body=body, headers={
+            "content-type": "application/json", "anthropic-version": "2023-06-01",
+            "authorization": "Bearer " + os.environ["ANTHROPIC_AUTH_TOKEN"]})
+        response = connection.getresponse()
+    except OSError as e:
+        emit({"type": "result", "subtype": "success", "is_error": True, "result": f"API Error: {e}"})
+        return 1
+    if response.status != 200:
+        message = json.loads(response.read())["error"]["message"]
+        emit({"type": "result", "subtype": "success", "is_error": True,
+              "result": f"API Error: {response.status} {message}"})
+        return 1
+    stream({"type": "message_start", "message": {"role": "assistant"}})
+    stream({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}})
+    event = ""
+    while line := response.readline():
+        line = line.decode().rstrip("\n")
+        if line.startswith("event: "):
+            event = line[len("event: "):]
+        elif line.startswith("data: "):
+            data = json.loads(line[len("data: "):])
+            if event == "error":
+                emit({"type": "result", "subtype": "success", "is_error": True,
+                      "result": "API Error: " + data["error"]["message"]})
+                return 1
+            if data.get("type") == "content_block_delta":
+                stream({"type": "content_block_delta", "index": 0, "delta": data["delta"]})
+    stream({"type": "content_block_stop", "index": 0})
+    stream({"type": "message_stop"})
+    return 0
 
 
 def wait_forever() -> None:
@@ -104,6 +149,9 @@ def main() -> int:
     elif scenario == "fail":
         sys.stderr.write("fake: something broke\n")
         return 3
+    elif scenario == "model":
+        if ask_model(argument):
+            return 1
     elif scenario == "hang":
         say("working")
         wait_forever()
