@@ -3545,6 +3545,26 @@ class BytesRedactor:
         return self.feed(data) + self.finish()
 
 
+class WholeEvents:
+    """Passes an SSE stream on in whole events only (up to a blank line), holding the tail:
+    a stream the proxy cuts short (the cap, a failure) then ends on an event boundary, and
+    its terminal error event parses as one."""
+
+    def __init__(self) -> None:
+        self._held = b""
+
+    def feed(self, data: bytes) -> bytes:
+        data = self._held + data
+        end = max((data.rfind(mark) + len(mark) for mark in (b"\n\n", b"\r\n\r\n")
+                   if mark in data), default=0)
+        self._held = data[end:]
+        return data[:end]
+
+    def finish(self) -> bytes:
+        held, self._held = self._held, b""
+        return held
+
+
 # -- the proxy's I/O: per-session sockets on the host, one thread per connection ------------
 
 def read_model_request(conn: socket.socket) -> tuple[ModelRequest, bytes]:
@@ -3705,6 +3725,7 @@ class ModelProxy:
                 redactor: BytesRedactor, deadline: float, sse: bool) -> None:
         total = 0
         failure = None
+        events = WholeEvents() if sse else None
         while True:
             try:
                 chunk = response.read1(MODEL_READ_BYTES)
@@ -3724,10 +3745,15 @@ class ModelProxy:
             if time.monotonic() > deadline:
                 failure = f"the answer took over {MODEL_RESPONSE_TIMEOUT_S:.0f} s; it is cut here"
                 break
-            conn.sendall(redactor.feed(chunk))
-        conn.sendall(redactor.finish())
-        if failure is not None and sse:
-            conn.sendall(model_sse_error(failure))
+            safe = redactor.feed(chunk)
+            conn.sendall(events.feed(safe) if events else safe)
+        tail = redactor.finish()
+        if events is None:
+            conn.sendall(tail)
+        elif failure is None:
+            conn.sendall(events.feed(tail) + events.finish())
+        else:  # the cut event's start is dropped, so the error is an event of its own
+            conn.sendall(events.feed(tail) + model_sse_error(failure))
 
 
 # ============================================================================================

@@ -77,10 +77,11 @@ def pieces_answer(pieces: Iterable[tuple[bytes, Optional[threading.Event]]]) -> 
 
 
 def big_answer(total_bytes: int) -> Plan:
-    """text deltas of "x" until total_bytes of body are written (or the reader is gone)."""
+    """ping events padded to 60 kB (a CLI shows none of them) until total_bytes of body are
+    written or the reader is gone."""
     def plan(handler: http.server.BaseHTTPRequestHandler) -> None:
         start_sse(handler)
-        piece = text_delta("x" * 60_000)
+        piece = sse_event("ping", {"type": "ping", "padding": "x" * 60_000})
         written = 0
         try:
             while written < total_bytes:

@@ -135,6 +135,14 @@ def test_any_split_of_any_stream_redacts_every_credential(parts: list[bytes], cu
     assert redacted_through(CREDENTIAL, pieces) == data.replace(CREDENTIAL.encode(), b"[REDACTED]")
 
 
+@given(st.lists(st.binary(max_size=30), max_size=10))
+def test_whole_events_pass_on_every_byte_in_order_cut_at_blank_lines(pieces: list[bytes]) -> None:
+    events = rs.WholeEvents()
+    passed = [events.feed(piece) for piece in pieces]
+    assert all(p == b"" or p.endswith((b"\n\n", b"\r\n\r\n")) for p in passed)
+    assert b"".join(passed) + events.finish() == b"".join(pieces)
+
+
 # -- the host side on real sockets ----------------------------------------------------------------
 
 

@@ -60,6 +60,14 @@ def write_raw(stream_file, data: bytes) -> None:
     time.sleep(0.05)  # the fake's own pacing, so the agent is likely to see separate reads
 
 
+def api_error(message: str) -> int:
+    """What the real CLI does with an API error: an error result (and a diagnostic), exit 1."""
+    sys.stderr.write(f"API Error: {message}\n")
+    sys.stderr.flush()
+    emit({"type": "result", "subtype": "success", "is_error": True, "result": f"API Error: {message}"})
+    return 1
+
+
 def ask_model(prompt: str) -> int:
     """One streaming request, the real CLI's shape; the answer's deltas go out as they arrive."""
     base = urllib.parse.urlsplit(os.environ["ANTHROPIC_BASE_URL"])
@@ -72,13 +80,9 @@ def ask_model(prompt: str) -> int:
             "authorization": "Bearer " + os.environ["ANTHROPIC_AUTH_TOKEN"]})
         response = connection.getresponse()
     except OSError as e:
-        emit({"type": "result", "subtype": "success", "is_error": True, "result": f"API Error: {e}"})
-        return 1
+        return api_error(str(e))
     if response.status != 200:
-        message = json.loads(response.read())["error"]["message"]
-        emit({"type": "result", "subtype": "success", "is_error": True,
-              "result": f"API Error: {response.status} {message}"})
-        return 1
+        return api_error(f"{response.status} {json.loads(response.read())['error']['message']}")
     stream({"type": "message_start", "message": {"role": "assistant"}})
     stream({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}})
     event = ""
@@ -89,9 +93,7 @@ def ask_model(prompt: str) -> int:
         elif line.startswith("data: "):
             data = json.loads(line[len("data: "):])
             if event == "error":
-                emit({"type": "result", "subtype": "success", "is_error": True,
-                      "result": "API Error: " + data["error"]["message"]})
-                return 1
+                return api_error(data["error"]["message"])
             if data.get("type") == "content_block_delta":
                 stream({"type": "content_block_delta", "index": 0, "delta": data["delta"]})
     stream({"type": "content_block_stop", "index": 0})
