@@ -58,13 +58,16 @@ def model_api(tmp_path: Path) -> Iterator[FakeMessagesApi]:
         yield api
 
 
-def start_serve(serve_factory: Callable[..., ServeProcess], tmp_path: Path, url: str, ca: Path) -> ServeProcess:
+def model_session(serve_factory: Callable[..., ServeProcess], tmp_path: Path, url: str,
+                  ca: Path) -> tuple[ServeProcess, Api, str]:
+    """A serve with the model proxy to url (trusting ca), and a claude-code session of it."""
     credential = tmp_path / "model-credential"
     fd = os.open(credential, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     os.write(fd, CREDENTIAL.encode() + b"\n")
     os.close(fd)
-    return serve_factory("--model-upstream", url, "--model-upstream-ca", str(ca),
-                         "--model-credential-file", str(credential))
+    server = serve_factory("--model-upstream", url, "--model-upstream-ca", str(ca),
+                           "--model-credential-file", str(credential))
+    return server, server.api, server.api.create("model", "claude-code")["id"]
 
 
 def run(api: Api, sid: str, *argv: str) -> dict[str, Any]:
@@ -85,9 +88,7 @@ def files_holding(root: Path, needle: bytes) -> list[str]:
 def test_an_answer_streams_into_the_log_and_the_credential_stays_on_the_host(
         serve_factory: Callable[..., ServeProcess], model_api: FakeMessagesApi, tmp_path: Path,
         docker_engine: Any) -> None:
-    server = start_serve(serve_factory, tmp_path, model_api.url, model_api.ca)
-    api = server.api
-    sid = api.create("model", "claude-code")["id"]
+    server, api, sid = model_session(serve_factory, tmp_path, model_api.url, model_api.ca)
     release, finished = threading.Event(), threading.Event()
     model_api.plan = held_answer("Hello from ", "the fake model", release, finished)
     try:
@@ -126,9 +127,7 @@ def test_an_answer_streams_into_the_log_and_the_credential_stays_on_the_host(
 def test_hostile_answers_and_a_hostile_workload(
         serve_factory: Callable[..., ServeProcess], model_api: FakeMessagesApi, tmp_path: Path,
         docker_engine: Any) -> None:
-    server = start_serve(serve_factory, tmp_path, model_api.url, model_api.ca)
-    api = server.api
-    sid = api.create("hostile", "claude-code")["id"]
+    server, api, sid = model_session(serve_factory, tmp_path, model_api.url, model_api.ca)
 
     # A credential the upstream echoes, split across two reads: the second waits until the
     # log shows the delta before it, so the proxy held half the credential in between.
@@ -174,9 +173,7 @@ def test_an_unreachable_upstream_ends_the_turn_with_an_error(
     closed.bind(("127.0.0.1", 0))
     port = closed.getsockname()[1]
     closed.close()  # nothing listens there now
-    server = start_serve(serve_factory, tmp_path, f"https://127.0.0.1:{port}", model_api.ca)
-    api = server.api
-    sid = api.create("unreachable", "claude-code")["id"]
+    _, api, sid = model_session(serve_factory, tmp_path, f"https://127.0.0.1:{port}", model_api.ca)
     api.call("POST", f"/sessions/{sid}/message", {"text": "model hi"})
     log = api.wait_output(sid, b"[reploy: the agent command exited with status 1]")
     assert b"API Error: 502 the model upstream cannot be reached" in log
