@@ -3588,6 +3588,11 @@ def read_model_request(conn: socket.socket) -> tuple[ModelRequest, bytes]:
     return request, body[:request.body_bytes]
 
 
+def read_model_credential(path: Path) -> str:
+    """--model-credential-file, refused as the token file is (read_token)."""
+    return read_token(path, must_own=True, what="model credential file", pattern=_MODEL_CREDENTIAL)
+
+
 class ModelProxy:
     """The host side: DIR/agent/model.sock of each claude-code session, forwarded to the one
     upstream with the credential (see the section's head)."""
@@ -4462,9 +4467,8 @@ def run_serve(config: ServeConfig, access: ServeAccess) -> int:
         config = manager.config  # its state dir canonical
         if config.model_upstream is not None:
             assert access.model_credential_file is not None  # serve_config_from checked
-            manager.model_proxy = ModelProxy(config.model_upstream, read_token(
-                access.model_credential_file, must_own=True, what="model credential file",
-                pattern=_MODEL_CREDENTIAL))
+            manager.model_proxy = ModelProxy(config.model_upstream,
+                                             read_model_credential(access.model_credential_file))
         probe_session_disks(config.disks_dir)
         manager.mount_disks()
         manager.reconcile()

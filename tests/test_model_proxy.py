@@ -103,6 +103,18 @@ def test_model_flag_misuse_is_a_usage_error(flags: list[str], tmp_path: Path) ->
     assert result.returncode == 2 and "--model" in result.stderr
 
 
+@pytest.mark.parametrize("mode", [0o644, 0o640])
+def test_a_credential_file_open_to_others_is_refused_like_the_token_file(tmp_path: Path, mode: int) -> None:
+    credential = tmp_path / "credential"
+    credential.write_text(CREDENTIAL + "\n")
+    credential.chmod(mode)
+    with pytest.raises(rs.CredentialError, match="model credential file .* open to other users") as refused:
+        rs.read_model_credential(credential)
+    assert CREDENTIAL not in str(refused.value)
+    credential.chmod(0o600)
+    assert rs.read_model_credential(credential) == CREDENTIAL
+
+
 # -- the redactor (agent.Redactor over bytes) ----------------------------------------------------
 
 
