@@ -582,6 +582,8 @@ class AgentConfig:
     listen: Optional[tuple[str, int]] = None  # --listen HOST:PORT: also serve the protocol over TCP
     #: --runtime-user: who the workload and the file workers run as; None when they run as the agent itself
     runtime_user: Optional[Identity] = None
+    #: --model-relay PORT: relay 127.0.0.1:PORT to serve's credential proxy (see "The model relay")
+    model_relay_port: Optional[int] = None
 
     @property
     def agent_dir(self) -> Path:
@@ -5710,6 +5712,87 @@ def call(session_dir: Path, method: str, params: dict[str, Any], timeout_s: floa
 
 
 # ======================================================================================================================
+# The model relay: 127.0.0.1:PORT in the session's own network namespace -> DIR/agent/model.sock -> serve's proxy
+# ======================================================================================================================
+
+MODEL_SOCKET_NAME = "model.sock"  #: DIR/agent/model.sock: serve's credential proxy listens on it, on the host
+MAX_RELAYED_CONNECTIONS = 16  #: one more is closed at once; serve bounds its own concurrency per session too
+RELAY_CONNECT_TIMEOUT_S = 5.0
+
+
+def splice(one: socket.socket, other: socket.socket) -> None:
+    """Copies bytes both ways until both sides have ended theirs; a half-close is passed on."""
+    peers = {one: other, other: one}
+    with selectors.DefaultSelector() as selector:
+        for sock in peers:
+            selector.register(sock, selectors.EVENT_READ)
+        while selector.get_map():
+            for key, _ in selector.select():
+                source = key.fileobj
+                assert isinstance(source, socket.socket)
+                data = source.recv(RECV_BYTES)
+                if data:
+                    peers[source].sendall(data)
+                    continue
+                selector.unregister(source)
+                with contextlib.suppress(OSError):
+                    peers[source].shutdown(socket.SHUT_WR)
+
+
+class ModelRelay:
+    """A byte pipe from loopback TCP (all a network-none session has) to DIR/agent/model.sock, one connection each.
+
+    The workload's CLI reaches the model only through here; the credential lives in serve, beyond the socket, and
+    the socket lies in DIR/agent (0700, root's), which the workload cannot enter. The relay adds, reads and keeps
+    nothing: the proxy sees each connection as this session's (the socket it came in on says whose). An egress
+    proxy would be a second (port, socket name) pair of the same class.
+    """
+
+    def __init__(self, agent_dir: Path, port: int, socket_name: str = MODEL_SOCKET_NAME) -> None:
+        self._agent_dir = agent_dir
+        self._socket_name = socket_name
+        self._slots = threading.BoundedSemaphore(MAX_RELAYED_CONNECTIONS)
+        try:
+            self.sock = socket.create_server(("127.0.0.1", port), backlog=LISTEN_BACKLOG)
+        except OSError as e:
+            raise StartupError(f"cannot listen on 127.0.0.1:{port} for the model relay: {e.strerror}") from e
+        threading.Thread(target=self._accept_loop, name="model-relay", daemon=True).start()
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                client, _ = self.sock.accept()
+            except OSError:
+                return  # closed
+            if not self._slots.acquire(blocking=False):
+                client.close()
+                continue
+            threading.Thread(target=self._relay, args=(client,), name="model-relay-conn", daemon=True).start()
+
+    def _relay(self, client: socket.socket) -> None:
+        try:
+            with client:
+                dir_fd = os.open(self._agent_dir, DIR_OPEN_FLAGS)
+                try:
+                    upstream = connect_unix_at(dir_fd, self._socket_name, RELAY_CONNECT_TIMEOUT_S)
+                finally:
+                    os.close(dir_fd)
+                with upstream:
+                    upstream.settimeout(None)
+                    splice(client, upstream)
+        except OSError:
+            pass  # the CLI sees its connection end and reports it; the proxy logs its own side
+        finally:
+            self._slots.release()
+
+    def close(self) -> None:
+        """Stops accepting (shutdown wakes the blocked accept); relayed connections end with their peers."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+
+
+# ======================================================================================================================
 # Command line
 # ======================================================================================================================
 
@@ -5770,6 +5853,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--listen", metavar="HOST:PORT",
                        help="also serve the protocol over TCP (no authentication: only behind a private endpoint "
                             "grant); port 0 picks a free one")
+    serve.add_argument("--model-relay", type=_positive_int, metavar="PORT",
+                       help="relay 127.0.0.1:PORT to DIR/agent/model.sock (serve's credential proxy)")
     client = commands.add_parser("call", help="send one request to DIR/agent/control.sock; print the JSON response")
     client.add_argument("session_dir", type=Path, metavar="DIR")
     client.add_argument("verb", choices=[method.value for method in Method])
@@ -5789,6 +5874,7 @@ def _config_from(args: argparse.Namespace) -> AgentConfig:
         restore_path=args.restore.absolute() if args.restore else None, await_restore=args.await_restore,
         listen=parse_listen_address(args.listen) if args.listen is not None else None,
         runtime_user=runtime_user_for(args.runtime_user, Identity(os.geteuid(), os.getegid())),
+        model_relay_port=args.model_relay,
     )
     if config.log_cap_bytes < MIN_LOG_CAP_BYTES:
         raise UsageError(f"the output log cap must be at least {MIN_LOG_CAP_BYTES} bytes")
@@ -5868,6 +5954,7 @@ def serve(config: AgentConfig) -> int:
     """`agent.py serve`: prepare the session dir, serve until a signal, shut down cleanly."""
     prepare_session_dir(config)
     require_bounding_set_drop(config)
+    relay = ModelRelay(config.agent_dir, config.model_relay_port) if config.model_relay_port else None
     server = AgentServer(config)
     try:
         tcp = f" and tcp {server.tcp_listener.address}" if server.tcp_listener is not None else ""
@@ -5877,6 +5964,8 @@ def serve(config: AgentConfig) -> int:
         return server.run()
     finally:
         server.close()
+        if relay is not None:
+            relay.close()
 
 
 def main(argv: Optional[list[str]] = None) -> int:

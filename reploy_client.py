@@ -339,32 +339,34 @@ def parse_sse_event(lines: list[str]) -> Optional[OutputChunk]:
 # ============================================================================================
 
 
-def read_token(path: "os.PathLike[str] | str", must_own: bool = False) -> str:
+def read_token(path: "os.PathLike[str] | str", must_own: bool = False, what: str = "token file",
+               pattern: "re.Pattern[str]" = TOKEN_RE) -> str:
     """The token a token file holds (one line). CredentialError when the file cannot be read,
     is not a regular file (a FIFO or a device would hold the reader), is open to other users,
     belongs to another user (`must_own`: serve's own secret, which another user could
     otherwise plant where --token-file points), or holds anything else; the message never
-    quotes the file."""
+    quotes the file. serve reads its --model-credential-file here too (`what`, `pattern`)."""
     try:  # non-blocking: a FIFO opens at once, and fstat then refuses it
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as e:
-        raise CredentialError(f"cannot read the token file {path}: {e.strerror}") from None
+        raise CredentialError(f"cannot read the {what} {path}: {e.strerror}") from None
     try:
         facts = os.fstat(fd)
         mode = facts.st_mode
         if not stat.S_ISREG(mode):
-            raise CredentialError(f"the token file {path} is not a regular file")
+            raise CredentialError(f"the {what} {path} is not a regular file")
         if must_own and facts.st_uid != os.geteuid():
-            raise CredentialError(f"the token file {path} belongs to uid {facts.st_uid}, not to "
+            raise CredentialError(f"the {what} {path} belongs to uid {facts.st_uid}, not to "
                                   "this user")
         if mode & 0o077:
-            raise CredentialError(f"the token file {path} is open to other users "
+            raise CredentialError(f"the {what} {path} is open to other users "
                                   f"(mode {stat.S_IMODE(mode):04o}); chmod 600 it")
         text = os.read(fd, MAX_TOKEN_FILE_BYTES + 1).decode("ascii", "replace")
     finally:
         os.close(fd)
-    if not TOKEN_RE.fullmatch(text.rstrip("\n")):
-        raise CredentialError(f"the token file {path} does not hold one token (32 to 512 of "
+    if not pattern.fullmatch(text.rstrip("\n")):
+        low, high = re.findall(r"\d+", pattern.pattern.rpartition("{")[2])  # its {low,high}
+        raise CredentialError(f"the {what} {path} does not hold one token ({low} to {high} of "
                               "A-Z a-z 0-9 . _ ~ + / = -, on one line)")
     return text.rstrip("\n")
 

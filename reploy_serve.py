@@ -69,6 +69,7 @@ import shutil
 import signal
 import socket
 import sqlite3
+import ssl
 import stat
 import subprocess
 import sys
@@ -308,6 +309,8 @@ TOKEN_FILE_NAME = "token"
 TOKEN_BYTES = 32
 #: What a token may be: at least 32 characters (128 bits as hex), nothing that a header, a
 #: cookie or a percent-encoded URL could not carry.
+#: --model-credential-file: an API key or a gateway's token (the token file's alphabet).
+_MODEL_CREDENTIAL = re.compile(r"[A-Za-z0-9._~+/=-]{8,512}")
 #: The browser's way in: the UI at this fragment keeps the token in the tab's sessionStorage
 #: (scoped to scheme, host and port) and clears the address bar. A fragment never reaches a
 #: server or a Referer header; no credential ever lives in a cookie, which every port of a
@@ -2528,6 +2531,8 @@ class ServeConfig:
     session_cpus: float = DEFAULT_SESSION_CPUS
     max_session_readers: int = DEFAULT_MAX_SESSION_READERS
     max_readers: int = DEFAULT_MAX_READERS
+    #: --model-upstream (see "the model proxy"); the credential is never part of the config
+    model_upstream: Optional[ModelUpstream] = None
 
     @property
     def sessions_dir(self) -> Path:
@@ -2635,6 +2640,8 @@ class SessionManager:
         self.stopping = threading.Event()
         self._readers: dict[str, int] = {}  # open output streams per session, in this serve
         self._readers_lock = threading.Lock()
+        #: set by run_serve when --model-upstream is given (see "the model proxy")
+        self.model_proxy: Optional[ModelProxy] = None
 
     # -- leases -----------------------------------------------------------------------------
 
@@ -2710,6 +2717,8 @@ class SessionManager:
                 for c in self.backend.list_containers(labels)]
 
     def _remove_containers(self, session_id: str, keep: Optional[str] = None) -> None:
+        if keep is None and self.model_proxy is not None:
+            self.model_proxy.close_session(session_id)
         for container_id, _ in self._containers(session_id):
             if container_id != keep:
                 self.backend.unpause(container_id)
@@ -2732,6 +2741,9 @@ class SessionManager:
             for name in config.agent_env:
                 command += ["--redact-env", name]
                 environment[name] = os.environ.get(name, "")
+            if self.model_proxy is not None:
+                command += ["--model-relay", str(MODEL_RELAY_PORT)]
+                environment.update(MODEL_CLI_ENVIRONMENT)
         if archive:
             command += ["--restore", f"{SESSION_MOUNT}/{agent_role.AGENT_DIR_NAME}/{archive}"]
         mounts = (Mount(str(AGENT_SOURCE), AGENT_MOUNT, read_only=True),
@@ -2752,11 +2764,17 @@ class SessionManager:
         except SessionDiskError as e:
             raise ServiceUnavailable(str(e)) from e
 
+    def _listen_for_model(self, record: SessionRecord) -> None:
+        """A claude-code session's DIR/agent/model.sock, when serve has a --model-upstream."""
+        if self.model_proxy is not None and record.spec.workload == "agent":
+            self.model_proxy.listen(record.id, self.config.agent_dir(record.id))
+
     def _launch(self, lease: Lease, archive: Optional[str]) -> None:
         """Create and start the session's container (its disk mounted first, its workspace
         given back to the runtime user), record it, and wait for its agent."""
         self._mount_disk(lease.record.id)
         self._repair_workspace(lease.record)
+        self._listen_for_model(lease.record)
         container_id = self.backend.create(self._container_spec(lease.record, archive))
         lease.update(container_id=container_id)
         self.backend.start(container_id)
@@ -2936,7 +2954,8 @@ class SessionManager:
                 continue
             try:
                 self._mount_disk(record.id)
-            except ServeError as e:
+                self._listen_for_model(record)
+            except (ServeError, OSError) as e:
                 log(f"serve: session {record.id}: {e}")
         disks, promised = disk_promises(self.config.disks_dir)
         free = shutil.disk_usage(self.config.disks_dir).free
@@ -3688,7 +3707,399 @@ class SessionManager:
 
     def close(self) -> None:
         self.stopping.set()
+        if self.model_proxy is not None:
+            self.model_proxy.close()
         self.store.close()
+
+
+# ============================================================================================
+# the model proxy: the credential for claude-code sessions, held here and nowhere else
+# ============================================================================================
+# A claude-code session's CLI gets ANTHROPIC_BASE_URL=http://127.0.0.1:MODEL_RELAY_PORT and a
+# placeholder token. In the container the agent (root) relays each connection to that port
+# to DIR/agent/model.sock (agent.py's ModelRelay); serve listens there, on the host, one
+# socket per session, and forwards what this section allows to the one --model-upstream with
+# the real credential. The proxy runs as threads of serve, not as a process of its own:
+# serve already holds the session disks (where the sockets live) and its own token, starts
+# and stops with the sessions it serves, and a second process would need the credential
+# handed over and a supervisor of its own. The socket a connection arrives on names its
+# session; nothing the sandbox sends is trusted to say so.
+
+MODEL_RELAY_PORT = 8137  #: in each session's own network namespace (network none: loopback only)
+MODEL_PLACEHOLDER = "reploy-model-proxy-placeholder"  #: the CLI's token: not a secret, replaced
+MODEL_PATHS = frozenset({"/v1/messages", "/v1/messages/count_tokens"})  #: POST only
+MODEL_AUTH_HEADERS = {"x-api-key": "x-api-key", "bearer": "authorization"}  #: --model-auth
+MAX_MODEL_HEAD_BYTES = 64 * 1024  #: the request line and headers from the sandbox
+MAX_MODEL_BODY_BYTES = 32 * 1024 * 1024  #: one request body (a long conversation)
+MAX_MODEL_RESPONSE_BYTES = 64 * 1024 * 1024  #: raw upstream body bytes of one response
+MAX_MODEL_REQUESTS = 4  #: in flight per session; one more is answered 429
+MODEL_CLIENT_TIMEOUT_S = 30.0  #: the sandbox sends its whole request within this
+MODEL_CONNECT_TIMEOUT_S = 15.0  #: to the upstream, TLS included
+MODEL_IDLE_TIMEOUT_S = 300.0  #: the upstream's silence between two reads
+MODEL_RESPONSE_TIMEOUT_S = 1800.0  #: one whole response
+MODEL_READ_BYTES = 64 * 1024
+#: What a claude-code session's container gets (none of it secret).
+MODEL_CLI_ENVIRONMENT = {"ANTHROPIC_BASE_URL": f"http://127.0.0.1:{MODEL_RELAY_PORT}",
+                         "ANTHROPIC_AUTH_TOKEN": MODEL_PLACEHOLDER,
+                         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"}
+#: Never forwarded upstream: every credential the sandbox sends, and hop-by-hop framing.
+_MODEL_DROPPED_REQUEST = frozenset({
+    "authorization", "x-api-key", "proxy-authorization", "cookie", "host", "connection",
+    "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade",
+    "content-length", "accept-encoding", "expect"})
+#: The upstream's headers the CLI gets (redacted); the proxy frames the body itself.
+_MODEL_KEPT_RESPONSE = frozenset({"content-type", "request-id", "x-request-id", "retry-after",
+                                  "x-should-retry"})
+_MODEL_KEPT_RESPONSE_PREFIXES = ("anthropic-",)
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+_MODEL_QUERY = re.compile(r"[A-Za-z0-9._~=&%+-]*")
+
+
+class ModelRefusal(Exception):
+    """A request the proxy answers itself: the status, the Messages API's error type, why."""
+
+    def __init__(self, status: int, kind: str, reason: str) -> None:
+        super().__init__(reason)
+        self.status, self.kind, self.reason = status, kind, reason
+
+
+@dataclass(frozen=True)
+class ModelUpstream:
+    """--model-upstream and its options (never the credential, which only ModelProxy holds)."""
+
+    host: str
+    port: int
+    base_path: str  # a gateway's prefix, "" for the API's own root
+    ca_file: Optional[Path] = None
+    auth: str = "x-api-key"  # a key of MODEL_AUTH_HEADERS
+
+
+@dataclass(frozen=True)
+class ModelRequest:
+    """One request from the sandbox, as the proxy forwards it."""
+
+    path: str
+    query: str
+    headers: tuple[tuple[str, str], ...]  # those forwarded, in order
+    body_bytes: int
+
+
+def parse_model_upstream(url: str, ca_file: Optional[Path], auth: str) -> ModelUpstream:
+    """--model-upstream: https://HOST[:PORT][/PREFIX], nothing else (UsageError)."""
+    parts = urllib.parse.urlsplit(url)
+    try:
+        port = parts.port or 443
+    except ValueError:
+        raise UsageError(f"--model-upstream: {url!r} has a bad port") from None
+    if parts.scheme != "https" or not parts.hostname or parts.username or parts.password \
+            or parts.query or parts.fragment:
+        raise UsageError(f"--model-upstream: {url!r} is not https://HOST[:PORT][/PREFIX] "
+                         "(https only, no user, query or fragment)")
+    if ca_file is not None and not ca_file.is_file():
+        raise UsageError(f"--model-upstream-ca: {ca_file} is not a file")
+    return ModelUpstream(parts.hostname, port, parts.path.rstrip("/"),
+                         ca_file.absolute() if ca_file else None, auth)
+
+
+def parse_model_request(head: bytes, body_limit: int = MAX_MODEL_BODY_BYTES) -> ModelRequest:
+    """The request line and headers (CRLF CRLF excluded) -> what is forwarded, or ModelRefusal.
+    Only POST to the Messages API's own paths, in origin form (no absolute URI, no CONNECT),
+    with a Content-Length body; credentials and framing the sandbox sent are dropped."""
+    try:
+        text = head.decode("ascii")
+    except UnicodeDecodeError:
+        raise ModelRefusal(400, "invalid_request_error", "the request head is not ASCII") from None
+    line, *header_lines = text.split("\r\n")
+    method, _, rest = line.partition(" ")
+    target, _, version = rest.partition(" ")
+    if version not in ("HTTP/1.1", "HTTP/1.0") or not target:
+        raise ModelRefusal(400, "invalid_request_error", "not an HTTP/1.1 request line")
+    if not target.startswith("/"):
+        raise ModelRefusal(403, "permission_error", "the proxy takes origin-form targets only "
+                           "(no absolute URI, no CONNECT): it forwards to its one upstream")
+    path, _, query = target.partition("?")
+    if method != "POST" or path not in MODEL_PATHS:
+        raise ModelRefusal(403, "permission_error", f"{method} {path} is not forwarded: the "
+                           f"proxy forwards POST {', '.join(sorted(MODEL_PATHS))} only")
+    if not _MODEL_QUERY.fullmatch(query):
+        raise ModelRefusal(400, "invalid_request_error", "the query holds characters a query "
+                           "of the Messages API never does")
+    headers, length = [], None
+    for header_line in header_lines:
+        name, colon, value = header_line.partition(":")
+        if not colon or not _HEADER_NAME.fullmatch(name) or any(c in value for c in "\r\n\0"):
+            raise ModelRefusal(400, "invalid_request_error", "a malformed header line")
+        lowered, value = name.lower(), value.strip()
+        if lowered == "transfer-encoding":
+            raise ModelRefusal(411, "invalid_request_error", "send the body with Content-Length")
+        if lowered == "content-length":
+            if length is not None or not value.isdigit():
+                raise ModelRefusal(400, "invalid_request_error", "one decimal Content-Length")
+            length = int(value)
+        elif lowered not in _MODEL_DROPPED_REQUEST:
+            headers.append((name, value))
+    if length is None:
+        raise ModelRefusal(411, "invalid_request_error", "a body needs Content-Length")
+    if length > body_limit:
+        raise ModelRefusal(413, "request_too_large", f"the body is over {body_limit} bytes")
+    return ModelRequest(path, query, tuple(headers), length)
+
+
+def model_error_body(kind: str, message: str) -> bytes:
+    """The Messages API's own error shape, which the CLI reports as it would the API's."""
+    return json.dumps({"type": "error", "error": {"type": kind, "message": message}}).encode()
+
+
+def model_error_response(status: int, kind: str, message: str) -> bytes:
+    body = model_error_body(kind, message)
+    reason = http.client.responses.get(status, "Error")
+    return (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode() + body
+
+
+def model_sse_error(message: str) -> bytes:
+    """The terminal event of a stream the proxy ends (the cap, the time bound)."""
+    return b"event: error\ndata: " + model_error_body("api_error", message) + b"\n\n"
+
+
+def kept_response_headers(headers: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
+    return [(name, value) for name, value in headers
+            if name.lower() in _MODEL_KEPT_RESPONSE
+            or name.lower().startswith(_MODEL_KEPT_RESPONSE_PREFIXES)]
+
+
+class BytesRedactor:
+    """agent.Redactor over bytes: latin-1 maps each byte to one code point, so a credential
+    split across upstream reads is held back and replaced exactly as in text."""
+
+    def __init__(self, secret: str) -> None:
+        self._text = agent_role.Redactor([secret])
+
+    def feed(self, data: bytes) -> bytes:
+        return self._text.feed(data.decode("latin-1")).encode("latin-1")
+
+    def finish(self) -> bytes:
+        return self._text.finish().encode("latin-1")
+
+    def whole(self, data: bytes) -> bytes:
+        """One complete piece (a header value), with nothing held after it."""
+        return self.feed(data) + self.finish()
+
+
+class WholeEvents:
+    """Passes an SSE stream on in whole events only (up to a blank line), holding the tail:
+    a stream the proxy cuts short (the cap, a failure) then ends on an event boundary, and
+    its terminal error event parses as one."""
+
+    def __init__(self) -> None:
+        self._held = b""
+
+    def feed(self, data: bytes) -> bytes:
+        data = self._held + data
+        end = max((data.rfind(mark) + len(mark) for mark in (b"\n\n", b"\r\n\r\n")
+                   if mark in data), default=0)
+        self._held = data[end:]
+        return data[:end]
+
+    def finish(self) -> bytes:
+        held, self._held = self._held, b""
+        return held
+
+
+# -- the proxy's I/O: per-session sockets on the host, one thread per connection ------------
+
+def read_model_request(conn: socket.socket) -> tuple[ModelRequest, bytes]:
+    """The head and body from the relay, bounded in size (ModelRefusal) and time (OSError)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        if len(data) > MAX_MODEL_HEAD_BYTES:
+            raise ModelRefusal(431, "invalid_request_error",
+                               f"the request head is over {MAX_MODEL_HEAD_BYTES} bytes")
+        chunk = conn.recv(MODEL_READ_BYTES)
+        if not chunk:
+            raise ConnectionError("the client left before its request was whole")
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    request = parse_model_request(head)
+    while len(body) < request.body_bytes:
+        chunk = conn.recv(min(MODEL_READ_BYTES, request.body_bytes - len(body)))
+        if not chunk:
+            raise ConnectionError("the client left before its body was whole")
+        body += chunk
+    return request, body[:request.body_bytes]
+
+
+def read_model_credential(path: Path) -> str:
+    """--model-credential-file, refused as the token file is (read_token)."""
+    return read_token(path, must_own=True, what="model credential file", pattern=_MODEL_CREDENTIAL)
+
+
+class ModelProxy:
+    """The host side: DIR/agent/model.sock of each claude-code session, forwarded to the one
+    upstream with the credential (see the section's head)."""
+
+    def __init__(self, upstream: ModelUpstream, credential: str) -> None:
+        self.upstream = upstream
+        self._credential = credential
+        self._tls = ssl.create_default_context(cafile=str(upstream.ca_file) if upstream.ca_file
+                                               else None)
+        if upstream.ca_file:  # the system's roots too: a CA file adds trust, never replaces it
+            self._tls.load_default_certs()
+        self._listeners: dict[str, socket.socket] = {}
+        self._lock = threading.Lock()
+
+    def listen(self, session_id: str, agent_dir: Path) -> None:
+        """(Re)binds agent_dir/model.sock for the session; the socket stays root's and 0600."""
+        self.close_session(session_id)
+        dir_fd = os.open(agent_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(agent_role.MODEL_SOCKET_NAME, dir_fd=dir_fd)
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:  # through the fd: short, however deep the state dir; DIR/agent is 0700 root's
+                sock.bind(f"/proc/self/fd/{dir_fd}/{agent_role.MODEL_SOCKET_NAME}")
+                os.chmod(agent_role.MODEL_SOCKET_NAME, 0o600, dir_fd=dir_fd)
+                sock.listen(agent_role.LISTEN_BACKLOG)
+            except BaseException:
+                sock.close()
+                raise
+        finally:
+            os.close(dir_fd)
+        with self._lock:
+            self._listeners[session_id] = sock
+        slots = threading.BoundedSemaphore(MAX_MODEL_REQUESTS)
+        threading.Thread(target=self._accept_loop, args=(session_id, sock, slots),
+                         name=f"model-{session_id}", daemon=True).start()
+
+    def close_session(self, session_id: str) -> None:
+        """Stops listening for the session (before its disk is unmounted: a bound socket pins
+        the mount); requests under way finish on their own threads."""
+        with self._lock:
+            sock = self._listeners.pop(session_id, None)
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+    def close(self) -> None:
+        for session_id in list(self._listeners):
+            self.close_session(session_id)
+
+    def _accept_loop(self, session_id: str, sock: socket.socket,
+                     slots: threading.BoundedSemaphore) -> None:
+        while True:
+            try:
+                conn, _ = sock.accept()
+            except OSError:
+                return  # closed
+            threading.Thread(target=self._serve, args=(session_id, conn, slots),
+                             name=f"model-{session_id}-conn", daemon=True).start()
+
+    def _serve(self, session_id: str, conn: socket.socket,
+               slots: threading.BoundedSemaphore) -> None:
+        """One request: read (bounded in size and time), refused or forwarded. Connections
+        themselves are bounded by the session's relay (agent.MAX_RELAYED_CONNECTIONS)."""
+        admitted = slots.acquire(blocking=False)
+        with conn:
+            try:
+                conn.settimeout(MODEL_CLIENT_TIMEOUT_S)
+                try:
+                    request, body = read_model_request(conn)
+                    if not admitted:
+                        raise ModelRefusal(429, "rate_limit_error", f"this session has "
+                                           f"{MAX_MODEL_REQUESTS} model requests under way")
+                except ModelRefusal as e:
+                    log(f"serve: session {session_id}: model request refused: {e.reason}")
+                    conn.sendall(model_error_response(e.status, e.kind, e.reason))
+                    return
+                self._forward(session_id, conn, request, body)
+            except OSError as e:
+                log(f"serve: session {session_id}: model request ended: {e}")
+            finally:
+                if admitted:
+                    slots.release()
+
+    def _forward(self, session_id: str, conn: socket.socket, request: ModelRequest,
+                 body: bytes) -> None:
+        """Sends the request upstream with the credential, and the answer back as it arrives
+        (redacted, capped, bounded in time). Upstream failures are 502 and 504 in the API's
+        error shape; once the answer has begun, an SSE error event ends it."""
+        upstream = self.upstream
+        target = upstream.base_path + request.path + (f"?{request.query}" if request.query else "")
+        header_name = MODEL_AUTH_HEADERS[upstream.auth]
+        value = self._credential if upstream.auth == "x-api-key" else f"Bearer {self._credential}"
+        headers = dict(request.headers)
+        headers[header_name] = value
+        client = http.client.HTTPSConnection(upstream.host, upstream.port, context=self._tls,
+                                             timeout=MODEL_CONNECT_TIMEOUT_S)
+        deadline = time.monotonic() + MODEL_RESPONSE_TIMEOUT_S
+        try:
+            try:
+                client.request("POST", target, body=body, headers=headers)
+                assert client.sock is not None
+                client.sock.settimeout(MODEL_IDLE_TIMEOUT_S)
+                response = client.getresponse()
+            except TimeoutError:
+                conn.sendall(model_error_response(504, "timeout_error", "the model upstream did "
+                                                  "not answer in time"))
+                return
+            except (OSError, http.client.HTTPException) as e:
+                log(f"serve: session {session_id}: model upstream: {e}")
+                conn.sendall(model_error_response(502, "api_error", "the model upstream cannot "
+                                                  f"be reached: {type(e).__name__}"))
+                return
+            if 300 <= response.status < 400:
+                conn.sendall(model_error_response(502, "api_error", "the model upstream answered "
+                                                  "a redirect; the proxy follows none"))
+                return
+            if response.getheader("content-encoding", "identity").lower() != "identity":
+                conn.sendall(model_error_response(502, "api_error", "the model upstream sent an "
+                                                  "encoded body, which cannot be redacted"))
+                return
+            redactor = BytesRedactor(self._credential)
+            head = [f"HTTP/1.1 {response.status} {response.reason}"]
+            head += [f"{name}: {redactor.whole(value.encode('latin-1')).decode('latin-1')}"
+                     for name, value in kept_response_headers(response.getheaders())]
+            conn.sendall(("\r\n".join(head + ["connection: close", "", ""])).encode("latin-1"))
+            stream = "text/event-stream" in response.getheader("content-type", "")
+            self._stream(response, conn, redactor, deadline, stream)
+        finally:
+            client.close()
+
+    @staticmethod
+    def _stream(response: http.client.HTTPResponse, conn: socket.socket,
+                redactor: BytesRedactor, deadline: float, sse: bool) -> None:
+        total = 0
+        failure = None
+        events = WholeEvents() if sse else None
+        while True:
+            try:
+                chunk = response.read1(MODEL_READ_BYTES)
+            except TimeoutError:
+                failure = f"the model upstream fell silent for {MODEL_IDLE_TIMEOUT_S:.0f} s"
+                break
+            except (OSError, http.client.HTTPException) as e:
+                failure = f"the model upstream's answer broke off: {type(e).__name__}"
+                break
+            if not chunk:
+                break
+            total += len(chunk)
+            if total > MAX_MODEL_RESPONSE_BYTES:
+                failure = (f"the model upstream's answer is over {MAX_MODEL_RESPONSE_BYTES} bytes "
+                           "(the proxy's cap); it is cut here")
+                break
+            if time.monotonic() > deadline:
+                failure = f"the answer took over {MODEL_RESPONSE_TIMEOUT_S:.0f} s; it is cut here"
+                break
+            safe = redactor.feed(chunk)
+            conn.sendall(events.feed(safe) if events else safe)
+        tail = redactor.finish()
+        if events is None:
+            conn.sendall(tail)
+        elif failure is None:
+            conn.sendall(events.feed(tail) + events.finish())
+        else:  # the cut event's start is dropped, so the error is an event of its own
+            conn.sendall(events.feed(tail) + model_sse_error(failure))
 
 
 # ============================================================================================
@@ -4244,6 +4655,7 @@ class ServeAccess:
     port: int
     allow_hosts: tuple[str, ...]
     token_file: Path
+    model_credential_file: Optional[Path] = None  # --model-credential-file, read at the start
 
 
 _HOST_NAME = re.compile(r"(?=.{1,253}\Z)[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?"
@@ -4274,7 +4686,9 @@ def serve_access_from(args: argparse.Namespace) -> ServeAccess:
                                  "(no port, no wildcard)") from None
         names.append(name)
     token_file = args.token_file or args.state_dir / TOKEN_FILE_NAME
-    return ServeAccess(host, int(port), tuple(names), token_file.absolute())
+    credential = args.model_credential_file
+    return ServeAccess(host, int(port), tuple(names), token_file.absolute(),
+                       credential.absolute() if credential else None)
 
 
 #: The one reader of token files (regular files only, opened O_NONBLOCK then fstat-checked).
@@ -4374,6 +4788,13 @@ def serve_config_from(args: argparse.Namespace) -> ServeConfig:  # noqa: C901 (a
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')}: at least 1")
     state_dir = args.state_dir.absolute()
+    if (args.model_upstream is None) != (args.model_credential_file is None):
+        raise UsageError("--model-upstream and --model-credential-file go together")
+    if args.model_upstream is None and args.model_upstream_ca is not None:
+        raise UsageError("--model-upstream-ca needs --model-upstream")
+    model_upstream = (None if args.model_upstream is None else
+                      parse_model_upstream(args.model_upstream, args.model_upstream_ca,
+                                           args.model_auth))
     return ServeConfig(
         state_dir=state_dir, workload_dirs=tuple(d.absolute() for d in args.workload_dir),
         idle_after_s=durations["idle_after"], snapshot_after_s=durations["snapshot_after"],
@@ -4383,7 +4804,7 @@ def serve_config_from(args: argparse.Namespace) -> ServeConfig:  # noqa: C901 (a
         sse_keepalive_s=durations["sse_keepalive"], max_sessions=args.max_sessions,
         min_free_bytes=args.min_free_mib * 1024 * 1024, session_disk_mib=args.session_disk_mib,
         session_cpus=session_cpus, max_session_readers=args.max_session_readers,
-        max_readers=args.max_readers)
+        max_readers=args.max_readers, model_upstream=model_upstream)
 
 
 def run_serve(config: ServeConfig, access: ServeAccess) -> int:
@@ -4398,6 +4819,10 @@ def run_serve(config: ServeConfig, access: ServeAccess) -> int:
         backend.require_sandbox_support()
         manager = SessionManager(config, backend)
         config = manager.config  # its state dir canonical
+        if config.model_upstream is not None:
+            assert access.model_credential_file is not None  # serve_config_from checked
+            manager.model_proxy = ModelProxy(config.model_upstream,
+                                             read_model_credential(access.model_credential_file))
         probe_session_disks(config.disks_dir)
         manager.mount_disks()
         manager.reconcile()
@@ -4693,6 +5118,16 @@ def build_parser() -> ArgumentParser:
     serve.add_argument("--min-free-mib", type=int, default=DEFAULT_MIN_FREE_MIB, metavar="MIB",
                        help="kept free on the state dir's file system for serve's store and logs, beyond "
                             f"what the session disks may still take (default {DEFAULT_MIN_FREE_MIB})")
+    serve.add_argument("--model-upstream", metavar="URL",
+                       help="claude-code sessions reach this Messages API (https://HOST[:PORT]"
+                            "[/PREFIX]) through serve's credential proxy")
+    serve.add_argument("--model-upstream-ca", type=Path, metavar="FILE",
+                       help="also trust this CA (PEM) for --model-upstream")
+    serve.add_argument("--model-credential-file", type=Path, metavar="FILE",
+                       help="the upstream's credential (one line, a 0600 file of serve's user)")
+    serve.add_argument("--model-auth", choices=tuple(MODEL_AUTH_HEADERS), default="x-api-key",
+                       help="how the upstream takes the credential: x-api-key (Anthropic's API) "
+                            "or bearer (Authorization: Bearer, as some gateways want)")
     serve.add_argument("--session-disk-mib", type=int, default=DEFAULT_SESSION_DISK_MIB, metavar="MIB",
                        help="each session's disk quota: everything it writes on the host (default "
                             f"{DEFAULT_SESSION_DISK_MIB}, at least {MIN_SESSION_DISK_MIB}; needs root)")

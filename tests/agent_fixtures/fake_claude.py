@@ -19,16 +19,22 @@ the prompt names a scenario and its argument:
   write FILE TEXT   writes TEXT into FILE (relative to the workspace), says done
   probe ...         says, as JSON, how the prompt came, its stdin's access mode, what linking its stdin into the
                     workspace answered, and its capability sets
+  model TEXT        asks the Messages API at $ANTHROPIC_BASE_URL (as the real CLI does: POST
+                    /v1/messages?beta=true, streaming, the placeholder as Authorization: Bearer)
+                    and says each text delta as it arrives; an HTTP error or an error event is a
+                    result with is_error true and the API's message, exit status 1
 """
 
 import errno
 import fcntl
 import hashlib
+import http.client
 import json
 import os
 import subprocess
 import sys
 import time
+import urllib.parse
 
 
 def emit(document: dict) -> None:
@@ -56,6 +62,47 @@ def write_raw(stream_file, data: bytes) -> None:
     stream_file.buffer.write(data)
     stream_file.buffer.flush()
     time.sleep(0.05)  # the fake's own pacing, so the agent is likely to see separate reads
+
+
+def api_error(message: str) -> int:
+    """What the real CLI does with an API error: an error result (and a diagnostic), exit 1."""
+    sys.stderr.write(f"API Error: {message}\n")
+    sys.stderr.flush()
+    emit({"type": "result", "subtype": "success", "is_error": True, "result": f"API Error: {message}"})
+    return 1
+
+
+def ask_model(prompt: str) -> int:
+    """One streaming request, the real CLI's shape; the answer's deltas go out as they arrive."""
+    base = urllib.parse.urlsplit(os.environ["ANTHROPIC_BASE_URL"])
+    body = json.dumps({"model": "fake", "max_tokens": 64, "stream": True,
+                       "messages": [{"role": "user", "content": prompt}]})
+    connection = http.client.HTTPConnection(base.hostname, base.port, timeout=60)
+    try:
+        connection.request("POST", "/v1/messages?beta=true", body=body, headers={
+            "content-type": "application/json", "anthropic-version": "2023-06-01",
+            "authorization": "Bearer " + os.environ["ANTHROPIC_AUTH_TOKEN"]})
+        response = connection.getresponse()
+    except OSError as e:
+        return api_error(str(e))
+    if response.status != 200:
+        return api_error(f"{response.status} {json.loads(response.read())['error']['message']}")
+    stream({"type": "message_start", "message": {"role": "assistant"}})
+    stream({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}})
+    event = ""
+    while line := response.readline():
+        line = line.decode().rstrip("\n")
+        if line.startswith("event: "):
+            event = line[len("event: "):]
+        elif line.startswith("data: "):
+            data = json.loads(line[len("data: "):])
+            if event == "error":
+                return api_error(data["error"]["message"])
+            if data.get("type") == "content_block_delta":
+                stream({"type": "content_block_delta", "index": 0, "delta": data["delta"]})
+    stream({"type": "content_block_stop", "index": 0})
+    stream({"type": "message_stop"})
+    return 0
 
 
 def wait_forever() -> None:
@@ -126,6 +173,9 @@ def main() -> int:
     elif scenario == "fail":
         sys.stderr.write("fake: something broke\n")
         return 3
+    elif scenario == "model":
+        if ask_model(argument):
+            return 1
     elif scenario == "hang":
         say("working")
         wait_forever()

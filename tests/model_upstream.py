@@ -1,0 +1,127 @@
+"""A stand-in for the Messages API on 127.0.0.1 over HTTPS, with a CA the test makes (openssl).
+
+Each POST is recorded (path with query, headers) and answered by the plan the test set: a
+callable given the handler. The plans below are the shapes the proxy must carry: an SSE answer
+held back after its first delta until the test says so, raw pieces written one by one (each
+after an event the test sets), and a body of N bytes.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import ssl
+import subprocess
+import threading
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional
+
+HOLD_TIMEOUT_S = 60.0  #: a held answer gives up after this (the test failed: nothing saw the delta)
+
+
+def make_ca_and_server_cert(directory: Path) -> tuple[Path, Path, Path]:
+    """(ca.pem, server.pem, server.key): a CA of the test's own and a server certificate for
+    IP 127.0.0.1 signed by it."""
+    def run(*argv: str) -> None:
+        subprocess.run(["openssl", *argv], check=True, capture_output=True, cwd=directory)
+
+    ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
+    run("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=reploy test CA")
+    run("req", *ec, "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=127.0.0.1")
+    (directory / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    run("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+        "-out", "server.pem", "-days", "2", "-extfile", "san.ext")
+    return directory / "ca.pem", directory / "server.pem", directory / "server.key"
+
+
+def sse_event(kind: str, data: dict[str, Any]) -> bytes:
+    return f"event: {kind}\ndata: {json.dumps(data)}\n\n".encode()
+
+
+def text_delta(text: str) -> bytes:
+    return sse_event("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                             "delta": {"type": "text_delta", "text": text}})
+
+
+Plan = Callable[[http.server.BaseHTTPRequestHandler], None]
+
+
+def start_sse(handler: http.server.BaseHTTPRequestHandler) -> None:
+    handler.send_response(200)
+    handler.send_header("content-type", "text/event-stream")
+    handler.send_header("request-id", "req_fake")
+    handler.end_headers()
+
+
+def held_answer(first: str, rest: str, release: threading.Event, finished: threading.Event) -> Plan:
+    """The first delta, then nothing until `release` (the test saw the first delta downstream),
+    then the rest; `finished` is set once the whole answer is written."""
+    def plan(handler: http.server.BaseHTTPRequestHandler) -> None:
+        start_sse(handler)
+        handler.wfile.write(sse_event("message_start", {"type": "message_start"}) + text_delta(first))
+        release.wait(HOLD_TIMEOUT_S)
+        handler.wfile.write(text_delta(rest) + sse_event("message_stop", {"type": "message_stop"}))
+        finished.set()
+    return plan
+
+
+def pieces_answer(pieces: Iterable[tuple[bytes, Optional[threading.Event]]]) -> Plan:
+    """Each piece written on its own, after its event (None: at once)."""
+    def plan(handler: http.server.BaseHTTPRequestHandler) -> None:
+        start_sse(handler)
+        for data, wait_for in pieces:
+            if wait_for is not None:
+                wait_for.wait(HOLD_TIMEOUT_S)
+            handler.wfile.write(data)
+    return plan
+
+
+def big_answer(total_bytes: int) -> Plan:
+    """ping events padded to 60 kB (a CLI shows none of them) until total_bytes of body are
+    written or the reader is gone."""
+    def plan(handler: http.server.BaseHTTPRequestHandler) -> None:
+        start_sse(handler)
+        piece = sse_event("ping", {"type": "ping", "padding": "x" * 60_000})
+        written = 0
+        try:
+            while written < total_bytes:
+                handler.wfile.write(piece)
+                written += len(piece)
+        except OSError:
+            pass
+    return plan
+
+
+class FakeMessagesApi:
+    """The HTTPS listener on 127.0.0.1 (a port of its own); use as a context manager."""
+
+    def __init__(self, directory: Path) -> None:
+        self.ca, cert, key = make_ca_and_server_cert(directory)
+        self.requests: list[tuple[str, dict[str, str]]] = []
+        self.plan: Plan = held_answer("", "", threading.Event(), threading.Event())
+        api = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("content-length", "0")))
+                api.requests.append((self.path, {k.lower(): v for k, v in self.headers.items()}))
+                api.plan(self)
+
+            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base's
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(cert, key)
+        self.server.socket = context.wrap_socket(self.server.socket, server_side=True)
+        self.port = self.server.server_address[1]
+        self.url = f"https://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> "FakeMessagesApi":
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        self.server.shutdown()
+        self.server.server_close()

@@ -1,0 +1,305 @@
+"""The model proxy of `reploy serve` ("the model proxy"): its pure core (the request parser, the
+byte redactor, the upstream URL), then its host side on real sockets without Docker: a unix
+socket like a session's DIR/agent/model.sock, forwarded over TLS to a fake Messages API on
+127.0.0.1 with a CA the test makes."""
+
+from __future__ import annotations
+
+import http.client
+import itertools
+import json
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import agent  # noqa: E402
+import reploy_serve as rs  # noqa: E402
+from model_upstream import (FakeMessagesApi, big_answer, held_answer, pieces_answer,  # noqa: E402
+                            text_delta)
+
+CREDENTIAL = "sk-ant-api03-TESTCREDENTIAL-0123456789abcdef"
+
+
+def head(*lines: str) -> bytes:
+    return "\r\n".join(lines).encode()
+
+
+# -- the request parser ------------------------------------------------------------------------
+
+
+def test_a_messages_request_is_forwarded_without_the_sandbox_credentials() -> None:
+    request = rs.parse_model_request(head(
+        "POST /v1/messages?beta=true HTTP/1.1", "Host: evil.example", "Authorization: Bearer x",
+        "x-api-key: y", "Proxy-Authorization: z", "Cookie: c", "Content-Length: 12",
+        "anthropic-version: 2023-06-01", "Accept-Encoding: gzip", "Connection: keep-alive"))
+    assert (request.path, request.query, request.body_bytes) == ("/v1/messages", "beta=true", 12)
+    assert request.headers == (("anthropic-version", "2023-06-01"),)
+
+
+@pytest.mark.parametrize(("line", "status"), [
+    ("GET /v1/messages HTTP/1.1", 403),
+    ("POST /v1/models HTTP/1.1", 403),
+    ("POST /v1/messages/../complete HTTP/1.1", 403),
+    ("POST https://elsewhere.example/v1/messages HTTP/1.1", 403),
+    ("CONNECT elsewhere.example:443 HTTP/1.1", 403),
+    ("POST /v1/messages?x=<script> HTTP/1.1", 400),
+    ("POST /v1/messages", 400),
+])
+def test_other_methods_paths_and_targets_are_refused_with_a_reason(line: str, status: int) -> None:
+    with pytest.raises(rs.ModelRefusal) as refused:
+        rs.parse_model_request(head(line, "Content-Length: 2"))
+    assert refused.value.status == status and refused.value.reason
+
+
+@pytest.mark.parametrize(("headers", "status"), [
+    (("Transfer-Encoding: chunked",), 411),
+    ((), 411),
+    (("Content-Length: 1", "Content-Length: 1"), 400),
+    (("Content-Length: -1",), 400),
+    ((f"Content-Length: {rs.MAX_MODEL_BODY_BYTES + 1}",), 413),
+    (("Bad Header: x", "Content-Length: 1"), 400),
+])
+def test_bodies_need_one_bounded_content_length(headers: tuple[str, ...], status: int) -> None:
+    with pytest.raises(rs.ModelRefusal) as refused:
+        rs.parse_model_request(head("POST /v1/messages HTTP/1.1", *headers))
+    assert refused.value.status == status
+
+
+def test_a_head_that_is_not_ascii_is_refused() -> None:
+    with pytest.raises(rs.ModelRefusal):
+        rs.parse_model_request("POST /v1/messages HTTP/1.1\r\nx: é\r\nContent-Length: 1".encode())
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:1", "https://u:p@host", "https://host/?q=1",
+                                 "https://", "https://host:99999", "ftp://host"])
+def test_the_upstream_is_https_host_port_and_prefix_only(url: str) -> None:
+    with pytest.raises(rs.UsageError):
+        rs.parse_model_upstream(url, None, "x-api-key")
+
+
+def test_a_gateway_prefix_is_kept() -> None:
+    upstream = rs.parse_model_upstream("https://gw.internal:8443/anthropic/", None, "bearer")
+    assert (upstream.host, upstream.port, upstream.base_path) == ("gw.internal", 8443, "/anthropic")
+
+
+@pytest.mark.parametrize("flags", [["--model-upstream", "https://127.0.0.1:1"],
+                                   ["--model-credential-file", "/nonexistent"],
+                                   ["--model-upstream-ca", "/etc/hostname"],
+                                   ["--model-upstream", "http://127.0.0.1:1", "--model-credential-file", "/x"],
+                                   ["--model-auth", "basic"]])
+def test_model_flag_misuse_is_a_usage_error(flags: list[str], tmp_path: Path) -> None:
+    result = subprocess.run([sys.executable, str(ROOT / "reploy_serve.py"), "serve", "--workload-dir",
+                             str(tmp_path), "--state-dir", str(tmp_path / "state"), *flags],
+                            capture_output=True, text=True)
+    assert result.returncode == 2 and "--model" in result.stderr
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o640])
+def test_a_credential_file_open_to_others_is_refused_like_the_token_file(tmp_path: Path, mode: int) -> None:
+    credential = tmp_path / "credential"
+    credential.write_text(CREDENTIAL + "\n")
+    credential.chmod(mode)
+    with pytest.raises(rs.CredentialError, match="model credential file .* open to other users") as refused:
+        rs.read_model_credential(credential)
+    assert CREDENTIAL not in str(refused.value)
+    credential.chmod(0o600)
+    assert rs.read_model_credential(credential) == CREDENTIAL
+
+
+# -- the redactor (agent.Redactor over bytes) ----------------------------------------------------
+
+
+def redacted_through(secret: str, pieces: list[bytes]) -> bytes:
+    redactor = rs.BytesRedactor(secret)
+    return b"".join(redactor.feed(piece) for piece in pieces) + redactor.finish()
+
+
+def test_every_two_way_split_of_a_credential_is_redacted() -> None:
+    data = f"a{CREDENTIAL}b{CREDENTIAL[:-1]}c{CREDENTIAL}".encode()
+    expected = data.replace(CREDENTIAL.encode(), b"[REDACTED]")
+    for cut in range(len(data) + 1):
+        assert redacted_through(CREDENTIAL, [data[:cut], data[cut:]]) == expected
+
+
+def test_every_byte_on_its_own_read_is_redacted() -> None:
+    data = f"x{CREDENTIAL}{CREDENTIAL}y\xff".encode("latin-1")
+    assert redacted_through(CREDENTIAL, [data[i:i + 1] for i in range(len(data))]) == \
+        data.replace(CREDENTIAL.encode(), b"[REDACTED]")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(st.binary(max_size=20), st.just(CREDENTIAL.encode()),
+                          st.just(CREDENTIAL.encode()[:10])), max_size=8),
+       st.lists(st.integers(min_value=0, max_value=400), max_size=6))
+def test_any_split_of_any_stream_redacts_every_credential(parts: list[bytes], cuts: list[int]) -> None:
+    data = b"".join(parts)
+    points = sorted({min(c, len(data)) for c in cuts})
+    pieces = [data[a:b] for a, b in itertools.pairwise([0, *points, len(data)])]
+    assert redacted_through(CREDENTIAL, pieces) == data.replace(CREDENTIAL.encode(), b"[REDACTED]")
+
+
+@given(st.lists(st.binary(max_size=30), max_size=10))
+def test_whole_events_pass_on_every_byte_in_order_cut_at_blank_lines(pieces: list[bytes]) -> None:
+    events = rs.WholeEvents()
+    passed = [events.feed(piece) for piece in pieces]
+    assert all(p == b"" or p.endswith((b"\n\n", b"\r\n\r\n")) for p in passed)
+    assert b"".join(passed) + events.finish() == b"".join(pieces)
+
+
+# -- the host side on real sockets ----------------------------------------------------------------
+
+
+@pytest.fixture
+def upstream(tmp_path: Path) -> Iterator[FakeMessagesApi]:
+    (tmp_path / "tls").mkdir()
+    with FakeMessagesApi(tmp_path / "tls") as api:
+        yield api
+
+
+def make_proxy(tmp_path: Path, url: str, ca: Path | None, auth: str = "x-api-key") -> tuple[rs.ModelProxy, Path]:
+    agent_dir = tmp_path / "agent"
+    agent_dir.mkdir(mode=0o700, exist_ok=True)
+    proxy = rs.ModelProxy(rs.parse_model_upstream(url, ca, auth), CREDENTIAL)
+    proxy.listen("s1", agent_dir)
+    return proxy, agent_dir / agent.MODEL_SOCKET_NAME
+
+
+class UnixHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, path: Path) -> None:
+        super().__init__("127.0.0.1", timeout=60)
+        self.unix_path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(60)
+        self.sock.connect(str(self.unix_path))
+
+
+def ask(path: Path, target: str = "/v1/messages?beta=true", method: str = "POST") -> http.client.HTTPResponse:
+    connection = UnixHTTPConnection(path)
+    connection.request(method, target, body=b'{"stream": true}', headers={
+        "authorization": f"Bearer {rs.MODEL_PLACEHOLDER}", "x-api-key": rs.MODEL_PLACEHOLDER,
+        "anthropic-version": "2023-06-01", "content-type": "application/json"})
+    return connection.getresponse()
+
+
+def test_the_answer_streams_before_the_upstream_finishes_with_the_real_credential(
+        tmp_path: Path, upstream: FakeMessagesApi) -> None:
+    release, finished = threading.Event(), threading.Event()
+    upstream.plan = held_answer("first", "second", release, finished)
+    proxy, sock = make_proxy(tmp_path, upstream.url, upstream.ca)
+    try:
+        response = ask(sock)
+        assert response.status == 200 and response.getheader("request-id") == "req_fake"
+        seen = b""
+        while text_delta("first") not in seen:
+            seen += response.read1(65536)
+        assert not finished.is_set()  # the first delta came through while the rest was held
+        release.set()
+        rest = response.read()
+        assert text_delta("second") in rest and finished.is_set()
+    finally:
+        release.set()
+        proxy.close()
+    (path, headers), = upstream.requests
+    assert path == "/v1/messages?beta=true"
+    assert headers["x-api-key"] == CREDENTIAL and "authorization" not in headers
+    assert headers["host"] == f"127.0.0.1:{upstream.port}" and headers["anthropic-version"] == "2023-06-01"
+    assert rs.MODEL_PLACEHOLDER not in json.dumps(headers)
+    assert (sock.stat().st_mode & 0o777) == 0o600
+
+
+def test_a_bearer_gateway_gets_the_credential_as_authorization(tmp_path: Path, upstream: FakeMessagesApi) -> None:
+    release = threading.Event()
+    release.set()
+    upstream.plan = held_answer("a", "b", release, threading.Event())
+    proxy, sock = make_proxy(tmp_path, upstream.url, upstream.ca, auth="bearer")
+    try:
+        assert ask(sock).read()
+    finally:
+        proxy.close()
+    (_, headers), = upstream.requests
+    assert headers["authorization"] == f"Bearer {CREDENTIAL}" and "x-api-key" not in headers
+
+
+def test_a_credential_split_across_two_upstream_reads_is_redacted(tmp_path: Path, upstream: FakeMessagesApi) -> None:
+    second = threading.Event()
+    half = len(CREDENTIAL) // 2
+    upstream.plan = pieces_answer([(b"data: token=" + CREDENTIAL[:half].encode(), None),
+                                   (CREDENTIAL[half:].encode() + b" end\n\n", second)])
+    proxy, sock = make_proxy(tmp_path, upstream.url, upstream.ca)
+    try:
+        response = ask(sock)
+        seen = b""
+        while b"token=" not in seen:  # forwarded while the half credential is held back
+            seen += response.read1(65536)
+        second.set()
+        seen += response.read()
+    finally:
+        second.set()
+        proxy.close()
+    assert seen == b"data: token=[REDACTED] end\n\n"
+
+
+def test_an_answer_over_the_cap_ends_with_an_explicit_error(tmp_path: Path, upstream: FakeMessagesApi) -> None:
+    upstream.plan = big_answer(rs.MAX_MODEL_RESPONSE_BYTES + 1_000_000)
+    proxy, sock = make_proxy(tmp_path, upstream.url, upstream.ca)
+    try:
+        body = ask(sock).read()
+    finally:
+        proxy.close()
+    assert len(body) <= rs.MAX_MODEL_RESPONSE_BYTES + 1000
+    assert body.endswith(b"\n\n") and b"event: error" in body[-400:] and b"cap" in body[-400:]
+
+
+@pytest.mark.parametrize(("target", "method"), [("/v1/models", "GET"), ("/v1/complete", "POST"),
+                                                ("http://127.0.0.1:1/v1/messages", "POST")])
+def test_other_requests_are_403_and_never_reach_the_upstream(tmp_path: Path, upstream: FakeMessagesApi,
+                                                             target: str, method: str) -> None:
+    proxy, sock = make_proxy(tmp_path, upstream.url, upstream.ca)
+    try:
+        response = ask(sock, target, method)
+        error = json.loads(response.read())
+    finally:
+        proxy.close()
+    assert response.status == 403 and error["error"]["type"] == "permission_error"
+    assert upstream.requests == []
+
+
+def test_an_unverified_upstream_and_an_unreachable_one_are_502(tmp_path: Path, upstream: FakeMessagesApi) -> None:
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()  # nothing listens there now
+    for url, ca in ((upstream.url, None), (f"https://127.0.0.1:{port}", upstream.ca)):
+        proxy, sock = make_proxy(tmp_path, url, ca)
+        try:
+            response = ask(sock)
+            error = json.loads(response.read())
+        finally:
+            proxy.close()
+        assert response.status == 502 and error["type"] == "error" and error["error"]["message"]
+    assert upstream.requests == []
+
+
+def test_requests_past_the_per_session_bound_are_429(tmp_path: Path, upstream: FakeMessagesApi) -> None:
+    release = threading.Event()
+    upstream.plan = held_answer("a", "b", release, threading.Event())
+    proxy, sock = make_proxy(tmp_path, upstream.url, upstream.ca)
+    try:
+        held = [ask(sock) for _ in range(rs.MAX_MODEL_REQUESTS)]
+        assert ask(sock).status == 429
+        release.set()
+        assert all(r.read() for r in held)
+    finally:
+        release.set()
+        proxy.close()
