@@ -827,14 +827,21 @@ class Session:
 # ============================================================================================
 
 
-def copy_limit_bytes(client: Client) -> int:
-    """The most `session cp` takes out of a session before it stops: the session's disk quota
-    as serve reports it (GET /server, limits.sessionDiskBytes), plus the tar's own overhead,
-    and never more than the agent's bound on one download (MAX_TRANSFER_BYTES)."""
+def copy_limit_bytes(session: Session) -> int:
+    """The most `session cp` takes out of a session before it stops: the session's own disk
+    quota (its `diskMib`; from a serve older than that, GET /server's limits.sessionDiskBytes),
+    plus the tar's own overhead, and never more than the agent's bound on one download
+    (MAX_TRANSFER_BYTES)."""
     import agent as agent_role
 
     def quota() -> Optional[int]:
-        limits = field(client.server_info(), "limits", dict)
+        document = session.get()
+        if "diskMib" in document:
+            disk_mib = field(document, "diskMib", int)
+            if disk_mib < 0:
+                raise AnswerInvalid("the session's diskMib is negative")
+            return disk_mib * 1024 * 1024
+        limits = field(session.client.server_info(), "limits", dict)
         if "sessionDiskBytes" not in limits:
             return None
         value = field(limits, "sessionDiskBytes", int, nullable=True)
@@ -842,7 +849,7 @@ def copy_limit_bytes(client: Client) -> int:
             raise AnswerInvalid("limits sessionDiskBytes is negative")
         return value
 
-    quota_bytes = client.checked(quota)
+    quota_bytes = session.client.checked(quota)
     if quota_bytes is None:
         return agent_role.MAX_TRANSFER_BYTES
     return min(quota_bytes + agent_role.MAX_ARCHIVE_ENTRIES * TAR_BYTES_PER_ENTRY,
@@ -928,7 +935,7 @@ def copy_from_session(session: Session, root: str, path: str, local: str) -> dic
     if entry is None:
         raise ReployFileNotFoundError(404, "not_found", f"{source}: no such file or directory")
     listed = "tree" if entry["type"] == "directory" else "file"
-    limit_bytes = copy_limit_bytes(client)
+    limit_bytes = copy_limit_bytes(session)
     try:
         with client.open_stream("GET", file_route("files", session.id, root, path)) as response:
             kind = download_kind(response.getheader("Content-Type", ""), source)

@@ -55,8 +55,10 @@ class ReployConfig(BaseModel, frozen=True):
     `token_file`'s, else $REPLOY_TOKEN's. `deployment` is one of serve's (GET /server; default
     its first). `exec_timeout` (seconds) applies when Inspect gives none (else none: serve
     runs it until it ends). `max_output_bytes` caps each stream (default Inspect's limit,
-    INSPECT_SANDBOX_MAX_EXEC_OUTPUT_SIZE, 10 MiB; serve takes up to 16). `disk_mib` and `cpus`
-    are passed on at create only when set (serve sizes sessions itself otherwise). `sweep`
+    INSPECT_SANDBOX_MAX_EXEC_OUTPUT_SIZE, 10 MiB; serve takes up to 16). `disk_mib` sizes each
+    sample's session disk (its workspace, home and output: at least 64 MiB) and `cpus` bounds
+    its container's CPU (cores, e.g. 0.5); each is passed on at create only when set, at most
+    serve's own --session-disk-mib and --session-cpus (more is refused), which are the default. `sweep`
     labels each session and gives it `ttl_seconds`, for serve versions that take labels."""
 
     server: Optional[str] = None

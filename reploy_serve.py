@@ -582,6 +582,10 @@ class SessionSpec:
     image_id: str
     generation: int
     runtime: Runtime
+    #: Its own CPU bound and disk size (create's `cpus`, `diskMib`). None only in a record from
+    #: before they were stored: it has the server's (ServeConfig.resources).
+    cpus: Optional[float] = None
+    disk_mib: Optional[int] = None
 
     def to_json(self) -> str:
         doc = {k: v for k, v in self.__dict__.items() if k != "runtime"}
@@ -974,10 +978,10 @@ def _blocks_from_text(text: str) -> tuple[IdleBlock, ...]:
 class FieldRule:
     """One JSON body field: its type, whether it is required, and what values fit."""
 
-    kind: type
+    kind: type  # float: any JSON number
     required: bool = False
-    minimum: Optional[int] = None
-    maximum: Optional[int] = None
+    minimum: Optional[float] = None
+    maximum: Optional[float] = None
     pattern: Optional[re.Pattern[str]] = None  # the whole value must match (fullmatch)
     choices: tuple[str, ...] = ()
     reserved: tuple[str, ...] = ()  # values the pattern allows that are refused anyway
@@ -991,15 +995,18 @@ MODEL_RULE = replace(SESSION_MODEL_RULE, reserved=(PLATFORM_DEFAULT_MODEL,))
 
 #: Request bodies by operation. Every field is optional unless marked; an unknown field, a
 #: missing one, a wrong JSON type (null included) and a value that does not fit are all 400,
-#: as seed 002 has it. `deployment` (create) and `waitMs` (read) are Reploy's optional
-#: additions; the other routes are Reploy's own.
+#: as seed 002 has it. `deployment`, `labels`, `ttlSeconds`, `cpus` and `diskMib` (create) and
+#: `waitMs` (read) are Reploy's optional additions; the other routes are Reploy's own. The
+#: server's own bounds on `cpus` and `diskMib` are session_resources'.
 BODY_RULES: dict[str, dict[str, FieldRule]] = {
     "create": {"name": FieldRule(str, True),
                "workloadType": FieldRule(str, choices=tuple(WORKLOAD_TYPES)),
                "model": SESSION_MODEL_RULE,
                "deployment": FieldRule(str, pattern=_NAME),
                "labels": FieldRule(dict),
-               "ttlSeconds": FieldRule(int, minimum=1, maximum=MAX_TTL_S)},
+               "ttlSeconds": FieldRule(int, minimum=1, maximum=MAX_TTL_S),
+               "cpus": FieldRule(float, minimum=MIN_SESSION_CPUS),
+               "diskMib": FieldRule(int, minimum=MIN_SESSION_DISK_MIB, maximum=MAX_SESSION_DISK_MIB)},
     "read": {"offset": FieldRule(int, minimum=0, maximum=MAX_OFFSET),
              "waitMs": FieldRule(int, minimum=0, maximum=MAX_READ_WAIT_MS)},
     "write": {"payload": FieldRule(str)},
@@ -1014,8 +1021,8 @@ BODY_RULES: dict[str, dict[str, FieldRule]] = {
              "user": FieldRule(str)},
     "empty": {},
 }
-_JSON_KIND_NAMES = {int: "an integer", str: "a string", list: "an array", dict: "an object",
-                    bool: "true or false"}
+_JSON_KIND_NAMES = {int: "an integer", float: "a number", str: "a string", list: "an array",
+                    dict: "an object", bool: "true or false"}
 
 
 def parse_body(raw: bytes, rules: dict[str, FieldRule]) -> dict[str, Any]:
@@ -1044,11 +1051,13 @@ def parse_body(raw: bytes, rules: dict[str, FieldRule]) -> dict[str, Any]:
 
 def check_field(name: str, value: Any, rule: FieldRule) -> None:
     """One value against its rule; BadRequest for what does not fit."""
-    if isinstance(value, bool) != (rule.kind is bool) or not issubclass(type(value), rule.kind):  # keeps value Any
+    kinds = (int, float) if rule.kind is float else (rule.kind,)
+    if isinstance(value, bool) != (rule.kind is bool) or not issubclass(type(value), kinds):  # keeps value Any
         raise BadRequest(f"{name}: must be {_JSON_KIND_NAMES[rule.kind]}")
     if rule.minimum is not None and value < rule.minimum or (
             rule.maximum is not None and value > rule.maximum):
-        raise BadRequest(f"{name}: must be from {rule.minimum} to {rule.maximum}")
+        raise BadRequest(f"{name}: must be from {rule.minimum} to {rule.maximum}" if rule.maximum is not None
+                         else f"{name}: must be at least {rule.minimum}")
     if rule.pattern is not None and not rule.pattern.fullmatch(value):
         raise BadRequest(f"{name}: {value[:80]!r} is not allowed")
     if rule.choices and value not in rule.choices:
@@ -1061,7 +1070,8 @@ def check_field(name: str, value: Any, rule: FieldRule) -> None:
 class CreateRequest:
     """A valid create body: the trimmed name, the agent's workload, the model (claude-code
     only: the one given, or the platform-default alias), the deployment (None: the first), the
-    labels (parse_labels) and the time to live (None: for ever)."""
+    labels (parse_labels), the time to live (None: for ever), and the CPU bound and disk size
+    (None: the server's; session_resources)."""
 
     name: str
     workload: str
@@ -1069,6 +1079,8 @@ class CreateRequest:
     deployment: Optional[str]
     labels: tuple[tuple[str, str], ...] = ()
     ttl_s: Optional[int] = None
+    cpus: Optional[float] = None
+    disk_mib: Optional[int] = None
 
     @classmethod
     def from_fields(cls, fields: dict[str, Any]) -> "CreateRequest":
@@ -1083,8 +1095,23 @@ class CreateRequest:
             raise BadRequest("model: only claude-code sessions have a model")
         if workload == "agent" and model is None:
             model = PLATFORM_DEFAULT_MODEL
+        cpus = fields.get("cpus")
         return cls(name, workload, model, fields.get("deployment"),
-                   parse_labels(fields.get("labels", {})), fields.get("ttlSeconds"))
+                   parse_labels(fields.get("labels", {})), fields.get("ttlSeconds"),
+                   None if cpus is None else float(cpus), fields.get("diskMib"))
+
+
+def session_resources(request: CreateRequest, max_cpus: float, max_disk_mib: int) -> tuple[float, int]:
+    """A new session's (CPU bound, disk MiB): the ones asked for, never past the server's own
+    (--session-cpus, --session-disk-mib), which are also the defaults; BadRequest past them.
+    Pure: checked before anything is provisioned."""
+    cpus = max_cpus if request.cpus is None else request.cpus
+    disk_mib = max_disk_mib if request.disk_mib is None else request.disk_mib
+    if cpus > max_cpus:
+        raise BadRequest(f"cpus: must be at most {max_cpus:g}, this server's bound (--session-cpus)")
+    if disk_mib > max_disk_mib:
+        raise BadRequest(f"diskMib: must be at most {max_disk_mib}, this server's bound (--session-disk-mib)")
+    return cpus, disk_mib
 
 
 def _check_label(key: Any, value: Any, where: str) -> tuple[str, str]:
@@ -1228,11 +1255,12 @@ def has_container(record: SessionRecord) -> bool:
     return record.state in (SessionState.ACTIVE, SessionState.IDLE, SessionState.SNAPSHOTTING)
 
 
-def session_json(record: SessionRecord, idle_after_s: float, snapshot_after_s: float) -> dict[str, Any]:
+def session_json(record: SessionRecord, idle_after_s: float, snapshot_after_s: float,
+                 resources: tuple[float, int] = (DEFAULT_SESSION_CPUS, DEFAULT_SESSION_DISK_MIB)) -> dict[str, Any]:
     """A session as seed 002's Session has it, then Reploy's additions. No field is ever null:
     one that does not apply is left out. Nothing secret is in a record, so nothing leaks here.
     The countdowns run from the idle clock's start (decide_reap) and stop while something
-    blocks it."""
+    blocks it. `resources` are its (cpus, diskMib) (ServeConfig.resources)."""
     spec = record.spec
     state, phase = WIRE_STATES[record.state]
     document: dict[str, Any] = {"id": record.id, "name": record.name,
@@ -1252,6 +1280,7 @@ def session_json(record: SessionRecord, idle_after_s: float, snapshot_after_s: f
     if phase is not None:
         document["phase"] = phase
     document["labels"] = dict(record.labels)
+    document["cpus"], document["diskMib"] = resources
     if record.expires_at is not None:
         document["expiresAt"] = iso_time(record.expires_at)
     blocked = record.idle_blocked_by if record.state in (SessionState.ACTIVE, SessionState.IDLE) else ()
@@ -2524,10 +2553,12 @@ class ServeConfig:
     sse_keepalive_s: float = DEFAULT_SSE_KEEPALIVE_MS / 1000
     max_sessions: int = DEFAULT_MAX_SESSIONS
     min_free_bytes: int = DEFAULT_MIN_FREE_MIB * 1024 * 1024
-    #: Each session's disk quota (see "the session disks"), reported in GET /server, by which
-    #: `session cp` bounds what it takes out of a session.
+    #: Each session's disk quota (see "the session disks"), reported in GET /server: the default
+    #: and the bound of a create's `diskMib`. `session cp` bounds what it takes out of a session
+    #: by the session's own (its `diskMib`).
     session_disk_mib: int = DEFAULT_SESSION_DISK_MIB
-    #: Fair share: each session container's CPU bound, and the stream readers this serve takes.
+    #: Fair share: each session container's CPU bound (the default and the bound of a create's
+    #: `cpus`), and the stream readers this serve takes.
     session_cpus: float = DEFAULT_SESSION_CPUS
     max_session_readers: int = DEFAULT_MAX_SESSION_READERS
     max_readers: int = DEFAULT_MAX_READERS
@@ -2554,6 +2585,12 @@ class ServeConfig:
 
     def disk_image(self, session_id: str) -> Path:
         return self.disks_dir / f"{session_id}.img"
+
+    def resources(self, spec: SessionSpec) -> tuple[float, int]:
+        """A session's (CPU bound, disk MiB): its own, or this server's where its record is
+        older than them."""
+        return (self.session_cpus if spec.cpus is None else spec.cpus,
+                self.session_disk_mib if spec.disk_mib is None else spec.disk_mib)
 
     @property
     def reap_interval_s(self) -> float:
@@ -2755,7 +2792,7 @@ class SessionManager:
         return ContainerSpec(role=MANAGED_ROLE, image_id=spec.image_id, command=tuple(command),
                              runtime=spec.runtime, environment=environment, labels=labels,
                              mounts=mounts, hostname="session", init=True, root_supervisor=True,
-                             nano_cpus=round(config.session_cpus * 1e9),
+                             nano_cpus=round(config.resources(spec)[0] * 1e9),
                              blkio_weight=SESSION_BLKIO_WEIGHT)
 
     def _mount_disk(self, session_id: str) -> None:
@@ -2804,12 +2841,12 @@ class SessionManager:
                                          f"{AGENT_READY_TIMEOUT_S:.0f} s")
             self.stopping.wait(AGENT_READY_POLL_S)
 
-    def _admit(self) -> None:
-        """A new disk is promised only what the host can still give (see "the session disks");
-        the caller holds admission_lock."""
+    def _admit(self, disk_bytes: int) -> None:
+        """A new disk of `disk_bytes` is promised only what the host can still give (see "the
+        session disks"); the caller holds admission_lock."""
         disks, promised = disk_promises(self.config.disks_dir)
         refusal = admission_refusal(shutil.disk_usage(self.config.disks_dir).free, promised, disks,
-                                    self.config.min_free_bytes, self.config.session_disk_mib * 1024 * 1024)
+                                    self.config.min_free_bytes, disk_bytes)
         if refusal is not None:
             raise InsufficientStorage(refusal)
     def _repair_workspace(self, record: SessionRecord) -> None:
@@ -2868,6 +2905,7 @@ class SessionManager:
     # -- the lifecycle ----------------------------------------------------------------------
 
     def create(self, request: CreateRequest) -> SessionRecord:
+        cpus, disk_mib = session_resources(request, self.config.session_cpus, self.config.session_disk_mib)
         deployment = self._deployment(request.deployment)  # an unknown one is the client's 400
         if self.store.count() >= self.config.max_sessions:
             raise TooManyRequests(f"the session limit is reached: this server holds at most "
@@ -2888,7 +2926,7 @@ class SessionManager:
             workload=request.workload, model=request.model,
             deployment=deployment.blueprint.name, deployment_id=deployment.deployment_id,
             image_id=deployment.current.image_id, generation=deployment.current.number,
-            runtime=runtime)
+            runtime=runtime, cpus=cpus, disk_mib=disk_mib)
         now, owner = self.clock(), self._owner()
         record = SessionRecord(id=secrets.token_hex(8), name=request.name, spec=spec,
                                state=SessionState.CREATING, version=1, created_at=now,
@@ -2900,8 +2938,8 @@ class SessionManager:
         image = self.config.disk_image(record.id)
         try:
             with admission_lock(self.config.disks_dir):
-                self._admit()
-                make_session_image(image, self.config.session_disk_mib * 1024 * 1024)
+                self._admit(disk_mib * 1024 * 1024)
+                make_session_image(image, disk_mib * 1024 * 1024)
             format_session_disk(image, self.config.session_dir(record.id), spec.runtime)
             self._launch(lease, archive=None)
             return lease.apply(SessionEvent.STARTED)
@@ -3500,7 +3538,8 @@ class SessionManager:
         return {"session": self.session_json(record), "agent": agent_status}
 
     def session_json(self, record: SessionRecord) -> dict[str, Any]:
-        return session_json(record, self.config.idle_after_s, self.config.snapshot_after_s)
+        return session_json(record, self.config.idle_after_s, self.config.snapshot_after_s,
+                            self.config.resources(record.spec))
 
     @contextlib.contextmanager
     def stream_reader(self, session_id: str) -> Iterator[None]:

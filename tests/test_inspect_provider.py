@@ -18,8 +18,11 @@ import anyio  # noqa: E402
 from inspect_ai.util import SandboxUserUnsupportedError  # noqa: E402
 from inspect_ai.util._sandbox.self_check import *  # noqa: E402,F401,F403 - Inspect's battery
 
+import reploy_client  # noqa: E402
 import reploy_inspect  # noqa: E402
-from serve_harness import ServeProcess, managed_workload, serve_processes  # noqa: E402,F401 - a fixture
+from serve_harness import (  # noqa: E402,F401 - a fixture
+    ServeProcess, managed_workload, serve_processes, session_containers,
+)
 
 pytestmark = [pytest.mark.docker, pytest.mark.anyio]
 
@@ -163,3 +166,23 @@ def test_cleanup_deletes_by_label_and_only_the_providers(inspect_serve: ServePro
     anyio.run(environment.cli_cleanup, None)
     assert {e.session.id for e in left} & ids() == set() and other in ids()
     inspect_serve.api.call("DELETE", f"/sessions/{other}", expect=204)
+
+
+def test_disk_mib_and_cpus_size_each_sample_s_session(inspect_serve: ServeProcess, docker_client: Any) -> None:
+    """The provider config's `disk_mib` and `cpus` reach serve's create as `diskMib` and `cpus`:
+    the sample's workload sees its disk's size, its container has the CPU bound; past serve's
+    own bound the sample does not start, and says why."""
+    environment = reploy_inspect.ReploySandboxEnvironment
+    config = config_for(inspect_serve, disk_mib=96, cpus=0.5)
+    environments = anyio.run(environment.sample_init, "sized", config, {})
+    try:
+        sandbox = environments["default"]
+        assert (sandbox.session.get()["diskMib"], sandbox.session.get()["cpus"]) == (96, 0.5)
+        result = anyio.run(sandbox.exec, ["df", "-P", "-k", "."])
+        assert result.success and 80 << 10 < int(result.stdout.splitlines()[1].split()[1]) <= 96 << 10
+        [container] = session_containers(docker_client, inspect_serve.state_dir, sandbox.session.id)
+        assert container.attrs["HostConfig"]["NanoCpus"] == 500_000_000
+    finally:
+        anyio.run(environment.sample_cleanup, "sized", config, environments, False)
+    with pytest.raises(reploy_client.ReployError, match=r"cpus: must be at most 1, this server's bound"):
+        anyio.run(environment.sample_init, "too-big", config_for(inspect_serve, cpus=64.0), {})

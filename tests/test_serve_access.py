@@ -851,15 +851,18 @@ def test_another_server_on_the_port_is_one_clear_error(tmp_path: Path, answer: t
 
 def test_session_cp_stops_at_the_quota_serve_reports(tmp_path: Path) -> None:
     """Attack 6: a directory's tar that never ends. `session cp` spools at most the session's
-    quota (GET /server) plus a tar's overhead, then stops, says so, and leaves nothing; a
-    download that announces more is refused before anything is spooled."""
+    quota (here a serve older than the session's own `diskMib`: GET /server's) plus a tar's
+    overhead, then stops, says so, and leaves nothing; a download that announces more is
+    refused before anything is spooled."""
     quota = 1 << 20
     config = json.dumps({"limits": {"sessionDiskBytes": quota}}).encode()
+    session = json.dumps({"id": SID, "name": "n", "state": "active"}).encode()
     entry = {"name": "d", "type": "directory", "size": 0, "mode": 0o755, "mtime": 0}
     listing = json.dumps({"root": "workspace", "path": "d", "entry": entry, "entries": [],
                           "truncated": False}).encode()
     other = OtherServer((200, "application/x-tar", None), {
         "/api/v1/server": (200, "application/json", config),
+        f"/api/v1/sessions/{SID}": (200, "application/json", session),
         f"/api/v1/sessions/{SID}/list/d": (200, "application/json", listing)})
     out = tmp_path / "out"
     out.mkdir()
@@ -875,6 +878,7 @@ def test_session_cp_stops_at_the_quota_serve_reports(tmp_path: Path) -> None:
         other.close()
     announced = OtherServer((200, "application/octet-stream", b""), {
         "/api/v1/server": (200, "application/json", config),
+        f"/api/v1/sessions/{SID}": (200, "application/json", session),
         f"/api/v1/sessions/{SID}/list/f": (200, "application/json", listing.replace(b'"directory"', b'"file"'))})
     try:
         # The body is empty, but the header announces 1 TiB: refused before a byte is read.

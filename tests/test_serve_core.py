@@ -422,6 +422,51 @@ def test_labels_and_a_time_to_live_are_stored_listed_and_filtered(tmp_path: Path
             reploy_serve.CreateRequest.from_fields(reploy_serve.parse_body(raw, CREATE))
 
 
+@pytest.mark.parametrize("raw, says", [
+    (b'{"name": "x", "cpus": 0}', "cpus: must be at least 0.01"),
+    (b'{"name": "x", "cpus": -1}', "cpus: must be at least 0.01"),
+    (b'{"name": "x", "cpus": 0.001}', "cpus: must be at least 0.01"),
+    (b'{"name": "x", "cpus": "1"}', "cpus: must be a number"),
+    (b'{"name": "x", "cpus": true}', "cpus: must be a number"),
+    (b'{"name": "x", "cpus": null}', "cpus: must be a number"),
+    (b'{"name": "x", "diskMib": 63}', "diskMib: must be from 64 to"),
+    (b'{"name": "x", "diskMib": 96.0}', "diskMib: must be an integer"),
+    (b'{"name": "x", "diskMib": "96"}', "diskMib: must be an integer"),
+    (b'{"name": "x", "diskMib": 99999999999}', "diskMib: must be from 64 to"),
+])
+def test_a_create_s_cpus_and_disk_are_checked_at_the_body(raw: bytes, says: str) -> None:
+    with pytest.raises(reploy_serve.BadRequest) as raised:
+        create_request(raw)
+    assert raised.value.status == 400 and says in str(raised.value)
+
+
+def test_a_session_s_own_cpus_and_disk_default_to_and_stop_at_the_server_s() -> None:
+    resources = reploy_serve.session_resources
+    assert resources(create_request(b'{"name": "x"}'), 2.0, 512) == (2.0, 512)
+    assert resources(create_request(b'{"name": "x", "cpus": 0.5, "diskMib": 96}'), 2.0, 512) == (0.5, 96)
+    assert resources(create_request(b'{"name": "x", "cpus": 2, "diskMib": 512}'), 2.0, 512) == (2.0, 512)
+    assert isinstance(create_request(b'{"name": "x", "cpus": 1}').cpus, float)
+    for raw, says in ((b'{"name": "x", "cpus": 2.5}', "cpus: must be at most 2, this server's bound (--session-cpus)"),
+                      (b'{"name": "x", "diskMib": 513}',
+                       "diskMib: must be at most 512, this server's bound (--session-disk-mib)")):
+        with pytest.raises(reploy_serve.BadRequest) as raised:
+            resources(create_request(raw), 2.0, 512)
+        assert str(raised.value) == says
+
+
+def test_a_spec_stored_before_cpus_and_disk_reads_as_the_server_s(tmp_path: Path) -> None:
+    own = _record(spec=replace(_record().spec, cpus=0.5, disk_mib=96))
+    assert reploy_serve.SessionSpec.from_json(own.spec.to_json()) == own.spec
+    old_doc = json.loads(own.spec.to_json())
+    del old_doc["cpus"], old_doc["disk_mib"]
+    old = reploy_serve.SessionSpec.from_json(json.dumps(old_doc))
+    assert (old.cpus, old.disk_mib) == (None, None)
+    config = reploy_serve.ServeConfig(tmp_path, (tmp_path,), session_cpus=1.5, session_disk_mib=300)
+    assert (config.resources(old), config.resources(own.spec)) == ((1.5, 300), (0.5, 96))
+    document = reploy_serve.session_json(own, 10, 60, config.resources(own.spec))
+    assert (document["cpus"], document["diskMib"]) == (0.5, 96)
+
+
 def test_a_schema_3_store_gains_labels_and_expiry(tmp_path: Path) -> None:
     record = _record()
     _old_store(tmp_path / "s.db", record, version=3, added_columns=3)

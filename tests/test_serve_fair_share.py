@@ -61,6 +61,43 @@ def test_session_containers_carry_the_cpu_bound_and_the_blkio_weight(
     assert container.attrs["HostConfig"]["NanoCpus"] == reploy_serve.DEFAULT_SESSION_CPUS * 1e9
 
 
+def workspace_df_kib(api: Api, sid: str) -> int:
+    """The size of the session's workspace file system as its workload's `df` shows it (KiB)."""
+    done = api.call("POST", f"/sessions/{sid}/exec", {"argv": ["df", "-P", "-k", "."]})
+    assert done["exitCode"] == 0, done
+    return int(done["stdout"].splitlines()[1].split()[1])
+
+
+@pytest.mark.docker
+def test_a_session_has_its_own_cpus_and_disk_within_the_server_s_bounds(
+        serve_factory: Callable[..., ServeProcess], docker_engine: Any) -> None:
+    """Issue 28's provider config: create's `cpus` and `diskMib` reach the container's NanoCpus
+    and the size of the session's disk; past the server's own bound they are 400; without them
+    the server's apply."""
+    server = serve_factory("--session-disk-mib", "256")
+    api = server.api
+    own = api.create("own", cpus=0.5, diskMib=96)
+    assert (own["cpus"], own["diskMib"]) == (0.5, 96)
+    [container] = session_containers(docker_engine, server.state_dir, own["id"])
+    assert container.attrs["HostConfig"]["NanoCpus"] == 500_000_000
+    assert (server.state_dir / "disks" / f"{own['id']}.img").stat().st_size == 96 << 20
+    # ext4's own metadata and journal take a little of it; nothing near the server's 256 MiB.
+    assert 80 << 10 < workspace_df_kib(api, own["id"]) <= 96 << 10
+    assert api.get(own["id"])["diskMib"] == 96
+    for body, says in (({"cpus": 1.5}, "cpus: must be at most 1, this server's bound (--session-cpus)"),
+                       ({"diskMib": 257}, "diskMib: must be at most 256, this server's bound (--session-disk-mib)"),
+                       ({"cpus": 0}, "cpus: must be at least 0.01"), ({"diskMib": 63}, "diskMib: must be from 64")):
+        refused = api.call("POST", "/sessions", {"name": "too much", **body}, 400)
+        assert says in refused["error"], refused
+    default = api.create("default")
+    assert (default["cpus"], default["diskMib"]) == (reploy_serve.DEFAULT_SESSION_CPUS, 256)
+    [container] = session_containers(docker_engine, server.state_dir, default["id"])
+    assert container.attrs["HostConfig"]["NanoCpus"] == reploy_serve.DEFAULT_SESSION_CPUS * 1e9
+    assert (server.state_dir / "disks" / f"{default['id']}.img").stat().st_size == 256 << 20
+    assert 220 << 10 < workspace_df_kib(api, default["id"]) <= 256 << 10
+    assert {s["id"] for s in api.call("GET", "/sessions")["sessions"]} == {own["id"], default["id"]}
+
+
 def open_stream(api: Api, sid: str) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
     conn = http.client.HTTPConnection(api.host, api.port, timeout=60)
     conn.request("GET", f"/api/v1/sessions/{sid}/stream", headers=api.auth_headers)

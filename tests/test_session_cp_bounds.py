@@ -29,7 +29,9 @@ from test_serve_access import SID, TOKEN, OtherServer, run_reploy
 QUOTA_BYTES = 1 << 20
 #: What `session cp` takes at most for that quota (copy_limit_bytes).
 LIMIT_BYTES = QUOTA_BYTES + reploy_serve.agent_role.MAX_ARCHIVE_ENTRIES * reploy_serve.TAR_BYTES_PER_ENTRY
-CONFIG = json.dumps({"limits": {"sessionDiskBytes": QUOTA_BYTES}}).encode()
+#: The session's own quota (its diskMib) wins over the server's bound (GET /server).
+SESSION = json.dumps({"id": SID, "name": "n", "state": "active", "diskMib": QUOTA_BYTES >> 20}).encode()
+CONFIG = json.dumps({"limits": {"sessionDiskBytes": 1 << 40}}).encode()
 BOMB_BYTES = 1 << 30  #: the zeros a gzip bomb holds: far past LIMIT_BYTES
 
 
@@ -80,6 +82,7 @@ def cp_from(listed: str, download: tuple[str, bytes], out: Path) -> dict[str, An
     downloads it as `download` (content type, body); its JSON document."""
     server = OtherServer((404, "application/json", b'{"error": "no"}'), {
         "/api/v1/server": (200, "application/json", CONFIG),
+        f"/api/v1/sessions/{SID}": (200, "application/json", SESSION),
         f"/api/v1/sessions/{SID}/list/d": (200, "application/json", listing(listed)),
         f"/api/v1/sessions/{SID}/files/d": (200, *download)})
     try:
