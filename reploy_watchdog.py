@@ -74,7 +74,7 @@ RECEIPT_SCHEMA = "reploy-incident-receipt-v1"
 #: hosts of a release speaking another version meet a watchdog of their own.
 PROTOCOL = "reploy-watchdog-v1"
 LABEL_RUN = "io.reploy.session.live-run"
-#: "pid:create_time" of the host and of its watchdog, on every session container and network,
+#: "pid:start ticks" of the host and of its watchdog, on every session container and network,
 #: so orphans can be recognised by label alone once both processes are gone.
 LABEL_HOST = "io.reploy.session.host"
 LABEL_WATCHDOG = "io.reploy.session.watchdog"
@@ -182,7 +182,7 @@ class Armed:
     def __post_init__(self) -> None:
         _check_run_id(self.run_id)
         if not isinstance(self.watchdog, str) or not IDENTITY.fullmatch(self.watchdog):
-            raise ProtocolError("watchdog must be a process identity, pid:create_time")
+            raise ProtocolError("watchdog must be a process identity, pid:start ticks")
 
 
 @dataclass(frozen=True)
@@ -559,7 +559,7 @@ class Manifest:
     acting) and by reconciliation."""
 
     run_id: str
-    host: str  # process identity "pid:create_time"
+    host: str  # process identity "pid:start ticks"
     watchdog: str  # likewise; "" while no watchdog is responsible for the run
     containers: dict[str, dict[str, str]]  # container id -> labels
     #: network id -> labels. Hosts no longer create networks (a granted session's namespace is
@@ -638,21 +638,35 @@ def atomic_write_json(path: Path, obj: dict[str, Any], mode: int = 0o600) -> Non
         os.close(dir_fd)
 
 
+def process_start(pid: int) -> Optional[tuple[int, str]]:
+    """(start time in clock ticks since boot, state letter) of a process, from /proc/PID/stat;
+    None when there is none. Ticks since boot, not a wall-clock time: psutil's create_time
+    adds the boot time, which a process reads once and the kernel recomputes from the wall
+    clock, so two processes could name one process by times a second apart."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat_file:
+            fields = stat_file.read().rpartition(b")")[2].split()
+        return int(fields[19]), fields[0].decode("ascii", "replace")  # stat(5): fields 22 and 3
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def process_identity(process: Optional[psutil.Process] = None) -> str:
-    """'pid:create_time': what a label or manifest stores to name one process exactly."""
-    process = process or psutil.Process()
-    return f"{process.pid}:{process.create_time()!r}"
+    """'pid:start ticks': what a label or manifest stores to name one process exactly."""
+    pid = process.pid if process is not None else os.getpid()
+    start = process_start(pid)
+    if start is None:
+        raise psutil.NoSuchProcess(pid)
+    return f"{pid}:{start[0]}"
 
 
 def identity_alive(identity: str) -> bool:
-    """True while the process named by a process_identity() string exists."""
-    pid, _, create_time = identity.partition(":")
-    try:
-        process = psutil.Process(int(pid))
-        return abs(process.create_time() - float(create_time)) < 0.01 and (
-            process.status() != psutil.STATUS_ZOMBIE)
-    except (ValueError, psutil.NoSuchProcess):
+    """True while the process named by a process_identity() string exists (a zombie does not)."""
+    pid, _, ticks = identity.partition(":")
+    if not (pid.isdigit() and ticks.isdigit()):
         return False
+    start = process_start(int(pid))
+    return start is not None and start[0] == int(ticks) and start[1] != "Z"
 
 
 def manifest_dir_for(workload_dir: str) -> Path:

@@ -305,6 +305,25 @@ def test_manifest_reading_refuses_every_other_format(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+def test_a_process_identity_does_not_move_with_the_boot_time_a_process_cached(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel recomputes its boot time from the wall clock, and psutil caches it once per
+    process: a long-lived process (a pytest run, a serve of days) and a fresh one (its watchdog)
+    could name one process by create times a second apart, and every arm or lease check between
+    them would fail. An identity is the start in clock ticks since boot, which does not move."""
+    import psutil._pslinux as linux
+
+    monkeypatch.setattr(linux, "BOOT_TIME", psutil.boot_time() - 1.0)  # this process drifted
+    mine = wd.process_identity()
+    assert mine == wd.process_identity(psutil.Process(os.getpid())) and wd.identity_alive(mine)
+    fresh = subprocess.run([sys.executable, "-c", "import sys, reploy_watchdog as w; "
+                            "print(w.identity_alive(sys.argv[1]), w.process_identity(w.psutil.Process(int(sys.argv[2]))))",
+                            mine, str(os.getpid())], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert fresh.stdout.split() == ["True", mine]
+    pid, _, ticks = mine.partition(":")
+    assert not wd.identity_alive(f"{pid}:{int(ticks) + 1}") and not wd.identity_alive("1:x")
+
+
 def write_manifest(workload: Path, run_id: str, host: str | None = None) -> Path:
     channel_dir = wd.channel_dir_for(str(workload), run_id)
     channel_dir.mkdir(parents=True, exist_ok=True)
