@@ -389,6 +389,8 @@ class Run:
     docker_env: tuple[tuple[str, str], ...]
     phase: RunPhase
     connection: Optional[int]  # the connection guarding it while ARMED
+    #: The last check found the host gone while its connection was still open (see check_hosts).
+    gone_at_last_check: bool = False
 
 
 @dataclass
@@ -521,10 +523,22 @@ class WatchdogCore:
         return [Clean(run.run_id, run.manifest, "host-exited", run.docker_env)]
 
     def check_hosts(self, alive: Callable[[str], bool]) -> list[Action]:
-        """Runs whose host's process is gone although no connection end said so."""
+        """Runs whose host's process is gone although no connection end said so.
+
+        A host that dies with its connection open is given one more check: its end of file
+        can still be on its way (the kernel closes a dying process's sockets when its last
+        thread exits, after the leader is already a zombie; or it arrived after this pass's
+        read), and it says host-exited, the truer cause. A connection still open a check later
+        is held by something else (a child that inherited it), and the host is gone for good."""
         actions: list[Action] = []
         for run in list(self.runs.values()):
-            if run.phase is RunPhase.CLEANING or alive(run.host):
+            if run.phase is RunPhase.CLEANING:
+                continue
+            if alive(run.host):
+                run.gone_at_last_check = False
+                continue
+            if run.connection is not None and not run.gone_at_last_check:
+                run.gone_at_last_check = True
                 continue
             if run.connection is not None:
                 self.connections.pop(run.connection, None)

@@ -254,11 +254,30 @@ def test_a_detached_run_whose_host_is_gone_is_cleaned_up() -> None:
 
 
 def test_an_armed_host_gone_without_end_of_file_is_hung_up_on_and_cleaned_up() -> None:
+    """One check's grace for the end of file, then the run is the watchdog's."""
     core = armed_core()
+    assert core.check_hosts(lambda identity: False) == []
+    assert 1 in core.connections
     actions = core.check_hosts(lambda identity: False)
     assert actions == [wd.Hangup(1), wd.Clean(RUN_A, Path(manifest_path(RUN_A)),
                                               "host-process-gone", ())]
     assert 1 not in core.connections
+
+
+def test_an_end_of_file_after_the_host_was_seen_gone_says_host_exited() -> None:
+    """The race the grace exists for: the host is gone at a check, its end of file is read after."""
+    core = armed_core()
+    assert core.check_hosts(lambda identity: False) == []
+    assert core.closed(1) == [wd.Clean(RUN_A, Path(manifest_path(RUN_A)), "host-exited", ())]
+    assert core.check_hosts(lambda identity: False) == []  # cleaning: nothing twice
+
+
+def test_a_host_seen_alive_again_gets_its_grace_again() -> None:
+    core = armed_core()
+    assert core.check_hosts(lambda identity: False) == []
+    assert core.check_hosts(lambda identity: True) == []
+    assert core.check_hosts(lambda identity: False) == []
+    assert core.check_hosts(lambda identity: False)[-1].trigger == "host-process-gone"
 
 
 @pytest.mark.parametrize("line", [disarm_line(RUN_B), disarm_line(RUN_A)])
