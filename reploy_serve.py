@@ -4916,12 +4916,16 @@ def client_request(args: argparse.Namespace) -> tuple[str, str, Optional[dict[st
     if action == "create":
         body: dict[str, Any] = {"name": args.name}
         for key, value in (("workloadType", args.workload_type), ("model", args.model),
-                           ("deployment", args.deployment)):
+                           ("deployment", args.deployment), ("ttlSeconds", args.ttl_seconds),
+                           ("cpus", args.cpus), ("diskMib", args.disk_mib)):
             if value is not None:
                 body[key] = value
+        if args.label:
+            body["labels"] = dict(label_argument(text) for text in args.label)
         return "POST", "/sessions", body
     if action == "list":
-        return "GET", "/sessions", None
+        query = urllib.parse.urlencode([("label", "=".join(label_argument(text))) for text in args.label])
+        return "GET", "/sessions" + (f"?{query}" if query else ""), None
     if action in ("get", "delete"):
         return ("GET" if action == "get" else "DELETE"), f"/sessions/{sid}", None
     if action == "status":
@@ -4936,6 +4940,14 @@ def client_request(args: argparse.Namespace) -> tuple[str, str, Optional[dict[st
     if action == "exec":
         return "POST", f"/sessions/{sid}/exec", args.exec_body
     return "POST", f"/sessions/{sid}/{action}", {}
+
+
+def label_argument(text: str) -> tuple[str, str]:
+    """One --label KEY=VALUE (serve checks the key and value themselves)."""
+    key, equals, value = text.partition("=")
+    if not equals or not key:
+        raise UsageError(f"--label: {text[:80]!r} is not KEY=VALUE")
+    return key, value
 
 
 def text_argument(argument: str, action: str, drop_newline: bool) -> str:
@@ -5196,7 +5208,16 @@ def build_parser() -> ArgumentParser:
                         help=f"default {DEFAULT_WORKLOAD_TYPE}")
     create.add_argument("--model", help="claude-code only (default: the server's default model)")
     create.add_argument("--deployment")
-    actions.add_parser("list", parents=[common])
+    create.add_argument("--label", action="append", default=[], metavar="KEY=VALUE",
+                        help="a label to find the session by (`session list --label`; repeatable)")
+    create.add_argument("--ttl-seconds", type=int, metavar="N",
+                        help="the reaper deletes the session N seconds after its creation")
+    create.add_argument("--cpus", type=float, help="the session's CPU share (within the server's bounds)")
+    create.add_argument("--disk-mib", type=int, metavar="MIB",
+                        help="the session's disk quota (within the server's bounds)")
+    actions.add_parser("list", parents=[common]).add_argument(
+        "--label", action="append", default=[], metavar="KEY=VALUE",
+        help="only sessions carrying this label (repeatable: every one)")
     for name in ("get", "status", "interrupt", "relaunch", "switch", "snapshot", "delete"):
         actions.add_parser(name, parents=[common]).add_argument("id")
     read = actions.add_parser("read", parents=[common])

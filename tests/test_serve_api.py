@@ -60,6 +60,25 @@ def test_shell_session_through_the_cli(serve_factory: Callable[..., ServeProcess
     assert not (server.state_dir / "sessions" / sid).exists()
 
 
+def test_the_cli_creates_with_labels_a_time_to_live_and_resources(
+        serve_factory: Callable[..., ServeProcess], docker_engine: Any) -> None:
+    """The create body's own fields as `session create` flags, and `session list --label`."""
+    server = serve_factory()
+    code, session = cli(server, "create", "--name", "tagged", "--label", "task=t.1", "--label", "run=7",
+                        "--ttl-seconds", "3600", "--cpus", "0.5", "--disk-mib", "64")
+    assert code == 0, session
+    assert session["labels"] == {"task": "t.1", "run": "7"}
+    assert session["cpus"] == 0.5 and session["diskMib"] == 64 and "expiresAt" in session
+    [container] = session_containers(docker_engine, server.state_dir, session["id"])
+    assert container.attrs["HostConfig"]["NanoCpus"] == 500_000_000
+    other = cli(server, "create", "--name", "plain")[1]["id"]
+    assert [s["id"] for s in cli(server, "list", "--label", "task=t.1")[1]["sessions"]] == [session["id"]]
+    assert cli(server, "list", "--label", "task=t.1", "--label", "run=8")[1]["sessions"] == []
+    assert {s["id"] for s in cli(server, "list")[1]["sessions"]} == {session["id"], other}
+    code, refused = cli(server, "create", "--name", "x", "--cpus", "1000")
+    assert code == 1 and refused["status"] in (400, 422) and "cpus" in refused["error"]
+
+
 def test_the_session_container_is_sandboxed(serve_factory: Callable[..., ServeProcess],
                                             docker_engine: Any) -> None:
     server = serve_factory()

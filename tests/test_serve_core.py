@@ -912,13 +912,28 @@ def test_openapi_states_each_pattern_and_enum_the_server_applies() -> None:
 # -- the `session` client and `serve` usage ---------------------------------------------------
 
 
+def create_args(**fields: Any) -> SimpleNamespace:
+    defaults = {"workload_type": None, "model": None, "deployment": None, "ttl_seconds": None,
+                "cpus": None, "disk_mib": None, "label": []}
+    return SimpleNamespace(session_action="create", name="n", **{**defaults, **fields})
+
+
 def test_client_requests() -> None:
-    args = SimpleNamespace(session_action="create", name="n", workload_type="claude-code", model="m",
-                           deployment=None)
+    args = create_args(workload_type="claude-code", model="m")
     assert reploy_serve.client_request(args) == ("POST", "/sessions",
                                                  {"name": "n", "workloadType": "claude-code", "model": "m"})
-    args = SimpleNamespace(session_action="create", name="n", workload_type=None, model=None, deployment=None)
-    assert reploy_serve.client_request(args) == ("POST", "/sessions", {"name": "n"})
+    assert reploy_serve.client_request(create_args()) == ("POST", "/sessions", {"name": "n"})
+    args = create_args(label=["task=a", "run=7=x", "empty="], ttl_seconds=60, cpus=0.5, disk_mib=128)
+    assert reploy_serve.client_request(args) == ("POST", "/sessions", {
+        "name": "n", "ttlSeconds": 60, "cpus": 0.5, "diskMib": 128,
+        "labels": {"task": "a", "run": "7=x", "empty": ""}})
+    args = SimpleNamespace(session_action="list", label=["task=a b", "run=7"])
+    assert reploy_serve.client_request(args) == ("GET", "/sessions?label=task%3Da+b&label=run%3D7", None)
+    assert reploy_serve.client_request(SimpleNamespace(session_action="list", label=[])) == (
+        "GET", "/sessions", None)
+    for bad in ("novalue", "=v"):
+        with pytest.raises(reploy_serve.UsageError, match="KEY=VALUE"):
+            reploy_serve.client_request(create_args(label=[bad]))
     args = SimpleNamespace(session_action="read", id="x", offset=3, wait_ms=0)
     assert reploy_serve.client_request(args) == ("POST", "/sessions/x/read", {"offset": 3})
     args = SimpleNamespace(session_action="read", id="x", offset=0, wait_ms=500)
