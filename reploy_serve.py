@@ -4297,6 +4297,8 @@ def canonical_host(text: str) -> str:
         address = ipaddress.ip_address(literal)
         if isinstance(address, ipaddress.IPv6Address) and address.scope_id:
             raise ValueError(f"{text!r}: a scoped address")
+        if (literal != text) != (address.version == 6):
+            raise ValueError(f"{text!r}: an IPv6 address, and only one, goes in brackets")
         return str(address)
     name = text.lower()
     labels = name.split(".")
@@ -4310,9 +4312,9 @@ def parse_authority(text: str, default_port: Optional[int]) -> tuple[str, int]:
     """HOST[:PORT] (an IPv6 literal in brackets) -> (canonical host, port); ValueError."""
     host, port_text = text, ""
     if text.startswith("["):
-        host, _, rest = text.partition("]")
-        host += "]"
-        if rest and not rest.startswith(":"):
+        host, bracket, rest = text.partition("]")
+        host += bracket
+        if not bracket or rest and not rest.startswith(":"):
             raise ValueError(f"{text!r} is not HOST[:PORT]")
         port_text = rest[1:]
     elif text.count(":") == 1:
