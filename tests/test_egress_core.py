@@ -9,7 +9,7 @@ import socket
 import sys
 import threading
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 import pytest
 
@@ -283,12 +283,19 @@ class Notes:
             return list(self.notes)
 
 
-def proxy_for(tmp_path: Path, allow: list[str], resolved: dict[str, tuple[str, ...]]
-              ) -> tuple[rs.EgressProxy, Notes, Path]:
+def proxy_for(tmp_path: Path, allow: list[str], resolved: dict[str, tuple[str, ...]],
+              looked_up: Optional[list[str]] = None) -> tuple[rs.EgressProxy, Notes, Path]:
+    """A proxy on tmp_path/agent/egress.sock whose resolver answers from `resolved` (and
+    records each name it was asked in looked_up)."""
     notes = Notes()
     agent_dir = tmp_path / "agent"
     agent_dir.mkdir(mode=0o700)
-    proxy = rs.EgressProxy(notes, lambda host, port: resolved.get(host, ()))
+
+    def resolver(host: str, port: int) -> tuple[str, ...]:
+        if looked_up is not None:
+            looked_up.append(host)
+        return resolved.get(host, ())
+    proxy = rs.EgressProxy(notes, resolver)
     proxy.listen("s1", agent_dir, rs.parse_egress_allow(allow))
     return proxy, notes, agent_dir / agent.EGRESS_SOCKET_NAME
 
@@ -329,8 +336,7 @@ def test_unlisted_and_loopback_by_name_are_refused_403_and_never_connected(
         tmp_path: Path, listener: Listener) -> None:
     looked_up: list[str] = []
     proxy, notes, path = proxy_for(tmp_path, [f"localhost:{listener.port}"],
-                                   {"localhost": ("127.0.0.1",)})
-    proxy._resolve = lambda host, port: (looked_up.append(host), ("127.0.0.1",))[1]  # type: ignore[method-assign]
+                                   {"localhost": ("127.0.0.1",)}, looked_up)
     try:
         unlisted = exchange(path, f"CONNECT 127.0.0.1:{listener.port} HTTP/1.1\r\n\r\n".encode())
         by_name = exchange(path, f"GET http://localhost:{listener.port}/ HTTP/1.1\r\n\r\n".encode())
