@@ -4036,20 +4036,7 @@ class ModelProxy:
     def listen(self, session_id: str, agent_dir: Path) -> None:
         """(Re)binds agent_dir/model.sock for the session; the socket stays root's and 0600."""
         self.close_session(session_id)
-        dir_fd = os.open(agent_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        try:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(agent_role.MODEL_SOCKET_NAME, dir_fd=dir_fd)
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:  # through the fd: short, however deep the state dir; DIR/agent is 0700 root's
-                sock.bind(f"/proc/self/fd/{dir_fd}/{agent_role.MODEL_SOCKET_NAME}")
-                os.chmod(agent_role.MODEL_SOCKET_NAME, 0o600, dir_fd=dir_fd)
-                sock.listen(agent_role.LISTEN_BACKLOG)
-            except BaseException:
-                sock.close()
-                raise
-        finally:
-            os.close(dir_fd)
+        sock = bind_agent_socket(agent_dir, agent_role.MODEL_SOCKET_NAME)  # DIR/agent is 0700 root's
         with self._lock:
             self._listeners[session_id] = sock
         slots = threading.BoundedSemaphore(MAX_MODEL_REQUESTS)
