@@ -5,7 +5,9 @@ listeners of the test's own on 127.0.0.1."""
 
 from __future__ import annotations
 
+import json
 import socket
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -66,6 +68,15 @@ def test_the_server_list_is_a_usage_error_when_bad_and_repeats_are_one_entry() -
         rs.parse_egress_allow([f"h{i}.example" for i in range(rs.MAX_EGRESS_ENTRIES + 1)])
 
 
+@pytest.mark.parametrize("entry", ["not a host", "example.com:0", "http://example.com", "::1"])
+def test_a_bad_egress_allow_is_a_usage_error_of_serve(entry: str, tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "reploy.py"), "serve", "--state-dir", str(tmp_path),
+                           "--workload-dir", str(tmp_path), "--egress-allow", entry],
+                          capture_output=True, timeout=60)
+    assert proc.returncode == 2 and proc.stdout == b"" and b"--egress-allow" in proc.stderr, proc.stderr
+    assert not (tmp_path / "token").exists()
+
+
 def test_a_create_lists_only_entries_of_the_server_each_once() -> None:
     allowed = rs.parse_egress_allow(["a.example", "127.0.0.1:8080"])
     assert rs.session_egress(["A.example:443", "127.0.0.1:8080"], allowed) == (
@@ -98,6 +109,22 @@ def test_a_stored_spec_keeps_its_egress_and_an_older_one_has_none() -> None:
     assert rs.SessionSpec.from_json(spec.to_json()) == spec
     older = spec.to_json().replace(', "egress": ["a.example:443"]', "")
     assert "egress" not in older and rs.SessionSpec.from_json(older).egress == ()
+
+
+def test_the_agent_takes_an_egress_note_strictly() -> None:
+    """serve records each decision through the agent's egress_note (the outbox's one writer)."""
+    def parse(params: dict[str, object]) -> agent.Request:
+        return agent.parse_request(json.dumps({"id": "1", "method": "egress_note", "params": params}).encode())
+    request = parse({"decision": "refused", "host": "api.example", "port": 443, "reason": "why"})
+    assert request.params == agent.EgressNoteParams(agent.EgressDecision.REFUSED, "api.example", 443,
+                                                    "why", 0, 0)
+    assert parse({"decision": "allowed"}).params == agent.EgressNoteParams(
+        agent.EgressDecision.ALLOWED, None, 0, None, 0, 0)
+    for bad in ({}, {"decision": "maybe"}, {"decision": "allowed", "port": 65536},
+                {"decision": "allowed", "host": ""}, {"decision": "allowed", "bytes_up": -1},
+                {"decision": "allowed", "extra": 1}):
+        with pytest.raises(agent.RequestError):
+            parse(bad)
 
 
 # -- the decision ----------------------------------------------------------------------------
