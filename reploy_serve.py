@@ -4222,6 +4222,9 @@ EGRESS_REFUSED_RANGES: tuple[tuple[str, ipaddress.IPv4Network | ipaddress.IPv6Ne
         ("benchmarking", "198.18.0.0/15"), ("site-local", "fec0::/10")))
 
 
+_NAT64_PREFIX = ipaddress.ip_network("64:ff9b::/96")
+
+
 class EgressRefusal(Exception):
     """A proxy request answered by the proxy itself: the status and why."""
 
@@ -4361,12 +4364,14 @@ def session_egress(given: Sequence[str], allowed: Sequence[EgressEntry]) -> tupl
 
 def refused_range(address: str) -> Optional[str]:
     """Why a name may not lead to this address (EGRESS_REFUSED_RANGES), or None. An IPv6 form
-    of an IPv4 address (mapped, compatible, 6to4's embedded one) is checked as that address."""
+    of an IPv4 address (mapped, compatible, NAT64's well-known prefix, 6to4's) is checked as
+    that address."""
     ip = ipaddress.ip_address(address.split("%", 1)[0])
     candidates: list[ipaddress.IPv4Address | ipaddress.IPv6Address] = [ip]
     if isinstance(ip, ipaddress.IPv6Address):
+        low = ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
         embedded = ip.ipv4_mapped or ip.sixtofour or (
-            ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF) if int(ip) >> 32 == 0 else None)
+            low if int(ip) >> 32 == 0 or ip in _NAT64_PREFIX else None)
         if embedded is not None:
             candidates.append(embedded)
     for candidate in candidates:

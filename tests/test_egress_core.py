@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -82,12 +83,12 @@ def test_a_create_lists_only_entries_of_the_server_each_once() -> None:
     assert rs.session_egress(["A.example:443", "127.0.0.1:8080"], allowed) == (
         "a.example:443", "127.0.0.1:8080")
     assert rs.session_egress([], allowed) == ()
-    for given, reason in ((["b.example"], "not on this server's --egress-allow list"),
+    for asked, reason in ((["b.example"], "not on this server's --egress-allow list"),
                           (["a.example:80"], "not on this server's"),
                           (["a.example", "a.example:443"], "given twice"),
                           (["a.example/x"], "not a DNS name")):
         with pytest.raises(rs.BadRequest, match=reason):
-            rs.session_egress(given, allowed)
+            rs.session_egress(asked, allowed)
     with pytest.raises(rs.BadRequest, match="it has none"):
         rs.session_egress(["a.example"], ())
 
@@ -142,6 +143,7 @@ REFUSED_ADDRESSES = {
     "198.18.0.1": "benchmarking", "fec0::1": "site-local",
     "::ffff:127.0.0.1": "loopback", "::ffff:10.0.0.1": "private", "::127.0.0.1": "loopback",
     "2002:a00:1::": "private",  # 6to4 of 10.0.0.1
+    "64:ff9b::a9fe:a9fe": "metadata",  # NAT64 of 169.254.169.254
 }
 PUBLIC_ADDRESSES = ("93.184.216.34", "172.32.0.1", "100.128.0.1", "192.169.0.1", "1.1.1.1",
                     "2606:4700::1111", "::ffff:93.184.216.34", "169.253.255.255")
@@ -234,6 +236,42 @@ def test_malformed_or_other_requests_are_refused_with_a_reason(lines: tuple[str,
     with pytest.raises(rs.EgressRefusal) as refused:
         rs.parse_proxy_head(head(*lines))
     assert refused.value.status == status and refused.value.reason
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.binary(max_size=300) | st.text(alphabet="CONET GP:/[]@#%.-_019azAZ\r\n\t\0é", max_size=120).map(str.encode))
+def test_any_head_is_a_request_or_a_refusal_never_another_error(data: bytes) -> None:
+    try:
+        request = rs.parse_proxy_head(data)
+    except rs.EgressRefusal as e:
+        assert e.status in (400, 431) and e.reason
+        return
+    assert rs.parse_egress_entry(str(rs.EgressEntry(request.host, request.port))) == rs.EgressEntry(
+        request.host, request.port)  # what it names is an entry the allow-list can hold
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.text(alphabet="abz09-.:[]%@/ éx", max_size=40))
+def test_any_entry_text_is_an_entry_or_a_value_error(text: str) -> None:
+    try:
+        entry = rs.parse_egress_entry(text)
+    except ValueError:
+        return
+    assert rs.parse_egress_entry(str(entry)) == entry and 1 <= entry.port <= 65535
+
+
+@given(st.ip_addresses())
+def test_refused_ranges_cover_every_address_python_calls_non_global(address: object) -> None:
+    """Every address ipaddress does not call global is refused for a name, save documentation
+    and discard ranges (nothing answers there) and IPv6 forms that embed an IPv4 address, which
+    are checked as that address (REFUSED_ADDRESSES)."""
+    text = str(address)
+    ip = rs.ipaddress.ip_address(text)
+    documentation = [rs.ipaddress.ip_network(n) for n in (
+        "192.0.2.0/24", "198.51.100.0/24", "203.0.113.0/24", "2001:db8::/32", "2001::/23", "100::/64",
+        "64:ff9b:1::/48", "::ffff:0:0/96", "2002::/16", "::/96")]
+    if not ip.is_global and not any(ip.version == n.version and ip in n for n in documentation):
+        assert rs.refused_range(text) is not None, text
 
 
 def test_a_head_over_the_bound_is_refused() -> None:

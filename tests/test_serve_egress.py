@@ -188,3 +188,35 @@ def test_a_session_without_egress_has_no_proxy(
     assert reach["stdout"].strip() == "ConnectionRefusedError", reach
     assert not (server.state_dir / "sessions" / sid / "agent" / "egress.sock").exists()
     assert listed.requests == []
+
+
+def test_egress_survives_a_snapshot_and_a_restart_of_serve(
+        serve_factory: Callable[..., ServeProcess], listen_host: str,
+        listeners: tuple[Listener, Listener]) -> None:
+    """The list is the session's record's: a restored session, and a session of a new serve
+    over the same state dir, get their proxy back; a snapshot has none listening."""
+    listed, _ = listeners
+    allow = ("--egress-allow", f"{listen_host}:{listed.port}")
+    server = serve_factory(*allow)
+    api = server.api
+    sid = api.create("kept", egress=[f"{listen_host}:{listed.port}"])["id"]
+    socket_path = server.state_dir / "sessions" / sid / "agent" / "egress.sock"
+    api.call("POST", f"/sessions/{sid}/snapshot")
+    wait_until(lambda: api.get(sid)["state"] == "snapshot", "the snapshot")
+    assert not socket_path.exists() or not _listening(socket_path)
+    assert api.call("POST", f"/sessions/{sid}/switch", {})["state"] == "active"
+    assert probe(api, sid, "absolute", listen_host, listed.port) == "200 hello /absolute"
+    server.stop()
+    again = serve_factory(*allow, state_dir=server.state_dir)
+    assert again.api.get(sid)["egress"] == [f"{listen_host}:{listed.port}"]
+    assert probe(again.api, sid, "connect", listen_host, listed.port) == "200 hello /tunnelled"
+    assert listed.requests == ["GET /absolute HTTP/1.1", "GET /tunnelled HTTP/1.1"]
+
+
+def _listening(path: Path) -> bool:
+    with socket.socket(socket.AF_UNIX) as sock:
+        try:
+            sock.connect(str(path))
+        except OSError:
+            return False
+    return True
