@@ -4454,7 +4454,7 @@ def parse_proxy_head(head: bytes) -> ProxyRequest:
         raise EgressRefusal(400, "the body's framing is ambiguous (one decimal content-length, "
                             "or transfer-encoding, not both)")
     named_hop = {token.strip().lower() for name, value in fields if name.lower() == "connection"
-                 for token in value.split(",")}
+                 for token in value.split(",")} - {"content-length", "transfer-encoding"}
     kept = [(name, value) for name, value in fields
             if name.lower() not in _EGRESS_DROPPED_REQUEST | named_hop
             and not name.lower().startswith("proxy-")]
@@ -5033,6 +5033,7 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
                      "idleAfterSeconds": config.idle_after_s,
                      "snapshotAfterSeconds": config.snapshot_after_s,
                      "maxBusySeconds": config.max_busy_s,
+                     "egressAllow": list(map(str, config.egress_allow)),
                      "limits": {"maxBodyBytes": MAX_BODY_BYTES, "maxPromptBytes": MAX_PAYLOAD_BYTES,
                                 "sessionDiskBytes": config.session_disk_mib * 1024 * 1024}}
 

@@ -202,6 +202,9 @@ def test_an_absolute_request_is_forwarded_in_origin_form_without_hop_by_hop_head
     assert (request.kind, request.host, request.port) == (rs.ProxyKind.FORWARD, "api.example", 8080)
     assert request.head == head("POST /v1/x?q=1&r=%20 HTTP/1.1", "host: api.example:8080",
                                 "Content-Length: 5", "Accept: */*", "connection: close", "", "")
+    framed = rs.parse_proxy_head(head("POST http://api.example/ HTTP/1.1", "Connection: content-length",
+                                      "Content-Length: 3"))
+    assert b"Content-Length: 3\r\n" in framed.head  # a body's framing is never dropped
     plain = rs.parse_proxy_head(head("GET http://api.example HTTP/1.0"))
     assert plain.port == 80 and plain.head == head("GET / HTTP/1.0", "host: api.example",
                                                    "connection: close", "", "")

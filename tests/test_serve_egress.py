@@ -124,6 +124,8 @@ def test_a_session_reaches_only_its_listed_hosts_and_each_decision_is_an_event(
                            "--egress-allow", f"{listen_host}:{unlisted.port}",
                            "--egress-allow", f"localhost:{listed.port}")
     api = server.api
+    assert api.call("GET", "/server")["egressAllow"] == [
+        f"{listen_host}:{listed.port}", f"{listen_host}:{unlisted.port}", f"localhost:{listed.port}"]
     status, answer = api.raw("POST", "/api/v1/sessions", json.dumps(
         {"name": "e", "egress": ["elsewhere.example"]}).encode())
     assert status == 400 and b"not on this server's --egress-allow list" in answer
