@@ -2828,15 +2828,22 @@ class SessionManager:
             self.model_proxy.listen(record.id, self.config.agent_dir(record.id))
 
     def _listen_for_egress(self, record: SessionRecord) -> None:
-        """A session's DIR/agent/egress.sock, when its create listed hosts in `egress`."""
+        """A session's DIR/agent/egress.sock, when its create listed hosts in `egress`: those
+        of them this serve's --egress-allow still holds (the operator's list bounds every
+        session, also one created under an earlier list)."""
         if record.spec.egress:
-            self.egress_proxy.listen(record.id, self.config.agent_dir(record.id),
-                                     tuple(map(parse_egress_entry, record.spec.egress)))
+            entries = tuple(map(parse_egress_entry, record.spec.egress))
+            kept = tuple(entry for entry in entries if entry in self.config.egress_allow)
+            if kept != entries:
+                log(f"serve: session {record.id}: egress to "
+                    f"{', '.join(str(e) for e in entries if e not in kept)} is refused: no longer "
+                    "on --egress-allow")
+            self.egress_proxy.listen(record.id, self.config.agent_dir(record.id), kept)
 
     def _note_egress(self, session_id: str, note: EgressNote) -> None:
         """The egress proxy's note of one connection, as an `egress` event in the session's
         outbox: the agent is the outbox's one writer, so serve asks it to write the event."""
-        params: dict[str, Any] = {"decision": note.decision, "port": note.port,
+        params: dict[str, Any] = {"decision": note.decision.value, "port": note.port,
                                   "bytes_up": note.bytes_up, "bytes_down": note.bytes_down}
         if note.host:
             params["host"] = note.host
@@ -4476,7 +4483,7 @@ def egress_refusal_response(status: int, reason: str) -> bytes:
 class EgressNote:
     """What the session's events record of one proxy connection, at its close."""
 
-    decision: str  # "allowed" | "refused"
+    decision: agent_role.EgressDecision
     host: str
     port: int
     reason: str = ""
@@ -4596,7 +4603,7 @@ class EgressProxy:
                         raise EgressRefusal(403, decision.reason)
                     note = self._pipe(conn, request, decision.address, rest)
                 except EgressRefusal as e:
-                    note = EgressNote("refused", request.host if request else "",
+                    note = EgressNote(agent_role.EgressDecision.REFUSED, request.host if request else "",
                                       request.port if request else 0, e.reason)
                     with contextlib.suppress(OSError):
                         conn.sendall(egress_refusal_response(e.status, e.reason))
@@ -4628,11 +4635,11 @@ class EgressProxy:
             conn.settimeout(None)
             upstream.settimeout(None)
             up, down = agent_role.splice(conn, upstream, EGRESS_IDLE_TIMEOUT_S)
-        return EgressNote("allowed", request.host, request.port, bytes_up=up + len(rest),
-                          bytes_down=down)
+        return EgressNote(agent_role.EgressDecision.ALLOWED, request.host, request.port,
+                          bytes_up=up + len(rest), bytes_down=down)
 
     def _record(self, session_id: str, note: EgressNote) -> None:
-        log(f"serve: session {session_id}: egress {note.decision} {note.host}:{note.port}"
+        log(f"serve: session {session_id}: egress {note.decision.value} {note.host}:{note.port}"
             + (f": {note.reason}" if note.reason else f" ({note.bytes_up} bytes up, "
                f"{note.bytes_down} down)"))
         self._note(session_id, note)

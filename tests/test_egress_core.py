@@ -395,8 +395,8 @@ def test_a_listed_literal_is_reached_by_connect_and_by_absolute_form_and_noted(
     assert listener.received[1] == (f"GET /p?q HTTP/1.1\r\nhost: 127.0.0.1:{listener.port}\r\n"
                                     "connection: close\r\n\r\n").encode()
     first, second = notes.wait(2)
-    assert first == rs.EgressNote("allowed", "127.0.0.1", listener.port, "", 4, len(listener.reply))
-    assert second.decision == "allowed" and second.bytes_down == len(listener.reply)
+    assert first == rs.EgressNote(agent.EgressDecision.ALLOWED, "127.0.0.1", listener.port, "", 4, len(listener.reply))
+    assert second.decision is agent.EgressDecision.ALLOWED and second.bytes_down == len(listener.reply)
     assert path.stat().st_mode & 0o777 == 0o600
 
 
@@ -415,7 +415,7 @@ def test_unlisted_and_loopback_by_name_are_refused_403_and_never_connected(
     assert by_name.startswith(b"HTTP/1.1 403 ") and b"a loopback address" in by_name
     assert bad.startswith(b"HTTP/1.1 400 ")
     assert listener.received == [] and looked_up == ["localhost"]  # the unlisted one was never looked up
-    assert [(n.decision, n.host) for n in notes.wait(3)] == [
+    assert [(n.decision.value, n.host) for n in notes.wait(3)] == [
         ("refused", "127.0.0.1"), ("refused", "localhost"), ("refused", "")]
 
 
@@ -430,4 +430,4 @@ def test_an_upstream_that_refuses_is_a_502_with_the_reason(tmp_path: Path) -> No
     finally:
         proxy.close()
     assert answer.startswith(b"HTTP/1.1 502 ") and b"cannot be reached" in answer
-    assert notes.wait(1)[0].decision == "refused"
+    assert notes.wait(1)[0].decision is agent.EgressDecision.REFUSED

@@ -196,7 +196,8 @@ def test_egress_survives_a_snapshot_and_a_restart_of_serve(
         serve_factory: Callable[..., ServeProcess], listen_host: str,
         listeners: tuple[Listener, Listener]) -> None:
     """The list is the session's record's: a restored session, and a session of a new serve
-    over the same state dir, get their proxy back; a snapshot has none listening."""
+    over the same state dir, get their proxy back; a snapshot has none listening; a serve whose
+    --egress-allow dropped the entry refuses it."""
     listed, _ = listeners
     allow = ("--egress-allow", f"{listen_host}:{listed.port}")
     server = serve_factory(*allow)
@@ -212,6 +213,11 @@ def test_egress_survives_a_snapshot_and_a_restart_of_serve(
     again = serve_factory(*allow, state_dir=server.state_dir)
     assert again.api.get(sid)["egress"] == [f"{listen_host}:{listed.port}"]
     assert probe(again.api, sid, "connect", listen_host, listed.port) == "200 hello /tunnelled"
+    again.stop()
+    # A serve whose list no longer holds the entry: the session keeps it on record, and is refused.
+    narrower = serve_factory(state_dir=server.state_dir)
+    refused = probe(narrower.api, sid, "absolute", listen_host, listed.port)
+    assert refused.startswith("403 ") and "is not on this session's egress list" in refused
     assert listed.requests == ["GET /absolute HTTP/1.1", "GET /tunnelled HTTP/1.1"]
 
 
