@@ -4208,10 +4208,11 @@ EGRESS_PROXY_URL = f"http://127.0.0.1:{EGRESS_RELAY_PORT}"
 EGRESS_ENVIRONMENT = {**{name: EGRESS_PROXY_URL for name in (
     "HTTPS_PROXY", "HTTP_PROXY", "https_proxy", "http_proxy")},
     **{name: "localhost,127.0.0.1,::1" for name in ("NO_PROXY", "no_proxy")}}
-#: Hop-by-hop headers (RFC 9110 7.6.1) and the proxy's own: never forwarded upstream. The body's
-#: framing (content-length, transfer-encoding) is kept: the body is piped on as it came.
-_EGRESS_DROPPED_REQUEST = frozenset({"connection", "keep-alive", "proxy-connection", "te",
-                                     "trailer", "upgrade", "host"})
+#: Hop-by-hop headers (RFC 9110 7.6.1), and `host` (the URI's replaces it): never forwarded
+#: upstream, nor any proxy-* one. The body's framing (content-length, transfer-encoding) is
+#: kept: the body is piped on as it came.
+_EGRESS_DROPPED_REQUEST = frozenset({"connection", "keep-alive", "te", "trailer", "upgrade",
+                                     "host"})
 _DNS_LABEL = re.compile(r"(?!-)[a-z0-9-]{1,63}(?<!-)")
 _EGRESS_PATH = re.compile(r'/[!"$-~]*')  #: an origin-form target: visible ASCII but `#`
 #: Address ranges no name may resolve to (each refused unless the entry is that IP literal),
@@ -4227,9 +4228,7 @@ EGRESS_REFUSED_RANGES: tuple[tuple[str, ipaddress.IPv4Network | ipaddress.IPv6Ne
         ("multicast", "224.0.0.0/4"), ("multicast", "ff00::/8"),
         ("reserved", "240.0.0.0/4"), ("IETF protocol assignments", "192.0.0.0/24"),
         ("benchmarking", "198.18.0.0/15"), ("site-local", "fec0::/10")))
-
-
-_NAT64_PREFIX = ipaddress.ip_network("64:ff9b::/96")
+_NAT64_PREFIX = ipaddress.ip_network("64:ff9b::/96")  #: its last 32 bits are an IPv4 address
 
 
 class EgressRefusal(Exception):
