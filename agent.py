@@ -5757,28 +5757,32 @@ RELAY_CONNECT_TIMEOUT_S = 5.0
 
 
 def splice(one: socket.socket, other: socket.socket, idle_timeout_s: Optional[float] = None) -> tuple[int, int]:
-    """Copies bytes both ways until both sides have ended theirs (or neither sent a byte for idle_timeout_s); a
-    half-close is passed on. Returns the bytes copied from one to other and from other to one."""
+    """Copies bytes both ways until both sides have ended theirs, either fails (a reset: the caller closes both), or
+    neither sent a byte for idle_timeout_s; a half-close is passed on. Returns the bytes copied from one to other
+    and from other to one."""
     peers = {one: other, other: one}
     copied = {one: 0, other: 0}
     with selectors.DefaultSelector() as selector:
         for sock in peers:
             selector.register(sock, selectors.EVENT_READ)
-        while selector.get_map():
-            ready = selector.select(idle_timeout_s)
-            if not ready:
-                break  # idle past the bound: the caller closes both
-            for key, _ in ready:
-                source = key.fileobj
-                assert isinstance(source, socket.socket)
-                data = source.recv(RECV_BYTES)
-                if data:
-                    peers[source].sendall(data)
-                    copied[source] += len(data)
-                    continue
-                selector.unregister(source)
-                with contextlib.suppress(OSError):
-                    peers[source].shutdown(socket.SHUT_WR)
+        try:
+            while selector.get_map():
+                ready = selector.select(idle_timeout_s)
+                if not ready:
+                    break  # idle past the bound
+                for key, _ in ready:
+                    source = key.fileobj
+                    assert isinstance(source, socket.socket)
+                    data = source.recv(RECV_BYTES)
+                    if data:
+                        peers[source].sendall(data)
+                        copied[source] += len(data)
+                        continue
+                    selector.unregister(source)
+                    with contextlib.suppress(OSError):
+                        peers[source].shutdown(socket.SHUT_WR)
+        except OSError:
+            pass  # what was copied stands; nothing more can be
     return copied[one], copied[other]
 
 

@@ -431,3 +431,24 @@ def test_an_upstream_that_refuses_is_a_502_with_the_reason(tmp_path: Path) -> No
         proxy.close()
     assert answer.startswith(b"HTTP/1.1 502 ") and b"cannot be reached" in answer
     assert notes.wait(1)[0].decision is agent.EgressDecision.REFUSED
+
+
+def test_connections_past_the_per_session_bound_are_429(tmp_path: Path, listener: Listener) -> None:
+    proxy, notes, path = proxy_for(tmp_path, [f"127.0.0.1:{listener.port}"], {})
+    tunnels = []
+    try:
+        for _ in range(rs.MAX_EGRESS_CONNECTIONS):
+            tunnel = socket.socket(socket.AF_UNIX)
+            tunnels.append(tunnel)
+            tunnel.settimeout(60)
+            tunnel.connect(str(path))
+            tunnel.sendall(f"CONNECT 127.0.0.1:{listener.port} HTTP/1.1\r\n\r\n".encode())
+            assert tunnel.recv(100).startswith(b"HTTP/1.1 200 ")  # open, and holding its slot
+        one_more = exchange(path, f"CONNECT 127.0.0.1:{listener.port} HTTP/1.1\r\n\r\n".encode())
+        assert one_more.startswith(b"HTTP/1.1 429 ") and b"egress connections open" in one_more
+    finally:
+        for tunnel in tunnels:
+            tunnel.close()
+        proxy.close()
+    assert [n.decision for n in notes.wait(rs.MAX_EGRESS_CONNECTIONS + 1)].count(
+        agent.EgressDecision.REFUSED) == 1
