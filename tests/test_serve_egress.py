@@ -142,8 +142,10 @@ def test_a_session_reaches_only_its_listed_hosts_and_each_decision_is_an_event(
     assert probe(api, sid, "connect", listen_host, listed.port) == "200 hello /tunnelled"
     assert probe(api, sid, "absolute", listen_host, listed.port) == "200 hello /absolute"
     assert probe(api, sid, "urllib", listen_host, listed.port) == "200 hello /by-urllib"
+    wget = run(api, sid, "busybox", "wget", "-q", "-O", "-", f"http://{listen_host}:{listed.port}/by-wget")
+    assert (wget["exitCode"], wget["stdout"]) == (0, "hello /by-wget"), wget
     assert listed.requests == ["GET /tunnelled HTTP/1.1", "GET /absolute HTTP/1.1",
-                               "GET /by-urllib HTTP/1.1"]
+                               "GET /by-urllib HTTP/1.1", "GET /by-wget HTTP/1.1"]
 
     # Refused: a host the server allows but this session did not list, and a listed name
     # that resolves to loopback. Neither listener saw a connection.
@@ -151,7 +153,7 @@ def test_a_session_reaches_only_its_listed_hosts_and_each_decision_is_an_event(
     assert refused.startswith("403 ") and "is not on this session's egress list" in refused
     by_name = probe(api, sid, "absolute", "localhost", listed.port)
     assert by_name.startswith("403 ") and "resolves to" in by_name and "a loopback address" in by_name
-    assert unlisted.requests == [] and len(listed.requests) == 3
+    assert unlisted.requests == [] and len(listed.requests) == 4
 
     # The workload cannot reach the proxy's socket but through the relay.
     direct = run(api, sid, "python3", "-c", (
@@ -161,10 +163,10 @@ def test_a_session_reaches_only_its_listed_hosts_and_each_decision_is_an_event(
         "except OSError as e: print(errno.errorcode[e.errno])\n"))
     assert direct["stdout"].strip() == "EACCES", direct
 
-    events = wait_until(lambda: (lambda found: found if len(found) >= 5 else None)(
-        egress_events(server, sid)), "five egress events in the outbox")
+    events = wait_until(lambda: (lambda found: found if len(found) >= 6 else None)(
+        egress_events(server, sid)), "six egress events in the outbox")
     allowed = [e for e in events if e["decision"] == "allowed"]
-    assert len(allowed) == 3 and all(e["host"] == listen_host and e["port"] == listed.port
+    assert len(allowed) == 4 and all(e["host"] == listen_host and e["port"] == listed.port
                                      and e["bytes_down"] > 0 for e in allowed)
     assert allowed[0]["bytes_up"] > 0  # the tunnelled request
     assert [(e["host"], e["reason"]) for e in events if e["decision"] == "refused"] == [
