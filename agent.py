@@ -322,6 +322,7 @@ class Method(enum.Enum):
     CHECKPOINT = "checkpoint"
     RESTORE = "restore"
     SUSPEND = "suspend"
+    EGRESS_NOTE = "egress_note"
     EXEC = "exec"
     EXEC_WAIT = "exec_wait"
     EXEC_KILL = "exec_kill"
@@ -376,6 +377,14 @@ class EventKind(enum.Enum):
     CHECKPOINT = "checkpoint"
     RESTORE = "restore"
     SUSPEND = "suspend"
+    EGRESS = "egress"
+
+
+class EgressDecision(enum.Enum):
+    """What serve's egress proxy did with one connection of the workload's (an `egress` event)."""
+
+    ALLOWED = "allowed"
+    REFUSED = "refused"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -422,6 +431,16 @@ class RestoreParams:
 @dataclasses.dataclass(frozen=True)
 class SuspendParams:
     reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class EgressNoteParams:
+    decision: EgressDecision
+    host: Optional[str]  # None: the proxy could not read the request's host
+    port: int
+    reason: Optional[str]  # why it was refused
+    bytes_up: int
+    bytes_down: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -505,7 +524,7 @@ class DownloadReadParams:
 
 
 Params = (NoParams | MessageParams | ReadParams | WriteParams | ResizeParams | CheckpointParams | RestoreParams
-          | SuspendParams | ExecParams | ExecWaitParams | HandleParams | PathParams | ListParams | UploadParams
+          | SuspendParams | EgressNoteParams | ExecParams | ExecWaitParams | HandleParams | PathParams | ListParams | UploadParams
           | UploadWriteParams | UploadCommitParams | DownloadReadParams)
 
 
@@ -584,6 +603,8 @@ class AgentConfig:
     runtime_user: Optional[Identity] = None
     #: --model-relay PORT: relay 127.0.0.1:PORT to serve's credential proxy (see "The model relay")
     model_relay_port: Optional[int] = None
+    #: --egress-relay PORT: relay 127.0.0.1:PORT to serve's egress proxy (the session's HTTP(S)_PROXY)
+    egress_relay_port: Optional[int] = None
 
     @property
     def agent_dir(self) -> Path:
@@ -782,6 +803,14 @@ _PARAM_SCHEMAS: dict[Method, tuple[type, tuple[_Field, ...]]] = {
     )),
     Method.RESTORE: (RestoreParams, (_Field("path", "path", _FieldKind.TEXT),)),
     Method.SUSPEND: (SuspendParams, (_Field("reason", "reason", _FieldKind.REASON),)),
+    Method.EGRESS_NOTE: (EgressNoteParams, (
+        _Field("decision", "decision", _FieldKind.CHOICE, choices=EgressDecision),
+        _Field("host", "host", _FieldKind.TEXT, optional=True),
+        _Field("port", "port", _FieldKind.INT, 0, 0, 65535),
+        _Field("reason", "reason", _FieldKind.TEXT, optional=True),
+        _Field("bytes_up", "bytes_up", _FieldKind.INT, 0, 0, 2**63 - 1),
+        _Field("bytes_down", "bytes_down", _FieldKind.INT, 0, 0, 2**63 - 1),
+    )),
     Method.EXEC: (ExecParams, (
         _Field("argv", "argv", _FieldKind.ARGV),
         _Field("cwd", "cwd", _FieldKind.WHERE, Where(FileRoot.WORKSPACE, ())),
@@ -5225,7 +5254,7 @@ class AgentServer:
             Method.MESSAGE: self._message, Method.INTERRUPT: self._interrupt, Method.RELAUNCH: self._relaunch,
             Method.STATUS: self._status, Method.READ: self._read, Method.WRITE: self._write,
             Method.RESIZE: self._resize, Method.CHECKPOINT: self._checkpoint, Method.RESTORE: self._restore,
-            Method.SUSPEND: self._suspend,
+            Method.SUSPEND: self._suspend, Method.EGRESS_NOTE: self._egress_note,
             Method.EXEC: self._exec, Method.EXEC_WAIT: self._exec_wait, Method.EXEC_KILL: self._exec_kill,
             Method.STAT: self._stat, Method.LIST: self._list, Method.UPLOAD: self._upload,
             Method.UPLOAD_WRITE: self._upload_write, Method.UPLOAD_COMMIT: self._upload_commit,
@@ -5590,6 +5619,12 @@ class AgentServer:
                                queue_depth=workload.queue_depth if workload else 0)
         return {"seq": seq}
 
+    def _egress_note(self, params: EgressNoteParams, now: float) -> dict[str, Any]:
+        """serve's egress proxy closed one of the workload's connections: the outbox records what it decided."""
+        fields = {"decision": params.decision.value, "host": params.host, "port": params.port,
+                  "reason": params.reason, "bytes_up": params.bytes_up, "bytes_down": params.bytes_down}
+        return {"seq": self.outbox.emit(EventKind.EGRESS, **{k: v for k, v in fields.items() if v is not None})}
+
     def _restore(self, params: RestoreParams, now: float) -> PendingRequest:
         if self._workload is not None:
             raise CommandError("restore needs a fresh agent started with --await-restore")
@@ -5716,27 +5751,39 @@ def call(session_dir: Path, method: str, params: dict[str, Any], timeout_s: floa
 # ======================================================================================================================
 
 MODEL_SOCKET_NAME = "model.sock"  #: DIR/agent/model.sock: serve's credential proxy listens on it, on the host
+EGRESS_SOCKET_NAME = "egress.sock"  #: DIR/agent/egress.sock: serve's egress proxy (the session's allow-list)
 MAX_RELAYED_CONNECTIONS = 16  #: one more is closed at once; serve bounds its own concurrency per session too
 RELAY_CONNECT_TIMEOUT_S = 5.0
 
 
-def splice(one: socket.socket, other: socket.socket) -> None:
-    """Copies bytes both ways until both sides have ended theirs; a half-close is passed on."""
+def splice(one: socket.socket, other: socket.socket, idle_timeout_s: Optional[float] = None) -> tuple[int, int]:
+    """Copies bytes both ways until both sides have ended theirs, either fails (a reset: the caller closes both), or
+    neither sent a byte for idle_timeout_s; a half-close is passed on. Returns the bytes copied from one to other
+    and from other to one."""
     peers = {one: other, other: one}
+    copied = {one: 0, other: 0}
     with selectors.DefaultSelector() as selector:
         for sock in peers:
             selector.register(sock, selectors.EVENT_READ)
-        while selector.get_map():
-            for key, _ in selector.select():
-                source = key.fileobj
-                assert isinstance(source, socket.socket)
-                data = source.recv(RECV_BYTES)
-                if data:
-                    peers[source].sendall(data)
-                    continue
-                selector.unregister(source)
-                with contextlib.suppress(OSError):
-                    peers[source].shutdown(socket.SHUT_WR)
+        try:
+            while selector.get_map():
+                ready = selector.select(idle_timeout_s)
+                if not ready:
+                    break  # idle past the bound
+                for key, _ in ready:
+                    source = key.fileobj
+                    assert isinstance(source, socket.socket)
+                    data = source.recv(RECV_BYTES)
+                    if data:
+                        peers[source].sendall(data)
+                        copied[source] += len(data)
+                        continue
+                    selector.unregister(source)
+                    with contextlib.suppress(OSError):
+                        peers[source].shutdown(socket.SHUT_WR)
+        except OSError:
+            pass  # what was copied stands; nothing more can be
+    return copied[one], copied[other]
 
 
 class ModelRelay:
@@ -5744,8 +5791,8 @@ class ModelRelay:
 
     The workload's CLI reaches the model only through here; the credential lives in serve, beyond the socket, and
     the socket lies in DIR/agent (0700, root's), which the workload cannot enter. The relay adds, reads and keeps
-    nothing: the proxy sees each connection as this session's (the socket it came in on says whose). An egress
-    proxy would be a second (port, socket name) pair of the same class.
+    nothing: the proxy sees each connection as this session's (the socket it came in on says whose). The egress
+    relay is a second (port, socket name) pair of this class: EGRESS_SOCKET_NAME, serve's egress proxy beyond it.
     """
 
     def __init__(self, agent_dir: Path, port: int, socket_name: str = MODEL_SOCKET_NAME) -> None:
@@ -5755,8 +5802,9 @@ class ModelRelay:
         try:
             self.sock = socket.create_server(("127.0.0.1", port), backlog=LISTEN_BACKLOG)
         except OSError as e:
-            raise StartupError(f"cannot listen on 127.0.0.1:{port} for the model relay: {e.strerror}") from e
-        threading.Thread(target=self._accept_loop, name="model-relay", daemon=True).start()
+            raise StartupError(f"cannot listen on 127.0.0.1:{port} for the relay to {socket_name}: "
+                               f"{e.strerror}") from e
+        threading.Thread(target=self._accept_loop, name=f"relay-{socket_name}", daemon=True).start()
 
     def _accept_loop(self) -> None:
         while True:
@@ -5767,7 +5815,8 @@ class ModelRelay:
             if not self._slots.acquire(blocking=False):
                 client.close()
                 continue
-            threading.Thread(target=self._relay, args=(client,), name="model-relay-conn", daemon=True).start()
+            threading.Thread(target=self._relay, args=(client,), name=f"relay-{self._socket_name}-conn",
+                             daemon=True).start()
 
     def _relay(self, client: socket.socket) -> None:
         try:
@@ -5855,6 +5904,8 @@ def _parser() -> argparse.ArgumentParser:
                             "grant); port 0 picks a free one")
     serve.add_argument("--model-relay", type=_positive_int, metavar="PORT",
                        help="relay 127.0.0.1:PORT to DIR/agent/model.sock (serve's credential proxy)")
+    serve.add_argument("--egress-relay", type=_positive_int, metavar="PORT",
+                       help="relay 127.0.0.1:PORT to DIR/agent/egress.sock (serve's egress proxy)")
     client = commands.add_parser("call", help="send one request to DIR/agent/control.sock; print the JSON response")
     client.add_argument("session_dir", type=Path, metavar="DIR")
     client.add_argument("verb", choices=[method.value for method in Method])
@@ -5874,7 +5925,7 @@ def _config_from(args: argparse.Namespace) -> AgentConfig:
         restore_path=args.restore.absolute() if args.restore else None, await_restore=args.await_restore,
         listen=parse_listen_address(args.listen) if args.listen is not None else None,
         runtime_user=runtime_user_for(args.runtime_user, Identity(os.geteuid(), os.getegid())),
-        model_relay_port=args.model_relay,
+        model_relay_port=args.model_relay, egress_relay_port=args.egress_relay,
     )
     if config.log_cap_bytes < MIN_LOG_CAP_BYTES:
         raise UsageError(f"the output log cap must be at least {MIN_LOG_CAP_BYTES} bytes")
@@ -5954,7 +6005,8 @@ def serve(config: AgentConfig) -> int:
     """`agent.py serve`: prepare the session dir, serve until a signal, shut down cleanly."""
     prepare_session_dir(config)
     require_bounding_set_drop(config)
-    relay = ModelRelay(config.agent_dir, config.model_relay_port) if config.model_relay_port else None
+    relays = [ModelRelay(config.agent_dir, port, name) for port, name in (
+        (config.model_relay_port, MODEL_SOCKET_NAME), (config.egress_relay_port, EGRESS_SOCKET_NAME)) if port]
     server = AgentServer(config)
     try:
         tcp = f" and tcp {server.tcp_listener.address}" if server.tcp_listener is not None else ""
@@ -5964,7 +6016,7 @@ def serve(config: AgentConfig) -> int:
         return server.run()
     finally:
         server.close()
-        if relay is not None:
+        for relay in relays:
             relay.close()
 
 

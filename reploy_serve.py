@@ -586,6 +586,9 @@ class SessionSpec:
     #: before they were stored: it has the server's (ServeConfig.resources).
     cpus: Optional[float] = None
     disk_mib: Optional[int] = None
+    #: create's `egress`: the HOST:PORT entries (of --egress-allow) it may reach; () for none,
+    #: as in a record from before egress existed.
+    egress: tuple[str, ...] = ()
 
     def to_json(self) -> str:
         doc = {k: v for k, v in self.__dict__.items() if k != "runtime"}
@@ -597,6 +600,7 @@ class SessionSpec:
         doc = json.loads(text)
         runtime = doc.pop("runtime")
         runtime["writable_paths"] = tuple(runtime["writable_paths"])
+        doc["egress"] = tuple(doc.get("egress", ()))
         return cls(runtime=Runtime(**runtime), **doc)
 
 
@@ -995,9 +999,10 @@ MODEL_RULE = replace(SESSION_MODEL_RULE, reserved=(PLATFORM_DEFAULT_MODEL,))
 
 #: Request bodies by operation. Every field is optional unless marked; an unknown field, a
 #: missing one, a wrong JSON type (null included) and a value that does not fit are all 400,
-#: as seed 002 has it. `deployment`, `labels`, `ttlSeconds`, `cpus` and `diskMib` (create) and
-#: `waitMs` (read) are Reploy's optional additions; the other routes are Reploy's own. The
-#: server's own bounds on `cpus` and `diskMib` are session_resources'.
+#: as seed 002 has it. `deployment`, `labels`, `ttlSeconds`, `cpus`, `diskMib` and `egress`
+#: (create) and `waitMs` (read) are Reploy's optional additions; the other routes are Reploy's
+#: own. The server's own bounds on `cpus` and `diskMib` are session_resources', on `egress`
+#: session_egress'.
 BODY_RULES: dict[str, dict[str, FieldRule]] = {
     "create": {"name": FieldRule(str, True),
                "workloadType": FieldRule(str, choices=tuple(WORKLOAD_TYPES)),
@@ -1006,7 +1011,8 @@ BODY_RULES: dict[str, dict[str, FieldRule]] = {
                "labels": FieldRule(dict),
                "ttlSeconds": FieldRule(int, minimum=1, maximum=MAX_TTL_S),
                "cpus": FieldRule(float, minimum=MIN_SESSION_CPUS),
-               "diskMib": FieldRule(int, minimum=MIN_SESSION_DISK_MIB, maximum=MAX_SESSION_DISK_MIB)},
+               "diskMib": FieldRule(int, minimum=MIN_SESSION_DISK_MIB, maximum=MAX_SESSION_DISK_MIB),
+               "egress": FieldRule(list)},
     "read": {"offset": FieldRule(int, minimum=0, maximum=MAX_OFFSET),
              "waitMs": FieldRule(int, minimum=0, maximum=MAX_READ_WAIT_MS)},
     "write": {"payload": FieldRule(str)},
@@ -1081,6 +1087,7 @@ class CreateRequest:
     ttl_s: Optional[int] = None
     cpus: Optional[float] = None
     disk_mib: Optional[int] = None
+    egress: tuple[str, ...] = ()  # as given: session_egress checks them against the server's
 
     @classmethod
     def from_fields(cls, fields: dict[str, Any]) -> "CreateRequest":
@@ -1096,9 +1103,12 @@ class CreateRequest:
         if workload == "agent" and model is None:
             model = PLATFORM_DEFAULT_MODEL
         cpus = fields.get("cpus")
+        egress = fields.get("egress", [])
+        if not all(isinstance(entry, str) for entry in egress):
+            raise BadRequest("egress: each entry must be a string HOST[:PORT]")
         return cls(name, workload, model, fields.get("deployment"),
                    parse_labels(fields.get("labels", {})), fields.get("ttlSeconds"),
-                   None if cpus is None else float(cpus), fields.get("diskMib"))
+                   None if cpus is None else float(cpus), fields.get("diskMib"), tuple(egress))
 
 
 def session_resources(request: CreateRequest, max_cpus: float, max_disk_mib: int) -> tuple[float, int]:
@@ -1281,6 +1291,7 @@ def session_json(record: SessionRecord, idle_after_s: float, snapshot_after_s: f
         document["phase"] = phase
     document["labels"] = dict(record.labels)
     document["cpus"], document["diskMib"] = resources
+    document["egress"] = list(spec.egress)
     if record.expires_at is not None:
         document["expiresAt"] = iso_time(record.expires_at)
     blocked = record.idle_blocked_by if record.state in (SessionState.ACTIVE, SessionState.IDLE) else ()
@@ -1874,6 +1885,7 @@ ANSWER_FIELDS: dict[str, tuple[AnswerField, ...]] = {
         AnswerField("log_bytes", _COUNT),
         AnswerField("skipped_entries", _COUNT)),
     "suspend": (AnswerField("seq", _COUNT),),
+    "egress_note": (AnswerField("seq", _COUNT),),
     "exec": (AnswerField("exec_id", _matching(_HANDLE_ID)), AnswerField("pid", _nullable(_PID)),
              AnswerField("queued", _boolean, required=False),
              AnswerField("stdout_path", _plain_text(agent_role.MAX_PATH_BYTES), required=False),
@@ -2564,6 +2576,8 @@ class ServeConfig:
     max_readers: int = DEFAULT_MAX_READERS
     #: --model-upstream (see "the model proxy"); the credential is never part of the config
     model_upstream: Optional[ModelUpstream] = None
+    #: --egress-allow: what a create's `egress` may list (see "the egress proxy")
+    egress_allow: tuple[EgressEntry, ...] = ()
 
     @property
     def sessions_dir(self) -> Path:
@@ -2679,6 +2693,8 @@ class SessionManager:
         self._readers_lock = threading.Lock()
         #: set by run_serve when --model-upstream is given (see "the model proxy")
         self.model_proxy: Optional[ModelProxy] = None
+        #: the sessions created with `egress` (see "the egress proxy")
+        self.egress_proxy = EgressProxy(self._note_egress)
 
     # -- leases -----------------------------------------------------------------------------
 
@@ -2756,6 +2772,8 @@ class SessionManager:
     def _remove_containers(self, session_id: str, keep: Optional[str] = None) -> None:
         if keep is None and self.model_proxy is not None:
             self.model_proxy.close_session(session_id)
+        if keep is None:
+            self.egress_proxy.close_session(session_id)
         for container_id, _ in self._containers(session_id):
             if container_id != keep:
                 self.backend.unpause(container_id)
@@ -2781,6 +2799,9 @@ class SessionManager:
             if self.model_proxy is not None:
                 command += ["--model-relay", str(MODEL_RELAY_PORT)]
                 environment.update(MODEL_CLI_ENVIRONMENT)
+        if spec.egress:
+            command += ["--egress-relay", str(EGRESS_RELAY_PORT)]
+            environment.update(EGRESS_ENVIRONMENT)
         if archive:
             command += ["--restore", f"{SESSION_MOUNT}/{agent_role.AGENT_DIR_NAME}/{archive}"]
         mounts = (Mount(str(AGENT_SOURCE), AGENT_MOUNT, read_only=True),
@@ -2806,12 +2827,41 @@ class SessionManager:
         if self.model_proxy is not None and record.spec.workload == "agent":
             self.model_proxy.listen(record.id, self.config.agent_dir(record.id))
 
+    def _listen_for_egress(self, record: SessionRecord) -> None:
+        """A session's DIR/agent/egress.sock, when its create listed hosts in `egress`: those
+        of them this serve's --egress-allow still holds (the operator's list bounds every
+        session, also one created under an earlier list)."""
+        if record.spec.egress:
+            entries = tuple(map(parse_egress_entry, record.spec.egress))
+            kept = tuple(entry for entry in entries if entry in self.config.egress_allow)
+            if kept != entries:
+                log(f"serve: session {record.id}: egress to "
+                    f"{', '.join(str(e) for e in entries if e not in kept)} is refused: no longer "
+                    "on --egress-allow")
+            self.egress_proxy.listen(record.id, self.config.agent_dir(record.id), kept)
+
+    def _note_egress(self, session_id: str, note: EgressNote) -> None:
+        """The egress proxy's note of one connection, as an `egress` event in the session's
+        outbox: the agent is the outbox's one writer, so serve asks it to write the event."""
+        params: dict[str, Any] = {"decision": note.decision.value, "port": note.port,
+                                  "bytes_up": note.bytes_up, "bytes_down": note.bytes_down}
+        if note.host:
+            params["host"] = note.host
+        if note.reason:
+            params["reason"] = note.reason[:MAX_FAILURE_CHARS]
+        try:
+            agent_call(self.config.agent_dir(session_id), "egress_note", params,
+                       timeout_s=AGENT_CALL_TIMEOUT_S)
+        except AgentCallError as e:
+            log(f"serve: session {session_id}: the egress event is not recorded: {e}")
+
     def _launch(self, lease: Lease, archive: Optional[str]) -> None:
         """Create and start the session's container (its disk mounted first, its workspace
         given back to the runtime user), record it, and wait for its agent."""
         self._mount_disk(lease.record.id)
         self._repair_workspace(lease.record)
         self._listen_for_model(lease.record)
+        self._listen_for_egress(lease.record)
         container_id = self.backend.create(self._container_spec(lease.record, archive))
         lease.update(container_id=container_id)
         self.backend.start(container_id)
@@ -2906,6 +2956,7 @@ class SessionManager:
 
     def create(self, request: CreateRequest) -> SessionRecord:
         cpus, disk_mib = session_resources(request, self.config.session_cpus, self.config.session_disk_mib)
+        egress = session_egress(request.egress, self.config.egress_allow)
         deployment = self._deployment(request.deployment)  # an unknown one is the client's 400
         if self.store.count() >= self.config.max_sessions:
             raise TooManyRequests(f"the session limit is reached: this server holds at most "
@@ -2926,7 +2977,7 @@ class SessionManager:
             workload=request.workload, model=request.model,
             deployment=deployment.blueprint.name, deployment_id=deployment.deployment_id,
             image_id=deployment.current.image_id, generation=deployment.current.number,
-            runtime=runtime, cpus=cpus, disk_mib=disk_mib)
+            runtime=runtime, cpus=cpus, disk_mib=disk_mib, egress=egress)
         now, owner = self.clock(), self._owner()
         record = SessionRecord(id=secrets.token_hex(8), name=request.name, spec=spec,
                                state=SessionState.CREATING, version=1, created_at=now,
@@ -2993,6 +3044,7 @@ class SessionManager:
             try:
                 self._mount_disk(record.id)
                 self._listen_for_model(record)
+                self._listen_for_egress(record)
             except (ServeError, OSError) as e:
                 log(f"serve: session {record.id}: {e}")
         disks, promised = disk_promises(self.config.disks_dir)
@@ -3748,6 +3800,7 @@ class SessionManager:
         self.stopping.set()
         if self.model_proxy is not None:
             self.model_proxy.close()
+        self.egress_proxy.close()
         self.store.close()
 
 
@@ -3990,20 +4043,7 @@ class ModelProxy:
     def listen(self, session_id: str, agent_dir: Path) -> None:
         """(Re)binds agent_dir/model.sock for the session; the socket stays root's and 0600."""
         self.close_session(session_id)
-        dir_fd = os.open(agent_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        try:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(agent_role.MODEL_SOCKET_NAME, dir_fd=dir_fd)
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:  # through the fd: short, however deep the state dir; DIR/agent is 0700 root's
-                sock.bind(f"/proc/self/fd/{dir_fd}/{agent_role.MODEL_SOCKET_NAME}")
-                os.chmod(agent_role.MODEL_SOCKET_NAME, 0o600, dir_fd=dir_fd)
-                sock.listen(agent_role.LISTEN_BACKLOG)
-            except BaseException:
-                sock.close()
-                raise
-        finally:
-            os.close(dir_fd)
+        sock = bind_agent_socket(agent_dir, agent_role.MODEL_SOCKET_NAME)  # DIR/agent is 0700 root's
         with self._lock:
             self._listeners[session_id] = sock
         slots = threading.BoundedSemaphore(MAX_MODEL_REQUESTS)
@@ -4139,6 +4179,469 @@ class ModelProxy:
             conn.sendall(events.feed(tail) + events.finish())
         else:  # the cut event's start is dropped, so the error is an event of its own
             conn.sendall(events.feed(tail) + model_sse_error(failure))
+
+
+# ============================================================================================
+# the egress proxy: the hosts a session may reach, and nothing else
+# ============================================================================================
+# A session created with `egress` (entries of serve's --egress-allow) gets HTTP(S)_PROXY =
+# http://127.0.0.1:EGRESS_RELAY_PORT; in the container the agent (root) relays each connection
+# to that port to DIR/agent/egress.sock (agent.py's ModelRelay, the second pair), and serve
+# listens there, on the host, one socket per session, as it does for the model proxy and for
+# the same reasons. Each connection carries one proxy request: CONNECT host:port (then a byte
+# pipe, TLS end to end) or an absolute-form http:// request, forwarded in origin form with
+# `connection: close` (one request per connection; a client's next request opens a new one).
+# serve resolves the name itself, checks every address it got (decide_egress), and connects to
+# the checked address: no second lookup, so a name cannot resolve elsewhere in between.
+
+EGRESS_RELAY_PORT = 8138  #: in each session's own network namespace, beside MODEL_RELAY_PORT
+DEFAULT_EGRESS_PORT = 443
+MAX_EGRESS_ENTRIES = 64  #: --egress-allow entries, and so a session's `egress`
+MAX_EGRESS_HEAD_BYTES = 16 * 1024  #: a proxy request's line and headers
+MAX_EGRESS_CONNECTIONS = 8  #: open per session; one more is answered 429
+EGRESS_CLIENT_TIMEOUT_S = 30.0  #: the sandbox sends its whole request head within this
+EGRESS_CONNECT_TIMEOUT_S = 10.0  #: the name's lookup aside, to the upstream's address
+EGRESS_IDLE_TIMEOUT_S = 300.0  #: neither side sent a byte: the pipe is closed
+EGRESS_PROXY_URL = f"http://127.0.0.1:{EGRESS_RELAY_PORT}"
+#: What a session with egress gets in its environment (shell, agent, exec): clients that
+#: honour the variables go through the proxy, loopback stays the session's own.
+EGRESS_ENVIRONMENT = {**{name: EGRESS_PROXY_URL for name in (
+    "HTTPS_PROXY", "HTTP_PROXY", "https_proxy", "http_proxy")},
+    **{name: "localhost,127.0.0.1,::1" for name in ("NO_PROXY", "no_proxy")}}
+#: Hop-by-hop headers (RFC 9110 7.6.1), and `host` (the URI's replaces it): never forwarded
+#: upstream, nor any proxy-* one. The body's framing (content-length, transfer-encoding) is
+#: kept: the body is piped on as it came.
+_EGRESS_DROPPED_REQUEST = frozenset({"connection", "keep-alive", "te", "trailer", "upgrade",
+                                     "host"})
+_DNS_LABEL = re.compile(r"(?!-)[a-z0-9-]{1,63}(?<!-)")
+_EGRESS_PATH = re.compile(r'/[!"$-~]*')  #: an origin-form target: visible ASCII but `#`
+#: Address ranges no name may resolve to (each refused unless the entry is that IP literal),
+#: the first that holds an address naming why.
+EGRESS_REFUSED_RANGES: tuple[tuple[str, ipaddress.IPv4Network | ipaddress.IPv6Network], ...] = tuple(
+    (what, ipaddress.ip_network(network)) for what, network in (
+        ("metadata", "169.254.169.254/32"), ("metadata", "fd00:ec2::254/128"),
+        ("unspecified", "0.0.0.0/8"), ("unspecified", "::/128"),
+        ("loopback", "127.0.0.0/8"), ("loopback", "::1/128"),
+        ("link-local", "169.254.0.0/16"), ("link-local", "fe80::/10"),
+        ("private", "10.0.0.0/8"), ("private", "172.16.0.0/12"), ("private", "192.168.0.0/16"),
+        ("private (ULA)", "fc00::/7"), ("CGNAT", "100.64.0.0/10"),
+        ("multicast", "224.0.0.0/4"), ("multicast", "ff00::/8"),
+        ("reserved", "240.0.0.0/4"), ("IETF protocol assignments", "192.0.0.0/24"),
+        ("benchmarking", "198.18.0.0/15"), ("site-local", "fec0::/10")))
+_NAT64_PREFIX = ipaddress.ip_network("64:ff9b::/96")  #: its last 32 bits are an IPv4 address
+
+
+class EgressRefusal(Exception):
+    """A proxy request answered by the proxy itself: the status and why."""
+
+    def __init__(self, status: int, reason: str) -> None:
+        super().__init__(reason)
+        self.status, self.reason = status, reason
+
+
+@dataclass(frozen=True)
+class EgressEntry:
+    """One HOST:PORT of an allow-list: a DNS name in lower case, or an IP literal."""
+
+    host: str
+    port: int
+
+    @property
+    def is_ip_literal(self) -> bool:
+        """canonical_host leaves no name that parses as an address."""
+        try:
+            ipaddress.ip_address(self.host)
+        except ValueError:
+            return False
+        return True
+
+    def __str__(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+class ProxyKind(enum.Enum):
+    CONNECT = "connect"  # CONNECT host:port, then a byte pipe
+    FORWARD = "forward"  # an absolute-form http:// request, forwarded in origin form
+
+
+@dataclass(frozen=True)
+class ProxyRequest:
+    """One proxy request head from the sandbox, as parse_proxy_head read it."""
+
+    kind: ProxyKind
+    host: str  # as canonical_host has it
+    port: int
+    head: bytes = b""  # FORWARD: the head to send upstream (origin form, `connection: close`)
+
+
+@dataclass(frozen=True)
+class Allowed:
+    address: str  # the checked address to connect to
+
+
+@dataclass(frozen=True)
+class Refused:
+    reason: str
+
+
+def canonical_host(text: str) -> str:
+    """A host as the allow-list compares it: an IP literal in its compressed form (IPv6 without
+    brackets), a DNS name in lower case; ValueError for anything else. A name whose last label
+    is all digits is refused: resolvers read some ("127.1", "0x7f.1") as addresses."""
+    literal = text[1:-1] if text.startswith("[") and text.endswith("]") else text
+    with contextlib.suppress(ValueError):
+        address = ipaddress.ip_address(literal)
+        if isinstance(address, ipaddress.IPv6Address) and address.scope_id:
+            raise ValueError(f"{text!r}: a scoped address")
+        if (literal != text) != (address.version == 6):
+            raise ValueError(f"{text!r}: an IPv6 address, and only one, goes in brackets")
+        return str(address)
+    name = text.lower()
+    labels = name.split(".")
+    if literal != text or len(name) > 253 or not all(_DNS_LABEL.fullmatch(label) for label in labels) \
+            or labels[-1].isdigit() or labels[-1].startswith("0x"):
+        raise ValueError(f"{text!r} is not a DNS name or an IP literal")
+    return name
+
+
+def parse_authority(text: str, default_port: Optional[int]) -> tuple[str, int]:
+    """HOST[:PORT] (an IPv6 literal in brackets) -> (canonical host, port); ValueError."""
+    host, port_text = text, ""
+    if text.startswith("["):
+        host, bracket, rest = text.partition("]")
+        host += bracket
+        if not bracket or rest and not rest.startswith(":"):
+            raise ValueError(f"{text!r} is not HOST[:PORT]")
+        port_text = rest[1:]
+    elif text.count(":") == 1:
+        host, _, port_text = text.partition(":")
+    elif ":" in text:
+        raise ValueError(f"{text!r}: put an IPv6 address in brackets, [ADDRESS]:PORT")
+    if port_text or text.endswith(":"):
+        if not port_text.isdigit() or not port_text.isascii() or len(port_text) > 5 \
+                or not 1 <= int(port_text) <= 65535:
+            raise ValueError(f"{text!r}: the port must be a number from 1 to 65535")
+        port = int(port_text)
+    elif default_port is None:
+        raise ValueError(f"{text!r} has no port")
+    else:
+        port = default_port
+    return canonical_host(host), port
+
+
+def parse_egress_entry(text: str) -> EgressEntry:
+    """--egress-allow and each entry of a session's `egress`: HOST[:PORT], PORT 443 if left out."""
+    host, port = parse_authority(text, DEFAULT_EGRESS_PORT)
+    return EgressEntry(host, port)
+
+
+def parse_egress_allow(texts: Sequence[str]) -> tuple[EgressEntry, ...]:
+    """--egress-allow, each entry checked (UsageError); repeats are one entry."""
+    if len(texts) > MAX_EGRESS_ENTRIES:
+        raise UsageError(f"--egress-allow: at most {MAX_EGRESS_ENTRIES} entries")
+    entries: list[EgressEntry] = []
+    for text in texts:
+        try:
+            entry = parse_egress_entry(text)
+        except ValueError as e:
+            raise UsageError(f"--egress-allow: {e}") from None
+        if entry not in entries:
+            entries.append(entry)
+    return tuple(entries)
+
+
+def session_egress(given: Sequence[str], allowed: Sequence[EgressEntry]) -> tuple[str, ...]:
+    """A create's `egress` (HOST[:PORT] each) -> the entries as stored, each one of the server's
+    --egress-allow; BadRequest otherwise. Pure: checked before anything is provisioned."""
+    entries: list[EgressEntry] = []
+    for item in given:
+        try:
+            entry = parse_egress_entry(item)
+        except ValueError as e:
+            raise BadRequest(f"egress: {e}") from None
+        if entry not in allowed:
+            raise BadRequest(f"egress: {entry} is not on this server's --egress-allow list"
+                             + (f" ({', '.join(map(str, allowed))})" if allowed else " (it has none)"))
+        if entry in entries:
+            raise BadRequest(f"egress: {entry} is given twice")
+        entries.append(entry)
+    return tuple(map(str, entries))
+
+
+def refused_range(address: str) -> Optional[str]:
+    """Why a name may not lead to this address (EGRESS_REFUSED_RANGES), or None. An IPv6 form
+    of an IPv4 address (mapped, compatible, NAT64's well-known prefix, 6to4's) is checked as
+    that address."""
+    ip = ipaddress.ip_address(address.split("%", 1)[0])
+    candidates: list[ipaddress.IPv4Address | ipaddress.IPv6Address] = [ip]
+    if isinstance(ip, ipaddress.IPv6Address):
+        low = ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+        embedded = ip.ipv4_mapped or ip.sixtofour or (
+            low if int(ip) >> 32 == 0 or ip in _NAT64_PREFIX else None)
+        if embedded is not None:
+            candidates.append(embedded)
+    for candidate in candidates:
+        for what, network in EGRESS_REFUSED_RANGES:
+            if candidate.version == network.version and candidate in network:
+                return what
+    return None
+
+
+def decide_egress(allowed: Sequence[EgressEntry], host: str, port: int,
+                  addresses: Sequence[str]) -> Allowed | Refused:
+    """Whether a proxy request to host:port (canonical_host) may go out, given what the name
+    resolved to: only a listed entry; an IP literal entry goes to that very address, whatever
+    its range; a name only when every address it resolved to is outside the refused ranges."""
+    entry = EgressEntry(host, port)
+    if entry not in allowed:
+        return Refused(f"{entry} is not on this session's egress list")
+    if entry.is_ip_literal:
+        return Allowed(host)
+    if not addresses:
+        return Refused(f"{host} does not resolve")
+    for address in addresses:
+        what = refused_range(address)
+        if what is not None:
+            return Refused(f"{host} resolves to {address}, a {what} address; list that address "
+                           "itself to allow it")
+    return Allowed(addresses[0])
+
+
+def _header_fields(lines: Sequence[str]) -> list[tuple[str, str]]:
+    fields = []
+    for line in lines:
+        name, colon, value = line.partition(":")
+        if not colon or not _HEADER_NAME.fullmatch(name) or any(c in value for c in "\r\n\0"):
+            raise EgressRefusal(400, "a malformed header line (no folding, token names only)")
+        fields.append((name, value.strip(" \t")))
+    return fields
+
+
+def parse_proxy_head(head: bytes) -> ProxyRequest:
+    """The request line and headers (CRLF CRLF excluded) -> ProxyRequest, or EgressRefusal.
+    CONNECT HOST:PORT, or an absolute-form http:// request of any method; https:// in absolute
+    form, origin-form targets, userinfo and fragments are refused. A forwarded request loses
+    its hop-by-hop and proxy-* headers, gets the URI's host as `host` and `connection: close`."""
+    if len(head) > MAX_EGRESS_HEAD_BYTES:
+        raise EgressRefusal(431, f"the request head is over {MAX_EGRESS_HEAD_BYTES} bytes")
+    try:
+        text = head.decode("ascii")
+    except UnicodeDecodeError:
+        raise EgressRefusal(400, "the request head is not ASCII") from None
+    line, *header_lines = text.split("\r\n")
+    parts = line.split(" ")
+    if len(parts) != 3 or parts[2] not in ("HTTP/1.1", "HTTP/1.0") \
+            or not _HEADER_NAME.fullmatch(parts[0]) or not parts[1]:
+        raise EgressRefusal(400, "not an HTTP/1.1 request line")
+    method, target, version = parts
+    fields = _header_fields(header_lines)
+    if method == "CONNECT":
+        try:
+            host, port = parse_authority(target, None)
+        except ValueError as e:
+            raise EgressRefusal(400, f"CONNECT needs HOST:PORT: {e}") from None
+        return ProxyRequest(ProxyKind.CONNECT, host, port)
+    scheme, sep, rest = target.partition("://")
+    if not sep or scheme.lower() != "http":
+        raise EgressRefusal(400, "the proxy takes CONNECT HOST:PORT (https) or an absolute "
+                            "http:// URI (plain http), nothing else")
+    authority, slash, path = rest.partition("/")
+    path = slash + path if slash else "/"
+    if "@" in authority or not _EGRESS_PATH.fullmatch(path):
+        raise EgressRefusal(400, "the URI holds userinfo, a fragment or characters a URI "
+                            "never does")
+    try:
+        host, port = parse_authority(authority, 80)
+    except ValueError as e:
+        raise EgressRefusal(400, f"the URI's host: {e}") from None
+    lengths = [value for name, value in fields if name.lower() == "content-length"]
+    chunked = any(name.lower() == "transfer-encoding" for name, _ in fields)
+    if (chunked and lengths) or len(lengths) > 1 or not all(v.isdigit() for v in lengths):
+        raise EgressRefusal(400, "the body's framing is ambiguous (one decimal content-length, "
+                            "or transfer-encoding, not both)")
+    named_hop = {token.strip().lower() for name, value in fields if name.lower() == "connection"
+                 for token in value.split(",")} - {"content-length", "transfer-encoding"}
+    kept = [(name, value) for name, value in fields
+            if name.lower() not in _EGRESS_DROPPED_REQUEST | named_hop
+            and not name.lower().startswith("proxy-")]
+    authority_out = str(EgressEntry(host, port)) if port != 80 else (
+        f"[{host}]" if ":" in host else host)
+    lines = [f"{method} {path} {version}", f"host: {authority_out}",
+             *(f"{name}: {value}" for name, value in kept), "connection: close", "", ""]
+    return ProxyRequest(ProxyKind.FORWARD, host, port, "\r\n".join(lines).encode("ascii"))
+
+
+def egress_refusal_response(status: int, reason: str) -> bytes:
+    body = f"reploy egress proxy: {reason}\n".encode()
+    phrase = http.client.responses.get(status, "Error")
+    return (f"HTTP/1.1 {status} {phrase}\r\ncontent-type: text/plain; charset=utf-8\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode() + body
+
+
+@dataclass(frozen=True)
+class EgressNote:
+    """What the session's events record of one proxy connection, at its close."""
+
+    decision: agent_role.EgressDecision
+    host: str
+    port: int
+    reason: str = ""
+    bytes_up: int = 0  # from the sandbox to the upstream
+    bytes_down: int = 0
+
+
+# -- the proxy's I/O: per-session sockets on the host, one thread per connection ------------
+
+def bind_agent_socket(agent_dir: Path, name: str) -> socket.socket:
+    """A listening unix socket at agent_dir/name (an old one replaced), root's and 0600, bound
+    through the directory's fd: short however deep the state dir, and never through a link."""
+    dir_fd = os.open(agent_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name, dir_fd=dir_fd)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(f"/proc/self/fd/{dir_fd}/{name}")
+            os.chmod(name, 0o600, dir_fd=dir_fd)
+            sock.listen(agent_role.LISTEN_BACKLOG)
+        except BaseException:
+            sock.close()
+            raise
+    finally:
+        os.close(dir_fd)
+    return sock
+
+
+def read_proxy_head(conn: socket.socket) -> tuple[ProxyRequest, bytes]:
+    """The head from the relay, bounded in size (EgressRefusal) and time (OSError), and what
+    came after it (the start of a body, or of a TLS handshake)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        if len(data) > MAX_EGRESS_HEAD_BYTES:
+            raise EgressRefusal(431, f"the request head is over {MAX_EGRESS_HEAD_BYTES} bytes")
+        chunk = conn.recv(agent_role.RECV_BYTES)
+        if not chunk:
+            raise ConnectionError("the client left before its request head was whole")
+        data += chunk
+    head, _, rest = data.partition(b"\r\n\r\n")
+    return parse_proxy_head(head), rest
+
+
+def resolve(host: str, port: int) -> tuple[str, ...]:
+    """Every address the name resolves to (once: the proxy connects to one of these)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError):
+        return ()
+    return tuple(dict.fromkeys(str(info[4][0]) for info in infos))
+
+
+class EgressProxy:
+    """The host side: DIR/agent/egress.sock of each session with egress (see the section's
+    head). `note` records each connection's EgressNote in the session's events."""
+
+    def __init__(self, note: Callable[[str, EgressNote], None],
+                 resolver: Callable[[str, int], tuple[str, ...]] = resolve) -> None:
+        self._note = note
+        self._resolve = resolver
+        self._listeners: dict[str, socket.socket] = {}
+        self._lock = threading.Lock()
+
+    def listen(self, session_id: str, agent_dir: Path, allowed: tuple[EgressEntry, ...]) -> None:
+        """(Re)binds agent_dir/egress.sock for the session, with its allow-list."""
+        self.close_session(session_id)
+        sock = bind_agent_socket(agent_dir, agent_role.EGRESS_SOCKET_NAME)
+        with self._lock:
+            self._listeners[session_id] = sock
+        slots = threading.BoundedSemaphore(MAX_EGRESS_CONNECTIONS)
+        threading.Thread(target=self._accept_loop, args=(session_id, sock, slots, allowed),
+                         name=f"egress-{session_id}", daemon=True).start()
+
+    def close_session(self, session_id: str) -> None:
+        """Stops listening (before the disk is unmounted); open pipes end on their own."""
+        with self._lock:
+            sock = self._listeners.pop(session_id, None)
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+    def close(self) -> None:
+        for session_id in list(self._listeners):
+            self.close_session(session_id)
+
+    def _accept_loop(self, session_id: str, sock: socket.socket,
+                     slots: threading.BoundedSemaphore, allowed: tuple[EgressEntry, ...]) -> None:
+        while True:
+            try:
+                conn, _ = sock.accept()
+            except OSError:
+                return  # closed
+            threading.Thread(target=self._serve, args=(session_id, conn, slots, allowed),
+                             name=f"egress-{session_id}-conn", daemon=True).start()
+
+    def _serve(self, session_id: str, conn: socket.socket, slots: threading.BoundedSemaphore,
+               allowed: tuple[EgressEntry, ...]) -> None:
+        """One proxy request: read, decided, refused (403 and why) or piped; noted at close."""
+        admitted = slots.acquire(blocking=False)
+        request: Optional[ProxyRequest] = None
+        try:
+            with conn:
+                conn.settimeout(EGRESS_CLIENT_TIMEOUT_S)
+                try:
+                    request, rest = read_proxy_head(conn)
+                    if not admitted:
+                        raise EgressRefusal(429, f"this session has {MAX_EGRESS_CONNECTIONS} "
+                                            "egress connections open")
+                    entry = EgressEntry(request.host, request.port)
+                    # Only a listed name is looked up: an unlisted one never reaches a resolver.
+                    addresses = (self._resolve(entry.host, entry.port)
+                                 if entry in allowed and not entry.is_ip_literal else ())
+                    decision = decide_egress(allowed, entry.host, entry.port, addresses)
+                    if isinstance(decision, Refused):
+                        raise EgressRefusal(403, decision.reason)
+                    note = self._pipe(conn, request, decision.address, rest)
+                except EgressRefusal as e:
+                    note = EgressNote(agent_role.EgressDecision.REFUSED, request.host if request else "",
+                                      request.port if request else 0, e.reason)
+                    with contextlib.suppress(OSError):
+                        conn.sendall(egress_refusal_response(e.status, e.reason))
+                self._record(session_id, note)
+        except OSError as e:
+            log(f"serve: session {session_id}: egress connection ended: {e}")
+        finally:
+            if admitted:
+                slots.release()
+
+    @staticmethod
+    def _pipe(conn: socket.socket, request: ProxyRequest, address: str, rest: bytes) -> EgressNote:
+        """Connects to the checked address (502/504 when it cannot) and pipes both ways."""
+        try:
+            upstream = socket.create_connection((address, request.port), EGRESS_CONNECT_TIMEOUT_S)
+        except TimeoutError:
+            raise EgressRefusal(504, f"{request.host}:{request.port} did not answer in "
+                                f"{EGRESS_CONNECT_TIMEOUT_S:.0f} s") from None
+        except OSError as e:
+            raise EgressRefusal(502, f"{request.host}:{request.port} cannot be reached: "
+                                f"{e.strerror or type(e).__name__}") from None
+        with upstream:
+            if request.kind is ProxyKind.CONNECT:
+                conn.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
+                first = rest
+            else:
+                first = request.head + rest
+            upstream.sendall(first)
+            conn.settimeout(None)
+            upstream.settimeout(None)
+            up, down = agent_role.splice(conn, upstream, EGRESS_IDLE_TIMEOUT_S)
+        return EgressNote(agent_role.EgressDecision.ALLOWED, request.host, request.port,
+                          bytes_up=up + len(rest), bytes_down=down)
+
+    def _record(self, session_id: str, note: EgressNote) -> None:
+        log(f"serve: session {session_id}: egress {note.decision.value} {note.host}:{note.port}"
+            + (f": {note.reason}" if note.reason else f" ({note.bytes_up} bytes up, "
+               f"{note.bytes_down} down)"))
+        self._note(session_id, note)
 
 
 # ============================================================================================
@@ -4536,6 +5039,7 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
                      "idleAfterSeconds": config.idle_after_s,
                      "snapshotAfterSeconds": config.snapshot_after_s,
                      "maxBusySeconds": config.max_busy_s,
+                     "egressAllow": list(map(str, config.egress_allow)),
                      "limits": {"maxBodyBytes": MAX_BODY_BYTES, "maxPromptBytes": MAX_PAYLOAD_BYTES,
                                 "sessionDiskBytes": config.session_disk_mib * 1024 * 1024}}
 
@@ -4843,7 +5347,8 @@ def serve_config_from(args: argparse.Namespace) -> ServeConfig:  # noqa: C901 (a
         sse_keepalive_s=durations["sse_keepalive"], max_sessions=args.max_sessions,
         min_free_bytes=args.min_free_mib * 1024 * 1024, session_disk_mib=args.session_disk_mib,
         session_cpus=session_cpus, max_session_readers=args.max_session_readers,
-        max_readers=args.max_readers, model_upstream=model_upstream)
+        max_readers=args.max_readers, model_upstream=model_upstream,
+        egress_allow=parse_egress_allow(args.egress_allow))
 
 
 def run_serve(config: ServeConfig, access: ServeAccess) -> int:
@@ -5169,6 +5674,10 @@ def build_parser() -> ArgumentParser:
     serve.add_argument("--min-free-mib", type=int, default=DEFAULT_MIN_FREE_MIB, metavar="MIB",
                        help="kept free on the state dir's file system for serve's store and logs, beyond "
                             f"what the session disks may still take (default {DEFAULT_MIN_FREE_MIB})")
+    serve.add_argument("--egress-allow", action="append", default=[], metavar="HOST[:PORT]",
+                       help="a host sessions may reach through serve's egress proxy when their create "
+                            "lists it in `egress` (repeatable; PORT 443 if left out; a DNS name or an IP "
+                            "literal, IPv6 in brackets)")
     serve.add_argument("--model-upstream", metavar="URL",
                        help="claude-code sessions reach this Messages API (https://HOST[:PORT]"
                             "[/PREFIX]) through serve's credential proxy")
