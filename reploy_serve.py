@@ -5427,6 +5427,8 @@ def client_request(args: argparse.Namespace) -> tuple[str, str, Optional[dict[st
                 body[key] = value
         if args.label:
             body["labels"] = dict(label_argument(text) for text in args.label)
+        if args.egress:
+            body["egress"] = list(args.egress)
         return "POST", "/sessions", body
     if action == "list":
         query = urllib.parse.urlencode([("label", "=".join(label_argument(text))) for text in args.label])
@@ -5724,6 +5726,8 @@ def build_parser() -> ArgumentParser:
     create.add_argument("--cpus", type=float, help="the session's CPU share (within the server's bounds)")
     create.add_argument("--disk-mib", type=int, metavar="MIB",
                         help="the session's disk quota (within the server's bounds)")
+    create.add_argument("--egress", action="append", default=[], metavar="HOST[:PORT]",
+                        help="a host the session may reach, one of serve's --egress-allow (repeatable)")
     actions.add_parser("list", parents=[common]).add_argument(
         "--label", action="append", default=[], metavar="KEY=VALUE",
         help="only sessions carrying this label (repeatable: every one)")

@@ -63,10 +63,12 @@ def test_shell_session_through_the_cli(serve_factory: Callable[..., ServeProcess
 def test_the_cli_creates_with_labels_a_time_to_live_and_resources(
         serve_factory: Callable[..., ServeProcess], docker_engine: Any) -> None:
     """The create body's own fields as `session create` flags, and `session list --label`."""
-    server = serve_factory()
+    server = serve_factory("--egress-allow", "api.example.org", "--egress-allow", "198.51.100.7:8080")
     code, session = cli(server, "create", "--name", "tagged", "--label", "task=t.1", "--label", "run=7",
-                        "--ttl-seconds", "3600", "--cpus", "0.5", "--disk-mib", "64")
+                        "--ttl-seconds", "3600", "--cpus", "0.5", "--disk-mib", "64",
+                        "--egress", "198.51.100.7:8080")
     assert code == 0, session
+    assert session["egress"] == ["198.51.100.7:8080"]
     assert session["labels"] == {"task": "t.1", "run": "7"}
     assert session["cpus"] == 0.5 and session["diskMib"] == 64 and "expiresAt" in session
     [container] = session_containers(docker_engine, server.state_dir, session["id"])
@@ -77,6 +79,8 @@ def test_the_cli_creates_with_labels_a_time_to_live_and_resources(
     assert {s["id"] for s in cli(server, "list")[1]["sessions"]} == {session["id"], other}
     code, refused = cli(server, "create", "--name", "x", "--cpus", "1000")
     assert code == 1 and refused["status"] in (400, 422) and "cpus" in refused["error"]
+    code, refused = cli(server, "create", "--name", "x", "--egress", "other.example.org")
+    assert code == 1 and refused["status"] == 400 and "egress" in refused["error"]
 
 
 def test_the_session_container_is_sandboxed(serve_factory: Callable[..., ServeProcess],

@@ -914,7 +914,7 @@ def test_openapi_states_each_pattern_and_enum_the_server_applies() -> None:
 
 def create_args(**fields: Any) -> SimpleNamespace:
     defaults = {"workload_type": None, "model": None, "deployment": None, "ttl_seconds": None,
-                "cpus": None, "disk_mib": None, "label": []}
+                "cpus": None, "disk_mib": None, "label": [], "egress": []}
     return SimpleNamespace(session_action="create", name="n", **{**defaults, **fields})
 
 
@@ -927,6 +927,8 @@ def test_client_requests() -> None:
     assert reploy_serve.client_request(args) == ("POST", "/sessions", {
         "name": "n", "ttlSeconds": 60, "cpus": 0.5, "diskMib": 128,
         "labels": {"task": "a", "run": "7=x", "empty": ""}})
+    assert reploy_serve.client_request(create_args(egress=["api.example.org", "[::1]:8080"])) == (
+        "POST", "/sessions", {"name": "n", "egress": ["api.example.org", "[::1]:8080"]})
     args = SimpleNamespace(session_action="list", label=["task=a b", "run=7"])
     assert reploy_serve.client_request(args) == ("GET", "/sessions?label=task%3Da+b&label=run%3D7", None)
     assert reploy_serve.client_request(SimpleNamespace(session_action="list", label=[])) == (
