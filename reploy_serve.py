@@ -3777,10 +3777,14 @@ MODEL_CONNECT_TIMEOUT_S = 15.0  #: to the upstream, TLS included
 MODEL_IDLE_TIMEOUT_S = 300.0  #: the upstream's silence between two reads
 MODEL_RESPONSE_TIMEOUT_S = 1800.0  #: one whole response
 MODEL_READ_BYTES = 64 * 1024
-#: What a claude-code session's container gets (none of it secret).
+#: What a claude-code session's container gets (none of it secret). CLAUDE_CODE_MAX_RETRIES:
+#: the CLI retries a failed request 10 times over about 3 minutes by default, each attempt
+#: bounded here already (MODEL_CONNECT_TIMEOUT_S); 2 retries ride out a brief upstream hiccup
+#: and a turn against an unreachable upstream ends in seconds, with the error in the log.
 MODEL_CLI_ENVIRONMENT = {"ANTHROPIC_BASE_URL": f"http://127.0.0.1:{MODEL_RELAY_PORT}",
                          "ANTHROPIC_AUTH_TOKEN": MODEL_PLACEHOLDER,
-                         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"}
+                         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+                         "CLAUDE_CODE_MAX_RETRIES": "2"}
 #: Never forwarded upstream: every credential the sandbox sends, and hop-by-hop framing.
 _MODEL_DROPPED_REQUEST = frozenset({
     "authorization", "x-api-key", "proxy-authorization", "cookie", "host", "connection",
