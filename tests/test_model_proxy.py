@@ -115,7 +115,7 @@ def test_a_credential_file_open_to_others_is_refused_like_the_token_file(tmp_pat
     assert rs.read_model_credential(credential) == CREDENTIAL
 
 
-# -- the redactor (agent.Redactor over bytes) ----------------------------------------------------
+# -- the redactor (agent.Redactor's rule, over bytes) -----------------------------------------
 
 
 def redacted_through(secret: str, pieces: list[bytes]) -> bytes:
@@ -145,6 +145,21 @@ def test_any_split_of_any_stream_redacts_every_credential(parts: list[bytes], cu
     points = sorted({min(c, len(data)) for c in cuts})
     pieces = [data[a:b] for a, b in itertools.pairwise([0, *points, len(data)])]
     assert redacted_through(CREDENTIAL, pieces) == data.replace(CREDENTIAL.encode(), b"[REDACTED]")
+
+
+#: A credential whose start is also its end (a "border"): a match may begin inside the one before.
+OVERLAPPING = "sk-a1b2sk-a1b2sk-a"
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from([b"s", b"k", b"-", b"a", b"1b2", b"x", OVERLAPPING.encode()]), max_size=24),
+       st.lists(st.integers(min_value=0, max_value=200), max_size=6))
+def test_a_self_overlapping_credential_is_redacted_as_one_pass_over_the_whole_stream(
+        parts: list[bytes], cuts: list[int]) -> None:
+    data = b"".join(parts)
+    points = sorted({min(c, len(data)) for c in cuts})
+    pieces = [data[a:b] for a, b in itertools.pairwise([0, *points, len(data)])]
+    assert redacted_through(OVERLAPPING, pieces) == data.replace(OVERLAPPING.encode(), b"[REDACTED]")
 
 
 @given(st.lists(st.binary(max_size=30), max_size=10))
