@@ -3924,7 +3924,8 @@ class BytesRedactor:
 
     def feed(self, data: bytes) -> bytes:
         buffer = self._held + data if self._held else data
-        secret, out, position = self._secret, [], 0
+        secret, position = self._secret, 0
+        out: list[bytes] = []
         while (found := buffer.find(secret, position)) >= 0:
             out += (buffer[position:found], _REDACTED_BYTES)
             position = found + len(secret)
