@@ -10,6 +10,7 @@ the prompt names a scenario and its argument:
   stderr TEXT       "after stderr" on stdout in two deltas, with TEXT on stderr in between (mid-line)
   plain TEXT        TEXT as a non-JSON stdout line
   result TEXT       only a result event
+  error TEXT        one delta, then a result with is_error true and TEXT, exit status 0 (the real CLI exits 1)
   secret            the value of FAKE_SECRET, split across two deltas and two writes, and on stderr in two writes
   utf8              "é€😀" on stderr with every code point split across writes, then one invalid byte
   big N             N bytes of "x" as deltas
@@ -153,6 +154,10 @@ def main() -> int:
         print(argument, flush=True)
     elif scenario == "result":
         emit({"type": "result", "subtype": "success", "is_error": False, "result": argument})
+        return 0
+    elif scenario == "error":
+        say("partial answer")
+        emit({"type": "result", "subtype": "success", "is_error": True, "result": argument})
         return 0
     elif scenario == "secret":
         secret = os.environ["FAKE_SECRET"]
