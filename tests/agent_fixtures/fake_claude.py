@@ -106,6 +106,13 @@ def ask_model(prompt: str) -> int:
     return 0
 
 
+def result_only(text: str, is_error: bool) -> None:
+    """The `result` and `error` scenarios: an error comes after a partial answer, as a cut-off one does."""
+    if is_error:
+        say("partial answer")
+    emit({"type": "result", "subtype": "success", "is_error": is_error, "result": text})
+
+
 def wait_forever() -> None:
     while True:
         time.sleep(3600)
@@ -152,12 +159,8 @@ def main() -> int:
         say("after ", "stderr", between=diagnose)
     elif scenario == "plain":
         print(argument, flush=True)
-    elif scenario == "result":
-        emit({"type": "result", "subtype": "success", "is_error": False, "result": argument})
-        return 0
-    elif scenario == "error":
-        say("partial answer")
-        emit({"type": "result", "subtype": "success", "is_error": True, "result": argument})
+    elif scenario in ("result", "error"):
+        result_only(argument, is_error=scenario == "error")
         return 0
     elif scenario == "secret":
         secret = os.environ["FAKE_SECRET"]
