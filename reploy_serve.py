@@ -3997,6 +3997,20 @@ def read_model_request(conn: socket.socket) -> tuple[ModelRequest, bytes]:
     return request, body[:request.body_bytes]
 
 
+def drain_refused(conn: socket.socket) -> None:
+    """After a refusal: what the client still sends (a body the refusal came before) is read
+    and dropped until it closes, within MAX_MODEL_BODY_BYTES and MODEL_CLIENT_TIMEOUT_S; a
+    close with its body unread would break the client's pipe before it read the refusal."""
+    conn.shutdown(socket.SHUT_WR)
+    deadline, drained = time.monotonic() + MODEL_CLIENT_TIMEOUT_S, 0
+    while drained <= MAX_MODEL_BODY_BYTES and (left := deadline - time.monotonic()) > 0:
+        conn.settimeout(left)
+        chunk = conn.recv(MODEL_READ_BYTES)
+        if not chunk:
+            return
+        drained += len(chunk)
+
+
 def read_model_credential(path: Path) -> str:
     """--model-credential-file, refused as the token file is (read_token)."""
     return read_token(path, must_own=True, what="model credential file", pattern=_MODEL_CREDENTIAL)
@@ -4079,6 +4093,10 @@ class ModelProxy:
                 except ModelRefusal as e:
                     log(f"serve: session {session_id}: model request refused: {e.reason}")
                     conn.sendall(model_error_response(e.status, e.kind, e.reason))
+                    if admitted:  # a refused request holds no slot while its client finishes
+                        slots.release()
+                        admitted = False
+                    drain_refused(conn)
                     return
                 self._forward(session_id, conn, request, body)
             except OSError as e:

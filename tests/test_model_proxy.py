@@ -290,6 +290,22 @@ def test_other_requests_are_403_and_never_reach_the_upstream(tmp_path: Path, ups
     assert upstream.requests == []
 
 
+def test_the_client_reads_a_refusal_that_came_before_its_body(tmp_path: Path, upstream: FakeMessagesApi) -> None:
+    """The refusal is decided on the head; the body (more than a socket buffer holds) is read and dropped, so the
+    client's send completes and it reads the 403 instead of a broken pipe."""
+    proxy, sock = make_proxy(tmp_path, upstream.url, upstream.ca)
+    try:
+        connection = UnixHTTPConnection(sock)
+        connection.request("POST", "/v1/complete", body=b"x" * (4 << 20), headers={"content-type": "application/json"})
+        response = connection.getresponse()
+        error = json.loads(response.read())
+        connection.close()
+    finally:
+        proxy.close()
+    assert response.status == 403 and error["error"]["type"] == "permission_error"
+    assert upstream.requests == []
+
+
 def test_an_unverified_upstream_and_an_unreachable_one_are_502(tmp_path: Path, upstream: FakeMessagesApi) -> None:
     closed = socket.socket()
     closed.bind(("127.0.0.1", 0))
