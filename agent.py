@@ -1101,7 +1101,9 @@ class StreamJsonProjector:
 
     Projected: the text of `content_block_start` text blocks and of `text_delta` deltas; a newline at
     `message_stop` when the text so far does not end with one; a `result` text only when nothing else was
-    projected. Lines that are not JSON objects pass through as text. Other events are dropped.
+    projected, or when the result is an error (`"is_error": true`, whatever its `subtype` says: the CLI says
+    "success" there too), which `error_result` then records. Lines that are not JSON objects pass through as text.
+    Other events are dropped.
     """
 
     def __init__(self, max_line_bytes: int = MAX_STREAM_LINE_BYTES) -> None:
@@ -1109,6 +1111,7 @@ class StreamJsonProjector:
         self._buffer = bytearray()
         self._skipping = False  # inside an over-long line, dropping bytes until its newline
         self.projected_any = False
+        self.error_result = False  # the command reported its turn as failed, whatever its exit status
         self._at_line_start = True
 
     def feed(self, data: bytes) -> str:
@@ -1150,10 +1153,13 @@ class StreamJsonProjector:
             return self._put(_text_of(event.get("delta"), "text_delta", "text"))
         if kind == "message_stop" and self.projected_any and not self._at_line_start:
             return self._put("\n")
-        if kind == "result" and not self.projected_any:
+        if kind == "result" and (failed := document.get("is_error") is True):
+            self.error_result = True
+        if kind == "result" and (failed or not self.projected_any):
             text = document.get("result")
             if isinstance(text, str) and text:
-                return self._put(text if text.endswith("\n") else text + "\n")
+                opening = "" if self._at_line_start else "\n"
+                return self._put(opening + (text if text.endswith("\n") else text + "\n"))
         return ""
 
     def _put(self, text: str) -> str:
@@ -4084,6 +4090,7 @@ class _Run:
     proc: subprocess.Popen[bytes]
     turn_id: int
     pipes: dict[int, TextPipe]  # open stdout/stderr fds -> their text pipeline
+    projector: StreamJsonProjector  # stdout's: did the command report an error result?
     stderr_fd: int
     timeout_at: float
     merger: LineMerger = dataclasses.field(default_factory=LineMerger)
@@ -4193,11 +4200,12 @@ class AgentWorkload(Workload):
                 self._ctx.outbox.end_turn(turn_id, Outcome.FAILED, reason="spawn_failed")
                 continue
             assert proc.stdout is not None and proc.stderr is not None
+            projector = StreamJsonProjector()
             pipes = {
-                proc.stdout.fileno(): TextPipe(StreamJsonProjector(), Redactor(self._secrets)),
+                proc.stdout.fileno(): TextPipe(projector, Redactor(self._secrets)),
                 proc.stderr.fileno(): TextPipe(Utf8Normaliser(), Redactor(self._secrets)),
             }
-            self._run = _Run(proc, turn_id, pipes, proc.stderr.fileno(), now + config.run_timeout_s)
+            self._run = _Run(proc, turn_id, pipes, projector, proc.stderr.fileno(), now + config.run_timeout_s)
             for fd in pipes:
                 os.set_blocking(fd, False)
                 self._ctx.reactor.watch(fd, selectors.EVENT_READ, lambda mask, fd=fd: self._on_pipe(fd))
@@ -4259,6 +4267,8 @@ class AgentWorkload(Workload):
             outcome, note = Outcome.INTERRUPTED, "interrupted"
         elif code != 0:
             outcome, note = Outcome.FAILED, f"the agent command exited with status {code}"
+        elif run.projector.error_result:
+            outcome, note = Outcome.FAILED, "the agent command reported an error result (is_error) and exited 0"
         else:
             outcome, note = Outcome.COMPLETED, None
             self._state.set_resume(True)

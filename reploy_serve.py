@@ -3830,10 +3830,15 @@ MODEL_CONNECT_TIMEOUT_S = 15.0  #: to the upstream, TLS included
 MODEL_IDLE_TIMEOUT_S = 300.0  #: the upstream's silence between two reads
 MODEL_RESPONSE_TIMEOUT_S = 1800.0  #: one whole response
 MODEL_READ_BYTES = 64 * 1024
-#: What a claude-code session's container gets (none of it secret).
+_REDACTED_BYTES = agent_role.REDACTED.encode()
+#: What a claude-code session's container gets (none of it secret). CLAUDE_CODE_MAX_RETRIES:
+#: the CLI retries a failed request 10 times over about 3 minutes by default, each attempt
+#: bounded here already (MODEL_CONNECT_TIMEOUT_S); 2 retries ride out a brief upstream hiccup
+#: and a turn against an unreachable upstream ends in seconds, with the error in the log.
 MODEL_CLI_ENVIRONMENT = {"ANTHROPIC_BASE_URL": f"http://127.0.0.1:{MODEL_RELAY_PORT}",
                          "ANTHROPIC_AUTH_TOKEN": MODEL_PLACEHOLDER,
-                         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"}
+                         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+                         "CLAUDE_CODE_MAX_RETRIES": "2"}
 #: Never forwarded upstream: every credential the sandbox sends, and hop-by-hop framing.
 _MODEL_DROPPED_REQUEST = frozenset({
     "authorization", "x-api-key", "proxy-authorization", "cookie", "host", "connection",
@@ -3961,21 +3966,44 @@ def kept_response_headers(headers: Iterable[tuple[str, str]]) -> list[tuple[str,
 
 
 class BytesRedactor:
-    """agent.Redactor over bytes: latin-1 maps each byte to one code point, so a credential
-    split across upstream reads is held back and replaced exactly as in text."""
+    """The credential replaced with [REDACTED] in a byte stream, also when it is split across
+    upstream reads: the longest tail that could still grow into it is held for the next read
+    (agent.Redactor's rule). One secret and bytes throughout (bytes.find, no decoding, one
+    join per read): it runs on every chunk of every answer, so it costs little per byte."""
 
     def __init__(self, secret: str) -> None:
-        self._text = agent_role.Redactor([secret])
+        self._secret = secret.encode("ascii")  # _MODEL_CREDENTIAL: ASCII only
+        self._held = b""
 
     def feed(self, data: bytes) -> bytes:
-        return self._text.feed(data.decode("latin-1")).encode("latin-1")
+        buffer = self._held + data if self._held else data
+        secret, position = self._secret, 0
+        out: list[bytes] = []
+        while (found := buffer.find(secret, position)) >= 0:
+            out += (buffer[position:found], _REDACTED_BYTES)
+            position = found + len(secret)
+        decided = len(buffer) - self._undecided_len(buffer, position)
+        out.append(buffer[position:decided])
+        self._held = buffer[decided:]
+        return b"".join(out)
 
     def finish(self) -> bytes:
-        return self._text.finish().encode("latin-1")
+        held, self._held = self._held, b""
+        return held  # shorter than the credential: nothing to replace
 
     def whole(self, data: bytes) -> bytes:
         """One complete piece (a header value), with nothing held after it."""
         return self.feed(data) + self.finish()
+
+    def _undecided_len(self, buffer: bytes, start: int) -> int:
+        """The longest suffix of buffer[start:] that is a proper prefix of the credential."""
+        secret = self._secret
+        start = max(len(buffer) - len(secret) + 1, start)
+        while (index := buffer.find(secret[:1], start)) >= 0:
+            if secret.startswith(buffer[index:]):
+                return len(buffer) - index
+            start = index + 1
+        return 0
 
 
 class WholeEvents:
@@ -3987,9 +4015,10 @@ class WholeEvents:
         self._held = b""
 
     def feed(self, data: bytes) -> bytes:
-        data = self._held + data
-        end = max((data.rfind(mark) + len(mark) for mark in (b"\n\n", b"\r\n\r\n")
-                   if mark in data), default=0)
+        if self._held:
+            data = self._held + data
+        lf, crlf = data.rfind(b"\n\n"), data.rfind(b"\r\n\r\n")
+        end = max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
         self._held = data[end:]
         return data[:end]
 
@@ -4019,6 +4048,20 @@ def read_model_request(conn: socket.socket) -> tuple[ModelRequest, bytes]:
             raise ConnectionError("the client left before its body was whole")
         body += chunk
     return request, body[:request.body_bytes]
+
+
+def drain_refused(conn: socket.socket) -> None:
+    """After a refusal: what the client still sends (a body the refusal came before) is read
+    and dropped until it closes, within MAX_MODEL_BODY_BYTES and MODEL_CLIENT_TIMEOUT_S; a
+    close with its body unread would break the client's pipe before it read the refusal."""
+    conn.shutdown(socket.SHUT_WR)
+    deadline, drained = time.monotonic() + MODEL_CLIENT_TIMEOUT_S, 0
+    while drained <= MAX_MODEL_BODY_BYTES and (left := deadline - time.monotonic()) > 0:
+        conn.settimeout(left)
+        chunk = conn.recv(MODEL_READ_BYTES)
+        if not chunk:
+            return
+        drained += len(chunk)
 
 
 def read_model_credential(path: Path) -> str:
@@ -4090,6 +4133,10 @@ class ModelProxy:
                 except ModelRefusal as e:
                     log(f"serve: session {session_id}: model request refused: {e.reason}")
                     conn.sendall(model_error_response(e.status, e.kind, e.reason))
+                    if admitted:  # a refused request holds no slot while its client finishes
+                        slots.release()
+                        admitted = False
+                    drain_refused(conn)
                     return
                 self._forward(session_id, conn, request, body)
             except OSError as e:

@@ -5,7 +5,8 @@
 # and builds the offline base images, each cached by its tag.
 #
 #   setup.sh        everything: the run-time and test requirements, Chromium (the web UI's
-#                   browser tests), the busybox, Python and browser base images
+#                   browser tests), the busybox, Python and browser base images, and the
+#                   pinned Claude Code CLI the real-model tests run (a machine cache, once)
 #   setup.sh demo   only what `make demo` needs: the run-time requirements, the engine, the
 #                   busybox and Python base images (no Chromium, no 1 GB browser image)
 set -euo pipefail
@@ -27,6 +28,11 @@ PLAYWRIGHT_CORE_VERSION=1.48.2
 # What the Python image holds beyond minbase; the browser image holds these too.
 PYTHON_IMAGE_PACKAGES=python3,bsdextrautils,asciinema
 DOCKERD_LOG=/var/log/reploy-dockerd.log
+# The real Claude Code CLI of tests/test_real_claude_cli.py, pinned in scripts/claude-code.version
+# (2.1.197 is the last release whose install runs under Node 20), kept in a machine cache so
+# that every checkout and CI clone shares one copy (a native binary of about 245 MB).
+CLAUDE_CODE_VERSION=$(<scripts/claude-code.version)
+CLAUDE_CODE_DIR=${REPLOY_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/reploy}/claude-code-$CLAUDE_CODE_VERSION
 # debootstrap's Debian mirror: REPLOY_DEBIAN_MIRROR, else the archive this machine's apt uses.
 DEBIAN_MIRROR=${REPLOY_DEBIAN_MIRROR:-$(python3 scripts/debian_mirror.py 2>/dev/null || true)}
 
@@ -37,6 +43,7 @@ apt_packages_missing() {
   [ -x /bin/busybox ] || missing+=(busybox-static)
   if [ "$MODE" = all ]; then
     command -v chromium >/dev/null 2>&1 || missing+=(chromium)  # the web UI's browser tests
+    command -v npm >/dev/null 2>&1 || missing+=(npm)  # installs the pinned Claude Code CLI
   fi
   printf '%s\n' "${missing[@]}"
 }
@@ -169,6 +176,29 @@ build_browser_image() {
   )
 }
 
+claude_code_installed() {
+  [ "$("$CLAUDE_CODE_DIR/bin/claude" --version 2>/dev/null)" = "$CLAUDE_CODE_VERSION (Claude Code)" ]
+}
+
+install_claude_code() {
+  # npm installs the native binary through the package's optional dependency for this
+  # platform, from the registry this machine's npm is configured with. Installed beside the
+  # cache dir first and renamed into place, so a half-finished install is never taken as done.
+  claude_code_installed && return
+  log "installing @anthropic-ai/claude-code@$CLAUDE_CODE_VERSION into $CLAUDE_CODE_DIR (once)"
+  local staging; staging=$(mktemp -d "$CLAUDE_CODE_DIR.XXXXXX" 2>/dev/null) \
+    || { mkdir -p "$(dirname "$CLAUDE_CODE_DIR")"; staging=$(mktemp -d "$CLAUDE_CODE_DIR.XXXXXX"); }
+  trap 'rm -rf "$staging"' RETURN
+  quietly npm install --no-audit --no-fund --no-save --prefix "$staging" \
+    "@anthropic-ai/claude-code@$CLAUDE_CODE_VERSION"
+  mkdir "$staging/bin"
+  ln -s ../node_modules/@anthropic-ai/claude-code/bin/claude.exe "$staging/bin/claude"
+  chmod 755 "$staging"  # mounted read-only into sessions, whose runtime user is not root
+  rm -rf "$CLAUDE_CODE_DIR"
+  mv "$staging" "$CLAUDE_CODE_DIR"
+  claude_code_installed || { log "the installed CLI does not say $CLAUDE_CODE_VERSION"; exit 1; }
+}
+
 install_debian_packages
 install_python_requirements
 start_engine
@@ -179,4 +209,5 @@ if [ "$MODE" = demo ]; then
   exit 0
 fi
 build_browser_image
-log "ready: engine up, base images $BUSYBOX_IMAGE, $PYTHON_IMAGE and $BROWSER_IMAGE present"
+install_claude_code
+log "ready: engine up, base images $BUSYBOX_IMAGE, $PYTHON_IMAGE and $BROWSER_IMAGE present, Claude Code $CLAUDE_CODE_VERSION in $CLAUDE_CODE_DIR"

@@ -3,7 +3,9 @@
 Each POST is recorded (path with query, headers) and answered by the plan the test set: a
 callable given the handler. The plans below are the shapes the proxy must carry: an SSE answer
 held back after its first delta until the test says so, raw pieces written one by one (each
-after an event the test sets), and a body of N bytes.
+after an event the test sets), a body of N bytes, and an error answer. The SSE answers have the
+Messages API's whole event sequence (message_start with its message, a text block, message_delta,
+message_stop): the real Claude Code CLI takes nothing less as an answer.
 """
 
 from __future__ import annotations
@@ -53,15 +55,46 @@ def start_sse(handler: http.server.BaseHTTPRequestHandler) -> None:
     handler.end_headers()
 
 
+def message_opening() -> bytes:
+    """message_start and the start of its one text block."""
+    message = {"id": "msg_fake", "type": "message", "role": "assistant", "model": "fake-model",
+               "content": [], "stop_reason": None, "stop_sequence": None,
+               "usage": {"input_tokens": 1, "output_tokens": 1}}
+    return (sse_event("message_start", {"type": "message_start", "message": message})
+            + sse_event("content_block_start", {"type": "content_block_start", "index": 0,
+                                                "content_block": {"type": "text", "text": ""}}))
+
+
+def message_closing() -> bytes:
+    """The end of the text block and of the message."""
+    return (sse_event("content_block_stop", {"type": "content_block_stop", "index": 0})
+            + sse_event("message_delta", {"type": "message_delta",
+                                          "delta": {"stop_reason": "end_turn", "stop_sequence": None},
+                                          "usage": {"output_tokens": 2}})
+            + sse_event("message_stop", {"type": "message_stop"}))
+
+
 def held_answer(first: str, rest: str, release: threading.Event, finished: threading.Event) -> Plan:
     """The first delta, then nothing until `release` (the test saw the first delta downstream),
     then the rest; `finished` is set once the whole answer is written."""
     def plan(handler: http.server.BaseHTTPRequestHandler) -> None:
         start_sse(handler)
-        handler.wfile.write(sse_event("message_start", {"type": "message_start"}) + text_delta(first))
+        handler.wfile.write(message_opening() + text_delta(first))
         release.wait(HOLD_TIMEOUT_S)
-        handler.wfile.write(text_delta(rest) + sse_event("message_stop", {"type": "message_stop"}))
+        handler.wfile.write(text_delta(rest) + message_closing())
         finished.set()
+    return plan
+
+
+def error_answer(status: int, kind: str, message: str) -> Plan:
+    """The Messages API's error shape with that status."""
+    def plan(handler: http.server.BaseHTTPRequestHandler) -> None:
+        body = json.dumps({"type": "error", "error": {"type": kind, "message": message}}).encode()
+        handler.send_response(status)
+        handler.send_header("content-type", "application/json")
+        handler.send_header("content-length", str(len(body)))
+        handler.end_headers()
+        handler.wfile.write(body)
     return plan
 
 

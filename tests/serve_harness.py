@@ -137,11 +137,12 @@ class ServeProcess:
                  env: Optional[dict[str, str]] = None) -> None:
         self.state_dir = state_dir
         self.stderr_path = state_dir.parent / f"serve-{os.getpid()}-{time.monotonic_ns()}.stderr"
-        listen = () if "--listen" in extra else ("--listen", "127.0.0.1:0")  # given once only
+        # Options given once only: the test's own, or these defaults.
+        listen = () if "--listen" in extra else ("--listen", "127.0.0.1:0")
+        agent = () if "--agent-command" in extra else ("--agent-command", FAKE_AGENT_COMMAND)
         self.args = [sys.executable, str(ROOT / "reploy.py"), "serve", *listen,
                      "--state-dir", str(state_dir), "--workload-dir", str(workload_dir),
-                     "--mount", f"{FIXTURES}:/opt/fake", "--agent-command", FAKE_AGENT_COMMAND,
-                     *extra]
+                     "--mount", f"{FIXTURES}:/opt/fake", *agent, *extra]
         with open(self.stderr_path, "ab") as stderr:
             self.proc = subprocess.Popen(self.args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                          stderr=stderr, env={**os.environ, **(env or {})})

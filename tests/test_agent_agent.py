@@ -74,6 +74,15 @@ def test_a_failed_first_run_does_not_enable_continue(fake):
     assert turn_ends(fake)[-1]["outcome"] == "failed" and turn_ends(fake)[-1]["exit_code"] == 3
 
 
+def test_an_error_result_is_a_failed_turn_even_when_the_command_exits_0(fake):
+    """The real CLI says "subtype": "success" with "is_error": true: is_error decides, and its text is shown even
+    after a partial answer (the reason the turn failed)."""
+    text = run_prompt(fake, "error API Error: overloaded", b"reported an error result")
+    assert "partial answer\nAPI Error: overloaded\n" in text
+    assert turn_ends(fake)[-1]["outcome"] == "failed" and turn_ends(fake)[-1]["exit_code"] == 0
+    assert fake.status()["continue"] is False
+
+
 def test_stderr_is_kept_whole_beside_the_reply_and_plain_lines_pass_through(fake):
     """The diagnostic comes while the reply's line is open; whichever pipe the agent reads first, neither line is
     torn."""

@@ -115,7 +115,7 @@ def test_a_credential_file_open_to_others_is_refused_like_the_token_file(tmp_pat
     assert rs.read_model_credential(credential) == CREDENTIAL
 
 
-# -- the redactor (agent.Redactor over bytes) ----------------------------------------------------
+# -- the redactor (agent.Redactor's rule, over bytes) -----------------------------------------
 
 
 def redacted_through(secret: str, pieces: list[bytes]) -> bytes:
@@ -145,6 +145,21 @@ def test_any_split_of_any_stream_redacts_every_credential(parts: list[bytes], cu
     points = sorted({min(c, len(data)) for c in cuts})
     pieces = [data[a:b] for a, b in itertools.pairwise([0, *points, len(data)])]
     assert redacted_through(CREDENTIAL, pieces) == data.replace(CREDENTIAL.encode(), b"[REDACTED]")
+
+
+#: A credential whose start is also its end (a "border"): a match may begin inside the one before.
+OVERLAPPING = "sk-a1b2sk-a1b2sk-a"
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from([b"s", b"k", b"-", b"a", b"1b2", b"x", OVERLAPPING.encode()]), max_size=24),
+       st.lists(st.integers(min_value=0, max_value=200), max_size=6))
+def test_a_self_overlapping_credential_is_redacted_as_one_pass_over_the_whole_stream(
+        parts: list[bytes], cuts: list[int]) -> None:
+    data = b"".join(parts)
+    points = sorted({min(c, len(data)) for c in cuts})
+    pieces = [data[a:b] for a, b in itertools.pairwise([0, *points, len(data)])]
+    assert redacted_through(OVERLAPPING, pieces) == data.replace(OVERLAPPING.encode(), b"[REDACTED]")
 
 
 @given(st.lists(st.binary(max_size=30), max_size=10))
@@ -269,6 +284,22 @@ def test_other_requests_are_403_and_never_reach_the_upstream(tmp_path: Path, ups
     try:
         response = ask(sock, target, method)
         error = json.loads(response.read())
+    finally:
+        proxy.close()
+    assert response.status == 403 and error["error"]["type"] == "permission_error"
+    assert upstream.requests == []
+
+
+def test_the_client_reads_a_refusal_that_came_before_its_body(tmp_path: Path, upstream: FakeMessagesApi) -> None:
+    """The refusal is decided on the head; the body (more than a socket buffer holds) is read and dropped, so the
+    client's send completes and it reads the 403 instead of a broken pipe."""
+    proxy, sock = make_proxy(tmp_path, upstream.url, upstream.ca)
+    try:
+        connection = UnixHTTPConnection(sock)
+        connection.request("POST", "/v1/complete", body=b"x" * (4 << 20), headers={"content-type": "application/json"})
+        response = connection.getresponse()
+        error = json.loads(response.read())
+        connection.close()
     finally:
         proxy.close()
     assert response.status == 403 and error["error"]["type"] == "permission_error"

@@ -59,14 +59,15 @@ def model_api(tmp_path: Path) -> Iterator[FakeMessagesApi]:
 
 
 def model_session(serve_factory: Callable[..., ServeProcess], tmp_path: Path, url: str,
-                  ca: Path) -> tuple[ServeProcess, Api, str]:
-    """A serve with the model proxy to url (trusting ca), and a claude-code session of it."""
+                  ca: Path, *extra: str) -> tuple[ServeProcess, Api, str]:
+    """A serve with the model proxy to url (trusting ca) and extra options, and a claude-code
+    session of it."""
     credential = tmp_path / "model-credential"
     fd = os.open(credential, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     os.write(fd, CREDENTIAL.encode() + b"\n")
     os.close(fd)
     server = serve_factory("--model-upstream", url, "--model-upstream-ca", str(ca),
-                           "--model-credential-file", str(credential))
+                           "--model-credential-file", str(credential), *extra)
     return server, server.api, server.api.create("model", "claude-code")["id"]
 
 

@@ -10,6 +10,7 @@ the prompt names a scenario and its argument:
   stderr TEXT       "after stderr" on stdout in two deltas, with TEXT on stderr in between (mid-line)
   plain TEXT        TEXT as a non-JSON stdout line
   result TEXT       only a result event
+  error TEXT        one delta, then a result with is_error true and TEXT, exit status 0 (the real CLI exits 1)
   secret            the value of FAKE_SECRET, split across two deltas and two writes, and on stderr in two writes
   utf8              "é€😀" on stderr with every code point split across writes, then one invalid byte
   big N             N bytes of "x" as deltas
@@ -105,6 +106,13 @@ def ask_model(prompt: str) -> int:
     return 0
 
 
+def result_only(text: str, is_error: bool) -> None:
+    """The `result` and `error` scenarios: an error comes after a partial answer, as a cut-off one does."""
+    if is_error:
+        say("partial answer")
+    emit({"type": "result", "subtype": "success", "is_error": is_error, "result": text})
+
+
 def wait_forever() -> None:
     while True:
         time.sleep(3600)
@@ -151,8 +159,8 @@ def main() -> int:
         say("after ", "stderr", between=diagnose)
     elif scenario == "plain":
         print(argument, flush=True)
-    elif scenario == "result":
-        emit({"type": "result", "subtype": "success", "is_error": False, "result": argument})
+    elif scenario in ("result", "error"):
+        result_only(argument, is_error=scenario == "error")
         return 0
     elif scenario == "secret":
         secret = os.environ["FAKE_SECRET"]
