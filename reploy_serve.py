@@ -3828,6 +3828,12 @@ class SessionManager:
         """The session's one follower: reads each new slice of the output log once, for every
         reader, and sleeps in one agent long-poll between (the agent's wake-up reaches serve
         once per change, however many read)."""
+        try:
+            self._follow_log(follower)
+        finally:  # however it ended (a store error too), its readers end with it
+            self._stop_follower(follower, end=True)
+
+    def _follow_log(self, follower: OutputFollower) -> None:
         session_id = follower.session_id
         agent_dir = self.config.agent_dir(session_id)
         checked = time.monotonic()
@@ -3836,14 +3842,12 @@ class SessionManager:
         while not self._stop_follower(follower, end=False):
             if time.monotonic() - checked >= SSE_STATE_CHECK_S:
                 if not self.stream_goes_on(session_id):
-                    self._stop_follower(follower, end=True)
                     return
                 checked = time.monotonic()
             try:
                 length, data = self._read_output_log(agent_dir, follower.fanout.next_read())
             except FileNotFoundError:
                 if not self.stream_goes_on(session_id):
-                    self._stop_follower(follower, end=True)
                     return  # deleted: the log goes before its directory, so no reset for it
                 length, data = 0, b""
             except OSError as e:  # the session put something else there: no bytes from it
