@@ -2816,6 +2816,16 @@ class OutputFollower:
         self.session_id = session_id
         self.fanout = LogFanout(FANOUT_WINDOW_BYTES, SSE_CHUNK_BYTES, SSE_STALL_S, text)
         self.changed = threading.Condition()
+        self._last_event: tuple[int, bytes, bytes] = (-1, b"", b"")  # offset, payload, event
+
+    def output_event(self, offset: int, data: bytes) -> bytes:
+        """sse_output of a slice, encoded once for the readers that take the same one."""
+        with self.changed:
+            last_offset, last_data, event = self._last_event
+            if (last_offset, last_data) != (offset, data):
+                event = sse_output(offset, data)
+                self._last_event = (offset, data, event)
+            return event
 
     def wait_change(self, seen: int, timeout_s: float) -> None:
         """Sleep until the follower looks again after version `seen`, at most `timeout_s`."""
@@ -3773,7 +3783,7 @@ class SessionManager:
             if take.step is FanoutStep.ENDED:
                 return
             if take.step is FanoutStep.OUTPUT:
-                send(sse_output(take.offset, take.data))
+                send(follower.output_event(take.offset, take.data))
                 last_sent = time.monotonic()
             elif take.step is FanoutStep.RESET:
                 send(sse_reset(take.offset))
