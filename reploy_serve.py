@@ -212,14 +212,15 @@ SUBSTITUTE_CHAR = "?"
 READ_SLICE_BYTES = 3 * 256 * 1024
 #: One SSE output event carries at most this many payload bytes.
 SSE_CHUNK_BYTES = 64 * 1024
-#: How often an SSE stream looks at the output log's length, and at its session's state (it
-#: ends once the session's container is gone: deleted or snapshotted).
+#: How often a session's output follower looks at the log's length when no agent wakes it, and
+#: at its session's state (it and its streams end once the session's container is gone:
+#: deleted or snapshotted); a stream waiting for output looks at its client as often.
 SSE_POLL_S = 0.02
 SSE_STATE_CHECK_S = 1.0
-#: After this many events in a row (the log grew each time the stream looked), a stream waits
-#: one SSE_POLL_S between events, so a busy session's output goes out in fuller events.
+#: After this many slices in a row (the log grew each time the follower looked), the follower
+#: waits one SSE_POLL_S between slices, so a busy session's output goes out in fuller events.
 SSE_BURST_EVENTS = 4
-#: How long one SSE wake-up long-poll waits in the agent before the stream looks again.
+#: How long the follower's wake-up long-poll waits in the agent before it looks again.
 SSE_LONG_POLL_MS = 1000
 
 # Fair share (see "fair share" in README.md): what one session may take of the host's CPU and disk

@@ -30,7 +30,8 @@ Each line: name, unit, n, p50, p90, p99, baseline, ratio. Figures, not pass/fail
                               same file (docker cp's API; its tar built beforehand, outside the timing)
   serve_download_throughput   GET /files of that file, MiB/s, against the SDK's get_archive of it, read whole
 
-  python3 bench/bench_serve.py [--rounds N]    (needs the engine and the base images: make setup)
+  python3 bench/bench_serve.py [--rounds N] [--only serve_create_to_prompt|sse]
+                              (needs the engine and the base images: make setup)
 """
 
 from __future__ import annotations
