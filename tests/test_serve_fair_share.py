@@ -256,3 +256,36 @@ def test_the_streams_and_waiting_reads_of_a_session_share_one_follower_and_one_a
     api.write(sid, b"echo QUIET\r")
     api.wait_output(sid, b"QUIET")
     assert following(api)["agentWaits"] == waits  # no reader, no follower: nothing waits on the agent
+
+
+@pytest.mark.docker
+def test_streams_from_far_behind_the_follower_s_window_get_the_whole_log_in_order(
+        serve_factory: Callable[..., ServeProcess], docker_engine: Any) -> None:
+    """A log several times the follower's window: streams from 0 read it from the file
+    themselves, then take from the window with the reader already live, and both keep every
+    byte in order through more output."""
+    server = serve_factory()
+    api = server.api
+    sid = api.create("far-behind")["id"]
+    api.wait_output(sid, b"$ ")
+    live = StreamReader(api, sid)
+    live.start()
+    try:
+        flood = 3 * reploy_serve.FANOUT_WINDOW_BYTES
+        api.write(sid, f"head -c {flood} /dev/zero | tr '\\0' y; echo FLOOD-''DONE\r".encode())
+        live.wait_for(b"FLOOD-DONE")
+        late = StreamReader(api, sid)
+        late.start()
+        try:
+            late.wait_for(b"FLOOD-DONE")
+            api.write(sid, b"echo AFTER-''CATCH-UP\r")
+            for reader in (live, late):
+                reader.wait_for(b"AFTER-CATCH-UP")
+            log = api.read_all(sid)
+            assert len(log) > flood
+            for reader in (live, late):
+                assert reader.in_order and log.startswith(bytes(reader.output))
+        finally:
+            late.close()
+    finally:
+        live.close()
