@@ -212,14 +212,15 @@ SUBSTITUTE_CHAR = "?"
 READ_SLICE_BYTES = 3 * 256 * 1024
 #: One SSE output event carries at most this many payload bytes.
 SSE_CHUNK_BYTES = 64 * 1024
-#: How often an SSE stream looks at the output log's length, and at its session's state (it
-#: ends once the session's container is gone: deleted or snapshotted).
+#: How often a session's output follower looks at the log's length when no agent wakes it, and
+#: at its session's state (it and its streams end once the session's container is gone:
+#: deleted or snapshotted); a stream waiting for output looks at its client as often.
 SSE_POLL_S = 0.02
 SSE_STATE_CHECK_S = 1.0
-#: After this many events in a row (the log grew each time the stream looked), a stream waits
-#: one SSE_POLL_S between events, so a busy session's output goes out in fuller events.
+#: After this many slices in a row (the log grew each time the follower looked), the follower
+#: waits one SSE_POLL_S between slices, so a busy session's output goes out in fuller events.
 SSE_BURST_EVENTS = 4
-#: How long one SSE wake-up long-poll waits in the agent before the stream looks again.
+#: How long the follower's wake-up long-poll waits in the agent before it looks again.
 SSE_LONG_POLL_MS = 1000
 
 # Fair share (see "fair share" in README.md): what one session may take of the host's CPU and disk
@@ -239,6 +240,9 @@ DEFAULT_MAX_READERS = 32
 #: what it has not read is never held by serve, only by the kernel's send buffer, bounded here.
 SSE_STALL_S = 10.0
 SSE_SEND_BUFFER_BYTES = 256 * 1024
+#: A session's output follower keeps at most this many of the log's newest bytes for its readers
+#: (LogFanout); a reader further behind reads the log file its own way until it is back within.
+FANOUT_WINDOW_BYTES = 1024 * 1024
 #: A reader refused for the bounds is told to come back after this long.
 READERS_RETRY_AFTER_S = 5
 #: exec: the HTTP call answers once the command ends; meanwhile each agent long-poll waits this
@@ -1470,6 +1474,149 @@ def sse_cursor(last_event_id: Optional[str], query_offset: Optional[str]) -> int
 
 
 # ============================================================================================
+# the output fan-out (pure): one follower of a session's log, many readers
+# ============================================================================================
+
+
+class FanoutStep(enum.Enum):
+    """What a reader of a session's output does next (LogFanout.take)."""
+
+    OUTPUT = "output"  # send `data`, the log's bytes from `offset`
+    RESET = "reset"  # its cursor was ahead of the log: say so, and go on from `offset`
+    BEHIND = "behind"  # its bytes are older than the window: read them from the log at `offset`
+    WAIT = "wait"  # nothing for it yet: wait for the follower's wake-up
+    DROPPED = "dropped"  # it took nothing for the stall bound while bytes waited for it
+    ENDED = "ended"  # the session's container is gone: the stream ends
+
+
+@dataclass(frozen=True)
+class FanoutTake:
+    step: FanoutStep
+    offset: int = 0
+    data: bytes = b""
+
+
+@dataclass
+class _Reader:
+    cursor: int
+    offered_at: float  # when it last came to take, or (caught up) when new bytes came for it
+
+
+class LogFanout:
+    """One session's output log as its follower saw it, and each reader's cursor. The follower
+    reads each new slice of the log once (feed); readers take from the window of its newest
+    bytes (at most `window_bytes`, kept only as far back as the slowest reader within it); a
+    reader older than the window (a reconnect from far back, or a burst it could not keep up
+    with) is told to read the file itself (BEHIND), so no reader waits for another and nothing
+    grows without bound. A reader that has taken nothing for `stall_s` while bytes waited for it
+    is dropped, as a stream's stalled socket is. `text`: claude-code output, whose cursors stay
+    on code-point boundaries. No sockets, no threads, no clock of its own: `now` is fed in."""
+
+    def __init__(self, window_bytes: int, chunk_bytes: int, stall_s: float, text: bool) -> None:
+        self.window_bytes, self.chunk_bytes, self.stall_s, self.text = (
+            window_bytes, chunk_bytes, stall_s, text)
+        self.start = 0  # the window holds the log's bytes [start, end)
+        self.window = bytearray()
+        self.length: Optional[int] = None  # the log's length when the follower last looked
+        self.ended = False
+        self.version = 0  # how many times the follower looked, or ended it: a reader's wake-up
+        self._readers: dict[int, _Reader] = {}
+        self._dropped: set[int] = set()
+        self._next_id = 0
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.window)
+
+    @property
+    def readers(self) -> int:
+        return len(self._readers)
+
+    def next_read(self) -> Optional[int]:
+        """Where the follower reads next; None before its first look (it starts at the log's end)."""
+        return None if self.length is None else self.end
+
+    def join(self, cursor: int, now: float) -> int:
+        """A new reader at `cursor`; its id."""
+        self._next_id += 1
+        self._readers[self._next_id] = _Reader(cursor, now)
+        return self._next_id
+
+    def leave(self, reader: int) -> None:
+        self._readers.pop(reader, None)
+        self._dropped.discard(reader)
+
+    def end_all(self) -> None:
+        self.ended = True
+        self.version += 1
+
+    def feed(self, length: int, data: bytes, now: float) -> tuple[int, ...]:
+        """The follower looked: the log is `length` long, and `data` are its bytes from
+        next_read() (none on the first look). A log shorter than what was seen (replaced) starts
+        the window again at its length. The readers dropped now."""
+        if self.length is None or length < self.end:
+            self.start, self.window = length, bytearray()
+        else:
+            for state in self._readers.values():
+                if data and state.cursor >= self.end:  # caught up: the new bytes wait from now
+                    state.offered_at = now
+            self.window += data
+        self.length = length
+        self.version += 1
+        dropped = tuple(reader for reader, state in self._readers.items()
+                        if state.cursor < self.length and now - state.offered_at >= self.stall_s)
+        for reader in dropped:
+            del self._readers[reader]
+        self._dropped.update(dropped)
+        self._trim()
+        return dropped
+
+    def _trim(self) -> None:
+        within = [state.cursor for state in self._readers.values()
+                  if self.start <= state.cursor <= self.end]
+        keep_from = max(min(within, default=self.end), self.end - self.window_bytes)
+        if keep_from > self.start:
+            del self.window[:keep_from - self.start]
+            self.start = keep_from
+
+    def take(self, reader: int, now: float) -> FanoutTake:
+        """What `reader` does next: at most chunk_bytes from its cursor, which moves past them."""
+        if reader in self._dropped:
+            return FanoutTake(FanoutStep.DROPPED)
+        if self.ended:
+            return FanoutTake(FanoutStep.ENDED)
+        state = self._readers[reader]
+        state.offered_at = now  # it came to take: not stalled
+        if self.length is None or state.cursor == self.end or self.end < state.cursor <= self.length:
+            return FanoutTake(FanoutStep.WAIT)
+        if state.cursor > self.length:
+            state.cursor = self.length
+            return FanoutTake(FanoutStep.RESET, self.length)
+        if state.cursor < self.start:
+            return FanoutTake(FanoutStep.BEHIND, state.cursor)
+        at = state.cursor - self.start
+        return self._advance(state, bytes(self.window[at:at + self.chunk_bytes]), now)
+
+    def read_behind(self, reader: int, data: bytes, now: float) -> FanoutTake:
+        """What `reader` sends of `data`, the log's bytes from its cursor that it read itself
+        (BEHIND): no further than the log's length as the follower saw it (a cursor past that
+        would be reset); WAIT when they hold no whole code point yet."""
+        if reader in self._dropped:
+            return FanoutTake(FanoutStep.DROPPED)
+        state = self._readers[reader]
+        seen = (self.length or 0) - state.cursor
+        return self._advance(state, data[:max(min(self.chunk_bytes, seen), 0)], now)
+
+    def _advance(self, state: _Reader, data: bytes, now: float) -> FanoutTake:
+        if self.text:  # every cursor we issue for agent text is a code-point boundary
+            data = utf8_complete_prefix(data)
+        if not data:
+            return FanoutTake(FanoutStep.WAIT)
+        offset, state.cursor, state.offered_at = state.cursor, state.cursor + len(data), now
+        return FanoutTake(FanoutStep.OUTPUT, offset, data)
+
+
+# ============================================================================================
 # who may drive serve (pure)
 # ============================================================================================
 #
@@ -2202,6 +2349,10 @@ class ClientGone(ReployError):
     """The HTTP client closed its connection while serve waited on the agent for it."""
 
 
+class ReaderDropped(ReployError):
+    """An output stream's reader took nothing for SSE_STALL_S while bytes waited for it."""
+
+
 class AgentWait:
     """One serve loop that waits on an agent (see "the harness verbs"). check(), before each
     poll, raises when the client went away, serve is stopping or the deadline passed;
@@ -2671,6 +2822,32 @@ class Lease:
         self.manager.store.renew(self.record.id, self.owner, self.manager.clock())
 
 
+class OutputFollower:
+    """One session's output follower (a thread of SessionManager's) and the fan-out of what it
+    reads to the session's readers: `changed` guards `fanout`, and wakes the readers when the
+    follower looked."""
+
+    def __init__(self, session_id: str, text: bool) -> None:
+        self.session_id = session_id
+        self.fanout = LogFanout(FANOUT_WINDOW_BYTES, SSE_CHUNK_BYTES, SSE_STALL_S, text)
+        self.changed = threading.Condition()
+        self._last_event: tuple[int, bytes, bytes] = (-1, b"", b"")  # offset, payload, event
+
+    def output_event(self, offset: int, data: bytes) -> bytes:
+        """sse_output of a slice, encoded once for the readers that take the same one."""
+        with self.changed:
+            last_offset, last_data, event = self._last_event
+            if (last_offset, last_data) != (offset, data):
+                event = sse_output(offset, data)
+                self._last_event = (offset, data, event)
+            return event
+
+    def wait_change(self, seen: int, timeout_s: float) -> None:
+        """Sleep until the follower looks again after version `seen`, at most `timeout_s`."""
+        with self.changed:
+            self.changed.wait_for(lambda: self.fanout.version != seen, max(timeout_s, 0.0))
+
+
 class SessionManager:
     """The control plane's orchestration: one container per session, the lifecycle under
     leases, recovery of what a dead `serve` left, and the reaper. The HTTP adapter and the
@@ -2690,7 +2867,11 @@ class SessionManager:
         self.identity = reploy_watchdog.process_identity()
         self.stopping = threading.Event()
         self._readers: dict[str, int] = {}  # open output streams per session, in this serve
-        self._readers_lock = threading.Lock()
+        self._readers_lock = threading.Lock()  # guards _readers and _followers
+        self._followers: dict[str, OutputFollower] = {}
+        #: the agent long-polls on output logs: all of them, and the most of one session's at once
+        self._agent_waits = {"total": 0, "peak": 0}
+        self._agent_waits_open: dict[str, int] = {}
         #: set by run_serve when --model-upstream is given (see "the model proxy")
         self.model_proxy: Optional[ModelProxy] = None
         #: the sessions created with `egress` (see "the egress proxy")
@@ -3322,12 +3503,16 @@ class SessionManager:
         text = record.spec.workload == "agent"
         data, cursor, end_bytes = bytearray(), offset_bytes, None
         while end_bytes is None or cursor < end_bytes:
-            params = {"offset": cursor, "max_bytes": MAX_READ_BYTES,
-                      "wait_ms": wait_ms if end_bytes is None else 0}
+            params = {"offset": cursor, "max_bytes": MAX_READ_BYTES, "wait_ms": 0}
             try:
                 page = LogPage.from_answer(self._ask(session_id, "read", params), text)
             except Unprocessable as e:  # claude-code output: an offset inside a code point
                 raise BadRequest(f"offset: {e}") from e
+            if end_bytes is None and wait_ms and not page.data and not page.past_end:
+                # At the end: wait for the session's follower to see more, then read once more.
+                self._await_output(record, cursor, wait_ms / 1000)
+                wait_ms = 0
+                continue
             if page.past_end and end_bytes is None:
                 return record, branch, data, page.length_bytes
             if end_bytes is None:
@@ -3613,72 +3798,167 @@ class SessionManager:
 
     def follow_output(self, record: SessionRecord, cursor: int, send: Callable[[bytes], None],
                       connected: Callable[[], bool] = lambda: True) -> None:
-        """The SSE stream: tail the session's output log from `cursor` until the client goes or
-        the session's container does (deleted, snapshotted). A cursor ahead of the log gets a
-        `reset`, and the stream goes on from the log's length. Passive: it reads the log file
-        in the session dir, so it never resumes, restores or touches the session. While it is
-        open the store holds a viewer row for it, which keeps the reaper away (decide_reap)."""
+        """The SSE stream: the session's output from `cursor` until the client goes or the
+        session's container does (deleted, snapshotted). A cursor ahead of the log gets a
+        `reset`, and the stream goes on from the log's length. Passive: it takes what the
+        session's follower read of the log file, so it never resumes, restores or touches the
+        session. While it is open the store holds a viewer row for it, which keeps the reaper
+        away (decide_reap). ReaderDropped: it took nothing for SSE_STALL_S."""
         viewer = secrets.token_hex(8)
         self.store.hold_viewer(viewer, record.id, self.clock())
+        follower, reader = self._join_follower(record, cursor)
         try:
-            self._tail_output(record, cursor, send, connected, viewer)
+            self._tail_output(record, follower, reader, send, connected, viewer)
         finally:
+            self._leave_follower(follower, reader)
             self.store.drop_viewer(viewer)
 
-    def _tail_output(self, record: SessionRecord, cursor: int, send: Callable[[bytes], None],
-                     connected: Callable[[], bool], viewer: str) -> None:
+    def _tail_output(self, record: SessionRecord, follower: OutputFollower, reader: int,
+                     send: Callable[[bytes], None], connected: Callable[[], bool], viewer: str) -> None:
         agent_dir = self.config.agent_dir(record.id)
-        text = record.spec.workload == "agent"
-        last_sent = renewed = checked = time.monotonic()
-        refused = woke = False
-        in_a_row = 0  # events sent without the stream catching up with the log
+        last_sent = renewed = time.monotonic()
         while not self.stopping.is_set() and connected():
             if time.monotonic() - renewed >= VIEWER_RENEW_S:
                 self.store.hold_viewer(viewer, record.id, self.clock())
                 renewed = time.monotonic()
+            with follower.changed:
+                seen = follower.fanout.version
+                take = follower.fanout.take(reader, time.monotonic())
+            if take.step is FanoutStep.BEHIND:  # older than the follower's window: read it here
+                try:
+                    data = self._read_output_log(agent_dir, take.offset)[1]
+                except OSError:
+                    data = b""  # the follower says what the log is now
+                with follower.changed:
+                    take = follower.fanout.read_behind(reader, data, time.monotonic())
+            if take.step is FanoutStep.DROPPED:
+                raise ReaderDropped(f"it took nothing for {SSE_STALL_S:.0f} s")
+            if take.step is FanoutStep.ENDED:
+                return
+            if take.step is FanoutStep.OUTPUT:
+                send(follower.output_event(take.offset, take.data))
+                last_sent = time.monotonic()
+            elif take.step is FanoutStep.RESET:
+                send(sse_reset(take.offset))
+                last_sent = time.monotonic()
+            elif time.monotonic() - last_sent >= self.config.sse_keepalive_s:
+                send(SSE_KEEPALIVE)
+                last_sent = time.monotonic()
+            else:  # WAIT, or behind with nothing whole yet: until the follower looks again
+                keepalive_in = last_sent + self.config.sse_keepalive_s - time.monotonic()
+                follower.wait_change(seen, min(keepalive_in, SSE_STATE_CHECK_S))
+
+    def _await_output(self, record: SessionRecord, cursor: int, timeout_s: float) -> None:
+        """A waiting read's wait at `cursor`, the log's end: until the session's follower sees
+        the log past it, the follower ends, or `timeout_s` passed."""
+        follower, reader = self._join_follower(record, cursor)
+        try:
+            with follower.changed:
+                follower.changed.wait_for(
+                    lambda: follower.fanout.ended or (follower.fanout.length or 0) > cursor, timeout_s)
+        finally:
+            self._leave_follower(follower, reader)
+
+    def _join_follower(self, record: SessionRecord, cursor: int) -> tuple[OutputFollower, int]:
+        """A reader of the session's output at `cursor`, and its follower, started for the first."""
+        with self._readers_lock:
+            follower = self._followers.get(record.id)
+            if follower is None:
+                follower = self._followers[record.id] = OutputFollower(
+                    record.id, record.spec.workload == "agent")
+                threading.Thread(target=self._follow, args=(follower,), daemon=True,
+                                 name=f"follower-{record.id}").start()
+            with follower.changed:
+                return follower, follower.fanout.join(cursor, time.monotonic())
+
+    def _leave_follower(self, follower: OutputFollower, reader: int) -> None:
+        with follower.changed:
+            follower.fanout.leave(reader)
+
+    def _stop_follower(self, follower: OutputFollower, end: bool) -> bool:
+        """Whether the follower stops now: when `end` (its session's container is gone) or no
+        reader is left. Either way a new reader starts a new follower."""
+        with self._readers_lock, follower.changed:
+            if not (end or self.stopping.is_set() or not follower.fanout.readers):
+                return False
+            if self._followers.get(follower.session_id) is follower:
+                del self._followers[follower.session_id]
+            follower.fanout.end_all()
+            follower.changed.notify_all()
+            return True
+
+    def _follow(self, follower: OutputFollower) -> None:
+        """The session's one follower: reads each new slice of the output log once, for every
+        reader, and sleeps in one agent long-poll between (the agent's wake-up reaches serve
+        once per change, however many read)."""
+        try:
+            self._follow_log(follower)
+        finally:  # however it ended (a store error too), its readers end with it
+            self._stop_follower(follower, end=True)
+
+    def _follow_log(self, follower: OutputFollower) -> None:
+        session_id = follower.session_id
+        agent_dir = self.config.agent_dir(session_id)
+        checked = time.monotonic()
+        refused = woke = False
+        in_a_row = 0  # slices read without the follower catching up with the log
+        while not self._stop_follower(follower, end=False):
             if time.monotonic() - checked >= SSE_STATE_CHECK_S:
-                if not self.stream_goes_on(record.id):
+                if not self.stream_goes_on(session_id):
                     return
                 checked = time.monotonic()
             try:
-                length, data = self._read_output_log(agent_dir, cursor)
+                length, data = self._read_output_log(agent_dir, follower.fanout.next_read())
             except FileNotFoundError:
-                if not self.stream_goes_on(record.id):
+                if not self.stream_goes_on(session_id):
                     return  # deleted: the log goes before its directory, so no reset for it
                 length, data = 0, b""
             except OSError as e:  # the session put something else there: no bytes from it
                 if not refused:
-                    log(f"serve: session {record.id}: its output stream waits: {e}")
+                    log(f"serve: session {session_id}: its output follower waits: {e}")
                 refused = True
-                length, data = cursor, b""
-            if cursor > length:
-                send(sse_reset(length))
-                cursor = length
+                self.stopping.wait(SSE_POLL_S)
                 continue
-            if text:  # every cursor we issue for agent text is a code-point boundary
-                data = utf8_complete_prefix(data)
+            with follower.changed:
+                follower.fanout.feed(length, data, time.monotonic())
+                end = follower.fanout.end
+                follower.changed.notify_all()
             if data:
-                send(sse_output(cursor, data))
-                cursor += len(data)
-                last_sent = time.monotonic()
                 woke = False
                 in_a_row += 1
-                # Output that keeps flowing gathers for one poll between events, rather than
-                # costing a log read and a send per write of the workload (fair share: many
-                # readers of a busy session); a reply's first events go out at once.
+                # Output that keeps flowing gathers for one poll between slices, rather than
+                # costing a log read and an event per write of the workload (fair share: a
+                # busy session); a reply's first slices go out at once.
                 if in_a_row >= SSE_BURST_EVENTS and len(data) < SSE_CHUNK_BYTES:
                     self.stopping.wait(SSE_POLL_S)
                 continue
             in_a_row = 0
-            if time.monotonic() - last_sent >= self.config.sse_keepalive_s:
-                send(SSE_KEEPALIVE)
-                last_sent = time.monotonic()
             # A wake-up that brought no bytes (an agent answering at once) must not spin us.
             if woke:
                 self.stopping.wait(SSE_POLL_S)
-            woke = self.await_agent_output(agent_dir, cursor)
+            woke = self._await_agent_output(session_id, agent_dir, end)
             if not woke:
                 self.stopping.wait(SSE_POLL_S)
+
+    def agent_wait_stats(self) -> dict[str, int]:
+        """The output followers open, the agent long-polls they made, and the most one session
+        had at once (GET /server's `outputFollowing`: one per session, however many read)."""
+        with self._readers_lock:
+            return {"followers": len(self._followers), "agentWaits": self._agent_waits["total"],
+                    "mostAgentWaitsAtOnce": self._agent_waits["peak"]}
+
+    def _await_agent_output(self, session_id: str, agent_dir: Path, cursor: int) -> bool:
+        with self._readers_lock:
+            self._agent_waits_open[session_id] = open_now = self._agent_waits_open.get(session_id, 0) + 1
+            self._agent_waits["total"] += 1
+            self._agent_waits["peak"] = max(self._agent_waits["peak"], open_now)
+        try:
+            return self.await_agent_output(agent_dir, cursor)
+        finally:
+            with self._readers_lock:
+                self._agent_waits_open[session_id] -= 1
+                if not self._agent_waits_open[session_id]:
+                    del self._agent_waits_open[session_id]
 
     def stream_goes_on(self, session_id: str) -> bool:
         """Whether a stream of the session goes on: not once its container is gone for a
@@ -3687,22 +3967,24 @@ class SessionManager:
         return record is not None and has_container(record)
 
     @staticmethod
-    def _read_output_log(agent_dir: Path, cursor: int) -> tuple[int, bytes]:
-        """(length, at most SSE_CHUNK_BYTES from `cursor`) of the agent's output.log, read only as
-        the regular file it must be (see "Directories a container can write")."""
+    def _read_output_log(agent_dir: Path, cursor: Optional[int]) -> tuple[int, bytes]:
+        """(length, at most SSE_CHUNK_BYTES from `cursor`; from None, none) of the agent's
+        output.log, read only as the regular file it must be (see "Directories a container can
+        write"). The one place serve reads the log's bytes for its readers."""
         with opened_dir(agent_dir) as dir_fd:
             fd = open_regular_file(dir_fd, OUTPUT_LOG_NAME)
         try:
             length = os.fstat(fd).st_size
-            return length, os.pread(fd, min(max(length - cursor, 0), SSE_CHUNK_BYTES), cursor)
+            at = length if cursor is None else cursor
+            return length, os.pread(fd, min(max(length - at, 0), SSE_CHUNK_BYTES), at)
         finally:
             os.close(fd)
 
     @staticmethod
     def await_agent_output(agent_dir: Path, cursor: int) -> bool:
-        """Sleep until the agent has bytes past `cursor` (or a second passed), so a stream
+        """Sleep until the agent has bytes past `cursor` (or a second passed), so a follower
         learns of output at once instead of at its next file poll. The agent's `read` changes
-        nothing, so the stream stays passive. False when no agent answers (a paused or
+        nothing, so the follower stays passive. False when no agent answers (a paused or
         snapshotted session): the caller falls back to polling the file."""
         try:
             agent_call(agent_dir, "read",
@@ -5088,7 +5370,8 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
                      "maxBusySeconds": config.max_busy_s,
                      "egressAllow": list(map(str, config.egress_allow)),
                      "limits": {"maxBodyBytes": MAX_BODY_BYTES, "maxPromptBytes": MAX_PAYLOAD_BYTES,
-                                "sessionDiskBytes": config.session_disk_mib * 1024 * 1024}}
+                                "sessionDiskBytes": config.session_disk_mib * 1024 * 1024},
+                     "outputFollowing": self.manager.agent_wait_stats()}
 
     def api_message(self, sid: str, body: bytes, _query: str) -> tuple[int, dict[str, Any]]:
         fields = parse_body(body, BODY_RULES["message"])
@@ -5227,7 +5510,7 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
                 send(SSE_CONNECTED)
                 self.manager.follow_output(record, cursor, send, connected)
                 self.end_pieces(chunked)
-            except socket.timeout:
+            except (socket.timeout, ReaderDropped):
                 log(f"serve: dropped a reader of session {sid}'s output stream: it took nothing "
                     f"for {SSE_STALL_S:.0f} s")
 

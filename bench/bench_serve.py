@@ -30,7 +30,8 @@ Each line: name, unit, n, p50, p90, p99, baseline, ratio. Figures, not pass/fail
                               same file (docker cp's API; its tar built beforehand, outside the timing)
   serve_download_throughput   GET /files of that file, MiB/s, against the SDK's get_archive of it, read whole
 
-  python3 bench/bench_serve.py [--rounds N]    (needs the engine and the base images: make setup)
+  python3 bench/bench_serve.py [--rounds N] [--only serve_create_to_prompt|sse]
+                              (needs the engine and the base images: make setup)
 """
 
 from __future__ import annotations
@@ -416,8 +417,9 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # clean up on the way out
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--only", choices=["serve_create_to_prompt"],
-                        help="measure this figure alone (the others need it first)")
+    parser.add_argument("--only", choices=["serve_create_to_prompt", "sse"],
+                        help="measure this figure alone, or the serve_sse_delivery figures with one "
+                             "session created (the others need the creates first)")
     args = parser.parse_args()
     rounds = args.rounds
     client = docker.from_env()
@@ -432,14 +434,15 @@ def main() -> int:
     api = server.api
     try:
         creates, sessions = [], []
-        for i in range(rounds):
+        for i in range(1 if args.only == "sse" else rounds):
             start = time.perf_counter()
             sid = api.create(f"bench-{i}")["id"]
             api.wait_output(sid, b"$ ")
             creates.append(time.perf_counter() - start)
             sessions.append(sid)
-        figure("serve_create_to_prompt", "s", creates, sdk_baseline(workload, rounds))
-        if args.only:
+        if args.only != "sse":
+            figure("serve_create_to_prompt", "s", creates, sdk_baseline(workload, rounds))
+        if args.only == "serve_create_to_prompt":
             return 0
         figure("serve_sse_delivery", "ms", *sse_delivery(api, server, sessions[0], 1, SSE_BLOCKS, rounds,
                                                           agent_writer(server, sessions[0])))
@@ -447,6 +450,8 @@ def main() -> int:
             figure(f"serve_sse_delivery_streams_{streams}", "ms",
                    *sse_delivery(api, server, sessions[0], streams, SSE_BLOCKS, rounds,
                                  functools.partial(api.write, sessions[0])))
+        if args.only == "sse":
+            return 0
         manager_view = reploy_serve.SessionStore(base / "state" / "sessions.db")
         container = client.containers.get(manager_view.get(sessions[0]).container_id)
         exec_times, sdk_exec_times = exec_round_trips(api, sessions[0], container, rounds * 4)

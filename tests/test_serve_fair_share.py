@@ -19,7 +19,7 @@ import pytest
 
 import reploy_serve
 from serve_harness import (  # noqa: F401  (fixtures)
-    ROOT, Api, ServeProcess, managed_workload, serve_factory, session_containers, wait_until,
+    ROOT, Api, ServeProcess, in_thread, managed_workload, serve_factory, session_containers, wait_until,
 )
 
 
@@ -139,13 +139,15 @@ def test_readers_past_the_bounds_answer_503_saying_which(serve_factory: Callable
 
 
 class StreamReader(threading.Thread):
-    """Follows one session's stream and keeps the output bytes, until `needle` is in them."""
+    """Follows one session's stream from offset 0 and keeps the output bytes, until `needle` is
+    in them; `in_order` stays true while each event starts where the last one ended."""
 
     def __init__(self, api: Api, sid: str) -> None:
         super().__init__(daemon=True)
         self.conn, self.response = open_stream(api, sid)
         assert self.response.status == 200
         self.output = bytearray()
+        self.in_order = True
         self.needle = b""
         self.found = threading.Event()
         self.lock = threading.Lock()
@@ -162,8 +164,10 @@ class StreamReader(threading.Thread):
         try:
             for line in self.response:
                 if line.startswith(b"data: "):
-                    chunk = base64.b64decode(json.loads(line[6:])["payloadBase64"])
+                    event = json.loads(line[6:])
+                    chunk = base64.b64decode(event["payloadBase64"])
                     with self.lock:
+                        self.in_order &= event["offset"] == len(self.output)
                         self.output += chunk
                         if self.needle and self.needle in self.output[-(len(chunk) + len(self.needle)):]:
                             self.found.set()
@@ -202,6 +206,86 @@ def test_a_reader_that_cannot_keep_up_is_dropped_while_the_others_go_on(
             pass
         api.write(sid, b"echo AFTER-''DROP\r")
         keeping_up.wait_for(b"AFTER-DROP")
+        assert keeping_up.in_order and api.read_all(sid).startswith(bytes(keeping_up.output))
     finally:
         stalled.close()
         keeping_up.close()
+
+
+def following(api: Api) -> dict[str, int]:
+    return api.call("GET", "/server")["outputFollowing"]
+
+
+@pytest.mark.docker
+def test_the_streams_and_waiting_reads_of_a_session_share_one_follower_and_one_agent_wait(
+        serve_factory: Callable[..., ServeProcess], docker_engine: Any) -> None:
+    """Issue 30: however many read a session's output, serve has one follower of it, whose one
+    agent long-poll at a time is every reader's wake-up; each stream still gets every byte in
+    order, and the follower stops once its last reader left."""
+    server = serve_factory()
+    api = server.api
+    sid = api.create("fan-out")["id"]
+    api.wait_output(sid, b"$ ")
+    readers = [StreamReader(api, sid) for _ in range(reploy_serve.DEFAULT_MAX_SESSION_READERS)]
+    for reader in readers:
+        reader.start()
+    try:
+        for reader in readers:
+            reader.wait_for(b"$ ")
+        end = len(api.read_all(sid))
+        waiting = [in_thread(lambda: api.call("POST", f"/sessions/{sid}/read",
+                                              {"offset": end, "waitMs": 4000})) for _ in range(3)]
+        for n in range(4):
+            api.write(sid, f"echo MARK-''{n}\r".encode())
+            for reader in readers:
+                reader.wait_for(f"MARK-{n}".encode())
+        for thread, answers in waiting:
+            thread.join(60)
+            [answer] = answers
+            assert answer["nextOffset"] > end and base64.b64decode(answer["payloadBase64"])
+        stats = following(api)
+        assert stats["followers"] == 1 and stats["mostAgentWaitsAtOnce"] == 1, stats
+        log = api.read_all(sid)
+        for reader in readers:
+            assert reader.in_order and log.startswith(bytes(reader.output))
+    finally:
+        for reader in readers:
+            reader.close()
+    wait_until(lambda: following(api)["followers"] == 0, "the follower to stop after its last reader")
+    waits = following(api)["agentWaits"]
+    api.write(sid, b"echo QUIET\r")
+    api.wait_output(sid, b"QUIET")
+    assert following(api)["agentWaits"] == waits  # no reader, no follower: nothing waits on the agent
+
+
+@pytest.mark.docker
+def test_streams_from_far_behind_the_follower_s_window_get_the_whole_log_in_order(
+        serve_factory: Callable[..., ServeProcess], docker_engine: Any) -> None:
+    """A log several times the follower's window: streams from 0 read it from the file
+    themselves, then take from the window with the reader already live, and both keep every
+    byte in order through more output."""
+    server = serve_factory()
+    api = server.api
+    sid = api.create("far-behind")["id"]
+    api.wait_output(sid, b"$ ")
+    live = StreamReader(api, sid)
+    live.start()
+    try:
+        flood = 3 * reploy_serve.FANOUT_WINDOW_BYTES
+        api.write(sid, f"head -c {flood} /dev/zero | tr '\\0' y; echo FLOOD-''DONE\r".encode())
+        live.wait_for(b"FLOOD-DONE")
+        late = StreamReader(api, sid)
+        late.start()
+        try:
+            late.wait_for(b"FLOOD-DONE")
+            api.write(sid, b"echo AFTER-''CATCH-UP\r")
+            for reader in (live, late):
+                reader.wait_for(b"AFTER-CATCH-UP")
+            log = api.read_all(sid)
+            assert len(log) > flood
+            for reader in (live, late):
+                assert reader.in_order and log.startswith(bytes(reader.output))
+        finally:
+            late.close()
+    finally:
+        live.close()
