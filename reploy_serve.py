@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import base64
 import codecs
+import concurrent.futures
 import contextlib
 import datetime
 import enum
@@ -59,6 +60,7 @@ import hmac
 import http.client
 import http.server
 import ipaddress
+import itertools
 import json
 import math
 import os
@@ -2265,26 +2267,44 @@ class AgentWait:
 
 def stage_body(source: Any, fd: int, size_bytes: int) -> str:
     """Copies size_bytes of an upload's body from `source` into its staging (fd), in pieces of
-    COPY_CHUNK_BYTES; their sha256. A body that ends early is the client's error (400), a full
-    disk the session's (507)."""
+    COPY_CHUNK_BYTES; their sha256, computed on a thread of its own while the next piece is read
+    and this one written (two buffers: one hashed while the other fills). A body that ends early
+    is the client's error (400), a full disk the session's (507)."""
     digest = hashlib.sha256()
-    buffer = memoryview(bytearray(COPY_CHUNK_BYTES))
+    buffers = [memoryview(bytearray(COPY_CHUNK_BYTES)) for _ in range(2)]
     staged = 0
-    while staged < size_bytes:
-        count = source.readinto(buffer[:min(COPY_CHUNK_BYTES, size_bytes - staged)])
-        if not count:
-            raise BadRequest(f"the body ended after {staged} of {size_bytes} bytes")
-        digest.update(buffer[:count])
-        try:
-            written = 0
-            while written < count:
-                written += os.pwrite(fd, buffer[written:count], staged + written)
-        except OSError as e:
-            if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise InsufficientStorage(f"not enough space: the session's disk: {e.strerror}") from e
-            raise ServiceUnavailable(f"cannot stage the upload: {e.strerror}") from e
-        staged += count
+    with concurrent.futures.ThreadPoolExecutor(1, "upload-digest") as hasher:
+        hashing: Optional[concurrent.futures.Future[None]] = None  # the previous piece's
+        for turn in itertools.count():
+            if staged >= size_bytes:
+                break
+            buffer = buffers[turn % 2]  # not the one being hashed
+            count = _read_full(source, buffer[:min(COPY_CHUNK_BYTES, size_bytes - staged)])
+            if staged + count < size_bytes and count < COPY_CHUNK_BYTES:
+                raise BadRequest(f"the body ended after {staged + count} of {size_bytes} bytes")
+            if hashing is not None:
+                hashing.result()
+            hashing = hasher.submit(digest.update, buffer[:count])
+            try:
+                written = 0
+                while written < count:
+                    written += os.pwrite(fd, buffer[written:count], staged + written)
+            except OSError as e:
+                if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise InsufficientStorage(f"not enough space: the session's disk: {e.strerror}") from e
+                raise ServiceUnavailable(f"cannot stage the upload: {e.strerror}") from e
+            staged += count
+        if hashing is not None:
+            hashing.result()
     return digest.hexdigest()
+
+
+def _read_full(source: Any, view: memoryview) -> int:
+    """Fills view from source as far as it goes; how many bytes (fewer only at its end)."""
+    filled = 0
+    while filled < len(view) and (count := source.readinto(view[filled:])):
+        filled += count
+    return filled
 
 
 def _camel_keys(result: dict[str, Any]) -> dict[str, Any]:
