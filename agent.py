@@ -335,6 +335,10 @@ class Method(enum.Enum):
     TRANSFER_CLOSE = "transfer_close"
 
 
+#: The verbs whose answer carries a file descriptor (TransferTable): a unix socket's client's only.
+DESCRIPTOR_METHODS = frozenset({Method.UPLOAD, Method.DOWNLOAD})
+
+
 class FileRoot(enum.Enum):
     """Where a file verb's path starts: the workspace, the home, or the container's `/` (an absolute path; what the
     runtime user can reach there, the kernel decides, as it does for the workload)."""
@@ -5382,6 +5386,10 @@ class AgentServer:
             self._respond(conn, encode_error(e.request_id, e.code, str(e)))
             return
         request = conn.request
+        if request.method in DESCRIPTOR_METHODS and conn.sock.family != socket.AF_UNIX:
+            self._respond(conn, encode_error(request.request_id, RequestError.code, (
+                f"{request.method.value} answers with a file descriptor: only on the unix socket, not over TCP")))
+            return
         self._settle(conn, lambda: self._handlers[request.method](request.params, now))
 
     def _serve(self, conn: Connection, now: float) -> None:
