@@ -127,7 +127,7 @@ DEFAULT_SESSION_DISK_MIB = 2048
 MIN_SESSION_DISK_MIB = 64
 MAX_SESSION_DISK_MIB = 16 * 1024 * 1024
 #: ext4 keeps this share of a session's disk for root: the agent's own files (log, outbox,
-#: checkpoints, download spools) still grow when the workload has filled the rest.
+#: checkpoints) still grow when the workload has filled the rest.
 SESSION_DISK_RESERVED_PERCENT = 5
 #: What the host may hold for a session beyond its image's size: the host file system's own
 #: blocks for the image file (extent tree). Documented in the README; tests measure it.
@@ -2315,7 +2315,7 @@ def _camel_keys(result: dict[str, Any]) -> dict[str, Any]:
 # ============================================================================================
 #
 # Theory of operation. Every byte a session can write on the host (its workspace; its agent's
-# log, outbox, state, checkpoints and download spools) lies on a file system of its own: a
+# log, outbox, state and checkpoints) lies on a file system of its own: a
 # sparse ext4 image of --session-disk-mib in STATE_DIR/disks, loop-mounted nosuid,nodev at
 # STATE_DIR/sessions/ID, which its container gets at /mnt/reploy-session. A workload writing
 # past it gets ENOSPC, and the host holds at most the image's size plus
