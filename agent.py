@@ -214,6 +214,7 @@ MIN_FREE_RESERVED_BYTES = 1 * MIB
 MAX_OPEN_TRANSFERS = 16  #: uploads and downloads open at once
 TRANSFER_IDLE_S = 60.0  #: an upload untouched (and its staging not grown) this long is closed; a tar pipe unread too
 TRANSFER_WAIT_S = 4.0  #: how long upload_commit waits for a background job before answering
+STAGING_POLL_S = 0.01  #: how often an upload's digest looks for more bytes while its client writes (StagingDigest)
 TAR_PIPE_BYTES = 1 * MIB  #: the capacity asked for a directory download's pipe (the kernel may give less)
 MAX_PATH_BYTES = 4096
 MAX_NAME_BYTES = 255
@@ -4674,12 +4675,55 @@ def as_agent_error(error: BaseException, what: str) -> AgentError:
     return CommandError(f"{what}: {error}")
 
 
+class StagingDigest:
+    """The size and sha256 of an upload's staging, computed on a job of its own while the client writes it, so
+    that the commit waits only for the last bytes: run() reads its own fd of the staging from where it got to, and
+    once finish() is called (the client has written all) reads to the end and returns (bytes, sha256). More than
+    limit_bytes fails it; stop() (the upload is dropped) ends it."""
+
+    def __init__(self, fd: int, limit_bytes: int) -> None:
+        self._fd = fd  # its own: run() closes it
+        self._limit_bytes = limit_bytes
+        self._finishing = threading.Event()
+        self._stopped = False
+
+    def finish(self) -> None:
+        self._finishing.set()
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._finishing.set()
+
+    def run(self) -> tuple[int, str]:
+        digest = hashlib.sha256()
+        buffer = bytearray(COPY_CHUNK_BYTES)
+        size_bytes = 0
+        try:
+            while not self._stopped:
+                finishing = self._finishing.is_set()  # before the read: set, every byte is there to read
+                count = os.preadv(self._fd, [buffer], size_bytes)
+                if count:
+                    size_bytes += count
+                    if size_bytes > self._limit_bytes:
+                        raise CommandError(f"too large: the upload would exceed {self._limit_bytes} bytes")
+                    digest.update(memoryview(buffer)[:count])
+                elif finishing:
+                    return size_bytes, digest.hexdigest()
+                else:
+                    self._finishing.wait(STAGING_POLL_S)
+            raise CommandError("the upload was closed")
+        finally:
+            os.close(self._fd)
+
+
 @dataclasses.dataclass
 class _Upload:
     transfer_id: str
     params: UploadParams
     fd: int  # the staged bytes: an unnamed file of the runtime user in the root's tree (FileWorkers.upload_open)
     touched_at: float
+    digest: StagingDigest
+    digest_job: BackgroundJob  # StagingDigest.run: (bytes, sha256)
     staged_bytes: int = 0  # the staging's size when last looked at: growing, it counts as touched
     job: Optional[BackgroundJob] = None  # the commit: (entries, bytes, sha256)
 
@@ -4708,8 +4752,9 @@ class TransferTable:
     state. The bytes never cross the control socket: its client gets a descriptor and moves them itself.
 
     An upload's answer carries a descriptor of its staging, an unnamed file a worker made in the target's tree;
-    the client writes the bytes into it, then asks for the commit, whose job hashes what was staged (the sha256
-    the client sent must match; the size must be the one announced) and has a worker link the file into place, or
+    the client writes the bytes into it while a job hashes what arrives (StagingDigest), then asks for the commit,
+    whose job takes that digest once the last bytes are hashed (the sha256 the client sent must match; the size
+    must be the one announced) and has a worker link the file into place, or
     vet a tar, extract it beside its target and merge it in. A refused upload writes nothing outside its staging,
     which vanishes with its last fd; one untouched for TRANSFER_IDLE_S, its staging not growing, is closed.
     A file's download answer carries the fd a worker opened without following links; a tree's, the read end of a
@@ -4752,16 +4797,21 @@ class TransferTable:
         root = self.root(params.root)
 
         def opened(fd: int) -> WithFd:
+            fds = [fd]  # closed if anything here fails; then the digest's job owns its own
             try:
                 if params.size_bytes is not None:
                     require_free_space(fd, params.size_bytes, params.root.value)
-                given = os.dup(fd)
+                fds += [os.dup(fd), os.dup(fd)]
+                digest = StagingDigest(fds[2], MAX_TRANSFER_BYTES if params.size_bytes is None
+                                       else params.size_bytes)
+                digest_job = self._start_job(digest.run, lambda _: None)
             except BaseException:
-                os.close(fd)
+                for each in fds:
+                    os.close(each)
                 raise
             transfer_id = secrets.token_hex(8)
-            self._uploads[transfer_id] = _Upload(transfer_id, params, fd, now)
-            return WithFd({"transfer_id": transfer_id}, given)
+            self._uploads[transfer_id] = _Upload(transfer_id, params, fd, now, digest, digest_job)
+            return WithFd({"transfer_id": transfer_id}, fds[1])
 
         return self._open(lambda: self._workers.upload_open(root, params.path, params.kind), os.close, opened)
 
@@ -4785,10 +4835,15 @@ class TransferTable:
         params, root = upload.params, self.root(upload.params.root)
         spare_name = f"{STAGING_PREFIX}{upload.transfer_id}"
         mode = sane_mode(DEFAULT_FILE_MODE if params.mode is None else params.mode, directory=False)
-        limit_bytes = params.size_bytes if params.size_bytes is not None else MAX_TRANSFER_BYTES
+        upload.digest.finish()  # the client has written all it will
+        digest_job = upload.digest_job
 
         def commit() -> tuple[int, int, str]:
-            staged_bytes, digest = hash_staged(upload.fd, limit_bytes)
+            while not digest_job.finished:
+                digest_job.join(HANDLER_TIMEOUT_S)
+            if digest_job.error is not None:
+                raise digest_job.error
+            staged_bytes, digest = digest_job.result
             if params.size_bytes is not None and staged_bytes != params.size_bytes:
                 raise CommandError(f"the upload announced {params.size_bytes} bytes but {staged_bytes} were staged")
             if sha256 is not None and sha256 != digest:
@@ -4813,6 +4868,7 @@ class TransferTable:
     def _drop_upload(self, upload: _Upload) -> None:
         """Forgets an upload; its staging, never named unless committed, goes with its last fd."""
         self._uploads.pop(upload.transfer_id, None)
+        upload.digest.stop()
         if upload.fd >= 0:
             os.close(upload.fd)
             upload.fd = -1
@@ -4892,19 +4948,6 @@ class TransferTable:
         for upload in list(self._uploads.values()):
             if upload.job is None or upload.job.finished:
                 self._drop_upload(upload)
-
-
-def hash_staged(fd: int, limit_bytes: int) -> tuple[int, str]:
-    """(size, sha256) of an upload's staged bytes, read whole; more than limit_bytes is refused."""
-    digest = hashlib.sha256()
-    buffer = bytearray(COPY_CHUNK_BYTES)
-    size_bytes = 0
-    while count := os.preadv(fd, [buffer], size_bytes):
-        size_bytes += count
-        if size_bytes > limit_bytes:
-            raise CommandError(f"too large: the upload would exceed {limit_bytes} bytes")
-        digest.update(memoryview(buffer)[:count])
-    return size_bytes, digest.hexdigest()
 
 
 def pack_tree(open_walk: Callable[[], WorkerWalk], sink: TarSink) -> int:
