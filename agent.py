@@ -205,7 +205,7 @@ HANDLE_ID_RE = re.compile(r"[0-9a-f]{16}")  #: exec and transfer ids
 SHA256_HEX_RE = re.compile(r"[0-9a-f]{64}")
 
 # Files: paths below the workspace or home; their bytes pass as descriptors (TransferTable), never in a line
-MAX_TRANSFER_CHUNK_BYTES = 752 * KIB  #: a `write` part serve sends: its base64 and JSON stay under MAX_REQUEST_BYTES
+MAX_WRITE_PART_BYTES = 752 * KIB  #: a `write` part serve sends: its base64 and JSON stay under MAX_REQUEST_BYTES
 MAX_TRANSFER_BYTES = 8 * 1024 * MIB  #: one upload (a file or a tar's content) or one downloaded tree
 MIN_FREE_BYTES = 16 * MIB  #: an upload never leaves less than this free on the file system it fills
 #: The agent's own spools (a checkpoint's archive) may use what the file system keeps for root, all but this:

@@ -189,10 +189,10 @@ BODY_READ_TIMEOUT_S = 30.0
 MAX_PAYLOAD_BYTES = agent_role.MAX_PROMPT_BYTES
 MAX_MESSAGE_PART_BYTES = agent_role.MAX_MESSAGE_PART_BYTES
 #: A shell write has no bound of its own (seed 002: the body's 8 MiB); it reaches the agent in
-#: parts of this many bytes, each travelling as base64 in the agent's one request line as an
-#: upload chunk does. A part the terminal's input buffer cannot take yet is offered again until
+#: parts of this many bytes, each travelling as base64 in the agent's one request line. A part
+#: the terminal's input buffer cannot take yet is offered again until
 #: the terminal has taken nothing for SHELL_INPUT_STALL_S.
-MAX_WRITE_PART_BYTES = agent_role.MAX_TRANSFER_CHUNK_BYTES
+MAX_WRITE_PART_BYTES = agent_role.MAX_WRITE_PART_BYTES
 SHELL_INPUT_STALL_S = 10.0
 SHELL_INPUT_POLL_S = 0.05
 #: The agent's `read` is bounded per call; `read` on the API pages through the log with it.
@@ -3434,7 +3434,7 @@ class SessionManager:
     # -- the harness verbs: exec and files -------------------------------------------------
     #
     # Each starts with an access (self.call), then waits on the agent in a loop of polls (exec
-    # output, list pages, upload chunks and commit, download chunks). Every such loop runs
+    # output, list pages, an upload's commit, a tar's pipe). Every such loop runs
     # under an AgentWait: a deadline, the client's presence and serve's own stop, and a least
     # interval between polls that answered "not yet", so an agent answering that at once, for
     # ever, can neither pin the thread nor make it spin.

@@ -87,7 +87,7 @@ def test_handles_roots_kinds_and_digests_are_checked() -> None:
 
 def test_a_full_write_part_fits_the_request_line() -> None:
     """The largest part serve writes, as base64 in a write line with the longest id, is under 1 MiB."""
-    data = b"\xff" * agent.MAX_TRANSFER_CHUNK_BYTES
+    data = b"\xff" * agent.MAX_WRITE_PART_BYTES
     line = json.dumps({"id": "x" * 256, "method": "write", "params": {
         "data_b64": base64.b64encode(data).decode()}}).encode()
     assert len(line) <= agent.MAX_REQUEST_BYTES
