@@ -2046,13 +2046,16 @@ ANSWER_DESCRIPTORS: dict[str, Callable[[dict[str, Any]], AnswerDescriptor]] = {
 
 
 def check_descriptor(fd: int, kind: AnswerDescriptor) -> None:
-    """AnswerInvalid unless fd is what `kind` says (a socket, a directory, a device never is)."""
+    """AnswerInvalid unless fd is what `kind` says (a socket, a directory, a device never is).
+    A staging is never a memfd: what serve writes into one would be memory charged to serve,
+    bounded by nothing but the upload's size."""
     st = os.fstat(fd)
     access = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE
     fits = {
         AnswerDescriptor.FILE_TO_READ: stat.S_ISREG(st.st_mode) and access in (os.O_RDONLY, os.O_RDWR),
         AnswerDescriptor.STAGING: (stat.S_ISREG(st.st_mode) and st.st_size == 0
-                                   and access in (os.O_WRONLY, os.O_RDWR)),
+                                   and access in (os.O_WRONLY, os.O_RDWR)
+                                   and not os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:")),
         AnswerDescriptor.TAR_PIPE: stat.S_ISFIFO(st.st_mode) and access == os.O_RDONLY,
     }[kind]
     _require(fits, f"the file descriptor sent is not {kind.value}")
