@@ -54,6 +54,7 @@ import json
 import os
 import re
 import secrets
+import select
 import selectors
 import shutil
 import signal
@@ -203,16 +204,18 @@ ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 HANDLE_ID_RE = re.compile(r"[0-9a-f]{16}")  #: exec and transfer ids
 SHA256_HEX_RE = re.compile(r"[0-9a-f]{64}")
 
-# Files: paths below the workspace or home, bytes in chunks that fit the request line
-MAX_TRANSFER_CHUNK_BYTES = 752 * KIB  #: base64 of this plus the JSON around it stays under MAX_REQUEST_BYTES
+# Files: paths below the workspace or home; their bytes pass as descriptors (TransferTable), never in a line
+MAX_WRITE_PART_BYTES = 752 * KIB  #: a `write` part serve sends: its base64 and JSON stay under MAX_REQUEST_BYTES
 MAX_TRANSFER_BYTES = 8 * 1024 * MIB  #: one upload (a file or a tar's content) or one downloaded tree
 MIN_FREE_BYTES = 16 * MIB  #: an upload never leaves less than this free on the file system it fills
-#: The agent's own spools (a directory download's tar) may use what the file system keeps for root, all but this:
+#: The agent's own spools (a checkpoint's archive) may use what the file system keeps for root, all but this:
 #: room for the log and the outbox meanwhile.
 MIN_FREE_RESERVED_BYTES = 1 * MIB
 MAX_OPEN_TRANSFERS = 16  #: uploads and downloads open at once
-TRANSFER_IDLE_S = 60.0  #: an upload or download untouched this long is closed and its staging removed
-TRANSFER_WAIT_S = 4.0  #: how long upload_commit and download_read wait for a background job before answering
+TRANSFER_IDLE_S = 60.0  #: an upload untouched (and its staging not grown) this long is closed; a tar pipe unread too
+TRANSFER_WAIT_S = 4.0  #: how long upload_commit waits for a background job before answering
+STAGING_POLL_S = 0.01  #: how often an upload's digest looks for more bytes while its client writes (StagingDigest)
+TAR_PIPE_BYTES = 1 * MIB  #: the capacity asked for a directory download's pipe (the kernel may give less)
 MAX_PATH_BYTES = 4096
 MAX_NAME_BYTES = 255
 MAX_LIST_ENTRIES = 1000  #: per `list` answer (also bounded by LIST_PAGE_BYTES)
@@ -329,11 +332,13 @@ class Method(enum.Enum):
     STAT = "stat"
     LIST = "list"
     UPLOAD = "upload"
-    UPLOAD_WRITE = "upload_write"
     UPLOAD_COMMIT = "upload_commit"
     DOWNLOAD = "download"
-    DOWNLOAD_READ = "download_read"
     TRANSFER_CLOSE = "transfer_close"
+
+
+#: The verbs whose answer carries a file descriptor (TransferTable): a unix socket's client's only.
+DESCRIPTOR_METHODS = frozenset({Method.UPLOAD, Method.DOWNLOAD})
 
 
 class FileRoot(enum.Enum):
@@ -504,28 +509,14 @@ class UploadParams:
 
 
 @dataclasses.dataclass(frozen=True)
-class UploadWriteParams:
-    transfer_id: str
-    offset_bytes: int
-    data: bytes
-
-
-@dataclasses.dataclass(frozen=True)
 class UploadCommitParams:
     transfer_id: str
     sha256: Optional[str]  # when given, the staged bytes must have this digest
 
 
-@dataclasses.dataclass(frozen=True)
-class DownloadReadParams:
-    transfer_id: str
-    offset_bytes: int
-    max_bytes: int
-
-
 Params = (NoParams | MessageParams | ReadParams | WriteParams | ResizeParams | CheckpointParams | RestoreParams
-          | SuspendParams | EgressNoteParams | ExecParams | ExecWaitParams | HandleParams | PathParams | ListParams | UploadParams
-          | UploadWriteParams | UploadCommitParams | DownloadReadParams)
+          | SuspendParams | EgressNoteParams | ExecParams | ExecWaitParams | HandleParams | PathParams | ListParams
+          | UploadParams | UploadCommitParams)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -848,11 +839,6 @@ _PARAM_SCHEMAS: dict[Method, tuple[type, tuple[_Field, ...]]] = {
         _Field("mode", "mode", _FieldKind.INT, None, 0, 0o7777, optional=True),
         _Field("size", "size_bytes", _FieldKind.INT, None, 0, 2**63 - 1, optional=True),
     )),
-    Method.UPLOAD_WRITE: (UploadWriteParams, (
-        _Field("transfer_id", "transfer_id", _FieldKind.HANDLE),
-        _Field("offset", "offset_bytes", _FieldKind.INT, None, 0, 2**63 - 1),
-        _Field("data_b64", "data", _FieldKind.BASE64, high=MAX_TRANSFER_CHUNK_BYTES),
-    )),
     Method.UPLOAD_COMMIT: (UploadCommitParams, (
         _Field("transfer_id", "transfer_id", _FieldKind.HANDLE),
         _Field("sha256", "sha256", _FieldKind.SHA256, optional=True),
@@ -860,11 +846,6 @@ _PARAM_SCHEMAS: dict[Method, tuple[type, tuple[_Field, ...]]] = {
     Method.DOWNLOAD: (PathParams, (
         _Field("root", "root", _FieldKind.CHOICE, FileRoot.WORKSPACE, choices=FileRoot),
         _Field("path", "path", _FieldKind.PATH, ()),
-    )),
-    Method.DOWNLOAD_READ: (DownloadReadParams, (
-        _Field("transfer_id", "transfer_id", _FieldKind.HANDLE),
-        _Field("offset", "offset_bytes", _FieldKind.INT, None, 0, 2**63 - 1),
-        _Field("max_bytes", "max_bytes", _FieldKind.INT, MAX_TRANSFER_CHUNK_BYTES, 1, MAX_TRANSFER_CHUNK_BYTES),
     )),
     Method.TRANSFER_CLOSE: (HandleParams, (_Field("transfer_id", "handle_id", _FieldKind.HANDLE),)),
 }
@@ -3328,15 +3309,18 @@ def _send_packet(sock: socket.socket, document: dict[str, Any], fds: Iterable[in
     sock.sendmsg([data], ancillary)
 
 
+def received_fds(ancillary: list[tuple[int, int, bytes]]) -> list[int]:
+    """The file descriptors a recvmsg's ancillary data carried (SCM_RIGHTS)."""
+    return [fd for level, kind, payload in ancillary if (level, kind) == (socket.SOL_SOCKET, socket.SCM_RIGHTS)
+            for fd in array.array("i", payload[:len(payload) - len(payload) % 4])]
+
+
 def _receive_packet(sock: socket.socket) -> tuple[bytes, list[int]]:
     """One message and the fds it carried (close-on-exec); (b"", []) at end of file. More than one message's
     bytes or MAX_WORKER_FDS fds is a protocol error, every fd received closed."""
     data, ancillary, flags, _ = sock.recvmsg(WORKER_PACKET_BYTES + 1, socket.CMSG_SPACE(MAX_WORKER_FDS * 4),
                                              socket.MSG_CMSG_CLOEXEC)
-    fds: list[int] = []
-    for level, kind, payload in ancillary:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            fds += array.array("i", payload[:len(payload) - len(payload) % 4])
+    fds = received_fds(ancillary)
     if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC) or len(data) > WORKER_PACKET_BYTES or len(fds) > MAX_WORKER_FDS:
         for fd in fds:
             os.close(fd)
@@ -4693,31 +4677,31 @@ class ExecTable:
 
 
 class TarSink:
-    """Where a downloaded tree's tar is written on its job's thread: an unnamed file in the agent's dir (on the
-    session's disk, so it counts against its quota). `written_bytes` tells the loop how far it may read; every
-    MAX_TRANSFER_CHUNK_BYTES written wakes the loop. Writing fails once the download is closed, past
-    MAX_TRANSFER_BYTES, or (disk_full) when the disk runs low; the file goes with its fd."""
+    """Where a downloaded tree's tar is written on its job's thread: the write end of a pipe whose read end went to
+    the client with the `download` answer, so the bytes never pass through the agent's socket or its disk.
+    Writing fails once the download is closed, when the reader is gone (EPIPE) or took nothing for
+    TRANSFER_IDLE_S, and past MAX_TRANSFER_BYTES."""
 
-    def __init__(self, fd: int, wakeup_fd: int) -> None:
-        self.fd = fd
-        self._wakeup_fd = wakeup_fd
+    def __init__(self, fd: int) -> None:
+        self.fd = fd  # non-blocking: a reader that stops cannot hold the job for longer than TRANSFER_IDLE_S
         self.written_bytes = 0
         self.cancelled = False
 
     def write(self, data: bytes) -> int:
-        if self.cancelled:
-            raise CommandError("the download was closed")
         if self.written_bytes + len(data) > MAX_TRANSFER_BYTES:
             raise CommandError(f"too large: the tree's tar exceeds {MAX_TRANSFER_BYTES} bytes")
-        require_free_space(self.fd, len(data), "the session's disk (a directory download's spool)", reserved=True)
-        try:
-            _write_all(self.fd, data)
-        except OSError as e:
-            raise as_agent_error(e, "cannot spool the directory's tar") from e
-        before, self.written_bytes = self.written_bytes, self.written_bytes + len(data)
-        if before // MAX_TRANSFER_CHUNK_BYTES != self.written_bytes // MAX_TRANSFER_CHUNK_BYTES:
-            with contextlib.suppress(OSError):  # the wakeup buffer is full, so the loop is awake anyway
-                os.write(self._wakeup_fd, b"\0")
+        view = memoryview(data)
+        while view:
+            if self.cancelled:
+                raise CommandError("the download was closed")
+            try:
+                view = view[os.write(self.fd, view):]
+            except BlockingIOError:
+                if not select.select([], [self.fd], [], TRANSFER_IDLE_S)[1]:
+                    raise CommandError(f"the download's reader took nothing for {TRANSFER_IDLE_S:g} s") from None
+            except BrokenPipeError:
+                raise CommandError("the download was closed") from None
+        self.written_bytes += len(data)
         return len(data)
 
 
@@ -4730,49 +4714,99 @@ def as_agent_error(error: BaseException, what: str) -> AgentError:
     return CommandError(f"{what}: {error}")
 
 
+class StagingDigest:
+    """The size and sha256 of an upload's staging, computed on a job of its own while the client writes it, so
+    that the commit waits only for the last bytes: run() reads its own fd of the staging from where it got to, and
+    once finish() is called (the client has written all) reads to the end and returns (bytes, sha256). More than
+    limit_bytes fails it; stop() (the upload is dropped) ends it."""
+
+    def __init__(self, fd: int, limit_bytes: int) -> None:
+        self._fd = fd  # its own: run() closes it
+        self._limit_bytes = limit_bytes
+        self._finishing = threading.Event()
+        self._stopped = False
+
+    def finish(self) -> None:
+        self._finishing.set()
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._finishing.set()
+
+    def run(self) -> tuple[int, str]:
+        digest = hashlib.sha256()
+        buffer = bytearray(COPY_CHUNK_BYTES)
+        size_bytes = 0
+        try:
+            while not self._stopped:
+                finishing = self._finishing.is_set()  # before the read: set, every byte is there to read
+                count = os.preadv(self._fd, [buffer], size_bytes)
+                if count:
+                    size_bytes += count
+                    if size_bytes > self._limit_bytes:
+                        raise CommandError(f"too large: the upload would exceed {self._limit_bytes} bytes")
+                    digest.update(memoryview(buffer)[:count])
+                elif finishing:
+                    return size_bytes, digest.hexdigest()
+                else:
+                    self._finishing.wait(STAGING_POLL_S)
+            raise CommandError("the upload was closed")
+        finally:
+            os.close(self._fd)
+
+
 @dataclasses.dataclass
 class _Upload:
     transfer_id: str
     params: UploadParams
     fd: int  # the staged bytes: an unnamed file of the runtime user in the root's tree (FileWorkers.upload_open)
     touched_at: float
-    written_bytes: int = 0
-    digest: Any = dataclasses.field(default_factory=hashlib.sha256)
-    job: Optional[BackgroundJob] = None  # the commit
+    digest: StagingDigest
+    digest_job: BackgroundJob  # StagingDigest.run: (bytes, sha256)
+    staged_bytes: int = 0  # the staging's size when last looked at: growing, it counts as touched
+    job: Optional[BackgroundJob] = None  # the commit: (entries, bytes, sha256)
 
 
 @dataclasses.dataclass
 class _Download:
+    """A directory's tar being written into a pipe (a file's download leaves nothing here: its fd went out)."""
+
     transfer_id: str
-    fd: int  # the file itself (opened by a worker), or the spool the job writes the tree's tar into
-    touched_at: float
-    size_bytes: Optional[int] = None  # a file's size when it was opened
-    sink: Optional[TarSink] = None  # a tree: its tar and the job writing it
-    job: Optional[BackgroundJob] = None
+    sink: TarSink
+    job: BackgroundJob
+    ended_at: Optional[float] = None  # when the job ended: kept TRANSFER_IDLE_S for the client's transfer_close
+
+
+@dataclasses.dataclass(frozen=True)
+class WithFd:
+    """A result and the one file descriptor sent with it (SCM_RIGHTS); the agent closes its copy once sent."""
+
+    fields: dict[str, Any]
+    fd: int
 
 
 class TransferTable:
-    """Uploads and downloads in progress, at most MAX_OPEN_TRANSFERS (counting those being opened); each closed
-    after TRANSFER_IDLE_S untouched. Every step that touches the workspace or the home is a file worker's, on a
-    background job (FileWorkers); the loop keeps the state.
+    """Uploads and downloads in progress, at most MAX_OPEN_TRANSFERS (counting those being opened). Every step that
+    touches the workspace or the home is a file worker's, on a background job (FileWorkers); the loop keeps the
+    state. The bytes never cross the control socket: its client gets a descriptor and moves them itself.
 
-    An upload stages its bytes chunk by chunk in an unnamed file a worker made in the target's tree, then commits on
-    a background job: a worker links the file into place, or vets a tar, extracts it beside its target and merges
-    it in. A refused upload writes nothing outside its staging, which vanishes when it is closed. A download reads a
-    file through the fd a worker opened without following links, or a tree through a tar the agent writes, from a
-    worker's walk, into a spool in its own dir, read while it grows.
+    An upload's answer carries a descriptor of its staging, an unnamed file a worker made in the target's tree;
+    the client writes the bytes into it while a job hashes what arrives (StagingDigest), then asks for the commit,
+    whose job takes that digest once the last bytes are hashed (the sha256 the client sent must match; the size
+    must be the one announced) and has a worker link the file into place, or
+    vet a tar, extract it beside its target and merge it in. A refused upload writes nothing outside its staging,
+    which vanishes with its last fd; one untouched for TRANSFER_IDLE_S, its staging not growing, is closed.
+    A file's download answer carries the fd a worker opened without following links; a tree's, the read end of a
+    pipe a job writes the tar into, from a worker's walk; transfer_close then says how that job ended.
     """
 
-    def __init__(self, config: AgentConfig, workers: FileWorkers, start_job: Callable[..., BackgroundJob],
-                 wakeup_fd: int) -> None:
+    def __init__(self, config: AgentConfig, workers: FileWorkers, start_job: Callable[..., BackgroundJob]) -> None:
         self._config = config
         self._workers = workers
         self._start_job = start_job
-        self._wakeup_fd = wakeup_fd
         self._uploads: dict[str, _Upload] = {}
         self._downloads: dict[str, _Download] = {}
         self._opening: list[BackgroundJob] = []  # transfers being opened: they count against MAX_OPEN_TRANSFERS
-        self._closing: list[_Download] = []  # closed while their job still writes; freed once it ends
 
     def root(self, root: FileRoot) -> Path:
         return self._config.root_dir(root)
@@ -4786,7 +4820,7 @@ class TransferTable:
             raise UnavailableError(f"{MAX_OPEN_TRANSFERS} transfers are open; finish or close one")
 
     def _open(self, work: Callable[[], Any], discard: Callable[[Any], None],
-              answer: Callable[[Any], dict[str, Any]]) -> PendingRequest:
+              answer: Callable[[Any], WithFd]) -> PendingRequest:
         self._require_room()
         job = self._start_job(work, discard)
         self._opening.append(job)
@@ -4801,16 +4835,22 @@ class TransferTable:
             raise RequestError(f"too large: {params.size_bytes} bytes; an upload holds at most {MAX_TRANSFER_BYTES}")
         root = self.root(params.root)
 
-        def opened(fd: int) -> dict[str, Any]:
+        def opened(fd: int) -> WithFd:
+            fds = [fd]  # closed if anything here fails; then the digest's job owns its own
             try:
                 if params.size_bytes is not None:
                     require_free_space(fd, params.size_bytes, params.root.value)
+                fds += [os.dup(fd), os.dup(fd)]
+                digest = StagingDigest(fds[2], MAX_TRANSFER_BYTES if params.size_bytes is None
+                                       else params.size_bytes)
+                digest_job = self._start_job(digest.run, lambda _: None)
             except BaseException:
-                os.close(fd)
+                for each in fds:
+                    os.close(each)
                 raise
             transfer_id = secrets.token_hex(8)
-            self._uploads[transfer_id] = _Upload(transfer_id, params, fd, now)
-            return {"transfer_id": transfer_id, "chunk_bytes": MAX_TRANSFER_CHUNK_BYTES}
+            self._uploads[transfer_id] = _Upload(transfer_id, params, fd, now, digest, digest_job)
+            return WithFd({"transfer_id": transfer_id}, fds[1])
 
         return self._open(lambda: self._workers.upload_open(root, params.path, params.kind), os.close, opened)
 
@@ -4821,54 +4861,37 @@ class TransferTable:
             raise CommandError(f"no such upload {transfer_id} (an upload untouched for {TRANSFER_IDLE_S:g} s is "
                                "closed)") from None
 
-    def write(self, params: UploadWriteParams, now: float) -> dict[str, Any]:
-        upload = self._upload(params.transfer_id)
-        if upload.job is not None:
-            raise CommandError("the upload is being committed")
-        if params.offset_bytes != upload.written_bytes:
-            raise RequestError(f"params.offset must be {upload.written_bytes}, the bytes staged so far")
-        limit_bytes = upload.params.size_bytes if upload.params.size_bytes is not None else MAX_TRANSFER_BYTES
-        if upload.written_bytes + len(params.data) > limit_bytes:
-            raise RequestError(f"too large: the upload would exceed {limit_bytes} bytes")
-        require_free_space(upload.fd, len(params.data), upload.params.root.value)
-        try:
-            written = os.pwrite(upload.fd, params.data, upload.written_bytes)
-            while written < len(params.data):
-                written += os.pwrite(upload.fd, params.data[written:], upload.written_bytes + written)
-        except OSError as e:
-            os.ftruncate(upload.fd, upload.written_bytes)  # what was staged before stays whole
-            raise as_agent_error(e, "cannot stage the upload") from e
-        upload.digest.update(params.data)
-        upload.written_bytes += len(params.data)
-        upload.touched_at = now
-        return {"transfer_id": upload.transfer_id, "bytes": upload.written_bytes}
-
     def commit(self, params: UploadCommitParams, now: float) -> PendingRequest:
         upload = self._upload(params.transfer_id)
         upload.touched_at = now
         if upload.job is None:
-            announced = upload.params.size_bytes
-            if announced is not None and announced != upload.written_bytes:
-                raise CommandError(f"the upload announced {announced} bytes but {upload.written_bytes} were staged")
-            if params.sha256 is not None and params.sha256 != upload.digest.hexdigest():
-                self._drop_upload(upload)
-                raise CommandError("sha256 mismatch: the staged bytes differ from what was sent; nothing was written")
-            upload.job = self._start_job(self._commit_work(upload), lambda _: None)
+            upload.job = self._start_job(self._commit_work(upload, params.sha256), lambda _: None)
         job = upload.job
         return _AwaitTransfer(lambda: job.finished, lambda: self._committed(upload),
                               lambda: {"transfer_id": upload.transfer_id, "done": False}, now)
 
-    def _commit_work(self, upload: _Upload) -> Callable[[], int]:
+    def _commit_work(self, upload: _Upload, sha256: Optional[str]) -> Callable[[], tuple[int, int, str]]:
         params, root = upload.params, self.root(upload.params.root)
         spare_name = f"{STAGING_PREFIX}{upload.transfer_id}"
-        if params.kind is UploadKind.FILE:
-            mode = sane_mode(DEFAULT_FILE_MODE if params.mode is None else params.mode, directory=False)
+        mode = sane_mode(DEFAULT_FILE_MODE if params.mode is None else params.mode, directory=False)
+        upload.digest.finish()  # the client has written all it will
+        digest_job = upload.digest_job
 
-            def install() -> int:
+        def commit() -> tuple[int, int, str]:
+            while not digest_job.finished:
+                digest_job.join(HANDLER_TIMEOUT_S)
+            if digest_job.error is not None:
+                raise digest_job.error
+            staged_bytes, digest = digest_job.result
+            if params.size_bytes is not None and staged_bytes != params.size_bytes:
+                raise CommandError(f"the upload announced {params.size_bytes} bytes but {staged_bytes} were staged")
+            if sha256 is not None and sha256 != digest:
+                raise CommandError("sha256 mismatch: the staged bytes differ from what was sent; nothing was written")
+            if params.kind is UploadKind.FILE:
                 self._workers.install(root, params.path, mode, upload.fd, spare_name)
-                return 1  # entries written
-            return install
-        return lambda: self._workers.extract(root, params.path, upload.fd, spare_name)
+                return 1, staged_bytes, digest  # entries written
+            return self._workers.extract(root, params.path, upload.fd, spare_name), staged_bytes, digest
+        return commit
 
     def _committed(self, upload: _Upload) -> dict[str, Any]:
         job = upload.job
@@ -4876,13 +4899,15 @@ class TransferTable:
         self._drop_upload(upload)
         if job.error is not None:
             raise as_agent_error(job.error, f"the upload to {upload.params.root.value} failed")
+        entries, staged_bytes, digest = job.result
         return {"transfer_id": upload.transfer_id, "done": True, "root": upload.params.root.value,
                 "path": shown_path(upload.params.path), "kind": upload.params.kind.value,
-                "bytes": upload.written_bytes, "entries": job.result, "sha256": upload.digest.hexdigest()}
+                "bytes": staged_bytes, "entries": entries, "sha256": digest}
 
     def _drop_upload(self, upload: _Upload) -> None:
-        """Forgets an upload; its staging, never named unless committed, goes with its fd."""
+        """Forgets an upload; its staging, never named unless committed, goes with its last fd."""
         self._uploads.pop(upload.transfer_id, None)
+        upload.digest.stop()
         if upload.fd >= 0:
             os.close(upload.fd)
             upload.fd = -1
@@ -4892,130 +4917,91 @@ class TransferTable:
     def open_download(self, params: PathParams, now: float) -> PendingRequest:
         root = self.root(params.root)
 
-        def opened(described: tuple[dict[str, Any], Optional[int]]) -> dict[str, Any]:
+        def opened(described: tuple[dict[str, Any], Optional[int]]) -> WithFd:
             entry, fd = described
-            transfer_id = secrets.token_hex(8)
             if fd is not None:
-                size_bytes = os.fstat(fd).st_size
-                self._downloads[transfer_id] = _Download(transfer_id, fd, now, size_bytes=size_bytes)
-                return {"transfer_id": transfer_id, "kind": "file", "size": size_bytes, "entry": entry}
-            spool = os.open(self._config.agent_dir, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
-            sink = TarSink(spool, self._wakeup_fd)
+                return WithFd({"kind": "file", "size": os.fstat(fd).st_size, "entry": entry}, fd)
+            read_end, write_end = os.pipe2(os.O_CLOEXEC)
             try:
-                job = self._start_job(lambda: pack_tree(self._workers.walk(root, params.path), sink), lambda _: None)
+                with contextlib.suppress(OSError):  # past /proc/sys/fs/pipe-max-size: the default, only slower
+                    fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, TAR_PIPE_BYTES)
+                os.set_blocking(write_end, False)
+                sink = TarSink(write_end)
+                job = self._start_job(lambda: pack_tree(lambda: self._workers.walk(root, params.path), sink),
+                                      lambda _: None)
             except BaseException:
-                os.close(spool)
+                os.close(read_end)
+                os.close(write_end)
                 raise
-            self._downloads[transfer_id] = _Download(transfer_id, spool, now, sink=sink, job=job)
-            return {"transfer_id": transfer_id, "kind": "tar", "size": None, "entry": entry}
+            transfer_id = secrets.token_hex(8)
+            self._downloads[transfer_id] = _Download(transfer_id, sink, job)
+            return WithFd({"transfer_id": transfer_id, "kind": "tar", "size": None, "entry": entry}, read_end)
 
         return self._open(lambda: self._workers.open_download(root, params.path),
                           lambda described: None if described[1] is None else os.close(described[1]), opened)
 
-    def _download(self, transfer_id: str) -> _Download:
-        try:
-            return self._downloads[transfer_id]
-        except KeyError:
-            raise CommandError(f"no such download {transfer_id} (a download untouched for {TRANSFER_IDLE_S:g} s is "
-                               "closed)") from None
-
-    def read(self, params: DownloadReadParams, now: float) -> dict[str, Any] | PendingRequest:
-        download = self._download(params.transfer_id)
-        download.touched_at = now
-        if download.sink is None:
-            assert download.size_bytes is not None
-            if params.offset_bytes > download.size_bytes:
-                raise RequestError(f"params.offset is past the file's {download.size_bytes} bytes")
-            wanted = min(params.max_bytes, download.size_bytes - params.offset_bytes)
-            data = os.pread(download.fd, wanted, params.offset_bytes)
-            if len(data) < wanted:
-                raise CommandError("the file shrank while it was downloaded")
-            return self._piece(download, params.offset_bytes, data, params.offset_bytes + len(data) >= download.size_bytes)
-        sink, job = download.sink, download.job
-        assert job is not None
-        ready = lambda: job.finished or sink.written_bytes > params.offset_bytes  # noqa: E731
-        answer = lambda: self._tar_piece(download, params)  # noqa: E731
-        if ready():
-            return answer()
-        return _AwaitTransfer(ready, answer, answer, now)
-
-    def _tar_piece(self, download: _Download, params: DownloadReadParams) -> dict[str, Any]:
-        sink, job = download.sink, download.job
-        assert sink is not None and job is not None
-        finished = job.finished  # before written_bytes: once finished, that is final
-        if finished and job.error is not None:
-            self.close(download.transfer_id)
-            raise as_agent_error(job.error, "cannot pack the tree")
-        available = sink.written_bytes
-        if params.offset_bytes > available:
-            raise RequestError(f"params.offset is past the {available} bytes written so far")
-        data = os.pread(download.fd, min(params.max_bytes, available - params.offset_bytes), params.offset_bytes)
-        return self._piece(download, params.offset_bytes, data, finished and params.offset_bytes + len(data) >= available)
-
-    @staticmethod
-    def _piece(download: _Download, offset_bytes: int, data: bytes, eof: bool) -> dict[str, Any]:
-        return {"transfer_id": download.transfer_id, "offset": offset_bytes, "next_offset": offset_bytes + len(data),
-                "eof": eof, "data_b64": base64.b64encode(data).decode("ascii")}
-
     # ---- closing
 
-    def close(self, transfer_id: str) -> dict[str, Any]:
-        """transfer_close: an upload is dropped with its staged bytes, a download stops and frees its spool."""
-        if transfer_id in self._uploads:
-            upload = self._uploads[transfer_id]
-            if upload.job is not None and not upload.job.finished:
-                raise CommandError("the upload is being committed; ask upload_commit for its result")
-            self._drop_upload(upload)
-            return {"transfer_id": transfer_id, "closed": True}
-        download = self._download(transfer_id)
-        del self._downloads[transfer_id]
-        if download.sink is not None:
-            download.sink.cancelled = True
-        self._closing.append(download)
-        self._free_closed()
-        return {"transfer_id": transfer_id, "closed": True}
-
-    def _free_closed(self) -> None:
-        for download in list(self._closing):
-            if download.job is None or download.job.finished:
-                os.close(download.fd)
-                self._closing.remove(download)
+    def close(self, transfer_id: str) -> dict[str, Any] | PendingRequest:
+        """transfer_close: an upload is dropped with its staged bytes; a tree's download is stopped if its tar is
+        still being written, and answered once its job ended: with the job's error if the tar is not whole."""
+        answer = {"transfer_id": transfer_id, "closed": True}
+        download = self._downloads.pop(transfer_id, None)
+        if download is not None:
+            if not download.job.finished:
+                download.sink.cancelled = True  # a tar left unread: its job stops at its next write
+            return _AwaitJob(download.job, lambda _: answer, "the directory's tar is not whole")
+        upload = self._upload(transfer_id)
+        if upload.job is not None and not upload.job.finished:
+            raise CommandError("the upload is being committed; ask upload_commit for its result")
+        self._drop_upload(upload)
+        return answer
 
     def tick(self, now: float) -> None:
-        self._free_closed()
+        for transfer_id, download in list(self._downloads.items()):
+            if download.job.finished and download.ended_at is None:
+                download.ended_at = now
+            if download.ended_at is not None and now - download.ended_at >= TRANSFER_IDLE_S:
+                del self._downloads[transfer_id]
         for upload in list(self._uploads.values()):
+            if upload.job is None and upload.fd >= 0:
+                staged_bytes = os.fstat(upload.fd).st_size
+                if staged_bytes != upload.staged_bytes:
+                    upload.staged_bytes, upload.touched_at = staged_bytes, now
             if (upload.job is None or upload.job.finished) and now - upload.touched_at >= TRANSFER_IDLE_S:
                 self._drop_upload(upload)
-        for download in list(self._downloads.values()):
-            if now - download.touched_at >= TRANSFER_IDLE_S:
-                self.close(download.transfer_id)
 
     def next_deadline(self) -> Optional[float]:
         times = [t + TRANSFER_IDLE_S for t in (*(upload.touched_at for upload in self._uploads.values()),
-                                               *(download.touched_at for download in self._downloads.values()))]
+                                               *(d.ended_at for d in self._downloads.values() if d.ended_at))]
         return min(times, default=None)
 
     def close_all(self) -> None:
         """Shutdown: every transfer closed; a job still running gets HANDLER_TIMEOUT_S to notice."""
-        for download in list(self._downloads.values()):
-            self.close(download.transfer_id)
-        jobs = [job for job in [u.job for u in self._uploads.values()] + [d.job for d in self._closing] if job]
+        for download in self._downloads.values():
+            download.sink.cancelled = True
+        jobs = [job for job in [u.job for u in self._uploads.values()] + [d.job for d in self._downloads.values()]
+                if job]
         for job in jobs:
             job.join(HANDLER_TIMEOUT_S)
-        self._free_closed()
         for upload in list(self._uploads.values()):
             if upload.job is None or upload.job.finished:
                 self._drop_upload(upload)
 
 
-def pack_tree(walk: WorkerWalk, sink: TarSink) -> int:
-    """A download's job: a worker's walk of the tree as a tar into its sink. Returns the entries left out."""
+def pack_tree(open_walk: Callable[[], WorkerWalk], sink: TarSink) -> int:
+    """A download's job: a worker's walk of the tree as a tar into its sink, whose pipe it closes at the end however
+    it ends (the reader's end of file). Returns the entries left out."""
     try:
-        with tarfile.open(fileobj=cast(BinaryIO, sink),  # a stream ("w|"): tarfile only writes and closes it
-                          mode="w|", format=tarfile.PAX_FORMAT, bufsize=COPY_CHUNK_BYTES) as archive:
-            return write_walked_entries(archive, walk)
+        walk = open_walk()
+        try:
+            with tarfile.open(fileobj=cast(BinaryIO, sink),  # a stream ("w|"): tarfile only writes and closes it
+                              mode="w|", format=tarfile.PAX_FORMAT, bufsize=COPY_CHUNK_BYTES) as archive:
+                return write_walked_entries(archive, walk)
+        finally:
+            walk.close()
     finally:
-        walk.close()
+        os.close(sink.fd)
 
 
 # ======================================================================================================================
@@ -5069,6 +5055,7 @@ class Connection:
         self.request: Optional[Request] = None
         self.pending: Optional[PendingRequest] = None
         self.outgoing = b""
+        self.outgoing_fd = -1  # sent with the response's first bytes (SCM_RIGHTS), then closed; or on closing
 
 
 class PendingRequest:
@@ -5076,7 +5063,7 @@ class PendingRequest:
 
     wake_at: Optional[float] = None  # a time resolve() must be asked at even if nothing happens
 
-    def resolve(self, now: float) -> Optional[dict[str, Any]]:
+    def resolve(self, now: float) -> Optional[dict[str, Any] | WithFd]:
         raise NotImplementedError
 
     def abandon(self) -> str:
@@ -5206,12 +5193,12 @@ class _AwaitJob(PendingRequest):
     """Answers with answer(result) once a background job (a file worker's operation) is done; its failure is the
     request's error. Abandoned at the handler bound, the job's result is discarded when it comes (AgentServer)."""
 
-    def __init__(self, job: BackgroundJob, answer: Callable[[Any], dict[str, Any]], what: str) -> None:
+    def __init__(self, job: BackgroundJob, answer: Callable[[Any], dict[str, Any] | WithFd], what: str) -> None:
         self._job = job
         self._answer = answer
         self._what = what
 
-    def resolve(self, now: float) -> Optional[dict[str, Any]]:
+    def resolve(self, now: float) -> Optional[dict[str, Any] | WithFd]:
         if not self._job.finished:
             return None
         if self._job.error is not None:
@@ -5260,15 +5247,14 @@ class AgentServer:
         self._wakeup_read, self._wakeup_write = socket.socketpair()
         for end in (self._wakeup_read, self._wakeup_write):
             end.setblocking(False)
-        self._handlers: dict[Method, Callable[[Any, float], dict[str, Any] | PendingRequest]] = {
+        self._handlers: dict[Method, Callable[[Any, float], dict[str, Any] | WithFd | PendingRequest]] = {
             Method.MESSAGE: self._message, Method.INTERRUPT: self._interrupt, Method.RELAUNCH: self._relaunch,
             Method.STATUS: self._status, Method.READ: self._read, Method.WRITE: self._write,
             Method.RESIZE: self._resize, Method.CHECKPOINT: self._checkpoint, Method.RESTORE: self._restore,
             Method.SUSPEND: self._suspend, Method.EGRESS_NOTE: self._egress_note,
             Method.EXEC: self._exec, Method.EXEC_WAIT: self._exec_wait, Method.EXEC_KILL: self._exec_kill,
             Method.STAT: self._stat, Method.LIST: self._list, Method.UPLOAD: self._upload,
-            Method.UPLOAD_WRITE: self._upload_write, Method.UPLOAD_COMMIT: self._upload_commit,
-            Method.DOWNLOAD: self._download, Method.DOWNLOAD_READ: self._download_read,
+            Method.UPLOAD_COMMIT: self._upload_commit, Method.DOWNLOAD: self._download,
             Method.TRANSFER_CLOSE: self._transfer_close,
         }
         self.execs = ExecTable(config, self._reactor)
@@ -5282,7 +5268,7 @@ class AgentServer:
             raise
         self.tcp_listener: Optional[TcpListener] = None
         try:
-            self.transfers = TransferTable(config, self.workers, self.start_file_job, self._wakeup_write.fileno())
+            self.transfers = TransferTable(config, self.workers, self.start_file_job)
             if config.listen is not None:
                 self.tcp_listener = TcpListener(*config.listen)
             self.outbox = Outbox(config.agent_dir / OUTBOX_NAME)
@@ -5482,6 +5468,10 @@ class AgentServer:
             self._respond(conn, encode_error(e.request_id, e.code, str(e)))
             return
         request = conn.request
+        if request.method in DESCRIPTOR_METHODS and conn.sock.family != socket.AF_UNIX:
+            self._respond(conn, encode_error(request.request_id, RequestError.code, (
+                f"{request.method.value} answers with a file descriptor: only on the unix socket, not over TCP")))
+            return
         self._settle(conn, lambda: self._handlers[request.method](request.params, now))
 
     def _serve(self, conn: Connection, now: float) -> None:
@@ -5493,7 +5483,7 @@ class AgentServer:
         elif now >= conn.deadline:
             self._close(conn)  # silent, or not reading its response
 
-    def _settle(self, conn: Connection, step: Callable[[], dict[str, Any] | PendingRequest | None]) -> None:
+    def _settle(self, conn: Connection, step: Callable[[], dict[str, Any] | WithFd | PendingRequest | None]) -> None:
         """Runs a handler step; answers with its result or error, or parks the request when it must wait."""
         assert conn.request is not None
         request = conn.request
@@ -5508,18 +5498,27 @@ class AgentServer:
             return
         if isinstance(outcome, PendingRequest):
             conn.pending = outcome
+        elif isinstance(outcome, WithFd):
+            self._respond(conn, encode_result(request.request_id, request.method, outcome.fields), outcome.fd)
         elif outcome is not None:
             self._respond(conn, encode_result(request.request_id, request.method, outcome))
 
-    def _respond(self, conn: Connection, response: bytes) -> None:
+    def _respond(self, conn: Connection, response: bytes, fd: int = -1) -> None:
         conn.pending = None
         conn.outgoing = response
+        conn.outgoing_fd = fd
         conn.deadline = self._clock() + CLIENT_IDLE_TIMEOUT_S
         self._send(conn)
 
     def _send(self, conn: Connection) -> None:
         try:
-            sent = conn.sock.send(conn.outgoing)
+            if conn.outgoing_fd >= 0:
+                rights = array.array("i", [conn.outgoing_fd]).tobytes()
+                sent = conn.sock.sendmsg([conn.outgoing], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, rights)])
+                os.close(conn.outgoing_fd)  # the client holds it now
+                conn.outgoing_fd = -1
+            else:
+                sent = conn.sock.send(conn.outgoing)
         except BlockingIOError:
             sent = 0
         except OSError:
@@ -5534,6 +5533,9 @@ class AgentServer:
     def _close(self, conn: Connection) -> None:
         self._reactor.unwatch(conn.sock.fileno())
         conn.sock.close()
+        if conn.outgoing_fd >= 0:  # never sent: nobody else has it
+            os.close(conn.outgoing_fd)
+            conn.outgoing_fd = -1
         self._connections.discard(conn)
 
     # ---- verbs
@@ -5679,10 +5681,6 @@ class AgentServer:
         self._admitting()
         return self.transfers.open_upload(params, now)
 
-    def _upload_write(self, params: UploadWriteParams, now: float) -> dict[str, Any]:
-        self._admitting()
-        return self.transfers.write(params, now)
-
     def _upload_commit(self, params: UploadCommitParams, now: float) -> PendingRequest:
         self._admitting()
         return self.transfers.commit(params, now)
@@ -5691,10 +5689,7 @@ class AgentServer:
         self._workload_or_unavailable()
         return self.transfers.open_download(params, now)
 
-    def _download_read(self, params: DownloadReadParams, now: float) -> dict[str, Any] | PendingRequest:
-        return self.transfers.read(params, now)
-
-    def _transfer_close(self, params: HandleParams, now: float) -> dict[str, Any]:
+    def _transfer_close(self, params: HandleParams, now: float) -> dict[str, Any] | PendingRequest:
         return self.transfers.close(params.handle_id)
 
 
@@ -5729,7 +5724,17 @@ def _note_signal(signum: int, frame: object) -> None:
 
 
 def call(session_dir: Path, method: str, params: dict[str, Any], timeout_s: float = CALL_TIMEOUT_S) -> dict[str, Any]:
-    """Sends one request to DIR/agent/control.sock and returns the response document (or a synthetic error one).
+    """Sends one request to DIR/agent/control.sock and returns the response document (or a synthetic error one);
+    a file descriptor the answer carried is closed."""
+    document, fds = call_with_fds(session_dir, method, params, timeout_s)
+    for fd in fds:
+        os.close(fd)
+    return document
+
+
+def call_with_fds(session_dir: Path, method: str, params: dict[str, Any],
+                  timeout_s: float = CALL_TIMEOUT_S) -> tuple[dict[str, Any], list[int]]:
+    """call, and the file descriptors the answer carried (close-on-exec; the caller closes them).
 
     The socket is reached with connect_unix_at (never through a symlink): without a runtime user the workload is
     the agent's own uid and can write DIR/agent."""
@@ -5742,18 +5747,26 @@ def call(session_dir: Path, method: str, params: dict[str, Any], timeout_s: floa
             connection = connect_unix_at(dir_fd, SOCKET_NAME, timeout_s)
         finally:
             os.close(dir_fd)
+        response = bytearray()
+        fds: list[int] = []
         with connection as sock:
             sock.sendall(line)
-            response = bytearray()
             while not response.endswith(b"\n"):
-                chunk = sock.recv(RECV_BYTES)
+                chunk, ancillary, _, _ = sock.recvmsg(RECV_BYTES, socket.CMSG_SPACE(MAX_WORKER_FDS * 4),
+                                                      socket.MSG_CMSG_CLOEXEC)
+                fds += received_fds(ancillary)
                 if not chunk:
                     break
                 response += chunk
-        return json.loads(response)
+        try:
+            return json.loads(response), fds
+        except ValueError:
+            for fd in fds:
+                os.close(fd)
+            raise
     except (OSError, ValueError) as e:
         return {"id": request_id, "error": {"code": UnavailableError.code,
-                                            "message": f"no response from {socket_path}: {e}"}}
+                                            "message": f"no response from {socket_path}: {e}"}}, []
 
 
 # ======================================================================================================================

@@ -52,6 +52,7 @@ import concurrent.futures
 import contextlib
 import datetime
 import enum
+import errno
 import fcntl
 import functools
 import hashlib
@@ -59,6 +60,7 @@ import hmac
 import http.client
 import http.server
 import ipaddress
+import itertools
 import json
 import math
 import os
@@ -125,7 +127,7 @@ DEFAULT_SESSION_DISK_MIB = 2048
 MIN_SESSION_DISK_MIB = 64
 MAX_SESSION_DISK_MIB = 16 * 1024 * 1024
 #: ext4 keeps this share of a session's disk for root: the agent's own files (log, outbox,
-#: checkpoints, download spools) still grow when the workload has filled the rest.
+#: checkpoints) still grow when the workload has filled the rest.
 SESSION_DISK_RESERVED_PERCENT = 5
 #: What the host may hold for a session beyond its image's size: the host file system's own
 #: blocks for the image file (extent tree). Documented in the README; tests measure it.
@@ -187,10 +189,10 @@ BODY_READ_TIMEOUT_S = 30.0
 MAX_PAYLOAD_BYTES = agent_role.MAX_PROMPT_BYTES
 MAX_MESSAGE_PART_BYTES = agent_role.MAX_MESSAGE_PART_BYTES
 #: A shell write has no bound of its own (seed 002: the body's 8 MiB); it reaches the agent in
-#: parts of this many bytes, each travelling as base64 in the agent's one request line as an
-#: upload chunk does. A part the terminal's input buffer cannot take yet is offered again until
+#: parts of this many bytes, each travelling as base64 in the agent's one request line. A part
+#: the terminal's input buffer cannot take yet is offered again until
 #: the terminal has taken nothing for SHELL_INPUT_STALL_S.
-MAX_WRITE_PART_BYTES = agent_role.MAX_TRANSFER_CHUNK_BYTES
+MAX_WRITE_PART_BYTES = agent_role.MAX_WRITE_PART_BYTES
 SHELL_INPUT_STALL_S = 10.0
 SHELL_INPUT_POLL_S = 0.05
 #: The agent's `read` is bounded per call; `read` on the API pages through the log with it.
@@ -261,13 +263,15 @@ DOWNLOAD_STALL_S = 60.0
 #: agent's own long-polls take up to 4 s; only a hostile agent answers "not yet" at once).
 AGENT_POLL_MIN_S = 0.25
 #: The agent's exec and transfer bounds (docs/agent.md), which it alone defines: stdin travels
-#: in one request line, output is kept per stream up to the cap, files move in chunks whose
-#: base64 fits its 1 MiB request line.
+#: in one request line, output is kept per stream up to the cap; files move through descriptors
+#: the agent's answers carry (AnswerDescriptor), in pieces of COPY_CHUNK_BYTES.
 MAX_EXEC_TIMEOUT_MS = agent_role.MAX_EXEC_TIMEOUT_MS
 MAX_EXEC_STDIN_BYTES = agent_role.MAX_EXEC_STDIN_BYTES
 DEFAULT_EXEC_OUTPUT_BYTES = agent_role.DEFAULT_EXEC_OUTPUT_CAP_BYTES
 MAX_EXEC_OUTPUT_BYTES = agent_role.MAX_EXEC_OUTPUT_CAP_BYTES
-TRANSFER_CHUNK_BYTES = agent_role.MAX_TRANSFER_CHUNK_BYTES
+COPY_CHUNK_BYTES = 4 * 1024 * 1024
+#: Room for this many descriptors on one answer: more is refused as surely as a second one.
+MAX_ANSWER_FDS = 4
 MAX_UPLOAD_BYTES = agent_role.MAX_TRANSFER_BYTES
 #: Where a file route's path starts: `?root=`, or `container` for an absolute path (from the
 #: session container's `/`, as its runtime user reaches it).
@@ -2054,9 +2058,7 @@ ANSWER_FIELDS: dict[str, tuple[AnswerField, ...]] = {
     "list": (AnswerField("root", _ROOT), AnswerField("path", _plain_text(agent_role.MAX_PATH_BYTES)),
              AnswerField("entries", _entries), AnswerField("total", _COUNT),
              AnswerField("next_offset", _COUNT)),
-    "upload": (AnswerField("transfer_id", _matching(_HANDLE_ID)),
-               AnswerField("chunk_bytes", _integer(1, TRANSFER_CHUNK_BYTES))),
-    "upload_write": (AnswerField("transfer_id", _matching(_HANDLE_ID)), AnswerField("bytes", _COUNT)),
+    "upload": (AnswerField("transfer_id", _matching(_HANDLE_ID)),),
     "upload_commit": (
         AnswerField("transfer_id", _matching(_HANDLE_ID)), AnswerField("done", _boolean),
         AnswerField("root", _ROOT, required=False),
@@ -2065,13 +2067,9 @@ ANSWER_FIELDS: dict[str, tuple[AnswerField, ...]] = {
         AnswerField("bytes", _integer(0, MAX_UPLOAD_BYTES), required=False),
         AnswerField("entries", _integer(0, agent_role.MAX_ARCHIVE_ENTRIES), required=False),
         AnswerField("sha256", _matching(_SHA256_HEX), required=False)),
-    "download": (AnswerField("transfer_id", _matching(_HANDLE_ID)),
+    "download": (AnswerField("transfer_id", _matching(_HANDLE_ID), required=False),
                  AnswerField("kind", _one_of("file", "tar")),
                  AnswerField("size", _nullable(_integer(0, MAX_UPLOAD_BYTES)))),
-    "download_read": (
-        AnswerField("transfer_id", _matching(_HANDLE_ID)), AnswerField("offset", _OFFSET),
-        AnswerField("next_offset", _OFFSET), AnswerField("eof", _boolean),
-        AnswerField("data_b64", _base64(TRANSFER_CHUNK_BYTES), keep_as="data")),
     "transfer_close": (AnswerField("transfer_id", _matching(_HANDLE_ID)),
                        AnswerField("closed", _boolean)),
 }
@@ -2159,12 +2157,6 @@ def _check_transfer(params: dict[str, Any], answer: dict[str, Any], raw: dict[st
     _require(answer["transfer_id"] == params["transfer_id"], "not the transfer asked for")
 
 
-def _check_upload_write(params: dict[str, Any], answer: dict[str, Any], raw: dict[str, Any]) -> None:
-    _check_transfer(params, answer, raw)
-    _require(answer["bytes"] == params["offset"] + _base64_bytes(params["data_b64"]),
-             "upload_write: bytes is not what was staged")
-
-
 def _check_upload_commit(params: dict[str, Any], answer: dict[str, Any], raw: dict[str, Any]) -> None:
     _check_transfer(params, answer, raw)
     facts = ("root", "path", "kind", "bytes", "entries", "sha256")
@@ -2179,15 +2171,8 @@ def _check_download(params: dict[str, Any], answer: dict[str, Any], raw: dict[st
     answer["entry"] = _named_entry(params, raw)
     wanted = {"file": "file", "tar": "directory"}[answer["kind"]]
     _require(answer["entry"]["type"] == wanted, "download: the kind does not fit the entry")
-    _require((answer["size"] is None) == (answer["kind"] == "tar"),
-             "download: a file has a size, a tar has none")
-
-
-def _check_download_read(params: dict[str, Any], answer: dict[str, Any], raw: dict[str, Any]) -> None:
-    _check_transfer(params, answer, raw)
-    _require(answer["offset"] == params["offset"] and
-             answer["next_offset"] == answer["offset"] + len(answer["data"]),
-             "download_read: not the offset asked for, or next_offset is not it plus the bytes")
+    _require((answer["size"] is None) == (answer["kind"] == "tar") == ("transfer_id" in answer),
+             "download: a file has a size, a tar has none and a transfer id")
 
 
 #: What each answer must agree on with its request, or within itself, beyond its fields' rules.
@@ -2195,10 +2180,44 @@ ANSWER_CHECKS: dict[str, Callable[[dict[str, Any], dict[str, Any], dict[str, Any
     "read": _check_read, "write": _check_write, "message": _check_message,
     "resize": _check_resize, "checkpoint": _check_checkpoint, "exec_wait": _check_exec_wait,
     "exec_kill": _check_exec_kill, "stat": _check_path_answer, "list": _check_list,
-    "upload_write": _check_upload_write, "upload_commit": _check_upload_commit,
-    "download": _check_download, "download_read": _check_download_read,
+    "upload_commit": _check_upload_commit, "download": _check_download,
     "transfer_close": _check_transfer,
 }
+
+
+class AnswerDescriptor(enum.Enum):
+    """What the one file descriptor on an answer must be (SCM_RIGHTS: the bytes of a file never
+    cross the control socket): serve moves bytes through it only once fstat and its open mode
+    agree, and never more than the answer declared or the API allows."""
+
+    FILE_TO_READ = "a regular file open for reading"
+    STAGING = "an empty regular file open for writing"
+    TAR_PIPE = "the read end of a pipe"
+
+
+#: The verbs whose result carries exactly one descriptor, and the kind its result says it is;
+#: every other answer (and every error) carries none.
+ANSWER_DESCRIPTORS: dict[str, Callable[[dict[str, Any]], AnswerDescriptor]] = {
+    "upload": lambda answer: AnswerDescriptor.STAGING,
+    "download": lambda answer: (AnswerDescriptor.FILE_TO_READ if answer["kind"] == "file"
+                                else AnswerDescriptor.TAR_PIPE),
+}
+
+
+def check_descriptor(fd: int, kind: AnswerDescriptor) -> None:
+    """AnswerInvalid unless fd is what `kind` says (a socket, a directory, a device never is).
+    A staging is never a memfd: what serve writes into one would be memory charged to serve,
+    bounded by nothing but the upload's size."""
+    st = os.fstat(fd)
+    access = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE
+    fits = {
+        AnswerDescriptor.FILE_TO_READ: stat.S_ISREG(st.st_mode) and access in (os.O_RDONLY, os.O_RDWR),
+        AnswerDescriptor.STAGING: (stat.S_ISREG(st.st_mode) and st.st_size == 0
+                                   and access in (os.O_WRONLY, os.O_RDWR)
+                                   and not os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:")),
+        AnswerDescriptor.TAR_PIPE: stat.S_ISFIFO(st.st_mode) and access == os.O_RDONLY,
+    }[kind]
+    _require(fits, f"the file descriptor sent is not {kind.value}")
 
 
 def parse_agent_result(method: str, params: dict[str, Any], result: Any) -> dict[str, Any]:
@@ -2260,12 +2279,20 @@ class AgentCallError(ReployError):
 
 def agent_call(agent_dir: Path, method: str, params: dict[str, Any],
                timeout_s: float = AGENT_CALL_TIMEOUT_S) -> dict[str, Any]:
+    """One request of a verb whose answer carries no descriptor (agent_exchange)."""
+    assert method not in ANSWER_DESCRIPTORS, method
+    return agent_exchange(agent_dir, method, params, timeout_s)[0]
+
+
+def agent_exchange(agent_dir: Path, method: str, params: dict[str, Any],
+                   timeout_s: float = AGENT_CALL_TIMEOUT_S) -> tuple[dict[str, Any], Optional[int]]:
     """One request on AGENT_DIR/control.sock (ServeConfig.agent_dir); its checked result
-    (parse_agent_response), or AgentCallError. The workload cannot reach that directory, but
-    serve does not rely on it (the agent itself may be compromised): the socket is reached only
-    as a socket (connect_unix_at: never through a symlink), the whole call has one deadline (a
-    peer that trickles bytes cannot hold the caller, the reaper among them), and the answer is
-    bounded and parsed as hostile input."""
+    (parse_agent_response) and, for a verb of ANSWER_DESCRIPTORS, the one file descriptor it
+    carried, checked (the caller closes it); or AgentCallError, every descriptor received closed.
+    The workload cannot reach that directory, but serve does not rely on it (the agent itself may
+    be compromised): the socket is reached only as a socket (connect_unix_at: never through a
+    symlink), the whole call has one deadline (a peer that trickles bytes cannot hold the caller,
+    the reaper among them), and the answer is bounded and parsed as hostile input."""
     line = wire.encode_compact({"id": "serve", "method": method, "params": params}) + b"\n"
     if len(line) > AGENT_MAX_REQUEST_BYTES + 1:
         raise AgentCallError("invalid_request", f"too large: the {method} request encodes to "
@@ -2273,32 +2300,49 @@ def agent_call(agent_dir: Path, method: str, params: dict[str, Any],
                              f"{AGENT_MAX_REQUEST_BYTES} (pass big input as a file)")
     deadline = time.monotonic() + timeout_s
     response = bytearray()
+    fds: list[int] = []
+    fds_cut = False  # more descriptors than MAX_ANSWER_FDS: the kernel closed the rest
     try:
-        with opened_dir(agent_dir) as dir_fd:
-            connection = agent_role.connect_unix_at(dir_fd, SOCKET_NAME, timeout_s)
-        with connection as sock:
-            sock.sendall(line)
-            while len(response) <= AGENT_MAX_RESPONSE_BYTES:
-                sock.settimeout(max(deadline - time.monotonic(), 0.001))
-                chunk = sock.recv(256 * 1024)
-                response += chunk
-                if not chunk or b"\n" in chunk:
-                    break
-    except OSError as e:
-        raise AgentCallError("server_unavailable", f"the session agent does not answer: {e}",
-                             transport=True) from e
-    answer, newline, rest = bytes(response).partition(b"\n")
-    if not newline and len(response) <= AGENT_MAX_RESPONSE_BYTES:
-        raise AgentCallError("server_unavailable", "the session agent hung up before it answered",
-                             transport=True)
-    try:
-        _require(len(answer) < AGENT_MAX_RESPONSE_BYTES,
-                 f"the answer is longer than {AGENT_MAX_RESPONSE_BYTES} bytes")
-        _require(not rest, "bytes follow the answer's line")
-        return parse_agent_response(method, params, answer)
-    except AnswerInvalid as e:
-        raise AgentCallError(INVALID_ANSWER, f"the session agent's answer to {method} is invalid: "
-                                             f"{e}") from None
+        try:
+            with opened_dir(agent_dir) as dir_fd:
+                connection = agent_role.connect_unix_at(dir_fd, SOCKET_NAME, timeout_s)
+            with connection as sock:
+                sock.sendall(line)
+                while len(response) <= AGENT_MAX_RESPONSE_BYTES:
+                    sock.settimeout(max(deadline - time.monotonic(), 0.001))
+                    chunk, ancillary, flags, _ = sock.recvmsg(
+                        256 * 1024, socket.CMSG_SPACE(MAX_ANSWER_FDS * 4), socket.MSG_CMSG_CLOEXEC)
+                    fds += agent_role.received_fds(ancillary)
+                    fds_cut = fds_cut or bool(flags & socket.MSG_CTRUNC)
+                    response += chunk
+                    if not chunk or b"\n" in chunk:
+                        break
+        except OSError as e:
+            raise AgentCallError("server_unavailable", f"the session agent does not answer: {e}",
+                                 transport=True) from e
+        answer, newline, rest = bytes(response).partition(b"\n")
+        if not newline and len(response) <= AGENT_MAX_RESPONSE_BYTES:
+            raise AgentCallError("server_unavailable", "the session agent hung up before it "
+                                 "answered", transport=True)
+        try:
+            _require(len(answer) < AGENT_MAX_RESPONSE_BYTES,
+                     f"the answer is longer than {AGENT_MAX_RESPONSE_BYTES} bytes")
+            _require(not rest, "bytes follow the answer's line")
+            result = parse_agent_response(method, params, answer)
+            expected = 1 if method in ANSWER_DESCRIPTORS else 0
+            _require(len(fds) == expected and not fds_cut,
+                     f"the answer carries {'more than ' * fds_cut}{len(fds)} file descriptors; "
+                     f"{method} answers with {expected}")
+            if expected:
+                check_descriptor(fds[0], ANSWER_DESCRIPTORS[method](result))
+        except AnswerInvalid as e:
+            raise AgentCallError(INVALID_ANSWER, f"the session agent's answer to {method} is "
+                                                 f"invalid: {e}") from None
+        return result, fds[0] if fds else None
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
 
 
 #: The stable words an agent's file and exec errors start with (docs/agent.md, "Errors of the
@@ -2387,6 +2431,48 @@ class AgentWait:
             self.stopping.wait(rest_s)
 
 
+def stage_body(source: Any, fd: int, size_bytes: int) -> str:
+    """Copies size_bytes of an upload's body from `source` into its staging (fd), in pieces of
+    COPY_CHUNK_BYTES; their sha256, computed on a thread of its own while the next piece is read
+    and this one written (two buffers: one hashed while the other fills). A body that ends early
+    is the client's error (400), a full disk the session's (507)."""
+    digest = hashlib.sha256()
+    buffers = [memoryview(bytearray(COPY_CHUNK_BYTES)) for _ in range(2)]
+    staged = 0
+    with concurrent.futures.ThreadPoolExecutor(1, "upload-digest") as hasher:
+        hashing: Optional[concurrent.futures.Future[None]] = None  # the previous piece's
+        for turn in itertools.count():
+            if staged >= size_bytes:
+                break
+            buffer = buffers[turn % 2]  # not the one being hashed
+            count = _read_full(source, buffer[:min(COPY_CHUNK_BYTES, size_bytes - staged)])
+            if staged + count < size_bytes and count < COPY_CHUNK_BYTES:
+                raise BadRequest(f"the body ended after {staged + count} of {size_bytes} bytes")
+            if hashing is not None:
+                hashing.result()
+            hashing = hasher.submit(digest.update, buffer[:count])
+            try:
+                written = 0
+                while written < count:
+                    written += os.pwrite(fd, buffer[written:count], staged + written)
+            except OSError as e:
+                if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise InsufficientStorage(f"not enough space: the session's disk: {e.strerror}") from e
+                raise ServiceUnavailable(f"cannot stage the upload: {e.strerror}") from e
+            staged += count
+        if hashing is not None:
+            hashing.result()
+    return digest.hexdigest()
+
+
+def _read_full(source: Any, view: memoryview) -> int:
+    """Fills view from source as far as it goes; how many bytes (fewer only at its end)."""
+    filled = 0
+    while filled < len(view) and (count := source.readinto(view[filled:])):
+        filled += count
+    return filled
+
+
 def _camel_keys(result: dict[str, Any]) -> dict[str, Any]:
     return {re.sub(r"_([a-z])", lambda m: m.group(1).upper(), k): v for k, v in result.items()}
 
@@ -2395,7 +2481,7 @@ def _camel_keys(result: dict[str, Any]) -> dict[str, Any]:
 # ============================================================================================
 #
 # Theory of operation. Every byte a session can write on the host (its workspace; its agent's
-# log, outbox, state, checkpoints and download spools) lies on a file system of its own: a
+# log, outbox, state and checkpoints) lies on a file system of its own: a
 # sparse ext4 image of --session-disk-mib in STATE_DIR/disks, loop-mounted nosuid,nodev at
 # STATE_DIR/sessions/ID, which its container gets at /mnt/reploy-session. A workload writing
 # past it gets ENOSPC, and the host holds at most the image's size plus
@@ -3472,23 +3558,32 @@ class SessionManager:
     def call(self, session_id: str, method: str, params: dict[str, Any],
              workloads: tuple[str, ...] = ("shell", "agent")) -> dict[str, Any]:
         """An access, then one agent request."""
+        return self.exchange(session_id, method, params, workloads)[0]
+
+    def exchange(self, session_id: str, method: str, params: dict[str, Any],
+                 workloads: tuple[str, ...] = ("shell", "agent")) -> tuple[dict[str, Any], Optional[int]]:
+        """call, and the descriptor its answer carried (agent_exchange; the caller closes it)."""
         record = self.record(session_id)
         if record.spec.workload not in workloads:
             raise Unprocessable(f"{method} is for {' and '.join(workloads)} sessions")
         self.access(session_id)
-        return self._ask(session_id, method, params)
+        return self._exchange(session_id, method, params)
 
     def _ask(self, session_id: str, method: str, params: dict[str, Any]) -> dict[str, Any]:
+        return self._exchange(session_id, method, params)[0]
+
+    def _exchange(self, session_id: str, method: str,
+                  params: dict[str, Any]) -> tuple[dict[str, Any], Optional[int]]:
         """One agent request of a session just accessed; asked again once when its container
         was lost and a fresh one started (_relaunch_if_lost)."""
         agent_dir = self.config.agent_dir(session_id)
         try:
-            return agent_call(agent_dir, method, params)
+            return agent_exchange(agent_dir, method, params)
         except AgentCallError as e:
             if not (e.transport and self._relaunch_if_lost(session_id)):
                 raise serve_error_for(e) from e
         try:
-            return agent_call(agent_dir, method, params)
+            return agent_exchange(agent_dir, method, params)
         except AgentCallError as e:
             raise serve_error_for(e) from e
 
@@ -3579,7 +3674,7 @@ class SessionManager:
     # -- the harness verbs: exec and files -------------------------------------------------
     #
     # Each starts with an access (self.call), then waits on the agent in a loop of polls (exec
-    # output, list pages, upload chunks and commit, download chunks). Every such loop runs
+    # output, list pages, an upload's commit, a tar's pipe). Every such loop runs
     # under an AgentWait: a deadline, the client's presence and serve's own stop, and a least
     # interval between polls that answered "not yet", so an agent answering that at once, for
     # ever, can neither pin the thread nor make it spin.
@@ -3666,11 +3761,12 @@ class SessionManager:
     def upload(self, session_id: str, root: str, path: str, kind: str, mode: Optional[int],
                size_bytes: int, source: Any,
                client_gone: Callable[[], bool] = lambda: False) -> dict[str, Any]:
-        """Streams size_bytes from `source` into the session: staged by the agent chunk by
-        chunk (never the whole body in memory here), then committed with its sha256. A refused
-        or broken upload is closed and leaves nothing behind. One chunk is in flight while the
-        next is read and encoded. The commit is awaited until its deadline (UPLOAD_COMMIT_*)
-        while the client is there; a client that left stops the wait, not the commit."""
+        """Streams size_bytes from `source` into the session: written straight into the staging
+        file whose descriptor the agent's `upload` answer carried (never the whole body in
+        memory, never through the control socket), then committed with its sha256, which the
+        agent checks against what was staged. A refused or broken upload is closed and leaves
+        nothing behind. The commit is awaited until its deadline (UPLOAD_COMMIT_*) while the
+        client is there; a client that left stops the wait, not the commit."""
         free = shutil.disk_usage(self.config.state_dir).free
         if free - size_bytes < self.config.min_free_bytes:
             raise InsufficientStorage(f"not enough space: {free // (1024 * 1024)} MiB free under "
@@ -3678,29 +3774,18 @@ class SessionManager:
         params: dict[str, Any] = {"root": root, "path": path, "kind": kind, "size": size_bytes}
         if mode is not None:
             params["mode"] = mode
-        transfer_id = self.call(session_id, "upload", params)["transfer_id"]
-        digest = hashlib.sha256()
-        sent = 0
+        opened, staging = self.exchange(session_id, "upload", params)
+        assert staging is not None
+        transfer_id = opened["transfer_id"]
         try:
-            with concurrent.futures.ThreadPoolExecutor(1, "upload") as sender:
-                in_flight: Optional[concurrent.futures.Future[dict[str, Any]]] = None
-                while sent < size_bytes:
-                    chunk = source.read(min(TRANSFER_CHUNK_BYTES, size_bytes - sent))
-                    if not chunk:
-                        raise BadRequest(f"the body ended after {sent} of {size_bytes} bytes")
-                    digest.update(chunk)
-                    params = {"transfer_id": transfer_id, "offset": sent,
-                              "data_b64": base64.b64encode(chunk).decode("ascii")}
-                    if in_flight is not None:
-                        in_flight.result()  # in order: the agent takes chunks at its length
-                    in_flight = sender.submit(self._poll, session_id, "upload_write", params)
-                    sent += len(chunk)
-                if in_flight is not None:
-                    in_flight.result()
+            try:
+                sha256 = stage_body(source, staging, size_bytes)
+            finally:
+                os.close(staging)
             wait = self._wait(f"the commit of {path or root}",
                               UPLOAD_COMMIT_BASE_S + size_bytes / UPLOAD_COMMIT_MIN_BYTES_PER_S,
                               client_gone)
-            commit = {"transfer_id": transfer_id, "sha256": digest.hexdigest()}
+            commit = {"transfer_id": transfer_id, "sha256": sha256}
             while True:
                 wait.check()
                 result = self._poll(session_id, "upload_commit", commit)
@@ -3715,51 +3800,47 @@ class SessionManager:
                            {"transfer_id": transfer_id})
             raise
 
-    def download(self, session_id: str, root: str, path: str,
-                 client_gone: Callable[[], bool] = lambda: False,
-                 ) -> tuple[dict[str, Any], Generator[bytes, None, None]]:
-        """Opens a file (or a directory, as a tar) for reading: its description, and its bytes
-        chunk by chunk as the agent serves them. A file yields exactly its announced size; a
-        tar at most MAX_UPLOAD_BYTES (the agent's own bound). The chunks stop with BadGateway
-        past either, or with GatewayTimeout when no byte came for DOWNLOAD_STALL_S."""
-        opened = self.call(session_id, "download", {"root": root, "path": path})
-        transfer_id = opened["transfer_id"]
-        limit_bytes = opened["size"] if opened["size"] is not None else MAX_UPLOAD_BYTES
+    def download(self, session_id: str, root: str, path: str) -> tuple[dict[str, Any], int]:
+        """Opens a file (or a directory, as a tar) for reading: its description and the
+        descriptor its bytes come from (checked: a regular file, or a tar pipe's read end); the
+        caller closes it. A file's bytes are sent with sendfile up to its announced size; a
+        tar's with tar_pieces."""
+        opened, fd = self.exchange(session_id, "download", {"root": root, "path": path})
+        assert fd is not None
+        return opened, fd
 
-        def read(offset: int) -> dict[str, Any]:
-            return self._poll(session_id, "download_read",
-                              {"transfer_id": transfer_id, "offset": offset})
-
-        def chunks() -> Generator[bytes, None, None]:
-            """One read ahead: the next chunk is asked for while this one is sent."""
-            wait = self._wait(f"the download of {path or root}", DOWNLOAD_STALL_S, client_gone)
-            try:
-                with concurrent.futures.ThreadPoolExecutor(1, "download") as reader:
-                    ahead = reader.submit(read, 0)
-                    while True:
-                        page = ahead.result()
-                        if page["next_offset"] > limit_bytes:
-                            raise BadGateway(f"the session agent sent more than {limit_bytes} "
-                                             "bytes")
-                        if page["eof"] and opened["size"] is not None and (
-                                page["next_offset"] != opened["size"]):
-                            raise BadGateway("the session agent ended the file before its size")
-                        if page["data"]:
-                            wait.renew(DOWNLOAD_STALL_S)
-                        elif not page["eof"]:
-                            wait.not_yet()
-                        if not page["eof"]:
-                            wait.check()
-                            ahead = reader.submit(read, page["next_offset"])
-                        yield page["data"]
-                        if page["eof"]:
-                            return
-            finally:
+    def tar_pieces(self, session_id: str, transfer_id: str, pipe_fd: int,
+                   client_gone: Callable[[], bool] = lambda: False) -> Generator[bytes, None, None]:
+        """A directory's tar as the agent writes it into the pipe (pipe_fd, closed at the end):
+        pieces of at most COPY_CHUNK_BYTES, MAX_UPLOAD_BYTES in all (the agent's own bound), each
+        within DOWNLOAD_STALL_S (GatewayTimeout) while the client is there. At the pipe's end
+        the agent's transfer_close says whether the tar is whole: its error raises, so the body
+        ends short. Stopped early, the agent's job is stopped too."""
+        wait = self._wait(f"the download of a directory of session {session_id}",
+                          DOWNLOAD_STALL_S, client_gone)
+        received = 0
+        ended = False
+        try:
+            while True:
+                wait.check()
+                if not select.select([pipe_fd], [], [], AGENT_POLL_MIN_S)[0]:
+                    continue
+                piece = os.read(pipe_fd, COPY_CHUNK_BYTES)
+                if not piece:
+                    break
+                received += len(piece)
+                if received > MAX_UPLOAD_BYTES:
+                    raise BadGateway(f"the session agent sent more than {MAX_UPLOAD_BYTES} bytes")
+                wait.renew(DOWNLOAD_STALL_S)
+                yield piece
+            ended = True
+            self._poll(session_id, "transfer_close", {"transfer_id": transfer_id})
+        finally:
+            os.close(pipe_fd)
+            if not ended:
                 with contextlib.suppress(AgentCallError):
                     agent_call(self.config.agent_dir(session_id), "transfer_close",
                                {"transfer_id": transfer_id})
-
-        return opened, chunks()
 
     def status(self, session_id: str) -> dict[str, Any]:
         """Passive: asks an active session's agent, never resumes or restores one."""
@@ -5442,38 +5523,59 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
         root, path, mode = file_query(query, file_route_path(self.api_path))
         if mode is not None:
             raise BadRequest("mode: only for uploads")
-        opened, chunks = self.manager.download(sid, root, path, self.client_gone)
-        name = (path.rstrip("/").rpartition("/")[2] or root) + (".tar" if opened["kind"] == "tar" else "")
+        opened, fd = self.manager.download(sid, root, path)
+        name = path.rstrip("/").rpartition("/")[2] or root
+        if opened["kind"] == "tar":  # the pieces own the pipe: read, then closed
+            self.send_tar(sid, name, self.manager.tar_pieces(sid, opened["transfer_id"], fd,
+                                                             self.client_gone))
+            return
         try:
-            first = next(chunks)  # before the headers: a refused first answer is still an error
-        except BaseException:
-            chunks.close()
-            raise
+            self.send_file(name, opened["size"], fd)
+        finally:
+            os.close(fd)
+
+    def send_download_headers(self, name: str, content_type: str) -> None:
         self.send_response(200)
-        self.send_header("Content-Type", "application/x-tar" if opened["kind"] == "tar"
-                         else "application/octet-stream")
+        self.send_header("Content-Type", content_type)
         self.send_header("Content-Disposition",
                          f"attachment; filename*=UTF-8''{urllib.parse.quote(name)}")
         self.send_header("Cache-Control", "no-store")
-        # A file has its size; a tar is made while it is sent, so a failure past the first
-        # chunk (the session's disk filling up, say) can only end it short: chunked, it ends
-        # without its last chunk, which any HTTP client reports as an incomplete transfer.
-        chunked = False
-        if opened["size"] is not None:
-            self.send_header("Content-Length", str(opened["size"]))
-            self.end_headers()  # adds nosniff and the sandbox, as on every answer
-        else:
-            chunked = self.send_unsized_headers()
+
+    def send_file(self, name: str, size_bytes: int, fd: int) -> None:
+        """A file's bytes from the descriptor the agent's worker opened, by sendfile: exactly
+        the size announced (Content-Length), or a body that ends short when the file shrank."""
+        self.send_download_headers(name, "application/octet-stream")
+        self.send_header("Content-Length", str(size_bytes))
+        self.end_headers()  # adds nosniff and the sandbox, as on every answer
         try:
-            self.write_piece(first, chunked)
-            for chunk in chunks:
-                self.write_piece(chunk, chunked)
-            self.end_pieces(chunked)
-        except (ReployError, OSError) as e:  # the headers are out: end the body short instead
-            log(f"serve: download of {path!r} from session {sid} ended early: {e}")
+            with os.fdopen(os.dup(fd), "rb", buffering=0) as source:
+                sent = self.connection.sendfile(source, 0, size_bytes) if size_bytes else 0
+        except OSError as e:
+            sent, reason = -1, str(e)
+        else:
+            reason = f"the file ended after {sent} of its {size_bytes} bytes"
+        if sent != size_bytes:
+            log(f"serve: download of {name!r} ended early: {reason}")
             self.close_connection = True
+
+    def send_tar(self, sid: str, name: str, pieces: Generator[bytes, None, None]) -> None:
+        """A directory's tar, made while it is sent: a failure past the first piece (the
+        session's disk filling up, say) can only end it short: chunked, it ends without its last
+        chunk, which any HTTP client reports as an incomplete transfer."""
+        try:
+            first = next(pieces, b"")  # before the headers: a tar refused at once is still an error
+            self.send_download_headers(f"{name}.tar", "application/x-tar")
+            chunked = self.send_unsized_headers()
+            try:
+                self.write_piece(first, chunked)
+                for piece in pieces:
+                    self.write_piece(piece, chunked)
+                self.end_pieces(chunked)
+            except (ReployError, OSError) as e:  # the headers are out: end the body short instead
+                log(f"serve: download of {name!r} from session {sid} ended early: {e}")
+                self.close_connection = True
         finally:
-            chunks.close()  # the agent's transfer is closed now, not when this is collected
+            pieces.close()  # the agent's job is stopped now, not when this is collected
 
     @spec_statuses
     def api_stream(self, sid: str, body: bytes, query: str) -> None:

@@ -30,7 +30,7 @@ Each line: name, unit, n, p50, p90, p99, baseline, ratio. Figures, not pass/fail
                               same file (docker cp's API; its tar built beforehand, outside the timing)
   serve_download_throughput   GET /files of that file, MiB/s, against the SDK's get_archive of it, read whole
 
-  python3 bench/bench_serve.py [--rounds N] [--only serve_create_to_prompt|sse]
+  python3 bench/bench_serve.py [--rounds N] [--only serve_create_to_prompt|sse|files]
                               (needs the engine and the base images: make setup)
 """
 
@@ -417,9 +417,10 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # clean up on the way out
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--only", choices=["serve_create_to_prompt", "sse"],
-                        help="measure this figure alone, or the serve_sse_delivery figures with one "
-                             "session created (the others need the creates first)")
+    parser.add_argument("--only", choices=["serve_create_to_prompt", "sse", "files"],
+                        help="measure this figure alone, the serve_sse_delivery figures with one "
+                             "session created, or the two file throughputs (after the creates the "
+                             "others need)")
     args = parser.parse_args()
     rounds = args.rounds
     client = docker.from_env()
@@ -440,6 +441,11 @@ def main() -> int:
             api.wait_output(sid, b"$ ")
             creates.append(time.perf_counter() - start)
             sessions.append(sid)
+        manager_view = reploy_serve.SessionStore(base / "state" / "sessions.db")
+        container = client.containers.get(manager_view.get(sessions[0]).container_id)
+        if args.only == "files":
+            file_figures(api, sessions[0], container, base)
+            return 0
         if args.only != "sse":
             figure("serve_create_to_prompt", "s", creates, sdk_baseline(workload, rounds))
         if args.only == "serve_create_to_prompt":
@@ -452,14 +458,10 @@ def main() -> int:
                                  functools.partial(api.write, sessions[0])))
         if args.only == "sse":
             return 0
-        manager_view = reploy_serve.SessionStore(base / "state" / "sessions.db")
-        container = client.containers.get(manager_view.get(sessions[0]).container_id)
         exec_times, sdk_exec_times = exec_round_trips(api, sessions[0], container, rounds * 4)
         figure("serve_exec_true", "ms", exec_times, sdk_exec_times)
         fair_share(client, workload, base / "fair-share", rounds * 4)
-        uploads, sdk_uploads, downloads, sdk_downloads = transfer_rates(api, sessions[0], container, base)
-        figure("serve_upload_throughput", "MiB/s", uploads, sdk_uploads)
-        figure("serve_download_throughput", "MiB/s", downloads, sdk_downloads)
+        file_figures(api, sessions[0], container, base)
         # Idle: pause directly (what the reaper does), then time the access that resumes.
         resumes, memory = [], []
         for sid in sessions:
@@ -653,6 +655,12 @@ def transfer_rates(api: Api, sid: str, container: docker.models.containers.Conta
         sdk_downloads.append(mib / (time.perf_counter() - start))
         assert received >= TRANSFER_BYTES
     return uploads, sdk_uploads, downloads, sdk_downloads
+
+
+def file_figures(api: Api, sid: str, container: docker.models.containers.Container, base: Path) -> None:
+    uploads, sdk_uploads, downloads, sdk_downloads = transfer_rates(api, sid, container, base)
+    figure("serve_upload_throughput", "MiB/s", uploads, sdk_uploads)
+    figure("serve_download_throughput", "MiB/s", downloads, sdk_downloads)
 
 
 # --------------------------------------------------------------------------------------------

@@ -13,20 +13,32 @@ where it is, so a change of the session directory's layout is one edit here.
 
 from __future__ import annotations
 
+import array
 import json
 import os
 import socket
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Union
 
 import agent
 import reploy_serve
 
+@dataclass(frozen=True)
+class WithFds:
+    """A reply (fields or a raw line) sent with these file descriptors (SCM_RIGHTS) on its
+    first bytes; the stand-in closes its copies once sent."""
+
+    reply: Union[dict[str, Any], bytes]
+    fds: tuple[int, ...]
+
+
 #: An answer: a result's fields (sent as {"id", "result": {"type": method, **fields}}), a raw
-#: response line, or a function of the request (its id, method and params) giving either, or
-#: an iterator of raw pieces, each sent as it comes (a peer that trickles).
-Reply = Union[dict[str, Any], bytes, Iterator[bytes]]
+#: response line, either with descriptors (WithFds), or a function of the request (its id,
+#: method and params) giving one of those, or an iterator of raw pieces, each sent as it comes
+#: (a peer that trickles).
+Reply = Union[dict[str, Any], bytes, WithFds, Iterator[bytes]]
 Answer = Union[dict[str, Any], bytes, Callable[[dict[str, Any]], Reply]]
 STANDIN_SUFFIX = ".standin"
 REAL_SUFFIX = ".real"
@@ -49,6 +61,35 @@ def _bind_at(sock: socket.socket, path: Path) -> None:
 def result_line(request: dict[str, Any], fields: dict[str, Any]) -> bytes:
     """The response line of a well-formed result."""
     return json.dumps({"id": request["id"], "result": {"type": request["method"], **fields}}).encode() + b"\n"
+
+
+def send_with_fds(connection: socket.socket, data: bytes, fds: tuple[int, ...]) -> None:
+    """data, the fds on its first bytes, then the stand-in's copies of them closed."""
+    try:
+        if fds:
+            rights = array.array("i", fds).tobytes()
+            sent = connection.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, rights)])
+            data = data[sent:]
+        connection.sendall(data)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def pipe_of(pieces: Iterator[bytes]) -> int:
+    """The read end of a pipe a thread writes pieces into, then closes (or stops writing when
+    the reader closed its end): what a directory download's answer carries."""
+    read_end, write_end = os.pipe()
+
+    def feed() -> None:
+        with open(write_end, "wb", buffering=0) as sink:
+            for piece in pieces:
+                try:
+                    sink.write(piece)
+                except BrokenPipeError:
+                    return
+    threading.Thread(target=feed, name="standin-tar-pipe", daemon=True).start()
+    return read_end
 
 
 class StandInAgent:
@@ -100,21 +141,22 @@ class StandInAgent:
                 request = json.loads(line)
                 self.requests.append(request)
                 answer = self.answers.get(request.get("method", ""))
-                if answer is None:
-                    connection.sendall(self._relay(line))
-                    return
-                reply = answer(request) if callable(answer) else answer
-                if isinstance(reply, dict):
-                    connection.sendall(result_line(request, reply))
-                elif isinstance(reply, bytes):
-                    connection.sendall(reply)
+                reply = (self._relay(line) if answer is None
+                         else answer(request) if callable(answer) else answer)
+                fds: tuple[int, ...] = ()
+                if isinstance(reply, WithFds):
+                    fds = reply.fds
+                    reply = reply.reply
+                if isinstance(reply, (dict, bytes)):
+                    send_with_fds(connection, result_line(request, reply) if isinstance(reply, dict)
+                                  else reply, fds)
                 else:
                     for piece in reply:
                         connection.sendall(piece)
             except OSError:
                 pass  # serve hung up (a deadline, a client gone): nothing to answer
 
-    def _relay(self, line: bytes) -> bytes:
+    def _relay(self, line: bytes) -> WithFds:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as upstream:
             upstream.settimeout(15)
             dir_fd = os.open(self.real.parent, os.O_RDONLY | os.O_DIRECTORY)
@@ -124,12 +166,14 @@ class StandInAgent:
                 os.close(dir_fd)
             upstream.sendall(line)
             response = b""
+            fds: list[int] = []
             while not response.endswith(b"\n"):
-                chunk = upstream.recv(1 << 20)
+                chunk, ancillary, _, _ = upstream.recvmsg(1 << 20, socket.CMSG_SPACE(4 * 4))
+                fds += agent.received_fds(ancillary)
                 if not chunk:
                     break
                 response += chunk
-            return response
+            return WithFds(response, tuple(fds))
 
     def close(self) -> None:
         """Stop answering and give the path back to the real agent."""

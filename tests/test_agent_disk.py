@@ -6,16 +6,18 @@ many bytes, its outbox holds events until they fit, and the verbs that write ans
 
 from __future__ import annotations
 
+import io
 import json
 import re
 import subprocess
+import tarfile
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 
 from agent_fixtures.harness import (AS_ROOT, AgentProcess, agent, run_exec, short_dir,  # noqa: F401
-                                    start_agent, upload_bytes)
+                                    start_agent, upload_bytes, download_bytes)
 
 pytestmark = pytest.mark.skipif(not AS_ROOT, reason="mounting a small file system needs root")
 DISK_KIB = 4096
@@ -63,12 +65,15 @@ def test_the_log_and_outbox_survive_a_full_disk(small_disk: Path, start_agent) -
     assert shell.status()["running"] is True
 
 
-def test_a_directory_download_that_cannot_spool_answers_disk_full(small_disk: Path, start_agent) -> None:
+def test_a_directory_download_needs_no_room_on_a_full_disk(small_disk: Path, start_agent) -> None:
+    """Its tar goes through a pipe, never a spool on the session's disk."""
     shell = start_agent("--workload", "shell")
     assert run_exec(shell, ["sh", "-c", "mkdir d && head -c 1000000 /dev/urandom > d/blob"])["exit_code"] == 0
     fill(shell)
-    opened = shell.result("download", path="d")
-    error = shell.error("download_read", transfer_id=opened["transfer_id"], offset=0)
-    assert error["code"] == "disk_full" and error["message"].startswith("not enough space")
+    opened, data = download_bytes(shell, "d")
+    assert opened["kind"] == "tar"
+    with tarfile.open(fileobj=io.BytesIO(data)) as archive:
+        member = archive.extractfile("blob")
+        assert member is not None and len(member.read()) == 1000000
     assert [p.name for p in shell.agent_dir.iterdir() if not p.name.startswith(("control", "events", "output"))] == []
     json.dumps(shell.status())  # the agent answers on

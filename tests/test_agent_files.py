@@ -3,7 +3,6 @@ hostile path and archive refused with nothing written, inside or outside the wor
 
 from __future__ import annotations
 
-import base64
 import gzip
 import hashlib
 import io
@@ -14,7 +13,7 @@ import tarfile
 import pytest
 
 from agent_fixtures.harness import (WORKLOAD_UID, agent, download_bytes, hand_over, short_dir,  # noqa: F401
-                                    start_agent, tree_snapshot, upload_bytes, wait_until)
+                                    open_upload, start_agent, tree_snapshot, upload_bytes, wait_until)
 
 
 @pytest.fixture
@@ -55,7 +54,7 @@ def no_staging_left(process) -> None:
 
 
 def test_a_file_round_trip_in_chunks(shell):
-    data = os.urandom(2 * agent.MAX_TRANSFER_CHUNK_BYTES + 12345)
+    data = os.urandom(2 * agent.COPY_CHUNK_BYTES + 12345)
     committed = upload_bytes(shell, "deep/er/blob.bin", data)["result"]
     assert committed == {"type": "upload_commit", "transfer_id": committed["transfer_id"], "done": True,
                          "root": "workspace", "path": "deep/er/blob.bin", "kind": "file", "bytes": len(data),
@@ -183,27 +182,36 @@ def test_a_tar_that_would_replace_a_directory_with_a_file_is_refused(shell):
     assert upload_bytes(shell, "d", b"x")["error"]["message"].startswith("is a directory: d")
 
 
+def staged(shell, path: str, data: bytes, **params) -> str:
+    """An upload opened and `data` written into its staging (closed then): its transfer id."""
+    opened, staging = open_upload(shell, path, **params)
+    assert staging is not None
+    try:
+        os.pwrite(staging, data, 0)
+    finally:
+        os.close(staging)
+    return opened["result"]["transfer_id"]
+
+
 def test_a_digest_mismatch_writes_nothing(shell):
-    opened = shell.result("upload", path="f.bin")
-    shell.result("upload_write", transfer_id=opened["transfer_id"], offset=0, data_b64=base64.b64encode(b"abc").decode())
-    error = shell.error("upload_commit", transfer_id=opened["transfer_id"], sha256=hashlib.sha256(b"abd").hexdigest())
+    transfer = staged(shell, "f.bin", b"abc")
+    error = shell.error("upload_commit", transfer_id=transfer, sha256=hashlib.sha256(b"abd").hexdigest())
     assert error["message"].startswith("sha256 mismatch")
     assert not (workspace(shell) / "f.bin").exists()
     no_staging_left(shell)
 
 
-def test_sizes_and_offsets_are_enforced(shell):
+def test_sizes_are_enforced(shell):
+    """What the client staged is measured by the commit: more or less than announced is refused, nothing written."""
     assert shell.error("upload", path="x", size=agent.MAX_TRANSFER_BYTES + 1)["message"].startswith("too large")
     assert "mode is for file uploads" in shell.error("upload", path="d", kind="tar", mode=0o755)["message"]
-    opened = shell.result("upload", path="x", size=3)
-    transfer = opened["transfer_id"]
-    assert "params.offset must be 0" in shell.error("upload_write", transfer_id=transfer, offset=5,
-                                                     data_b64="YWJj")["message"]
-    assert shell.error("upload_write", transfer_id=transfer, offset=0,
-                       data_b64=base64.b64encode(b"abcd").decode())["message"].startswith("too large")
-    shell.result("upload_write", transfer_id=transfer, offset=0, data_b64="YWI=")
-    assert "announced 3 bytes" in shell.error("upload_commit", transfer_id=transfer)["message"]
-    assert shell.result("transfer_close", transfer_id=transfer)["closed"] is True
+    too_long = staged(shell, "x", b"abcd", size=3)
+    assert shell.error("upload_commit", transfer_id=too_long)["message"].startswith("too large")
+    too_short = staged(shell, "x", b"ab", size=3)
+    assert "announced 3 bytes but 2" in shell.error("upload_commit", transfer_id=too_short)["message"]
+    assert "no such upload" in shell.error("transfer_close", transfer_id=too_short)["message"]  # refused: dropped
+    closed = staged(shell, "x", b"abc", size=3)
+    assert shell.result("transfer_close", transfer_id=closed)["closed"] is True
     assert not (workspace(shell) / "x").exists()
     no_staging_left(shell)
 
@@ -239,17 +247,14 @@ def test_an_agent_that_dies_mid_upload_leaves_nothing_behind(start_agent):
     """The staging is an unnamed file: it goes with the last fd on it, the agent's."""
     shell = start_agent("--workload", "shell")
     before = os.statvfs(workspace(shell))
-    opened = shell.result("upload", path="half.bin")
-    chunk = os.urandom(agent.MAX_TRANSFER_CHUNK_BYTES)
-    for offset in range(0, 8 * len(chunk), len(chunk)):
-        shell.result("upload_write", transfer_id=opened["transfer_id"], offset=offset,
-                     data_b64=base64.b64encode(chunk).decode())
-    staged = before.f_bfree - os.statvfs(workspace(shell)).f_bfree
+    size_bytes = 8 * agent.COPY_CHUNK_BYTES
+    staged(shell, "half.bin", os.urandom(size_bytes))  # the test's own copy of its staging closed
+    blocks = before.f_bfree - os.statvfs(workspace(shell)).f_bfree
     shell.crash()
     assert list(workspace(shell).iterdir()) == []
     assert sorted(p.name for p in shell.agent_dir.iterdir()) == ["control.sock", "events.jsonl", "output.log"]
-    assert staged * before.f_frsize >= 8 * len(chunk) // 2  # the bytes were on the workspace's file system...
-    wait_until(lambda: os.statvfs(workspace(shell)).f_bfree >= before.f_bfree - staged // 2, "the space back")
+    assert blocks * before.f_frsize >= size_bytes // 2  # the bytes were on the workspace's file system...
+    wait_until(lambda: os.statvfs(workspace(shell)).f_bfree >= before.f_bfree - blocks // 2, "the space back")
 
 
 def test_uploads_survive_checkpoint_and_restore(start_agent):
@@ -261,3 +266,20 @@ def test_uploads_survive_checkpoint_and_restore(start_agent):
     source.stop()
     restored = start_agent("--workload", "shell", "--restore", result["path"], name="t")
     assert download_bytes(restored, "kept/data.bin")[1] == data
+
+
+def test_a_closed_upload_keeps_no_descriptor_or_digest_job(shell):
+    """Each open upload holds its staging twice (its own fd, its digest job's); closed, both go, and the job ends."""
+    proc = f"/proc/{shell.proc.pid}"
+    shell.result("stat", path="")  # the zygote started
+
+    def held() -> tuple[int, int]:
+        return len(os.listdir(f"{proc}/fd")), len(os.listdir(f"{proc}/task"))
+
+    before = held()
+    transfers = [staged(shell, f"f{n}", b"abc") for n in range(4)]
+    assert held()[0] > before[0] + 4 and held()[1] > before[1]
+    for transfer in transfers:
+        shell.result("transfer_close", transfer_id=transfer)
+    wait_until(lambda: held()[0] <= before[0] and held()[1] <= before[1], "the uploads' fds and jobs to go")
+    no_staging_left(shell)

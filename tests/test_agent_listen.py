@@ -123,3 +123,13 @@ def test_parse_listen_address_accepts_bracketed_ipv6():
     assert agent.parse_listen_address("[::1]:7000") == ("::1", 7000)
     assert agent.parse_listen_address("0.0.0.0:0") == ("0.0.0.0", 0)
     assert agent.format_listen_address("::1", 7000) == "[::1]:7000"
+
+
+def test_transfers_are_for_the_unix_socket_only(start_listening):
+    """upload and download answer with a file descriptor, which TCP cannot carry: refused there, nothing staged."""
+    shell, port = start_listening("--workload", "shell")
+    for method, params in (("upload", {"path": "f.txt", "size": 1}), ("download", {"path": ""})):
+        error = tcp_call(port, method, **params)["error"]
+        assert error["code"] == "invalid_request" and "only on the unix socket" in error["message"], error
+    assert list((shell.session_dir / "workspace").iterdir()) == []
+    assert shell.result("download", path="")["kind"] == "tar"  # the unix socket's client is served

@@ -80,20 +80,18 @@ def test_handles_roots_kinds_and_digests_are_checked() -> None:
     assert "one of file, tar" in refused("upload", path="x", kind="zip")
     assert "must match" in refused("upload_commit", transfer_id="0" * 16, sha256="ABC")
     assert "true or false" in refused("exec_wait", exec_id="0" * 16, release=1)
-    assert "limit is" in refused("upload_write", transfer_id="0" * 16, offset=0,
-                                 data_b64=base64.b64encode(b"x" * (752 * 1024 + 1)).decode())
     upload = request("upload", path="d/f.txt").params
     assert upload == agent.UploadParams(agent.FileRoot.WORKSPACE, ("d", "f.txt"), agent.UploadKind.FILE,
                                         None, None)
 
 
-def test_a_full_upload_chunk_fits_the_request_line() -> None:
-    """The largest chunk, as base64 in an upload_write line with the longest values, is under 1 MiB."""
-    line = json.dumps({"id": "x" * 256, "method": "upload_write", "params": {
-        "transfer_id": "f" * 16, "offset": 2**63 - 1,
-        "data_b64": base64.b64encode(b"\xff" * agent.MAX_TRANSFER_CHUNK_BYTES).decode()}}).encode()
+def test_a_full_write_part_fits_the_request_line() -> None:
+    """The largest part serve writes, as base64 in a write line with the longest id, is under 1 MiB."""
+    data = b"\xff" * agent.MAX_WRITE_PART_BYTES
+    line = json.dumps({"id": "x" * 256, "method": "write", "params": {
+        "data_b64": base64.b64encode(data).decode()}}).encode()
     assert len(line) <= agent.MAX_REQUEST_BYTES
-    assert agent.parse_request(line).params.offset_bytes == 2**63 - 1
+    assert agent.parse_request(line).params.data == data
 
 
 def test_an_exec_wait_answer_fits_one_line() -> None:

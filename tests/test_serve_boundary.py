@@ -120,7 +120,7 @@ def test_the_session_disk_bounds_what_the_workload_writes_on_the_host(
     """Issue 21, attack 5: `dd` of 300 MiB into the session. With a 128 MiB disk it gets ENOSPC;
     the host holds at most the disk's size (plus SESSION_DISK_MARGIN_MIB); the agent goes on
     (its own files grow into the part ext4 keeps for root), an upload answers 507, and a directory
-    download (spooled on the same disk) still works."""
+    download (its tar through a pipe, needing no room) still works."""
     import reploy_serve
 
     quota_mib = 128

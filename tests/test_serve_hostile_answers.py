@@ -10,10 +10,13 @@ endless archive (6).
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import http.client
 import io
+import itertools
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -29,7 +32,7 @@ import reploy_serve
 from serve_harness import (  # noqa: F401  (fixtures)
     ROOT, Api, ServeProcess, in_thread, managed_workload, serve_factory, sse_events, wait_until,
 )
-from standin_agent import StandInAgent, control_socket
+from standin_agent import StandInAgent, WithFds, control_socket, pipe_of
 
 pytestmark = pytest.mark.docker
 
@@ -114,14 +117,8 @@ FAMILIES: list[tuple[str, tuple[str, str, Any], dict[str, Any]]] = [
                          "entries": [{**FILE_ENTRY, "name": "a\nb"}]}}),
     ("download: a size with CR LF", ("GET", "/files/f.txt", None),
      {"download": {"transfer_id": TID, "kind": "file", "size": INJECTED_SIZE, "entry": FILE_ENTRY}}),
-    ("download_read: more bytes than the size", ("GET", "/files/f.txt", None),
-     {"download": {"transfer_id": TID, "kind": "file", "size": 5, "entry": FILE_ENTRY},
-      "download_read": {"transfer_id": TID, "offset": 0, "next_offset": 10, "eof": True,
-                        "data_b64": base64.b64encode(b"0123456789").decode()}}),
     ("upload: an id that is none", ("PUT", "/files/u.txt", b"hello"),
-     {"upload": {"transfer_id": "x", "chunk_bytes": 1}}),
-    ("upload_write: bytes that were not sent", ("PUT", "/files/u.txt", b"hello"),
-     {"upload_write": lambda r: {"transfer_id": r["params"]["transfer_id"], "bytes": 999}}),
+     {"upload": {"transfer_id": "x"}}),
     ("upload_commit: another digest", ("PUT", "/files/u.txt", b"hello"),
      {"upload_commit": lambda r: commit_of(r, "0" * 64)}),
     ("upload_commit: another upload's result", ("PUT", "/files/u.txt", b"hello"),
@@ -132,6 +129,131 @@ FAMILIES: list[tuple[str, tuple[str, str, Any], dict[str, Any]]] = [
 
 
 SEED_002_PATHS = ("/read", "/write", "/snapshot")
+FILE_ANSWER = {"kind": "file", "size": 5, "entry": FILE_ENTRY}
+TAR_ANSWER = {"transfer_id": TID, "kind": "tar", "size": None, "entry": DIR_ENTRY}
+
+
+def regular_file(tmp_path: Path, data: bytes = b"", flags: int = os.O_RDWR) -> int:
+    path = tmp_path / f"fd-{time.monotonic_ns()}"
+    path.write_bytes(data)
+    return os.open(path, flags)
+
+
+def hostile_descriptors(tmp_path: Path) -> list[tuple[str, tuple[str, str, Any], str, Callable[[], Any]]]:
+    """(what, the API request, the method answered, the answer: fields and descriptors made
+    anew for each request). Each must fail its request with 502, every descriptor closed."""
+    def socket_fd() -> int:
+        one, other = socket.socketpair()
+        other.close()
+        return one.detach()
+
+    download = ("GET", "/files/f.txt", None)
+    tree = ("GET", "/files/d", None)
+    upload = ("PUT", "/files/u.txt", b"hello")
+    staging = {"transfer_id": TID}
+    return [
+        ("a file's download without its descriptor", download, "download", lambda: FILE_ANSWER),
+        ("a socket as the file to read", download, "download",
+         lambda: WithFds(FILE_ANSWER, (socket_fd(),))),
+        ("a directory as the file to read", download, "download",
+         lambda: WithFds(FILE_ANSWER, (os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY),))),
+        ("a file open only for writing", download, "download",
+         lambda: WithFds(FILE_ANSWER, (regular_file(tmp_path, b"hello", os.O_WRONLY),))),
+        ("two descriptors with a file", download, "download",
+         lambda: WithFds(FILE_ANSWER, (regular_file(tmp_path, b"hello"), regular_file(tmp_path)))),
+        ("six descriptors with a file", download, "download",
+         lambda: WithFds(FILE_ANSWER, tuple(regular_file(tmp_path) for _ in range(6)))),
+        ("a regular file as a tar's pipe", tree, "download",
+         lambda: WithFds(TAR_ANSWER, (regular_file(tmp_path, b"tar"),))),
+        ("a pipe's write end as a tar's pipe", tree, "download",
+         lambda: WithFds(TAR_ANSWER, (os.dup(os.pipe()[1]),))),
+        ("an upload without its staging", upload, "upload", lambda: staging),
+        ("a staging that holds bytes already", upload, "upload",
+         lambda: WithFds(staging, (regular_file(tmp_path, b"planted"),))),
+        ("a staging open only for reading", upload, "upload",
+         lambda: WithFds(staging, (regular_file(tmp_path, b"", os.O_RDONLY),))),
+        ("a memfd as the staging", upload, "upload",
+         lambda: WithFds(staging, (os.memfd_create("staging"),))),
+        ("a pipe as the staging", upload, "upload",
+         lambda: WithFds(staging, (os.pipe()[1],))),
+        ("a descriptor on an answer that takes none", ("GET", "/list/f.txt", None), "stat",
+         lambda: WithFds({"root": "workspace", "path": "f.txt", "entry": FILE_ENTRY},
+                         (regular_file(tmp_path),))),
+        ("a descriptor on an error", download, "download",
+         lambda: WithFds(json.dumps({"id": "serve", "error": {"code": "command_error",
+                                                              "message": "conflict: no"}}).encode()
+                         + b"\n", (regular_file(tmp_path),))),
+    ]
+
+
+def serve_fds(server: ServeProcess) -> int:
+    """How many descriptors serve holds, besides its database's (one connection per handler
+    thread, kept with the thread)."""
+    fd_dir = f"/proc/{server.proc.pid}/fd"
+    targets = []
+    for name in os.listdir(fd_dir):
+        with contextlib.suppress(FileNotFoundError):  # closed meanwhile
+            targets.append(os.readlink(f"{fd_dir}/{name}"))
+    return sum(1 for target in targets if "sessions.db" not in target)
+
+
+def test_hostile_descriptors_are_refused_and_closed(
+        hostile: tuple[ServeProcess, str, str, StandInAgent], tmp_path: Path) -> None:
+    """What the agent's answers carry is fstat'd before a byte moves: a socket, a directory, a
+    file of the wrong mode, a pipe where a file is due (or the wrong end of one), two or more
+    descriptors, none where one is due, one where none is: each fails its one request, and serve
+    holds none of them after (it keeps no more descriptors than it had)."""
+    server, sid, bystander, stand = hostile
+    api = server.api
+    assert answer(api, "GET", f"/sessions/{sid}/list/", None)[0] == 200  # serve's own fds opened
+    before = serve_fds(server)
+    for what, (method, path, body), verb, reply in hostile_descriptors(tmp_path):
+        stand.answers[verb] = lambda request, reply=reply: reply()
+        raw = body if isinstance(body, bytes) else b""
+        status, document = answer(api, method, f"/sessions/{sid}{path}", None if raw else body, raw,
+                                  "application/octet-stream" if raw else "application/json")
+        stand.answers.clear()
+        if what == "a descriptor on an error":
+            assert status == 409 and "conflict: no" in document["error"], (what, status, document)
+        else:
+            assert status == 502, (what, status, document)
+            assert "session agent" in document["error"], (what, document)
+    wait_until(lambda: serve_fds(server) <= before, "serve to hold no descriptor it was sent")
+    assert not (tmp_path / "u.txt").exists()
+    still_serving(server, sid, bystander)
+
+
+def test_many_transfers_leave_no_descriptor_in_serve(
+        hostile: tuple[ServeProcess, str, str, StandInAgent]) -> None:
+    """Uploads and downloads of files and trees, whole and given up half way, through the real
+    agent: serve holds no more descriptors after them than before."""
+    server, sid, bystander, stand = hostile
+    api = server.api
+    data = os.urandom(3 * reploy_serve.COPY_CHUNK_BYTES + 7)
+
+    def round_trip() -> None:
+        status, _ = answer(api, "PUT", f"/sessions/{sid}/files/t/blob.bin", raw=data,
+                           content_type="application/octet-stream")
+        assert status == 201
+        assert api.request("GET", f"/api/v1/sessions/{sid}/files/t/blob.bin")[2] == data
+        status, headers, tar = api.request("GET", f"/api/v1/sessions/{sid}/files/t")
+        assert status == 200 and headers["content-type"] == "application/x-tar"
+        with tarfile.open(fileobj=io.BytesIO(tar)) as archive:
+            member = archive.extractfile("blob.bin")
+            assert member is not None and member.read() == data
+        for route in ("t/blob.bin", "t"):  # a client that leaves after the first bytes
+            with socket.create_connection((api.host, api.port), timeout=30) as connection:
+                connection.sendall(f"GET /api/v1/sessions/{sid}/files/{route} HTTP/1.1\r\n"
+                                   f"Host: 127.0.0.1:{api.port}\r\n"
+                                   f"Authorization: Bearer {server.ready['token']}\r\n\r\n".encode())
+                assert connection.recv(1024).startswith(b"HTTP/1.1 200 ")
+
+    round_trip()
+    before = serve_fds(server)
+    for _ in range(8):
+        round_trip()
+    wait_until(lambda: serve_fds(server) <= before, "serve to close every transfer's descriptor")
+    still_serving(server, sid, bystander)
 
 
 def test_every_answer_family_fails_only_its_request(
@@ -188,16 +310,10 @@ def test_a_tar_that_fails_after_its_first_chunk_ends_visibly_incomplete(
     server, sid, bystander, stand = hostile
     first = b"t" * 1024
 
-    def read(request: dict[str, Any]) -> Any:
-        if request["params"]["offset"] == 0:
-            return {"transfer_id": TID, "offset": 0, "next_offset": len(first), "eof": False,
-                    "data_b64": base64.b64encode(first).decode()}
-        return json.dumps({"id": request["id"], "error": {
-            "code": "disk_full", "message": "not enough space on the session's disk"}}).encode() + b"\n"
-
     stand.answers.update({
-        "download": {"transfer_id": TID, "kind": "tar", "size": None, "entry": DIR_ENTRY},
-        "download_read": read})
+        "download": lambda r: WithFds(TAR_ANSWER, (pipe_of(iter([first])),)),
+        "transfer_close": lambda r: json.dumps({"id": r["id"], "error": {
+            "code": "disk_full", "message": "not enough space on the session's disk"}}).encode() + b"\n"})
     connection = http.client.HTTPConnection(server.api.host, server.api.port, timeout=30)
     try:
         connection.request("GET", f"/api/v1/sessions/{sid}/files/d",
@@ -360,15 +476,12 @@ def test_session_cp_from_an_endless_archive_leaves_no_spool_on_a_signal(
     the bound (test_serve_access.py checks the bound against a server of its own), and SIGTERM
     or SIGINT removes it before the CLI exits 128+N."""
     server, sid, bystander, stand = hostile
-    chunk = base64.b64encode(b"\0" * (752 * 1024)).decode()
     stand.answers.update({
         "stat": {"root": "workspace", "path": "d", "entry": DIR_ENTRY},
         "list": {"root": "workspace", "path": "d", "entry": DIR_ENTRY, "entries": [], "total": 0,
                  "next_offset": 0},
-        "download": {"transfer_id": TID, "kind": "tar", "size": None, "entry": DIR_ENTRY},
-        "download_read": lambda r: {"transfer_id": TID, "offset": r["params"]["offset"],
-                                    "next_offset": r["params"]["offset"] + 752 * 1024, "eof": False,
-                                    "data_b64": chunk}})
+        "download": lambda r: WithFds(TAR_ANSWER, (pipe_of(itertools.repeat(b"\0" * (1 << 20))),)),
+        "transfer_close": {"transfer_id": TID, "closed": True}})
     out = tmp_path / "out"
     out.mkdir()
     cli = subprocess.Popen([sys.executable, str(ROOT / "reploy.py"), "session", "cp", "--server",
@@ -443,10 +556,8 @@ def test_session_cp_of_a_directory_vets_its_archive_and_writes_nothing(
             "stat": {"root": "workspace", "path": "d", "entry": DIR_ENTRY},
             "list": {"root": "workspace", "path": "d", "entry": DIR_ENTRY, "entries": [],
                      "total": 0, "next_offset": 0},
-            "download": {"transfer_id": TID, "kind": "tar", "size": None, "entry": DIR_ENTRY},
-            "download_read": lambda r, archive=archive: {
-                "transfer_id": TID, "offset": r["params"]["offset"], "next_offset": len(archive),
-                "eof": True, "data_b64": base64.b64encode(archive[r["params"]["offset"]:]).decode()}})
+            "download": lambda r, archive=archive: WithFds(TAR_ANSWER, (pipe_of(iter([archive])),)),
+            "transfer_close": {"transfer_id": TID, "closed": True}})
         proc = subprocess.run([sys.executable, str(ROOT / "reploy.py"), "session", "cp", "--server",
                                server.ready["url"], f"{sid}:d", str(out)], env=server.client_env(),
                               capture_output=True, timeout=120)

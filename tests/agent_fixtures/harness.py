@@ -324,36 +324,42 @@ def run_exec(process: AgentProcess, argv: list[str], **params: Any) -> dict[str,
     return exec_finish(process, exec_start(process, argv, **params))
 
 
+def open_upload(process: AgentProcess, path: str, **params: Any) -> tuple[dict[str, Any], Optional[int]]:
+    """The `upload` response and the staging descriptor it carried (None with an error: it carries none)."""
+    response, fds = agent.call_with_fds(process.session_dir, "upload", {"path": path, **params})
+    assert len(fds) == ("result" in response), (response, fds)
+    return response, fds[0] if fds else None
+
+
 def upload_bytes(process: AgentProcess, path: str, data: bytes, kind: str = "file", **params: Any) -> dict[str, Any]:
-    """One whole upload in chunks; the response of the first call that failed, or the commit's result."""
+    """One whole upload: the bytes written into the staging descriptor the answer carried, then committed; the
+    response of the first call that failed, or the commit's result."""
     import hashlib
 
-    opened = process.call("upload", path=path, kind=kind, size=len(data), **params)
-    if "error" in opened:
+    opened, staging = open_upload(process, path, kind=kind, size=len(data), **params)
+    if staging is None:
         return opened
-    transfer_id = opened["result"]["transfer_id"]
-    chunk_bytes = opened["result"]["chunk_bytes"]
-    for offset in range(0, len(data), chunk_bytes):
-        written = process.call("upload_write", transfer_id=transfer_id, offset=offset,
-                               data_b64=base64.b64encode(data[offset:offset + chunk_bytes]).decode())
-        if "error" in written:
-            return written
+    try:
+        os.pwrite(staging, data, 0)
+    finally:
+        os.close(staging)
     while True:
-        committed = process.call("upload_commit", transfer_id=transfer_id, sha256=hashlib.sha256(data).hexdigest())
+        committed = process.call("upload_commit", transfer_id=opened["result"]["transfer_id"],
+                                 sha256=hashlib.sha256(data).hexdigest())
         if "error" in committed or committed["result"]["done"]:
             return committed
 
 
 def download_bytes(process: AgentProcess, path: str, **params: Any) -> tuple[dict[str, Any], bytes]:
-    """A whole download: what `download` answered, and every byte."""
-    opened = process.result("download", path=path, **params)
-    out = bytearray()
-    while True:
-        piece = process.result("download_read", transfer_id=opened["transfer_id"], offset=len(out))
-        out += base64.b64decode(piece["data_b64"])
-        if piece["eof"]:
-            process.result("transfer_close", transfer_id=opened["transfer_id"])
-            return opened, bytes(out)
+    """A whole download: what `download` answered, and every byte, read from the descriptor it carried."""
+    response, fds = agent.call_with_fds(process.session_dir, "download", {"path": path, **params})
+    assert "result" in response and len(fds) == 1, response
+    opened = response["result"]
+    with os.fdopen(fds[0], "rb") as source:
+        data = source.read()
+    if opened["kind"] == "tar":
+        process.result("transfer_close", transfer_id=opened["transfer_id"])
+    return opened, data
 
 
 def tree_snapshot(root: Path) -> dict[str, tuple[str, bytes]]:
