@@ -58,10 +58,12 @@ import hashlib
 import hmac
 import http.client
 import http.server
+import importlib.util
 import ipaddress
 import json
 import math
 import os
+import py_compile
 import re
 import secrets
 import select
@@ -109,6 +111,17 @@ WEB_DIR = Path(__file__).resolve().parent / "web"
 AGENT_SOURCE = Path(__file__).resolve().parent / "agent.py"
 #: Where agent.py (read-only) and the session directory (read-write) appear in a container.
 AGENT_MOUNT = "/opt/reploy/agent.py"
+#: agent.py's bytecode, compiled by serve (compile_agent_bytecode) into STATE/bytecode and
+#: mounted read-only where the container's interpreter looks for it: the __pycache__ beside
+#: AGENT_MOUNT. Compiling 6,000 lines at each start costs time and ~18 MiB of heap that the
+#: interpreter keeps for the session's life.
+AGENT_BYTECODE_MOUNT = "/opt/reploy/__pycache__"
+#: How a session's container starts the agent: isolated (-I), without site (-S), and imported
+#: as a module, not run as a script: only an import looks for bytecode.
+#: A bytecode file's flags word (PEP 552) for "checked against the source's hash".
+CHECKED_HASH_FLAGS = (0b11).to_bytes(4, "little")
+AGENT_COMMAND = ("python3", "-I", "-S", "-c",
+                 "import sys; sys.path.insert(0, '/opt/reploy'); import agent; sys.exit(agent.main())")
 SESSION_MOUNT = "/mnt/reploy-session"
 MANAGED_ROLE = "managed"
 #: Names the state dir whose sessions a container belongs to, so each `serve` sweeps only its own.
@@ -2583,6 +2596,10 @@ class ServeConfig:
     def disks_dir(self) -> Path:
         return self.state_dir / "disks"
 
+    @property
+    def bytecode_dir(self) -> Path:
+        return self.state_dir / "bytecode"
+
     def disk_image(self, session_id: str) -> Path:
         return self.disks_dir / f"{session_id}.img"
 
@@ -2657,6 +2674,34 @@ class Lease:
         self.manager.store.renew(self.record.id, self.owner, self.manager.clock())
 
 
+def compile_agent_bytecode(directory: Path) -> None:
+    """agent.py's bytecode into `directory` (AGENT_BYTECODE_MOUNT in every session), replaced
+    whole. Hash-checked: a session's interpreter takes it only for the very agent.py mounted
+    beside it, and looks for it only under its own version's name (agent.cpython-311.pyc);
+    otherwise it compiles the source, as it did before. It is serve's own product, mounted
+    read-only and owned by root: the workload can read it, never change it."""
+    directory.mkdir(mode=0o755, exist_ok=True)
+    target = directory / Path(importlib.util.cache_from_source(str(AGENT_SOURCE))).name
+    header = importlib.util.MAGIC_NUMBER + CHECKED_HASH_FLAGS + importlib.util.source_hash(AGENT_SOURCE.read_bytes())
+    with contextlib.suppress(FileNotFoundError), target.open("rb") as existing:
+        if existing.read(len(header)) == header:
+            return  # compiled already, from this very source
+    staged = directory / f".{target.name}.{os.getpid()}.{threading.get_ident()}"
+    try:
+        py_compile.compile(str(AGENT_SOURCE), cfile=str(staged), doraise=True,
+                           invalidation_mode=py_compile.PycInvalidationMode.CHECKED_HASH)
+        staged.chmod(0o644)
+        os.replace(staged, target)
+    finally:
+        staged.unlink(missing_ok=True)
+
+
+def agent_mounts(bytecode_dir: Path) -> tuple[Mount, Mount]:
+    """agent.py and its bytecode, both read-only, as a session's container has them."""
+    return (Mount(str(AGENT_SOURCE), AGENT_MOUNT, read_only=True),
+            Mount(str(bytecode_dir), AGENT_BYTECODE_MOUNT, read_only=True))
+
+
 class SessionManager:
     """The control plane's orchestration: one container per session, the lifecycle under
     leases, recovery of what a dead `serve` left, and the reaper. The HTTP adapter and the
@@ -2671,6 +2716,7 @@ class SessionManager:
         # reached through a symlink must match them), and so do container labels from now on.
         self.config = config = replace(config, state_dir=config.state_dir.resolve(strict=True))
         config.disks_dir.mkdir(mode=0o700, exist_ok=True)
+        compile_agent_bytecode(config.bytecode_dir)
         self.store = SessionStore(config.state_dir / "sessions.db")
         self.host = socket.gethostname()
         self.identity = reploy_watchdog.process_identity()
@@ -2763,7 +2809,7 @@ class SessionManager:
 
     def _container_spec(self, record: SessionRecord, archive: Optional[str]) -> ContainerSpec:
         spec, config = record.spec, self.config
-        command = ["python3", AGENT_MOUNT, "serve", "--session-dir", SESSION_MOUNT,
+        command = [*AGENT_COMMAND, "serve", "--session-dir", SESSION_MOUNT,
                    "--workload", spec.workload, "--home", CONTAINER_HOME,
                    "--runtime-user", spec.runtime.user]
         environment = {"HOME": CONTAINER_HOME, "LANG": "C.UTF-8"}
@@ -2783,7 +2829,7 @@ class SessionManager:
                 environment.update(MODEL_CLI_ENVIRONMENT)
         if archive:
             command += ["--restore", f"{SESSION_MOUNT}/{agent_role.AGENT_DIR_NAME}/{archive}"]
-        mounts = (Mount(str(AGENT_SOURCE), AGENT_MOUNT, read_only=True),
+        mounts = (*agent_mounts(config.bytecode_dir),
                   Mount(str(config.session_dir(record.id)), SESSION_MOUNT, read_only=False),
                   *config.extra_mounts)
         labels = {LABEL_RUN: record.id, LABEL_ROLE: MANAGED_ROLE,

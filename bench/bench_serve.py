@@ -99,6 +99,8 @@ def sdk_baseline(workload: Path, rounds: int) -> list[float]:
     deployment = reploy.load_deployment(workload)
     backend = reploy.DockerBackend()
     samples = []
+    bytecode_dir = workload / "bytecode"  # the agent's, as serve compiles and mounts it
+    reploy_serve.compile_agent_bytecode(bytecode_dir)
     for _ in range(rounds):
         directory = Path(tempfile.mkdtemp(prefix="bsb-"))
         session_dir = directory / "s"
@@ -108,11 +110,11 @@ def sdk_baseline(workload: Path, rounds: int) -> list[float]:
         shutil.chown(session_dir / "workspace", runtime.uid, runtime.gid)
         spec = reploy.ContainerSpec(
             role="managed", image_id=deployment.current.image_id,
-            command=("python3", reploy_serve.AGENT_MOUNT, "serve", "--session-dir", reploy_serve.SESSION_MOUNT,
+            command=(*reploy_serve.AGENT_COMMAND, "serve", "--session-dir", reploy_serve.SESSION_MOUNT,
                      "--workload", "shell", "--home", reploy.CONTAINER_HOME, "--runtime-user", runtime.user),
             runtime=runtime, environment={"HOME": reploy.CONTAINER_HOME},
             labels=BASELINE_LABELS,
-            mounts=(reploy.Mount(str(reploy_serve.AGENT_SOURCE), reploy_serve.AGENT_MOUNT, True),
+            mounts=(*reploy_serve.agent_mounts(bytecode_dir),
                     reploy.Mount(str(session_dir), reploy_serve.SESSION_MOUNT, False)), init=True,
             root_supervisor=True)
         start = time.perf_counter()
@@ -416,7 +418,7 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # clean up on the way out
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--only", choices=["serve_create_to_prompt"],
+    parser.add_argument("--only", choices=["serve_create_to_prompt", "serve_idle_memory"],
                         help="measure this figure alone (the others need it first)")
     args = parser.parse_args()
     rounds = args.rounds
@@ -439,6 +441,10 @@ def main() -> int:
             creates.append(time.perf_counter() - start)
             sessions.append(sid)
         figure("serve_create_to_prompt", "s", creates, sdk_baseline(workload, rounds))
+        manager_view = reploy_serve.SessionStore(base / "state" / "sessions.db")
+        if args.only == "serve_idle_memory":
+            figure("serve_idle_memory", "MiB", idle_rounds(client, api, base / "state", sessions)[1],
+                   idle_python_memory(client, workload, rounds))
         if args.only:
             return 0
         figure("serve_sse_delivery", "ms", *sse_delivery(api, server, sessions[0], 1, SSE_BLOCKS, rounds,
@@ -447,7 +453,6 @@ def main() -> int:
             figure(f"serve_sse_delivery_streams_{streams}", "ms",
                    *sse_delivery(api, server, sessions[0], streams, SSE_BLOCKS, rounds,
                                  functools.partial(api.write, sessions[0])))
-        manager_view = reploy_serve.SessionStore(base / "state" / "sessions.db")
         container = client.containers.get(manager_view.get(sessions[0]).container_id)
         exec_times, sdk_exec_times = exec_round_trips(api, sessions[0], container, rounds * 4)
         figure("serve_exec_true", "ms", exec_times, sdk_exec_times)
@@ -455,20 +460,9 @@ def main() -> int:
         uploads, sdk_uploads, downloads, sdk_downloads = transfer_rates(api, sessions[0], container, base)
         figure("serve_upload_throughput", "MiB/s", uploads, sdk_uploads)
         figure("serve_download_throughput", "MiB/s", downloads, sdk_downloads)
-        # Idle: pause directly (what the reaper does), then time the access that resumes.
-        resumes, memory = [], []
-        for sid in sessions:
-            container_id = manager_view.get(sid).container_id
-            wait_until(lambda: api.call("GET", f"/sessions/{sid}/status")["agent"]["turnState"] == "idle",
-                       "a quiet shell")
-            _force_idle(base / "state", sid)
-            stats = client.api.stats(container_id, stream=False)
-            memory.append(stats["memory_stats"]["usage"] / (1024 * 1024))
-            start = time.perf_counter()
-            read_once(api, sid)
-            resumes.append(time.perf_counter() - start)
+        resumes, memory = idle_rounds(client, api, base / "state", sessions)
         figure("serve_idle_to_active", "s", resumes)
-        figure("serve_idle_memory", "MiB", memory)
+        figure("serve_idle_memory", "MiB", memory, idle_python_memory(client, workload, rounds))
         restores = []
         for sid in sessions:
             api.call("POST", f"/sessions/{sid}/snapshot", {})
@@ -494,6 +488,68 @@ def main() -> int:
         print(f"bench_serve: FAILED: left behind and now removed: {left}", file=sys.stderr, flush=True)
         return 1
     return 0
+
+
+def idle_rounds(client: docker.DockerClient, api: Api, state_dir: Path,
+                sessions: list[str]) -> tuple[list[float], list[float]]:
+    """Each session paused directly (what the reaper does): its container's memory (cgroup
+    usage, MiB) and, on stderr, what each of its processes holds; then the time of the access
+    that resumes it. (resume seconds, MiB) per session."""
+    store = reploy_serve.SessionStore(state_dir / "sessions.db")
+    resumes, memory = [], []
+    for sid in sessions:
+        container_id = store.get(sid).container_id
+        assert container_id is not None
+        wait_until(lambda: api.call("GET", f"/sessions/{sid}/status")["agent"]["turnState"] == "idle",
+                   "a quiet shell")
+        _force_idle(state_dir, sid)
+        memory.append(client.api.stats(container_id, stream=False)["memory_stats"]["usage"] / MIB)
+        print(f"bench_serve: idle session {sid}: {process_breakdown(client, container_id)}",
+              file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        read_once(api, sid)
+        resumes.append(time.perf_counter() - start)
+    return resumes, memory
+
+
+def process_breakdown(client: docker.DockerClient, container_id: str) -> str:
+    """Each process of a container: its command, threads, and from /proc/PID/smaps_rollup its
+    proportional set (Pss) and the anonymous memory of it (heap and stacks: what it made)."""
+    parts = []
+    for pid, command in client.api.top(container_id, ps_args="-o pid,args")["Processes"] or []:
+        with contextlib.suppress(OSError):  # gone in between
+            rollup = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:])
+            threads = next(line.split()[1] for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                           if line.startswith("Threads:"))
+            parts.append(f"[{command[:48]}] {threads} thread(s) Pss {int(rollup['Pss'].split()[0]) / 1024:.2f} "
+                         f"anon {int(rollup['Anonymous'].split()[0]) / 1024:.2f} MiB")
+    return "; ".join(parts)
+
+
+def idle_python_memory(client: docker.DockerClient, workload: Path, count: int) -> list[float]:
+    """The floor of serve_idle_memory: `count` containers of the same image and sandbox flags
+    running only a bare `python3 -I -S` that sleeps, each paused; MiB (cgroup usage) each, as
+    serve_idle_memory counts. Every container is removed at the end."""
+    deployment = reploy.load_deployment(workload)
+    backend = reploy.DockerBackend()
+    spec = reploy.ContainerSpec(role="bench", image_id=deployment.current.image_id,
+                                command=("python3", "-I", "-S", "-c", "import signal; print('up', flush=True); signal.pause()"),
+                                runtime=deployment.blueprint.runtime, environment={},
+                                labels=BASELINE_LABELS, init=True)
+    samples = []
+    for _ in range(count):
+        container_id = backend.create(spec)
+        try:
+            backend.start(container_id)
+            wait_until(lambda: bool(backend.log_tail(container_id)), "a bare python3")
+            backend.pause(container_id)
+            samples.append(client.api.stats(container_id, stream=False)["memory_stats"]["usage"] / MIB)
+            print(f"bench_serve: idle python3 -I -S: {process_breakdown(client, container_id)}",
+                  file=sys.stderr, flush=True)
+        finally:
+            backend.unpause(container_id)
+            backend.remove_container(container_id)
+    return samples
 
 
 def sweep(client: docker.DockerClient, state_dir: Path) -> list[str]:
