@@ -48,27 +48,49 @@ import dataclasses
 import enum
 import errno
 import fcntl
-import hashlib
 import io
 import json
 import os
 import re
-import secrets
 import selectors
-import shutil
 import signal
 import socket
 import stat
 import struct
 import subprocess
 import sys
-import tarfile
 import termios
 import threading
 import time
-import traceback
 from pathlib import Path
-from typing import IO, Any, BinaryIO, Callable, Iterable, Iterator, NoReturn, Optional, cast
+from typing import IO, TYPE_CHECKING, Any, BinaryIO, Callable, Iterable, Iterator, NoReturn, Optional, cast
+
+
+class LazyModule:
+    """A standard module imported at its first use, not at the agent's start: an idle shell
+    session may never archive, upload or hash, and every module loaded stays resident for the
+    session's life (bench/README.md, "an idle session's memory"). The first use puts the module
+    itself in its place."""
+
+    __slots__ = ("_name",)
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attribute: str) -> Any:
+        module = __import__(self._name)
+        globals()[self._name] = module
+        return getattr(module, attribute)
+
+
+if TYPE_CHECKING:
+    import hashlib
+    import secrets
+    import shutil
+    import tarfile
+    import traceback
+else:
+    hashlib, secrets, shutil, tarfile, traceback = map(LazyModule, ("hashlib", "secrets", "shutil", "tarfile", "traceback"))
 
 # ======================================================================================================================
 # Constants
@@ -4698,7 +4720,7 @@ class _Upload:
     fd: int  # the staged bytes: an unnamed file of the runtime user in the root's tree (FileWorkers.upload_open)
     touched_at: float
     written_bytes: int = 0
-    digest: Any = dataclasses.field(default_factory=hashlib.sha256)
+    digest: Any = dataclasses.field(default_factory=lambda: hashlib.sha256())  # hashlib at first use
     job: Optional[BackgroundJob] = None  # the commit
 
 
