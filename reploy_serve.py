@@ -2852,13 +2852,23 @@ class SessionManager:
         if self.model_proxy is not None and record.spec.workload == "agent":
             self.model_proxy.listen(record.id, self.config.agent_dir(record.id))
 
-    def _launch(self, lease: Lease, archive: Optional[str]) -> None:
+    def _launch(self, lease: Lease, archive: Optional[str],
+                make_disk: Optional[Callable[[], None]] = None) -> None:
         """Create and start the session's container (its disk mounted first, its workspace
-        given back to the runtime user), record it, and wait for its agent."""
-        self._mount_disk(lease.record.id)
-        self._repair_workspace(lease.record)
+        given back to the runtime user), record it, and wait for its agent. A new session's
+        disk is `make_disk`'s, made and mounted while the Engine creates the container: it
+        is started only once both are done (its bind mount takes what is mounted then)."""
+        spec = self._container_spec(lease.record, archive)
+        if make_disk is None:
+            self._mount_disk(lease.record.id)
+            self._repair_workspace(lease.record)
+            container_id = self.backend.create(spec)
+        else:
+            with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="session-disk") as pool:
+                disk = pool.submit(make_disk)
+                container_id = self.backend.create(spec)  # on failure the pool waits for the disk
+            disk.result()  # a container without its disk is removed by label (_undo_create)
         self._listen_for_model(lease.record)
-        container_id = self.backend.create(self._container_spec(lease.record, archive))
         lease.update(container_id=container_id)
         self.backend.start(container_id)
         agent_dir = self.config.agent_dir(lease.record.id)
@@ -2986,8 +2996,8 @@ class SessionManager:
             with admission_lock(self.config.disks_dir):
                 self._admit(disk_mib * 1024 * 1024)
                 make_session_image(image, disk_mib * 1024 * 1024)
-            format_session_disk(image, self.config.session_dir(record.id), spec.runtime)
-            self._launch(lease, archive=None)
+            self._launch(lease, archive=None, make_disk=functools.partial(
+                format_session_disk, image, self.config.session_dir(record.id), spec.runtime))
             return lease.apply(SessionEvent.STARTED)
         except SessionDiskError as e:
             self._undo_create(lease)
