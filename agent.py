@@ -3428,7 +3428,7 @@ class FileWorkers:
     def __init__(self, config: AgentConfig) -> None:
         self._config = config
         self._lock = threading.Lock()
-        self._source_fd = sealed_copy(Path(__file__).read_bytes(), "agent.py")
+        self._source_fd = sealed_copy(own_code(), "agent.py")
         self._zygote: Optional[subprocess.Popen[bytes]] = None
         self._channel: Optional[socket.socket] = None
         self._suspect = False  # an operation heard nothing: the zygote may hang (stopped, traced)
@@ -3591,6 +3591,23 @@ class FileWorkers:
     def restore_tree(self, root: Path, tree: str, archive_fd: int) -> None:
         with self.start("restore_tree", [archive_fd], root=str(root), tree=tree) as stream:
             stream.final(WORKER_SILENCE_S, {})
+
+
+def own_code() -> bytes:
+    """What the zygote runs: this module's bytecode when it was imported from a cache that
+    matches its source (serve's, checked as the import checks it; the interpreter runs a file
+    that starts with its magic number as bytecode), else the source, which it then compiles
+    at the cost of the memory that compiling leaves (see "an idle session's memory" in
+    bench/README.md)."""
+    import importlib.util
+    source = Path(__file__).read_bytes()
+    cached = globals().get("__cached__")  # None when run as a script
+    checked_hash_flags = (0b11).to_bytes(4, "little")  # PEP 552
+    with contextlib.suppress(OSError):
+        code = Path(cached).read_bytes() if isinstance(cached, str) else b""
+        if code.startswith(importlib.util.MAGIC_NUMBER + checked_hash_flags + importlib.util.source_hash(source)):
+            return code
+    return source
 
 
 def sealed_copy(data: bytes, name: str) -> int:

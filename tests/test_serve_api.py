@@ -118,6 +118,14 @@ def test_the_agent_runs_from_bytecode_serve_compiled_and_mounted_read_only(
         pytest.skip("the image's python3 is another version than serve's: it compiles agent.py itself")
     assert f"code object from '/opt/reploy/__pycache__/{name}'".encode() in output
     assert b"bytecode-unwritable" in output  # root's, and the mount read-only (above)
+    # The file workers' zygote (started by the first file operation) runs that bytecode too.
+    assert server.api.raw("GET", f"/api/v1/sessions/{sid}/files/missing")[0] == 404
+    [zygote] = [pid for pid, command in docker_engine.api.top(container.id, ps_args="-o pid,args")["Processes"]
+                if command.endswith(" zygote")]
+    script = Path(f"/proc/{zygote}/cmdline").read_bytes().split(b"\0")[-3].decode()
+    assert script.startswith("/proc/self/fd/")
+    with open(f"/proc/{zygote}/fd/{script.removeprefix('/proc/self/fd/')}", "rb") as code:
+        assert code.read(4) == importlib.util.MAGIC_NUMBER
 
 
 def test_snapshot_and_restore_keep_output_and_cursors(serve_factory: Callable[..., ServeProcess],
