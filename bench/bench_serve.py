@@ -4,7 +4,8 @@
 Each line: name, unit, n, p50, p90, p99, baseline, ratio. Figures, not pass/fail:
   serve_create_to_prompt      POST /sessions until the shell's first prompt is readable, against
                               the raw Docker SDK creating+starting the same sandboxed container and
-                              polling the agent's socket until `status` answers
+                              polling the agent's socket until `status` answers (the agent started
+                              as serve starts it, from serve's bytecode); one baseline after each create
   serve_idle_to_active        a read of a paused (idle) session: unpause + the read
   serve_snapshot_to_active    a read of a snapshotted session: new container + restore + the read
   serve_sse_delivery          write `echo MARK` through the API until MARK arrives on the SSE stream, ms,
@@ -13,7 +14,9 @@ Each line: name, unit, n, p50, p90, p99, baseline, ratio. Figures, not pass/fail
                               of one session (N = 1, 10, 50), ms, one sample per stream and write, against
                               the same API write until it arrived on N concurrent long-poll readers of the
                               agent's socket; every reader must get every byte of the log in order
-  serve_idle_memory           memory of one paused session container (cgroup usage), MiB
+  serve_idle_memory           memory of one paused session container (cgroup usage), MiB, against the
+                              floor: a bare `python3 -I -S` paused in the same image and sandbox; what
+                              each process holds (Pss, anonymous, threads) goes to stderr
   serve_memory_per_active_session_20  20 shell sessions live at once: each one's container (what docker
                               stats shows) plus serve's RSS growth / 20, MiB, against 20 containers of the
                               same image and sandbox flags running only /bin/sh on a TTY
@@ -30,7 +33,8 @@ Each line: name, unit, n, p50, p90, p99, baseline, ratio. Figures, not pass/fail
                               same file (docker cp's API; its tar built beforehand, outside the timing)
   serve_download_throughput   GET /files of that file, MiB/s, against the SDK's get_archive of it, read whole
 
-  python3 bench/bench_serve.py [--rounds N]    (needs the engine and the base images: make setup)
+  python3 bench/bench_serve.py [--rounds N] [--only serve_create_to_prompt|serve_idle_memory]
+                                               (needs the engine and the base images: make setup)
 """
 
 from __future__ import annotations
@@ -94,39 +98,37 @@ def read_once(api: Api, sid: str) -> None:
     api.call("POST", f"/sessions/{sid}/read", {"offset": 2**62})
 
 
-def sdk_baseline(workload: Path, rounds: int) -> list[float]:
-    """The same sandboxed container straight through the SDK, until its agent answers."""
+def sdk_create(workload: Path) -> float:
+    """The same sandboxed container straight through the SDK, until its agent answers: one
+    sample, in seconds (main alternates them with serve's creates, so load hits both alike)."""
     deployment = reploy.load_deployment(workload)
     backend = reploy.DockerBackend()
-    samples = []
     bytecode_dir = workload / "bytecode"  # the agent's, as serve compiles and mounts it
     reploy_serve.compile_agent_bytecode(bytecode_dir)
-    for _ in range(rounds):
-        directory = Path(tempfile.mkdtemp(prefix="bsb-"))
-        session_dir = directory / "s"
-        (session_dir / "workspace").mkdir(mode=0o700, parents=True)  # serve's layout, on no disk of its own
-        session_dir.chmod(0o755)
-        runtime = deployment.blueprint.runtime
-        shutil.chown(session_dir / "workspace", runtime.uid, runtime.gid)
-        spec = reploy.ContainerSpec(
-            role="managed", image_id=deployment.current.image_id,
-            command=(*reploy_serve.AGENT_COMMAND, "serve", "--session-dir", reploy_serve.SESSION_MOUNT,
-                     "--workload", "shell", "--home", reploy.CONTAINER_HOME, "--runtime-user", runtime.user),
-            runtime=runtime, environment={"HOME": reploy.CONTAINER_HOME},
-            labels=BASELINE_LABELS,
-            mounts=(*reploy_serve.agent_mounts(bytecode_dir),
-                    reploy.Mount(str(session_dir), reploy_serve.SESSION_MOUNT, False)), init=True,
-            root_supervisor=True)
-        start = time.perf_counter()
-        container_id = backend.create(spec)
-        try:
-            backend.start(container_id)
-            wait_until(lambda: _answers(session_dir / "agent"), "the baseline agent")
-            samples.append(time.perf_counter() - start)
-        finally:
-            backend.remove_container(container_id)
-            shutil.rmtree(directory, ignore_errors=True)
-    return samples
+    directory = Path(tempfile.mkdtemp(prefix="bsb-"))
+    session_dir = directory / "s"
+    (session_dir / "workspace").mkdir(mode=0o700, parents=True)  # serve's layout, on no disk of its own
+    session_dir.chmod(0o755)
+    runtime = deployment.blueprint.runtime
+    shutil.chown(session_dir / "workspace", runtime.uid, runtime.gid)
+    spec = reploy.ContainerSpec(
+        role="managed", image_id=deployment.current.image_id,
+        command=(*reploy_serve.AGENT_COMMAND, "serve", "--session-dir", reploy_serve.SESSION_MOUNT,
+                 "--workload", "shell", "--home", reploy.CONTAINER_HOME, "--runtime-user", runtime.user),
+        runtime=runtime, environment={"HOME": reploy.CONTAINER_HOME},
+        labels=BASELINE_LABELS,
+        mounts=(*reploy_serve.agent_mounts(bytecode_dir),
+                reploy.Mount(str(session_dir), reploy_serve.SESSION_MOUNT, False)), init=True,
+        root_supervisor=True)
+    start = time.perf_counter()
+    container_id = backend.create(spec)
+    try:
+        backend.start(container_id)
+        wait_until(lambda: _answers(session_dir / "agent"), "the baseline agent")
+        return time.perf_counter() - start
+    finally:
+        backend.remove_container(container_id)
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def _answers(agent_dir: Path) -> bool:
@@ -433,14 +435,15 @@ def main() -> int:
                           "--max-session-readers", readers, "--max-readers", readers)
     api = server.api
     try:
-        creates, sessions = [], []
+        creates, sdk_creates, sessions = [], [], []
         for i in range(rounds):
             start = time.perf_counter()
             sid = api.create(f"bench-{i}")["id"]
             api.wait_output(sid, b"$ ")
             creates.append(time.perf_counter() - start)
             sessions.append(sid)
-        figure("serve_create_to_prompt", "s", creates, sdk_baseline(workload, rounds))
+            sdk_creates.append(sdk_create(workload))
+        figure("serve_create_to_prompt", "s", creates, sdk_creates)
         manager_view = reploy_serve.SessionStore(base / "state" / "sessions.db")
         if args.only == "serve_idle_memory":
             figure("serve_idle_memory", "MiB", idle_rounds(client, api, base / "state", sessions)[1],
