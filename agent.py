@@ -3428,12 +3428,14 @@ class FileWorkers:
     def __init__(self, config: AgentConfig) -> None:
         self._config = config
         self._lock = threading.Lock()
-        self._source_fd = sealed_copy(own_code(), "agent.py")
+        self._source_fd = -1  # what the zygote runs, sealed when it first starts (own_code)
         self._zygote: Optional[subprocess.Popen[bytes]] = None
         self._channel: Optional[socket.socket] = None
         self._suspect = False  # an operation heard nothing: the zygote may hang (stopped, traced)
 
     def _start_zygote(self) -> None:
+        if self._source_fd < 0:
+            self._source_fd = sealed_copy(own_code(), "agent.py")
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         become_runtime_user = runtime_switch(self._config)
 

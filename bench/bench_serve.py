@@ -17,6 +17,9 @@ Each line: name, unit, n, p50, p90, p99, baseline, ratio. Figures, not pass/fail
   serve_idle_memory           memory of one paused session container (cgroup usage), MiB, against the
                               floor: a bare `python3 -I -S` paused in the same image and sandbox; what
                               each process holds (Pss, anonymous, threads) goes to stderr
+  serve_idle_memory_after_a_file_operation  the same once each session served one file operation (its
+                              file workers' zygote started), against the same floor (--only
+                              serve_idle_memory measures it)
   serve_memory_per_active_session_20  20 shell sessions live at once: each one's container (what docker
                               stats shows) plus serve's RSS growth / 20, MiB, against 20 containers of the
                               same image and sandbox flags running only /bin/sh on a TTY
@@ -446,8 +449,10 @@ def main() -> int:
         figure("serve_create_to_prompt", "s", creates, sdk_creates)
         manager_view = reploy_serve.SessionStore(base / "state" / "sessions.db")
         if args.only == "serve_idle_memory":
-            figure("serve_idle_memory", "MiB", idle_rounds(client, api, base / "state", sessions)[1],
-                   idle_python_memory(client, workload, rounds))
+            floor = idle_python_memory(client, workload, rounds)
+            figure("serve_idle_memory", "MiB", idle_rounds(client, api, base / "state", sessions)[1], floor)
+            figure("serve_idle_memory_after_a_file_operation", "MiB",
+                   idle_rounds(client, api, base / "state", sessions, file_operation=True)[1], floor)
         if args.only:
             return 0
         figure("serve_sse_delivery", "ms", *sse_delivery(api, server, sessions[0], 1, SSE_BLOCKS, rounds,
@@ -493,11 +498,12 @@ def main() -> int:
     return 0
 
 
-def idle_rounds(client: docker.DockerClient, api: Api, state_dir: Path,
-                sessions: list[str]) -> tuple[list[float], list[float]]:
+def idle_rounds(client: docker.DockerClient, api: Api, state_dir: Path, sessions: list[str],
+                file_operation: bool = False) -> tuple[list[float], list[float]]:
     """Each session paused directly (what the reaper does): its container's memory (cgroup
     usage, MiB) and, on stderr, what each of its processes holds; then the time of the access
-    that resumes it. (resume seconds, MiB) per session."""
+    that resumes it. (resume seconds, MiB) per session. With `file_operation`, each session
+    first serves one (a stat of a missing file: it starts the file workers' zygote)."""
     store = reploy_serve.SessionStore(state_dir / "sessions.db")
     resumes, memory = [], []
     for sid in sessions:
@@ -505,6 +511,8 @@ def idle_rounds(client: docker.DockerClient, api: Api, state_dir: Path,
         assert container_id is not None
         wait_until(lambda: api.call("GET", f"/sessions/{sid}/status")["agent"]["turnState"] == "idle",
                    "a quiet shell")
+        if file_operation and api.raw("GET", f"/api/v1/sessions/{sid}/files/missing")[0] != 404:
+            raise BenchFailed(f"session {sid}: a missing file was not a 404")
         _force_idle(state_dir, sid)
         memory.append(client.api.stats(container_id, stream=False)["memory_stats"]["usage"] / MIB)
         print(f"bench_serve: idle session {sid}: {process_breakdown(client, container_id)}",
