@@ -3601,15 +3601,21 @@ def own_code() -> bytes:
     that starts with its magic number as bytecode), else the source, which it then compiles
     at the cost of the memory that compiling leaves (see "an idle session's memory" in
     bench/README.md)."""
-    import importlib.util
     source = Path(__file__).read_bytes()
     cached = globals().get("__cached__")  # None when run as a script
-    checked_hash_flags = (0b11).to_bytes(4, "little")  # PEP 552
     with contextlib.suppress(OSError):
         code = Path(cached).read_bytes() if isinstance(cached, str) else b""
-        if code.startswith(importlib.util.MAGIC_NUMBER + checked_hash_flags + importlib.util.source_hash(source)):
+        if code.startswith(bytecode_header(source)):
             return code
     return source
+
+
+def bytecode_header(source: bytes) -> bytes:
+    """How this interpreter's bytecode of `source`, checked against its hash, begins (PEP 552:
+    magic number, flags, the source's hash); serve's compile_agent_bytecode writes such files."""
+    import importlib.util
+    checked_hash_flags = (0b11).to_bytes(4, "little")
+    return importlib.util.MAGIC_NUMBER + checked_hash_flags + importlib.util.source_hash(source)
 
 
 def sealed_copy(data: bytes, name: str) -> int:

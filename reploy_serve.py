@@ -118,8 +118,6 @@ AGENT_MOUNT = "/opt/reploy/agent.py"
 AGENT_BYTECODE_MOUNT = "/opt/reploy/__pycache__"
 #: How a session's container starts the agent: isolated (-I), without site (-S), and imported
 #: as a module, not run as a script: only an import looks for bytecode.
-#: A bytecode file's flags word (PEP 552) for "checked against the source's hash".
-CHECKED_HASH_FLAGS = (0b11).to_bytes(4, "little")
 AGENT_COMMAND = ("python3", "-I", "-S", "-c",
                  "import sys; sys.path.insert(0, '/opt/reploy'); import agent; sys.exit(agent.main())")
 SESSION_MOUNT = "/mnt/reploy-session"
@@ -2682,7 +2680,7 @@ def compile_agent_bytecode(directory: Path) -> None:
     read-only and owned by root: the workload can read it, never change it."""
     directory.mkdir(mode=0o755, exist_ok=True)
     target = directory / Path(importlib.util.cache_from_source(str(AGENT_SOURCE))).name
-    header = importlib.util.MAGIC_NUMBER + CHECKED_HASH_FLAGS + importlib.util.source_hash(AGENT_SOURCE.read_bytes())
+    header = agent_role.bytecode_header(AGENT_SOURCE.read_bytes())
     with contextlib.suppress(FileNotFoundError), target.open("rb") as existing:
         if existing.read(len(header)) == header:
             return  # compiled already, from this very source
