@@ -29,7 +29,7 @@ def run(directory: Path, code: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=120, check=True)
 
 
-def test_the_bytecode_is_made_once_private_to_root_and_taken_for_its_own_source(tmp_path: Path) -> None:
+def test_the_bytecode_is_made_once_writable_by_its_owner_only_and_taken_for_its_source(tmp_path: Path) -> None:
     bytecode_dir = tmp_path / "bytecode"
     reploy_serve.compile_agent_bytecode(bytecode_dir)
     [compiled] = bytecode_dir.iterdir()  # nothing staged is left beside it
