@@ -524,15 +524,18 @@ def idle_rounds(client: docker.DockerClient, api: Api, state_dir: Path, sessions
 
 
 def process_breakdown(client: docker.DockerClient, container_id: str) -> str:
-    """Each process of a container: its command, threads, and from /proc/PID/smaps_rollup its
-    proportional set (Pss) and the anonymous memory of it (heap and stacks: what it made)."""
+    """Each process of a container: its command, threads, the CPU time it has used (an idle
+    session's: nearly all of it at its start), and from /proc/PID/smaps_rollup its proportional
+    set (Pss) and the anonymous memory of it (heap and stacks: what it made)."""
     parts = []
     for pid, command in client.api.top(container_id, ps_args="-o pid,args")["Processes"] or []:
         with contextlib.suppress(OSError):  # gone in between
             rollup = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:])
             threads = next(line.split()[1] for line in Path(f"/proc/{pid}/status").read_text().splitlines()
                            if line.startswith("Threads:"))
-            parts.append(f"[{command[:48]}] {threads} thread(s) Pss {int(rollup['Pss'].split()[0]) / 1024:.2f} "
+            ticks = sum(map(int, Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[11:13]))
+            parts.append(f"[{command[:48]}] {threads} thread(s) cpu {ticks * 1000 // os.sysconf('SC_CLK_TCK')} ms "
+                         f"Pss {int(rollup['Pss'].split()[0]) / 1024:.2f} "
                          f"anon {int(rollup['Anonymous'].split()[0]) / 1024:.2f} MiB")
     return "; ".join(parts)
 
