@@ -184,6 +184,9 @@ LEASE_POLL_S = 0.025
 #: From container start to the agent answering `status`.
 AGENT_READY_TIMEOUT_S = 30.0
 AGENT_READY_POLL_S = 0.02
+#: While it waits, how often a launch renews its lease and looks whether the container exited;
+#: first only this long after the start, so that a prompt agent costs no Engine call.
+AGENT_READY_CHECK_S = 0.5
 #: The agent bounds every request at 5 s (docs/agent.md); we outwait it.
 AGENT_CALL_TIMEOUT_S = 10.0
 AGENT_MAX_RESPONSE_BYTES = 4 * 1024 * 1024
@@ -2871,7 +2874,7 @@ class SessionManager:
         self.backend.start(container_id)
         agent_dir = self.config.agent_dir(lease.record.id)
         deadline = time.monotonic() + AGENT_READY_TIMEOUT_S
-        next_check = time.monotonic()
+        next_check = time.monotonic() + AGENT_READY_CHECK_S
         while True:
             try:
                 agent_call(agent_dir, "status", {}, timeout_s=AGENT_CALL_TIMEOUT_S)
@@ -2889,7 +2892,7 @@ class SessionManager:
                     raise ServiceUnavailable(  # the agent's own refusal (a restore's) says why
                         f"the session container exited before its agent answered{hint}: "
                         f"{tail[-2000:] or 'no output'}")
-                next_check = now + 0.5
+                next_check = now + AGENT_READY_CHECK_S
             if now >= deadline:
                 raise ServiceUnavailable(f"the session agent did not answer within "
                                          f"{AGENT_READY_TIMEOUT_S:.0f} s")
