@@ -15,8 +15,8 @@ Each line: name, unit, n, p50, p90, p99, baseline, ratio. Figures, not pass/fail
                               the same API write until it arrived on N concurrent long-poll readers of the
                               agent's socket; every reader must get every byte of the log in order
   serve_idle_memory           memory of one paused session container (cgroup usage), MiB, against the
-                              floor: a bare `python3 -I -S` paused in the same image and sandbox; what
-                              each process holds (Pss, anonymous, threads) goes to stderr
+                              floor: a bare `python3 -I -S` paused in the same image and sandbox; each
+                              process's threads, CPU time, Pss and anonymous memory go to stderr
   serve_idle_memory_after_a_file_operation  the same once each session served one file operation (its
                               file workers' zygote started), against the same floor (--only
                               serve_idle_memory measures it)
