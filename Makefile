@@ -46,6 +46,7 @@ bench: setup
 	$(PYTHON) bench/bench_agent.py
 	$(PYTHON) bench/bench_sessions.py
 	$(PYTHON) bench/bench_serve.py
+	$(PYTHON) bench/bench_agent_memory.py
 	$(PYTHON) bench/bench_harness.py
 	$(PYTHON) bench/bench_model_proxy.py
 

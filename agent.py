@@ -48,28 +48,50 @@ import dataclasses
 import enum
 import errno
 import fcntl
-import hashlib
 import io
 import json
 import os
 import re
-import secrets
 import select
 import selectors
-import shutil
 import signal
 import socket
 import stat
 import struct
 import subprocess
 import sys
-import tarfile
 import termios
 import threading
 import time
-import traceback
 from pathlib import Path
-from typing import IO, Any, BinaryIO, Callable, Iterable, Iterator, NoReturn, Optional, cast
+from typing import IO, TYPE_CHECKING, Any, BinaryIO, Callable, Iterable, Iterator, NoReturn, Optional, cast
+
+
+class LazyModule:
+    """A standard module imported at its first use, not at the agent's start: an idle shell
+    session may never archive, upload or hash, and every module loaded stays resident for the
+    session's life (bench/README.md, "an idle session's memory"). The first use puts the module
+    itself in its place."""
+
+    __slots__ = ("_name",)
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attribute: str) -> Any:
+        module = __import__(self._name)
+        globals()[self._name] = module
+        return getattr(module, attribute)
+
+
+if TYPE_CHECKING:
+    import hashlib
+    import secrets
+    import shutil
+    import tarfile
+    import traceback
+else:
+    hashlib, secrets, shutil, tarfile, traceback = map(LazyModule, ("hashlib", "secrets", "shutil", "tarfile", "traceback"))
 
 # ======================================================================================================================
 # Constants
@@ -3425,12 +3447,14 @@ class FileWorkers:
     def __init__(self, config: AgentConfig) -> None:
         self._config = config
         self._lock = threading.Lock()
-        self._source_fd = sealed_copy(Path(__file__).read_bytes(), "agent.py")
+        self._source_fd = -1  # what the zygote runs, sealed when it first starts (own_code)
         self._zygote: Optional[subprocess.Popen[bytes]] = None
         self._channel: Optional[socket.socket] = None
         self._suspect = False  # an operation heard nothing: the zygote may hang (stopped, traced)
 
     def _start_zygote(self) -> None:
+        if self._source_fd < 0:
+            self._source_fd = sealed_copy(own_code(), "agent.py")
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         become_runtime_user = runtime_switch(self._config)
 
@@ -3588,6 +3612,29 @@ class FileWorkers:
     def restore_tree(self, root: Path, tree: str, archive_fd: int) -> None:
         with self.start("restore_tree", [archive_fd], root=str(root), tree=tree) as stream:
             stream.final(WORKER_SILENCE_S, {})
+
+
+def own_code() -> bytes:
+    """What the zygote runs: this module's bytecode when it was imported from a cache that
+    matches its source (serve's, checked as the import checks it; the interpreter runs a file
+    that starts with its magic number as bytecode), else the source, which it then compiles
+    at the cost of the memory that compiling leaves (see "an idle session's memory" in
+    bench/README.md)."""
+    source = Path(__file__).read_bytes()
+    cached = globals().get("__cached__")  # None when run as a script
+    with contextlib.suppress(OSError):
+        code = Path(cached).read_bytes() if isinstance(cached, str) else b""
+        if code.startswith(bytecode_header(source)):
+            return code
+    return source
+
+
+def bytecode_header(source: bytes) -> bytes:
+    """How this interpreter's bytecode of `source`, checked against its hash, begins (PEP 552:
+    magic number, flags, the source's hash); serve's compile_agent_bytecode writes such files."""
+    import importlib.util
+    checked_hash_flags = (0b11).to_bytes(4, "little")
+    return importlib.util.MAGIC_NUMBER + checked_hash_flags + importlib.util.source_hash(source)
 
 
 def sealed_copy(data: bytes, name: str) -> int:

@@ -59,11 +59,13 @@ import hashlib
 import hmac
 import http.client
 import http.server
+import importlib.util
 import ipaddress
 import itertools
 import json
 import math
 import os
+import py_compile
 import re
 import secrets
 import select
@@ -111,6 +113,15 @@ WEB_DIR = Path(__file__).resolve().parent / "web"
 AGENT_SOURCE = Path(__file__).resolve().parent / "agent.py"
 #: Where agent.py (read-only) and the session directory (read-write) appear in a container.
 AGENT_MOUNT = "/opt/reploy/agent.py"
+#: agent.py's bytecode, compiled by serve (compile_agent_bytecode) into STATE/bytecode and
+#: mounted read-only where the container's interpreter looks for it: the __pycache__ beside
+#: AGENT_MOUNT. Compiling 6,000 lines at each start costs time and ~18 MiB of heap that the
+#: interpreter keeps for the session's life.
+AGENT_BYTECODE_MOUNT = "/opt/reploy/__pycache__"
+#: How a session's container starts the agent: isolated (-I), without site (-S), and imported
+#: as a module, not run as a script: only an import looks for bytecode.
+AGENT_COMMAND = ("python3", "-I", "-S", "-c",
+                 "import sys; sys.path.insert(0, '/opt/reploy'); import agent; sys.exit(agent.main())")
 SESSION_MOUNT = "/mnt/reploy-session"
 MANAGED_ROLE = "managed"
 #: Names the state dir whose sessions a container belongs to, so each `serve` sweeps only its own.
@@ -175,6 +186,9 @@ LEASE_POLL_S = 0.025
 #: From container start to the agent answering `status`.
 AGENT_READY_TIMEOUT_S = 30.0
 AGENT_READY_POLL_S = 0.02
+#: While it waits, how often a launch renews its lease and looks whether the container exited;
+#: first only this long after the start, so that a prompt agent costs no Engine call.
+AGENT_READY_CHECK_S = 0.5
 #: The agent bounds every request at 5 s (docs/agent.md); we outwait it.
 AGENT_CALL_TIMEOUT_S = 10.0
 AGENT_MAX_RESPONSE_BYTES = 4 * 1024 * 1024
@@ -2834,6 +2848,10 @@ class ServeConfig:
     def disks_dir(self) -> Path:
         return self.state_dir / "disks"
 
+    @property
+    def bytecode_dir(self) -> Path:
+        return self.state_dir / "bytecode"
+
     def disk_image(self, session_id: str) -> Path:
         return self.disks_dir / f"{session_id}.img"
 
@@ -2934,6 +2952,34 @@ class OutputFollower:
             self.changed.wait_for(lambda: self.fanout.version != seen, max(timeout_s, 0.0))
 
 
+def compile_agent_bytecode(directory: Path) -> None:
+    """agent.py's bytecode into `directory` (AGENT_BYTECODE_MOUNT in every session), replaced
+    whole. Hash-checked: a session's interpreter takes it only for the very agent.py mounted
+    beside it, and looks for it only under its own version's name (agent.cpython-311.pyc);
+    otherwise it compiles the source, as it did before. It is serve's own product, mounted
+    read-only and owned by root: the workload can read it, never change it."""
+    directory.mkdir(mode=0o755, exist_ok=True)
+    target = directory / Path(importlib.util.cache_from_source(str(AGENT_SOURCE))).name
+    header = agent_role.bytecode_header(AGENT_SOURCE.read_bytes())
+    with contextlib.suppress(FileNotFoundError), target.open("rb") as existing:
+        if existing.read(len(header)) == header:
+            return  # compiled already, from this very source
+    staged = directory / f".{target.name}.{os.getpid()}.{threading.get_ident()}"
+    try:
+        py_compile.compile(str(AGENT_SOURCE), cfile=str(staged), doraise=True,
+                           invalidation_mode=py_compile.PycInvalidationMode.CHECKED_HASH)
+        staged.chmod(0o644)
+        os.replace(staged, target)
+    finally:
+        staged.unlink(missing_ok=True)
+
+
+def agent_mounts(bytecode_dir: Path) -> tuple[Mount, Mount]:
+    """agent.py and its bytecode, both read-only, as a session's container has them."""
+    return (Mount(str(AGENT_SOURCE), AGENT_MOUNT, read_only=True),
+            Mount(str(bytecode_dir), AGENT_BYTECODE_MOUNT, read_only=True))
+
+
 class SessionManager:
     """The control plane's orchestration: one container per session, the lifecycle under
     leases, recovery of what a dead `serve` left, and the reaper. The HTTP adapter and the
@@ -2948,6 +2994,7 @@ class SessionManager:
         # reached through a symlink must match them), and so do container labels from now on.
         self.config = config = replace(config, state_dir=config.state_dir.resolve(strict=True))
         config.disks_dir.mkdir(mode=0o700, exist_ok=True)
+        compile_agent_bytecode(config.bytecode_dir)
         self.store = SessionStore(config.state_dir / "sessions.db")
         self.host = socket.gethostname()
         self.identity = reploy_watchdog.process_identity()
@@ -3048,7 +3095,7 @@ class SessionManager:
 
     def _container_spec(self, record: SessionRecord, archive: Optional[str]) -> ContainerSpec:
         spec, config = record.spec, self.config
-        command = ["python3", AGENT_MOUNT, "serve", "--session-dir", SESSION_MOUNT,
+        command = [*AGENT_COMMAND, "serve", "--session-dir", SESSION_MOUNT,
                    "--workload", spec.workload, "--home", CONTAINER_HOME,
                    "--runtime-user", spec.runtime.user]
         environment = {"HOME": CONTAINER_HOME, "LANG": "C.UTF-8"}
@@ -3071,7 +3118,7 @@ class SessionManager:
             environment.update(EGRESS_ENVIRONMENT)
         if archive:
             command += ["--restore", f"{SESSION_MOUNT}/{agent_role.AGENT_DIR_NAME}/{archive}"]
-        mounts = (Mount(str(AGENT_SOURCE), AGENT_MOUNT, read_only=True),
+        mounts = (*agent_mounts(config.bytecode_dir),
                   Mount(str(config.session_dir(record.id)), SESSION_MOUNT, read_only=False),
                   *config.extra_mounts)
         labels = {LABEL_RUN: record.id, LABEL_ROLE: MANAGED_ROLE,
@@ -3122,19 +3169,29 @@ class SessionManager:
         except AgentCallError as e:
             log(f"serve: session {session_id}: the egress event is not recorded: {e}")
 
-    def _launch(self, lease: Lease, archive: Optional[str]) -> None:
+    def _launch(self, lease: Lease, archive: Optional[str],
+                make_disk: Optional[Callable[[], None]] = None) -> None:
         """Create and start the session's container (its disk mounted first, its workspace
-        given back to the runtime user), record it, and wait for its agent."""
-        self._mount_disk(lease.record.id)
-        self._repair_workspace(lease.record)
+        given back to the runtime user), record it, and wait for its agent. A new session's
+        disk is `make_disk`'s, made and mounted while the Engine creates the container: it
+        is started only once both are done (its bind mount takes what is mounted then)."""
+        spec = self._container_spec(lease.record, archive)
+        if make_disk is None:
+            self._mount_disk(lease.record.id)
+            self._repair_workspace(lease.record)
+            container_id = self.backend.create(spec)
+        else:
+            with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="session-disk") as pool:
+                disk = pool.submit(make_disk)
+                container_id = self.backend.create(spec)  # on failure the pool waits for the disk
+            disk.result()  # a container without its disk is removed by label (_undo_create)
         self._listen_for_model(lease.record)
         self._listen_for_egress(lease.record)
-        container_id = self.backend.create(self._container_spec(lease.record, archive))
         lease.update(container_id=container_id)
         self.backend.start(container_id)
         agent_dir = self.config.agent_dir(lease.record.id)
         deadline = time.monotonic() + AGENT_READY_TIMEOUT_S
-        next_check = time.monotonic()
+        next_check = time.monotonic() + AGENT_READY_CHECK_S
         while True:
             try:
                 agent_call(agent_dir, "status", {}, timeout_s=AGENT_CALL_TIMEOUT_S)
@@ -3152,7 +3209,7 @@ class SessionManager:
                     raise ServiceUnavailable(  # the agent's own refusal (a restore's) says why
                         f"the session container exited before its agent answered{hint}: "
                         f"{tail[-2000:] or 'no output'}")
-                next_check = now + 0.5
+                next_check = now + AGENT_READY_CHECK_S
             if now >= deadline:
                 raise ServiceUnavailable(f"the session agent did not answer within "
                                          f"{AGENT_READY_TIMEOUT_S:.0f} s")
@@ -3166,6 +3223,7 @@ class SessionManager:
                                     self.config.min_free_bytes, disk_bytes)
         if refusal is not None:
             raise InsufficientStorage(refusal)
+
     def _repair_workspace(self, record: SessionRecord) -> None:
         """The workload owns its workspace and may take its own access to it away (chmod 000):
         the agent, root without CAP_DAC_OVERRIDE or CAP_FOWNER in the container, could then
@@ -3258,8 +3316,8 @@ class SessionManager:
             with admission_lock(self.config.disks_dir):
                 self._admit(disk_mib * 1024 * 1024)
                 make_session_image(image, disk_mib * 1024 * 1024)
-            format_session_disk(image, self.config.session_dir(record.id), spec.runtime)
-            self._launch(lease, archive=None)
+            self._launch(lease, archive=None, make_disk=functools.partial(
+                format_session_disk, image, self.config.session_dir(record.id), spec.runtime))
             return lease.apply(SessionEvent.STARTED)
         except SessionDiskError as e:
             self._undo_create(lease)

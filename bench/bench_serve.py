@@ -4,7 +4,8 @@
 Each line: name, unit, n, p50, p90, p99, baseline, ratio. Figures, not pass/fail:
   serve_create_to_prompt      POST /sessions until the shell's first prompt is readable, against
                               the raw Docker SDK creating+starting the same sandboxed container and
-                              polling the agent's socket until `status` answers
+                              polling the agent's socket until `status` answers (the agent started
+                              as serve starts it, from serve's bytecode); one baseline after each create
   serve_idle_to_active        a read of a paused (idle) session: unpause + the read
   serve_snapshot_to_active    a read of a snapshotted session: new container + restore + the read
   serve_sse_delivery          write `echo MARK` through the API until MARK arrives on the SSE stream, ms,
@@ -13,7 +14,12 @@ Each line: name, unit, n, p50, p90, p99, baseline, ratio. Figures, not pass/fail
                               of one session (N = 1, 10, 50), ms, one sample per stream and write, against
                               the same API write until it arrived on N concurrent long-poll readers of the
                               agent's socket; every reader must get every byte of the log in order
-  serve_idle_memory           memory of one paused session container (cgroup usage), MiB
+  serve_idle_memory           memory of one paused session container (cgroup usage), MiB, against the
+                              floor: a bare `python3 -I -S` paused in the same image and sandbox; each
+                              process's threads, CPU time, Pss and anonymous memory go to stderr
+  serve_idle_memory_after_a_file_operation  the same once each session served one file operation (its
+                              file workers' zygote started), against the same floor (--only
+                              serve_idle_memory measures it)
   serve_memory_per_active_session_20  20 shell sessions live at once: each one's container (what docker
                               stats shows) plus serve's RSS growth / 20, MiB, against 20 containers of the
                               same image and sandbox flags running only /bin/sh on a TTY
@@ -30,7 +36,8 @@ Each line: name, unit, n, p50, p90, p99, baseline, ratio. Figures, not pass/fail
                               same file (docker cp's API; its tar built beforehand, outside the timing)
   serve_download_throughput   GET /files of that file, MiB/s, against the SDK's get_archive of it, read whole
 
-  python3 bench/bench_serve.py [--rounds N] [--only serve_create_to_prompt|sse|files]
+  python3 bench/bench_serve.py [--rounds N]
+                              [--only serve_create_to_prompt|serve_idle_memory|sse|files]
                               (needs the engine and the base images: make setup)
 """
 
@@ -95,37 +102,37 @@ def read_once(api: Api, sid: str) -> None:
     api.call("POST", f"/sessions/{sid}/read", {"offset": 2**62})
 
 
-def sdk_baseline(workload: Path, rounds: int) -> list[float]:
-    """The same sandboxed container straight through the SDK, until its agent answers."""
+def sdk_create(workload: Path) -> float:
+    """The same sandboxed container straight through the SDK, until its agent answers: one
+    sample, in seconds (main alternates them with serve's creates, so load hits both alike)."""
     deployment = reploy.load_deployment(workload)
     backend = reploy.DockerBackend()
-    samples = []
-    for _ in range(rounds):
-        directory = Path(tempfile.mkdtemp(prefix="bsb-"))
-        session_dir = directory / "s"
-        (session_dir / "workspace").mkdir(mode=0o700, parents=True)  # serve's layout, on no disk of its own
-        session_dir.chmod(0o755)
-        runtime = deployment.blueprint.runtime
-        shutil.chown(session_dir / "workspace", runtime.uid, runtime.gid)
-        spec = reploy.ContainerSpec(
-            role="managed", image_id=deployment.current.image_id,
-            command=("python3", reploy_serve.AGENT_MOUNT, "serve", "--session-dir", reploy_serve.SESSION_MOUNT,
-                     "--workload", "shell", "--home", reploy.CONTAINER_HOME, "--runtime-user", runtime.user),
-            runtime=runtime, environment={"HOME": reploy.CONTAINER_HOME},
-            labels=BASELINE_LABELS,
-            mounts=(reploy.Mount(str(reploy_serve.AGENT_SOURCE), reploy_serve.AGENT_MOUNT, True),
-                    reploy.Mount(str(session_dir), reploy_serve.SESSION_MOUNT, False)), init=True,
-            root_supervisor=True)
-        start = time.perf_counter()
-        container_id = backend.create(spec)
-        try:
-            backend.start(container_id)
-            wait_until(lambda: _answers(session_dir / "agent"), "the baseline agent")
-            samples.append(time.perf_counter() - start)
-        finally:
-            backend.remove_container(container_id)
-            shutil.rmtree(directory, ignore_errors=True)
-    return samples
+    bytecode_dir = workload / "bytecode"  # the agent's, as serve compiles and mounts it
+    reploy_serve.compile_agent_bytecode(bytecode_dir)
+    directory = Path(tempfile.mkdtemp(prefix="bsb-"))
+    session_dir = directory / "s"
+    (session_dir / "workspace").mkdir(mode=0o700, parents=True)  # serve's layout, on no disk of its own
+    session_dir.chmod(0o755)
+    runtime = deployment.blueprint.runtime
+    shutil.chown(session_dir / "workspace", runtime.uid, runtime.gid)
+    spec = reploy.ContainerSpec(
+        role="managed", image_id=deployment.current.image_id,
+        command=(*reploy_serve.AGENT_COMMAND, "serve", "--session-dir", reploy_serve.SESSION_MOUNT,
+                 "--workload", "shell", "--home", reploy.CONTAINER_HOME, "--runtime-user", runtime.user),
+        runtime=runtime, environment={"HOME": reploy.CONTAINER_HOME},
+        labels=BASELINE_LABELS,
+        mounts=(*reploy_serve.agent_mounts(bytecode_dir),
+                reploy.Mount(str(session_dir), reploy_serve.SESSION_MOUNT, False)), init=True,
+        root_supervisor=True)
+    start = time.perf_counter()
+    container_id = backend.create(spec)
+    try:
+        backend.start(container_id)
+        wait_until(lambda: _answers(session_dir / "agent"), "the baseline agent")
+        return time.perf_counter() - start
+    finally:
+        backend.remove_container(container_id)
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def _answers(agent_dir: Path) -> bool:
@@ -417,7 +424,7 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # clean up on the way out
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--only", choices=["serve_create_to_prompt", "sse", "files"],
+    parser.add_argument("--only", choices=["serve_create_to_prompt", "serve_idle_memory", "sse", "files"],
                         help="measure this figure alone, the serve_sse_delivery figures with one "
                              "session created, or the two file throughputs (after the creates the "
                              "others need)")
@@ -434,21 +441,28 @@ def main() -> int:
                           "--max-session-readers", readers, "--max-readers", readers)
     api = server.api
     try:
-        creates, sessions = [], []
+        creates, sdk_creates, sessions = [], [], []
         for i in range(1 if args.only == "sse" else rounds):
             start = time.perf_counter()
             sid = api.create(f"bench-{i}")["id"]
             api.wait_output(sid, b"$ ")
             creates.append(time.perf_counter() - start)
             sessions.append(sid)
+            if args.only not in ("sse", "files"):
+                sdk_creates.append(sdk_create(workload))
         manager_view = reploy_serve.SessionStore(base / "state" / "sessions.db")
         container = client.containers.get(manager_view.get(sessions[0]).container_id)
         if args.only == "files":
             file_figures(api, sessions[0], container, base)
             return 0
         if args.only != "sse":
-            figure("serve_create_to_prompt", "s", creates, sdk_baseline(workload, rounds))
-        if args.only == "serve_create_to_prompt":
+            figure("serve_create_to_prompt", "s", creates, sdk_creates)
+        if args.only == "serve_idle_memory":
+            floor = idle_python_memory(client, workload, rounds)
+            figure("serve_idle_memory", "MiB", idle_rounds(client, api, base / "state", sessions)[1], floor)
+            figure("serve_idle_memory_after_a_file_operation", "MiB",
+                   idle_rounds(client, api, base / "state", sessions, file_operation=True)[1], floor)
+        if args.only in ("serve_create_to_prompt", "serve_idle_memory"):
             return 0
         figure("serve_sse_delivery", "ms", *sse_delivery(api, server, sessions[0], 1, SSE_BLOCKS, rounds,
                                                           agent_writer(server, sessions[0])))
@@ -462,20 +476,9 @@ def main() -> int:
         figure("serve_exec_true", "ms", exec_times, sdk_exec_times)
         fair_share(client, workload, base / "fair-share", rounds * 4)
         file_figures(api, sessions[0], container, base)
-        # Idle: pause directly (what the reaper does), then time the access that resumes.
-        resumes, memory = [], []
-        for sid in sessions:
-            container_id = manager_view.get(sid).container_id
-            wait_until(lambda: api.call("GET", f"/sessions/{sid}/status")["agent"]["turnState"] == "idle",
-                       "a quiet shell")
-            _force_idle(base / "state", sid)
-            stats = client.api.stats(container_id, stream=False)
-            memory.append(stats["memory_stats"]["usage"] / (1024 * 1024))
-            start = time.perf_counter()
-            read_once(api, sid)
-            resumes.append(time.perf_counter() - start)
+        resumes, memory = idle_rounds(client, api, base / "state", sessions)
         figure("serve_idle_to_active", "s", resumes)
-        figure("serve_idle_memory", "MiB", memory)
+        figure("serve_idle_memory", "MiB", memory, idle_python_memory(client, workload, rounds))
         restores = []
         for sid in sessions:
             api.call("POST", f"/sessions/{sid}/snapshot", {})
@@ -501,6 +504,74 @@ def main() -> int:
         print(f"bench_serve: FAILED: left behind and now removed: {left}", file=sys.stderr, flush=True)
         return 1
     return 0
+
+
+def idle_rounds(client: docker.DockerClient, api: Api, state_dir: Path, sessions: list[str],
+                file_operation: bool = False) -> tuple[list[float], list[float]]:
+    """Each session paused directly (what the reaper does): its container's memory (cgroup
+    usage, MiB) and, on stderr, what each of its processes holds; then the time of the access
+    that resumes it. (resume seconds, MiB) per session. With `file_operation`, each session
+    first serves one (a stat of a missing file: it starts the file workers' zygote)."""
+    store = reploy_serve.SessionStore(state_dir / "sessions.db")
+    resumes, memory = [], []
+    for sid in sessions:
+        container_id = store.get(sid).container_id
+        assert container_id is not None
+        wait_until(lambda: api.call("GET", f"/sessions/{sid}/status")["agent"]["turnState"] == "idle",
+                   "a quiet shell")
+        if file_operation and api.raw("GET", f"/api/v1/sessions/{sid}/files/missing")[0] != 404:
+            raise BenchFailed(f"session {sid}: a missing file was not a 404")
+        _force_idle(state_dir, sid)
+        memory.append(client.api.stats(container_id, stream=False)["memory_stats"]["usage"] / MIB)
+        print(f"bench_serve: idle session {sid}: {process_breakdown(client, container_id)}",
+              file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        read_once(api, sid)
+        resumes.append(time.perf_counter() - start)
+    return resumes, memory
+
+
+def process_breakdown(client: docker.DockerClient, container_id: str) -> str:
+    """Each process of a container: its command, threads, the CPU time it has used (an idle
+    session's: nearly all of it at its start), and from /proc/PID/smaps_rollup its proportional
+    set (Pss) and the anonymous memory of it (heap and stacks: what it made)."""
+    parts = []
+    for pid, command in client.api.top(container_id, ps_args="-o pid,args")["Processes"] or []:
+        with contextlib.suppress(OSError):  # gone in between
+            rollup = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:])
+            threads = next(line.split()[1] for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                           if line.startswith("Threads:"))
+            ticks = sum(map(int, Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[11:13]))
+            parts.append(f"[{command[:48]}] {threads} thread(s) cpu {ticks * 1000 // os.sysconf('SC_CLK_TCK')} ms "
+                         f"Pss {int(rollup['Pss'].split()[0]) / 1024:.2f} "
+                         f"anon {int(rollup['Anonymous'].split()[0]) / 1024:.2f} MiB")
+    return "; ".join(parts)
+
+
+def idle_python_memory(client: docker.DockerClient, workload: Path, count: int) -> list[float]:
+    """The floor of serve_idle_memory: `count` containers of the same image and sandbox flags
+    running only a bare `python3 -I -S` that sleeps, each paused; MiB (cgroup usage) each, as
+    serve_idle_memory counts. Every container is removed at the end."""
+    deployment = reploy.load_deployment(workload)
+    backend = reploy.DockerBackend()
+    spec = reploy.ContainerSpec(role="bench", image_id=deployment.current.image_id,
+                                command=("python3", "-I", "-S", "-c", "import signal; print('up', flush=True); signal.pause()"),
+                                runtime=deployment.blueprint.runtime, environment={},
+                                labels=BASELINE_LABELS, init=True)
+    samples = []
+    for _ in range(count):
+        container_id = backend.create(spec)
+        try:
+            backend.start(container_id)
+            wait_until(lambda: bool(backend.log_tail(container_id)), "a bare python3")
+            backend.pause(container_id)
+            samples.append(client.api.stats(container_id, stream=False)["memory_stats"]["usage"] / MIB)
+            print(f"bench_serve: idle python3 -I -S: {process_breakdown(client, container_id)}",
+                  file=sys.stderr, flush=True)
+        finally:
+            backend.unpause(container_id)
+            backend.remove_container(container_id)
+    return samples
 
 
 def sweep(client: docker.DockerClient, state_dir: Path) -> list[str]:

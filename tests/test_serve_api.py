@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import importlib.util
 import json
 import os
 import subprocess
@@ -115,6 +116,39 @@ def test_the_session_container_is_sandboxed(serve_factory: Callable[..., ServePr
     sock = server.state_dir / "sessions" / sid / "agent" / "control.sock"
     assert oct(os.stat(sock).st_mode & 0o777) == "0o600"
     assert oct(os.stat(sock.parent).st_mode & 0o777) == "0o700" and os.stat(sock.parent).st_uid == 0
+
+
+def test_the_agent_runs_from_bytecode_serve_compiled_and_mounted_read_only(
+        serve_factory: Callable[..., ServeProcess], docker_engine: Any) -> None:
+    """The session's interpreter accepts serve's bytecode of agent.py (hash-checked against
+    the mounted source) where the agent's own import looks for it; the workload cannot change it."""
+    server = serve_factory()
+    sid = server.api.create("bytecode")["id"]
+    [container] = session_containers(docker_engine, server.state_dir, sid)
+    binds = {b.split(":")[1]: b for b in container.attrs["HostConfig"]["Binds"]}
+    assert binds["/opt/reploy/__pycache__"] == f"{server.state_dir / 'bytecode'}:/opt/reploy/__pycache__:ro"
+    assert container.attrs["Config"]["Entrypoint"][:3] == ["python3", "-I", "-S"]
+    name = Path(importlib.util.cache_from_source(str(ROOT / "agent.py"))).name
+    server.api.wait_output(sid, b"$ ")
+    server.api.call("POST", f"/sessions/{sid}/message", {"text": (
+        "python3 -I -S -c 'import sys; print(sys.implementation.cache_tag)'; "
+        "python3 -I -S -v -c \"import sys; sys.path.insert(0, '/opt/reploy'); import agent\" 2>&1 "
+        "| grep -o \"code object from '/opt/reploy/__pycache__/[^']*'\"; "
+        f"(: >> /opt/reploy/__pycache__/{name}) || echo bytecode-unwritable; echo finished-$((6 * 7))")})
+    server.api.wait_output(sid, b"finished-42")
+    output = server.api.read_all(sid)
+    if f"\n{sys.implementation.cache_tag}\r\n".encode() not in output:
+        pytest.skip("the image's python3 is another version than serve's: it compiles agent.py itself")
+    assert f"code object from '/opt/reploy/__pycache__/{name}'".encode() in output
+    assert b"bytecode-unwritable" in output  # root's, and the mount read-only (above)
+    # The file workers' zygote (started by the first file operation) runs that bytecode too.
+    assert server.api.raw("GET", f"/api/v1/sessions/{sid}/files/missing")[0] == 404
+    [zygote] = [pid for pid, command in docker_engine.api.top(container.id, ps_args="-o pid,args")["Processes"]
+                if command.endswith(" zygote")]
+    script = Path(f"/proc/{zygote}/cmdline").read_bytes().split(b"\0")[-3].decode()
+    assert script.startswith("/proc/self/fd/")
+    with open(f"/proc/{zygote}/fd/{script.removeprefix('/proc/self/fd/')}", "rb") as code:
+        assert code.read(4) == importlib.util.MAGIC_NUMBER
 
 
 def test_snapshot_and_restore_keep_output_and_cursors(serve_factory: Callable[..., ServeProcess],
