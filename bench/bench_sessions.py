@@ -6,7 +6,7 @@ measured in this same run, on this same machine, interleaved with the figure it 
 absolute times drift on a shared machine, ratios hold. A short table goes to stderr at the
 end. bench/README.md says what each figure means.
 
-  python3 bench/bench_sessions.py
+  python3 bench/bench_sessions.py [--ready-only]
 
 The sessions run a bench controller (bench/controller, staged with the example driver
 library) against the example busybox workload, through `python3 reploy.py controlled-session
@@ -21,6 +21,7 @@ version of them even while someone edits the tree.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import errno
 import fcntl
@@ -234,11 +235,12 @@ class Bench:
     def session(self, *mode: str, grant: tuple[str, ...] = ()) -> Run:
         return self.start_session(*mode, grant=grant).conclude()
 
-    def baseline(self) -> Run:
-        """One SDK baseline process, timed like a session's host."""
+    def baseline(self, order: str) -> Run:
+        """One SDK baseline process in `order` (sdk_baseline.ORDERS), timed like a session's
+        host."""
         output_dir = self.output_dir()
         spec_path = output_dir.with_suffix(".json")
-        spec_path.write_text(json.dumps(self.baseline_spec(output_dir)))
+        spec_path.write_text(json.dumps({**self.baseline_spec(output_dir), "order": order}))
         return launch([sys.executable, str(SDK_BASELINE), str(spec_path)], json.loads).conclude()
 
     def baseline_spec(self, output_dir: Path) -> dict[str, Any]:
@@ -363,15 +365,25 @@ def remove_built_images(bench: Bench) -> None:
 # ============================================================================================
 
 
-def ready_and_teardown(bench: Bench) -> tuple[list[Run], list[Run], list[Run]]:
-    """Sessions, granted sessions and SDK baselines, alternated so drift on the machine hits
-    all alike."""
-    sessions, granted, baselines = [], [], []
+@dataclass
+class ReadyRuns:
+    """The ready and teardown runs of each kind, alternated so drift on the machine hits all
+    alike."""
+
+    sessions: list[Run]
+    granted: list[Run]
+    baselines: list[Run]  # the SDK in the overlapped order
+    contract_baselines: list[Run]  # the SDK in seed 000's order
+
+
+def ready_and_teardown(bench: Bench) -> ReadyRuns:
+    runs = ReadyRuns([], [], [], [])
     for _ in range(READY_RUNS):
-        sessions.append(bench.session("session"))
-        granted.append(bench.session("session", grant=GRANT))
-        baselines.append(bench.baseline())
-    return sessions, granted, baselines
+        runs.sessions.append(bench.session("session"))
+        runs.contract_baselines.append(bench.baseline("contract"))
+        runs.granted.append(bench.session("session", grant=GRANT))
+        runs.baselines.append(bench.baseline("overlapped"))
+    return runs
 
 
 def uncached_ready_ms(bench: Bench) -> list[float]:
@@ -465,21 +477,26 @@ def conclude_all(pending: list[Pending]) -> None:
         raise failures[0]
 
 
-def measure(bench: Bench) -> list[dict[str, Any]]:
+def measure(bench: Bench, ready_only: bool) -> list[dict[str, Any]]:
     log("warm-up session (builds the derived controller image)")
     bench.session("session")
     log(f"ready and teardown: {READY_RUNS} sessions, {READY_RUNS} granted sessions and "
-        f"{READY_RUNS} SDK baselines")
-    sessions, granted, baselines = ready_and_teardown(bench)
+        f"{READY_RUNS} SDK baselines in each order")
+    runs = ready_and_teardown(bench)
+    sessions, granted, baselines = runs.sessions, runs.granted, runs.baselines
     cached = [run.ready_ms for run in sessions]
     figures = [
         figure("session_ready", "ms", cached, [run.ready_ms for run in baselines]),
+        figure("session_ready_vs_contract_order", "ms", cached,
+               [run.ready_ms for run in runs.contract_baselines]),
         figure("session_teardown", "ms", [run.teardown_ms for run in sessions],
                [run.teardown_ms for run in baselines]),
         figure("session_ready_granted", "ms", [run.ready_ms for run in granted], cached),
         figure("session_teardown_granted", "ms", [run.teardown_ms for run in granted],
                [run.teardown_ms for run in sessions]),
     ]
+    if ready_only:
+        return figures
     log(f"ready without a cached derived controller image: {UNCACHED_RUNS} sessions")
     figures.append(figure("session_ready_uncached", "ms", uncached_ready_ms(bench), cached))
     log(f"throughput ({THROUGHPUT_ROUNDS} x {THROUGHPUT_BYTES // MIB} MiB) and echo "
@@ -502,12 +519,16 @@ def measure(bench: Bench) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="bench_sessions.py")
+    parser.add_argument("--ready-only", action="store_true",
+                        help="only the ready and teardown figures")
+    args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="reploy-bench-"))
     bench = None
     try:
         bench = prepare(work)
         try:
-            figures = measure(bench)
+            figures = measure(bench, args.ready_only)
         finally:
             left = sweep(bench)
         if left:
