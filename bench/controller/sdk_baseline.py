@@ -17,9 +17,10 @@ can do.
   python3 bench/controller/sdk_baseline.py SPEC.json
 
 SPEC.json: {"workload": {create kwargs}, "controller": {create kwargs}, "columns": N,
-"rows": N, "controller_report": PATH, "order": "overlapped" | "contract"}. Ready is when both the workload runs attached and the
-controller's program runs (it writes its start time to controller_report). Prints one JSON
-object: ready_at, exit_typed_at (time.time()) and rss_bytes (this process, when ready).
+"rows": N, "controller_report": PATH, "order": "overlapped" | "contract"}. Ready is when both
+the workload runs attached and the controller's program runs (it writes its start time to
+controller_report). Prints one JSON object: ready_at, exit_typed_at (time.time()) and
+rss_bytes (this process, when ready).
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ def create_owned(api: docker.APIClient, kwargs: dict[str, Any],
     return container_id
 
 
-def attach(api: docker.APIClient, container_id: str, owned: contextlib.ExitStack) -> socket.socket:
+def attach(api: docker.APIClient, container_id: str,
+           owned: contextlib.ExitStack) -> socket.socket:
     """Attach to a container's PTY (before its start, so no byte is missed), as a blocking
     socket that `owned` closes."""
     response = api.attach_socket(
@@ -93,6 +95,8 @@ def resident_bytes() -> int:
 
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
+    """The controller first; the workload created and attached to while it starts, and
+    started at once ("overlapped") or once the controller's program runs ("contract")."""
     api = docker.APIClient(timeout=TIMEOUT_S, **docker.utils.kwargs_from_env())
     report_path = Path(spec["controller_report"])
     with contextlib.ExitStack() as owned:
