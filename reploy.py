@@ -2557,8 +2557,8 @@ class ContainerPathError(OSError):
 
 
 def _not_expected(name: str, mode: int, expected: str) -> ContainerPathError:
-    return ContainerPathError(errno.EINVAL,
-                              f"{name} is a {container_path_rules().file_type(mode)}, not {expected}")
+    kind = container_path_rules().file_type(mode)
+    return ContainerPathError(errno.EINVAL, f"{name} is a {kind}, not {expected}")
 
 
 @contextlib.contextmanager
