@@ -392,14 +392,21 @@ class ReadyRuns:
 
 
 def ready_and_teardown(bench: Bench, other: Bench | None) -> ReadyRuns:
+    """One run of each kind per round, the order rotated every round, so that no kind always
+    follows the same one (a removal the engine is still finishing, say)."""
     runs = ReadyRuns([], [], [], [], [])
-    for _ in range(READY_RUNS):
-        runs.sessions.append(bench.session("session"))
-        if other is not None:
-            runs.other_sessions.append(other.session("session"))
-        runs.contract_baselines.append(bench.baseline("contract"))
-        runs.granted.append(bench.session("session", grant=GRANT))
-        runs.baselines.append(bench.baseline("overlapped"))
+    kinds: list[tuple[list[Run], Callable[[], Run]]] = [
+        (runs.sessions, lambda: bench.session("session")),
+        (runs.contract_baselines, lambda: bench.baseline("contract")),
+        (runs.granted, lambda: bench.session("session", grant=GRANT)),
+        (runs.baselines, lambda: bench.baseline("overlapped")),
+    ]
+    if other is not None:
+        kinds.insert(1, (runs.other_sessions, lambda: other.session("session")))
+    for round_number in range(READY_RUNS):
+        shift = round_number % len(kinds)
+        for samples, timed_run in kinds[shift:] + kinds[:shift]:
+            samples.append(timed_run())
     return runs
 
 
