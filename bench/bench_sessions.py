@@ -29,6 +29,7 @@ import importlib
 import itertools
 import json
 import os
+import random
 import shutil
 import statistics
 import subprocess
@@ -392,8 +393,9 @@ class ReadyRuns:
 
 
 def ready_and_teardown(bench: Bench, other: Bench | None) -> ReadyRuns:
-    """One run of each kind per round, the order rotated every round, so that no kind always
-    follows the same one (a removal the engine is still finishing, say)."""
+    """One run of each kind per round, in an order shuffled every round (seeded: the same on
+    every run), so that no kind always follows the same one (bench/README.md, "Against the
+    contract's order", says what a fixed order did)."""
     runs = ReadyRuns([], [], [], [], [])
     kinds: list[tuple[list[Run], Callable[[], Run]]] = [
         (runs.sessions, lambda: bench.session("session")),
@@ -404,8 +406,9 @@ def ready_and_teardown(bench: Bench, other: Bench | None) -> ReadyRuns:
     if other is not None:
         kinds.insert(1, (runs.other_sessions, lambda: other.session("session")))
     for round_number in range(READY_RUNS):
-        shift = round_number % len(kinds)
-        for samples, timed_run in kinds[shift:] + kinds[:shift]:
+        order = list(kinds)
+        random.Random(round_number).shuffle(order)
+        for samples, timed_run in order:
             samples.append(timed_run())
     return runs
 
