@@ -71,8 +71,9 @@ CONTROL_PLANE_COMMANDS = ("serve", "session")
 CONTROL_PLANE_FILE = "reploy_serve.py"
 #: The command that lives as long as a session.
 LONG_LIVED_COMMAND = ("controlled-session", "run")
-#: The role files this one imports as it starts (they sit beside it).
-SIBLING_MODULES = ("reploy_session_client", "reploy_watchdog", "agent")
+#: The role files this one imports as it starts (they sit beside it). agent.py is not one:
+#: only a session with --output-file needs it, at its end (container_path_rules).
+SIBLING_MODULES = ("reploy_session_client", "reploy_watchdog")
 #: What the re-executed interpreter runs, given this file's path, then a descriptor holding
 #: the signal mask the first process came with and (module name, file, code) of each sibling
 #: and of this file (marshal), then the command: the modules run in that order, this file's
@@ -180,6 +181,7 @@ import time
 import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Callable, Iterator, Optional, Union
 
 import docker
@@ -193,7 +195,6 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import reploy_session_client as wire  # noqa: E402  (the shared codec; see the docstring)
 import reploy_watchdog  # noqa: E402  (the cleanup role; the host reuses its reconciliation)
-import agent as agent_role  # noqa: E402  (the data-plane role; `session cp` reuses its archive rules)
 from reploy_session_client import (  # noqa: E402
     Cause, FrameKind, RecoveryAction, SessionResult, Status,
 )
@@ -2536,11 +2537,19 @@ def build(directory: Path, backend: DockerBackend) -> dict[str, Any]:
 #   - A file is opened O_NOFOLLOW|O_NONBLOCK (a symlink is refused, a FIFO does not block the
 #     open) and used only after fstat on that fd says it is a regular file.
 #   - A socket is opened O_PATH|O_NOFOLLOW, checked on that fd and connected through
-#     /proc/self/fd/N (agent_role.connect_unix_at): the very inode checked.
+#     /proc/self/fd/N (agent.connect_unix_at): the very inode checked.
 #   - Entries are removed without following them, trees fd by fd and without recursion.
 #
 # Whatever else a container leaves there fails that session's step with an error naming the
 # entry; it never stops the host, and no byte behind a link is ever read.
+
+
+def container_path_rules() -> ModuleType:
+    """agent.py, whose rules for entries a container can write these helpers follow. Imported
+    on first use, not as the host starts: compiling its 6,000 lines would sit on every
+    session's way to `ready`, and only a session with --output-file ever publishes."""
+    import agent
+    return agent
 
 
 class ContainerPathError(OSError):
@@ -2548,14 +2557,14 @@ class ContainerPathError(OSError):
 
 
 def _not_expected(name: str, mode: int, expected: str) -> ContainerPathError:
-    return ContainerPathError(errno.EINVAL,
-                              f"{name} is a {agent_role.file_type(mode)}, not {expected}")
+    kind = container_path_rules().file_type(mode)
+    return ContainerPathError(errno.EINVAL, f"{name} is a {kind}, not {expected}")
 
 
 @contextlib.contextmanager
 def opened_dir(path: Path) -> Iterator[int]:
     """The directory at `path` (whose own path the host owns), not followed if it is a link."""
-    fd = os.open(path, agent_role.DIR_OPEN_FLAGS)
+    fd = os.open(path, container_path_rules().DIR_OPEN_FLAGS)
     try:
         yield fd
     finally:
@@ -2565,11 +2574,11 @@ def opened_dir(path: Path) -> Iterator[int]:
 def open_regular_file(dir_fd: int, name: str) -> int:
     """`name` of a directory opened for reading, only when it is a regular file itself."""
     try:
-        fd = os.open(name, agent_role.FILE_READ_FLAGS, dir_fd=dir_fd)
+        fd = os.open(name, container_path_rules().FILE_READ_FLAGS, dir_fd=dir_fd)
     except OSError as e:
         if e.errno not in (errno.ELOOP, errno.ENXIO):  # a symlink; a socket
             raise
-        st = agent_role.lstat_at(dir_fd, name)
+        st = container_path_rules().lstat_at(dir_fd, name)
         if st is None:
             raise
         raise _not_expected(name, st.st_mode, "a regular file") from None
@@ -2582,7 +2591,7 @@ def open_regular_file(dir_fd: int, name: str) -> int:
 
 def regular_file_size(dir_fd: int, name: str) -> Optional[int]:
     """The size of the regular file `name` of a directory; None when there is no such entry."""
-    st = agent_role.lstat_at(dir_fd, name)
+    st = container_path_rules().lstat_at(dir_fd, name)
     if st is None:
         return None
     if not stat.S_ISREG(st.st_mode):

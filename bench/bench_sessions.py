@@ -6,7 +6,7 @@ measured in this same run, on this same machine, interleaved with the figure it 
 absolute times drift on a shared machine, ratios hold. A short table goes to stderr at the
 end. bench/README.md says what each figure means.
 
-  python3 bench/bench_sessions.py
+  python3 bench/bench_sessions.py [--ready-only] [--against CHECKOUT]
 
 The sessions run a bench controller (bench/controller, staged with the example driver
 library) against the example busybox workload, through `python3 reploy.py controlled-session
@@ -21,6 +21,7 @@ version of them even while someone edits the tree.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import errno
 import fcntl
@@ -28,13 +29,14 @@ import importlib
 import itertools
 import json
 import os
+import random
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable, Iterator
@@ -234,11 +236,12 @@ class Bench:
     def session(self, *mode: str, grant: tuple[str, ...] = ()) -> Run:
         return self.start_session(*mode, grant=grant).conclude()
 
-    def baseline(self) -> Run:
-        """One SDK baseline process, timed like a session's host."""
+    def baseline(self, order: str) -> Run:
+        """One SDK baseline process in `order` (sdk_baseline.ORDERS), timed like a session's
+        host."""
         output_dir = self.output_dir()
         spec_path = output_dir.with_suffix(".json")
-        spec_path.write_text(json.dumps(self.baseline_spec(output_dir)))
+        spec_path.write_text(json.dumps({**self.baseline_spec(output_dir), "order": order}))
         return launch([sys.executable, str(SDK_BASELINE), str(spec_path)], json.loads).conclude()
 
     def baseline_spec(self, output_dir: Path) -> dict[str, Any]:
@@ -285,14 +288,28 @@ def stage_and_build(roles_dir: Path, blueprint: Path, directory: Path) -> Path:
     return directory
 
 
+def copy_role_files(checkout: Path, work: Path) -> Path:
+    """The role files of a checkout, copied into work/roles (Bench.roles_dir)."""
+    roles_dir = work / "roles"
+    roles_dir.mkdir(parents=True)
+    for name in ROLE_FILES:
+        shutil.copy2(checkout / name, roles_dir / name)
+    return roles_dir
+
+
+def against(bench: Bench, checkout: Path) -> Bench:
+    """The same deployments and watchdog, with another checkout's role files: its sessions
+    time that version of the host against this one's in the same run."""
+    work = bench.work / "against"
+    copy_role_files(checkout, work)
+    return replace(bench, work=work)
+
+
 def prepare(work: Path) -> Bench:
     """Copy the role files, point the sessions at a watchdog of the bench's own (apart from
     any live sessions on the machine), then stage and build the bench controller and the
     workload."""
-    roles_dir = work / "roles"
-    roles_dir.mkdir()
-    for name in ROLE_FILES:
-        shutil.copy2(ROOT / name, roles_dir / name)
+    roles_dir = copy_role_files(ROOT, work)
     source = work / "controller-source"
     shutil.copytree(CONTROLLER_SOURCE, source)
     shutil.copy2(DRIVER_SOURCE, source / "context")
@@ -363,15 +380,37 @@ def remove_built_images(bench: Bench) -> None:
 # ============================================================================================
 
 
-def ready_and_teardown(bench: Bench) -> tuple[list[Run], list[Run], list[Run]]:
-    """Sessions, granted sessions and SDK baselines, alternated so drift on the machine hits
-    all alike."""
-    sessions, granted, baselines = [], [], []
-    for _ in range(READY_RUNS):
-        sessions.append(bench.session("session"))
-        granted.append(bench.session("session", grant=GRANT))
-        baselines.append(bench.baseline())
-    return sessions, granted, baselines
+@dataclass
+class ReadyRuns:
+    """The ready and teardown runs of each kind, alternated so drift on the machine hits all
+    alike."""
+
+    sessions: list[Run]
+    granted: list[Run]
+    baselines: list[Run]  # the SDK in the overlapped order
+    contract_baselines: list[Run]  # the SDK in seed 000's order
+    other_sessions: list[Run]  # sessions of --against's role files
+
+
+def ready_and_teardown(bench: Bench, other: Bench | None) -> ReadyRuns:
+    """One run of each kind per round, in an order shuffled every round (seeded: the same on
+    every run), so that no kind always follows the same one (bench/README.md, "Against the
+    contract's order", says what a fixed order did)."""
+    runs = ReadyRuns([], [], [], [], [])
+    kinds: list[tuple[list[Run], Callable[[], Run]]] = [
+        (runs.sessions, lambda: bench.session("session")),
+        (runs.contract_baselines, lambda: bench.baseline("contract")),
+        (runs.granted, lambda: bench.session("session", grant=GRANT)),
+        (runs.baselines, lambda: bench.baseline("overlapped")),
+    ]
+    if other is not None:
+        kinds.insert(1, (runs.other_sessions, lambda: other.session("session")))
+    for round_number in range(READY_RUNS):
+        order = list(kinds)
+        random.Random(round_number).shuffle(order)
+        for samples, timed_run in order:
+            samples.append(timed_run())
+    return runs
 
 
 def uncached_ready_ms(bench: Bench) -> list[float]:
@@ -465,21 +504,36 @@ def conclude_all(pending: list[Pending]) -> None:
         raise failures[0]
 
 
-def measure(bench: Bench) -> list[dict[str, Any]]:
+def measure(bench: Bench, ready_only: bool, other: Bench | None) -> list[dict[str, Any]]:
     log("warm-up session (builds the derived controller image)")
     bench.session("session")
-    log(f"ready and teardown: {READY_RUNS} sessions, {READY_RUNS} granted sessions and "
-        f"{READY_RUNS} SDK baselines")
-    sessions, granted, baselines = ready_and_teardown(bench)
+    if other is not None:
+        other.session("session")
+    log(f"ready and teardown: {READY_RUNS} sessions, {READY_RUNS} granted sessions, "
+        f"{READY_RUNS} SDK baselines in each order"
+        + (f" and {READY_RUNS} sessions of the other checkout" if other is not None else ""))
+    runs = ready_and_teardown(bench, other)
+    sessions, granted, baselines = runs.sessions, runs.granted, runs.baselines
     cached = [run.ready_ms for run in sessions]
     figures = [
         figure("session_ready", "ms", cached, [run.ready_ms for run in baselines]),
+        figure("session_ready_vs_contract_order", "ms", cached,
+               [run.ready_ms for run in runs.contract_baselines]),
         figure("session_teardown", "ms", [run.teardown_ms for run in sessions],
                [run.teardown_ms for run in baselines]),
         figure("session_ready_granted", "ms", [run.ready_ms for run in granted], cached),
         figure("session_teardown_granted", "ms", [run.teardown_ms for run in granted],
                [run.teardown_ms for run in sessions]),
     ]
+    if other is not None:
+        figures += [
+            figure("session_ready_vs_against", "ms", cached,
+                   [run.ready_ms for run in runs.other_sessions]),
+            figure("session_teardown_vs_against", "ms", [run.teardown_ms for run in sessions],
+                   [run.teardown_ms for run in runs.other_sessions]),
+        ]
+    if ready_only:
+        return figures
     log(f"ready without a cached derived controller image: {UNCACHED_RUNS} sessions")
     figures.append(figure("session_ready_uncached", "ms", uncached_ready_ms(bench), cached))
     log(f"throughput ({THROUGHPUT_ROUNDS} x {THROUGHPUT_BYTES // MIB} MiB) and echo "
@@ -502,12 +556,23 @@ def measure(bench: Bench) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="bench_sessions.py")
+    parser.add_argument("--ready-only", action="store_true",
+                        help="only the ready and teardown figures")
+    parser.add_argument("--against", type=Path, metavar="CHECKOUT",
+                        help="also time sessions of this checkout's role files (e.g. a "
+                             "worktree of main), interleaved: the *_vs_against figures")
+    args = parser.parse_args(argv)
+    if args.against is not None and not all((args.against / name).is_file()
+                                            for name in ROLE_FILES):
+        parser.error(f"--against {args.against}: not a checkout holding {', '.join(ROLE_FILES)}")
     work = Path(tempfile.mkdtemp(prefix="reploy-bench-"))
     bench = None
     try:
         bench = prepare(work)
         try:
-            figures = measure(bench)
+            other = against(bench, args.against) if args.against is not None else None
+            figures = measure(bench, args.ready_only, other)
         finally:
             left = sweep(bench)
         if left:

@@ -319,3 +319,22 @@ def test_require_private_dir_accepts_a_private_dir(tmp_path: Path) -> None:
     with pytest.raises(agent.StartupError, match="open to no one else"):
         agent.require_private_dir(session_dir, 0o077)
     assert stat.S_IMODE(os.stat(session_dir).st_mode) == 0o755
+
+
+def test_the_host_compiles_agent_py_only_when_it_publishes_a_file(tmp_path: Path) -> None:
+    """agent.py is 6,000 lines, and compiling them sat on every session's way to `ready`: the
+    host imports it only for an --output-file publish, the one user of these helpers."""
+    staging, destination = tmp_path / "staging", tmp_path / "out" / "result.txt"
+    staging.mkdir()
+    destination.parent.mkdir()
+    (staging / destination.name).write_bytes(b"published\n")
+    script = ("import sys, reploy\n"
+              "before = 'agent' in sys.modules\n"
+              "reploy.publish_regular_file(*map(reploy.Path, sys.argv[1:]))\n"
+              "print(before, 'agent' in sys.modules)\n")
+    proc = subprocess.run([sys.executable, "-c", script, str(staging), str(destination)],
+                          capture_output=True, text=True, timeout=120,
+                          cwd=Path(reploy.__file__).parent)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["False", "True"]
+    assert destination.read_bytes() == b"published\n"
