@@ -4056,6 +4056,7 @@ class IdleUpstreams:
         self._size, self._idle_s = size, idle_s
         self._idle: list[tuple[float, http.client.HTTPConnection]] = []  # oldest first
         self._lock = threading.Lock()
+        self._closed = False  # then what a request puts back is closed at once
 
     def take(self, now: float) -> Optional[http.client.HTTPConnection]:
         """The most recently idle one within its bound (the likeliest still open), or None."""
@@ -4066,7 +4067,8 @@ class IdleUpstreams:
     def put(self, connection: http.client.HTTPConnection, now: float) -> None:
         with self._lock:
             self._idle.append((now, connection))
-            surplus, self._idle = self._idle[:-self._size], self._idle[-self._size:]
+            cut = len(self._idle) if self._closed else max(0, len(self._idle) - self._size)
+            surplus, self._idle = self._idle[:cut], self._idle[cut:]
         for _, extra in surplus:
             extra.close()
 
@@ -4078,6 +4080,8 @@ class IdleUpstreams:
             connection.close()
 
     def close(self) -> None:
+        with self._lock:
+            self._closed = True
         self.close_expired(math.inf)
 
 

@@ -217,6 +217,8 @@ def test_the_pool_lends_each_connection_once_newest_first_and_closes_expired_and
     pool.put(c, now=20.0)
     pool.close()
     assert c.closes == 1 and pool.take(now=20.0) is None
+    pool.put(a, now=21.0)  # a request that ended after the close
+    assert a.closes == 2 and pool.take(now=21.0) is None
 
 
 # -- the host side on real sockets ----------------------------------------------------------------
