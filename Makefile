@@ -47,7 +47,7 @@ bench: setup
 	$(PYTHON) bench/bench_sessions.py
 	$(PYTHON) bench/bench_serve.py
 	$(PYTHON) bench/bench_harness.py
-	$(PYTHON) bench/bench_model_proxy.py
+	$(PYTHON) bench/bench_model_proxy.py --relay
 
 bench-agent:
 	$(PYTHON) bench/bench_agent.py
