@@ -48,7 +48,7 @@ bench: setup
 	$(PYTHON) bench/bench_serve.py
 	$(PYTHON) bench/bench_agent_memory.py
 	$(PYTHON) bench/bench_harness.py
-	$(PYTHON) bench/bench_model_proxy.py
+	$(PYTHON) bench/bench_model_proxy.py --relay
 
 bench-agent:
 	$(PYTHON) bench/bench_agent.py

@@ -5891,6 +5891,9 @@ class ModelRelay:
     def _relay(self, client: socket.socket) -> None:
         try:
             with client:
+                # Each write on at once: a small one (an answer's head, its first event) would
+                # otherwise wait for the CLI's ACK of the one before (Nagle's algorithm).
+                client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 dir_fd = os.open(self._agent_dir, DIR_OPEN_FLAGS)
                 try:
                     upstream = connect_unix_at(dir_fd, self._socket_name, RELAY_CONNECT_TIMEOUT_S)

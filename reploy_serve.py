@@ -4251,6 +4251,8 @@ MODEL_CONNECT_TIMEOUT_S = 15.0  #: to the upstream, TLS included
 MODEL_IDLE_TIMEOUT_S = 300.0  #: the upstream's silence between two reads
 MODEL_RESPONSE_TIMEOUT_S = 1800.0  #: one whole response
 MODEL_READ_BYTES = 64 * 1024
+MODEL_POOL_SIZE = 4  #: idle upstream connections kept open, per serve (it has one upstream)
+MODEL_POOL_IDLE_S = 20.0  #: an idle upstream connection is closed after this
 _REDACTED_BYTES = agent_role.REDACTED.encode()
 #: What a claude-code session's container gets (none of it secret). CLAUDE_CODE_MAX_RETRIES:
 #: the CLI retries a failed request 10 times over about 3 minutes by default, each attempt
@@ -4448,7 +4450,72 @@ class WholeEvents:
         return held
 
 
+def keeps_connection(read_to_end: bool, server_closes: bool) -> bool:
+    """Whether an upstream connection goes back to the pool after an answer: only once that
+    answer was read to its end (no byte of it left to be taken for the next one's) and the
+    upstream did not say it closes (Connection: close, HTTP/1.0, a body the close ends)."""
+    return read_to_end and not server_closes
+
+
+def retries_on_fresh(reused: bool, body_sent: bool, error: BaseException) -> bool:
+    """Whether a request that failed is sent again, once, on a new connection: only if it
+    went out whole on a pooled connection and the upstream ended that connection before the
+    answer's status line (http.client's RemoteDisconnected, a reset, a TLS end): an upstream
+    closing an idle connection as this request was sent. Nothing reached the CLI then."""
+    return reused and body_sent and isinstance(error, (ConnectionResetError, ssl.SSLEOFError))
+
+
+class IdleUpstreams:
+    """Idle TLS connections to the one upstream, at most MODEL_POOL_SIZE: a request takes one
+    (no two requests share one), puts it back only when keeps_connection says so, and those
+    idle MODEL_POOL_IDLE_S are closed. One pool per serve, not per session: a connection that
+    was read to its end carries nothing of the request before it (the credential is serve's,
+    not the session's), so a session's first request gets a warm one too. The clock is the
+    caller's (`now`, time.monotonic)."""
+
+    def __init__(self, size: int = MODEL_POOL_SIZE, idle_s: float = MODEL_POOL_IDLE_S) -> None:
+        self._size, self._idle_s = size, idle_s
+        self._idle: list[tuple[float, http.client.HTTPConnection]] = []  # oldest first
+        self._lock = threading.Lock()
+        self._closed = False  # then what a request puts back is closed at once
+
+    def take(self, now: float) -> Optional[http.client.HTTPConnection]:
+        """The most recently idle one within its bound (the likeliest still open), or None."""
+        self.close_expired(now)
+        with self._lock:
+            return self._idle.pop()[1] if self._idle else None
+
+    def put(self, connection: http.client.HTTPConnection, now: float) -> None:
+        with self._lock:
+            self._idle.append((now, connection))
+            cut = len(self._idle) if self._closed else max(0, len(self._idle) - self._size)
+            surplus, self._idle = self._idle[:cut], self._idle[cut:]
+        for _, extra in surplus:
+            extra.close()
+
+    def close_expired(self, now: float) -> None:
+        with self._lock:
+            expired = [c for since, c in self._idle if now - since >= self._idle_s]
+            self._idle = [(since, c) for since, c in self._idle if now - since < self._idle_s]
+        for connection in expired:
+            connection.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        self.close_expired(math.inf)
+
+
 # -- the proxy's I/O: per-session sockets on the host, one thread per connection ------------
+
+def idle_intact(connection: http.client.HTTPConnection) -> bool:
+    """An idle connection with nothing to read is taken as open: one that is readable holds
+    the upstream's close (or bytes no request asked for) and is closed instead."""
+    sock = connection.sock
+    if sock is None or (isinstance(sock, ssl.SSLSocket) and sock.pending()):
+        return False
+    return not select.select([sock], [], [], 0)[0]
+
 
 def read_model_request(conn: socket.socket) -> tuple[ModelRequest, bytes]:
     """The head and body from the relay, bounded in size (ModelRefusal) and time (OSError)."""
@@ -4503,6 +4570,9 @@ class ModelProxy:
             self._tls.load_default_certs()
         self._listeners: dict[str, socket.socket] = {}
         self._lock = threading.Lock()
+        self._pool = IdleUpstreams()
+        self._closed = threading.Event()
+        threading.Thread(target=self._reap_idle, name="model-pool", daemon=True).start()
 
     def listen(self, session_id: str, agent_dir: Path) -> None:
         """(Re)binds agent_dir/model.sock for the session; the socket stays root's and 0600."""
@@ -4527,6 +4597,12 @@ class ModelProxy:
     def close(self) -> None:
         for session_id in list(self._listeners):
             self.close_session(session_id)
+        self._closed.set()
+        self._pool.close()
+
+    def _reap_idle(self) -> None:
+        while not self._closed.wait(MODEL_POOL_IDLE_S / 4):
+            self._pool.close_expired(time.monotonic())
 
     def _accept_loop(self, session_id: str, sock: socket.socket,
                      slots: threading.BoundedSemaphore) -> None:
@@ -4577,24 +4653,20 @@ class ModelProxy:
         value = self._credential if upstream.auth == "x-api-key" else f"Bearer {self._credential}"
         headers = dict(request.headers)
         headers[header_name] = value
-        client = http.client.HTTPSConnection(upstream.host, upstream.port, context=self._tls,
-                                             timeout=MODEL_CONNECT_TIMEOUT_S)
         deadline = time.monotonic() + MODEL_RESPONSE_TIMEOUT_S
         try:
-            try:
-                client.request("POST", target, body=body, headers=headers)
-                assert client.sock is not None
-                client.sock.settimeout(MODEL_IDLE_TIMEOUT_S)
-                response = client.getresponse()
-            except TimeoutError:
-                conn.sendall(model_error_response(504, "timeout_error", "the model upstream did "
-                                                  "not answer in time"))
-                return
-            except (OSError, http.client.HTTPException) as e:
-                log(f"serve: session {session_id}: model upstream: {e}")
-                conn.sendall(model_error_response(502, "api_error", "the model upstream cannot "
-                                                  f"be reached: {type(e).__name__}"))
-                return
+            client, response = self._exchange(target, body, headers)
+        except TimeoutError:
+            conn.sendall(model_error_response(504, "timeout_error", "the model upstream did "
+                                              "not answer in time"))
+            return
+        except (OSError, http.client.HTTPException) as e:
+            log(f"serve: session {session_id}: model upstream: {e}")
+            conn.sendall(model_error_response(502, "api_error", "the model upstream cannot "
+                                              f"be reached: {type(e).__name__}"))
+            return
+        read_to_end = False
+        try:
             if 300 <= response.status < 400:
                 conn.sendall(model_error_response(502, "api_error", "the model upstream answered "
                                                   "a redirect; the proxy follows none"))
@@ -4609,13 +4681,45 @@ class ModelProxy:
                      for name, value in kept_response_headers(response.getheaders())]
             conn.sendall(("\r\n".join(head + ["connection: close", "", ""])).encode("latin-1"))
             stream = "text/event-stream" in response.getheader("content-type", "")
-            self._stream(response, conn, redactor, deadline, stream)
+            read_to_end = self._stream(response, conn, redactor, deadline, stream)
         finally:
+            response.close()  # read to its end, it may still be open (a Content-Length body)
+            if keeps_connection(read_to_end, response.will_close or client.sock is None):
+                self._pool.put(client, time.monotonic())
+            else:
+                client.close()
+
+    def _exchange(self, target: str, body: bytes, headers: dict[str, str]
+                  ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+        """The request sent and its answer's head read, on an idle pooled connection if one
+        is open, else on a new one (retries_on_fresh: once more on a new one)."""
+        while (client := self._pool.take(time.monotonic())) is not None and not idle_intact(client):
             client.close()
+        reused = client is not None
+        if client is not None and client.sock is not None:
+            client.sock.settimeout(MODEL_CONNECT_TIMEOUT_S)  # as a new connection's send is
+        while True:
+            if client is None:
+                client = http.client.HTTPSConnection(self.upstream.host, self.upstream.port,
+                                                     context=self._tls,
+                                                     timeout=MODEL_CONNECT_TIMEOUT_S)
+            body_sent = False
+            try:
+                client.request("POST", target, body=body, headers=headers)
+                body_sent = True
+                assert client.sock is not None
+                client.sock.settimeout(MODEL_IDLE_TIMEOUT_S)
+                return client, client.getresponse()
+            except (OSError, http.client.HTTPException) as e:
+                client.close()
+                if not retries_on_fresh(reused, body_sent, e):
+                    raise
+                client, reused = None, False
 
     @staticmethod
     def _stream(response: http.client.HTTPResponse, conn: socket.socket,
-                redactor: BytesRedactor, deadline: float, sse: bool) -> None:
+                redactor: BytesRedactor, deadline: float, sse: bool) -> bool:
+        """The answer's body to the CLI; whether it was read to its end."""
         total = 0
         failure = None
         events = WholeEvents() if sse else None
@@ -4647,6 +4751,7 @@ class ModelProxy:
             conn.sendall(events.feed(tail) + events.finish())
         else:  # the cut event's start is dropped, so the error is an event of its own
             conn.sendall(events.feed(tail) + model_sse_error(failure))
+        return failure is None
 
 
 # ============================================================================================

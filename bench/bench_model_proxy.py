@@ -1,28 +1,34 @@
 #!/usr/bin/env python3
 """Benchmarks serve's model proxy (ModelProxy, the host side of a claude-code session's model
-access); prints one JSON line per figure, as bench/bench_agent.py does. No Docker: the proxy
-listens on a unix socket like a session's DIR/agent/model.sock, in a process of its own as in
-serve; the agent's in-container relay is not part of these figures.
+access); prints one JSON line per figure, as bench/bench_agent.py does. Without --relay no
+Docker: the proxy listens on a unix socket like a session's DIR/agent/model.sock, in a process
+of its own as in serve.
 
   model_proxy_first_delta   a streaming POST /v1/messages until its first text delta is read, ms
   model_proxy_throughput    a 32 MiB SSE answer (text deltas of about 1 KiB of prose) read whole, MiB/s
   model_proxy_cpu           CPU time the proxy's process spent on one such answer, ms
+  model_relay_first_delta   (--relay) the first two, from inside a claude-code session of a real
+  model_relay_throughput    serve: 127.0.0.1:8137 -> the agent's relay -> model.sock -> ModelProxy
 
-Baseline of the first two: the same request, read by the same code, from the same fake
-Messages API (tests/model_upstream.py, over TLS with a CA made here, in a process of its own)
-reached directly, alternated with the proxied rounds in the same run. Each round opens new
-connections (the proxy opens one upstream per request). Baseline of model_proxy_cpu: the CPU
-time this process spent reading the answer directly (TLS and HTTP, what any client pays), so
-its ratio is what the proxy costs in CPU against a bare reader of the answer: on a loaded
-machine the two time figures swing from run to run, the CPU one much less.
+Baseline of the time figures: the same request, read by the same code (bench/model_reader.py),
+from the same fake Messages API (tests/model_upstream.py, over TLS with a CA made here, in a
+process of its own) reached directly, alternated with the proxied rounds in the same run. The
+reader opens a new connection every round, both ways (the CLI, one process per turn, does);
+the proxy keeps its upstream connections open between requests (its pool), as in serve.
+Baseline of model_proxy_cpu: the CPU time this process spent reading the answer directly (TLS
+and HTTP, what any client pays), so its ratio is what the proxy costs in CPU against a bare
+reader of the answer: on a loaded machine the two time figures swing from run to run, the CPU
+one much less.
 
-  python3 bench/bench_model_proxy.py [--rounds N]
+  python3 bench/bench_model_proxy.py [--rounds N] [--relay]   (--relay: the engine and the
+                                                              base images, make setup)
 """
 
 from __future__ import annotations
 
 import argparse
 import http.client
+import json
 import os
 import shutil
 import socket
@@ -39,10 +45,12 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "bench"))
 
 import agent  # noqa: E402
 import reploy_serve  # noqa: E402
 from bench_agent import figure  # noqa: E402
+from model_reader import read_answer  # noqa: E402
 from model_upstream import (  # noqa: E402
     FakeMessagesApi, message_closing, message_opening, start_sse, text_delta,
 )
@@ -52,10 +60,8 @@ ANSWER_BYTES = 32 * agent.MIB
 #: letter is a worst case no answer has).
 DELTA_TEXT = "Sure: here is the function that parses its settings, with tests. " * 16
 WRITE_BYTES = 64 * 1024  #: the fake writes its answer in pieces of this size
-READ_BYTES = 64 * 1024
 READY_DEADLINE_S = 30.0
 CREDENTIAL = "sk-ant-bench-credential-0123456789abcdef"
-FIRST_DELTA = b"content_block_delta"
 
 
 def sse_body(total: int) -> bytes:
@@ -69,7 +75,7 @@ def serve_upstream(directory: Path) -> None:
     body = sse_body(ANSWER_BYTES)
 
     def plan(handler: object) -> None:
-        start_sse(handler)  # type: ignore[arg-type]
+        start_sse(handler, len(body))  # type: ignore[arg-type]  # a length: kept alive
         view = memoryview(body)
         for start in range(0, len(body), WRITE_BYTES):
             handler.wfile.write(view[start:start + WRITE_BYTES])  # type: ignore[attr-defined]
@@ -109,23 +115,47 @@ def one_answer(connection: http.client.HTTPConnection, cpu: Callable[[], float]
                ) -> tuple[float, float, float]:
     """(ms to the first delta, MiB/s of the whole answer, ms of cpu()) of one streaming request."""
     cpu_before = cpu()
-    started = time.perf_counter()
-    connection.request("POST", "/v1/messages?beta=true", body=b'{"stream": true}', headers={
-        "x-api-key": reploy_serve.MODEL_PLACEHOLDER, "anthropic-version": "2023-06-01",
-        "content-type": "application/json"})
-    response = connection.getresponse()
-    assert response.status == 200, response.status
-    first, total, seen = None, 0, b""
-    while chunk := response.read1(READ_BYTES):
-        total += len(chunk)
-        if first is None:
-            seen = seen[-len(FIRST_DELTA):] + chunk
-            if FIRST_DELTA in seen:
-                first = time.perf_counter()
-    ended = time.perf_counter()
-    connection.close()
-    assert first is not None and total >= ANSWER_BYTES, total
-    return (first - started) * 1000, total / agent.MIB / (ended - started), (cpu() - cpu_before) * 1000
+    first_ms, mib_s, total = read_answer(connection, reploy_serve.MODEL_PLACEHOLDER)
+    assert total >= ANSWER_BYTES, total
+    return first_ms, mib_s, (cpu() - cpu_before) * 1000
+
+
+def relay_samples(directory: Path, port: str, rounds: int) -> tuple[list[tuple[float, float]],
+                                                                     list[tuple[float, float]]]:
+    """(relayed, direct) samples: model_reader.py in a claude-code session of a real serve
+    whose proxy forwards to the fake on `port`, alternated with the same reader here, direct."""
+    from conftest import stage_and_build
+    from serve_harness import ServeProcess
+
+    workload = directory / "workload"
+    stage_and_build(ROOT / "examples/managed/managed.blueprint.yaml", workload)
+    credential = directory / "credential"
+    credential.write_text(CREDENTIAL + "\n")
+    server = ServeProcess(directory / "state", workload, "--idle-after", "1h",
+                          "--snapshot-after", "2h", "--model-upstream", f"https://127.0.0.1:{port}",
+                          "--model-upstream-ca", str(directory / "ca.pem"),
+                          "--model-credential-file", str(credential))
+    reader = (ROOT / "bench" / "model_reader.py").read_text()
+    tls = ssl.create_default_context(cafile=str(directory / "ca.pem"))
+    relayed, direct = [], []
+    try:
+        sid = server.api.create("bench-relay", "claude-code")["id"]
+        for _ in range(rounds):
+            answer = server.api.call("POST", f"/sessions/{sid}/exec", {"argv": [
+                "python3", "-c", reader, "127.0.0.1", str(reploy_serve.MODEL_RELAY_PORT), "-",
+                reploy_serve.MODEL_PLACEHOLDER]})
+            assert answer["exitCode"] == 0, answer
+            first_ms, mib_s, total = json.loads(answer["stdout"])
+            assert total >= ANSWER_BYTES, total
+            relayed.append((first_ms, mib_s))
+            first_ms, mib_s, _ = read_answer(http.client.HTTPSConnection(
+                "127.0.0.1", int(port), context=tls, timeout=READY_DEADLINE_S),
+                reploy_serve.MODEL_PLACEHOLDER)
+            direct.append((first_ms, mib_s))
+        server.api.delete_all()
+    finally:
+        server.stop()
+    return relayed, direct
 
 
 def started(argv: list[str]) -> tuple[subprocess.Popen[str], str]:
@@ -139,6 +169,8 @@ def started(argv: list[str]) -> tuple[subprocess.Popen[str], str]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--relay", action="store_true",
+                        help="also through the relay of a real claude-code session (Docker)")
     parser.add_argument("role", nargs="*", help=argparse.SUPPRESS)  # upstream DIR | proxy DIR PORT
     args = parser.parse_args()
     if args.role[:1] == ["upstream"]:
@@ -172,6 +204,10 @@ def main() -> int:
                [s[1] for s in samples["direct"]])
         figure("model_proxy_cpu", "ms", [s[2] for s in samples["proxy"]],
                [s[2] for s in samples["direct"]])
+        if args.relay:
+            relayed, direct = relay_samples(directory, port, args.rounds)
+            figure("model_relay_first_delta", "ms", [s[0] for s in relayed], [s[0] for s in direct])
+            figure("model_relay_throughput", "MiB/s", [s[1] for s in relayed], [s[1] for s in direct])
     finally:
         for process in processes:
             assert process.stdin is not None

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import http.server
 import json
+import socket
 import ssl
 import subprocess
 import threading
+import weakref
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
@@ -48,10 +50,17 @@ def text_delta(text: str) -> bytes:
 Plan = Callable[[http.server.BaseHTTPRequestHandler], None]
 
 
-def start_sse(handler: http.server.BaseHTTPRequestHandler) -> None:
+def start_sse(handler: http.server.BaseHTTPRequestHandler, length: Optional[int] = None,
+              close: bool = False) -> None:
+    """The answer's head: a body of `length` bytes, after which the connection stays open
+    unless `close` (Connection: close), or without a length: a body the close ends."""
     handler.send_response(200)
     handler.send_header("content-type", "text/event-stream")
     handler.send_header("request-id", "req_fake")
+    if length is not None:
+        handler.send_header("content-length", str(length))
+    if length is None or close:
+        handler.send_header("connection", "close")
     handler.end_headers()
 
 
@@ -109,6 +118,31 @@ def pieces_answer(pieces: Iterable[tuple[bytes, Optional[threading.Event]]]) -> 
     return plan
 
 
+def sized_answer(text: str, close: bool = False) -> Plan:
+    """A whole SSE answer with Content-Length: the connection may carry another request
+    after it, unless `close` (Connection: close: the upstream closes it)."""
+    def plan(handler: http.server.BaseHTTPRequestHandler) -> None:
+        body = message_opening() + text_delta(text) + message_closing()
+        start_sse(handler, len(body), close)
+        handler.wfile.write(body)
+    return plan
+
+
+def dropped_when_reused(plan: Plan) -> Plan:
+    """`plan` for a connection's first request; a later one on the same connection is read
+    and the connection closed with no byte of an answer (an upstream ending an idle
+    connection just as a request came in)."""
+    answered: "weakref.WeakSet[http.server.BaseHTTPRequestHandler]" = weakref.WeakSet()
+
+    def dropping(handler: http.server.BaseHTTPRequestHandler) -> None:
+        if handler in answered:
+            handler.close_connection = True
+            return
+        answered.add(handler)
+        plan(handler)
+    return dropping
+
+
 def big_answer(total_bytes: int) -> Plan:
     """ping events padded to 60 kB (a CLI shows none of them) until total_bytes of body are
     written or the reader is gone."""
@@ -131,10 +165,20 @@ class FakeMessagesApi:
     def __init__(self, directory: Path) -> None:
         self.ca, cert, key = make_ca_and_server_cert(directory)
         self.requests: list[tuple[str, dict[str, str]]] = []
+        self.connections = 0  #: TLS connections accepted (each with its handshake)
+        self._open: "weakref.WeakSet[ssl.SSLSocket]" = weakref.WeakSet()
         self.plan: Plan = held_answer("", "", threading.Event(), threading.Event())
-        api = self
+        api, lock = self, threading.Lock()
 
         class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # keep-alive, as the API's own servers
+
+            def setup(self) -> None:
+                with lock:
+                    api.connections += 1
+                    api._open.add(self.request)
+                super().setup()
+
             def do_POST(self) -> None:
                 self.rfile.read(int(self.headers.get("content-length", "0")))
                 api.requests.append((self.path, {k.lower(): v for k, v in self.headers.items()}))
@@ -150,6 +194,14 @@ class FakeMessagesApi:
         self.server.socket = context.wrap_socket(self.server.socket, server_side=True)
         self.port = self.server.server_address[1]
         self.url = f"https://127.0.0.1:{self.port}"
+
+    def close_idle(self) -> None:
+        """Ends every connection the fake accepted (call it between answers: they are idle)."""
+        for connection in list(self._open):
+            try:
+                connection.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # already closed
 
     def __enter__(self) -> "FakeMessagesApi":
         threading.Thread(target=self.server.serve_forever, daemon=True).start()

@@ -23,8 +23,8 @@ sys.path.insert(0, str(ROOT))
 
 import agent  # noqa: E402
 import reploy_serve as rs  # noqa: E402
-from model_upstream import (FakeMessagesApi, big_answer, held_answer, pieces_answer,  # noqa: E402
-                            text_delta)
+from model_upstream import (FakeMessagesApi, big_answer, dropped_when_reused, held_answer,  # noqa: E402
+                            pieces_answer, sized_answer, text_delta)
 
 CREDENTIAL = "sk-ant-api03-TESTCREDENTIAL-0123456789abcdef"
 
@@ -168,6 +168,57 @@ def test_whole_events_pass_on_every_byte_in_order_cut_at_blank_lines(pieces: lis
     passed = [events.feed(piece) for piece in pieces]
     assert all(p == b"" or p.endswith((b"\n\n", b"\r\n\r\n")) for p in passed)
     assert b"".join(passed) + events.finish() == b"".join(pieces)
+
+
+# -- upstream keep-alive: the reuse and retry decisions, the pool (no sockets) ---------------------
+
+
+@pytest.mark.parametrize(("read_to_end", "server_closes", "kept"),
+                         [(True, False, True), (True, True, False), (False, False, False), (False, True, False)])
+def test_a_connection_is_kept_only_after_a_whole_answer_the_upstream_did_not_close(
+        read_to_end: bool, server_closes: bool, kept: bool) -> None:
+    assert rs.keeps_connection(read_to_end, server_closes) is kept
+
+
+@pytest.mark.parametrize(("reused", "body_sent", "error", "retried"), [
+    (True, True, http.client.RemoteDisconnected("closed"), True),
+    (True, True, ConnectionResetError(), True),
+    (True, False, http.client.RemoteDisconnected("closed"), False),  # the body did not go out whole
+    (False, True, http.client.RemoteDisconnected("closed"), False),  # a new connection failed: 502
+    (True, True, TimeoutError(), False),  # the upstream may be working on it
+    (True, True, http.client.BadStatusLine("garbage"), False),  # bytes of an answer came
+])
+def test_only_a_pooled_connection_closed_before_any_answer_is_retried(
+        reused: bool, body_sent: bool, error: BaseException, retried: bool) -> None:
+    assert rs.retries_on_fresh(reused, body_sent, error) is retried
+
+
+class CountedClose(http.client.HTTPSConnection):
+    """Never connected: the pool's bookkeeping only."""
+
+    def __init__(self) -> None:
+        super().__init__("127.0.0.1")
+        self.closes = 0
+
+    def close(self) -> None:
+        self.closes += 1
+
+
+def test_the_pool_lends_each_connection_once_newest_first_and_closes_expired_and_surplus_ones() -> None:
+    pool = rs.IdleUpstreams(size=2, idle_s=10.0)
+    a, b, c = CountedClose(), CountedClose(), CountedClose()
+    pool.put(a, now=0.0)
+    pool.put(b, now=1.0)
+    pool.put(c, now=2.0)  # over the size: the oldest goes
+    assert a.closes == 1 and (b.closes, c.closes) == (0, 0)
+    assert pool.take(now=3.0) is c and pool.take(now=3.0) is b and pool.take(now=3.0) is None
+    pool.put(b, now=5.0)
+    assert pool.take(now=15.0) is None and b.closes == 1  # idle 10 s: closed, never lent
+    pool.put(c, now=20.0)
+    pool.close()
+    assert c.closes == 1 and pool.take(now=20.0) is None
+    pool.put(a, now=21.0)  # a request that ended after the close
+    assert a.closes == 2 and pool.take(now=21.0) is None
 
 
 # -- the host side on real sockets ----------------------------------------------------------------
@@ -334,3 +385,51 @@ def test_requests_past_the_per_session_bound_are_429(tmp_path: Path, upstream: F
     finally:
         release.set()
         proxy.close()
+
+
+def test_requests_in_a_row_share_one_upstream_connection_unless_it_says_close(
+        tmp_path: Path, upstream: FakeMessagesApi) -> None:
+    """Two whole answers with a length: one TLS connection. A Connection: close answer is not reused: the request
+    after it opens a new one. Each request is its own connection from the relay's side."""
+    proxy, sock = make_proxy(tmp_path, upstream.url, upstream.ca)
+    try:
+        upstream.plan = sized_answer("one")
+        assert text_delta("one") in ask(sock).read()
+        assert text_delta("one") in ask(sock).read()
+        assert upstream.connections == 1 and len(upstream.requests) == 2
+        upstream.plan = sized_answer("closing", close=True)
+        assert text_delta("closing") in ask(sock).read()
+        upstream.plan = sized_answer("after")
+        assert text_delta("after") in ask(sock).read()
+        assert upstream.connections == 2 and len(upstream.requests) == 4
+    finally:
+        proxy.close()
+    assert all(headers["x-api-key"] == CREDENTIAL for _, headers in upstream.requests)
+
+
+def test_an_idle_connection_the_upstream_closed_is_replaced_and_the_request_answered(
+        tmp_path: Path, upstream: FakeMessagesApi) -> None:
+    """The upstream drops every idle connection (as a server past its keep-alive bound does): the next request
+    still gets its answer, on a new connection."""
+    proxy, sock = make_proxy(tmp_path, upstream.url, upstream.ca)
+    try:
+        upstream.plan = sized_answer("one")
+        assert text_delta("one") in ask(sock).read()
+        upstream.close_idle()
+        assert text_delta("one") in ask(sock).read()
+    finally:
+        proxy.close()
+    assert upstream.connections == 2 and len(upstream.requests) == 2
+
+
+def test_a_request_the_upstream_drops_on_a_pooled_connection_is_sent_once_more_on_a_new_one(
+        tmp_path: Path, upstream: FakeMessagesApi) -> None:
+    proxy, sock = make_proxy(tmp_path, upstream.url, upstream.ca)
+    try:
+        upstream.plan = dropped_when_reused(sized_answer("one"))
+        assert text_delta("one") in ask(sock).read()
+        response = ask(sock)
+        assert response.status == 200 and text_delta("one") in response.read()
+    finally:
+        proxy.close()
+    assert upstream.connections == 2 and len(upstream.requests) == 3  # the dropped one, then its retry
