@@ -27,7 +27,9 @@ from model_upstream import (
 from serve_harness import (  # noqa: F401  (fixtures)
     Api, ServeProcess, managed_workload, serve_factory, wait_until,
 )
-from test_serve_model_proxy import CREDENTIAL, SEARCH, files_holding, model_api, model_session, run  # noqa: F401
+from test_serve_model_proxy import (  # noqa: F401  (fixtures)
+    CREDENTIAL, SEARCH, assert_credential_beyond_the_session, model_api, model_session, run,
+)
 
 import agent as agent_role
 import reploy_serve as rs
@@ -109,15 +111,7 @@ def test_the_real_cli_streams_an_answer_and_never_holds_the_credential(
     assert run(api, sid, "sh", "-c", "test -s $HOME/.claude.json && ls $HOME/.claude")["exitCode"] == 0
     searched = run(api, sid, "python3", "-c", SEARCH, needle.hex())
     assert searched["exitCode"] == 0 and searched["stdout"].strip() == "[]", searched
-    containers = docker_engine.containers.list(filters={"label": f"{rs.LABEL_RUN}={sid}"})
-    assert containers and all(CREDENTIAL not in rs.json.dumps(c.attrs) for c in containers)
-    api.call("POST", f"/sessions/{sid}/snapshot")
-    wait_until(lambda: api.get(sid)["state"] == "snapshot", "the snapshot")
-    session_disk = server.state_dir / "sessions" / sid
-    assert list((session_disk / "agent").glob("checkpoint-*")), "the archive is on the session disk"
-    assert files_holding(session_disk, needle) == []
-    assert files_holding(server.state_dir, needle) == []
-    assert CREDENTIAL not in server.stderr
+    assert_credential_beyond_the_session(docker_engine, server, sid, needle)
 
 
 def test_the_real_cli_ends_its_turn_when_the_upstream_is_unreachable(

@@ -86,6 +86,22 @@ def files_holding(root: Path, needle: bytes) -> list[str]:
     return found
 
 
+def assert_credential_beyond_the_session(docker_engine: Any, server: ServeProcess, sid: str,
+                                         needle: bytes) -> None:
+    """Host side, after what the runtime user could read was searched: the credential is in no
+    container's configuration, and once snapshot not on the session's disk (its archive
+    included), in serve's state or in serve's log."""
+    containers = docker_engine.containers.list(filters={"label": f"{rs.LABEL_RUN}={sid}"})
+    assert containers and all(CREDENTIAL not in json.dumps(c.attrs) for c in containers)
+    server.api.call("POST", f"/sessions/{sid}/snapshot")
+    wait_until(lambda: server.api.get(sid)["state"] == "snapshot", "the snapshot")
+    session_disk = server.state_dir / "sessions" / sid
+    assert list((session_disk / "agent").glob("checkpoint-*")), "the archive is on the session disk"
+    assert files_holding(session_disk, needle) == []
+    assert files_holding(server.state_dir, needle) == []
+    assert CREDENTIAL not in server.stderr
+
+
 def test_an_answer_streams_into_the_log_and_the_credential_stays_on_the_host(
         serve_factory: Callable[..., ServeProcess], model_api: FakeMessagesApi, tmp_path: Path,
         docker_engine: Any) -> None:
@@ -114,15 +130,7 @@ def test_an_answer_streams_into_the_log_and_the_credential_stays_on_the_host(
     environment = run(api, sid, "env")["stdout"]
     assert f"ANTHROPIC_AUTH_TOKEN={rs.MODEL_PLACEHOLDER}" in environment and CREDENTIAL not in environment
     assert needle not in log
-    containers = docker_engine.containers.list(filters={"label": f"{rs.LABEL_RUN}={sid}"})
-    assert containers and all(CREDENTIAL not in json.dumps(c.attrs) for c in containers)
-    api.call("POST", f"/sessions/{sid}/snapshot")
-    wait_until(lambda: api.get(sid)["state"] == "snapshot", "the snapshot")
-    session_disk = server.state_dir / "sessions" / sid
-    assert list((session_disk / "agent").glob("checkpoint-*")), "the archive is on the session disk"
-    assert files_holding(session_disk, needle) == []
-    assert files_holding(server.state_dir, needle) == []
-    assert CREDENTIAL not in server.stderr
+    assert_credential_beyond_the_session(docker_engine, server, sid, needle)
 
 
 def test_hostile_answers_and_a_hostile_workload(
