@@ -55,13 +55,11 @@ import enum
 import errno
 import fcntl
 import functools
-import hashlib
 import hmac
 import http.client
 import http.server
 import importlib.util
 import ipaddress
-import itertools
 import json
 import math
 import os
@@ -284,6 +282,9 @@ MAX_EXEC_STDIN_BYTES = agent_role.MAX_EXEC_STDIN_BYTES
 DEFAULT_EXEC_OUTPUT_BYTES = agent_role.DEFAULT_EXEC_OUTPUT_CAP_BYTES
 MAX_EXEC_OUTPUT_BYTES = agent_role.MAX_EXEC_OUTPUT_CAP_BYTES
 COPY_CHUNK_BYTES = 4 * 1024 * 1024
+#: The pipe an upload's body is spliced through, socket to staging (at most what
+#: /proc/sys/fs/pipe-max-size allows; past it the default, only slower).
+STAGING_PIPE_BYTES = 1024 * 1024
 #: Room for this many descriptors on one answer: more is refused as surely as a second one.
 MAX_ANSWER_FDS = 4
 MAX_UPLOAD_BYTES = agent_role.MAX_TRANSFER_BYTES
@@ -2445,46 +2446,67 @@ class AgentWait:
             self.stopping.wait(rest_s)
 
 
-def stage_body(source: Any, fd: int, size_bytes: int) -> str:
-    """Copies size_bytes of an upload's body from `source` into its staging (fd), in pieces of
-    COPY_CHUNK_BYTES; their sha256, computed on a thread of its own while the next piece is read
-    and this one written (two buffers: one hashed while the other fills). A body that ends early
-    is the client's error (400), a full disk the session's (507)."""
-    digest = hashlib.sha256()
-    buffers = [memoryview(bytearray(COPY_CHUNK_BYTES)) for _ in range(2)]
-    staged = 0
-    with concurrent.futures.ThreadPoolExecutor(1, "upload-digest") as hasher:
-        hashing: Optional[concurrent.futures.Future[None]] = None  # the previous piece's
-        for turn in itertools.count():
-            if staged >= size_bytes:
-                break
-            buffer = buffers[turn % 2]  # not the one being hashed
-            count = _read_full(source, buffer[:min(COPY_CHUNK_BYTES, size_bytes - staged)])
-            if staged + count < size_bytes and count < COPY_CHUNK_BYTES:
-                raise BadRequest(f"the body ended after {staged + count} of {size_bytes} bytes")
-            if hashing is not None:
-                hashing.result()
-            hashing = hasher.submit(digest.update, buffer[:count])
-            try:
-                written = 0
-                while written < count:
-                    written += os.pwrite(fd, buffer[written:count], staged + written)
-            except OSError as e:
-                if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                    raise InsufficientStorage(f"not enough space: the session's disk: {e.strerror}") from e
-                raise ServiceUnavailable(f"cannot stage the upload: {e.strerror}") from e
-            staged += count
-        if hashing is not None:
-            hashing.result()
-    return digest.hexdigest()
+def stage_body(source: Any, fd: int, size_bytes: int) -> None:
+    """Moves size_bytes of an upload's body from `source` (the connection's buffered reader)
+    into its staging (fd) without copying them through Python: what the reader has buffered
+    already is written, the rest spliced from its socket through a pipe into the staging. The
+    one sha256 is the agent's, of what was staged (upload_commit). A body that ends early or
+    stalls for BODY_READ_TIMEOUT_S is the client's error (400), a full disk the session's
+    (507)."""
+    buffered = memoryview(source.peek(0)[:size_bytes] if size_bytes else b"")
+    source.read(len(buffered))
+    staged = _pwrite_all(fd, buffered, 0)
+    connection = source.fileno()
+    read_end, write_end = os.pipe2(os.O_CLOEXEC)
+    try:
+        with contextlib.suppress(OSError):
+            fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, STAGING_PIPE_BYTES)
+        readable = select.poll()
+        readable.register(connection, select.POLLIN)
+        while staged < size_bytes:
+            try:  # non-blocking: the connection has a timeout, so its fd is non-blocking anyway
+                count = os.splice(connection, write_end, min(STAGING_PIPE_BYTES, size_bytes - staged),
+                                  flags=os.SPLICE_F_MOVE | os.SPLICE_F_NONBLOCK)
+            except BlockingIOError:
+                if not readable.poll(BODY_READ_TIMEOUT_S * 1000):
+                    raise BadRequest(f"the body stalled after {staged} of {size_bytes} bytes") from None
+                continue
+            if not count:
+                raise BadRequest(f"the body ended after {staged} of {size_bytes} bytes")
+            staged += _splice_all(read_end, fd, count, staged)
+    finally:
+        os.close(read_end)
+        os.close(write_end)
 
 
-def _read_full(source: Any, view: memoryview) -> int:
-    """Fills view from source as far as it goes; how many bytes (fewer only at its end)."""
-    filled = 0
-    while filled < len(view) and (count := source.readinto(view[filled:])):
-        filled += count
-    return filled
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> int:
+    """Writes view at offset in the staging; how many bytes (all of them)."""
+    written = 0
+    while written < len(view):
+        with _staging_errors():
+            written += os.pwrite(fd, view[written:], offset + written)
+    return written
+
+
+def _splice_all(pipe_fd: int, fd: int, count: int, offset: int) -> int:
+    """Moves count bytes waiting in the pipe into the staging at offset; how many (all)."""
+    moved = 0
+    while moved < count:
+        with _staging_errors():
+            moved += os.splice(pipe_fd, fd, count - moved, offset_dst=offset + moved,
+                               flags=os.SPLICE_F_MOVE)
+    return moved
+
+
+@contextlib.contextmanager
+def _staging_errors() -> Generator[None, None, None]:
+    """A failed write into the staging as the API's error: a full disk is the session's (507)."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise InsufficientStorage(f"not enough space: the session's disk: {e.strerror}") from e
+        raise ServiceUnavailable(f"cannot stage the upload: {e.strerror}") from e
 
 
 def _camel_keys(result: dict[str, Any]) -> dict[str, Any]:
@@ -3837,13 +3859,13 @@ class SessionManager:
         transfer_id = opened["transfer_id"]
         try:
             try:
-                sha256 = stage_body(source, staging, size_bytes)
+                stage_body(source, staging, size_bytes)
             finally:
                 os.close(staging)
             wait = self._wait(f"the commit of {path or root}",
                               UPLOAD_COMMIT_BASE_S + size_bytes / UPLOAD_COMMIT_MIN_BYTES_PER_S,
                               client_gone)
-            commit = {"transfer_id": transfer_id, "sha256": sha256}
+            commit = {"transfer_id": transfer_id}
             while True:
                 wait.check()
                 result = self._poll(session_id, "upload_commit", commit)
