@@ -317,8 +317,12 @@ def test_an_upload_is_committed_only_as_sent(serve_factory: Callable[..., ServeP
     sid = api.create("digests")["id"]
     data = os.urandom(3 * 1024 * 1024 + 5)
     digest = hashlib.sha256(data).hexdigest()
-    status, result = put(api, sid, "d.bin", data, len(data), query=f"?sha256={digest}")
-    assert status == 201 and result["sha256"] == digest and result["bytes"] == len(data), result
+    # Spliced into each root's file system: the workspace's, the home's, the container's /tmp.
+    for path, root, shown in (("d.bin", "workspace", "d.bin"), ("d.bin", "home", "$HOME/d.bin"),
+                              ("/tmp/d.bin", "container", "/tmp/d.bin")):
+        status, result = put(api, sid, path, data, len(data), query=f"?sha256={digest}&root={root}")
+        assert status == 201 and result["sha256"] == digest and result["bytes"] == len(data), result
+        assert sh(api, sid, f"sha256sum {shown}").split()[0] == digest
     other = os.urandom(len(data))
     status, result = put(api, sid, "d.bin", other, len(other), query=f"?sha256={digest}")
     assert status == 422 and result["error"].startswith("agent: sha256 mismatch"), (status, result)
