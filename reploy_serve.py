@@ -55,13 +55,11 @@ import enum
 import errno
 import fcntl
 import functools
-import hashlib
 import hmac
 import http.client
 import http.server
 import importlib.util
 import ipaddress
-import itertools
 import json
 import math
 import os
@@ -284,6 +282,9 @@ MAX_EXEC_STDIN_BYTES = agent_role.MAX_EXEC_STDIN_BYTES
 DEFAULT_EXEC_OUTPUT_BYTES = agent_role.DEFAULT_EXEC_OUTPUT_CAP_BYTES
 MAX_EXEC_OUTPUT_BYTES = agent_role.MAX_EXEC_OUTPUT_CAP_BYTES
 COPY_CHUNK_BYTES = 4 * 1024 * 1024
+#: The pipe an upload's body is spliced through, socket to staging (at most what
+#: /proc/sys/fs/pipe-max-size allows; past it the default, only slower).
+STAGING_PIPE_BYTES = 1024 * 1024
 #: Room for this many descriptors on one answer: more is refused as surely as a second one.
 MAX_ANSWER_FDS = 4
 MAX_UPLOAD_BYTES = agent_role.MAX_TRANSFER_BYTES
@@ -1249,12 +1250,31 @@ def file_route_path(api_path: str) -> str:
     return urllib.parse.unquote(parts[3]) if len(parts) > 3 else ""
 
 
-def file_query(query: str, path: str) -> tuple[str, str, Optional[int]]:
-    """(root, path below it, mode) from a files route's path (file_route_path) and query:
-    ?root=workspace|home|container, ?mode=0755 (octal). An absolute path (`files//etc/x`, or
-    `files/%2Fetc%2Fx`) starts at the container's `/`: its root is `container`."""
+@dataclass(frozen=True)
+class FileQuery:
+    """What a files route's path and query name: the root, the path below it, and for an
+    upload only the mode to give the file and the sha256 its bytes must have (checked by the
+    agent before it commits them)."""
+
+    root: str
+    path: str
+    mode: Optional[int] = None
+    sha256: Optional[str] = None
+
+    def for_reading(self) -> FileQuery:
+        """This query, refused if it carries what only an upload takes."""
+        if self.mode is not None or self.sha256 is not None:
+            raise BadRequest("mode, sha256: only for uploads")
+        return self
+
+
+def file_query(query: str, path: str) -> FileQuery:
+    """A files route's path (file_route_path) and query: ?root=workspace|home|container,
+    ?mode=0755 (octal), ?sha256=HEX (64 lower-case hex digits). An absolute path
+    (`files//etc/x`, or `files/%2Fetc%2Fx`) starts at the container's `/`: its root is
+    `container`."""
     params = urllib.parse.parse_qs(query, keep_blank_values=True)
-    unknown = sorted(set(params) - {"root", "mode"})
+    unknown = sorted(set(params) - {"root", "mode", "sha256"})
     if unknown:
         raise BadRequest(f"unknown query parameter(s): {', '.join(unknown)}")
     given = params["root"][-1] if params.get("root") else None
@@ -1266,8 +1286,11 @@ def file_query(query: str, path: str) -> tuple[str, str, Optional[int]]:
     mode_text = params["mode"][-1] if params.get("mode") else None
     if mode_text is not None and not re.fullmatch(r"0?[0-7]{1,4}", mode_text):
         raise BadRequest("mode: an octal mode such as 0644")
-    return root, path.lstrip("/") if root == "container" else path, (
-        None if mode_text is None else int(mode_text, 8))
+    sha256 = params["sha256"][-1] if params.get("sha256") else None
+    if sha256 is not None and not _SHA256_HEX.fullmatch(sha256):
+        raise BadRequest("sha256: 64 lower-case hex digits")
+    return FileQuery(root, path.lstrip("/") if root == "container" else path,
+                     None if mode_text is None else int(mode_text, 8), sha256)
 
 
 def iso_time(seconds: float) -> str:
@@ -2371,6 +2394,7 @@ AGENT_ERROR_WORDS: tuple[tuple[str, type[ServeError], str], ...] = (
     ("refused:", Unprocessable, "path_refused"),
     ("cannot run", Unprocessable, "cannot_run"),
     ("conflict:", SessionConflict, "conflict"),
+    ("sha256 mismatch", Unprocessable, "unprocessable"),
 )
 #: Every `code` an error answer may carry (web/openapi.json lists the same).
 ERROR_CODES = ("bad_request", "not_found", "conflict", "method_not_allowed", "too_large",
@@ -2445,46 +2469,67 @@ class AgentWait:
             self.stopping.wait(rest_s)
 
 
-def stage_body(source: Any, fd: int, size_bytes: int) -> str:
-    """Copies size_bytes of an upload's body from `source` into its staging (fd), in pieces of
-    COPY_CHUNK_BYTES; their sha256, computed on a thread of its own while the next piece is read
-    and this one written (two buffers: one hashed while the other fills). A body that ends early
-    is the client's error (400), a full disk the session's (507)."""
-    digest = hashlib.sha256()
-    buffers = [memoryview(bytearray(COPY_CHUNK_BYTES)) for _ in range(2)]
-    staged = 0
-    with concurrent.futures.ThreadPoolExecutor(1, "upload-digest") as hasher:
-        hashing: Optional[concurrent.futures.Future[None]] = None  # the previous piece's
-        for turn in itertools.count():
-            if staged >= size_bytes:
-                break
-            buffer = buffers[turn % 2]  # not the one being hashed
-            count = _read_full(source, buffer[:min(COPY_CHUNK_BYTES, size_bytes - staged)])
-            if staged + count < size_bytes and count < COPY_CHUNK_BYTES:
-                raise BadRequest(f"the body ended after {staged + count} of {size_bytes} bytes")
-            if hashing is not None:
-                hashing.result()
-            hashing = hasher.submit(digest.update, buffer[:count])
-            try:
-                written = 0
-                while written < count:
-                    written += os.pwrite(fd, buffer[written:count], staged + written)
-            except OSError as e:
-                if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                    raise InsufficientStorage(f"not enough space: the session's disk: {e.strerror}") from e
-                raise ServiceUnavailable(f"cannot stage the upload: {e.strerror}") from e
-            staged += count
-        if hashing is not None:
-            hashing.result()
-    return digest.hexdigest()
+def stage_body(source: Any, fd: int, size_bytes: int) -> None:
+    """Moves size_bytes of an upload's body from `source` (the connection's buffered reader)
+    into its staging (fd) without copying them through Python: what the reader has buffered
+    already is written, the rest spliced from its socket through a pipe into the staging. The
+    one sha256 is the agent's, of what was staged (upload_commit). A body that ends early or
+    stalls for BODY_READ_TIMEOUT_S is the client's error (400), a full disk the session's
+    (507)."""
+    buffered = memoryview(source.peek(0)[:size_bytes] if size_bytes else b"")
+    source.read(len(buffered))
+    staged = _pwrite_all(fd, buffered, 0)
+    connection = source.fileno()
+    read_end, write_end = os.pipe2(os.O_CLOEXEC)
+    try:
+        with contextlib.suppress(OSError):
+            fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, STAGING_PIPE_BYTES)
+        readable = select.poll()
+        readable.register(connection, select.POLLIN)
+        while staged < size_bytes:
+            try:  # non-blocking: the connection has a timeout, so its fd is non-blocking anyway
+                count = os.splice(connection, write_end, min(STAGING_PIPE_BYTES, size_bytes - staged),
+                                  flags=os.SPLICE_F_MOVE | os.SPLICE_F_NONBLOCK)
+            except BlockingIOError:
+                if not readable.poll(BODY_READ_TIMEOUT_S * 1000):
+                    raise BadRequest(f"the body stalled after {staged} of {size_bytes} bytes") from None
+                continue
+            if not count:
+                raise BadRequest(f"the body ended after {staged} of {size_bytes} bytes")
+            staged += _splice_all(read_end, fd, count, staged)
+    finally:
+        os.close(read_end)
+        os.close(write_end)
 
 
-def _read_full(source: Any, view: memoryview) -> int:
-    """Fills view from source as far as it goes; how many bytes (fewer only at its end)."""
-    filled = 0
-    while filled < len(view) and (count := source.readinto(view[filled:])):
-        filled += count
-    return filled
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> int:
+    """Writes view at offset in the staging; how many bytes (all of them)."""
+    written = 0
+    while written < len(view):
+        with _staging_errors():
+            written += os.pwrite(fd, view[written:], offset + written)
+    return written
+
+
+def _splice_all(pipe_fd: int, fd: int, count: int, offset: int) -> int:
+    """Moves count bytes waiting in the pipe into the staging at offset; how many (all)."""
+    moved = 0
+    while moved < count:
+        with _staging_errors():
+            moved += os.splice(pipe_fd, fd, count - moved, offset_dst=offset + moved,
+                               flags=os.SPLICE_F_MOVE)
+    return moved
+
+
+@contextlib.contextmanager
+def _staging_errors() -> Generator[None, None, None]:
+    """A failed write into the staging as the API's error: a full disk is the session's (507)."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise InsufficientStorage(f"not enough space: the session's disk: {e.strerror}") from e
+        raise ServiceUnavailable(f"cannot stage the upload: {e.strerror}") from e
 
 
 def _camel_keys(result: dict[str, Any]) -> dict[str, Any]:
@@ -3816,34 +3861,38 @@ class SessionManager:
         return {"root": root, "path": path, "entry": entry, "entries": entries,
                 "truncated": truncated}
 
-    def upload(self, session_id: str, root: str, path: str, kind: str, mode: Optional[int],
-               size_bytes: int, source: Any,
+    def upload(self, session_id: str, asked: FileQuery, kind: str, size_bytes: int, source: Any,
                client_gone: Callable[[], bool] = lambda: False) -> dict[str, Any]:
-        """Streams size_bytes from `source` into the session: written straight into the staging
+        """Streams size_bytes from `source` into the session: spliced straight into the staging
         file whose descriptor the agent's `upload` answer carried (never the whole body in
-        memory, never through the control socket), then committed with its sha256, which the
-        agent checks against what was staged. A refused or broken upload is closed and leaves
-        nothing behind. The commit is awaited until its deadline (UPLOAD_COMMIT_*) while the
-        client is there; a client that left stops the wait, not the commit."""
+        memory, never through the control socket), then committed; the agent measures and
+        hashes what was staged and commits it only if it is the size announced and, given
+        ?sha256=, has that digest (a commit answer of another digest is the agent's fault). A
+        refused or broken upload is closed and leaves nothing behind. The commit is awaited
+        until its deadline (UPLOAD_COMMIT_*) while the client is there; a client that left stops
+        the wait, not the commit."""
         free = shutil.disk_usage(self.config.state_dir).free
         if free - size_bytes < self.config.min_free_bytes:
             raise InsufficientStorage(f"not enough space: {free // (1024 * 1024)} MiB free under "
                                       "the state dir")
+        root, path = asked.root, asked.path
         params: dict[str, Any] = {"root": root, "path": path, "kind": kind, "size": size_bytes}
-        if mode is not None:
-            params["mode"] = mode
+        if asked.mode is not None:
+            params["mode"] = asked.mode
         opened, staging = self.exchange(session_id, "upload", params)
         assert staging is not None
         transfer_id = opened["transfer_id"]
         try:
             try:
-                sha256 = stage_body(source, staging, size_bytes)
+                stage_body(source, staging, size_bytes)
             finally:
                 os.close(staging)
             wait = self._wait(f"the commit of {path or root}",
                               UPLOAD_COMMIT_BASE_S + size_bytes / UPLOAD_COMMIT_MIN_BYTES_PER_S,
                               client_gone)
-            commit = {"transfer_id": transfer_id, "sha256": sha256}
+            commit: dict[str, Any] = {"transfer_id": transfer_id}
+            if asked.sha256 is not None:
+                commit["sha256"] = asked.sha256
             while True:
                 wait.check()
                 result = self._poll(session_id, "upload_commit", commit)
@@ -5656,15 +5705,13 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
 
     def api_list_files(self, sid: str, body: bytes, query: str) -> tuple[int, dict[str, Any]]:
         parse_body(body, BODY_RULES["empty"])
-        root, path, mode = file_query(query, file_route_path(self.api_path))
-        if mode is not None:
-            raise BadRequest("mode: only for uploads")
-        return 200, self.manager.list_files(sid, root, path, self.client_gone)
+        asked = file_query(query, file_route_path(self.api_path)).for_reading()
+        return 200, self.manager.list_files(sid, asked.root, asked.path, self.client_gone)
 
     def api_put_file(self, sid: str, _body: bytes, query: str) -> tuple[int, dict[str, Any]]:
         """Raw bytes streamed in: application/octet-stream makes one file, application/x-tar is
         extracted into the directory at the path (made if missing, merged if not)."""
-        root, path, mode = file_query(query, file_route_path(self.api_path))
+        asked = file_query(query, file_route_path(self.api_path))
         content_type = self.headers.get("Content-Type", "").split(";")[0].strip().lower()
         if content_type not in RAW_BODY_ROUTES["put_file"]:
             self.close_connection = True
@@ -5673,7 +5720,7 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
         size_bytes = self.body_length(MAX_UPLOAD_BYTES)
         kind = "tar" if content_type == "application/x-tar" else "file"
         try:
-            result = self.manager.upload(sid, root, path, kind, mode, size_bytes, self.rfile,
+            result = self.manager.upload(sid, asked, kind, size_bytes, self.rfile,
                                          self.client_gone)
         except BaseException:
             self.close_connection = True  # the rest of the body may still be on its way
@@ -5683,9 +5730,8 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
     def api_get_file(self, sid: str, body: bytes, query: str) -> None:
         """A file's bytes, or a directory as a tar (its entries relative to it), streamed."""
         parse_body(body, BODY_RULES["empty"])
-        root, path, mode = file_query(query, file_route_path(self.api_path))
-        if mode is not None:
-            raise BadRequest("mode: only for uploads")
+        asked = file_query(query, file_route_path(self.api_path)).for_reading()
+        root, path = asked.root, asked.path
         opened, fd = self.manager.download(sid, root, path)
         name = path.rstrip("/").rpartition("/")[2] or root
         if opened["kind"] == "tar":  # the pieces own the pipe: read, then closed

@@ -267,14 +267,23 @@ def test_file_routes_carry_a_path_with_slashes() -> None:
 
 
 def test_file_queries() -> None:
-    assert reploy_serve.file_query("", "a") == ("workspace", "a", None)
-    assert reploy_serve.file_query("root=home&mode=0755", "a") == ("home", "a", 0o755)
+    FileQuery = reploy_serve.FileQuery
+    assert reploy_serve.file_query("", "a") == FileQuery("workspace", "a")
+    assert reploy_serve.file_query("root=home&mode=0755", "a") == FileQuery("home", "a", 0o755)
     # An absolute path starts at the container's `/`, whether or not ?root=container says so.
-    assert reploy_serve.file_query("", "/etc/x") == ("container", "etc/x", None)
-    assert reploy_serve.file_query("root=container", "tmp/x") == ("container", "tmp/x", None)
-    for query, path in (("root=etc", "a"), ("mode=0999", "a"), ("follow=1", "a"), ("root=home", "/etc")):
+    assert reploy_serve.file_query("", "/etc/x") == FileQuery("container", "etc/x")
+    assert reploy_serve.file_query("root=container", "tmp/x") == FileQuery("container", "tmp/x")
+    digest = "0123456789abcdef" * 4
+    assert reploy_serve.file_query(f"sha256={digest}", "a") == FileQuery("workspace", "a", sha256=digest)
+    for query, path in (("root=etc", "a"), ("mode=0999", "a"), ("follow=1", "a"), ("root=home", "/etc"),
+                        (f"sha256={digest.upper()}", "a"), (f"sha256={digest}0", "a"), ("sha256=", "a")):
         with pytest.raises(reploy_serve.BadRequest):
             reploy_serve.file_query(query, path)
+    # What only an upload takes is refused on the routes that read.
+    for query in ("mode=0644", f"sha256={digest}"):
+        with pytest.raises(reploy_serve.BadRequest, match="only for uploads"):
+            reploy_serve.file_query(query, "a").for_reading()
+    assert reploy_serve.file_query("root=home", "a").for_reading() == FileQuery("home", "a")
 
 
 @pytest.mark.parametrize(("code", "message", "status"), [

@@ -12,6 +12,7 @@ import io
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tarfile
@@ -302,6 +303,48 @@ def test_an_upload_announcing_more_than_the_bound_is_refused_before_its_body(
         assert stand.count("upload") == 1
     finally:
         stand.close()
+    assert sh(api, sid, "find . | sort") == before
+
+
+def test_an_upload_is_committed_only_as_sent(serve_factory: Callable[..., ServeProcess],
+                                            docker_engine: Any) -> None:
+    """The body is spliced into the staging and hashed once, by the agent: given ?sha256=, the
+    agent commits only bytes of that digest (another is 422 and the file there is left as it
+    was); a body that ends before its Content-Length is 400 and lands nothing. The answer's
+    sha256 is the digest of what was committed."""
+    server = serve_factory()
+    api = server.api
+    sid = api.create("digests")["id"]
+    data = os.urandom(3 * 1024 * 1024 + 5)
+    digest = hashlib.sha256(data).hexdigest()
+    # Spliced into each root's file system: the workspace's, the home's, the container's /tmp.
+    for path, root, shown in (("d.bin", "workspace", "d.bin"), ("d.bin", "home", "$HOME/d.bin"),
+                              ("/tmp/d.bin", "container", "/tmp/d.bin")):
+        status, result = put(api, sid, path, data, len(data), query=f"?sha256={digest}&root={root}")
+        assert status == 201 and result["sha256"] == digest and result["bytes"] == len(data), result
+        assert sh(api, sid, f"sha256sum {shown}").split()[0] == digest
+    other = os.urandom(len(data))
+    status, result = put(api, sid, "d.bin", other, len(other), query=f"?sha256={digest}")
+    assert status == 422 and result["error"].startswith("agent: sha256 mismatch"), (status, result)
+    assert sh(api, sid, "sha256sum d.bin").split()[0] == digest
+    status, result = put(api, sid, "d.bin", data, len(data), query="?sha256=" + "0" * 63)
+    assert status == 400 and "sha256" in result["error"], (status, result)
+    before = sh(api, sid, "find . | sort")
+    conn = http.client.HTTPConnection(api.host, api.port, timeout=120)
+    try:
+        conn.putrequest("PUT", f"/api/v1/sessions/{sid}/files/short.bin")
+        for name, value in {**api.auth_headers, "Content-Type": "application/octet-stream",
+                            "Content-Length": str(len(data))}.items():
+            conn.putheader(name, value)
+        conn.endheaders(data[:2 * 1024 * 1024])
+        assert conn.sock is not None
+        conn.sock.shutdown(socket.SHUT_WR)
+        response = conn.getresponse()
+        document = json.loads(response.read())
+    finally:
+        conn.close()
+    assert response.status == 400, (response.status, document)
+    assert document["error"] == f"the body ended after {2 * 1024 * 1024} of {len(data)} bytes"
     assert sh(api, sid, "find . | sort") == before
 
 
