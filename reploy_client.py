@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import hashlib
 import http.client
 import ipaddress
 import os
@@ -196,12 +197,14 @@ def file_target(path: str) -> tuple[str, str]:
 
 
 def file_route(kind: str, session_id: str, root: str, path: str,
-               mode: Optional[int] = None) -> str:
+               mode: Optional[int] = None, sha256: Optional[str] = None) -> str:
     """The API path of a files or list route. A leading slash (a container path) travels
     percent-encoded, so the route's own slashes stay the route's."""
     query = {"root": root} if root != "workspace" else {}
     if mode is not None:
         query["mode"] = f"{mode:04o}"
+    if sha256 is not None:
+        query["sha256"] = sha256
     quoted = ("%2F" + urllib.parse.quote(path[1:])) if path.startswith("/") else urllib.parse.quote(path)
     return (f"/sessions/{session_id}/{kind}/{quoted}"
             + (f"?{urllib.parse.urlencode(query)}" if query else ""))
@@ -659,20 +662,22 @@ class Files:
 
     def write(self, path: str, data: "bytes | str", mode: Optional[int] = None) -> dict[str, Any]:
         """Makes or replaces one regular file (text is written as UTF-8); missing parent
-        directories are made."""
+        directories are made. The bytes are known up front, so their sha256 goes with them:
+        the session commits the file only if what it staged has that digest."""
         import io
 
         raw = data.encode("utf-8") if isinstance(data, str) else bytes(data)
-        return self.upload(path, io.BytesIO(raw), len(raw), mode=mode)
+        return self.upload(path, io.BytesIO(raw), len(raw), mode=mode,
+                           sha256=hashlib.sha256(raw).hexdigest())
 
     def upload(self, path: str, source: BinaryIO, size_bytes: int, tar: bool = False,
-               mode: Optional[int] = None) -> dict[str, Any]:
+               mode: Optional[int] = None, sha256: Optional[str] = None) -> dict[str, Any]:
         """Streams `size_bytes` of `source` as one file, or (`tar`) as a tar merged into the
-        directory at `path`."""
+        directory at `path`; with `sha256`, committed only if the body has that digest."""
         root, below = file_target(path)
         with naming(path):
             return self.session.client.upload(
-                file_route("files", self.session.id, root, below, mode), source, size_bytes,
+                file_route("files", self.session.id, root, below, mode, sha256), source, size_bytes,
                 "application/x-tar" if tar else "application/octet-stream")
 
     def list(self, path: str = "") -> dict[str, Any]:

@@ -4,6 +4,8 @@ events), and the session API against a real serve with real sessions."""
 from __future__ import annotations
 
 import base64
+import hashlib
+import io
 import json
 import subprocess
 import sys
@@ -42,6 +44,8 @@ def test_file_routes_keep_the_routes_own_slashes() -> None:
     assert reploy_client.file_route("files", sid, "workspace", "a b/c") == f"/sessions/{sid}/files/a%20b/c"
     assert reploy_client.file_route("list", sid, "home", "x", 0o755) == f"/sessions/{sid}/list/x?root=home&mode=0755"
     assert reploy_client.file_route("files", sid, "workspace", "/tmp/x") == f"/sessions/{sid}/files/%2Ftmp/x"
+    assert reploy_client.file_route("files", sid, "home", "x", sha256="ab" * 32) == (
+        f"/sessions/{sid}/files/x?root=home&sha256={'ab' * 32}")
 
 
 @pytest.mark.parametrize(("status", "code", "reason", "kind"), [
@@ -167,6 +171,42 @@ def test_a_stale_keep_alive_connection_is_retried_once_on_a_new_one() -> None:
         server.server_close()
 
 
+def test_a_write_sends_the_digest_of_its_bytes() -> None:
+    """Files.write knows its bytes: their sha256 travels with them (?sha256=), so the session
+    commits only what was sent."""
+    import http.server
+
+    puts: list[tuple[str, bytes]] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_PUT(self) -> None:
+            puts.append((self.path, self.rfile.read(int(self.headers["Content-Length"]))))
+            body = b'{"path": "f", "bytes": 4}'
+            self.send_response(201)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base's
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        with reploy_client.Client(f"http://127.0.0.1:{server.server_address[1]}", token=TOKEN) as client:
+            client.session("0" * 16).files.write("d/f", "caf\u00e9")
+        [(path, body)] = puts
+        assert body == "caf\u00e9".encode() and path == (
+            f"/api/v1/sessions/{'0' * 16}/files/d/f?sha256={hashlib.sha256(body).hexdigest()}")
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 # -- against a real serve -------------------------------------------------------------------
 
 
@@ -208,6 +248,9 @@ def test_exec_results_files_and_errors(client: reploy_client.Client) -> None:
 
         s.files.write("sub/dir/f.txt", "caf\u00e9\r\n")
         assert s.files.read("sub/dir/f.txt") == "caf\u00e9\r\n".encode()
+        with pytest.raises(reploy_client.ReployError) as mismatch:
+            s.files.upload("sub/dir/f.txt", io.BytesIO(b"other"), 5, sha256="0" * 64)
+        assert mismatch.value.status == 422 and s.files.read("sub/dir/f.txt") == "caf\u00e9\r\n".encode()
         assert s.exec(["cat", "f.txt"], cwd="sub/dir").stdout == "caf\u00e9\r\n".encode()
         names = [entry["name"] for entry in s.files.list("sub/dir")["entries"]]
         assert names == ["f.txt"]
