@@ -4251,7 +4251,6 @@ MODEL_CONNECT_TIMEOUT_S = 15.0  #: to the upstream, TLS included
 MODEL_IDLE_TIMEOUT_S = 300.0  #: the upstream's silence between two reads
 MODEL_RESPONSE_TIMEOUT_S = 1800.0  #: one whole response
 MODEL_READ_BYTES = 64 * 1024
-SEND_PIECES_MAX = 64  #: pieces per sendmsg (far below any IOV_MAX)
 MODEL_POOL_SIZE = 4  #: idle upstream connections kept open, per serve (it has one upstream)
 MODEL_POOL_IDLE_S = 20.0  #: an idle upstream connection is closed after this
 _REDACTED_BYTES = agent_role.REDACTED.encode()
@@ -4397,11 +4396,20 @@ class BytesRedactor:
 
     def __init__(self, secret: str) -> None:
         self._secret = secret.encode("ascii")  # _MODEL_CREDENTIAL: ASCII only
+        #: Its proper prefixes by their last byte: a read whose tail could grow into the
+        #: credential ends in one of them, so one dict lookup clears most reads.
+        self._prefixes: dict[int, tuple[bytes, ...]] = {}
+        for length in range(1, len(self._secret)):
+            last = self._secret[length - 1]
+            self._prefixes[last] = (*self._prefixes.get(last, ()), self._secret[:length])
         self._held = b""
 
     def feed(self, data: bytes) -> bytes:
         buffer = self._held + data if self._held else data
         secret, position = self._secret, 0
+        if buffer.find(secret) < 0 and not (buffer and buffer.endswith(self._prefixes.get(buffer[-1], ()))):
+            self._held = b""  # most reads: nothing to replace or hold, passed on as they are
+            return buffer
         out: list[bytes] = []
         while (found := buffer.find(secret, position)) >= 0:
             out += (buffer[position:found], _REDACTED_BYTES)
@@ -4430,14 +4438,10 @@ class BytesRedactor:
         return 0
 
 
-#: What the proxy passes on for one read: pieces of bytes, sent as they are (send_pieces).
-Pieces = list[bytes | memoryview]
-
-
 def last_event_end(data: bytes) -> int:
     """Where the last whole SSE event of data ends (just past its blank line), 0 if none does.
-    The CRLF search starts where a later end than the LF one's could begin: one scan each,
-    not two of the whole read."""
+    The CRLF search starts where an end later than the LF one's could begin: one scan of the
+    read each, not two."""
     lf = data.rfind(b"\n\n")
     crlf = data.rfind(b"\r\n\r\n", max(lf - 1, 0))
     return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
@@ -4446,23 +4450,17 @@ def last_event_end(data: bytes) -> int:
 class WholeEvents:
     """Passes an SSE stream on in whole events only (up to a blank line), holding the tail:
     a stream the proxy cuts short (the cap, a failure) then ends on an event boundary, and
-    its terminal error event parses as one. A read is passed on as the held tail and a view
-    of the read, never joined: only the new tail (less than an event) is copied."""
+    its terminal error event parses as one."""
 
     def __init__(self) -> None:
         self._held = b""
 
-    def feed(self, data: bytes) -> Pieces:
-        held = self._held
+    def feed(self, data: bytes) -> bytes:
+        if self._held:
+            data = self._held + data
         end = last_event_end(data)
-        if held and end < 3:  # a blank line begun in the held tail and ended in this read
-            seam = held[-3:] + data[:3]
-            end = max(end, last_event_end(seam) - len(held[-3:]))
-        if end <= 0:
-            self._held = held + data
-            return []
         self._held = data[end:]
-        return [held, memoryview(data)[:end]] if held else [memoryview(data)[:end]]
+        return data[:end]
 
     def finish(self) -> bytes:
         held, self._held = self._held, b""
@@ -4534,19 +4532,6 @@ def idle_intact(connection: http.client.HTTPConnection) -> bool:
     if sock is None or (isinstance(sock, ssl.SSLSocket) and sock.pending()):
         return False
     return not select.select([sock], [], [], 0)[0]
-
-
-def send_pieces(conn: socket.socket, pieces: Pieces) -> None:
-    """sendall for several pieces at once (one sendmsg, no join), partial sends included."""
-    views = [memoryview(piece) for piece in pieces if len(piece)]
-    first = 0
-    while first < len(views):
-        sent = conn.sendmsg(views[first:first + SEND_PIECES_MAX])
-        while sent and sent >= len(views[first]):
-            sent -= len(views[first])
-            first += 1
-        if sent:
-            views[first] = views[first][sent:]
 
 
 def read_model_request(conn: socket.socket) -> tuple[ModelRequest, bytes]:
@@ -4775,14 +4760,14 @@ class ModelProxy:
                 failure = f"the answer took over {MODEL_RESPONSE_TIMEOUT_S:.0f} s; it is cut here"
                 break
             safe = redactor.feed(chunk)
-            send_pieces(conn, events.feed(safe) if events else [safe])
+            conn.sendall(events.feed(safe) if events else safe)
         tail = redactor.finish()
         if events is None:
             conn.sendall(tail)
         elif failure is None:
-            send_pieces(conn, [*events.feed(tail), events.finish()])
+            conn.sendall(events.feed(tail) + events.finish())
         else:  # the cut event's start is dropped, so the error is an event of its own
-            send_pieces(conn, [*events.feed(tail), model_sse_error(failure)])
+            conn.sendall(events.feed(tail) + model_sse_error(failure))
         return failure is None
 
 
