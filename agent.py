@@ -5824,22 +5824,18 @@ MODEL_SOCKET_NAME = "model.sock"  #: DIR/agent/model.sock: serve's credential pr
 EGRESS_SOCKET_NAME = "egress.sock"  #: DIR/agent/egress.sock: serve's egress proxy (the session's allow-list)
 MAX_RELAYED_CONNECTIONS = 16  #: one more is closed at once; serve bounds its own concurrency per session too
 RELAY_CONNECT_TIMEOUT_S = 5.0
-RELAY_PIPE_BYTES = 1 * MIB  #: splice's pipe per direction: the default pipe-max-size, so no privilege needed
 
 
 def splice(one: socket.socket, other: socket.socket, idle_timeout_s: Optional[float] = None) -> tuple[int, int]:
     """Copies bytes both ways until both sides have ended theirs, either fails (a reset: the caller closes both), or
     neither sent a byte for idle_timeout_s; a half-close is passed on. Returns the bytes copied from one to other
-    and from other to one. Zero-copy (os.splice): the kernel moves each direction's bytes through a pipe of its own
-    and they never enter this process, which only waits for the sockets and moves up to RELAY_PIPE_BYTES per call."""
+    and from other to one."""
     peers = {one: other, other: one}
     copied = {one: 0, other: 0}
-    pipes: dict[socket.socket, tuple[int, int]] = {}
-    try:
-        with selectors.DefaultSelector() as selector:
-            for sock in peers:
-                pipes[sock] = relay_pipe()
-                selector.register(sock, selectors.EVENT_READ)
+    with selectors.DefaultSelector() as selector:
+        for sock in peers:
+            selector.register(sock, selectors.EVENT_READ)
+        try:
             while selector.get_map():
                 ready = selector.select(idle_timeout_s)
                 if not ready:
@@ -5847,51 +5843,17 @@ def splice(one: socket.socket, other: socket.socket, idle_timeout_s: Optional[fl
                 for key, _ in ready:
                     source = key.fileobj
                     assert isinstance(source, socket.socket)
-                    read_end, write_end = pipes[source]
-                    try:  # the pipe is empty here: what the socket holds, up to the pipe's size
-                        moved = os.splice(source.fileno(), write_end, RELAY_PIPE_BYTES,
-                                          flags=os.SPLICE_F_MOVE | os.SPLICE_F_NONBLOCK)
-                    except BlockingIOError:
-                        continue  # woken with nothing to read
-                    if moved:
-                        copied[source] += drain_pipe(read_end, peers[source], moved)
+                    data = source.recv(RECV_BYTES)
+                    if data:
+                        peers[source].sendall(data)
+                        copied[source] += len(data)
                         continue
                     selector.unregister(source)
                     with contextlib.suppress(OSError):
                         peers[source].shutdown(socket.SHUT_WR)
-    except OSError:
-        pass  # what was copied stands; nothing more can be
-    finally:
-        for fds in pipes.values():
-            for fd in fds:
-                os.close(fd)
+        except OSError:
+            pass  # what was copied stands; nothing more can be
     return copied[one], copied[other]
-
-
-def relay_pipe() -> tuple[int, int]:
-    """A pipe for one direction of splice, RELAY_PIPE_BYTES large where the kernel allows it (a bigger pipe takes
-    more of a flood per system call); the default size (64 KiB) works too."""
-    read_end, write_end = os.pipe2(os.O_CLOEXEC)
-    with contextlib.suppress(OSError):  # over the user's pipe allowance: the default size
-        fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, RELAY_PIPE_BYTES)
-    return read_end, write_end
-
-
-def drain_pipe(read_end: int, target: socket.socket, count: int) -> int:
-    """Moves count bytes from the pipe into target, waiting while its buffer is full as sendall would (within its
-    timeout, if it has one); returns count."""
-    left = count
-    while left:
-        try:
-            moved = os.splice(read_end, target.fileno(), left, flags=os.SPLICE_F_MOVE)
-        except BlockingIOError:  # a socket with a timeout is non-blocking underneath
-            if not select.select([], [target], [], target.gettimeout())[1]:
-                raise TimeoutError("the relay's peer took no bytes within its timeout") from None
-            continue
-        if not moved:
-            raise BrokenPipeError("the relay's peer took no bytes")
-        left -= moved
-    return count
 
 
 class ModelRelay:

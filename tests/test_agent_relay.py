@@ -1,5 +1,4 @@
-"""The agent's byte relay (agent.splice, zero-copy through a kernel pipe per direction) and
-ModelRelay on top of it: loopback TCP in, a unix socket out, as in a claude-code session's
+"""The agent's byte relay (agent.splice) and ModelRelay on top of it: loopback TCP in, a unix socket out, as in a claude-code session's
 container. No Docker: real sockets, a unix listener of the test's own stands in for serve's
 proxy beyond DIR/agent/model.sock."""
 
@@ -21,7 +20,7 @@ sys.path.insert(0, str(ROOT))
 import agent  # noqa: E402
 
 WAIT_S = 60.0  #: generous: a loaded machine; nothing here measures time
-FLOOD_BYTES = 8 * agent.MIB + 12345  #: several pipe-fulls, not a multiple of any buffer size
+FLOOD_BYTES = 8 * agent.MIB + 12345  #: many socket buffers' worth, not a multiple of any buffer size
 
 
 def flood(size: int, seed: bytes) -> bytes:
@@ -92,8 +91,8 @@ def test_a_half_close_is_passed_on_and_the_answer_still_comes_back(
 
 def test_a_slow_reader_behind_a_socket_with_a_timeout_gets_every_byte(
         tcp_pair: tuple[socket.socket, socket.socket]) -> None:
-    """A socket with a timeout is non-blocking underneath (as serve's egress hands them over with one): the relay
-    waits while its buffer is full instead of dropping or failing what does not fit."""
+    """A socket with a timeout (non-blocking underneath): the relay waits while its peer's buffer is full instead
+    of dropping or failing what does not fit."""
     relay_tcp, client = tcp_pair
     relay_unix, proxy = socket.socketpair()
     with relay_unix, proxy:
@@ -109,29 +108,13 @@ def test_a_slow_reader_behind_a_socket_with_a_timeout_gets_every_byte(
     assert counts == [(0, len(down))]
 
 
-def open_pipes() -> set[str]:
-    """The pipes this process holds (their /proc names)."""
-    names = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue  # the listing's own descriptor, closed meanwhile
-        if target.startswith("pipe:"):
-            names.add(target)
-    return names
-
-
-def test_a_relay_idle_past_its_bound_ends_and_leaves_no_pipe_open(
-        tcp_pair: tuple[socket.socket, socket.socket]) -> None:
-    relay_tcp, client = tcp_pair
+def test_a_relay_idle_past_its_bound_ends(tcp_pair: tuple[socket.socket, socket.socket]) -> None:
+    relay_tcp, _ = tcp_pair
     relay_unix, proxy = socket.socketpair()
-    before = open_pipes()
     with relay_unix, proxy:
         relay, counts = in_thread(lambda: agent.splice(relay_tcp, relay_unix, idle_timeout_s=0.2))
         relay.join(WAIT_S)
     assert counts == [(0, 0)]  # neither side sent a byte: it ended on its own
-    assert open_pipes() <= before
 
 
 def test_the_model_relay_carries_a_whole_answer_from_the_unix_socket_to_loopback(tmp_path: Path) -> None:
