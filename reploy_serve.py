@@ -4455,12 +4455,13 @@ class WholeEvents:
     def __init__(self) -> None:
         self._held = b""
 
-    def feed(self, data: bytes) -> bytes:
+    def feed(self, data: bytes) -> memoryview:
+        """The whole events held and in data, as a view: no copy beyond joining the tail."""
         if self._held:
             data = self._held + data
         end = last_event_end(data)
         self._held = data[end:]
-        return data[:end]
+        return memoryview(data)[:end]
 
     def finish(self) -> bytes:
         held, self._held = self._held, b""
@@ -4765,9 +4766,9 @@ class ModelProxy:
         if events is None:
             conn.sendall(tail)
         elif failure is None:
-            conn.sendall(events.feed(tail) + events.finish())
+            conn.sendall(b"".join((events.feed(tail), events.finish())))
         else:  # the cut event's start is dropped, so the error is an event of its own
-            conn.sendall(events.feed(tail) + model_sse_error(failure))
+            conn.sendall(b"".join((events.feed(tail), model_sse_error(failure))))
         return failure is None
 
 

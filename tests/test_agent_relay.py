@@ -5,7 +5,6 @@ proxy beyond DIR/agent/model.sock."""
 from __future__ import annotations
 
 import hashlib
-import os
 import socket
 import sys
 import threading
