@@ -4445,11 +4445,20 @@ class BytesRedactor:
 
     def __init__(self, secret: str) -> None:
         self._secret = secret.encode("ascii")  # _MODEL_CREDENTIAL: ASCII only
+        #: Its proper prefixes by their last byte: a read whose tail could grow into the
+        #: credential ends in one of them, so one dict lookup clears most reads.
+        self._prefixes: dict[int, tuple[bytes, ...]] = {}
+        for length in range(1, len(self._secret)):
+            last = self._secret[length - 1]
+            self._prefixes[last] = (*self._prefixes.get(last, ()), self._secret[:length])
         self._held = b""
 
     def feed(self, data: bytes) -> bytes:
         buffer = self._held + data if self._held else data
         secret, position = self._secret, 0
+        if buffer.find(secret) < 0 and not (buffer and buffer.endswith(self._prefixes.get(buffer[-1], ()))):
+            self._held = b""  # most reads: nothing to replace or hold, passed on as they are
+            return buffer
         out: list[bytes] = []
         while (found := buffer.find(secret, position)) >= 0:
             out += (buffer[position:found], _REDACTED_BYTES)
@@ -4478,6 +4487,15 @@ class BytesRedactor:
         return 0
 
 
+def last_event_end(data: bytes) -> int:
+    """Where the last whole SSE event of data ends (just past its blank line), 0 if none does.
+    The CRLF search starts where an end later than the LF one's could begin: one scan of the
+    read each, not two."""
+    lf = data.rfind(b"\n\n")
+    crlf = data.rfind(b"\r\n\r\n", max(lf - 1, 0))
+    return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+
+
 class WholeEvents:
     """Passes an SSE stream on in whole events only (up to a blank line), holding the tail:
     a stream the proxy cuts short (the cap, a failure) then ends on an event boundary, and
@@ -4486,13 +4504,13 @@ class WholeEvents:
     def __init__(self) -> None:
         self._held = b""
 
-    def feed(self, data: bytes) -> bytes:
+    def feed(self, data: bytes) -> memoryview:
+        """The whole events held and in data, as a view: no copy beyond joining the tail."""
         if self._held:
             data = self._held + data
-        lf, crlf = data.rfind(b"\n\n"), data.rfind(b"\r\n\r\n")
-        end = max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+        end = last_event_end(data)
         self._held = data[end:]
-        return data[:end]
+        return memoryview(data)[:end]
 
     def finish(self) -> bytes:
         held, self._held = self._held, b""
@@ -4797,9 +4815,9 @@ class ModelProxy:
         if events is None:
             conn.sendall(tail)
         elif failure is None:
-            conn.sendall(events.feed(tail) + events.finish())
+            conn.sendall(b"".join((events.feed(tail), events.finish())))
         else:  # the cut event's start is dropped, so the error is an event of its own
-            conn.sendall(events.feed(tail) + model_sse_error(failure))
+            conn.sendall(b"".join((events.feed(tail), model_sse_error(failure))))
         return failure is None
 
 

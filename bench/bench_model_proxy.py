@@ -7,6 +7,9 @@ of its own as in serve.
   model_proxy_first_delta   a streaming POST /v1/messages until its first text delta is read, ms
   model_proxy_throughput    a 32 MiB SSE answer (text deltas of about 1 KiB of prose) read whole, MiB/s
   model_proxy_cpu           CPU time the proxy's process spent on one such answer, ms
+  model_proxy_core_cpu      CPU time of the proxy's pure core (BytesRedactor, WholeEvents) on that
+                            answer in 16 KiB reads, ms; baseline: one bytes.find of the credential
+                            in each read, the scan no redaction can skip (no I/O: a steady figure)
   model_relay_first_delta   (--relay) the first two, from inside a claude-code session of a real
   model_relay_throughput    serve: 127.0.0.1:8137 -> the agent's relay -> model.sock -> ModelProxy
 
@@ -60,6 +63,7 @@ ANSWER_BYTES = 32 * agent.MIB
 #: letter is a worst case no answer has).
 DELTA_TEXT = "Sure: here is the function that parses its settings, with tests. " * 16
 WRITE_BYTES = 64 * 1024  #: the fake writes its answer in pieces of this size
+RECORD_BYTES = 16 * 1024  #: what one upstream read returns: a TLS record holds at most this
 READY_DEADLINE_S = 30.0
 CREDENTIAL = "sk-ant-bench-credential-0123456789abcdef"
 
@@ -118,6 +122,21 @@ def one_answer(connection: http.client.HTTPConnection, cpu: Callable[[], float]
     first_ms, mib_s, total = read_answer(connection, reploy_serve.MODEL_PLACEHOLDER)
     assert total >= ANSWER_BYTES, total
     return first_ms, mib_s, (cpu() - cpu_before) * 1000
+
+
+def core_cpu_ms(reads: list[bytes]) -> tuple[float, float]:
+    """(ms of this thread's CPU time for the proxy's pure core over the reads, as _stream runs it,
+    ms for one bytes.find of the credential in each read)."""
+    redactor, events = reploy_serve.BytesRedactor(CREDENTIAL), reploy_serve.WholeEvents()
+    started, passed = time.thread_time(), 0
+    for piece in reads:  # each output dropped before the next read, as once the proxy sent it
+        passed += len(events.feed(redactor.feed(piece)))
+    core_s = time.thread_time() - started
+    assert passed + len(events.feed(redactor.finish())) + len(events.finish()) == sum(map(len, reads))
+    secret, started = CREDENTIAL.encode(), time.thread_time()
+    for piece in reads:
+        piece.find(secret)
+    return core_s * 1000, (time.thread_time() - started) * 1000
 
 
 def relay_samples(directory: Path, port: str, rounds: int) -> tuple[list[tuple[float, float]],
@@ -204,6 +223,10 @@ def main() -> int:
                [s[1] for s in samples["direct"]])
         figure("model_proxy_cpu", "ms", [s[2] for s in samples["proxy"]],
                [s[2] for s in samples["direct"]])
+        body = sse_body(ANSWER_BYTES)
+        reads = [body[start:start + RECORD_BYTES] for start in range(0, len(body), RECORD_BYTES)]
+        core = [core_cpu_ms(reads) for _ in range(args.rounds)]
+        figure("model_proxy_core_cpu", "ms", [c[0] for c in core], [c[1] for c in core])
         if args.relay:
             relayed, direct = relay_samples(directory, port, args.rounds)
             figure("model_relay_first_delta", "ms", [s[0] for s in relayed], [s[0] for s in direct])

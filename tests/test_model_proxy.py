@@ -162,12 +162,27 @@ def test_a_self_overlapping_credential_is_redacted_as_one_pass_over_the_whole_st
     assert redacted_through(OVERLAPPING, pieces) == data.replace(OVERLAPPING.encode(), b"[REDACTED]")
 
 
-@given(st.lists(st.binary(max_size=30), max_size=10))
-def test_whole_events_pass_on_every_byte_in_order_cut_at_blank_lines(pieces: list[bytes]) -> None:
+#: Reads made of these, so that blank lines (LF and CRLF ones) fall anywhere, across reads too.
+SSE_TOKENS = st.sampled_from([b"\n", b"\r", b"\r\n", b"\n\n", b"data: x", b"event: y", b"\x00", b"\xff"])
+
+
+@given(st.lists(st.one_of(st.binary(max_size=30), st.lists(SSE_TOKENS, max_size=8).map(b"".join)), max_size=10))
+def test_whole_events_pass_on_every_byte_in_order_cut_at_the_last_blank_line(pieces: list[bytes]) -> None:
     events = rs.WholeEvents()
-    passed = [events.feed(piece) for piece in pieces]
+    passed = [bytes(events.feed(piece)) for piece in pieces]
+    held = events.finish()
     assert all(p == b"" or p.endswith((b"\n\n", b"\r\n\r\n")) for p in passed)
-    assert b"".join(passed) + events.finish() == b"".join(pieces)
+    assert b"".join(passed) + held == b"".join(pieces)
+    assert b"\n\n" not in held and b"\r\n\r\n" not in held  # nothing whole is held back
+
+
+@pytest.mark.parametrize("pieces", [[b"data: a\n", b"\ndata: b"], [b"data: a\r\n\r", b"\ndata: b"],
+                                    [b"data: a\r", b"\n\r\n"], [b"data: a", b"\n", b"\n"]])
+def test_a_blank_line_split_across_two_reads_ends_the_event_at_once(pieces: list[bytes]) -> None:
+    events = rs.WholeEvents()
+    passed = b"".join(bytes(events.feed(piece)) for piece in pieces)
+    assert passed.startswith(b"data: a") and passed.endswith((b"\n\n", b"\r\n\r\n"))
+    assert b"data: a" not in events.finish()
 
 
 # -- upstream keep-alive: the reuse and retry decisions, the pool (no sockets) ---------------------
