@@ -4624,6 +4624,73 @@ def read_model_credential(path: Path) -> str:
     return read_token(path, must_own=True, what="model credential file", pattern=_MODEL_CREDENTIAL)
 
 
+def bind_agent_socket(agent_dir: Path, name: str) -> socket.socket:
+    """A listening unix socket at agent_dir/name (an old one replaced), root's and 0600, bound
+    through the directory's fd: short however deep the state dir, and never through a link."""
+    dir_fd = os.open(agent_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name, dir_fd=dir_fd)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(f"/proc/self/fd/{dir_fd}/{name}")
+            os.chmod(name, 0o600, dir_fd=dir_fd)
+            sock.listen(agent_role.LISTEN_BACKLOG)
+        except BaseException:
+            sock.close()
+            raise
+    finally:
+        os.close(dir_fd)
+    return sock
+
+
+class SessionSockets:
+    """Each session's listening socket of one kind in DIR/agent (bind_agent_socket), with an
+    accept thread that hands every connection to a `serve(conn, slots)` thread of its own; the
+    session's `slots` bound what it may have under way at once."""
+
+    def __init__(self, socket_name: str, max_at_once: int, kind: str) -> None:
+        self.socket_name, self.max_at_once, self.kind = socket_name, max_at_once, kind
+        self._listeners: dict[str, socket.socket] = {}
+        self._lock = threading.Lock()
+
+    def listen(self, session_id: str, agent_dir: Path,
+               serve: Callable[[socket.socket, threading.BoundedSemaphore], None]) -> None:
+        """(Re)binds agent_dir/socket_name for the session; the socket stays root's and 0600
+        (DIR/agent is 0700 root's)."""
+        self.close_session(session_id)
+        sock = bind_agent_socket(agent_dir, self.socket_name)
+        with self._lock:
+            self._listeners[session_id] = sock
+        slots = threading.BoundedSemaphore(self.max_at_once)
+        threading.Thread(target=self._accept_loop, args=(session_id, sock, slots, serve),
+                         name=f"{self.kind}-{session_id}", daemon=True).start()
+
+    def close_session(self, session_id: str) -> None:
+        """Stops listening for the session (before its disk is unmounted: a bound socket pins
+        the mount); connections under way finish on their own threads."""
+        with self._lock:
+            sock = self._listeners.pop(session_id, None)
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+    def close(self) -> None:
+        for session_id in list(self._listeners):
+            self.close_session(session_id)
+
+    def _accept_loop(self, session_id: str, sock: socket.socket, slots: threading.BoundedSemaphore,
+                     serve: Callable[[socket.socket, threading.BoundedSemaphore], None]) -> None:
+        while True:
+            try:
+                conn, _ = sock.accept()
+            except OSError:
+                return  # closed
+            threading.Thread(target=serve, args=(conn, slots), name=f"{self.kind}-{session_id}-conn",
+                             daemon=True).start()
+
+
 class ModelProxy:
     """The host side: DIR/agent/model.sock of each claude-code session, forwarded to the one
     upstream with the credential (see the section's head)."""
@@ -4635,51 +4702,26 @@ class ModelProxy:
                                                else None)
         if upstream.ca_file:  # the system's roots too: a CA file adds trust, never replaces it
             self._tls.load_default_certs()
-        self._listeners: dict[str, socket.socket] = {}
-        self._lock = threading.Lock()
+        self._sockets = SessionSockets(agent_role.MODEL_SOCKET_NAME, MAX_MODEL_REQUESTS, "model")
         self._pool = IdleUpstreams()
         self._closed = threading.Event()
         threading.Thread(target=self._reap_idle, name="model-pool", daemon=True).start()
 
     def listen(self, session_id: str, agent_dir: Path) -> None:
-        """(Re)binds agent_dir/model.sock for the session; the socket stays root's and 0600."""
-        self.close_session(session_id)
-        sock = bind_agent_socket(agent_dir, agent_role.MODEL_SOCKET_NAME)  # DIR/agent is 0700 root's
-        with self._lock:
-            self._listeners[session_id] = sock
-        slots = threading.BoundedSemaphore(MAX_MODEL_REQUESTS)
-        threading.Thread(target=self._accept_loop, args=(session_id, sock, slots),
-                         name=f"model-{session_id}", daemon=True).start()
+        """(Re)binds agent_dir/model.sock for the session."""
+        self._sockets.listen(session_id, agent_dir, functools.partial(self._serve, session_id))
 
     def close_session(self, session_id: str) -> None:
-        """Stops listening for the session (before its disk is unmounted: a bound socket pins
-        the mount); requests under way finish on their own threads."""
-        with self._lock:
-            sock = self._listeners.pop(session_id, None)
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-            sock.close()
+        self._sockets.close_session(session_id)
 
     def close(self) -> None:
-        for session_id in list(self._listeners):
-            self.close_session(session_id)
+        self._sockets.close()
         self._closed.set()
         self._pool.close()
 
     def _reap_idle(self) -> None:
         while not self._closed.wait(MODEL_POOL_IDLE_S / 4):
             self._pool.close_expired(time.monotonic())
-
-    def _accept_loop(self, session_id: str, sock: socket.socket,
-                     slots: threading.BoundedSemaphore) -> None:
-        while True:
-            try:
-                conn, _ = sock.accept()
-            except OSError:
-                return  # closed
-            threading.Thread(target=self._serve, args=(session_id, conn, slots),
-                             name=f"model-{session_id}-conn", daemon=True).start()
 
     def _serve(self, session_id: str, conn: socket.socket,
                slots: threading.BoundedSemaphore) -> None:
@@ -5132,26 +5174,6 @@ class EgressNote:
 
 # -- the proxy's I/O: per-session sockets on the host, one thread per connection ------------
 
-def bind_agent_socket(agent_dir: Path, name: str) -> socket.socket:
-    """A listening unix socket at agent_dir/name (an old one replaced), root's and 0600, bound
-    through the directory's fd: short however deep the state dir, and never through a link."""
-    dir_fd = os.open(agent_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(name, dir_fd=dir_fd)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.bind(f"/proc/self/fd/{dir_fd}/{name}")
-            os.chmod(name, 0o600, dir_fd=dir_fd)
-            sock.listen(agent_role.LISTEN_BACKLOG)
-        except BaseException:
-            sock.close()
-            raise
-    finally:
-        os.close(dir_fd)
-    return sock
-
-
 def read_proxy_head(conn: socket.socket) -> tuple[ProxyRequest, bytes]:
     """The head from the relay, bounded in size (EgressRefusal) and time (OSError), and what
     came after it (the start of a body, or of a TLS handshake)."""
@@ -5184,41 +5206,19 @@ class EgressProxy:
                  resolver: Callable[[str, int], tuple[str, ...]] = resolve) -> None:
         self._note = note
         self._resolve = resolver
-        self._listeners: dict[str, socket.socket] = {}
-        self._lock = threading.Lock()
+        self._sockets = SessionSockets(agent_role.EGRESS_SOCKET_NAME, MAX_EGRESS_CONNECTIONS, "egress")
 
     def listen(self, session_id: str, agent_dir: Path, allowed: tuple[EgressEntry, ...]) -> None:
         """(Re)binds agent_dir/egress.sock for the session, with its allow-list."""
-        self.close_session(session_id)
-        sock = bind_agent_socket(agent_dir, agent_role.EGRESS_SOCKET_NAME)
-        with self._lock:
-            self._listeners[session_id] = sock
-        slots = threading.BoundedSemaphore(MAX_EGRESS_CONNECTIONS)
-        threading.Thread(target=self._accept_loop, args=(session_id, sock, slots, allowed),
-                         name=f"egress-{session_id}", daemon=True).start()
+        self._sockets.listen(session_id, agent_dir, functools.partial(self._serve, session_id,
+                                                                      allowed=allowed))
 
     def close_session(self, session_id: str) -> None:
         """Stops listening (before the disk is unmounted); open pipes end on their own."""
-        with self._lock:
-            sock = self._listeners.pop(session_id, None)
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-            sock.close()
+        self._sockets.close_session(session_id)
 
     def close(self) -> None:
-        for session_id in list(self._listeners):
-            self.close_session(session_id)
-
-    def _accept_loop(self, session_id: str, sock: socket.socket,
-                     slots: threading.BoundedSemaphore, allowed: tuple[EgressEntry, ...]) -> None:
-        while True:
-            try:
-                conn, _ = sock.accept()
-            except OSError:
-                return  # closed
-            threading.Thread(target=self._serve, args=(session_id, conn, slots, allowed),
-                             name=f"egress-{session_id}-conn", daemon=True).start()
+        self._sockets.close()
 
     def _serve(self, session_id: str, conn: socket.socket, slots: threading.BoundedSemaphore,
                allowed: tuple[EgressEntry, ...]) -> None:
