@@ -4,6 +4,7 @@ events), and the session API against a real serve with real sessions."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import io
 import json
@@ -11,7 +12,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -134,77 +135,67 @@ def test_a_client_checks_its_server_and_token(tmp_path: Path, monkeypatch: pytes
     assert reploy_client.Client("http://127.0.0.1:1", token_file=token_file).token == TOKEN
     assert reploy_client.Client("http://127.0.0.1:1").token == "m" * 43
 
-def test_a_stale_keep_alive_connection_is_retried_once_on_a_new_one() -> None:
-    """A server that drops each connection after its answer without saying so (an idle
-    keep-alive timing out): the pooled connection fails before anything is answered on it,
-    and the call goes through on a fresh one."""
+@contextlib.contextmanager
+def local_server(method: str, answer: Callable[[Any], tuple[int, bytes, bool]]) -> Iterator[str]:
+    """An HTTP/1.1 server on loopback whose every `method` request is answered with JSON by
+    `answer(handler) -> (status, body, close the connection after it)`; its URL."""
     import http.server
-
-    connections: list[int] = []
 
     class Handler(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
-        def do_GET(self) -> None:
-            connections.append(id(self.connection))
-            body = b'{"sessions": []}'
-            self.send_response(200)
+        def respond(self) -> None:
+            status, body, close = answer(self)
+            self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
-            self.close_connection = True  # without a Connection: close header
+            self.close_connection = close  # without a Connection: close header
 
         def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base's
             pass
 
+    setattr(Handler, f"do_{method}", Handler.respond)
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
+    threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        with reploy_client.Client(f"http://127.0.0.1:{server.server_address[1]}", token=TOKEN) as client:
-            assert client.sessions() == [] and len(client.connections._idle) == 1
-            assert client.sessions() == [] and client.sessions() == []
-        assert len(connections) == 3
+        yield f"http://127.0.0.1:{server.server_address[1]}"
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_stale_keep_alive_connection_is_retried_once_on_a_new_one() -> None:
+    """A server that drops each connection after its answer without saying so (an idle
+    keep-alive timing out): the pooled connection fails before anything is answered on it,
+    and the call goes through on a fresh one."""
+    connections: list[int] = []
+
+    def answer(handler: Any) -> tuple[int, bytes, bool]:
+        connections.append(id(handler.connection))
+        return 200, b'{"sessions": []}', True
+
+    with local_server("GET", answer) as url, reploy_client.Client(url, token=TOKEN) as client:
+        assert client.sessions() == [] and len(client.connections._idle) == 1
+        assert client.sessions() == [] and client.sessions() == []
+    assert len(connections) == 3
 
 
 def test_a_write_sends_the_digest_of_its_bytes() -> None:
     """Files.write knows its bytes: their sha256 travels with them (?sha256=), so the session
     commits only what was sent."""
-    import http.server
-
     puts: list[tuple[str, bytes]] = []
 
-    class Handler(http.server.BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
+    def answer(handler: Any) -> tuple[int, bytes, bool]:
+        puts.append((handler.path, handler.rfile.read(int(handler.headers["Content-Length"]))))
+        return 201, b'{"path": "f", "bytes": 4}', False
 
-        def do_PUT(self) -> None:
-            puts.append((self.path, self.rfile.read(int(self.headers["Content-Length"]))))
-            body = b'{"path": "f", "bytes": 4}'
-            self.send_response(201)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base's
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        with reploy_client.Client(f"http://127.0.0.1:{server.server_address[1]}", token=TOKEN) as client:
-            client.session("0" * 16).files.write("d/f", "caf\u00e9")
-        [(path, body)] = puts
-        assert body == "caf\u00e9".encode() and path == (
-            f"/api/v1/sessions/{'0' * 16}/files/d/f?sha256={hashlib.sha256(body).hexdigest()}")
-    finally:
-        server.shutdown()
-        server.server_close()
+    with local_server("PUT", answer) as url, reploy_client.Client(url, token=TOKEN) as client:
+        client.session("0" * 16).files.write("d/f", "caf\u00e9")
+    [(path, body)] = puts
+    assert body == "caf\u00e9".encode() and path == (
+        f"/api/v1/sessions/{'0' * 16}/files/d/f?sha256={hashlib.sha256(body).hexdigest()}")
 
 
 # -- against a real serve -------------------------------------------------------------------
