@@ -37,7 +37,8 @@ def outcome(attempt: Callable[[], object]) -> str:
 
 
 def agent_pid() -> int:
-    """The agent's process: the one running `agent.py serve` (its command line is public)."""
+    """The agent's process: the one running `agent.py serve` (its command line is public), as a
+    script or, as serve starts it, imported from its bytecode (`python3 -c "...import agent..."`)."""
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
@@ -45,7 +46,8 @@ def agent_pid() -> int:
                     argv = f.read().split(b"\0")
             except OSError:
                 continue
-            if any(arg.endswith(b"agent.py") for arg in argv) and b"serve" in argv:
+            runs_agent = any(arg.endswith(b"agent.py") or b"import agent;" in arg for arg in argv)
+            if runs_agent and b"serve" in argv:
                 return int(entry)
     raise SystemExit("no agent.py serve process in sight")
 
