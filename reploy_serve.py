@@ -809,6 +809,9 @@ _STORE_ADDED_COLUMNS = (("busy_at", "REAL"), ("idle_blocked_by", "TEXT NOT NULL 
                         ("failed_at", "REAL"), ("snapshot_failures", "INTEGER NOT NULL DEFAULT 0"),
                         ("snapshot_retry_at", "REAL"), ("labels", "TEXT NOT NULL DEFAULT '[]'"),
                         ("expires_at", "REAL"))
+#: Open connections a SessionStore keeps between statements: about the threads that use the
+#: store at once (requests, the reaper, stream renewals); a busier moment opens more, closed after.
+STORE_IDLE_CONNECTIONS = 8
 #: One row per open SSE stream, in whichever `serve` holds it: the reaper of every `serve`
 #: sharing the store counts them. A row expires unless its stream renews it.
 _VIEWERS_DDL = """
@@ -836,7 +839,9 @@ class SessionStore:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._local = threading.local()
+        self._idle: list[sqlite3.Connection] = []  # opened once, lent to one thread at a time
+        self._idle_lock = threading.Lock()
+        self._closed = False
         with self._db() as db:
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("BEGIN IMMEDIATE")  # two `serve` processes may open an old store at once
@@ -855,18 +860,28 @@ class SessionStore:
 
     @contextlib.contextmanager
     def _db(self) -> Iterator["sqlite3.Connection"]:
-
-        db = getattr(self._local, "db", None)
+        """A connection of this store's own, lent for one statement (or one explicit
+        transaction) to the calling thread alone. Connections are kept for the next caller
+        (at most STORE_IDLE_CONNECTIONS), so a request's thread, new per HTTP connection,
+        does not open the database afresh."""
+        with self._idle_lock:
+            db = self._idle.pop() if self._idle else None
         if db is None:
             db = sqlite3.connect(str(self.path), timeout=30, isolation_level=None,
-                                 check_same_thread=True)
+                                 check_same_thread=False)
             db.execute("PRAGMA synchronous=NORMAL")
             db.execute("PRAGMA busy_timeout=30000")
-            self._local.db = db
         try:
             yield db
         except sqlite3.Error as e:
             raise ServiceUnavailable(f"session store {self.path}: {e}") from e
+        finally:
+            with self._idle_lock:
+                kept = not self._closed and not db.in_transaction and len(self._idle) < STORE_IDLE_CONNECTIONS
+                if kept:
+                    self._idle.append(db)
+            if not kept:
+                db.close()
 
     @staticmethod
     def _record(row: tuple[Any, ...]) -> SessionRecord:
@@ -981,10 +996,11 @@ class SessionStore:
             db.execute("DELETE FROM sessions WHERE id = ? AND lease_owner = ?", (session_id, owner))
 
     def close(self) -> None:
-        db = getattr(self._local, "db", None)
-        if db is not None:
+        """Closes the idle connections; one lent out is closed when it comes back."""
+        with self._idle_lock:
+            self._closed, idle, self._idle = True, self._idle, []
+        for db in idle:
             db.close()
-            self._local.db = None
 
 
 def _blocks_to_text(blocks: tuple[IdleBlock, ...]) -> str:
