@@ -963,11 +963,11 @@ class SessionStore:
         """Record an access to an active session nobody is operating on: the record as that
         statement left it. None: slow path."""
         with self._db() as db:
-            row = db.execute(
+            rows = db.execute(  # fetched whole: the statement, and so its write, ends here
                 "UPDATE sessions SET last_access = ? WHERE id = ? AND state = ? AND "
                 f"(lease_owner IS NULL OR lease_expires <= ?) RETURNING {', '.join(_RECORD_COLUMNS)}",
-                (now, session_id, SessionState.ACTIVE.value, now)).fetchone()
-        return self._record(row) if row else None
+                (now, session_id, SessionState.ACTIVE.value, now)).fetchall()
+        return self._record(rows[0]) if rows else None
 
     def observe(self, session_id: str, state: SessionState, busy_at: Optional[float],
                 blocked_by: tuple[IdleBlock, ...]) -> None:
