@@ -810,6 +810,9 @@ _STORE_ADDED_COLUMNS = (("busy_at", "REAL"), ("idle_blocked_by", "TEXT NOT NULL 
                         ("failed_at", "REAL"), ("snapshot_failures", "INTEGER NOT NULL DEFAULT 0"),
                         ("snapshot_retry_at", "REAL"), ("labels", "TEXT NOT NULL DEFAULT '[]'"),
                         ("expires_at", "REAL"))
+#: Open connections a SessionStore keeps between statements: about the threads that use the
+#: store at once (requests, the reaper, stream renewals); a busier moment opens more, closed after.
+STORE_IDLE_CONNECTIONS = 8
 #: One row per open SSE stream, in whichever `serve` holds it: the reaper of every `serve`
 #: sharing the store counts them. A row expires unless its stream renews it.
 _VIEWERS_DDL = """
@@ -837,7 +840,9 @@ class SessionStore:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._local = threading.local()
+        self._idle: list[sqlite3.Connection] = []  # opened once, lent to one thread at a time
+        self._idle_lock = threading.Lock()
+        self._closed = False
         with self._db() as db:
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("BEGIN IMMEDIATE")  # two `serve` processes may open an old store at once
@@ -856,18 +861,28 @@ class SessionStore:
 
     @contextlib.contextmanager
     def _db(self) -> Iterator["sqlite3.Connection"]:
-
-        db = getattr(self._local, "db", None)
+        """A connection of this store's own, lent for one statement (or one explicit
+        transaction) to the calling thread alone. Connections are kept for the next caller
+        (at most STORE_IDLE_CONNECTIONS), so a request's thread, new per HTTP connection,
+        does not open the database afresh."""
+        with self._idle_lock:
+            db = self._idle.pop() if self._idle else None
         if db is None:
             db = sqlite3.connect(str(self.path), timeout=30, isolation_level=None,
-                                 check_same_thread=True)
+                                 check_same_thread=False)
             db.execute("PRAGMA synchronous=NORMAL")
             db.execute("PRAGMA busy_timeout=30000")
-            self._local.db = db
         try:
             yield db
         except sqlite3.Error as e:
             raise ServiceUnavailable(f"session store {self.path}: {e}") from e
+        finally:
+            with self._idle_lock:
+                kept = not self._closed and not db.in_transaction and len(self._idle) < STORE_IDLE_CONNECTIONS
+                if kept:
+                    self._idle.append(db)
+            if not kept:
+                db.close()
 
     @staticmethod
     def _record(row: tuple[Any, ...]) -> SessionRecord:
@@ -945,14 +960,15 @@ class SessionStore:
             db.execute("UPDATE sessions SET lease_owner = NULL, lease_expires = 0 "
                        "WHERE id = ? AND lease_owner = ?", (session_id, owner))
 
-    def touch(self, session_id: str, now: float) -> bool:
-        """Record an access to an active session nobody is operating on. False: slow path."""
+    def touch(self, session_id: str, now: float) -> Optional[SessionRecord]:
+        """Record an access to an active session nobody is operating on: the record as that
+        statement left it. None: slow path."""
         with self._db() as db:
-            cursor = db.execute(
+            rows = db.execute(  # fetched whole: the statement, and so its write, ends here
                 "UPDATE sessions SET last_access = ? WHERE id = ? AND state = ? AND "
-                "(lease_owner IS NULL OR lease_expires <= ?)",
-                (now, session_id, SessionState.ACTIVE.value, now))
-        return cursor.rowcount == 1
+                f"(lease_owner IS NULL OR lease_expires <= ?) RETURNING {', '.join(_RECORD_COLUMNS)}",
+                (now, session_id, SessionState.ACTIVE.value, now)).fetchall()
+        return self._record(rows[0]) if rows else None
 
     def observe(self, session_id: str, state: SessionState, busy_at: Optional[float],
                 blocked_by: tuple[IdleBlock, ...]) -> None:
@@ -982,10 +998,11 @@ class SessionStore:
             db.execute("DELETE FROM sessions WHERE id = ? AND lease_owner = ?", (session_id, owner))
 
     def close(self) -> None:
-        db = getattr(self._local, "db", None)
-        if db is not None:
+        """Closes the idle connections; one lent out is closed when it comes back."""
+        with self._idle_lock:
+            self._closed, idle, self._idle = True, self._idle, []
+        for db in idle:
             db.close()
-            self._local.db = None
 
 
 def _blocks_to_text(blocks: tuple[IdleBlock, ...]) -> str:
@@ -3630,12 +3647,17 @@ class SessionManager:
         snapshot restored, then last access is recorded."""
         return self.access_branch(session_id)[0]
 
-    def access_branch(self, session_id: str) -> tuple[SessionRecord, str]:
+    def access_branch(self, session_id: str, shown_only: bool = False) -> tuple[SessionRecord, str]:
         """An access, and the branch that served it as seed 002's `path` names it: `active`,
-        `idle->active` or `snapshot->restore`."""
+        `idle->active` or `snapshot->restore`. An active session nobody operates on costs one
+        statement. `shown_only`: a session the API does not show (being created or deleted) is
+        not found, rather than waited for."""
         while True:
-            if _SESSION_ID.fullmatch(session_id) and self.store.touch(session_id, self.clock()):
-                return self.shown_record(session_id), "active"
+            touched = self.store.touch(session_id, self.clock()) if _SESSION_ID.fullmatch(session_id) else None
+            if touched is not None:
+                return touched, "active"
+            if shown_only:
+                self.shown_record(session_id)
             with self.leased(session_id) as lease:
                 if lease.record.state is SessionState.IDLE:
                     return self._resume(lease), "idle->active"
@@ -3728,11 +3750,11 @@ class SessionManager:
         terminal as UTF-8 bytes; a claude-code session's is one prompt, refused before any
         restore when it is over MAX_PAYLOAD_BYTES. An empty payload is the access alone."""
         data = payload.encode()
-        workload = self.shown_record(session_id).spec.workload
-        if workload == "agent" and len(data) > MAX_PAYLOAD_BYTES:
+        if len(data) > MAX_PAYLOAD_BYTES and self.shown_record(session_id).spec.workload == "agent":
             raise PayloadTooLarge(f"payload: a claude-code prompt is at most {MAX_PAYLOAD_BYTES} "
                                   "bytes of UTF-8")
-        record, branch = self.access_branch(session_id)
+        record, branch = self.access_branch(session_id, shown_only=True)
+        workload = record.spec.workload
         try:
             if data and workload == "agent":
                 self._deliver(session_id, payload)
@@ -5420,6 +5442,9 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
 
     server: ServeHTTPServer
     protocol_version = "HTTP/1.1"
+    #: Each answer leaves in as few sends as it can, and none waits for the peer's ACK of the
+    #: last (with Nagle, a kept-alive connection's answer stalled for the peer's delayed ACK).
+    disable_nagle_algorithm = True
     server_version = "reploy"
     timeout = BODY_READ_TIMEOUT_S  # a client that stalls mid-request is dropped
     expecting_continue = False  # this request sent `Expect: 100-continue`, not yet answered
@@ -5477,14 +5502,19 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
         self.header_names.add(keyword.lower())
         super().send_header(keyword, value)
 
-    def end_headers(self) -> None:
+    def end_headers(self, body: bytes = b"") -> None:
         """Every response: no Referer leaves the UI, nothing is sniffed into another type, and
-        anything but the UI's own files (which name their policy) can never run as a page."""
+        anything but the UI's own files (which name their policy) can never run as a page.
+        A `body` known by now leaves with the headers, in one send."""
         self.send_header("Referrer-Policy", "no-referrer")
         self.send_header("X-Content-Type-Options", "nosniff")
         if "content-security-policy" not in self.header_names:
             self.send_header("Content-Security-Policy", API_CONTENT_SECURITY_POLICY)
-        super().end_headers()
+        if self.request_version == "HTTP/0.9":  # which gets no headers (the stdlib's rule)
+            self.wfile.write(body)
+            return
+        self._headers_buffer.extend((b"\r\n", body))
+        self.flush_headers()
 
     @property
     def manager(self) -> SessionManager:
@@ -5549,9 +5579,7 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
         self.send_header("Cache-Control", "no-store")
         for name, value in (headers or {}).items():
             self.send_header(name, value)
-        self.end_headers()
-        if self.command != "HEAD":  # a HEAD answer is the headers alone
-            self.wfile.write(data)
+        self.end_headers(data if self.command != "HEAD" else b"")  # a HEAD answer: headers alone
 
     def send_unsized_headers(self) -> bool:
         """The framing header of a body whose length is not known up front, then the end of the
@@ -5596,8 +5624,7 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(data)))
         self.send_header("Cache-Control", "no-cache")
         self.send_header("Content-Security-Policy", CONTENT_SECURITY_POLICY)
-        self.end_headers()
-        self.wfile.write(data)
+        self.end_headers(data)
 
     # -- API handlers: (session id, raw body, query) -> (status, document) -----------------
 

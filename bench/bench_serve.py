@@ -10,6 +10,8 @@ Each line: name, unit, n, p50, p90, p99, baseline, ratio. Figures, not pass/fail
   serve_snapshot_to_active    a read of a snapshotted session: new container + restore + the read
   serve_sse_delivery          write `echo MARK` through the API until MARK arrives on the SSE stream, ms,
                               against a write + a long-poll read, both on the agent's socket directly
+  serve_write_kept_alive      POST /write of a shell line through reploy_client's kept-alive
+                              connections, ms, against the same write on a new connection each
   serve_sse_delivery_streams_N  the same API write until MARK arrived on each of N concurrent SSE streams
                               of one session (N = 1, 10, 50), ms, one sample per stream and write, against
                               the same API write until it arrived on N concurrent long-poll readers of the
@@ -76,6 +78,7 @@ import docker.models.containers  # noqa: E402
 import psutil  # noqa: E402
 
 import reploy  # noqa: E402
+import reploy_client  # noqa: E402
 import reploy_serve  # noqa: E402
 from conftest import remove_built_images, stage_and_build, staged_deployment_ids  # noqa: E402
 from serve_harness import DEADLINE_S, Api, ServeProcess, wait_until  # noqa: E402
@@ -414,6 +417,24 @@ def sse_delivery(api: Api, server: ServeProcess, sid: str, streams: int, blocks:
     return via_sse, via_agent
 
 
+def kept_alive_writes(api: Api, sid: str, rounds: int) -> tuple[list[float], list[float]]:
+    """`POST /write` of one shell line through reploy_client (its kept-alive connections, as a
+    program of the user's sends them), ms, and the same write on a new connection each (the
+    bench's own client), alternating."""
+    kept: list[float] = []
+    fresh: list[float] = []
+    with reploy_client.Client(api.url, token=api.auth_headers["Authorization"].removeprefix("Bearer "),
+                              allow_plain_http=True) as client:
+        session = client.session(sid)
+        session.write(":\r")  # the connection is open before the first timing
+        for _ in range(rounds):
+            for samples, write in ((kept, lambda: session.write(":\r")), (fresh, lambda: api.write(sid, b":\r"))):
+                start = time.perf_counter()
+                write()
+                samples.append((time.perf_counter() - start) * 1000)
+    return kept, fresh
+
+
 def agent_writer(server: ServeProcess, sid: str) -> Callable[[bytes], None]:
     """A write straight on the agent's control socket, no HTTP or serve in between."""
     session_dir = server.state_dir / "sessions" / sid / "agent"
@@ -466,6 +487,7 @@ def main() -> int:
             return 0
         figure("serve_sse_delivery", "ms", *sse_delivery(api, server, sessions[0], 1, SSE_BLOCKS, rounds,
                                                           agent_writer(server, sessions[0])))
+        figure("serve_write_kept_alive", "ms", *kept_alive_writes(api, sessions[0], rounds * SSE_BLOCKS))
         for streams in FANOUT_STREAMS:
             figure(f"serve_sse_delivery_streams_{streams}", "ms",
                    *sse_delivery(api, server, sessions[0], streams, SSE_BLOCKS, rounds,

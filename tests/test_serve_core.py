@@ -5,6 +5,7 @@ document, the `session` client's requests."""
 from __future__ import annotations
 
 import base64
+import concurrent.futures
 import datetime
 import json
 import random
@@ -288,13 +289,36 @@ def test_touch_only_refreshes_an_active_session_nobody_holds(tmp_path: Path) -> 
     store = reploy_serve.SessionStore(tmp_path / "s.db")
     store.insert(_record())
     store.insert(_record(id="fedcba9876543210", state=S.IDLE))
-    assert store.touch("0123456789abcdef", now=20)
-    assert store.get("0123456789abcdef").last_access == 20
-    assert not store.touch("fedcba9876543210", now=20)  # idle: the slow path resumes it
+    touched = store.touch("0123456789abcdef", now=20)
+    assert touched == store.get("0123456789abcdef") and touched.last_access == 20  # the row as left
+    assert store.touch("fedcba9876543210", now=20) is None  # idle: the slow path resumes it
     assert store.acquire("0123456789abcdef", "owner", now=21)
-    assert not store.touch("0123456789abcdef", now=22)  # held: wait for the holder
+    assert store.touch("0123456789abcdef", now=22) is None  # held: wait for the holder
     store.release("0123456789abcdef", "owner")
     assert store.touch("0123456789abcdef", now=23)
+
+
+def test_store_lends_each_connection_to_one_thread_at_a_time(tmp_path: Path) -> None:
+    """Many threads at once (each request has its own): every statement sees the truth, no
+    connection is shared mid-statement, and only STORE_IDLE_CONNECTIONS stay open after."""
+    store = reploy_serve.SessionStore(tmp_path / "s.db")
+    store.insert(_record())
+    threads = 4 * reploy_serve.STORE_IDLE_CONNECTIONS
+    start = threading.Barrier(threads)
+
+    def access(n: int) -> float:
+        start.wait()
+        touched = store.touch("0123456789abcdef", now=100 + n)
+        assert touched is not None
+        return touched.last_access
+
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        seen = list(pool.map(access, range(threads)))
+    assert sorted(seen) == [100 + n for n in range(threads)]  # each its own statement's row
+    assert 1 <= len(store._idle) <= reploy_serve.STORE_IDLE_CONNECTIONS
+    store.close()
+    assert store._idle == [] and store.get("0123456789abcdef") is not None  # still usable, unpooled
+    assert store._idle == []
 
 
 def test_exactly_one_of_many_racing_acquirers_wins(tmp_path: Path) -> None:
