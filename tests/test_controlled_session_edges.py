@@ -173,7 +173,10 @@ def test_a_managed_session_runs_exactly_the_agent_with_the_built_runtime(
         info = docker_engine.api.inspect_container(container["Id"])
         # The agent is root in its container and runs the workload as the built runtime user.
         assert_exact_container(info, info["Config"]["Entrypoint"], user="0:0")
-        assert info["Config"]["Entrypoint"][:2] == ["python3", "/opt/reploy/agent.py"]
+        # agent.py imported (from serve's bytecode, when the versions match) under -I -S, then `serve`.
+        assert info["Config"]["Entrypoint"][:6] == [
+            "python3", "-I", "-S", "-c",
+            "import sys; sys.path.insert(0, '/opt/reploy'); import agent; sys.exit(agent.main())", "serve"]
         assert info["Config"]["Entrypoint"][-2:] == ["--runtime-user", "1000:1000"]
     finally:
         server.api.delete_all()
