@@ -230,7 +230,9 @@ class SessionDriver:
                 remaining = deadline - time.monotonic()
                 if self._output_closed or remaining <= 0:
                     tail = bytes(self._output[-400:])
-                    raise SessionFailed(f"terminal output never matched {pattern!r}; "
+                    why = ("the attachment's output ended" if self._output_closed
+                           else f"not within {timeout_s or self.timeout_s:g} s")
+                    raise SessionFailed(f"terminal output never matched {pattern!r} ({why}); "
                                         f"last bytes: {tail!r}")
                 self._output_cond.wait(remaining)
 
