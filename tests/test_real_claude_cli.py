@@ -21,14 +21,15 @@ from typing import Any, Callable
 import pytest
 
 from model_upstream import (
-    FakeMessagesApi, error_answer, held_answer, message_closing, message_opening, pieces_answer,
+    FakeMessagesApi, error_answer, message_closing, message_opening, pieces_answer,
     text_delta,
 )
 from serve_harness import (  # noqa: F401  (fixtures)
     Api, ServeProcess, managed_workload, serve_factory, wait_until,
 )
 from test_serve_model_proxy import (  # noqa: F401  (fixtures)
-    CREDENTIAL, SEARCH, assert_credential_beyond_the_session, model_api, model_session, run,
+    CREDENTIAL, SEARCH, assert_credential_beyond_the_session, held_answer_streams, model_api,
+    model_session, run,
 )
 
 import agent as agent_role
@@ -68,18 +69,7 @@ def test_the_real_cli_streams_an_answer_and_never_holds_the_credential(
         cli_serve: Callable[[str, Path], tuple[ServeProcess, Api, str]], model_api: FakeMessagesApi,
         docker_engine: Any) -> None:
     server, api, sid = cli_serve(model_api.url, model_api.ca)
-    release, finished = threading.Event(), threading.Event()
-    model_api.plan = held_answer("Hello from ", "the fake model", release, finished)
-    try:
-        api.call("POST", f"/sessions/{sid}/message", {"text": "say hello"})
-        api.wait_output(sid, b"Hello from ", timeout_s=120)
-        assert not finished.is_set()  # the first delta reached the log while the rest was held
-        release.set()
-        log = api.wait_output(sid, b"Hello from the fake model")
-    finally:
-        release.set()
-    (path, headers), = model_api.requests
-    assert path == "/v1/messages?beta=true" and headers["x-api-key"] == CREDENTIAL
+    log, headers = held_answer_streams(model_api, api, sid, "say hello", timeout_s=120)
     assert headers["user-agent"].startswith(f"claude-cli/{CLI_VERSION} ")  # the real one asked
     assert "authorization" not in headers and rs.MODEL_PLACEHOLDER not in rs.json.dumps(headers)
 

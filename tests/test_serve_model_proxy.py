@@ -86,6 +86,26 @@ def files_holding(root: Path, needle: bytes) -> list[str]:
     return found
 
 
+def held_answer_streams(model_api: FakeMessagesApi, api: Api, sid: str, prompt: str,
+                        timeout_s: float = 60) -> tuple[bytes, dict[str, str]]:
+    """A prompt whose answer the fake holds after its first delta: that delta reaches the log
+    while the rest is held, then the whole answer does. The log, and the one request's headers
+    (to the Messages API's own path, with the real credential in x-api-key)."""
+    release, finished = threading.Event(), threading.Event()
+    model_api.plan = held_answer("Hello from ", "the fake model", release, finished)
+    try:
+        api.call("POST", f"/sessions/{sid}/message", {"text": prompt})
+        api.wait_output(sid, b"Hello from ", timeout_s=timeout_s)
+        assert not finished.is_set()  # the first delta reached the log while the rest was held
+        release.set()
+        log = api.wait_output(sid, b"Hello from the fake model")
+    finally:
+        release.set()
+    (path, headers), = model_api.requests
+    assert path == "/v1/messages?beta=true" and headers["x-api-key"] == CREDENTIAL
+    return log, headers
+
+
 def assert_credential_beyond_the_session(docker_engine: Any, server: ServeProcess, sid: str,
                                          needle: bytes) -> None:
     """Host side, after what the runtime user could read was searched: the credential is in no
@@ -106,18 +126,7 @@ def test_an_answer_streams_into_the_log_and_the_credential_stays_on_the_host(
         serve_factory: Callable[..., ServeProcess], model_api: FakeMessagesApi, tmp_path: Path,
         docker_engine: Any) -> None:
     server, api, sid = model_session(serve_factory, tmp_path, model_api.url, model_api.ca)
-    release, finished = threading.Event(), threading.Event()
-    model_api.plan = held_answer("Hello from ", "the fake model", release, finished)
-    try:
-        api.call("POST", f"/sessions/{sid}/message", {"text": "model hi"})
-        api.wait_output(sid, b"Hello from ")
-        assert not finished.is_set()  # the first delta reached the log while the rest was held
-        release.set()
-        log = api.wait_output(sid, b"Hello from the fake model")
-    finally:
-        release.set()
-    (path, headers), = model_api.requests
-    assert path == "/v1/messages?beta=true" and headers["x-api-key"] == CREDENTIAL
+    log, headers = held_answer_streams(model_api, api, sid, "model hi")
     assert "authorization" not in headers and rs.MODEL_PLACEHOLDER not in json.dumps(headers)
 
     needle = CREDENTIAL.encode()
