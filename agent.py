@@ -465,7 +465,7 @@ class EgressNoteParams:
     decision: EgressDecision
     host: Optional[str]  # None: the proxy could not read the request's host
     port: int
-    reason: Optional[str]  # why it was refused
+    reason: Optional[str]  # why it was refused, or why the proxy ended an allowed one (idle)
     bytes_up: int
     bytes_down: int
 
@@ -5826,12 +5826,22 @@ MAX_RELAYED_CONNECTIONS = 16  #: one more is closed at once; serve bounds its ow
 RELAY_CONNECT_TIMEOUT_S = 5.0
 
 
-def splice(one: socket.socket, other: socket.socket, idle_timeout_s: Optional[float] = None) -> tuple[int, int]:
+@dataclasses.dataclass(frozen=True)
+class Spliced:
+    """What splice copied each way, and whether it stopped because neither side sent a byte for its idle bound (the
+    egress proxy records that in the connection's event)."""
+
+    one_to_other: int
+    other_to_one: int
+    idle: bool = False
+
+
+def splice(one: socket.socket, other: socket.socket, idle_timeout_s: Optional[float] = None) -> Spliced:
     """Copies bytes both ways until both sides have ended theirs, either fails (a reset: the caller closes both), or
-    neither sent a byte for idle_timeout_s; a half-close is passed on. Returns the bytes copied from one to other
-    and from other to one."""
+    neither sent a byte for idle_timeout_s; a half-close is passed on."""
     peers = {one: other, other: one}
     copied = {one: 0, other: 0}
+    idle = False
     with selectors.DefaultSelector() as selector:
         for sock in peers:
             selector.register(sock, selectors.EVENT_READ)
@@ -5839,7 +5849,8 @@ def splice(one: socket.socket, other: socket.socket, idle_timeout_s: Optional[fl
             while selector.get_map():
                 ready = selector.select(idle_timeout_s)
                 if not ready:
-                    break  # idle past the bound
+                    idle = True
+                    break
                 for key, _ in ready:
                     source = key.fileobj
                     assert isinstance(source, socket.socket)
@@ -5853,7 +5864,7 @@ def splice(one: socket.socket, other: socket.socket, idle_timeout_s: Optional[fl
                         peers[source].shutdown(socket.SHUT_WR)
         except OSError:
             pass  # what was copied stands; nothing more can be
-    return copied[one], copied[other]
+    return Spliced(copied[one], copied[other], idle)
 
 
 class ModelRelay:

@@ -4896,7 +4896,8 @@ class ModelProxy:
 # pipe, TLS end to end) or an absolute-form http:// request, forwarded in origin form with
 # `connection: close` (one request per connection; a client's next request opens a new one).
 # serve resolves the name itself, checks every address it got (decide_egress), and connects to
-# the checked address: no second lookup, so a name cannot resolve elsewhere in between.
+# the checked addresses, one after the other until one answers (connect_upstream): no second
+# lookup, so a name cannot resolve elsewhere in between.
 
 EGRESS_RELAY_PORT = 8138  #: in each session's own network namespace, beside MODEL_RELAY_PORT
 DEFAULT_EGRESS_PORT = 443
@@ -4904,7 +4905,8 @@ MAX_EGRESS_ENTRIES = 64  #: --egress-allow entries, and so a session's `egress`
 MAX_EGRESS_HEAD_BYTES = 16 * 1024  #: a proxy request's line and headers
 MAX_EGRESS_CONNECTIONS = 8  #: open per session; one more is answered 429
 EGRESS_CLIENT_TIMEOUT_S = 30.0  #: the sandbox sends its whole request head within this
-EGRESS_CONNECT_TIMEOUT_S = 10.0  #: the name's lookup aside, to the upstream's address
+EGRESS_CONNECT_TIMEOUT_S = 10.0  #: the name's lookup aside, to one of the upstream's addresses
+EGRESS_CONNECT_TOTAL_S = 30.0  #: to all of them, one after the other: three that never answer
 EGRESS_IDLE_TIMEOUT_S = 300.0  #: neither side sent a byte: the pipe is closed
 EGRESS_PROXY_URL = f"http://127.0.0.1:{EGRESS_RELAY_PORT}"
 #: What a session with egress gets in its environment (shell, agent, exec): clients that
@@ -4933,6 +4935,17 @@ EGRESS_REFUSED_RANGES: tuple[tuple[str, ipaddress.IPv4Network | ipaddress.IPv6Ne
         ("reserved", "240.0.0.0/4"), ("IETF protocol assignments", "192.0.0.0/24"),
         ("benchmarking", "198.18.0.0/15"), ("site-local", "fec0::/10")))
 _NAT64_PREFIX = ipaddress.ip_network("64:ff9b::/96")  #: its last 32 bits are an IPv4 address
+
+
+@dataclass(frozen=True)
+class EgressTimeouts:
+    """The proxy's time bounds (the constants above; a test passes small ones to see each one
+    hold)."""
+
+    head_s: float = EGRESS_CLIENT_TIMEOUT_S
+    connect_s: float = EGRESS_CONNECT_TIMEOUT_S
+    connect_total_s: float = EGRESS_CONNECT_TOTAL_S
+    idle_s: float = EGRESS_IDLE_TIMEOUT_S
 
 
 class EgressRefusal(Exception):
@@ -4980,7 +4993,17 @@ class ProxyRequest:
 
 @dataclass(frozen=True)
 class Allowed:
-    address: str  # the checked address to connect to
+    addresses: tuple[str, ...]  # the checked addresses, in the order they are tried
+
+
+@dataclass(frozen=True)
+class ConnectFailure:
+    """One address the proxy tried and did not reach: no answer within bound_s (error None),
+    or connect's error."""
+
+    address: str
+    bound_s: float
+    error: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -5091,16 +5114,32 @@ def refused_range(address: str) -> Optional[str]:
     return None
 
 
+def connect_order(addresses: Sequence[str]) -> tuple[str, ...]:
+    """The order a name's addresses are tried in: each once, IPv6 and IPv4 taking turns, the
+    resolver's first family first (as RFC 8305 has it: a family this host cannot reach costs
+    one attempt at a time, not the whole of EGRESS_CONNECT_TOTAL_S)."""
+    unique = list(dict.fromkeys(addresses))
+    if not unique:
+        return ()
+    first_is_v6 = ":" in unique[0]
+    first = [address for address in unique if (":" in address) == first_is_v6]
+    other = [address for address in unique if (":" in address) != first_is_v6]
+    turns = [first[i:i + 1] + other[i:i + 1] for i in range(max(len(first), len(other)))]
+    return tuple(address for turn in turns for address in turn)
+
+
 def decide_egress(allowed: Sequence[EgressEntry], host: str, port: int,
                   addresses: Sequence[str]) -> Allowed | Refused:
-    """Whether a proxy request to host:port (canonical_host) may go out, given what the name
-    resolved to: only a listed entry; an IP literal entry goes to that very address, whatever
-    its range; a name only when every address it resolved to is outside the refused ranges."""
+    """Whether a proxy request to host:port (canonical_host) may go out, and to which addresses,
+    given what the name resolved to: only a listed entry; an IP literal entry to that very
+    address, whatever its range; a name to every address it resolved to, in connect_order, and
+    only when none of them is in a refused range (a name that mixes the two is trusted with
+    neither, so a refused address is never tried)."""
     entry = EgressEntry(host, port)
     if entry not in allowed:
         return Refused(f"{entry} is not on this session's egress list")
     if entry.is_ip_literal:
-        return Allowed(host)
+        return Allowed((host,))
     if not addresses:
         return Refused(f"{host} does not resolve")
     for address in addresses:
@@ -5108,7 +5147,20 @@ def decide_egress(allowed: Sequence[EgressEntry], host: str, port: int,
         if what is not None:
             return Refused(f"{host} resolves to {address}, a {what} address; list that address "
                            "itself to allow it")
-    return Allowed(addresses[0])
+    return Allowed(connect_order(addresses))
+
+
+def unreached_refusal(entry: EgressEntry, failures: Sequence[ConnectFailure], untried: int,
+                      total_s: float) -> EgressRefusal:
+    """No address of the entry connected: 504 when time ran out for any (one did not answer, or
+    the overall bound left some untried), 502 when each one failed at once; the reason names
+    each address's failure."""
+    timed_out = untried > 0 or any(failure.error is None for failure in failures)
+    parts = [f"{failure.address} did not answer in {failure.bound_s:.3g} s" if failure.error is None
+             else f"{failure.address}: {failure.error}" for failure in failures]
+    if untried:
+        parts.append(f"{untried} more not tried within {total_s:.3g} s in all")
+    return EgressRefusal(504 if timed_out else 502, f"{entry} cannot be reached: {'; '.join(parts)}")
 
 
 def _header_fields(lines: Sequence[str]) -> list[tuple[str, str]]:
@@ -5189,7 +5241,7 @@ class EgressNote:
     decision: agent_role.EgressDecision
     host: str
     port: int
-    reason: str = ""
+    reason: str = ""  # why it was refused, or why the proxy closed an allowed one (idle)
     bytes_up: int = 0  # from the sandbox to the upstream
     bytes_down: int = 0
 
@@ -5220,14 +5272,35 @@ def resolve(host: str, port: int) -> tuple[str, ...]:
     return tuple(dict.fromkeys(str(info[4][0]) for info in infos))
 
 
+def connect_upstream(entry: EgressEntry, addresses: Sequence[str],
+                     timeouts: EgressTimeouts) -> socket.socket:
+    """The first of the checked addresses, tried in order, that connects within the connect
+    bound, all of them within the overall one; when none does, unreached_refusal's 502/504."""
+    deadline = time.monotonic() + timeouts.connect_total_s
+    failures: list[ConnectFailure] = []
+    for address in addresses:
+        bound_s = min(timeouts.connect_s, deadline - time.monotonic())
+        if bound_s <= 0:
+            break
+        try:
+            return socket.create_connection((address, entry.port), bound_s)
+        except TimeoutError:
+            failures.append(ConnectFailure(address, bound_s))
+        except OSError as e:
+            failures.append(ConnectFailure(address, bound_s, e.strerror or type(e).__name__))
+    raise unreached_refusal(entry, failures, len(addresses) - len(failures), timeouts.connect_total_s)
+
+
 class EgressProxy:
     """The host side: DIR/agent/egress.sock of each session with egress (see the section's
     head). `note` records each connection's EgressNote in the session's events."""
 
     def __init__(self, note: Callable[[str, EgressNote], None],
-                 resolver: Callable[[str, int], tuple[str, ...]] = resolve) -> None:
+                 resolver: Callable[[str, int], tuple[str, ...]] = resolve,
+                 timeouts: EgressTimeouts = EgressTimeouts()) -> None:
         self._note = note
         self._resolve = resolver
+        self._timeouts = timeouts
         self._sockets = SessionSockets(agent_role.EGRESS_SOCKET_NAME, MAX_EGRESS_CONNECTIONS, "egress")
 
     def listen(self, session_id: str, agent_dir: Path, allowed: tuple[EgressEntry, ...]) -> None:
@@ -5249,7 +5322,7 @@ class EgressProxy:
         request: Optional[ProxyRequest] = None
         try:
             with conn:
-                conn.settimeout(EGRESS_CLIENT_TIMEOUT_S)
+                conn.settimeout(self._timeouts.head_s)
                 try:
                     request, rest = read_proxy_head(conn)
                     if not admitted:
@@ -5262,7 +5335,7 @@ class EgressProxy:
                     decision = decide_egress(allowed, entry.host, entry.port, addresses)
                     if isinstance(decision, Refused):
                         raise EgressRefusal(403, decision.reason)
-                    note = self._pipe(conn, request, decision.address, rest)
+                    note = self._pipe(conn, request, decision.addresses, rest)
                 except EgressRefusal as e:
                     note = EgressNote(agent_role.EgressDecision.REFUSED, request.host if request else "",
                                       request.port if request else 0, e.reason)
@@ -5275,17 +5348,11 @@ class EgressProxy:
             if admitted:
                 slots.release()
 
-    @staticmethod
-    def _pipe(conn: socket.socket, request: ProxyRequest, address: str, rest: bytes) -> EgressNote:
-        """Connects to the checked address (502/504 when it cannot) and pipes both ways."""
-        try:
-            upstream = socket.create_connection((address, request.port), EGRESS_CONNECT_TIMEOUT_S)
-        except TimeoutError:
-            raise EgressRefusal(504, f"{request.host}:{request.port} did not answer in "
-                                f"{EGRESS_CONNECT_TIMEOUT_S:.0f} s") from None
-        except OSError as e:
-            raise EgressRefusal(502, f"{request.host}:{request.port} cannot be reached: "
-                                f"{e.strerror or type(e).__name__}") from None
+    def _pipe(self, conn: socket.socket, request: ProxyRequest, addresses: tuple[str, ...],
+              rest: bytes) -> EgressNote:
+        """Connects to one of the checked addresses (502/504 when none answers) and pipes both
+        ways; a pipe idle past its bound is closed, and its note says so."""
+        upstream = connect_upstream(EgressEntry(request.host, request.port), addresses, self._timeouts)
         with upstream:
             if request.kind is ProxyKind.CONNECT:
                 conn.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
@@ -5295,14 +5362,17 @@ class EgressProxy:
             upstream.sendall(first)
             conn.settimeout(None)
             upstream.settimeout(None)
-            up, down = agent_role.splice(conn, upstream, EGRESS_IDLE_TIMEOUT_S)
-        return EgressNote(agent_role.EgressDecision.ALLOWED, request.host, request.port,
-                          bytes_up=up + len(rest), bytes_down=down)
+            spliced = agent_role.splice(conn, upstream, self._timeouts.idle_s)
+        idle = (f"closed after {self._timeouts.idle_s:.3g} s in which neither side sent a byte"
+                if spliced.idle else "")
+        return EgressNote(agent_role.EgressDecision.ALLOWED, request.host, request.port, reason=idle,
+                          bytes_up=spliced.one_to_other + len(rest), bytes_down=spliced.other_to_one)
 
     def _record(self, session_id: str, note: EgressNote) -> None:
+        counts = (f" ({note.bytes_up} bytes up, {note.bytes_down} down)"
+                  if note.decision is agent_role.EgressDecision.ALLOWED else "")
         log(f"serve: session {session_id}: egress {note.decision.value} {note.host}:{note.port}"
-            + (f": {note.reason}" if note.reason else f" ({note.bytes_up} bytes up, "
-               f"{note.bytes_down} down)"))
+            + counts + (f": {note.reason}" if note.reason else ""))
         self._note(session_id, note)
 
 

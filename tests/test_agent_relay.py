@@ -69,7 +69,7 @@ def test_a_flood_crosses_both_ways_intact_and_is_counted(tcp_pair: tuple[socket.
         for thread, _ in senders:
             thread.join(WAIT_S)
     assert received_by_proxy == [up]
-    assert counts == [(len(up), len(down))]
+    assert counts == [agent.Spliced(len(up), len(down))]
 
 
 def test_a_half_close_is_passed_on_and_the_answer_still_comes_back(
@@ -85,7 +85,7 @@ def test_a_half_close_is_passed_on_and_the_answer_still_comes_back(
         proxy.close()
         assert read_all(client) == b"answer"
         relay.join(WAIT_S)
-    assert counts == [(len(b"request"), len(b"answer"))]
+    assert counts == [agent.Spliced(len(b"request"), len(b"answer"))]
 
 
 def test_a_slow_reader_behind_a_socket_with_a_timeout_gets_every_byte(
@@ -104,7 +104,7 @@ def test_a_slow_reader_behind_a_socket_with_a_timeout_gets_every_byte(
         assert read_all(client, piece=4096) == down
         relay.join(WAIT_S)
         sender.join(WAIT_S)
-    assert counts == [(0, len(down))]
+    assert counts == [agent.Spliced(0, len(down))]
 
 
 def test_a_relay_idle_past_its_bound_ends(tcp_pair: tuple[socket.socket, socket.socket]) -> None:
@@ -113,7 +113,7 @@ def test_a_relay_idle_past_its_bound_ends(tcp_pair: tuple[socket.socket, socket.
     with relay_unix, proxy:
         relay, counts = in_thread(lambda: agent.splice(relay_tcp, relay_unix, idle_timeout_s=0.2))
         relay.join(WAIT_S)
-    assert counts == [(0, 0)]  # neither side sent a byte: it ended on its own
+    assert counts == [agent.Spliced(0, 0, idle=True)]  # neither side sent a byte: it ended on its own
 
 
 def test_the_model_relay_carries_a_whole_answer_from_the_unix_socket_to_loopback(tmp_path: Path) -> None:

@@ -5,6 +5,8 @@ listeners of the test's own on 127.0.0.1."""
 
 from __future__ import annotations
 
+import contextlib
+import enum
 import json
 import socket
 import subprocess
@@ -162,13 +164,14 @@ def test_every_refused_range_is_refused_for_a_name_and_named(address: str, what:
 def test_a_public_address_of_a_listed_name_is_allowed(address: str) -> None:
     assert rs.refused_range(address) is None
     allowed = rs.parse_egress_allow(["api.example:8443"])
-    assert rs.decide_egress(allowed, "api.example", 8443, [address, "1.0.0.1"]) == rs.Allowed(address)
+    assert rs.decide_egress(allowed, "api.example", 8443, [address, "1.0.0.1"]) == rs.Allowed(
+        (address, "1.0.0.1"))
 
 
 @pytest.mark.parametrize("address", sorted(REFUSED_ADDRESSES))
 def test_an_ip_literal_entry_allows_exactly_that_address_whatever_its_range(address: str) -> None:
     entry = rs.parse_egress_entry(f"[{address}]:8080" if ":" in address else f"{address}:8080")
-    assert rs.decide_egress((entry,), entry.host, 8080, ()) == rs.Allowed(entry.host)
+    assert rs.decide_egress((entry,), entry.host, 8080, ()) == rs.Allowed((entry.host,))
     assert isinstance(rs.decide_egress((entry,), entry.host, 8081, ()), rs.Refused)
 
 
@@ -180,6 +183,43 @@ def test_only_listed_names_and_ports_go_out_and_a_name_that_resolves_to_nothing_
     assert isinstance(rs.decide_egress(allowed, "127.0.0.2", 9, ()), rs.Refused)
     assert rs.decide_egress(allowed, "api.example", 443, ()) == rs.Refused("api.example does not resolve")
     assert isinstance(rs.decide_egress((), "api.example", 443, ["93.184.216.34"]), rs.Refused)
+
+
+def test_every_address_of_a_name_is_tried_once_the_families_taking_turns() -> None:
+    allowed = rs.parse_egress_allow(["api.example"])
+    resolved = ["2001:db8::1", "2001:db8::2", "192.0.2.1", "2001:db8::3", "192.0.2.2", "192.0.2.1"]
+    assert rs.decide_egress(allowed, "api.example", 443, resolved) == rs.Allowed(
+        ("2001:db8::1", "192.0.2.1", "2001:db8::2", "192.0.2.2", "2001:db8::3"))
+    assert rs.connect_order(["192.0.2.1", "192.0.2.2", "2001:db8::1"]) == (
+        "192.0.2.1", "2001:db8::1", "192.0.2.2")  # the resolver's first family goes first
+    assert rs.connect_order(["192.0.2.2", "192.0.2.1"]) == ("192.0.2.2", "192.0.2.1")
+    assert rs.connect_order([]) == ()
+
+
+@given(st.lists(st.ip_addresses().map(str), max_size=12))
+def test_the_order_keeps_each_address_once_and_each_familys_own_order(addresses: list[str]) -> None:
+    order = rs.connect_order(addresses)
+    assert sorted(order) == sorted(set(addresses))
+    for is_v6 in (False, True):
+        family = [address for address in dict.fromkeys(addresses) if (":" in address) == is_v6]
+        assert [address for address in order if (":" in address) == is_v6] == family
+    assert not order or order[0] == addresses[0]
+
+
+def test_no_address_reached_is_502_when_each_failed_at_once_and_504_when_time_ran_out() -> None:
+    entry = rs.parse_egress_entry("api.example")
+    refused = rs.ConnectFailure("192.0.2.1", 10.0, "Connection refused")
+    silent = rs.ConnectFailure("2001:db8::1", 2.5)
+    at_once = rs.unreached_refusal(entry, [refused, refused], 0, 30.0)
+    assert (at_once.status, at_once.reason) == (502, "api.example:443 cannot be reached: "
+                                                "192.0.2.1: Connection refused; 192.0.2.1: Connection refused")
+    one_silent = rs.unreached_refusal(entry, [silent, refused], 0, 30.0)
+    assert (one_silent.status, one_silent.reason) == (504, "api.example:443 cannot be reached: "
+                                                      "2001:db8::1 did not answer in 2.5 s; 192.0.2.1: "
+                                                      "Connection refused")
+    untried = rs.unreached_refusal(entry, [refused], 2, 30.0)
+    assert (untried.status, untried.reason) == (504, "api.example:443 cannot be reached: 192.0.2.1: "
+                                                "Connection refused; 2 more not tried within 30 s in all")
 
 
 # -- the proxy request parser ----------------------------------------------------------------
@@ -352,9 +392,10 @@ class Notes:
 
 
 def proxy_for(tmp_path: Path, allow: list[str], resolved: dict[str, tuple[str, ...]],
-              looked_up: Optional[list[str]] = None) -> tuple[rs.EgressProxy, Notes, Path]:
+              looked_up: Optional[list[str]] = None,
+              timeouts: rs.EgressTimeouts = rs.EgressTimeouts()) -> tuple[rs.EgressProxy, Notes, Path]:
     """A proxy on tmp_path/agent/egress.sock whose resolver answers from `resolved` (and
-    records each name it was asked in looked_up)."""
+    records each name it was asked in looked_up), with the given time bounds."""
     notes = Notes()
     agent_dir = tmp_path / "agent"
     agent_dir.mkdir(mode=0o700)
@@ -363,9 +404,16 @@ def proxy_for(tmp_path: Path, allow: list[str], resolved: dict[str, tuple[str, .
         if looked_up is not None:
             looked_up.append(host)
         return resolved.get(host, ())
-    proxy = rs.EgressProxy(notes, resolver)
+    proxy = rs.EgressProxy(notes, resolver, timeouts)
     proxy.listen("s1", agent_dir, rs.parse_egress_allow(allow))
     return proxy, notes, agent_dir / agent.EGRESS_SOCKET_NAME
+
+
+def read_to_end(sock: socket.socket) -> bytes:
+    answer = b""
+    while chunk := sock.recv(65536):
+        answer += chunk
+    return answer
 
 
 def exchange(sock_path: Path, data: bytes) -> bytes:
@@ -374,10 +422,7 @@ def exchange(sock_path: Path, data: bytes) -> bytes:
         sock.connect(str(sock_path))
         sock.sendall(data)
         sock.shutdown(socket.SHUT_WR)
-        answer = b""
-        while chunk := sock.recv(65536):
-            answer += chunk
-    return answer
+        return read_to_end(sock)
 
 
 def test_a_listed_literal_is_reached_by_connect_and_by_absolute_form_and_noted(
@@ -452,3 +497,140 @@ def test_connections_past_the_per_session_bound_are_429(tmp_path: Path, listener
         proxy.close()
     assert [n.decision for n in notes.wait(rs.MAX_EGRESS_CONNECTIONS + 1)].count(
         agent.EgressDecision.REFUSED) == 1
+
+
+# -- the time bounds, and every address tried --------------------------------------------------
+
+
+class Behaviour(enum.Enum):
+    """What an upstream address of the test's own does with a connect."""
+
+    ACCEPTS = "accepts"  # a listener (the test accepts or not, as it needs)
+    HANGS = "hangs"  # a listener whose accept backlog is full: the kernel drops the SYN, connect waits
+    REFUSES = "refuses"  # bound but not listening: connect is refused at once
+
+
+@contextlib.contextmanager
+def upstreams(*behaviours: Behaviour) -> Iterator[tuple[int, list[socket.socket]]]:
+    """127.0.0.2, 127.0.0.3, ... (one for each behaviour) on one port, as a name's addresses
+    share one: the port and each address's socket."""
+    held: list[socket.socket] = []
+    own: list[socket.socket] = []
+    port = 0
+    try:
+        for index, behaviour in enumerate(behaviours):
+            address = f"127.0.0.{index + 2}"
+            sock = socket.socket()
+            held.append(sock)
+            own.append(sock)
+            sock.bind((address, port))
+            port = sock.getsockname()[1]
+            if behaviour is Behaviour.HANGS:
+                sock.listen(0)  # one connection fills it, never accepted
+                held.append(socket.create_connection((address, port), timeout=60))
+            elif behaviour is Behaviour.ACCEPTS:
+                sock.listen(8)
+        yield port, own
+    finally:
+        for sock in held:
+            sock.close()
+
+
+def nothing_waits(listener: socket.socket) -> bool:
+    """No connection came to the listener (none is in its accept queue)."""
+    listener.setblocking(False)
+    try:
+        listener.accept()[0].close()
+    except BlockingIOError:
+        return True
+    return False
+
+
+class Silent:
+    """Accepts one connection and never answers: keeps what it was sent, and sets `ended` when
+    its peer ended the connection (not on a reset, nor on its own timeout)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.received = b""
+        self.ended = threading.Event()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        conn, _ = self.sock.accept()
+        with conn:
+            conn.settimeout(60)
+            self.received = read_to_end(conn)
+            self.ended.set()
+
+
+def test_an_upstream_that_never_answers_the_connect_is_a_504_after_the_bound_and_noted(
+        tmp_path: Path) -> None:
+    with upstreams(Behaviour.HANGS) as (port, _):
+        proxy, notes, path = proxy_for(tmp_path, [f"127.0.0.2:{port}"], {},
+                                       timeouts=rs.EgressTimeouts(connect_s=0.3))
+        try:
+            answer = exchange(path, f"GET http://127.0.0.2:{port}/ HTTP/1.1\r\n\r\n".encode())
+        finally:
+            proxy.close()
+    reason = f"127.0.0.2:{port} cannot be reached: 127.0.0.2 did not answer in 0.3 s"
+    assert answer.startswith(b"HTTP/1.1 504 Gateway Timeout\r\n")
+    assert answer.endswith(f"\r\n\r\nreploy egress proxy: {reason}\n".encode())
+    assert notes.wait(1) == [rs.EgressNote(agent.EgressDecision.REFUSED, "127.0.0.2", port, reason)]
+
+
+def test_a_tunnel_idle_past_its_bound_is_closed_on_both_sides_and_noted(tmp_path: Path) -> None:
+    """The client never ends its side and the upstream never answers: the proxy ends both."""
+    with upstreams(Behaviour.ACCEPTS) as (port, (listener,)):
+        upstream = Silent(listener)
+        proxy, notes, path = proxy_for(tmp_path, [f"127.0.0.2:{port}"], {},
+                                       timeouts=rs.EgressTimeouts(idle_s=0.3))
+        try:
+            with socket.socket(socket.AF_UNIX) as client:
+                client.settimeout(60)
+                client.connect(str(path))
+                client.sendall(f"CONNECT 127.0.0.2:{port} HTTP/1.1\r\n\r\nping".encode())
+                answer = read_to_end(client)
+            assert upstream.ended.wait(60)
+        finally:
+            proxy.close()
+    assert answer == b"HTTP/1.1 200 Connection established\r\n\r\n"
+    assert upstream.received == b"ping"
+    assert notes.wait(1) == [rs.EgressNote(
+        agent.EgressDecision.ALLOWED, "127.0.0.2", port,
+        "closed after 0.3 s in which neither side sent a byte", bytes_up=4, bytes_down=0)]
+
+
+def test_the_addresses_are_tried_in_order_past_one_that_hangs_and_one_that_refuses() -> None:
+    with upstreams(Behaviour.HANGS, Behaviour.REFUSES, Behaviour.ACCEPTS, Behaviour.ACCEPTS) \
+            as (port, (_, _, third, fourth)):
+        addresses = ("127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5")
+        with rs.connect_upstream(rs.EgressEntry("api.example", port), addresses,
+                                 rs.EgressTimeouts(connect_s=0.3)) as upstream:
+            assert upstream.getpeername() == ("127.0.0.4", port)
+        assert not nothing_waits(third) and nothing_waits(fourth)
+
+
+def test_none_reached_is_refused_with_each_addresss_failure_in_order() -> None:
+    with upstreams(Behaviour.HANGS, Behaviour.REFUSES) as (port, _):
+        with pytest.raises(rs.EgressRefusal) as refused:
+            rs.connect_upstream(rs.EgressEntry("api.example", port), ("127.0.0.2", "127.0.0.3"),
+                                rs.EgressTimeouts(connect_s=0.3))
+    assert (refused.value.status, refused.value.reason) == (
+        504, f"api.example:{port} cannot be reached: 127.0.0.2 did not answer in 0.3 s; "
+             "127.0.0.3: Connection refused")
+
+
+def test_the_overall_bound_leaves_the_rest_untried() -> None:
+    """Each attempt has the connect bound, cut to what is left of the overall one; when that
+    is spent, the addresses left are not tried (the one that would answer never sees a SYN)."""
+    with upstreams(Behaviour.HANGS, Behaviour.HANGS, Behaviour.ACCEPTS) as (port, (_, _, last)):
+        with pytest.raises(rs.EgressRefusal) as refused:
+            rs.connect_upstream(rs.EgressEntry("api.example", port),
+                                ("127.0.0.2", "127.0.0.3", "127.0.0.4"),
+                                rs.EgressTimeouts(connect_s=0.4, connect_total_s=0.6))
+        assert nothing_waits(last)
+    assert refused.value.status == 504
+    assert refused.value.reason.startswith(
+        f"api.example:{port} cannot be reached: 127.0.0.2 did not answer in 0.4 s; ")
+    assert refused.value.reason.endswith(" more not tried within 0.6 s in all")
