@@ -5248,14 +5248,24 @@ class EgressNote:
 
 # -- the proxy's I/O: per-session sockets on the host, one thread per connection ------------
 
-def read_proxy_head(conn: socket.socket) -> tuple[ProxyRequest, bytes]:
-    """The head from the relay, bounded in size (EgressRefusal) and time (OSError), and what
-    came after it (the start of a body, or of a TLS handshake)."""
+def read_proxy_head(conn: socket.socket, timeout_s: float) -> tuple[ProxyRequest, bytes]:
+    """The head from the relay, bounded in size (431) and in time, the whole head within
+    timeout_s (408: a client that trickles its bytes holds a connection no longer than one that
+    sends none), and what came after it (the start of a body, or of a TLS handshake)."""
+    deadline = time.monotonic() + timeout_s
     data = b""
     while b"\r\n\r\n" not in data:
         if len(data) > MAX_EGRESS_HEAD_BYTES:
             raise EgressRefusal(431, f"the request head is over {MAX_EGRESS_HEAD_BYTES} bytes")
-        chunk = conn.recv(agent_role.RECV_BYTES)
+        remaining_s = deadline - time.monotonic()
+        try:
+            if remaining_s <= 0:
+                raise TimeoutError
+            conn.settimeout(remaining_s)
+            chunk = conn.recv(agent_role.RECV_BYTES)
+        except TimeoutError:
+            raise EgressRefusal(408, f"the request head did not come whole within {timeout_s:.3g} s") \
+                from None
         if not chunk:
             raise ConnectionError("the client left before its request head was whole")
         data += chunk
@@ -5322,9 +5332,8 @@ class EgressProxy:
         request: Optional[ProxyRequest] = None
         try:
             with conn:
-                conn.settimeout(self._timeouts.head_s)
                 try:
-                    request, rest = read_proxy_head(conn)
+                    request, rest = read_proxy_head(conn, self._timeouts.head_s)
                     if not admitted:
                         raise EgressRefusal(429, f"this session has {MAX_EGRESS_CONNECTIONS} "
                                             "egress connections open")

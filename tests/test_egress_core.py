@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import json
+import select
 import socket
 import subprocess
 import sys
@@ -599,6 +600,27 @@ def test_a_tunnel_idle_past_its_bound_is_closed_on_both_sides_and_noted(tmp_path
     assert notes.wait(1) == [rs.EgressNote(
         agent.EgressDecision.ALLOWED, "127.0.0.2", port,
         "closed after 0.3 s in which neither side sent a byte", bytes_up=4, bytes_down=0)]
+
+
+def test_a_head_that_trickles_in_past_its_bound_is_a_408_and_noted(tmp_path: Path) -> None:
+    """The bound is on the whole head, not on each read: this client never waits a whole bound
+    between two bytes, and is still cut off."""
+    proxy, notes, path = proxy_for(tmp_path, ["api.example"], {}, timeouts=rs.EgressTimeouts(head_s=0.5))
+    reason = "the request head did not come whole within 0.5 s"
+    try:
+        with socket.socket(socket.AF_UNIX) as client:
+            client.settimeout(60)
+            client.connect(str(path))
+            client.sendall(b"GET http://api.example/ HTTP/1.1\r\nx: ")
+            for _ in range(400):  # a byte every 50 ms until the proxy answers, for 20 s at most
+                if select.select([client], [], [], 0.05)[0]:
+                    break
+                client.sendall(b"a")
+            answer = read_to_end(client)
+    finally:
+        proxy.close()
+    assert answer.startswith(b"HTTP/1.1 408 ") and answer.endswith(f"reploy egress proxy: {reason}\n".encode())
+    assert notes.wait(1) == [rs.EgressNote(agent.EgressDecision.REFUSED, "", 0, reason)]
 
 
 def test_the_addresses_are_tried_in_order_past_one_that_hangs_and_one_that_refuses() -> None:
