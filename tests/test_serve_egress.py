@@ -175,6 +175,24 @@ def test_a_session_reaches_only_its_listed_hosts_and_each_decision_is_an_event(
                       "itself to allow it")]
 
 
+def test_a_listed_host_that_never_answers_is_a_504_after_the_connect_bound(
+        serve_factory: Callable[..., ServeProcess], listen_host: str) -> None:
+    """serve's own bound, in a real session: the listener's accept backlog is full (one
+    connection never accepted), so the kernel drops the proxy's SYN and its connect waits."""
+    with socket.create_server((listen_host, 0), backlog=0) as full:
+        port = full.getsockname()[1]
+        with socket.create_connection((listen_host, port), timeout=60):
+            server = serve_factory("--egress-allow", f"{listen_host}:{port}")
+            sid = server.api.create("silent", egress=[f"{listen_host}:{port}"])["id"]
+            answer = probe(server.api, sid, "absolute", listen_host, port)
+    reason = (f"{listen_host}:{port} cannot be reached: {listen_host} did not answer in "
+              f"{rs.EGRESS_CONNECT_TIMEOUT_S:.3g} s")
+    assert answer == f"504 reploy egress proxy: {reason}"
+    events = wait_until(lambda: egress_events(server, sid) or None, "the egress event")
+    assert [(e["decision"], e["host"], e["port"], e["reason"]) for e in events] == [
+        ("refused", listen_host, port, reason)]
+
+
 def test_a_session_without_egress_has_no_proxy(
         serve_factory: Callable[..., ServeProcess], listen_host: str,
         listeners: tuple[Listener, Listener], tmp_path: Path) -> None:
