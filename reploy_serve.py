@@ -5254,21 +5254,24 @@ def read_proxy_head(conn: socket.socket, timeout_s: float) -> tuple[ProxyRequest
     sends none), and what came after it (the start of a body, or of a TLS handshake)."""
     deadline = time.monotonic() + timeout_s
     data = b""
-    while b"\r\n\r\n" not in data:
-        if len(data) > MAX_EGRESS_HEAD_BYTES:
-            raise EgressRefusal(431, f"the request head is over {MAX_EGRESS_HEAD_BYTES} bytes")
-        remaining_s = deadline - time.monotonic()
-        try:
-            if remaining_s <= 0:
-                raise TimeoutError
-            conn.settimeout(remaining_s)
-            chunk = conn.recv(agent_role.RECV_BYTES)
-        except TimeoutError:
-            raise EgressRefusal(408, f"the request head did not come whole within {timeout_s:.3g} s") \
-                from None
-        if not chunk:
-            raise ConnectionError("the client left before its request head was whole")
-        data += chunk
+    try:
+        while b"\r\n\r\n" not in data:
+            if len(data) > MAX_EGRESS_HEAD_BYTES:
+                raise EgressRefusal(431, f"the request head is over {MAX_EGRESS_HEAD_BYTES} bytes")
+            remaining_s = deadline - time.monotonic()
+            try:
+                if remaining_s <= 0:
+                    raise TimeoutError
+                conn.settimeout(remaining_s)
+                chunk = conn.recv(agent_role.RECV_BYTES)
+            except TimeoutError:
+                raise EgressRefusal(408, "the request head did not come whole within "
+                                    f"{timeout_s:.3g} s") from None
+            if not chunk:
+                raise ConnectionError("the client left before its request head was whole")
+            data += chunk
+    finally:
+        conn.settimeout(timeout_s)  # the proxy's answer gets a whole bound, not what is left
     head, _, rest = data.partition(b"\r\n\r\n")
     return parse_proxy_head(head), rest
 
