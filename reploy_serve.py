@@ -59,6 +59,7 @@ import hmac
 import http.client
 import http.server
 import importlib.util
+import io
 import ipaddress
 import json
 import math
@@ -80,7 +81,7 @@ import time
 import urllib.parse
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Generator, Iterable, Iterator, Optional, Sequence
+from typing import Any, Callable, Generator, Iterable, Iterator, Optional, Sequence, cast
 
 import psutil
 
@@ -4321,7 +4322,10 @@ MODEL_CLIENT_TIMEOUT_S = 30.0  #: the sandbox sends its whole request within thi
 MODEL_CONNECT_TIMEOUT_S = 15.0  #: to the upstream, TLS included
 MODEL_IDLE_TIMEOUT_S = 300.0  #: the upstream's silence between two reads
 MODEL_RESPONSE_TIMEOUT_S = 1800.0  #: one whole response
-MODEL_READ_BYTES = 64 * 1024
+MODEL_READ_BYTES = 64 * 1024  #: one read of a request from the relay
+#: One read of the upstream: what has arrived of the answer, decrypted, up to this; a read never
+#: waits for more than some, so a slow answer still goes out delta by delta (BatchedTLSSocket).
+MODEL_BATCH_BYTES = 256 * 1024
 MODEL_POOL_SIZE = 4  #: idle upstream connections kept open, per serve (it has one upstream)
 MODEL_POOL_IDLE_S = 20.0  #: an idle upstream connection is closed after this
 _REDACTED_BYTES = agent_role.REDACTED.encode()
@@ -4595,13 +4599,143 @@ class IdleUpstreams:
         self.close_expired(math.inf)
 
 
+# -- the upstream's TLS, read in batches ----------------------------------------------------
+
+class BatchedTLSSocket:
+    """The client end of a TLS connection, as much of a socket as http.client uses (sendall,
+    makefile, timeouts, close), over ssl.MemoryBIO. ssl.SSLSocket makes two system calls per
+    TLS record (at most 16 KiB: OpenSSL reads its header, then its body), and http.client then
+    hands on one record per read; here one read of the socket takes up to MODEL_BATCH_BYTES and
+    a read returns every record that has arrived, so the proxy redacts and forwards a 32 MiB
+    answer in about 130 passes, not 2,000. The certificate and name are checked as by
+    wrap_socket (the same context, server_hostname). Timeouts are the TCP socket's."""
+
+    def __init__(self, raw: socket.socket, context: ssl.SSLContext, hostname: str) -> None:
+        self._raw = raw
+        self._incoming, self._outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+        self._tls = context.wrap_bio(self._incoming, self._outgoing, server_hostname=hostname)
+        self._arrived = bytearray(MODEL_BATCH_BYTES)
+        self._files = 0  # open makefile()s: the TCP socket closes once they and we are closed
+        self._closed = False
+        while True:
+            try:
+                self._tls.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                self._send_pending()
+                if not self._receive():
+                    raise ConnectionResetError("the upstream closed the connection in the TLS handshake") from None
+        self._send_pending()
+
+    def _send_pending(self) -> None:
+        if self._outgoing.pending:
+            self._raw.sendall(self._outgoing.read())
+
+    def _receive(self) -> bool:
+        """One read of the TCP socket into the TLS object (waiting, within the timeout);
+        False at its end."""
+        got = self._raw.recv_into(self._arrived)
+        if not got:
+            self._incoming.write_eof()
+            return False
+        self._incoming.write(memoryview(self._arrived)[:got])
+        return True
+
+    def sendall(self, data: bytes) -> None:
+        self._tls.write(data)  # into the memory BIO: whole, at once
+        self._send_pending()
+
+    def recv_into(self, buffer: Any, nbytes: int = 0) -> int:
+        """What has arrived, decrypted, up to the buffer's size; waits only while none has.
+        0 at the end (a TLS close, or an end without one: as SSLSocket's suppress_ragged_eofs)."""
+        view = memoryview(buffer).cast("B")[:nbytes or None]
+        filled = 0
+        while filled < len(view):
+            try:
+                got = cast(int, self._tls.read(len(view) - filled, view[filled:]))  # into a buffer: a count
+            except ssl.SSLWantReadError:
+                self._send_pending()  # what reading made the TLS object answer (a key update)
+                if filled or self._incoming.eof:
+                    break  # what has arrived goes out now; or the end, after all it held
+                self._receive()
+                continue
+            except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
+                break
+            if not got:
+                break
+            filled += got
+        return filled
+
+    def makefile(self, mode: str = "rb", buffering: Optional[int] = None) -> io.BufferedReader:
+        assert mode == "rb", mode  # all http.client asks for
+        self._files += 1
+        return io.BufferedReader(_BatchedTLSReader(self), MODEL_BATCH_BYTES)
+
+    def pending(self) -> int:
+        """Bytes of the upstream's already here: decrypted, or still in the TLS object."""
+        return self._tls.pending() + self._incoming.pending
+
+    def fileno(self) -> int:
+        return self._raw.fileno()
+
+    def settimeout(self, timeout: Optional[float]) -> None:
+        self._raw.settimeout(timeout)
+
+    def gettimeout(self) -> Optional[float]:
+        return self._raw.gettimeout()
+
+    def setsockopt(self, level: int, option: int, value: int) -> None:
+        self._raw.setsockopt(level, option, value)
+
+    def close(self) -> None:
+        self._closed = True
+        if not self._files:
+            self._raw.close()
+
+    def _file_closed(self) -> None:
+        self._files -= 1
+        if self._closed and not self._files:
+            self._raw.close()
+
+
+class _BatchedTLSReader(io.RawIOBase):
+    """makefile()'s raw stream: an answer http.client keeps reading after it let go of the
+    connection (Connection: close) keeps the TCP socket open until it is closed too."""
+
+    def __init__(self, sock: BatchedTLSSocket) -> None:
+        self._sock = sock
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        return self._sock.recv_into(buffer)
+
+    def close(self) -> None:
+        if not self.closed:
+            self._sock._file_closed()
+        super().close()
+
+
+class UpstreamConnection(http.client.HTTPConnection):
+    """http.client to the upstream over BatchedTLSSocket."""
+
+    def __init__(self, host: str, port: int, context: ssl.SSLContext, timeout: float) -> None:
+        super().__init__(host, port, timeout=timeout)
+        self.tls_context = context
+
+    def connect(self) -> None:
+        super().connect()  # TCP, within the timeout, TCP_NODELAY
+        self.sock = BatchedTLSSocket(self.sock, self.tls_context, self.host)
+
+
 # -- the proxy's I/O: per-session sockets on the host, one thread per connection ------------
 
 def idle_intact(connection: http.client.HTTPConnection) -> bool:
     """An idle connection with nothing to read is taken as open: one that is readable holds
     the upstream's close (or bytes no request asked for) and is closed instead."""
     sock = connection.sock
-    if sock is None or (isinstance(sock, ssl.SSLSocket) and sock.pending()):
+    if sock is None or (isinstance(sock, (ssl.SSLSocket, BatchedTLSSocket)) and sock.pending()):
         return False
     return not select.select([sock], [], [], 0)[0]
 
@@ -4831,9 +4965,8 @@ class ModelProxy:
             client.sock.settimeout(MODEL_CONNECT_TIMEOUT_S)  # as a new connection's send is
         while True:
             if client is None:
-                client = http.client.HTTPSConnection(self.upstream.host, self.upstream.port,
-                                                     context=self._tls,
-                                                     timeout=MODEL_CONNECT_TIMEOUT_S)
+                client = UpstreamConnection(self.upstream.host, self.upstream.port, self._tls,
+                                            MODEL_CONNECT_TIMEOUT_S)
             body_sent = False
             try:
                 client.request("POST", target, body=body, headers=headers)
@@ -4856,7 +4989,7 @@ class ModelProxy:
         events = WholeEvents() if sse else None
         while True:
             try:
-                chunk = response.read1(MODEL_READ_BYTES)
+                chunk = response.read1(MODEL_BATCH_BYTES)
             except TimeoutError:
                 failure = f"the model upstream fell silent for {MODEL_IDLE_TIMEOUT_S:.0f} s"
                 break

@@ -51,17 +51,26 @@ Plan = Callable[[http.server.BaseHTTPRequestHandler], None]
 
 
 def start_sse(handler: http.server.BaseHTTPRequestHandler, length: Optional[int] = None,
-              close: bool = False) -> None:
+              close: bool = False, chunked: bool = False) -> None:
     """The answer's head: a body of `length` bytes, after which the connection stays open
-    unless `close` (Connection: close), or without a length: a body the close ends."""
+    unless `close` (Connection: close); `chunked`, a chunked body (kept open too); neither,
+    a body the close ends."""
     handler.send_response(200)
     handler.send_header("content-type", "text/event-stream")
     handler.send_header("request-id", "req_fake")
     if length is not None:
         handler.send_header("content-length", str(length))
-    if length is None or close:
+    if chunked:
+        handler.send_header("transfer-encoding", "chunked")
+    if (length is None and not chunked) or close:
         handler.send_header("connection", "close")
     handler.end_headers()
+
+
+def chunk(data: bytes, extension: bytes = b"") -> bytes:
+    """One chunk of a chunked body as RFC 9112 section 7.1 frames it (b"" is the last one,
+    with no trailer field)."""
+    return b"%x%s\r\n%s\r\n" % (len(data), extension, data) + (b"\r\n" if not data else b"")
 
 
 def message_opening() -> bytes:
@@ -107,10 +116,13 @@ def error_answer(status: int, kind: str, message: str) -> Plan:
     return plan
 
 
-def pieces_answer(pieces: Iterable[tuple[bytes, Optional[threading.Event]]]) -> Plan:
-    """Each piece written on its own, after its event (None: at once)."""
+def pieces_answer(pieces: Iterable[tuple[bytes, Optional[threading.Event]]],
+                  chunked: bool = False) -> Plan:
+    """Each piece written on its own, after its event (None: at once), as the body the close
+    ends or, `chunked`, as a chunked body's wire bytes (chunk() frames them; a test may also
+    send broken ones)."""
     def plan(handler: http.server.BaseHTTPRequestHandler) -> None:
-        start_sse(handler)
+        start_sse(handler, chunked=chunked)
         for data, wait_for in pieces:
             if wait_for is not None:
                 wait_for.wait(HOLD_TIMEOUT_S)

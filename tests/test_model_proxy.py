@@ -5,15 +5,20 @@ socket like a session's DIR/agent/model.sock, forwarded over TLS to a fake Messa
 
 from __future__ import annotations
 
+import fcntl
 import http.client
 import itertools
 import json
+import select
 import socket
+import ssl
+import struct
 import subprocess
 import sys
+import termios
 import threading
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -23,8 +28,9 @@ sys.path.insert(0, str(ROOT))
 
 import agent  # noqa: E402
 import reploy_serve as rs  # noqa: E402
-from model_upstream import (FakeMessagesApi, big_answer, dropped_when_reused, held_answer,  # noqa: E402
-                            pieces_answer, sized_answer, text_delta)
+from model_upstream import (FakeMessagesApi, big_answer, chunk, dropped_when_reused,  # noqa: E402
+                            held_answer, make_ca_and_server_cert, pieces_answer, sized_answer,
+                            text_delta)
 
 CREDENTIAL = "sk-ant-api03-TESTCREDENTIAL-0123456789abcdef"
 
@@ -240,6 +246,69 @@ def test_the_pool_lends_each_connection_once_newest_first_and_closes_expired_and
 
 
 @pytest.fixture
+def tls_listener(tmp_path: Path) -> Iterator[tuple[socket.socket, ssl.SSLContext, ssl.SSLContext]]:
+    """(a listener on 127.0.0.1, its server context, a client context trusting the test's CA)."""
+    ca, cert, key = make_ca_and_server_cert(tmp_path)
+    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server.load_cert_chain(cert, key)
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        yield listener, server, ssl.create_default_context(cafile=str(ca))
+
+
+def tls_peer(listener: socket.socket, context: ssl.SSLContext, serve: Callable[[ssl.SSLSocket], None]) -> threading.Thread:
+    def run() -> None:
+        conn, _ = listener.accept()
+        try:
+            with context.wrap_socket(conn, server_side=True) as tls:
+                serve(tls)
+        except (OSError, ssl.SSLError):
+            pass  # the client refused the handshake
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def batched(listener: socket.socket, context: ssl.SSLContext, hostname: str = "127.0.0.1") -> rs.BatchedTLSSocket:
+    return rs.BatchedTLSSocket(socket.create_connection(listener.getsockname(), timeout=30), context, hostname)
+
+
+def test_the_batched_tls_socket_checks_the_certificate_and_its_name(
+        tls_listener: tuple[socket.socket, ssl.SSLContext, ssl.SSLContext]) -> None:
+    listener, server, client = tls_listener
+    tls_peer(listener, server, lambda tls: None)
+    with pytest.raises(ssl.SSLCertVerificationError, match="match"):
+        batched(listener, client, hostname="localhost")  # the certificate is for 127.0.0.1 only
+    tls_peer(listener, server, lambda tls: None)
+    with pytest.raises(ssl.SSLCertVerificationError):
+        batched(listener, ssl.create_default_context())  # the system's roots: not the test's CA
+
+
+def test_one_read_takes_every_record_that_has_arrived_and_a_close_is_an_end(
+        tls_listener: tuple[socket.socket, ssl.SSLContext, ssl.SSLContext]) -> None:
+    """200 KiB sent: once 100 KiB of it is in the client's TCP buffer, one recv_into returns more than one TLS
+    record's 16 KiB (an SSLSocket returns one record a read). The peer's close without a TLS close then reads as
+    the end (0), after every byte."""
+    listener, server, client = tls_listener
+    data = bytes(range(256)) * 800
+    peer = tls_peer(listener, server, lambda tls: (tls.sendall(data), tls.recv(1)))
+    sock = batched(listener, client)
+    while struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0" * 4))[0] < 100 * 1024:
+        select.select([sock.fileno()], [], [], 30)  # more has arrived
+    buffer = bytearray(1024 * 1024)
+    got = sock.recv_into(buffer)
+    assert got > 16 * 1024
+    while got < len(data):
+        got += sock.recv_into(memoryview(buffer)[got:])
+    assert buffer[:got] == data
+    sock.sendall(b"x")  # the peer closes its TCP side, with no TLS close
+    peer.join(30)
+    assert sock.recv_into(buffer) == 0
+    sock.close()
+
+
+
+
+@pytest.fixture
 def upstream(tmp_path: Path) -> Iterator[FakeMessagesApi]:
     (tmp_path / "tls").mkdir()
     with FakeMessagesApi(tmp_path / "tls") as api:
@@ -329,6 +398,47 @@ def test_a_credential_split_across_two_upstream_reads_is_redacted(tmp_path: Path
         second.set()
         proxy.close()
     assert seen == b"data: token=[REDACTED] end\n\n"
+
+
+def test_a_chunked_answer_streams_chunk_by_chunk_and_keeps_its_connection(
+        tmp_path: Path, upstream: FakeMessagesApi) -> None:
+    """The framing real gateways send an SSE answer in: the first chunk reaches the CLI while the
+    rest is held, the chunk framing and the trailer never do, and the connection serves the next
+    request (its end was read exactly)."""
+    release = threading.Event()
+    first, second = text_delta("first"), text_delta("second")
+    upstream.plan = pieces_answer([(chunk(first[:9]) + chunk(first[9:], b";x=1"), None),
+                                   (chunk(second) + b"0\r\nx-end: 1\r\n\r\n", release)], chunked=True)
+    proxy, sock = make_proxy(tmp_path, upstream.url, upstream.ca)
+    try:
+        response = ask(sock)
+        seen = b""
+        while first not in seen:
+            seen += response.read1(65536)
+        release.set()
+        seen += response.read()
+        assert seen == first + second
+        upstream.plan = sized_answer("next")
+        assert text_delta("next") in ask(sock).read()
+    finally:
+        release.set()
+        proxy.close()
+    assert upstream.connections == 1 and len(upstream.requests) == 2
+
+
+def test_a_broken_chunked_answer_ends_with_an_error_event_and_its_connection(
+        tmp_path: Path, upstream: FakeMessagesApi) -> None:
+    upstream.plan = pieces_answer([(chunk(text_delta("whole")) + b"zz\r\ntoo long\r\n", None)], chunked=True)
+    proxy, sock = make_proxy(tmp_path, upstream.url, upstream.ca)
+    try:
+        body = ask(sock).read()
+        upstream.plan = sized_answer("next")
+        assert text_delta("next") in ask(sock).read()
+    finally:
+        proxy.close()
+    assert body.startswith(text_delta("whole")) and b"too long" not in body
+    assert body.endswith(b"\n\n") and b"event: error" in body and b"broke off: IncompleteRead" in body
+    assert upstream.connections == 2  # the broken one was not reused
 
 
 def test_an_answer_over_the_cap_ends_with_an_explicit_error(tmp_path: Path, upstream: FakeMessagesApi) -> None:
