@@ -5038,6 +5038,7 @@ MAX_EGRESS_ENTRIES = 64  #: --egress-allow entries, and so a session's `egress`
 MAX_EGRESS_HEAD_BYTES = 16 * 1024  #: a proxy request's line and headers
 MAX_EGRESS_CONNECTIONS = 8  #: open per session; one more is answered 429
 EGRESS_CLIENT_TIMEOUT_S = 30.0  #: the sandbox sends its whole request head within this
+EGRESS_RESOLVE_TIMEOUT_S = 10.0  #: the listed name's lookup (getaddrinfo has no bound of its own)
 EGRESS_CONNECT_TIMEOUT_S = 10.0  #: the name's lookup aside, to one of the upstream's addresses
 EGRESS_CONNECT_TOTAL_S = 30.0  #: to all of them, one after the other: three that never answer
 EGRESS_IDLE_TIMEOUT_S = 300.0  #: neither side sent a byte: the pipe is closed
@@ -5076,6 +5077,7 @@ class EgressTimeouts:
     hold)."""
 
     head_s: float = EGRESS_CLIENT_TIMEOUT_S
+    resolve_s: float = EGRESS_RESOLVE_TIMEOUT_S
     connect_s: float = EGRESS_CONNECT_TIMEOUT_S
     connect_total_s: float = EGRESS_CONNECT_TOTAL_S
     idle_s: float = EGRESS_IDLE_TIMEOUT_S
@@ -5418,6 +5420,21 @@ def resolve(host: str, port: int) -> tuple[str, ...]:
     return tuple(dict.fromkeys(str(info[4][0]) for info in infos))
 
 
+def resolve_within(resolver: Callable[[str, int], tuple[str, ...]], entry: EgressEntry,
+                   timeout_s: float) -> tuple[str, ...]:
+    """resolver's answer for the entry, or a 504 once timeout_s passed without one. The lookup
+    runs in a thread of its own, which a resolver that hangs keeps until the system's resolver
+    gives up; the connection does not wait for it."""
+    answer: list[tuple[str, ...]] = []
+    lookup = threading.Thread(target=lambda: answer.append(resolver(entry.host, entry.port)),
+                              name="egress-resolve", daemon=True)
+    lookup.start()
+    lookup.join(timeout_s)
+    if lookup.is_alive():
+        raise EgressRefusal(504, f"{entry.host} did not resolve within {timeout_s:.3g} s")
+    return answer[0] if answer else ()  # a resolver that failed: no address, refused as such
+
+
 def connect_upstream(entry: EgressEntry, addresses: Sequence[str],
                      timeouts: EgressTimeouts) -> socket.socket:
     """The first of the checked addresses, tried in order, that connects within the connect
@@ -5475,7 +5492,7 @@ class EgressProxy:
                                             "egress connections open")
                     entry = EgressEntry(request.host, request.port)
                     # Only a listed name is looked up: an unlisted one never reaches a resolver.
-                    addresses = (self._resolve(entry.host, entry.port)
+                    addresses = (resolve_within(self._resolve, entry, self._timeouts.resolve_s)
                                  if entry in allowed and not entry.is_ip_literal else ())
                     decision = decide_egress(allowed, entry.host, entry.port, addresses)
                     if isinstance(decision, Refused):

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -394,18 +394,19 @@ class Notes:
 
 def proxy_for(tmp_path: Path, allow: list[str], resolved: dict[str, tuple[str, ...]],
               looked_up: Optional[list[str]] = None,
-              timeouts: rs.EgressTimeouts = rs.EgressTimeouts()) -> tuple[rs.EgressProxy, Notes, Path]:
+              timeouts: rs.EgressTimeouts = rs.EgressTimeouts(),
+              resolver: Optional[Callable[[str, int], tuple[str, ...]]] = None) -> tuple[rs.EgressProxy, Notes, Path]:
     """A proxy on tmp_path/agent/egress.sock whose resolver answers from `resolved` (and
-    records each name it was asked in looked_up), with the given time bounds."""
+    records each name it was asked in looked_up), or is `resolver`, with the given time bounds."""
     notes = Notes()
     agent_dir = tmp_path / "agent"
     agent_dir.mkdir(mode=0o700)
 
-    def resolver(host: str, port: int) -> tuple[str, ...]:
+    def from_resolved(host: str, port: int) -> tuple[str, ...]:
         if looked_up is not None:
             looked_up.append(host)
         return resolved.get(host, ())
-    proxy = rs.EgressProxy(notes, resolver, timeouts)
+    proxy = rs.EgressProxy(notes, resolver or from_resolved, timeouts)
     proxy.listen("s1", agent_dir, rs.parse_egress_allow(allow))
     return proxy, notes, agent_dir / agent.EGRESS_SOCKET_NAME
 
@@ -621,6 +622,27 @@ def test_a_head_that_trickles_in_past_its_bound_is_a_408_and_noted(tmp_path: Pat
         proxy.close()
     assert answer.startswith(b"HTTP/1.1 408 ") and answer.endswith(f"reploy egress proxy: {reason}\n".encode())
     assert notes.wait(1) == [rs.EgressNote(agent.EgressDecision.REFUSED, "", 0, reason)]
+
+
+def test_a_lookup_that_hangs_is_a_504_within_its_bound_and_noted(tmp_path: Path) -> None:
+    """getaddrinfo has no bound of its own: a resolver that never answers costs the connection the
+    lookup bound, not the system resolver's retries."""
+    released = threading.Event()
+    proxy, notes, path = proxy_for(tmp_path, ["api.example"], {}, timeouts=rs.EgressTimeouts(resolve_s=0.3),
+                                   resolver=lambda host, port: (released.wait(60), ("192.0.2.1",))[1])
+    reason = "api.example did not resolve within 0.3 s"
+    try:
+        answer = exchange(path, b"CONNECT api.example:443 HTTP/1.1\r\nhost: api.example:443\r\n\r\n")
+    finally:
+        released.set()
+        proxy.close()
+    assert answer.startswith(b"HTTP/1.1 504 ") and answer.endswith(f"reploy egress proxy: {reason}\n".encode())
+    assert notes.wait(1) == [rs.EgressNote(agent.EgressDecision.REFUSED, "api.example", 443, reason)]
+
+
+def test_a_lookup_within_its_bound_is_its_resolver_s_answer() -> None:
+    entry = rs.EgressEntry("api.example", 443)
+    assert rs.resolve_within(lambda host, port: (f"{host}:{port}",), entry, 30) == ("api.example:443",)
 
 
 def test_the_addresses_are_tried_in_order_past_one_that_hangs_and_one_that_refuses() -> None:
