@@ -257,6 +257,9 @@ CHILD_REPORT_BYTES = 2 * MAX_WORKER_MESSAGE_CHARS  #: the most read of what a ch
 #: upload's commit only at its end, after extracting up to MAX_TRANSFER_BYTES.
 WORKER_SILENCE_S = 600.0
 WORKER_START_S = 5.0  #: handing a worker's socket to the zygote; a zygote that takes longer is replaced
+#: The zygote ends once no operation has been open for this long (--file-worker-linger): an idle session then holds
+#: no second interpreter (about 10 MiB), and the next operation starts a new one. Well under serve's --idle-after.
+DEFAULT_FILE_WORKER_LINGER_S = 30.0
 MAX_WORKER_JOBS = 32  #: file operations in flight at once; one more is refused with server_unavailable
 MAX_HELD_EVENTS = 1024  #: outbox events a full disk refused, kept to write once it can
 
@@ -618,6 +621,7 @@ class AgentConfig:
     model_relay_port: Optional[int] = None
     #: --egress-relay PORT: relay 127.0.0.1:PORT to serve's egress proxy (the session's HTTP(S)_PROXY)
     egress_relay_port: Optional[int] = None
+    file_worker_linger_s: float = DEFAULT_FILE_WORKER_LINGER_S
 
     @property
     def agent_dir(self) -> Path:
@@ -3356,10 +3360,12 @@ class WorkerStream:
     worker still busy (its next send fails). An operation that never hears a word calls `on_silence` (the zygote
     may be stopped: FileWorkers replaces it)."""
 
-    def __init__(self, sock: socket.socket, op: str, on_silence: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, sock: socket.socket, op: str, on_silence: Callable[[], None] = lambda: None,
+                 on_close: Callable[[], None] = lambda: None) -> None:
         self._sock = sock
         self._op = op
         self._on_silence = on_silence
+        self._on_close = on_close
         self._heard = False
 
     def receive(self, timeout_s: float) -> tuple[WorkerPacket, Optional[int]]:
@@ -3400,7 +3406,9 @@ class WorkerStream:
         return packet.fields, fd
 
     def close(self) -> None:
-        self._sock.close()
+        if self._sock.fileno() >= 0:  # once: the operation is over for FileWorkers' count
+            self._sock.close()
+            self._on_close()
 
     def __enter__(self) -> "WorkerStream":
         return self
@@ -3439,22 +3447,33 @@ class WorkerWalk(Walk):
         self._stream.close()
 
 
+def zygote_linger_left(open_operations: int, last_closed: float, now: float, linger_s: float) -> Optional[float]:
+    """How long the zygote may still idle before it is stopped (0: now), or None while an operation is open: its
+    worker is the zygote's child, and stopping the zygote would kill it."""
+    if open_operations:
+        return None
+    return max(last_closed + linger_s - now, 0.0)
+
+
 class FileWorkers:
     """The runtime user's hands on the workspace and the home (see this section's comment). Thread-safe: background
     jobs call it. The zygote starts with the first operation (a session that never touches its files pays nothing,
-    and a new session's prompt comes sooner); `close()` ends it and every worker it forked."""
+    and a new session's prompt comes sooner) and ends once none has been open for the linger
+    (zygote_linger_left); `close()` ends it and every worker it forked."""
 
     def __init__(self, config: AgentConfig) -> None:
         self._config = config
         self._lock = threading.Lock()
-        self._source_fd = -1  # what the zygote runs, sealed when it first starts (own_code)
+        self._source_fd = -1  # what the zygote runs, sealed at its start (own_code), closed with it: shared memory
         self._zygote: Optional[subprocess.Popen[bytes]] = None
         self._channel: Optional[socket.socket] = None
         self._suspect = False  # an operation heard nothing: the zygote may hang (stopped, traced)
+        self._open = 0  # operations whose WorkerStream is open
+        self._last_closed = 0.0  # time.monotonic() of the last one's close
+        self._stopped = threading.Event()  # the zygote (this generation) is gone: its linger thread ends
 
     def _start_zygote(self) -> None:
-        if self._source_fd < 0:
-            self._source_fd = sealed_copy(own_code(), "agent.py")
+        self._source_fd = sealed_copy(own_code(), "agent.py")
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         become_runtime_user = runtime_switch(self._config)
 
@@ -3470,13 +3489,18 @@ class FileWorkers:
                 start_new_session=True, preexec_fn=prepare)
         except (OSError, subprocess.SubprocessError) as e:
             ours.close()
+            os.close(self._source_fd)
+            self._source_fd = -1
             raise CommandError(f"cannot start the file worker as the runtime user: {e}") from e
         finally:
             theirs.close()
         ours.settimeout(WORKER_START_S)
         self._channel = ours
+        self._stopped = stopped = threading.Event()
+        threading.Thread(target=self._linger, args=(stopped,), name="file-worker-linger", daemon=True).start()
 
     def _stop_zygote(self) -> None:
+        self._stopped.set()
         if self._channel is not None:
             self._channel.close()
             self._channel = None
@@ -3484,6 +3508,27 @@ class FileWorkers:
             signal_session(self._zygote.pid, signal.SIGKILL)  # the zygote and the workers it forked
             self._zygote.wait()
             self._zygote = None
+        if self._source_fd >= 0:
+            os.close(self._source_fd)
+            self._source_fd = -1
+
+    def _linger(self, stopped: threading.Event) -> None:
+        """Stops the zygote once no operation has been open for the linger; ends with it however it ends."""
+        linger_s = self._config.file_worker_linger_s
+        while not stopped.is_set():
+            with self._lock:
+                if stopped.is_set():
+                    return
+                left = zygote_linger_left(self._open, self._last_closed, time.monotonic(), linger_s)
+                if left == 0.0:
+                    self._stop_zygote()
+                    return
+            stopped.wait(linger_s if left is None else left)
+
+    def _closed_one(self) -> None:
+        with self._lock:
+            self._open -= 1
+            self._last_closed = time.monotonic()
 
     def start(self, op: str, fds: Iterable[int] = (), **params: Any) -> WorkerStream:
         """Begins one operation: its request written, its socket handed to the zygote (a new zygote when the last
@@ -3501,6 +3546,7 @@ class FileWorkers:
                             self._start_zygote()
                         assert self._channel is not None
                         _send_packet(self._channel, {}, [theirs.fileno()])
+                        self._open += 1
                         break
                     except OSError as e:
                         self._stop_zygote()
@@ -3511,7 +3557,7 @@ class FileWorkers:
             raise
         finally:
             theirs.close()
-        return WorkerStream(ours, op, self._heard_nothing)
+        return WorkerStream(ours, op, self._heard_nothing, self._closed_one)
 
     def _heard_nothing(self) -> None:
         self._suspect = True
@@ -3520,9 +3566,6 @@ class FileWorkers:
         """Idempotent."""
         with self._lock:
             self._stop_zygote()
-        if self._source_fd >= 0:
-            os.close(self._source_fd)
-            self._source_fd = -1
 
     # ---- the operations, each answer checked
 
@@ -5990,6 +6033,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="relay 127.0.0.1:PORT to DIR/agent/model.sock (serve's credential proxy)")
     serve.add_argument("--egress-relay", type=_positive_int, metavar="PORT",
                        help="relay 127.0.0.1:PORT to DIR/agent/egress.sock (serve's egress proxy)")
+    serve.add_argument("--file-worker-linger", type=_positive_float, default=DEFAULT_FILE_WORKER_LINGER_S,
+                       metavar="SECONDS", help="stop the file workers' zygote once no file operation has been open "
+                                               "this long (default %(default)g)")
     client = commands.add_parser("call", help="send one request to DIR/agent/control.sock; print the JSON response")
     client.add_argument("session_dir", type=Path, metavar="DIR")
     client.add_argument("verb", choices=[method.value for method in Method])
@@ -6010,6 +6056,7 @@ def _config_from(args: argparse.Namespace) -> AgentConfig:
         listen=parse_listen_address(args.listen) if args.listen is not None else None,
         runtime_user=runtime_user_for(args.runtime_user, Identity(os.geteuid(), os.getegid())),
         model_relay_port=args.model_relay, egress_relay_port=args.egress_relay,
+        file_worker_linger_s=args.file_worker_linger,
     )
     if config.log_cap_bytes < MIN_LOG_CAP_BYTES:
         raise UsageError(f"the output log cap must be at least {MIN_LOG_CAP_BYTES} bytes")

@@ -20,8 +20,9 @@ Each line: name, unit, n, p50, p90, p99, baseline, ratio. Figures, not pass/fail
                               floor: a bare `python3 -I -S` paused in the same image and sandbox; each
                               process's threads, CPU time, Pss and anonymous memory go to stderr
   serve_idle_memory_after_a_file_operation  the same once each session served one file operation (its
-                              file workers' zygote started), against the same floor (--only
-                              serve_idle_memory measures it)
+                              file workers' zygote started) and then none for the zygote's linger
+                              (agent.DEFAULT_FILE_WORKER_LINGER_S, waited for until it is gone), against
+                              the same floor (--only serve_idle_memory measures it)
   serve_memory_per_active_session_20  20 shell sessions live at once: each one's container (what docker
                               stats shows) plus serve's RSS growth / 20, MiB, against 20 containers of the
                               same image and sandbox flags running only /bin/sh on a TTY
@@ -533,16 +534,24 @@ def idle_rounds(client: docker.DockerClient, api: Api, state_dir: Path, sessions
     """Each session paused directly (what the reaper does): its container's memory (cgroup
     usage, MiB) and, on stderr, what each of its processes holds; then the time of the access
     that resumes it. (resume seconds, MiB) per session. With `file_operation`, each session
-    first serves one (a stat of a missing file: it starts the file workers' zygote)."""
+    first serves one (a stat of a missing file: it starts the file workers' zygote), and is
+    paused once its zygote ended after its linger, as it has long before serve's --idle-after."""
     store = reploy_serve.SessionStore(state_dir / "sessions.db")
     resumes, memory = [], []
-    for sid in sessions:
-        container_id = store.get(sid).container_id
+    containers = {sid: store.get(sid).container_id for sid in sessions}
+    if file_operation:
+        for sid in sessions:
+            if api.raw("GET", f"/api/v1/sessions/{sid}/files/missing")[0] != 404:
+                raise BenchFailed(f"session {sid}: a missing file was not a 404")
+        for container_id in containers.values():
+            wait_until(lambda: not any("zygote" in command for _, command in
+                                       client.api.top(container_id, ps_args="-o pid,args")["Processes"] or []),
+                       "the file workers' zygote to end after its linger",
+                       timeout_s=reploy_serve.agent_role.DEFAULT_FILE_WORKER_LINGER_S + 30)
+    for sid, container_id in containers.items():
         assert container_id is not None
         wait_until(lambda: api.call("GET", f"/sessions/{sid}/status")["agent"]["turnState"] == "idle",
                    "a quiet shell")
-        if file_operation and api.raw("GET", f"/api/v1/sessions/{sid}/files/missing")[0] != 404:
-            raise BenchFailed(f"session {sid}: a missing file was not a 404")
         _force_idle(state_dir, sid)
         memory.append(client.api.stats(container_id, stream=False)["memory_stats"]["usage"] / MIB)
         print(f"bench_serve: idle session {sid}: {process_breakdown(client, container_id)}",

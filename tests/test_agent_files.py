@@ -9,11 +9,13 @@ import io
 import os
 import stat
 import tarfile
+import time
 
 import pytest
 
 from agent_fixtures.harness import (WORKLOAD_UID, agent, download_bytes, hand_over, short_dir,  # noqa: F401
-                                    open_upload, start_agent, tree_snapshot, upload_bytes, wait_until)
+                                    open_upload, start_agent, tree_snapshot, upload_bytes, wait_until,
+                                    zygote_pids)
 
 
 @pytest.fixture
@@ -283,3 +285,49 @@ def test_a_closed_upload_keeps_no_descriptor_or_digest_job(shell):
         shell.result("transfer_close", transfer_id=transfer)
     wait_until(lambda: held()[0] <= before[0] and held()[1] <= before[1], "the uploads' fds and jobs to go")
     no_staging_left(shell)
+
+
+def test_a_pure_linger_waits_while_an_operation_is_open_and_counts_from_the_last_close():
+    assert agent.zygote_linger_left(1, last_closed=0.0, now=1000.0, linger_s=60.0) is None
+    assert agent.zygote_linger_left(0, last_closed=100.0, now=130.0, linger_s=60.0) == 30.0
+    assert agent.zygote_linger_left(0, last_closed=100.0, now=160.0, linger_s=60.0) == 0.0
+    assert agent.zygote_linger_left(0, last_closed=100.0, now=999.0, linger_s=60.0) == 0.0
+
+
+def test_the_file_workers_end_once_unused_for_their_linger_and_start_again(start_agent):
+    """An idle session holds no second interpreter: the zygote goes once no operation was open for the linger,
+    and the next operation starts a new one."""
+    shell = start_agent("--workload", "shell", "--file-worker-linger", "0.3")
+    assert zygote_pids(shell) == []
+    shell.result("stat", path="")
+    [first] = zygote_pids(shell)
+    wait_until(lambda: not zygote_pids(shell), "the zygote to end after its linger")
+    assert shell.result("stat", path="")["entry"]["type"] == "directory"
+    [second] = zygote_pids(shell)
+    assert second != first
+
+
+#: A tar reader slower than the linger: it pauses this long between reads.
+SLOW_READ_PAUSE_S = 0.4
+
+
+def test_a_tree_read_slower_than_the_linger_still_comes_whole(start_agent):
+    """2,000 files: the worker's walk blocks on its socket while the tar waits for its reader, so the walk's
+    operation stays open; the linger must not end the zygote (and the walk with it) under it."""
+    shell = start_agent("--workload", "shell", "--file-worker-linger", "0.1")
+    tree = workspace(shell) / "tree"
+    tree.mkdir()
+    for index in range(2000):
+        (tree / f"f{index:04}").write_bytes(index.to_bytes(2, "big") * 1024)
+    response, fds = agent.call_with_fds(shell.session_dir, "download", {"path": "tree"})
+    opened = response["result"]
+    data = b""
+    with os.fdopen(fds[0], "rb") as source:
+        while piece := source.read(1024 * 1024):
+            data += piece
+            time.sleep(SLOW_READ_PAUSE_S)
+    assert shell.result("transfer_close", transfer_id=opened["transfer_id"])["closed"] is True
+    with tarfile.open(fileobj=io.BytesIO(data)) as archive:
+        members = [m for m in archive.getmembers() if m.isfile()]
+        assert len(members) == 2000
+        assert archive.extractfile("f1999").read() == (1999).to_bytes(2, "big") * 1024

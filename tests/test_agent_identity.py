@@ -22,7 +22,7 @@ import pytest
 
 from agent_fixtures.harness import (AS_ROOT, FAKE_AGENT_ARGV, PYTHON, REACHABLE_FIXTURES, RUNTIME_GID,  # noqa: F401
                                     RUNTIME_UID, agent, download_bytes, run_exec, short_dir, start_agent,
-                                    upload_bytes, wait_until)
+                                    upload_bytes, wait_until, zygote_pids)
 
 PROBE = REACHABLE_FIXTURES / "escape_probe.py"
 as_root = pytest.mark.skipif(not AS_ROOT, reason="privilege separation needs the agent to run as root")
@@ -38,13 +38,6 @@ def identity(pid: int) -> dict[str, str]:
 NO_CAPABILITIES = "0" * 16
 RUNTIME_IDENTITY = {"Uid": f"{RUNTIME_UID}\t" * 3 + f"{RUNTIME_UID}", "Gid": f"{RUNTIME_GID}\t" * 3 + f"{RUNTIME_GID}",
                     "Groups": "", "CapEff": NO_CAPABILITIES, "CapBnd": NO_CAPABILITIES}
-
-
-def zygote_pids(process) -> list[int]:
-    import psutil
-
-    return [child.pid for child in psutil.Process(process.proc.pid).children()
-            if "zygote" in child.cmdline()]
 
 
 @as_root

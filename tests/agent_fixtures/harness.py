@@ -79,6 +79,11 @@ def wait_until(condition: Callable[[], Any], what: str, timeout_s: float = DEADL
         time.sleep(0.02)
 
 
+def zygote_pids(process: "AgentProcess") -> list[int]:
+    """The agent's file-worker zygotes (at most one), by their command line."""
+    return [child.pid for child in psutil.Process(process.proc.pid).children() if "zygote" in child.cmdline()]
+
+
 def pid_gone(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
