@@ -93,7 +93,7 @@ import reploy_watchdog  # noqa: E402  (process identities, link-safe removal)
 from reploy import (  # noqa: E402  (the host role: Docker adapter, deployments, durations)
     CONTAINER_HOME, EXIT_FAILED, EXIT_FOR_SIGNAL, EXIT_OK, EXIT_USAGE, LABEL_DEPLOYMENT,
     LABEL_GENERATION, LABEL_ROLE, LABEL_RUN, ArgumentParser, BackendError, BlueprintError,
-    ContainerPathError, ContainerSpec, Deployment, DeploymentError, DockerBackend, Mount,
+    ContainerPathError, ContainerSpec, Deployment, DeploymentError, DockerBackend, ImageGone, Mount,
     ReployError, Runtime, UsageError, _NAME, emit, format_duration, load_deployment, log,
     open_regular_file, opened_dir, parse_duration_ms, regular_file_size, run_as_process,
     split_command,
@@ -3288,11 +3288,11 @@ class SessionManager:
         if make_disk is None:
             self._mount_disk(lease.record.id)
             self._repair_workspace(lease.record)
-            container_id = self.backend.create(spec)
+            container_id = self._create_container(lease.record, spec)
         else:
             with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="session-disk") as pool:
                 disk = pool.submit(make_disk)
-                container_id = self.backend.create(spec)  # on failure the pool waits for the disk
+                container_id = self._create_container(lease.record, spec)  # on failure the pool waits for the disk
             disk.result()  # a container without its disk is removed by label (_undo_create)
         self._listen_for_model(lease.record)
         self._listen_for_egress(lease.record)
@@ -3301,6 +3301,14 @@ class SessionManager:
         with DirectoryWatch(agent_dir) as watch:  # before the start: the agent's bind is not missed
             self.backend.start(container_id)
             self._await_agent(lease, container_id, agent_dir, watch)
+
+    def _create_container(self, record: SessionRecord, spec: ContainerSpec) -> str:
+        """The session's container, created; an image removed since its deployment was built
+        is this server's fault (503), said as such."""
+        try:
+            return self.backend.create(spec)
+        except ImageGone as e:
+            raise ServiceUnavailable(f"the image of {record.spec.deployment} is gone") from e
 
     def _await_agent(self, lease: Lease, container_id: str, agent_dir: Path, watch: DirectoryWatch) -> None:
         """Until the just started agent answers `status`. While its control socket is missing,
@@ -3405,9 +3413,7 @@ class SessionManager:
             raise TooManyRequests(f"the session limit is reached: this server holds at most "
                                   f"{self.config.max_sessions} sessions (--max-sessions); delete one, "
                                   "or try again later")
-        assert deployment.current is not None
-        if not self.backend.image_exists(deployment.current.image_id):
-            raise ServiceUnavailable(f"the image of {deployment.blueprint.name} is gone")
+        assert deployment.current is not None  # its image is looked for by the container's create
         try:  # the sandbox of the generation that is run, never the staged blueprint's
             runtime = deployment.built_blueprint().runtime
         except DeploymentError as e:
