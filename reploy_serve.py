@@ -2450,7 +2450,8 @@ class DirectoryWatch:
     so a launch learns that its agent bound the control socket the moment it did, rather than
     at the next tick of a poll. What changed is not read: the waiter looks for itself. Where
     the kernel gives no watch (fs.inotify.max_user_instances reached, or no such directory),
-    wait() only sleeps up to AGENT_READY_POLL_S: the poll this replaces. A context manager; close() is idempotent."""
+    wait() only sleeps up to AGENT_READY_POLL_S: the poll this replaces. A context manager;
+    close() is idempotent."""
 
     #: inotify(7): IN_MODIFY | IN_ATTRIB | IN_CLOSE_WRITE | IN_MOVED_TO | IN_CREATE, on a
     #: directory only (IN_ONLYDIR), never through a link (IN_DONT_FOLLOW).
