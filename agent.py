@@ -419,11 +419,13 @@ class EgressDecision(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class NoParams:
-    pass
+    """The params of a verb that takes none."""
 
 
 @dataclasses.dataclass(frozen=True)
 class MessageParams:
+    """`message`: one part of a typed message."""
+
     text: str
     draft_id: Optional[str]  # the draft this part continues
     more: bool  # whether more parts follow (then the text is kept in a draft, not delivered)
@@ -438,33 +440,45 @@ class ReadParams:
 
 @dataclasses.dataclass(frozen=True)
 class WriteParams:
+    """`write`: raw bytes for the workload's input."""
+
     data: bytes
 
 
 @dataclasses.dataclass(frozen=True)
 class ResizeParams:
+    """`resize`: the PTY's new size."""
+
     columns: int
     rows: int
 
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointParams:
+    """`checkpoint`: the archive's id and what goes in it."""
+
     checkpoint_id: str
     include: tuple[str, ...]  # of ARCHIVE_PARTS, in that order
 
 
 @dataclasses.dataclass(frozen=True)
 class RestoreParams:
+    """`restore`: the archive to install, a path in DIR/agent."""
+
     path: str
 
 
 @dataclasses.dataclass(frozen=True)
 class SuspendParams:
+    """`suspend`: why serve is about to pause the session."""
+
     reason: str
 
 
 @dataclasses.dataclass(frozen=True)
 class EgressNoteParams:
+    """`egress_note`: one connection serve's egress proxy handled, for the outbox."""
+
     decision: EgressDecision
     host: Optional[str]  # None: the proxy could not read the request's host
     port: int
@@ -483,6 +497,8 @@ class Where:
 
 @dataclasses.dataclass(frozen=True)
 class ExecParams:
+    """`exec`: a command to run beside the workload, and its bounds."""
+
     argv: tuple[str, ...]
     cwd: Where  # relative: below the workspace; absolute: from the container's `/`
     env: tuple[tuple[str, str], ...]
@@ -495,6 +511,8 @@ class ExecParams:
 
 @dataclasses.dataclass(frozen=True)
 class ExecWaitParams:
+    """`exec_wait`: a long-poll of one command's output and end."""
+
     exec_id: str
     wait_ms: int
     stdout_offset_bytes: int
@@ -512,12 +530,16 @@ class HandleParams:
 
 @dataclasses.dataclass(frozen=True)
 class PathParams:
+    """`stat` and `download`: one path of the workspace or home."""
+
     root: FileRoot
     path: tuple[str, ...]  # components below the root; () is the root itself
 
 
 @dataclasses.dataclass(frozen=True)
 class ListParams:
+    """`list`: one page of a directory's entries."""
+
     root: FileRoot
     path: tuple[str, ...]
     offset: int  # entries to skip, in name order
@@ -526,6 +548,8 @@ class ListParams:
 
 @dataclasses.dataclass(frozen=True)
 class UploadParams:
+    """`upload`: where a file or tree goes, and what it announces."""
+
     root: FileRoot
     path: tuple[str, ...]
     kind: UploadKind
@@ -535,6 +559,8 @@ class UploadParams:
 
 @dataclasses.dataclass(frozen=True)
 class UploadCommitParams:
+    """`upload_commit`: the staging to install, checked against its digest."""
+
     transfer_id: str
     sha256: Optional[str]  # when given, the staged bytes must have this digest
 
@@ -546,6 +572,8 @@ Params = (NoParams | MessageParams | ReadParams | WriteParams | ResizeParams | C
 
 @dataclasses.dataclass(frozen=True)
 class Request:
+    """One request line, parsed: its id, verb and params."""
+
     request_id: str
     method: Method
     params: Params
@@ -784,6 +812,8 @@ class _FieldKind(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class _Field:
+    """One field of a verb's params: its wire name, attribute, kind and bounds."""
+
     wire_name: str
     attr: str
     kind: _FieldKind
@@ -1271,6 +1301,8 @@ class PromptQueue:
 
 @dataclasses.dataclass
 class _Draft:
+    """A message's parts so far, until the last part delivers it."""
+
     parts: list[str]
     size_bytes: int
     touched_at: float
@@ -1627,6 +1659,8 @@ class WorkerAnswer(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class WorkerPacket:
+    """One answer of a file worker, as received: its kind and fields."""
+
     kind: WorkerAnswer
     fields: dict[str, Any]
 
@@ -2112,6 +2146,8 @@ def format_listen_address(host: str, port: int) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class ProcessFacts:
+    """What /proc says of one process: its parent, group, session, and whether it is a zombie."""
+
     parent: int
     group: int
     session: int
@@ -4847,6 +4883,8 @@ class StagingDigest:
 
 @dataclasses.dataclass
 class _Upload:
+    """One upload in flight: its staging, the digest of what arrived, and its commit."""
+
     transfer_id: str
     params: UploadParams
     fd: int  # the staged bytes: an unnamed file of the runtime user in the root's tree (FileWorkers.upload_open)

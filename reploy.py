@@ -351,6 +351,10 @@ class BackendError(ReployError):
     """The Docker Engine refused or failed; wraps the SDK's exception."""
 
 
+class ImageGone(BackendError):
+    """A container was asked of an image the Engine no longer has (removed since it was built)."""
+
+
 class PlanRejected(ReployError):
     """The session cannot be planned from the built generations (an undeclared command or
     endpoint, a missing image, a controller image without python3): nothing of it ran."""
@@ -2186,8 +2190,12 @@ class DockerBackend:
     @_docker_call("create container")
     def create(self, spec: ContainerSpec) -> str:
         """The new container's id. What the Engine warns of (a bound it had to discard, such as
-        a blkio weight its kernel cannot apply) goes to stderr, once per warning and process."""
-        reply = self.api.create_container(**spec.create_kwargs(self.api))
+        a blkio weight its kernel cannot apply) goes to stderr, once per warning and process.
+        An image the Engine does not have is ImageGone: callers need not ask first."""
+        try:
+            reply = self.api.create_container(**spec.create_kwargs(self.api))
+        except docker.errors.ImageNotFound as e:
+            raise ImageGone(f"create container: the Engine has no image {spec.image_id}") from e
         for warning in reply.get("Warnings") or []:
             if warning not in self.warned:
                 self.warned.add(warning)

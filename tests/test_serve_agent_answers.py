@@ -25,7 +25,8 @@ from typing import Any, Callable, Iterator
 import pytest
 
 import reploy_serve
-from agent_fixtures.harness import AgentProcess, FAKE_AGENT_ARGV, agent
+from agent_fixtures.harness import AgentProcess, DEADLINE_S, FAKE_AGENT_ARGV, agent
+from agent_fixtures.harness import short_dir, start_agent  # noqa: F401  (fixtures)
 from test_container_paths import CanarySocket, box, canary_socket  # noqa: F401,F811  (fixtures)
 
 
@@ -36,6 +37,35 @@ def test_agent_call_through_a_symlinked_control_socket_fails_and_never_connects(
         reploy_serve.agent_call(box, "status", {})
     assert raised.value.transport
     assert canary_socket.connections() == 0
+
+
+# -- a launch's wait for its agent: the agent's directory changing wakes it -------------------
+
+def test_a_directory_watch_wakes_its_waiter_until_the_agent_has_bound_its_socket(
+        short_dir: Path, start_agent: Callable[..., AgentProcess]) -> None:
+    agent_dir = short_dir / "s" / agent.AGENT_DIR_NAME
+    agent_dir.mkdir(mode=0o700, parents=True)  # as serve lays out a new session's disk
+    with reploy_serve.DirectoryWatch(agent_dir) as watch:
+        assert watch.fd is not None
+        assert not watch.wait(0)  # nothing changed yet
+        start_agent("--workload", "shell", ready=False)
+        while True:
+            try:
+                status = reploy_serve.agent_call(agent_dir, "status", {})
+                break
+            except reploy_serve.AgentCallError as e:
+                assert e.transport, e
+            # No socket yet, or one bound and not yet listening: the log and the outbox follow.
+            assert watch.wait(DEADLINE_S), "the agent's start changed nothing more in its directory"
+        assert status["workload"] == "shell"
+    assert watch.fd is None
+    watch.close()  # again: nothing happens
+
+
+def test_where_no_watch_is_given_a_wait_reports_no_change(short_dir: Path) -> None:
+    with reploy_serve.DirectoryWatch(short_dir / "missing") as watch:
+        assert watch.fd is None
+        assert not watch.wait(DEADLINE_S)  # only the poll's pause, then the caller looks itself
 
 
 # -- the real agent's answers: every family parses, and only its documented fields pass -------

@@ -349,6 +349,16 @@ def test_error_mapping(serve_factory: Callable[..., ServeProcess], docker_engine
         {"name": "nopy", "deployment": "demo-workload"}).encode())
     assert status == 500 and "python3" in json.loads(raw)["error"]  # seed 002: any other failure is 500
     assert other.api.call("GET", "/sessions")["sessions"] == []
+    # Its image removed since it was built (the deployment names one the Engine lacks): the
+    # container's create says so, and the session, its disk and record are undone.
+    state_path = busybox / ".reploy" / "state.json"
+    state = json.loads(state_path.read_text())
+    state["current_generation"]["image_id"] = "sha256:" + "0" * 64
+    state_path.write_text(json.dumps(state))
+    status, raw = other.api.raw("POST", "/api/v1/sessions", json.dumps(
+        {"name": "gone", "deployment": "demo-workload"}).encode())
+    assert status == 500 and "the image of demo-workload is gone" in json.loads(raw)["error"]
+    assert other.api.call("GET", "/sessions")["sessions"] == []
     # Too little free space for a new session: 507 (one of create's two limits), saying so.
     full = serve_factory("--min-free-mib", str(1 << 40))
     status, raw = full.api.raw("POST", "/api/v1/sessions", b'{"name": "x"}')
