@@ -132,6 +132,9 @@ MIN_READ_BYTES = 4  #: room for one whole UTF-8 code point
 DEFAULT_READ_BYTES = 64 * KIB
 MAX_READ_BYTES = 512 * KIB
 MAX_READ_WAIT_MS = 4000  #: a long-poll ends before HANDLER_TIMEOUT_S would
+#: read_fd: a window's bytes never cross the socket (its client preads them from the descriptor the answer carries),
+#: so one may span the whole log; the client bounds what it takes with max_bytes.
+MAX_LOG_WINDOW_BYTES = 2**63 - 1
 
 # Queues (the agent's prompts and the shell's held messages share one bounded queue type)
 MAX_PROMPT_BYTES = 1 * MIB
@@ -345,6 +348,7 @@ class Method(enum.Enum):
     RELAUNCH = "relaunch"
     STATUS = "status"
     READ = "read"
+    READ_FD = "read_fd"
     WRITE = "write"
     RESIZE = "resize"
     CHECKPOINT = "checkpoint"
@@ -362,8 +366,8 @@ class Method(enum.Enum):
     TRANSFER_CLOSE = "transfer_close"
 
 
-#: The verbs whose answer carries a file descriptor (TransferTable): a unix socket's client's only.
-DESCRIPTOR_METHODS = frozenset({Method.UPLOAD, Method.DOWNLOAD})
+#: The verbs whose answer carries a file descriptor (TransferTable, OutputLog.reader): a unix socket's client's only.
+DESCRIPTOR_METHODS = frozenset({Method.UPLOAD, Method.DOWNLOAD, Method.READ_FD})
 
 
 class FileRoot(enum.Enum):
@@ -577,6 +581,17 @@ class Request:
     request_id: str
     method: Method
     params: Params
+
+
+@dataclasses.dataclass(frozen=True)
+class LogWindow:
+    """What `read_fd` answers besides its descriptor: bytes [offset_bytes, next_offset_bytes) of the log are there,
+    and never change (the log only grows), and the log's length then."""
+
+    offset_bytes: int
+    next_offset_bytes: int
+    length_bytes: int
+    reset: bool  # the requested offset was past the end; next_offset_bytes is the current length
 
 
 @dataclasses.dataclass(frozen=True)
@@ -837,6 +852,11 @@ _PARAM_SCHEMAS: dict[Method, tuple[type, tuple[_Field, ...]]] = {
     Method.READ: (ReadParams, (
         _Field("offset", "offset_bytes", _FieldKind.INT, 0, 0, 2**63 - 1),
         _Field("max_bytes", "max_bytes", _FieldKind.INT, DEFAULT_READ_BYTES, MIN_READ_BYTES, MAX_READ_BYTES),
+        _Field("wait_ms", "wait_ms", _FieldKind.INT, 0, 0, MAX_READ_WAIT_MS),
+    )),
+    Method.READ_FD: (ReadParams, (
+        _Field("offset", "offset_bytes", _FieldKind.INT, 0, 0, 2**63 - 1),
+        _Field("max_bytes", "max_bytes", _FieldKind.INT, MAX_LOG_WINDOW_BYTES, MIN_READ_BYTES, MAX_LOG_WINDOW_BYTES),
         _Field("wait_ms", "wait_ms", _FieldKind.INT, 0, 0, MAX_READ_WAIT_MS),
     )),
     Method.WRITE: (WriteParams, (_Field("data_b64", "data", _FieldKind.BASE64),)),
@@ -1880,17 +1900,32 @@ class OutputLog:
         self.lost_bytes = 0
         return True
 
-    def read(self, offset_bytes: int, max_bytes: int) -> LogSlice:
+    def window(self, offset_bytes: int, max_bytes: int) -> LogWindow:
+        """Where a read of at most max_bytes from offset_bytes falls, by the rules every read keeps: past the end,
+        a reset to the length; in text mode, a start inside a code point refused and an end inside one backed over
+        (only a few bytes around the two ends are looked at)."""
         if offset_bytes > self.length_bytes:
-            return LogSlice(offset_bytes, b"", self.length_bytes, self.length_bytes, True)
-        data = os.pread(self._fd, max_bytes + 1, offset_bytes)
+            return LogWindow(offset_bytes, self.length_bytes, self.length_bytes, True)
+        end_bytes = min(offset_bytes + max_bytes, self.length_bytes)
         if self.text:
-            if not is_utf8_boundary(data, 0):
+            if not is_utf8_boundary(os.pread(self._fd, 1, offset_bytes), 0):
                 raise CommandError(f"offset {offset_bytes} is not on a UTF-8 boundary")
-            data = utf8_prefix(data, max_bytes)
-        else:
-            data = data[:max_bytes]
-        return LogSlice(offset_bytes, data, offset_bytes + len(data), self.length_bytes, False)
+            if end_bytes < self.length_bytes:
+                # A code point is at most 4 bytes: the 3 before the end and the one at it show whether it cuts one.
+                probe_from = max(end_bytes - 3, offset_bytes)
+                probe = os.pread(self._fd, end_bytes + 1 - probe_from, probe_from)
+                end_bytes = probe_from + len(utf8_prefix(probe, end_bytes - probe_from))
+        return LogWindow(offset_bytes, end_bytes, self.length_bytes, False)
+
+    def read(self, offset_bytes: int, max_bytes: int) -> LogSlice:
+        window = self.window(offset_bytes, max_bytes)
+        data = os.pread(self._fd, window.next_offset_bytes - offset_bytes, offset_bytes) if not window.reset else b""
+        return LogSlice(offset_bytes, data, window.next_offset_bytes, window.length_bytes, window.reset)
+
+    def reader(self) -> int:
+        """A new descriptor of the log, read-only and of its own open file description: it names the very inode this
+        log appends to (reopened through /proc/self/fd, no path looked up), and gives no write access."""
+        return os.open(f"/proc/self/fd/{self._fd}", os.O_RDONLY | os.O_CLOEXEC)
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -5200,14 +5235,18 @@ class PendingRequest:
 
 
 class _LongPollRead(PendingRequest):
-    def __init__(self, server: AgentServer, params: ReadParams, now: float) -> None:
+    """A `read` or `read_fd` at the log's end: answered once bytes come or its wait ends."""
+
+    def __init__(self, server: AgentServer, params: ReadParams, now: float,
+                 answer: Callable[[ReadParams], dict[str, Any] | WithFd]) -> None:
         self._server = server
         self._params = params
+        self._answer = answer
         self.wake_at: float = now + params.wait_ms / 1000
 
-    def resolve(self, now: float) -> Optional[dict[str, Any]]:
+    def resolve(self, now: float) -> Optional[dict[str, Any] | WithFd]:
         if self._server.log.length_bytes > self._params.offset_bytes or now >= self.wake_at:
-            return self._server.read_result(self._params)
+            return self._answer(self._params)
         return None
 
 
@@ -5377,7 +5416,8 @@ class AgentServer:
             end.setblocking(False)
         self._handlers: dict[Method, Callable[[Any, float], dict[str, Any] | WithFd | PendingRequest]] = {
             Method.MESSAGE: self._message, Method.INTERRUPT: self._interrupt, Method.RELAUNCH: self._relaunch,
-            Method.STATUS: self._status, Method.READ: self._read, Method.WRITE: self._write,
+            Method.STATUS: self._status, Method.READ: self._read, Method.READ_FD: self._read_fd,
+            Method.WRITE: self._write,
             Method.RESIZE: self._resize, Method.CHECKPOINT: self._checkpoint, Method.RESTORE: self._restore,
             Method.SUSPEND: self._suspend, Method.EGRESS_NOTE: self._egress_note,
             Method.EXEC: self._exec, Method.EXEC_WAIT: self._exec_wait, Method.EXEC_KILL: self._exec_kill,
@@ -5721,8 +5761,21 @@ class AgentServer:
 
     def _read(self, params: ReadParams, now: float) -> dict[str, Any] | PendingRequest:
         if params.wait_ms and params.offset_bytes == self.log.length_bytes:
-            return _LongPollRead(self, params, now)
+            return _LongPollRead(self, params, now, self.read_result)
         return self.read_result(params)
+
+    def _read_fd(self, params: ReadParams, now: float) -> WithFd | PendingRequest:
+        if params.wait_ms and params.offset_bytes == self.log.length_bytes:
+            return _LongPollRead(self, params, now, self.read_fd_result)
+        return self.read_fd_result(params)
+
+    def read_fd_result(self, params: ReadParams) -> WithFd:
+        """`read` without the bytes: the window the same rules give, and a read-only descriptor of the log to
+        pread it from (OutputLog.reader)."""
+        window = self.log.window(params.offset_bytes, params.max_bytes)
+        fields = {"offset": window.offset_bytes, "next_offset": window.next_offset_bytes,
+                  "length": window.length_bytes, "reset": window.reset, "kind": "text" if self.log.text else "bytes"}
+        return WithFd(fields, self.log.reader())
 
     def read_result(self, params: ReadParams) -> dict[str, Any]:
         piece = self.log.read(params.offset_bytes, params.max_bytes)

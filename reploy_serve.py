@@ -209,9 +209,11 @@ MAX_MESSAGE_PART_BYTES = agent_role.MAX_MESSAGE_PART_BYTES
 MAX_WRITE_PART_BYTES = agent_role.MAX_WRITE_PART_BYTES
 SHELL_INPUT_STALL_S = 10.0
 SHELL_INPUT_POLL_S = 0.05
-#: The agent's `read` is bounded per call; `read` on the API pages through the log with it.
+#: The agent's `read` is bounded per call (its bytes travel in its answer); `read` on the API
+#: asks `read_fd` instead, whose window may span the log (serve preads it from the descriptor).
 MIN_READ_BYTES = agent_role.MIN_READ_BYTES
 MAX_READ_BYTES = agent_role.MAX_READ_BYTES
+MAX_LOG_WINDOW_BYTES = agent_role.MAX_LOG_WINDOW_BYTES
 MAX_READ_WAIT_MS = agent_role.MAX_READ_WAIT_MS
 #: One API read answers everything from its offset to the log's end, and the agent bounds the
 #: log by a cap (serve starts it with its defaults): so is one answer. An agent claiming a longer
@@ -1463,23 +1465,59 @@ def read_result_json(head: dict[str, Any], data: bytes | memoryview) -> Iterator
 
 @dataclass(frozen=True)
 class LogPage:
-    """One agent `read` answer: the bytes from `offset`, and the log's length then.
-    `past_end`: the offset was beyond the log's length (no bytes)."""
+    """One agent `read_fd` answer's window, read: the bytes from `offset`, and the log's length
+    then. `past_end`: the offset was beyond the log's length (no bytes)."""
 
     offset_bytes: int
-    data: bytes
+    data: bytearray
     length_bytes: int
     past_end: bool
 
     @classmethod
-    def from_answer(cls, answer: dict[str, Any], text: bool) -> "LogPage":
-        """A `read` answer parse_agent_result checked (its offset, its bounds, its
-        consistency) as a page; its bytes must be of the workload's kind (text: claude-code's
-        output), else BadGateway."""
-        if ("text" in answer) != text:
-            raise BadGateway("the session agent's read answer is not of its workload's kind")
-        data = answer["text"].encode() if text else answer["data"]
+    def from_window(cls, answer: dict[str, Any], fd: int, text: bool) -> "LogPage":
+        """A `read_fd` answer parse_agent_result checked (its offset, its bounds, its
+        consistency) and the descriptor it carried (check_descriptor: a regular file open
+        read-only), as a page: the window's bytes, exactly (a file that holds fewer is a
+        BadGateway), of the workload's kind (text: claude-code's output, valid UTF-8)."""
+        if (answer["kind"] == "text") != text:
+            raise BadGateway("the session agent's read_fd answer is not of its workload's kind")
+        data = pread_exactly(fd, window_bytes(answer), answer["offset"])
+        if text:
+            require_utf8(data)
         return cls(answer["offset"], data, answer["length"], answer["reset"])
+
+
+def window_bytes(answer: dict[str, Any]) -> int:
+    """How many bytes a `read_fd` answer's window holds: none for a reset (its next_offset is
+    the log's length, behind the offset)."""
+    return 0 if answer["reset"] else answer["next_offset"] - answer["offset"]
+
+
+def pread_exactly(fd: int, size_bytes: int, offset_bytes: int) -> bytearray:
+    """size_bytes of fd from offset_bytes, read straight into one buffer; BadGateway when the
+    file ends first (a descriptor an agent sent is hostile input: its file may be shorter than
+    the window it came with)."""
+    data = bytearray(size_bytes)
+    view, done = memoryview(data), 0
+    while done < size_bytes:
+        got = os.preadv(fd, [view[done:]], offset_bytes + done)
+        if not got:
+            raise BadGateway(f"the session agent's log holds {done} of the {size_bytes} bytes "
+                             "its answer promised")
+        done += got
+    return data
+
+
+def require_utf8(data: bytearray) -> None:
+    """BadGateway unless data is whole, valid UTF-8 (decoded a slice at a time, kept nowhere)."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    view = memoryview(data)
+    try:
+        for start in range(0, len(data), READ_SLICE_BYTES):
+            end = start + READ_SLICE_BYTES
+            decoder.decode(view[start:end], final=end >= len(data))
+    except UnicodeDecodeError:
+        raise BadGateway("the session agent's text log is not valid UTF-8") from None
 
 
 # ============================================================================================
@@ -2077,6 +2115,10 @@ ANSWER_FIELDS: dict[str, tuple[AnswerField, ...]] = {
         AnswerField("length", _OFFSET), AnswerField("reset", _boolean),
         AnswerField("data_b64", _base64(MAX_READ_BYTES), required=False, keep_as="data"),
         AnswerField("text", _text(MAX_READ_BYTES), required=False)),
+    "read_fd": (
+        AnswerField("offset", _OFFSET), AnswerField("next_offset", _OFFSET),
+        AnswerField("length", _OFFSET), AnswerField("reset", _boolean),
+        AnswerField("kind", _one_of("text", "bytes"))),
     "write": (AnswerField("bytes", _COUNT),),
     "message": (
         AnswerField("delivery", _one_of("dispatched", "queued", "drafted")),
@@ -2131,18 +2173,29 @@ ANSWER_FIELDS: dict[str, tuple[AnswerField, ...]] = {
 }
 
 
+def _check_read_window(method: str, params: dict[str, Any], answer: dict[str, Any],
+                       size_bytes: int, default_max_bytes: int) -> None:
+    """read and read_fd: a window of size_bytes at the offset asked for, no longer than asked,
+    within the log; or a reset, empty, pointing at the log's end."""
+    _require(answer["offset"] == params.get("offset", 0), f"{method}: offset is not the one asked for")
+    _require(0 <= size_bytes <= params.get("max_bytes", default_max_bytes),
+             f"{method}: more bytes than asked for")
+    if answer["reset"]:
+        _require(not size_bytes and answer["next_offset"] == answer["length"] < answer["offset"],
+                 f"{method}: a reset carries no bytes and points at the log's end")
+    else:
+        _require(answer["next_offset"] == answer["offset"] + size_bytes <= answer["length"],
+                 f"{method}: next_offset is not offset plus the bytes, within the log")
+
+
 def _check_read(params: dict[str, Any], answer: dict[str, Any], raw: dict[str, Any]) -> None:
     _require(("data" in answer) != ("text" in answer), "read: exactly one of data_b64 and text")
     payload = answer["data"] if "data" in answer else answer["text"].encode("utf-8")
-    _require(answer["offset"] == params.get("offset", 0), "read: offset is not the one asked for")
-    _require(len(payload) <= params.get("max_bytes", agent_role.DEFAULT_READ_BYTES),
-             "read: more bytes than asked for")
-    if answer["reset"]:
-        _require(not payload and answer["next_offset"] == answer["length"] < answer["offset"],
-                 "read: a reset carries no bytes and points at the log's end")
-    else:
-        _require(answer["next_offset"] == answer["offset"] + len(payload) <= answer["length"],
-                 "read: next_offset is not offset plus the bytes, within the log")
+    _check_read_window("read", params, answer, len(payload), agent_role.DEFAULT_READ_BYTES)
+
+
+def _check_read_fd(params: dict[str, Any], answer: dict[str, Any], raw: dict[str, Any]) -> None:
+    _check_read_window("read_fd", params, answer, window_bytes(answer), MAX_LOG_WINDOW_BYTES)
 
 
 def _base64_bytes(text: str) -> int:
@@ -2233,7 +2286,7 @@ def _check_download(params: dict[str, Any], answer: dict[str, Any], raw: dict[st
 
 #: What each answer must agree on with its request, or within itself, beyond its fields' rules.
 ANSWER_CHECKS: dict[str, Callable[[dict[str, Any], dict[str, Any], dict[str, Any]], None]] = {
-    "read": _check_read, "write": _check_write, "message": _check_message,
+    "read": _check_read, "read_fd": _check_read_fd, "write": _check_write, "message": _check_message,
     "resize": _check_resize, "checkpoint": _check_checkpoint, "exec_wait": _check_exec_wait,
     "exec_kill": _check_exec_kill, "stat": _check_path_answer, "list": _check_list,
     "upload_commit": _check_upload_commit, "download": _check_download,
@@ -2247,6 +2300,7 @@ class AnswerDescriptor(enum.Enum):
     agree, and never more than the answer declared or the API allows."""
 
     FILE_TO_READ = "a regular file open for reading"
+    LOG_TO_READ = "a regular file open for reading only"
     STAGING = "an empty regular file open for writing"
     TAR_PIPE = "the read end of a pipe"
 
@@ -2255,6 +2309,7 @@ class AnswerDescriptor(enum.Enum):
 #: every other answer (and every error) carries none.
 ANSWER_DESCRIPTORS: dict[str, Callable[[dict[str, Any]], AnswerDescriptor]] = {
     "upload": lambda answer: AnswerDescriptor.STAGING,
+    "read_fd": lambda answer: AnswerDescriptor.LOG_TO_READ,
     "download": lambda answer: (AnswerDescriptor.FILE_TO_READ if answer["kind"] == "file"
                                 else AnswerDescriptor.TAR_PIPE),
 }
@@ -2268,6 +2323,7 @@ def check_descriptor(fd: int, kind: AnswerDescriptor) -> None:
     access = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE
     fits = {
         AnswerDescriptor.FILE_TO_READ: stat.S_ISREG(st.st_mode) and access in (os.O_RDONLY, os.O_RDWR),
+        AnswerDescriptor.LOG_TO_READ: stat.S_ISREG(st.st_mode) and access == os.O_RDONLY,
         AnswerDescriptor.STAGING: (stat.S_ISREG(st.st_mode) and st.st_size == 0
                                    and access in (os.O_WRONLY, os.O_RDWR)
                                    and not os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:")),
@@ -3779,17 +3835,19 @@ class SessionManager:
     def read(self, session_id: str, offset_bytes: int,
              wait_ms: int) -> tuple[SessionRecord, str, bytearray, int]:
         """Seed 002's read, an access: (record, branch, the log's bytes from offset_bytes, the
-        cursor after them). They run to the log's length as the first agent page gave it (from
-        0: the whole history), gathered page by page through the agent's bounded `read`, and
-        an honest agent's log is at most LOG_CAP_BYTES. An offset past the log's end gives no
-        bytes and the log's length. `wait_ms`: a read at the end waits that long for bytes."""
+        cursor after them). They run to the log's length as the first agent window gave it (from
+        0: the whole history), and an honest agent's log is at most LOG_CAP_BYTES, so one
+        `read_fd` window holds them all (serve preads them from its descriptor; a later one
+        only if the agent cut the first short). An offset past the log's end gives no bytes and
+        the log's length. `wait_ms`: a read at the end waits that long for bytes."""
         record, branch = self.access_branch(session_id)
         text = record.spec.workload == "agent"
+        cap_bytes = LOG_CAP_BYTES[record.spec.workload]
         data, cursor, end_bytes = bytearray(), offset_bytes, None
         while end_bytes is None or cursor < end_bytes:
-            params = {"offset": cursor, "max_bytes": MAX_READ_BYTES, "wait_ms": 0}
+            params = {"offset": cursor, "max_bytes": cap_bytes, "wait_ms": 0}
             try:
-                page = LogPage.from_answer(self._ask(session_id, "read", params), text)
+                page = self._read_window(session_id, params, text)
             except Unprocessable as e:  # claude-code output: an offset inside a code point
                 raise BadRequest(f"offset: {e}") from e
             if end_bytes is None and wait_ms and not page.data and not page.past_end:
@@ -3801,13 +3859,25 @@ class SessionManager:
                 return record, branch, data, page.length_bytes
             if end_bytes is None:
                 end_bytes = page.length_bytes
-                if end_bytes > LOG_CAP_BYTES[record.spec.workload]:
+                if end_bytes > cap_bytes:
                     raise ServiceUnavailable("the session agent's log is longer than its cap")
             elif not page.data:  # an honest log only grows
                 raise ServiceUnavailable("the session's output log shrank while it was read")
-            data += page.data
+            if data:
+                data += page.data
+            else:
+                data = page.data  # the one window, as read: no copy
             cursor += len(page.data)
         return record, branch, data, cursor
+
+    def _read_window(self, session_id: str, params: dict[str, Any], text: bool) -> LogPage:
+        """One `read_fd` of a session just accessed, its window read from the descriptor."""
+        answer, fd = self._exchange(session_id, "read_fd", params)
+        assert fd is not None
+        try:
+            return LogPage.from_window(answer, fd, text)
+        finally:
+            os.close(fd)
 
     def write(self, session_id: str, payload: str) -> tuple[SessionRecord, str]:
         """Seed 002's write, an access: (record, branch). A shell's payload goes to its

@@ -10,7 +10,7 @@ import psutil
 import pytest
 
 from agent_fixtures.harness import (FAKE_AGENT_ARGV, SPAWN_RESET_SIGNALS, agent, hostile_start,  # noqa: F401
-                                    pid_gone, short_dir, signal_dispositions, start_agent, wait_until)
+                                    pid_gone, read_window, short_dir, signal_dispositions, start_agent, wait_until)
 
 SECRET = "sk-fake-0123456789abcdef"
 
@@ -54,6 +54,16 @@ def test_read_answers_text_on_code_point_boundaries(fake):
     assert piece["text"] == "aé" and piece["next_offset"] == 3
     assert fake.result("read", offset=3, max_bytes=4)["text"] == "€"
     assert fake.error("read", offset=4)["code"] == "command_error"  # inside €
+
+
+def test_read_fd_windows_fall_on_code_point_boundaries(fake):
+    run_prompt(fake, "say aé€😀z", "😀z\n".encode())
+    window, data = read_window(fake, offset=0, max_bytes=4)
+    assert (window["kind"], window["next_offset"], data) == ("text", 3, "aé".encode())
+    assert read_window(fake, offset=3, max_bytes=6)[1] == "€".encode()  # the next 3 bytes would cut 😀
+    assert read_window(fake, offset=0)[1] == fake.read_bytes()
+    refused = fake.error("read_fd", offset=4)  # inside €
+    assert refused["code"] == "command_error" and "UTF-8 boundary" in refused["message"]
 
 
 def test_continue_only_after_a_first_success_and_persisted(start_fake, short_dir):

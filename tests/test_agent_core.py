@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import base64
+import errno
+import fcntl
 import io
 import json
 import os
@@ -67,6 +69,9 @@ def parse(document) -> agent.Request:
     ("status", {}, agent.NoParams()),
     ("read", {}, agent.ReadParams(0, agent.DEFAULT_READ_BYTES, 0)),
     ("read", {"offset": 7, "max_bytes": 4, "wait_ms": agent.MAX_READ_WAIT_MS}, agent.ReadParams(7, 4, 4000)),
+    ("read_fd", {}, agent.ReadParams(0, agent.MAX_LOG_WINDOW_BYTES, 0)),
+    ("read_fd", {"offset": 7, "max_bytes": agent.MAX_READ_BYTES + 1, "wait_ms": 9},
+     agent.ReadParams(7, agent.MAX_READ_BYTES + 1, 9)),
     ("write", {"data_b64": base64.b64encode(b"\x00\xff").decode()}, agent.WriteParams(b"\x00\xff")),
     ("resize", {"columns": 1, "rows": 65535}, agent.ResizeParams(1, 65535)),
     ("checkpoint", {"id": "snap-1.a_b"}, agent.CheckpointParams("snap-1.a_b", agent.ARCHIVE_PARTS)),
@@ -108,6 +113,9 @@ def test_requests_without_a_readable_id_answer_with_an_empty_id(line):
     ({"id": "9", "method": "read", "params": {"max_bytes": 3}}, "params.max_bytes must be between"),
     ({"id": "9", "method": "read", "params": {"max_bytes": agent.MAX_READ_BYTES + 1}}, "max_bytes must be between"),
     ({"id": "9", "method": "read", "params": {"wait_ms": agent.MAX_READ_WAIT_MS + 1}}, "wait_ms must be between"),
+    ({"id": "9", "method": "read_fd", "params": {"max_bytes": 3}}, "params.max_bytes must be between"),
+    ({"id": "9", "method": "read_fd", "params": {"offset": 2**63}}, "params.offset must be between"),
+    ({"id": "9", "method": "read_fd", "params": {"data_b64": ""}}, "unknown params for read_fd: data_b64"),
     ({"id": "9", "method": "write", "params": {"data_b64": "***"}}, "not valid base64"),
     ({"id": "9", "method": "resize", "params": {"columns": 0, "rows": 5}}, "columns must be between"),
     ({"id": "9", "method": "resize", "params": {"columns": 80}}, "params.rows is required"),
@@ -501,6 +509,59 @@ def test_text_log_cuts_on_code_points_when_capped_and_when_read(tmp_path):
     assert log.read(0, 4).data == "€".encode()
     with pytest.raises(agent.CommandError, match="not on a UTF-8 boundary"):
         log.read(1, 10)
+
+
+def expected_window(content: bytes, text: bool, offset: int, max_bytes: int) -> tuple[int, int, int, bool] | None:
+    """read's rules (docs/agent.md), worked out from the bytes themselves: None where a text read is refused."""
+    def boundary(at: int) -> bool:
+        return not text or at >= len(content) or content[at] & 0xC0 != 0x80
+    if offset > len(content):
+        return offset, len(content), len(content), True
+    if not boundary(offset):
+        return None
+    end = min(offset + max_bytes, len(content))
+    while not boundary(end):
+        end -= 1
+    return offset, end, len(content), False
+
+
+def test_a_window_and_a_read_keep_reads_rules_at_every_offset_and_bound(tmp_path):
+    """read_fd's window and read's slice, in both modes: a reset past the end, a text start inside a code point
+    refused, a text end inside one backed over; the slice holds exactly the window's bytes."""
+    for text, content in ((False, b"\xff\x80raw\xe2\x82 bytes\r\n"), (True, "aé€😀z\n".encode())):
+        log = agent.OutputLog(tmp_path / f"log-{text}", 1000, text=text)
+        log.append(content)
+        for offset in range(len(content) + 3):
+            for max_bytes in range(agent.MIN_READ_BYTES, len(content) + 2):
+                expected = expected_window(content, text, offset, max_bytes)
+                if expected is None:
+                    for refused in (log.window, log.read):
+                        with pytest.raises(agent.CommandError, match="not on a UTF-8 boundary"):
+                            refused(offset, max_bytes)
+                    continue
+                window, piece = log.window(offset, max_bytes), log.read(offset, max_bytes)
+                assert (window.offset_bytes, window.next_offset_bytes, window.length_bytes, window.reset) == expected
+                assert (piece.offset_bytes, piece.next_offset_bytes, piece.length_bytes, piece.reset) == expected
+                assert piece.data == content[offset:expected[1]]
+        log.close()
+
+
+def test_the_log_reader_is_a_read_only_descriptor_of_the_log_itself(tmp_path):
+    log = agent.OutputLog(tmp_path / "log", 1000, text=False)
+    log.append(b"first")
+    reader = log.reader()
+    try:
+        assert fcntl.fcntl(reader, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY
+        with pytest.raises(OSError) as refused:
+            os.write(reader, b"x")
+        assert refused.value.errno == errno.EBADF
+        with pytest.raises(OSError):
+            os.ftruncate(reader, 0)
+        log.append(b" second")  # the very file the log appends to, not a copy
+        assert os.pread(reader, 100, 0) == b"first second" == (tmp_path / "log").read_bytes()
+    finally:
+        os.close(reader)
+        log.close()
 
 
 def test_log_markers_start_on_a_fresh_line(tmp_path):

@@ -125,10 +125,11 @@ def test_parse_listen_address_accepts_bracketed_ipv6():
     assert agent.format_listen_address("::1", 7000) == "[::1]:7000"
 
 
-def test_transfers_are_for_the_unix_socket_only(start_listening):
-    """upload and download answer with a file descriptor, which TCP cannot carry: refused there, nothing staged."""
+def test_descriptor_verbs_are_for_the_unix_socket_only(start_listening):
+    """upload, download and read_fd answer with a file descriptor, which TCP cannot carry: refused there, nothing
+    staged."""
     shell, port = start_listening("--workload", "shell")
-    for method, params in (("upload", {"path": "f.txt", "size": 1}), ("download", {"path": ""})):
+    for method, params in (("upload", {"path": "f.txt", "size": 1}), ("download", {"path": ""}), ("read_fd", {})):
         error = tcp_call(port, method, **params)["error"]
         assert error["code"] == "invalid_request" and "only on the unix socket" in error["message"], error
     assert list((shell.session_dir / "workspace").iterdir()) == []

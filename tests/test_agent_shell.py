@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import base64
+import errno
+import os
 import signal
 import time
 
 import psutil
 import pytest
 
-from agent_fixtures.harness import (SPAWN_RESET_SIGNALS, agent, hostile_start, pid_gone, short_dir,  # noqa: F401
-                                    signal_dispositions, start_agent, wait_until)
+from agent_fixtures.harness import (SPAWN_RESET_SIGNALS, agent, hostile_start, pid_gone, read_window,  # noqa: F401
+                                    short_dir, signal_dispositions, start_agent, wait_until)
 
 
 @pytest.fixture
@@ -136,6 +138,39 @@ def test_reads_replay_from_zero_and_offsets_past_the_end_reset(shell):
                       "reset": True, "data_b64": ""}
     middle = shell.result("read", offset=2, max_bytes=5)
     assert base64.b64decode(middle["data_b64"]) == first[2:7] and middle["next_offset"] == 7
+
+
+def test_read_fd_answers_the_window_and_a_read_only_descriptor_of_the_log(shell):
+    shell.result("message", text="echo windows; sleep 60")
+    shell.read_until(b"windows\r\n")
+    whole = shell.read_bytes()
+    length = shell.status()["log_bytes"]
+    window, data = read_window(shell, offset=0)  # no max_bytes: to the log's end
+    assert window == {"type": "read_fd", "offset": 0, "next_offset": length, "length": length, "reset": False,
+                      "kind": "bytes"} and data == whole
+    window, data = read_window(shell, offset=2, max_bytes=5)
+    assert (window["next_offset"], data) == (7, whole[2:7])
+    window, data = read_window(shell, offset=length + 1000)
+    assert (window["next_offset"], window["length"], window["reset"], data) == (length, length, True, b"")
+    response, fds = agent.call_with_fds(shell.session_dir, "read_fd", {})
+    try:
+        assert os.fstat(fds[0]).st_ino == (shell.agent_dir / agent.LOG_NAME).stat().st_ino
+        with pytest.raises(OSError) as refused:
+            os.pwrite(fds[0], b"forged", 0)
+        assert refused.value.errno == errno.EBADF
+    finally:
+        os.close(fds[0])
+    assert shell.read_bytes() == whole
+
+
+def test_long_poll_read_fd_returns_when_new_bytes_arrive(shell):
+    shell.wait_status(lambda s: s["log_bytes"] > 0, "the prompt")
+    end = shell.status()["log_bytes"]
+    idle, data = read_window(shell, offset=end, wait_ms=50)
+    assert idle["next_offset"] == end and data == b""
+    shell.result("write", data_b64=base64.b64encode(b"x").decode())
+    woke, data = read_window(shell, offset=end, wait_ms=agent.MAX_READ_WAIT_MS)
+    assert woke["next_offset"] > end and data.startswith(b"x")
 
 
 def test_long_poll_read_returns_when_new_bytes_arrive(shell):

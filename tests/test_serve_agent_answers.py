@@ -77,6 +77,7 @@ DOCUMENTED = {
                "log_bytes", "log_capped", "admission_open", "awaiting_restore", "running",
                "exit_code", "columns", "rows", "continue"},
     "read": {"offset", "next_offset", "length", "reset", "data", "text"},
+    "read_fd": {"offset", "next_offset", "length", "reset", "kind"},
     "write": {"bytes"}, "interrupt": {"cancelled"}, "relaunch": {"pid"}, "resize": {"columns", "rows"},
     "message": {"delivery", "queue_depth", "draft", "draft_bytes"},
     "checkpoint": {"id", "path", "bytes", "log_bytes", "skipped_entries"}, "suspend": {"seq"},
@@ -156,6 +157,12 @@ def real_exchanges() -> Iterator[list[Exchange]]:
         coder.result("message", text="say hello from the fake CLI")
         coder.read_until(b"hello from the fake CLI")
         seen += [Exchange(coder, "read", offset=0), Exchange(coder, "relaunch")]
+        windows = [Exchange(shell, "read_fd", offset=0), Exchange(shell, "read_fd", offset=2, max_bytes=5),
+                   Exchange(shell, "read_fd", offset=10**9), Exchange(coder, "read_fd", offset=0)]
+        for window in windows:
+            assert window.fd is not None
+            os.close(window.fd)
+        seen += windows
         started = Exchange(shell, "exec", argv=["sh", "-c", "mkdir -p d/e && echo out; echo err >&2"])
         seen += [started, *exchanges_until(shell, "exec_wait", lambda r: not r["running"],
                                            exec_id=started.result["exec_id"], wait_ms=2000)]
@@ -257,6 +264,7 @@ def test_what_the_request_fixes_must_be_answered(real_exchanges: list[Exchange])
         by_method.setdefault(exchange.method, []).append(exchange)
     read = next(e for e in by_method["read"] if not e.result["reset"] and "data_b64" in e.result)
     piece = base64.b64decode(read.result["data_b64"])
+    window = next(e for e in by_method["read_fd"] if e.params.get("max_bytes") == 5)
     done = next(e for e in by_method["upload_commit"] if e.result["done"])
     final = next(e for e in by_method["exec_wait"] if not e.result["running"])
     broken = [
@@ -266,6 +274,11 @@ def test_what_the_request_fixes_must_be_answered(real_exchanges: list[Exchange])
         (read, {"data_b64": base64.b64encode(piece + b"x").decode()}),
         (read, {"text": "both"}),
         (read, {"reset": True}),
+        (window, {"offset": window.result["offset"] + 1}),
+        (window, {"next_offset": window.result["offset"] - 1}),
+        (window, {"next_offset": window.result["next_offset"] + 1}),  # past max_bytes
+        (window, {"length": window.result["next_offset"] - 1}),
+        (window, {"reset": True}),
         (by_method["write"][0], {"bytes": 10**6}),
         (by_method["resize"][0], {"columns": 101}),
         (by_method["message"][0], {"delivery": "drafted"}),

@@ -8,6 +8,7 @@ import base64
 import concurrent.futures
 import datetime
 import json
+import os
 import random
 import re
 import subprocess
@@ -774,7 +775,7 @@ def test_a_read_answer_is_encoded_in_slices_that_join_to_the_whole(cut: int) -> 
         b'{"session":{"id":"s"},"path":"active","nextOffset":9,"payload":"","payloadBase64":""}')
 
 
-# -- agent read pages are hostile input ----------------------------------------------------------
+# -- agent read pages and log windows are hostile input ------------------------------------------
 
 
 def page(**fields: Any) -> dict[str, Any]:
@@ -782,20 +783,17 @@ def page(**fields: Any) -> dict[str, Any]:
             "data_b64": base64.b64encode(b"abc").decode(), **fields}
 
 
-def read_page(answer: dict[str, Any], offset: int = 10, text: bool = False) -> Any:
-    """An agent's read answer as serve takes it: its family's parser, then the page."""
-    checked = reploy_serve.parse_agent_result("read", {"offset": offset, "max_bytes": 100},
-                                              {"type": "read", **answer})
-    return reploy_serve.LogPage.from_answer(checked, text)
+def parse_read(answer: dict[str, Any], offset: int = 10) -> dict[str, Any]:
+    """An agent's read answer (serve's follower long-polls with it) through its family's parser."""
+    return reploy_serve.parse_agent_result("read", {"offset": offset, "max_bytes": 100},
+                                           {"type": "read", **answer})
 
 
 def test_a_consistent_read_page_is_taken() -> None:
-    taken = read_page(page())
-    assert (taken.data, taken.length_bytes, taken.past_end) == (b"abc", 20, False)
-    past = read_page(page(offset=30, next_offset=20, reset=True, data_b64=""), offset=30)
-    assert (past.data, past.length_bytes, past.past_end) == (b"", 20, True)
-    text = read_page({"offset": 0, "next_offset": 2, "length": 2, "reset": False, "text": "é"}, 0, text=True)
-    assert text.data == "é".encode()
+    assert parse_read(page())["data"] == b"abc"
+    assert parse_read(page(offset=30, next_offset=20, reset=True, data_b64=""), offset=30)["reset"]
+    text = parse_read({"offset": 0, "next_offset": 2, "length": 2, "reset": False, "text": "é"}, 0)
+    assert text["text"] == "é"
 
 
 @pytest.mark.parametrize("answer", [
@@ -803,18 +801,89 @@ def test_a_consistent_read_page_is_taken() -> None:
     page(length=-1), page(length=2**63), page(data_b64="not base64!"), page(data_b64=None),
     page(reset=True), page(offset=10, next_offset=20, reset=True, data_b64=""),  # reset at or below the length
     page(next_offset=10 + 200, length=1000, data_b64=base64.b64encode(b"x" * 200).decode()),  # past max_bytes
-    {"offset": 10},
+    page(text="abc"), {"offset": 10},
 ])
 def test_an_inconsistent_read_page_is_refused(answer: dict[str, Any]) -> None:
     with pytest.raises(reploy_serve.AnswerInvalid):
-        read_page(answer)
+        parse_read(answer)
 
 
-def test_a_read_page_of_the_other_workload_kind_is_refused() -> None:
-    with pytest.raises(reploy_serve.BadGateway):
-        read_page(page(), text=True)  # claude-code output comes as text
-    with pytest.raises(reploy_serve.BadGateway):
-        read_page({"offset": 10, "next_offset": 11, "length": 20, "reset": False, "text": "a"})
+LOG = b"0123456789abcdefghij"  #: the log a window is read from: 20 bytes
+
+
+def window(**fields: Any) -> dict[str, Any]:
+    return {"offset": 10, "next_offset": 13, "length": 20, "reset": False, "kind": "bytes", **fields}
+
+
+def read_window(answer: dict[str, Any], tmp_path: Path, offset: int = 10, text: bool = False,
+                log: bytes = LOG) -> Any:
+    """An agent's read_fd answer as serve takes it: its family's parser, then the page read
+    from a read-only descriptor of `log`."""
+    checked = reploy_serve.parse_agent_result("read_fd", {"offset": offset, "max_bytes": 100},
+                                              {"type": "read_fd", **answer})
+    path = tmp_path / "output.log"
+    path.write_bytes(log)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        reploy_serve.check_descriptor(fd, reploy_serve.ANSWER_DESCRIPTORS["read_fd"](checked))
+        return reploy_serve.LogPage.from_window(checked, fd, text)
+    finally:
+        os.close(fd)
+
+
+def test_a_consistent_log_window_is_read_from_its_descriptor(tmp_path: Path) -> None:
+    taken = read_window(window(), tmp_path)
+    assert (taken.data, taken.length_bytes, taken.past_end) == (b"abc", 20, False)
+    whole = read_window(window(offset=0, next_offset=20), tmp_path, offset=0)
+    assert whole.data == LOG
+    past = read_window(window(offset=30, next_offset=20, reset=True), tmp_path, offset=30)
+    assert (past.data, past.length_bytes, past.past_end) == (b"", 20, True)
+    text = read_window(window(offset=0, next_offset=2, length=2, kind="text"), tmp_path, 0, True,
+                       "é".encode())
+    assert text.data == "é".encode()
+
+
+@pytest.mark.parametrize("answer", [
+    window(offset=11), window(next_offset=9), window(next_offset=21), window(length=12),
+    window(reset="no"), window(length=True), window(length=-1), window(length=2**63),
+    window(kind="text\r\n"), window(kind=None), window(reset=True),
+    window(offset=10, next_offset=20, reset=True),  # a reset at or below the length
+    window(offset=30, next_offset=25, reset=True),  # a reset not pointing at the length
+    window(next_offset=10 + 101, length=1000),  # past max_bytes
+    {"offset": 10, "next_offset": 13, "length": 20, "reset": False},
+])
+def test_an_inconsistent_log_window_is_refused(answer: dict[str, Any], tmp_path: Path) -> None:
+    with pytest.raises(reploy_serve.AnswerInvalid):
+        read_window(answer, tmp_path)
+
+
+def test_a_log_window_its_descriptor_cannot_fill_or_of_the_other_kind_is_a_bad_gateway(
+        tmp_path: Path) -> None:
+    with pytest.raises(reploy_serve.BadGateway, match="holds 10 of the 13 bytes"):
+        read_window(window(offset=10, next_offset=23, length=30), tmp_path)  # the file has 20
+    with pytest.raises(reploy_serve.BadGateway, match="workload's kind"):
+        read_window(window(), tmp_path, text=True)  # claude-code output is text
+    with pytest.raises(reploy_serve.BadGateway, match="workload's kind"):
+        read_window(window(kind="text"), tmp_path)
+    with pytest.raises(reploy_serve.BadGateway, match="not valid UTF-8"):
+        read_window(window(kind="text"), tmp_path, text=True, log=b"0123456789\xe2\x82" + LOG)
+    with pytest.raises(reploy_serve.BadGateway, match="not valid UTF-8"):  # ends inside a code point
+        read_window(window(kind="text", next_offset=12), tmp_path, text=True, log=b"0123456789\xe2\x82\xac")
+
+
+def test_a_log_descriptor_must_be_a_regular_file_open_only_for_reading(tmp_path: Path) -> None:
+    path = tmp_path / "output.log"
+    path.write_bytes(LOG)
+    read_end, write_end = os.pipe()
+    refused = [os.open(path, os.O_RDWR), os.open(path, os.O_WRONLY), os.open(tmp_path, os.O_RDONLY),
+               read_end, write_end]
+    try:
+        for fd in refused:
+            with pytest.raises(reploy_serve.AnswerInvalid, match="open for reading only"):
+                reploy_serve.check_descriptor(fd, reploy_serve.AnswerDescriptor.LOG_TO_READ)
+    finally:
+        for fd in refused:
+            os.close(fd)
 
 
 def test_seed_002_routes_answer_only_the_spec_statuses() -> None:

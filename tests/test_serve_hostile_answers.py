@@ -88,9 +88,8 @@ def commit_of(request: dict[str, Any], sha256: str) -> dict[str, Any]:
 #: docs/agent.md; the request must fail with 502, or on seed 002's routes (SEED_002_PATHS),
 #: whose statuses are the spec's, with 500 and the same message.
 FAMILIES: list[tuple[str, tuple[str, str, Any], dict[str, Any]]] = [
-    ("read: more bytes than next_offset says", ("POST", "/read", {"offset": 0}),
-     {"read": {"offset": 0, "next_offset": 3, "length": 9, "reset": False,
-               "data_b64": base64.b64encode(b"abcd").decode()}}),
+    ("read_fd: a window past the log's length", ("POST", "/read", {"offset": 0}),
+     {"read_fd": {"offset": 0, "next_offset": 10, "length": 9, "reset": False, "kind": "bytes"}}),
     ("write: bytes is not a count", ("POST", "/write", {"payload": "id\r"}),
      {"write": {"bytes": "3\r\nX-Injected: 1"}}),
     ("message: an unknown delivery", ("POST", "/message", {"text": "id"}),
@@ -149,6 +148,8 @@ def hostile_descriptors(tmp_path: Path) -> list[tuple[str, tuple[str, str, Any],
         return one.detach()
 
     download = ("GET", "/files/f.txt", None)
+    read = ("POST", "/read", {"offset": 0})
+    window = {"offset": 0, "next_offset": 5, "length": 5, "reset": False, "kind": "bytes"}
     tree = ("GET", "/files/d", None)
     upload = ("PUT", "/files/u.txt", b"hello")
     staging = {"transfer_id": TID}
@@ -168,6 +169,12 @@ def hostile_descriptors(tmp_path: Path) -> list[tuple[str, tuple[str, str, Any],
          lambda: WithFds(TAR_ANSWER, (regular_file(tmp_path, b"tar"),))),
         ("a pipe's write end as a tar's pipe", tree, "download",
          lambda: WithFds(TAR_ANSWER, (os.dup(os.pipe()[1]),))),
+        ("a log window without its descriptor", read, "read_fd", lambda: window),
+        ("a log open for writing too", read, "read_fd",
+         lambda: WithFds(window, (regular_file(tmp_path, b"hello"),))),
+        ("a log's pipe", read, "read_fd", lambda: WithFds(window, (pipe_of(iter([b"hello"])),))),
+        ("a log shorter than its window", read, "read_fd",
+         lambda: WithFds(window, (regular_file(tmp_path, b"hell", os.O_RDONLY),))),
         ("an upload without its staging", upload, "upload", lambda: staging),
         ("a staging that holds bytes already", upload, "upload",
          lambda: WithFds(staging, (regular_file(tmp_path, b"planted"),))),
@@ -217,7 +224,7 @@ def test_hostile_descriptors_are_refused_and_closed(
         if what == "a descriptor on an error":
             assert status == 409 and "conflict: no" in document["error"], (what, status, document)
         else:
-            assert status == 502, (what, status, document)
+            assert status == (500 if path in SEED_002_PATHS else 502), (what, status, document)
             assert "session agent" in document["error"], (what, document)
     wait_until(lambda: serve_fds(server) <= before, "serve to hold no descriptor it was sent")
     assert not (tmp_path / "u.txt").exists()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import base64
+import fcntl
 import json
 import os
 import shutil
@@ -365,6 +366,20 @@ def download_bytes(process: AgentProcess, path: str, **params: Any) -> tuple[dic
     if opened["kind"] == "tar":
         process.result("transfer_close", transfer_id=opened["transfer_id"])
     return opened, data
+
+
+def read_window(process: AgentProcess, **params: Any) -> tuple[dict[str, Any], bytes]:
+    """One `read_fd`: what it answered, and its window's bytes, preads from the descriptor it carried (which must
+    be open for reading only)."""
+    response, fds = agent.call_with_fds(process.session_dir, "read_fd", params)
+    assert "result" in response and len(fds) == 1, response
+    window = response["result"]
+    try:
+        assert fcntl.fcntl(fds[0], fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY
+        size = 0 if window["reset"] else window["next_offset"] - window["offset"]
+        return window, os.pread(fds[0], size, window["offset"])
+    finally:
+        os.close(fds[0])
 
 
 def tree_snapshot(root: Path) -> dict[str, tuple[str, bytes]]:
