@@ -3089,7 +3089,7 @@ class Lease:
 class OutputFollower:
     """One session's output follower (a thread of SessionManager's) and the fan-out of what it
     reads to the session's readers: `changed` guards `fanout`, and wakes the readers when the
-    follower looked."""
+    follower saw something new (a look that found nothing wakes nobody)."""
 
     def __init__(self, session_id: str, text: bool) -> None:
         self.session_id = session_id
@@ -3107,7 +3107,8 @@ class OutputFollower:
             return event
 
     def wait_change(self, seen: int, timeout_s: float) -> None:
-        """Sleep until the follower looks again after version `seen`, at most `timeout_s`."""
+        """Sleep until the follower saw something new after version `seen` (bytes, a log of
+        another length, a reader dropped, the end), at most `timeout_s`."""
         with self.changed:
             self.changed.wait_for(lambda: self.fanout.version != seen, max(timeout_s, 0.0))
 
@@ -4231,9 +4232,11 @@ class SessionManager:
                 self.stopping.wait(SSE_POLL_S)
                 continue
             with follower.changed:
-                follower.fanout.feed(length, data, time.monotonic())
+                seen = follower.fanout.length
+                dropped = follower.fanout.feed(length, data, time.monotonic())
                 end = follower.fanout.end
-                follower.changed.notify_all()
+                if data or dropped or length != seen:  # a look that found nothing wakes nobody
+                    follower.changed.notify_all()
             if data:
                 woke = False
                 in_a_row += 1
