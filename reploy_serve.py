@@ -168,6 +168,8 @@ SNAPSHOT_RETRY_MAX_S = 24 * 3600.0
 MAX_FAILURE_CHARS = 2000
 DEFAULT_SSE_KEEPALIVE_MS = 15_000
 DEFAULT_MAX_SESSIONS = 64
+#: HTTP request threads kept waiting for a new connection once theirs ended (RequestThreads).
+SPARE_REQUEST_THREADS = 8
 #: What a create refused at --max-sessions tells its client to wait (Retry-After): a session
 #: ends when its user deletes it, so this is a polling pace, not a promise.
 LIMIT_RETRY_AFTER_S = 30
@@ -5524,6 +5526,73 @@ def load_static(web_dir: Path) -> dict[str, tuple[str, bytes]]:
     return files
 
 
+class RequestThreads:
+    """The threads that serve the HTTP connections, one a connection: a new connection goes to
+    a thread that waits for one (its last connection ended) when there is one, else to a new
+    thread. Starting a thread cost the accept loop more than anything else it does per
+    connection, and a client on a new connection waited for it; a hand-over to a waiting thread
+    is one lock's release. At most `spare` wait; the rest end with their connection."""
+
+    def __init__(self, serve: Callable[[Any, Any], None], spare: int) -> None:
+        self._serve = serve
+        self._spare = spare
+        self._lock = threading.Lock()
+        self._waiting: list[_HandOver] = []
+        self._closed = False
+
+    @property
+    def waiting(self) -> int:
+        with self._lock:
+            return len(self._waiting)
+
+    def run(self, request: Any, address: Any) -> None:
+        with self._lock:
+            waiting = self._waiting.pop() if self._waiting else None
+        if waiting is None:
+            threading.Thread(target=self._work, args=(request, address), daemon=True,
+                             name="request").start()
+        else:
+            waiting.give((request, address))
+
+    def _work(self, request: Any, address: Any) -> None:
+        while True:
+            self._serve(request, address)
+            hand_over = _HandOver()
+            with self._lock:
+                if self._closed or len(self._waiting) >= self._spare:
+                    return
+                self._waiting.append(hand_over)
+            connection = hand_over.take()
+            if connection is None:  # closed while it waited
+                return
+            request, address = connection
+
+    def close(self) -> None:
+        """The waiting threads end; a connection still served ends its thread with it."""
+        with self._lock:
+            self._closed = True
+            waiting, self._waiting = self._waiting, []
+        for hand_over in waiting:
+            hand_over.give(None)
+
+
+class _HandOver:
+    """One connection (or None: end) passed from the accept loop to one waiting thread."""
+
+    def __init__(self) -> None:
+        self._given = threading.Lock()
+        self._given.acquire()
+        self._connection: Optional[tuple[Any, Any]] = None
+
+    def give(self, connection: Optional[tuple[Any, Any]]) -> None:
+        self._connection = connection
+        self._given.release()
+
+    def take(self) -> Optional[tuple[Any, Any]]:
+        self._given.acquire()
+        return self._connection
+
+
 class ServeHTTPServer(http.server.ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
@@ -5534,9 +5603,17 @@ class ServeHTTPServer(http.server.ThreadingHTTPServer):
         if ":" in address[0]:
             self.address_family = socket.AF_INET6
         super().__init__(address, ApiHandler)
+        self.request_threads = RequestThreads(self.process_request_thread, SPARE_REQUEST_THREADS)
         self.manager = manager
         self.static = static
         self.policy = AccessPolicy(token, hosts)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        self.request_threads.run(request, client_address)
+
+    def server_close(self) -> None:
+        self.request_threads.close()
+        super().server_close()
 
 
 class ApiHandler(http.server.BaseHTTPRequestHandler):
