@@ -2355,9 +2355,10 @@ def agent_exchange(agent_dir: Path, method: str, params: dict[str, Any],
     symlink), the whole call has one deadline (a peer that trickles bytes cannot hold the caller,
     the reaper among them), and the answer is bounded and parsed as hostile input.
     `connections`: the request asks the agent to keep the connection (docs/agent.md, `keep`),
-    and goes on one of theirs when one is idle; a connection kept is one whose answer was whole
-    and valid. A kept connection the agent had closed before answering anything (its idle bound,
-    a new container) is replaced by a new one, once."""
+    and goes on one of theirs when one is idle and was made to the socket the directory holds
+    now; a connection kept is one whose answer was whole and valid. A kept connection the agent
+    had closed before answering anything (its idle bound, a new container) is replaced by a new
+    one, once."""
     keep = {"keep": True} if connections is not None else {}
     line = wire.encode_compact({"id": "serve", "method": method, "params": params, **keep}) + b"\n"
     if len(line) > AGENT_MAX_REQUEST_BYTES + 1:
@@ -2367,9 +2368,12 @@ def agent_exchange(agent_dir: Path, method: str, params: dict[str, Any],
     deadline = time.monotonic() + timeout_s
     response = bytearray()
     fds: list[int] = []
-    sock = connections.take(agent_dir) if connections is not None else None
+    sock = identity = None
     try:
         try:
+            if connections is not None:
+                identity = socket_identity(agent_dir)
+                sock = connections.take(agent_dir, identity)
             fds_cut = False
             if sock is not None:
                 try:
@@ -2381,6 +2385,7 @@ def agent_exchange(agent_dir: Path, method: str, params: dict[str, Any],
                     sock = None
             if sock is None:
                 with opened_dir(agent_dir) as dir_fd:
+                    identity = _socket_identity_at(dir_fd)  # before: a socket swapped since is not kept
                     sock = agent_role.connect_unix_at(dir_fd, SOCKET_NAME, timeout_s)
                 fds_cut = _agent_round_trip(sock, line, deadline, response, fds)
         except OSError as e:
@@ -2404,8 +2409,8 @@ def agent_exchange(agent_dir: Path, method: str, params: dict[str, Any],
         except AnswerInvalid as e:
             raise AgentCallError(INVALID_ANSWER, f"the session agent's answer to {method} is "
                                                  f"invalid: {e}") from None
-        if connections is not None:
-            connections.keep(agent_dir, sock)
+        if connections is not None and identity is not None:
+            connections.keep(agent_dir, sock, identity)
             sock = None
         return result, fds[0] if fds else None
     except BaseException:
@@ -2415,6 +2420,21 @@ def agent_exchange(agent_dir: Path, method: str, params: dict[str, Any],
     finally:
         if sock is not None:
             sock.close()
+
+
+def socket_identity(agent_dir: Path) -> Optional[tuple[int, int]]:
+    """(device, inode) of the entry at AGENT_DIR/control.sock now, not followed; None when
+    there is none (or no directory)."""
+    try:
+        with opened_dir(agent_dir) as dir_fd:
+            return _socket_identity_at(dir_fd)
+    except OSError:
+        return None
+
+
+def _socket_identity_at(dir_fd: int) -> tuple[int, int]:
+    entry = os.stat(SOCKET_NAME, dir_fd=dir_fd, follow_symlinks=False)
+    return entry.st_dev, entry.st_ino
 
 
 def _agent_round_trip(sock: socket.socket, line: bytes, deadline: float, response: bytearray,
@@ -2440,49 +2460,53 @@ def _agent_round_trip(sock: socket.socket, line: bytes, deadline: float, respons
 class AgentConnections:
     """Kept connections to session agents (docs/agent.md, `keep`), idle, by agent dir; each is
     lent to one call at a time. A call on one spares the connect and the agent's accept: the
-    write path's and the output follower's long-polls. One is taken only while it is younger
-    than AGENT_KEPT_IDLE_S (well inside the agent's own idle bound, so the agent does not close
-    it as serve sends) and quiet: a byte or a hang-up waiting on it closes it instead (a hostile
-    agent cannot slip a reply in ahead of a request). At most AGENT_KEPT_PER_SESSION a session;
-    `drop` closes a session's once its container is gone."""
+    write path's and the output follower's long-polls. One is taken only while the directory
+    still holds the socket it was made to (`identity`: a relaunched agent's, or anything put in
+    its place, is talked to afresh, as without kept connections), while it is younger than
+    AGENT_KEPT_IDLE_S (well inside the agent's own idle bound, so the agent does not close it as
+    serve sends) and quiet: a byte or a hang-up waiting on it closes it instead (a hostile agent
+    cannot slip a reply in ahead of a request). At most AGENT_KEPT_PER_SESSION a session; `drop`
+    closes a session's once its container is gone."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
-        self._idle: dict[Path, list[tuple[socket.socket, float]]] = {}  # with when each was kept
+        #: each with the identity of the socket it was made to, and when it was kept
+        self._idle: dict[Path, list[tuple[socket.socket, tuple[int, int], float]]] = {}
         self._lock = threading.Lock()
 
-    def take(self, agent_dir: Path) -> Optional[socket.socket]:
+    def take(self, agent_dir: Path, identity: Optional[tuple[int, int]]) -> Optional[socket.socket]:
+        """A kept connection to the socket `identity` names (socket_identity: the one there now)."""
         while True:
             with self._lock:
                 kept = self._idle.get(agent_dir)
                 if not kept:
                     return None
-                sock, since = kept.pop()
+                sock, made_to, since = kept.pop()
                 if not kept:
                     del self._idle[agent_dir]
-            if self._clock() - since < AGENT_KEPT_IDLE_S and _is_quiet(sock):
+            if made_to == identity and self._clock() - since < AGENT_KEPT_IDLE_S and _is_quiet(sock):
                 return sock
             sock.close()
 
-    def keep(self, agent_dir: Path, sock: socket.socket) -> None:
+    def keep(self, agent_dir: Path, sock: socket.socket, identity: tuple[int, int]) -> None:
         with self._lock:
             kept = self._idle.setdefault(agent_dir, [])
             if len(kept) < AGENT_KEPT_PER_SESSION:
-                kept.append((sock, self._clock()))
+                kept.append((sock, identity, self._clock()))
                 return
         sock.close()
 
     def drop(self, agent_dir: Path) -> None:
         with self._lock:
             kept = self._idle.pop(agent_dir, [])
-        for sock, _ in kept:
+        for sock, _, _ in kept:
             sock.close()
 
     def close(self) -> None:
         with self._lock:
             every, self._idle = list(self._idle.values()), {}
         for kept in every:
-            for sock, _ in kept:
+            for sock, _, _ in kept:
                 sock.close()
 
 

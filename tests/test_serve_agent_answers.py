@@ -528,10 +528,11 @@ def test_kept_connections_carry_one_call_after_another_to_the_real_agent(
         kept = []
         for _ in range(3):
             assert reploy_serve.agent_exchange(shell.agent_dir, "status", {}, connections=connections)[0]["workload"] == "shell"
-            sock = connections.take(shell.agent_dir)
-            assert sock is not None
+            identity = reploy_serve.socket_identity(shell.agent_dir)
+            sock = connections.take(shell.agent_dir, identity)
+            assert sock is not None and identity is not None
             kept.append(sock)
-            connections.keep(shell.agent_dir, sock)
+            connections.keep(shell.agent_dir, sock, identity)
         assert kept[0] is kept[1] is kept[2]  # one connection carried all three
     finally:
         connections.close()
@@ -564,6 +565,25 @@ def test_a_kept_connection_with_an_unasked_byte_on_it_is_never_reused(box: Path)
         fake.close()
 
 
+def test_a_kept_connection_is_not_reused_once_another_socket_is_in_its_place(box: Path) -> None:
+    """As a stand-in or a relaunched agent takes the path: serve talks to what is there now."""
+    first = KeepingFake(box, ["answer"])
+    connections = reploy_serve.AgentConnections()
+    second = None
+    try:
+        reploy_serve.agent_exchange(box, "status", {}, connections=connections)
+        (box / "control.sock").rename(box / "aside.sock")
+        second = KeepingFake(box, ["answer"])
+        reploy_serve.agent_exchange(box, "status", {}, connections=connections)
+        assert (first.accepted, len(first.requests)) == (1, 1)
+        assert (second.accepted, len(second.requests)) == (1, 1)
+    finally:
+        connections.close()
+        first.close()
+        if second is not None:
+            second.close()
+
+
 def test_a_call_without_kept_connections_asks_for_none(box: Path) -> None:
     fake = KeepingFake(box, ["answer"])
     try:
@@ -579,13 +599,13 @@ def test_kept_connections_expire_and_are_bounded_per_session(tmp_path: Path) -> 
     pairs = [socket.socketpair() for _ in range(reploy_serve.AGENT_KEPT_PER_SESSION + 1)]
     try:
         for ours, _ in pairs:
-            connections.keep(tmp_path, ours)
+            connections.keep(tmp_path, ours, (1, 2))
         assert pairs[-1][0].fileno() == -1  # one past the bound: closed, not kept
-        taken = connections.take(tmp_path)
+        taken = connections.take(tmp_path, (1, 2))
         assert taken is pairs[-2][0]
-        connections.keep(tmp_path, taken)
+        connections.keep(tmp_path, taken, (1, 2))
         now[0] = reploy_serve.AGENT_KEPT_IDLE_S
-        assert connections.take(tmp_path) is None  # too old to trust the agent still holds them
+        assert connections.take(tmp_path, (1, 2)) is None  # too old to trust the agent still holds them
         assert all(ours.fileno() == -1 for ours, _ in pairs)
     finally:
         for ours, theirs in pairs:
