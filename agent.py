@@ -581,6 +581,7 @@ class Request:
     request_id: str
     method: Method
     params: Params
+    keep: bool = False  # the connection stays open for the client's next request once this one is answered
 
 
 @dataclasses.dataclass(frozen=True)
@@ -780,7 +781,8 @@ def parse_strict_json(data: bytes, max_bytes: int) -> Any:
 
 
 class RequestFramer:
-    """Collects the one request line of a connection: at most MAX_REQUEST_BYTES, newline-terminated, nothing after."""
+    """Collects one request line: at most MAX_REQUEST_BYTES, newline-terminated, nothing after (a kept connection's
+    next request comes only once its answer is in: requests are never pipelined)."""
 
     def __init__(self, max_bytes: int = MAX_REQUEST_BYTES) -> None:
         self._max_bytes = max_bytes
@@ -798,8 +800,12 @@ class RequestFramer:
         if newline > self._max_bytes:
             raise RequestError(f"request line exceeds {self._max_bytes} bytes")
         if newline + 1 != len(self._buffer):
-            raise RequestError("one request per connection: data follows the request line")
+            raise RequestError("one request at a time: data follows the request line")
         return bytes(self._buffer[:newline])
+
+    @property
+    def empty(self) -> bool:
+        return not self._buffer
 
     def eof(self) -> NoReturn:
         """The client closed its side before a newline."""
@@ -1041,9 +1047,12 @@ def parse_request(line: bytes) -> Request:
     if not isinstance(request_id, str) or len(request_id) > MAX_ID_CHARS:
         raise RequestError(f"id must be a string of at most {MAX_ID_CHARS} characters")
     try:
-        unknown = sorted(set(document) - {"id", "method", "params"})
+        unknown = sorted(set(document) - {"id", "method", "params", "keep"})
         if unknown:
             raise RequestError(f"unknown request fields: {', '.join(unknown)}")
+        keep = document.get("keep", False)
+        if not isinstance(keep, bool):
+            raise RequestError("keep must be true or false")
         method_name = document.get("method")
         if not isinstance(method_name, str):
             raise RequestError("method must be a string")
@@ -1051,7 +1060,7 @@ def parse_request(line: bytes) -> Request:
             method = Method(method_name)
         except ValueError:
             raise RequestError(f"unknown method {method_name!r}") from None
-        return Request(request_id, method, _parse_params(method, document.get("params", {})))
+        return Request(request_id, method, _parse_params(method, document.get("params", {})), keep)
     except RequestError as e:
         raise RequestError(str(e), request_id) from e
 
@@ -5209,12 +5218,14 @@ class BackgroundJob:
 
 
 class Connection:
-    """One client: one request line in, one response line out, then closed."""
+    """One client: one request line in, one response line out, then closed; or, when the request asked to `keep`
+    the connection, ready for the next request line (one at a time: a client sends it once the answer is in)."""
 
     def __init__(self, sock: socket.socket, deadline: float) -> None:
         self.sock = sock
         self.framer = RequestFramer()
         self.deadline = deadline  # for the request line, then the handler bound, then the response write
+        self.answered = 0  # responses sent whole on this connection
         self.request: Optional[Request] = None
         self.pending: Optional[PendingRequest] = None
         self.outgoing = b""
@@ -5617,6 +5628,9 @@ class AgentServer:
         except OSError:
             self._close(conn)
             return
+        if not data and conn.answered and conn.framer.empty:
+            self._close(conn)  # a kept connection its client is done with
+            return
         try:
             line = conn.framer.feed(data) if data else conn.framer.eof()
         except RequestError as e:
@@ -5695,8 +5709,18 @@ class AgentServer:
         conn.outgoing = conn.outgoing[sent:]
         if conn.outgoing:
             self._reactor.watch(conn.sock.fileno(), selectors.EVENT_WRITE, lambda mask: self._on_client(conn, mask))
+        elif conn.request is not None and conn.request.keep:
+            self._await_next_request(conn)
         else:
             self._close(conn)
+
+    def _await_next_request(self, conn: Connection) -> None:
+        """A kept connection after its answer: the next request line, under the same idle bound as a new client's."""
+        conn.answered += 1
+        conn.request = None
+        conn.framer = RequestFramer()
+        conn.deadline = self._clock() + CLIENT_IDLE_TIMEOUT_S
+        self._reactor.watch(conn.sock.fileno(), selectors.EVENT_READ, lambda mask: self._on_client(conn, mask))
 
     def _close(self, conn: Connection) -> None:
         self._reactor.unwatch(conn.sock.fileno())

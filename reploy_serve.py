@@ -170,6 +170,8 @@ SNAPSHOT_RETRY_MAX_S = 24 * 3600.0
 MAX_FAILURE_CHARS = 2000
 DEFAULT_SSE_KEEPALIVE_MS = 15_000
 DEFAULT_MAX_SESSIONS = 64
+#: HTTP request threads kept waiting for a new connection once theirs ended (RequestThreads).
+SPARE_REQUEST_THREADS = 8
 #: What a create refused at --max-sessions tells its client to wait (Retry-After): a session
 #: ends when its user deletes it, so this is a polling pace, not a promise.
 LIMIT_RETRY_AFTER_S = 30
@@ -191,6 +193,10 @@ AGENT_READY_POLL_S = 0.02
 AGENT_READY_CHECK_S = 0.5
 #: The agent bounds every request at 5 s (docs/agent.md); we outwait it.
 AGENT_CALL_TIMEOUT_S = 10.0
+#: A kept agent connection (AgentConnections) is reused only while idle for less than this: half
+#: the agent's own bound on an idle client, so the agent never closes one as serve sends on it.
+AGENT_KEPT_IDLE_S = agent_role.CLIENT_IDLE_TIMEOUT_S / 2
+AGENT_KEPT_PER_SESSION = 4
 AGENT_MAX_RESPONSE_BYTES = 4 * 1024 * 1024
 #: JSON bodies: the wire bound and how long a client may take to send one.
 MAX_BODY_BYTES = 8 * 1024 * 1024
@@ -2397,15 +2403,22 @@ def agent_call(agent_dir: Path, method: str, params: dict[str, Any],
 
 
 def agent_exchange(agent_dir: Path, method: str, params: dict[str, Any],
-                   timeout_s: float = AGENT_CALL_TIMEOUT_S) -> tuple[dict[str, Any], Optional[int]]:
+                   timeout_s: float = AGENT_CALL_TIMEOUT_S,
+                   connections: Optional["AgentConnections"] = None) -> tuple[dict[str, Any], Optional[int]]:
     """One request on AGENT_DIR/control.sock (ServeConfig.agent_dir); its checked result
     (parse_agent_response) and, for a verb of ANSWER_DESCRIPTORS, the one file descriptor it
     carried, checked (the caller closes it); or AgentCallError, every descriptor received closed.
     The workload cannot reach that directory, but serve does not rely on it (the agent itself may
     be compromised): the socket is reached only as a socket (connect_unix_at: never through a
     symlink), the whole call has one deadline (a peer that trickles bytes cannot hold the caller,
-    the reaper among them), and the answer is bounded and parsed as hostile input."""
-    line = wire.encode_compact({"id": "serve", "method": method, "params": params}) + b"\n"
+    the reaper among them), and the answer is bounded and parsed as hostile input.
+    `connections`: the request asks the agent to keep the connection (docs/agent.md, `keep`),
+    and goes on one of theirs when one is idle and was made to the socket the directory holds
+    now; a connection kept is one whose answer was whole and valid. A kept connection the agent
+    had closed before answering anything (its idle bound, a new container) is replaced by a new
+    one, once."""
+    keep = {"keep": True} if connections is not None else {}
+    line = wire.encode_compact({"id": "serve", "method": method, "params": params, **keep}) + b"\n"
     if len(line) > AGENT_MAX_REQUEST_BYTES + 1:
         raise AgentCallError("invalid_request", f"too large: the {method} request encodes to "
                              f"{len(line) - 1} bytes; the session agent takes at most "
@@ -2413,22 +2426,26 @@ def agent_exchange(agent_dir: Path, method: str, params: dict[str, Any],
     deadline = time.monotonic() + timeout_s
     response = bytearray()
     fds: list[int] = []
-    fds_cut = False  # more descriptors than MAX_ANSWER_FDS: the kernel closed the rest
+    sock = identity = None
     try:
         try:
-            with opened_dir(agent_dir) as dir_fd:
-                connection = agent_role.connect_unix_at(dir_fd, SOCKET_NAME, timeout_s)
-            with connection as sock:
-                sock.sendall(line)
-                while len(response) <= AGENT_MAX_RESPONSE_BYTES:
-                    sock.settimeout(max(deadline - time.monotonic(), 0.001))
-                    chunk, ancillary, flags, _ = sock.recvmsg(
-                        256 * 1024, socket.CMSG_SPACE(MAX_ANSWER_FDS * 4), socket.MSG_CMSG_CLOEXEC)
-                    fds += agent_role.received_fds(ancillary)
-                    fds_cut = fds_cut or bool(flags & socket.MSG_CTRUNC)
-                    response += chunk
-                    if not chunk or b"\n" in chunk:
-                        break
+            if connections is not None:
+                identity = socket_identity(agent_dir)
+                sock = connections.take(agent_dir, identity)
+            fds_cut = False
+            if sock is not None:
+                try:
+                    fds_cut = _agent_round_trip(sock, line, deadline, response, fds)
+                except ConnectionError:
+                    pass  # as a hang-up: nothing was answered
+                if not response:
+                    sock.close()
+                    sock = None
+            if sock is None:
+                with opened_dir(agent_dir) as dir_fd:
+                    identity = _socket_identity_at(dir_fd)  # before: a socket swapped since is not kept
+                    sock = agent_role.connect_unix_at(dir_fd, SOCKET_NAME, timeout_s)
+                fds_cut = _agent_round_trip(sock, line, deadline, response, fds)
         except OSError as e:
             raise AgentCallError("server_unavailable", f"the session agent does not answer: {e}",
                                  transport=True) from e
@@ -2450,11 +2467,118 @@ def agent_exchange(agent_dir: Path, method: str, params: dict[str, Any],
         except AnswerInvalid as e:
             raise AgentCallError(INVALID_ANSWER, f"the session agent's answer to {method} is "
                                                  f"invalid: {e}") from None
+        if connections is not None and identity is not None:
+            connections.keep(agent_dir, sock, identity)
+            sock = None
         return result, fds[0] if fds else None
     except BaseException:
         for fd in fds:
             os.close(fd)
         raise
+    finally:
+        if sock is not None:
+            sock.close()
+
+
+def socket_identity(agent_dir: Path) -> Optional[tuple[int, int]]:
+    """(device, inode) of the entry at AGENT_DIR/control.sock now, not followed; None when
+    there is none (or no directory)."""
+    try:
+        with opened_dir(agent_dir) as dir_fd:
+            return _socket_identity_at(dir_fd)
+    except OSError:
+        return None
+
+
+def _socket_identity_at(dir_fd: int) -> tuple[int, int]:
+    entry = os.stat(SOCKET_NAME, dir_fd=dir_fd, follow_symlinks=False)
+    return entry.st_dev, entry.st_ino
+
+
+def _agent_round_trip(sock: socket.socket, line: bytes, deadline: float, response: bytearray,
+                      fds: list[int]) -> bool:
+    """Sends `line` and gathers the answer into `response` (and its descriptors into `fds`)
+    until its newline, a hang-up or past AGENT_MAX_RESPONSE_BYTES; whether descriptors were cut
+    (more than MAX_ANSWER_FDS: the kernel closed the rest)."""
+    fds_cut = False
+    sock.settimeout(max(deadline - time.monotonic(), 0.001))
+    sock.sendall(line)
+    while len(response) <= AGENT_MAX_RESPONSE_BYTES:
+        sock.settimeout(max(deadline - time.monotonic(), 0.001))
+        chunk, ancillary, flags, _ = sock.recvmsg(
+            256 * 1024, socket.CMSG_SPACE(MAX_ANSWER_FDS * 4), socket.MSG_CMSG_CLOEXEC)
+        fds += agent_role.received_fds(ancillary)
+        fds_cut = fds_cut or bool(flags & socket.MSG_CTRUNC)
+        response += chunk
+        if not chunk or b"\n" in chunk:
+            break
+    return fds_cut
+
+
+class AgentConnections:
+    """Kept connections to session agents (docs/agent.md, `keep`), idle, by agent dir; each is
+    lent to one call at a time. A call on one spares the connect and the agent's accept: the
+    write path's and the output follower's long-polls. One is taken only while the directory
+    still holds the socket it was made to (`identity`: a relaunched agent's, or anything put in
+    its place, is talked to afresh, as without kept connections), while it is younger than
+    AGENT_KEPT_IDLE_S (well inside the agent's own idle bound, so the agent does not close it as
+    serve sends) and quiet: a byte or a hang-up waiting on it closes it instead (a hostile agent
+    cannot slip a reply in ahead of a request). At most AGENT_KEPT_PER_SESSION a session; `drop`
+    closes a session's once its container is gone."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        #: each with the identity of the socket it was made to, and when it was kept
+        self._idle: dict[Path, list[tuple[socket.socket, tuple[int, int], float]]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, agent_dir: Path, identity: Optional[tuple[int, int]]) -> Optional[socket.socket]:
+        """A kept connection to the socket `identity` names (socket_identity: the one there now)."""
+        while True:
+            with self._lock:
+                kept = self._idle.get(agent_dir)
+                if not kept:
+                    return None
+                sock, made_to, since = kept.pop()
+                if not kept:
+                    del self._idle[agent_dir]
+            if made_to == identity and self._clock() - since < AGENT_KEPT_IDLE_S and _is_quiet(sock):
+                return sock
+            sock.close()
+
+    def keep(self, agent_dir: Path, sock: socket.socket, identity: tuple[int, int]) -> None:
+        with self._lock:
+            kept = self._idle.setdefault(agent_dir, [])
+            if len(kept) < AGENT_KEPT_PER_SESSION:
+                kept.append((sock, identity, self._clock()))
+                return
+        sock.close()
+
+    def drop(self, agent_dir: Path) -> None:
+        with self._lock:
+            kept = self._idle.pop(agent_dir, [])
+        for sock, _, _ in kept:
+            sock.close()
+
+    def close(self) -> None:
+        with self._lock:
+            every, self._idle = list(self._idle.values()), {}
+        for kept in every:
+            for sock, _, _ in kept:
+                sock.close()
+
+
+def _is_quiet(sock: socket.socket) -> bool:
+    """Nothing to read on an idle connection, and no hang-up: the peer waits for a request.
+    (Non-blocking first: a socket with a timeout would wait that long for a byte.)"""
+    sock.setblocking(False)
+    try:
+        sock.recv(1, socket.MSG_PEEK)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    return False
 
 
 #: The stable words an agent's file and exec errors start with (docs/agent.md, "Errors of the
@@ -3096,7 +3220,7 @@ class Lease:
 class OutputFollower:
     """One session's output follower (a thread of SessionManager's) and the fan-out of what it
     reads to the session's readers: `changed` guards `fanout`, and wakes the readers when the
-    follower looked."""
+    follower saw something new (a look that found nothing wakes nobody)."""
 
     def __init__(self, session_id: str, text: bool) -> None:
         self.session_id = session_id
@@ -3114,7 +3238,8 @@ class OutputFollower:
             return event
 
     def wait_change(self, seen: int, timeout_s: float) -> None:
-        """Sleep until the follower looks again after version `seen`, at most `timeout_s`."""
+        """Sleep until the follower saw something new after version `seen` (bytes, a log of
+        another length, a reader dropped, the end), at most `timeout_s`."""
         with self.changed:
             self.changed.wait_for(lambda: self.fanout.version != seen, max(timeout_s, 0.0))
 
@@ -3172,6 +3297,8 @@ class SessionManager:
         #: the agent long-polls on output logs: all of them, and the most of one session's at once
         self._agent_waits = {"total": 0, "peak": 0}
         self._agent_waits_open: dict[str, int] = {}
+        #: kept connections to the agents, for the hot paths: a session's calls and its follower
+        self.agent_connections = AgentConnections()
         #: set by run_serve when --model-upstream is given (see "the model proxy")
         self.model_proxy: Optional[ModelProxy] = None
         #: the sessions created with `egress` (see "the egress proxy")
@@ -3259,6 +3386,7 @@ class SessionManager:
             if container_id != keep:
                 self.backend.unpause(container_id)
                 self.backend.remove_container(container_id)
+        self.agent_connections.drop(self.config.agent_dir(session_id))
 
     def _container_spec(self, record: SessionRecord, archive: Optional[str]) -> ContainerSpec:
         spec, config = record.spec, self.config
@@ -3823,12 +3951,12 @@ class SessionManager:
         was lost and a fresh one started (_relaunch_if_lost)."""
         agent_dir = self.config.agent_dir(session_id)
         try:
-            return agent_exchange(agent_dir, method, params)
+            return agent_exchange(agent_dir, method, params, connections=self.agent_connections)
         except AgentCallError as e:
             if not (e.transport and self._relaunch_if_lost(session_id)):
                 raise serve_error_for(e) from e
         try:
-            return agent_exchange(agent_dir, method, params)
+            return agent_exchange(agent_dir, method, params, connections=self.agent_connections)
         except AgentCallError as e:
             raise serve_error_for(e) from e
 
@@ -4264,9 +4392,11 @@ class SessionManager:
                 self.stopping.wait(SSE_POLL_S)
                 continue
             with follower.changed:
-                follower.fanout.feed(length, data, time.monotonic())
+                seen = follower.fanout.length
+                dropped = follower.fanout.feed(length, data, time.monotonic())
                 end = follower.fanout.end
-                follower.changed.notify_all()
+                if data or dropped or length != seen:  # a look that found nothing wakes nobody
+                    follower.changed.notify_all()
             if data:
                 woke = False
                 in_a_row += 1
@@ -4324,16 +4454,16 @@ class SessionManager:
         finally:
             os.close(fd)
 
-    @staticmethod
-    def await_agent_output(agent_dir: Path, cursor: int) -> bool:
+    def await_agent_output(self, agent_dir: Path, cursor: int) -> bool:
         """Sleep until the agent has bytes past `cursor` (or a second passed), so a follower
-        learns of output at once instead of at its next file poll. The agent's `read` changes
-        nothing, so the follower stays passive. False when no agent answers (a paused or
-        snapshotted session): the caller falls back to polling the file."""
+        learns of output at once instead of at its next file poll; on a kept connection, so
+        each wake-up costs no connect. The agent's `read` changes nothing, so the follower stays
+        passive. False when no agent answers (a paused or snapshotted session): the caller falls
+        back to polling the file."""
         try:
-            agent_call(agent_dir, "read",
-                       {"offset": cursor, "max_bytes": MIN_READ_BYTES, "wait_ms": SSE_LONG_POLL_MS},
-                       timeout_s=SSE_LONG_POLL_MS / 1000 + 1.0)
+            agent_exchange(agent_dir, "read",
+                           {"offset": cursor, "max_bytes": MIN_READ_BYTES, "wait_ms": SSE_LONG_POLL_MS},
+                           timeout_s=SSE_LONG_POLL_MS / 1000 + 1.0, connections=self.agent_connections)
             return True
         except AgentCallError:
             return False
@@ -4427,6 +4557,7 @@ class SessionManager:
         if self.model_proxy is not None:
             self.model_proxy.close()
         self.egress_proxy.close()
+        self.agent_connections.close()
         self.store.close()
 
 
@@ -5784,6 +5915,73 @@ def load_static(web_dir: Path) -> dict[str, tuple[str, bytes]]:
     return files
 
 
+class RequestThreads:
+    """The threads that serve the HTTP connections, one a connection: a new connection goes to
+    a thread that waits for one (its last connection ended) when there is one, else to a new
+    thread. Starting a thread cost the accept loop more than anything else it does per
+    connection, and a client on a new connection waited for it; a hand-over to a waiting thread
+    is one lock's release. At most `spare` wait; the rest end with their connection."""
+
+    def __init__(self, serve: Callable[[Any, Any], None], spare: int) -> None:
+        self._serve = serve
+        self._spare = spare
+        self._lock = threading.Lock()
+        self._waiting: list[_HandOver] = []
+        self._closed = False
+
+    @property
+    def waiting(self) -> int:
+        with self._lock:
+            return len(self._waiting)
+
+    def run(self, request: Any, address: Any) -> None:
+        with self._lock:
+            waiting = self._waiting.pop() if self._waiting else None
+        if waiting is None:
+            threading.Thread(target=self._work, args=(request, address), daemon=True,
+                             name="request").start()
+        else:
+            waiting.give((request, address))
+
+    def _work(self, request: Any, address: Any) -> None:
+        while True:
+            self._serve(request, address)
+            hand_over = _HandOver()
+            with self._lock:
+                if self._closed or len(self._waiting) >= self._spare:
+                    return
+                self._waiting.append(hand_over)
+            connection = hand_over.take()
+            if connection is None:  # closed while it waited
+                return
+            request, address = connection
+
+    def close(self) -> None:
+        """The waiting threads end; a connection still served ends its thread with it."""
+        with self._lock:
+            self._closed = True
+            waiting, self._waiting = self._waiting, []
+        for hand_over in waiting:
+            hand_over.give(None)
+
+
+class _HandOver:
+    """One connection (or None: end) passed from the accept loop to one waiting thread."""
+
+    def __init__(self) -> None:
+        self._given = threading.Lock()
+        self._given.acquire()
+        self._connection: Optional[tuple[Any, Any]] = None
+
+    def give(self, connection: Optional[tuple[Any, Any]]) -> None:
+        self._connection = connection
+        self._given.release()
+
+    def take(self) -> Optional[tuple[Any, Any]]:
+        self._given.acquire()
+        return self._connection
+
+
 class ServeHTTPServer(http.server.ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
@@ -5794,9 +5992,17 @@ class ServeHTTPServer(http.server.ThreadingHTTPServer):
         if ":" in address[0]:
             self.address_family = socket.AF_INET6
         super().__init__(address, ApiHandler)
+        self.request_threads = RequestThreads(self.process_request_thread, SPARE_REQUEST_THREADS)
         self.manager = manager
         self.static = static
         self.policy = AccessPolicy(token, hosts)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        self.request_threads.run(request, client_address)
+
+    def server_close(self) -> None:
+        self.request_threads.close()
+        super().server_close()
 
 
 class ApiHandler(http.server.BaseHTTPRequestHandler):

@@ -37,6 +37,48 @@ def test_one_request_one_response_per_connection(shell):
     assert reply["id"] == "r1" and reply["result"]["type"] == "status"
 
 
+def test_a_kept_connection_serves_one_request_after_another(shell):
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(10)
+        sock.connect(str(shell.agent_dir / agent.SOCKET_NAME))
+        answers = sock.makefile("rb")
+        for number in range(3):
+            sock.sendall(json.dumps({"id": f"k{number}", "method": "status", "params": {}, "keep": True}).encode()
+                         + b"\n")
+            reply = json.loads(answers.readline())
+            assert reply["id"] == f"k{number}" and reply["result"]["type"] == "status"
+        sock.sendall(b'{"id":"last","method":"status","params":{}}\n')  # without keep: the agent closes after it
+        assert json.loads(answers.readline())["id"] == "last"
+        assert answers.read() == b""
+
+
+def test_a_request_pipelined_on_a_kept_connection_is_refused_and_closes_it(shell):
+    line = b'{"id":"p","method":"status","params":{},"keep":true}\n'
+    reply = response(raw_exchange(shell.session_dir, line + line))
+    assert reply["error"]["code"] == "invalid_request" and "data follows the request line" in reply["error"]["message"]
+
+
+def test_keep_must_be_a_boolean(shell):
+    reply = response(raw_exchange(shell.session_dir, b'{"id":"b","method":"status","params":{},"keep":1}\n'))
+    assert reply == {"id": "b", "error": {"code": "invalid_request", "message": "keep must be true or false"}}
+
+
+def test_a_kept_connection_left_idle_is_closed_and_the_agent_serves_on(shell):
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(agent.CLIENT_IDLE_TIMEOUT_S + 5)
+        sock.connect(str(shell.agent_dir / agent.SOCKET_NAME))
+        sock.sendall(b'{"id":"i","method":"status","params":{},"keep":true}\n')
+        answers = sock.makefile("rb")
+        assert json.loads(answers.readline())["id"] == "i"
+        assert answers.read() == b""  # nothing more sent: closed by the agent at its idle bound, nothing said
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:  # a client that closes a kept one itself
+        sock.settimeout(10)
+        sock.connect(str(shell.agent_dir / agent.SOCKET_NAME))
+        sock.sendall(b'{"id":"c","method":"status","params":{},"keep":true}\n')
+        assert json.loads(sock.makefile("rb").readline())["id"] == "c"
+    assert shell.status()["turn_state"] == "idle"
+
+
 @pytest.mark.parametrize("payload, request_id, fragment", [
     (b"garbage\n", "", "not a JSON document"),
     (b'{"id":"m1","method":"nope","params":{}}\n', "m1", "unknown method 'nope'"),

@@ -501,3 +501,156 @@ def test_an_answer_that_brings_nothing_paces_the_next_poll() -> None:
     clock.now += 4.0  # a real long-poll: no wait added
     wait.not_yet()
     assert len(stopping.waits) == 1
+
+
+# -- kept connections (AgentConnections): reused while young and quiet, replaced when closed ----
+
+
+class KeepingFake:
+    """A server on DIR/control.sock that takes every connection and answers each request line
+    on it by the next step of `plan`: "answer" (a valid status answer, the connection kept
+    open), "hang up" (closed unanswered, as an agent closing an idle client at that moment), or
+    "answer, then a byte" (the answer, then, once `cue` is set, an unasked byte: `stray_sent`)."""
+
+    def __init__(self, directory: Path, plan: list[str]) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(str(directory / "control.sock"))
+        self.sock.listen(4)
+        self.plan = list(plan)
+        self.accepted = 0
+        self.requests: list[dict[str, Any]] = []
+        self.cue = threading.Event()
+        self.stray_sent = threading.Event()
+        self.open: list[socket.socket] = []
+        self.thread = threading.Thread(target=self.serve, daemon=True)
+        self.thread.start()
+
+    def serve(self) -> None:
+        while self.plan:
+            try:
+                connection, _ = self.sock.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            self.open.append(connection)
+            for line in self.lines(connection):
+                self.requests.append(json.loads(line))
+                step = self.plan.pop(0)
+                if step == "hang up":
+                    connection.close()
+                    break
+                connection.sendall(b'{"id":"serve","result":' + json.dumps(STATUS).encode() + b"}\n")
+                if step == "answer, then a byte":
+                    self.cue.wait(30)
+                    connection.sendall(b"{")
+                    self.stray_sent.set()
+                if not self.plan:
+                    return
+
+    @staticmethod
+    def lines(connection: socket.socket) -> Iterator[bytes]:
+        """Its request lines until the client closes it (unread bytes of ours in its buffer reset it)."""
+        try:
+            yield from connection.makefile("rb")
+        except ConnectionResetError:
+            return
+
+    def close(self) -> None:
+        self.cue.set()
+        self.sock.close()
+        self.thread.join(timeout=30)
+        for connection in self.open:
+            connection.close()
+
+
+def test_kept_connections_carry_one_call_after_another_to_the_real_agent(
+        start_agent: Callable[..., AgentProcess]) -> None:
+    shell = start_agent("--workload", "shell")
+    connections = reploy_serve.AgentConnections()
+    try:
+        kept = []
+        for _ in range(3):
+            assert reploy_serve.agent_exchange(shell.agent_dir, "status", {}, connections=connections)[0]["workload"] == "shell"
+            identity = reploy_serve.socket_identity(shell.agent_dir)
+            sock = connections.take(shell.agent_dir, identity)
+            assert sock is not None and identity is not None
+            kept.append(sock)
+            connections.keep(shell.agent_dir, sock, identity)
+        assert kept[0] is kept[1] is kept[2]  # one connection carried all three
+    finally:
+        connections.close()
+
+
+def test_a_kept_connection_closed_under_a_call_is_replaced_once(box: Path) -> None:
+    fake = KeepingFake(box, ["answer", "hang up", "answer"])
+    connections = reploy_serve.AgentConnections()
+    try:
+        for _ in range(2):
+            assert reploy_serve.agent_exchange(box, "status", {}, connections=connections)[0]["workload"] == "shell"
+        assert fake.accepted == 2 and len(fake.requests) == 3
+        assert all(request["keep"] is True for request in fake.requests)
+    finally:
+        connections.close()
+        fake.close()
+
+
+def test_a_kept_connection_with_an_unasked_byte_on_it_is_never_reused(box: Path) -> None:
+    fake = KeepingFake(box, ["answer, then a byte", "answer"])
+    connections = reploy_serve.AgentConnections()
+    try:
+        reploy_serve.agent_exchange(box, "status", {}, connections=connections)
+        fake.cue.set()
+        assert fake.stray_sent.wait(30)
+        assert reploy_serve.agent_exchange(box, "status", {}, connections=connections)[0]["workload"] == "shell"
+        assert fake.accepted == 2  # the second call went on a new connection, never reading the `{`
+    finally:
+        connections.close()
+        fake.close()
+
+
+def test_a_kept_connection_is_not_reused_once_another_socket_is_in_its_place(box: Path) -> None:
+    """As a stand-in or a relaunched agent takes the path: serve talks to what is there now."""
+    first = KeepingFake(box, ["answer"])
+    connections = reploy_serve.AgentConnections()
+    second = None
+    try:
+        reploy_serve.agent_exchange(box, "status", {}, connections=connections)
+        (box / "control.sock").rename(box / "aside.sock")
+        second = KeepingFake(box, ["answer"])
+        reploy_serve.agent_exchange(box, "status", {}, connections=connections)
+        assert (first.accepted, len(first.requests)) == (1, 1)
+        assert (second.accepted, len(second.requests)) == (1, 1)
+    finally:
+        connections.close()
+        first.close()
+        if second is not None:
+            second.close()
+
+
+def test_a_call_without_kept_connections_asks_for_none(box: Path) -> None:
+    fake = KeepingFake(box, ["answer"])
+    try:
+        reploy_serve.agent_exchange(box, "status", {})
+        assert "keep" not in fake.requests[0]
+    finally:
+        fake.close()
+
+
+def test_kept_connections_expire_and_are_bounded_per_session(tmp_path: Path) -> None:
+    now = [0.0]
+    connections = reploy_serve.AgentConnections(clock=lambda: now[0])
+    pairs = [socket.socketpair() for _ in range(reploy_serve.AGENT_KEPT_PER_SESSION + 1)]
+    try:
+        for ours, _ in pairs:
+            connections.keep(tmp_path, ours, (1, 2))
+        assert pairs[-1][0].fileno() == -1  # one past the bound: closed, not kept
+        taken = connections.take(tmp_path, (1, 2))
+        assert taken is pairs[-2][0]
+        connections.keep(tmp_path, taken, (1, 2))
+        now[0] = reploy_serve.AGENT_KEPT_IDLE_S
+        assert connections.take(tmp_path, (1, 2)) is None  # too old to trust the agent still holds them
+        assert all(ours.fileno() == -1 for ours, _ in pairs)
+    finally:
+        for ours, theirs in pairs:
+            ours.close()
+            theirs.close()

@@ -29,6 +29,7 @@ import reploy  # noqa: E402
 import session_platform_rules  # noqa: E402  (the reference's route table, not production's)
 import reploy_serve  # noqa: E402
 from reploy_serve import SessionEvent as E, SessionState as S  # noqa: E402
+from agent_fixtures import harness as agent_harness  # noqa: E402
 
 # -- the state machine ------------------------------------------------------------------------
 
@@ -1106,3 +1107,55 @@ import sys; sys.path.insert(0, {str(ROOT)!r}); import reploy
 print("reploy_serve" in sys.modules, "sqlite3" in sys.modules, "http.server" in sys.modules)
 """], capture_output=True, timeout=60)
     assert proc.stdout == b"False False False\n", proc.stderr
+
+
+# -- the HTTP connections' threads (RequestThreads) ---------------------------------------------
+
+
+def _served_by(threads: reploy_serve.RequestThreads, served: list[tuple[str, int]],
+               done: threading.Semaphore, request: str) -> int:
+    threads.run(request, None)
+    assert done.acquire(timeout=30)
+    return served[-1][1]
+
+
+def test_a_new_connection_goes_to_a_thread_whose_connection_ended() -> None:
+    served: list[tuple[str, int]] = []
+    done = threading.Semaphore(0)
+
+    def serve(request: Any, address: Any) -> None:
+        served.append((request, threading.get_ident()))
+        done.release()
+
+    threads = reploy_serve.RequestThreads(serve, spare=1)
+    first = _served_by(threads, served, done, "a")
+    agent_harness.wait_until(lambda: threads.waiting == 1, "the thread to wait for a connection")
+    assert _served_by(threads, served, done, "b") == first
+    assert [request for request, _ in served] == ["a", "b"]
+    agent_harness.wait_until(lambda: threads.waiting == 1, "the thread to wait again")
+    threads.close()
+    agent_harness.wait_until(lambda: all(t.ident != first for t in threading.enumerate()),
+                             "the waiting thread to end at close")
+
+
+def test_no_more_threads_wait_than_the_spare_bound() -> None:
+    release = threading.Event()
+    started = threading.Semaphore(0)
+    idents: set[int] = set()
+
+    def serve(request: Any, address: Any) -> None:
+        idents.add(threading.get_ident())
+        started.release()
+        assert release.wait(30)
+
+    threads = reploy_serve.RequestThreads(serve, spare=1)
+    for request in range(3):  # three at once: three threads
+        threads.run(request, None)
+    for _ in range(3):
+        assert started.acquire(timeout=30)
+    assert len(idents) == 3
+    release.set()
+    agent_harness.wait_until(lambda: sum(t.ident in idents for t in threading.enumerate()) == 1,
+                             "all but the one spare thread to end")
+    assert threads.waiting == 1
+    threads.close()
