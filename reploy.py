@@ -285,7 +285,9 @@ CALL_TAG = "call:"
 #: A read from the workload's PTY this large means it is writing in bulk (the Engine hands
 #: output over in chunks of about 4 KiB): the PTY is then read again only after
 #: OUTPUT_COALESCE_S, so a flood crosses to the attachment in frames of tens of KiB instead of
-#: thousands of 4 KiB ones. Small output (an echo, a prompt) still goes at once.
+#: thousands of 4 KiB ones. Small output (an echo, a prompt) still goes at once, and so does
+#: the next read after a full one (TERMINAL_CHUNK_BYTES): more is waiting already, and pausing
+#: then capped a flood at one chunk per pause (64 MiB/s).
 OUTPUT_BULK_READ_BYTES = 1024
 OUTPUT_COALESCE_S = 0.001
 #: A session without endpoint grants: each container has a network namespace of its own
@@ -3269,7 +3271,7 @@ class TerminalRelay:
                 self.pty_eof = True
                 self.interest.set(self.pty, self.on_pty, 0)
                 return
-            if len(data) >= OUTPUT_BULK_READ_BYTES:
+            if OUTPUT_BULK_READ_BYTES <= len(data) < wire.TERMINAL_CHUNK_BYTES:
                 self.read_after_s = time.monotonic() + OUTPUT_COALESCE_S
             self.send_output(data)
 
