@@ -218,8 +218,8 @@ CLIENT_MODULE_DIR = f"{CLIENT_PREFIX}/lib/reploy"
 CLIENT_MODULE_PATH = f"{CLIENT_MODULE_DIR}/{CLIENT_SOURCE.name}"
 #: The installed command imports the client rather than running it as a script, because only
 #: an import takes bytecode: the broker and `attach` both start before the workload may, and
-#: compiling the client's source took each of them about 60 ms (the root is read-only, so
-#: nothing compiled in a session is ever kept).
+#: compiling the client's source took each of them 8 ms on a quiet machine, about 60 under
+#: load (the root is read-only, so nothing compiled in a session is ever kept).
 CLIENT_LAUNCHER = (
     "#!/usr/bin/env python3\n"
     f'"""reploy-session-client: runs {CLIENT_MODULE_PATH} from its bytecode."""\n'
