@@ -1718,10 +1718,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     return run_attach(args.socket, sys.stdin.fileno(), sys.stdout.fileno())
 
 
-if __name__ == "__main__":
+def run_as_program() -> None:
+    """main() as the whole process: run as a script, or imported by the launcher a derived
+    controller image installs (which finds this module's bytecode; a script's never is)."""
     exit_code = main()
     sys.stdout.flush()
     sys.stderr.flush()
     # Everything main() opened is closed and written; the interpreter's own teardown is all
     # that remains, and a session's end waits for it twice (attach's exit, the broker's).
     os._exit(exit_code)
+
+
+if __name__ == "__main__":
+    run_as_program()

@@ -6,7 +6,7 @@ measured in this same run, on this same machine, interleaved with the figure it 
 absolute times drift on a shared machine, ratios hold. A short table goes to stderr at the
 end. bench/README.md says what each figure means.
 
-  python3 bench/bench_sessions.py [--ready-only] [--against CHECKOUT]
+  python3 bench/bench_sessions.py [--ready-only | --stream-only] [--against CHECKOUT]
 
 The sessions run a bench controller (bench/controller, staged with the example driver
 library) against the example busybox workload, through `python3 reploy.py controlled-session
@@ -504,11 +504,8 @@ def conclude_all(pending: list[Pending]) -> None:
         raise failures[0]
 
 
-def measure(bench: Bench, ready_only: bool, other: Bench | None) -> list[dict[str, Any]]:
-    log("warm-up session (builds the derived controller image)")
-    bench.session("session")
-    if other is not None:
-        other.session("session")
+def ready_figures(bench: Bench, other: Bench | None) -> tuple[list[dict[str, Any]], ReadyRuns]:
+    """Ready and teardown, of every kind, interleaved (ready_and_teardown)."""
     log(f"ready and teardown: {READY_RUNS} sessions, {READY_RUNS} granted sessions, "
         f"{READY_RUNS} SDK baselines in each order"
         + (f" and {READY_RUNS} sessions of the other checkout" if other is not None else ""))
@@ -532,22 +529,53 @@ def measure(bench: Bench, ready_only: bool, other: Bench | None) -> list[dict[st
             figure("session_teardown_vs_against", "ms", [run.teardown_ms for run in sessions],
                    [run.teardown_ms for run in runs.other_sessions]),
         ]
-    if ready_only:
+    return figures, runs
+
+
+def stream_report(bench: Bench) -> dict[str, Any]:
+    """One session's throughput rounds and echo round trips, as its controller measured them."""
+    return bench.session("stream", str(THROUGHPUT_ROUNDS), str(THROUGHPUT_BYTES),
+                         str(ECHO_KEYSTROKES)).report
+
+
+def stream_figures(bench: Bench, other: Bench | None) -> list[dict[str, Any]]:
+    """Throughput and echo of one session between two direct attaches (and, with --against,
+    one session of the other checkout's right after ours, against the same direct ones)."""
+    log(f"throughput ({THROUGHPUT_ROUNDS} x {THROUGHPUT_BYTES // MIB} MiB) and echo "
+        f"({ECHO_KEYSTROKES} keystrokes): a direct attach, one session"
+        + (", one of the other checkout" if other is not None else "")
+        + ", a direct attach again")
+    before = direct_stream(bench)
+    stream = stream_report(bench)
+    other_stream = stream_report(other) if other is not None else None
+    after = direct_stream(bench)
+    direct_mib_s = before["throughput_mib_s"] + after["throughput_mib_s"]
+    direct_echo_ms = before["echo_ms"] + after["echo_ms"]
+    figures = [figure("terminal_throughput", "MiB/s", stream["throughput_mib_s"], direct_mib_s),
+               figure("keystroke_echo", "ms", stream["echo_ms"], direct_echo_ms)]
+    if other_stream is not None:
+        figures += [figure("terminal_throughput_against", "MiB/s",
+                           other_stream["throughput_mib_s"], direct_mib_s),
+                    figure("keystroke_echo_against", "ms", other_stream["echo_ms"],
+                           direct_echo_ms)]
+    return figures
+
+
+def measure(bench: Bench, only: str | None, other: Bench | None) -> list[dict[str, Any]]:
+    log("warm-up session (builds the derived controller image)")
+    bench.session("session")
+    if other is not None:
+        other.session("session")
+    if only == "stream":
+        return stream_figures(bench, other)
+    figures, runs = ready_figures(bench, other)
+    if only == "ready":
         return figures
     log(f"ready without a cached derived controller image: {UNCACHED_RUNS} sessions")
+    cached = [run.ready_ms for run in runs.sessions]
     figures.append(figure("session_ready_uncached", "ms", uncached_ready_ms(bench), cached))
-    log(f"throughput ({THROUGHPUT_ROUNDS} x {THROUGHPUT_BYTES // MIB} MiB) and echo "
-        f"({ECHO_KEYSTROKES} keystrokes): a direct attach, one session, a direct attach again")
-    before = direct_stream(bench)
-    stream = bench.session("stream", str(THROUGHPUT_ROUNDS), str(THROUGHPUT_BYTES),
-                           str(ECHO_KEYSTROKES)).report
-    after = direct_stream(bench)
-    figures += [
-        figure("terminal_throughput", "MiB/s", stream["throughput_mib_s"],
-               before["throughput_mib_s"] + after["throughput_mib_s"]),
-        figure("keystroke_echo", "ms", stream["echo_ms"], before["echo_ms"] + after["echo_ms"]),
-    ]
-    sdk_rss_mib = [run.report["rss_bytes"] / MIB for run in baselines]
+    figures += stream_figures(bench, None)
+    sdk_rss_mib = [run.report["rss_bytes"] / MIB for run in runs.baselines]
     for count in DENSITY_SESSIONS:
         log(f"host memory with {count} live session(s)")
         figures.append(figure(f"host_rss_per_session_{count}", "MiB", density_mib(bench, count),
@@ -557,11 +585,15 @@ def measure(bench: Bench, ready_only: bool, other: Bench | None) -> list[dict[st
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="bench_sessions.py")
-    parser.add_argument("--ready-only", action="store_true",
-                        help="only the ready and teardown figures")
+    only = parser.add_mutually_exclusive_group()
+    only.add_argument("--ready-only", dest="only", action="store_const", const="ready",
+                      help="only the ready and teardown figures")
+    only.add_argument("--stream-only", dest="only", action="store_const", const="stream",
+                      help="only the throughput and echo figures")
     parser.add_argument("--against", type=Path, metavar="CHECKOUT",
                         help="also time sessions of this checkout's role files (e.g. a "
-                             "worktree of main), interleaved: the *_vs_against figures")
+                             "worktree of main), interleaved: the *_vs_against figures (with "
+                             "--stream-only, the *_against figures)")
     args = parser.parse_args(argv)
     if args.against is not None and not all((args.against / name).is_file()
                                             for name in ROLE_FILES):
@@ -572,7 +604,7 @@ def main(argv: list[str]) -> int:
         bench = prepare(work)
         try:
             other = against(bench, args.against) if args.against is not None else None
-            figures = measure(bench, args.ready_only, other)
+            figures = measure(bench, args.only, other)
         finally:
             left = sweep(bench)
         if left:

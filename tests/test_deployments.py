@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,29 @@ def test_derived_controller_image_is_cached_and_adds_one_layer(docker_engine: An
     base = docker_engine.images.get(base_id)
     assert derived.attrs["RootFS"]["Layers"][:-1] == base.attrs["RootFS"]["Layers"]
     assert derived.labels[reploy.LABEL_DERIVED_BASE] == base_id
+
+
+def test_the_derived_image_runs_the_client_from_the_layers_bytecode(
+        docker_engine: Any, deployments: dict[str, Path]) -> None:
+    """In the example controller (Debian's python3, this interpreter's version), on a
+    read-only root as in a session, the installed command imports the client from the
+    bytecode the host compiled into the layer: the broker and `attach` compile nothing."""
+    controller = reploy.load_deployment(deployments["controller"])
+    derived = reploy.ensure_controller_image(reploy.DockerBackend(), controller.current.image_id)
+    bytecode = (f"{reploy.CLIENT_MODULE_DIR}/__pycache__/reploy_session_client."
+                f"{sys.implementation.cache_tag}.pyc")
+    container = docker_engine.containers.create(
+        derived, ["reploy-session-client", "--version"], user="1000:1000", read_only=True,
+        environment={"PYTHONVERBOSE": "1"}, labels={LABEL_RUN: "h5-derived-bytecode"})
+    try:
+        container.start()
+        assert container.wait(timeout=60)["StatusCode"] == 0
+        assert container.logs(stdout=True, stderr=False) == \
+            f"reploy-session-client {reploy.__version__}\n".encode()
+        assert f"code object from '{bytecode}'".encode() in container.logs(stdout=False,
+                                                                          stderr=True)
+    finally:
+        container.remove(force=True)
 
 
 def test_controller_without_python_is_refused_clearly(docker_engine: Any,

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import itertools
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -374,3 +377,53 @@ def test_a_root_supervisor_keeps_only_setuid_setgid_setpcap_and_kill() -> None:
         assert host["CapDrop"] == ["ALL"] and host["ReadonlyRootfs"] is True
         assert host["SecurityOpt"] == ["no-new-privileges:true"]
         assert "uid=1000,gid=1000" in host["Tmpfs"][reploy.CONTAINER_HOME] and "uid=1000" in host["Tmpfs"]["/tmp"]
+
+
+def installed_client(root: Path) -> Path:
+    """The derived layer's files written under `root` as the layer installs them under
+    CLIENT_PREFIX; the client module's directory."""
+    for path, data, mode in reploy.derived_layer_files():
+        target = root / path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+        target.chmod(mode)
+    return root / reploy.CLIENT_MODULE_DIR.removeprefix(f"{reploy.CLIENT_PREFIX}/")
+
+
+def bytecode_path(module_dir: Path) -> Path:
+    """Where this interpreter looks for the client's bytecode."""
+    return module_dir / "__pycache__" / f"reploy_session_client.{sys.implementation.cache_tag}.pyc"
+
+
+def import_verbosely(module_dir: Path) -> str:
+    """What `python3 -v` says while importing the client from `module_dir` (stderr)."""
+    proc = subprocess.run(
+        [sys.executable, "-v", "-c", f"import sys; sys.path.insert(0, {str(module_dir)!r}); "
+         "import reploy_session_client"],
+        capture_output=True, timeout=30, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stderr.decode(errors="replace")
+
+
+def test_the_derived_layer_installs_a_launcher_the_client_and_its_bytecode(
+        tmp_path: Path) -> None:
+    """An interpreter of this version imports the client from the layer's bytecode, the
+    client's source beside it unchanged, so the broker and `attach` compile nothing."""
+    module_dir = installed_client(tmp_path)
+    launcher = (tmp_path / "bin/reploy-session-client").read_text()
+    assert launcher.startswith("#!/usr/bin/env python3\n")
+    assert f"sys.path[0] = {reploy.CLIENT_MODULE_DIR!r}" in launcher
+    assert (module_dir / "reploy_session_client.py").read_bytes() == \
+        reploy.CLIENT_SOURCE.read_bytes()
+    assert f"code object from '{bytecode_path(module_dir)}'" in import_verbosely(module_dir)
+
+
+def test_the_layers_bytecode_is_refused_for_any_other_source(tmp_path: Path) -> None:
+    """Checked against the source's hash: a client changed after the build is compiled from
+    its source, never run from bytecode of another."""
+    module_dir = installed_client(tmp_path)
+    source = module_dir / "reploy_session_client.py"
+    source.write_bytes(source.read_bytes() + b"\n# changed\n")
+    said = import_verbosely(module_dir)
+    assert f"code object from '{bytecode_path(module_dir)}'" not in said
+    assert f"code object from {source}\n" in said  # compiled from the source

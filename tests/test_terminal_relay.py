@@ -182,6 +182,25 @@ def test_bulk_output_is_coalesced_and_an_echo_is_not(harness: RelayHarness) -> N
                                + b"y" * reploy.OUTPUT_BULK_READ_BYTES)
 
 
+def test_a_full_read_is_followed_at_once(harness: RelayHarness) -> None:
+    """A read that fills a whole chunk means more is waiting: the next read is not put off
+    (a pause after each full chunk capped a flood at one chunk per OUTPUT_COALESCE_S)."""
+    peer = harness.attach_raw()
+    harness.engine.sendall(b"z" * (TERMINAL_CHUNK_BYTES + 1))  # one full read, one more byte
+    payloads: list[bytes] = []
+
+    def delivered() -> bool:
+        if select.select([peer.sock], [], [], 0)[0]:
+            peer.receive_once(time.monotonic() + WAIT_S)  # readable: it does not wait
+        while peer.frames:
+            payloads.append(peer.frames.popleft().payload)
+        return sum(map(len, payloads)) > TERMINAL_CHUNK_BYTES
+
+    harness.pump(delivered, "deliver the full chunk and the byte after it")
+    assert [len(payload) for payload in payloads] == [TERMINAL_CHUNK_BYTES, 1]
+    assert harness.relay.read_after_s == 0.0  # neither read put the next one off
+
+
 def test_the_pty_is_not_read_while_the_attachment_lags(harness: RelayHarness) -> None:
     """Backpressure without credit: output queued for an attachment that does not read stays
     bounded, the PTY is left unread meanwhile, and once the attachment reads, all of it

@@ -178,14 +178,11 @@ def no_attach(session, report):
 
 
 def wire_codec():
-    """The private framing, from the client the derived image installs (the host's own)."""
-    import importlib.machinery
-    import importlib.util
-    loader = importlib.machinery.SourceFileLoader("wire", "/usr/local/bin/reploy-session-client")
-    module = importlib.util.module_from_spec(importlib.util.spec_from_loader("wire", loader))
-    sys.modules["wire"] = module  # its dataclasses look themselves up there
-    loader.exec_module(module)
-    return module
+    """The private framing, from the client the derived image installs (the host's own), as
+    its command imports it."""
+    sys.path.insert(0, "/usr/local/lib/reploy")
+    import reploy_session_client
+    return reploy_session_client
 
 
 def rogue_handover(session, report):
