@@ -40,7 +40,7 @@ def test_framer_rejects_an_over_long_line_before_its_newline():
 
 
 def test_framer_rejects_data_after_the_line():
-    with pytest.raises(agent.RequestError, match="one request per connection"):
+    with pytest.raises(agent.RequestError, match="one request at a time"):
         agent.RequestFramer().feed(b"{}\n{}")
 
 
