@@ -2542,7 +2542,7 @@ class AgentConnections:
                 sock, made_to, since = kept.pop()
                 if not kept:
                     del self._idle[agent_dir]
-            if made_to == identity and self._clock() - since < AGENT_KEPT_IDLE_S and _is_quiet(sock):
+            if made_to == identity and self._clock() - since < AGENT_KEPT_IDLE_S and is_quiet(sock):
                 return sock
             sock.close()
 
@@ -2568,17 +2568,14 @@ class AgentConnections:
                 sock.close()
 
 
-def _is_quiet(sock: socket.socket) -> bool:
+def is_quiet(sock: Any) -> bool:
     """Nothing to read on an idle connection, and no hang-up: the peer waits for a request.
-    (Non-blocking first: a socket with a timeout would wait that long for a byte.)"""
-    sock.setblocking(False)
-    try:
-        sock.recv(1, socket.MSG_PEEK)
-    except BlockingIOError:
-        return True
-    except OSError:
-        return False
-    return False
+    A kept connection that is readable holds its peer's close, or bytes nobody asked for, and
+    is closed instead of reused. poll, not select: a serve with many sessions has fds past
+    select's 1024."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return not poller.poll(0)
 
 
 #: The stable words an agent's file and exec errors start with (docs/agent.md, "Errors of the
@@ -4996,12 +4993,12 @@ class UpstreamConnection(http.client.HTTPConnection):
 # -- the proxy's I/O: per-session sockets on the host, one thread per connection ------------
 
 def idle_intact(connection: http.client.HTTPConnection) -> bool:
-    """An idle connection with nothing to read is taken as open: one that is readable holds
-    the upstream's close (or bytes no request asked for) and is closed instead."""
+    """An idle upstream connection is taken as open when is_quiet, and nothing of the upstream's
+    is already in its TLS buffers."""
     sock = connection.sock
     if sock is None or (isinstance(sock, (ssl.SSLSocket, BatchedTLSSocket)) and sock.pending()):
         return False
-    return not select.select([sock], [], [], 0)[0]
+    return is_quiet(sock)
 
 
 def read_model_request(conn: socket.socket) -> tuple[ModelRequest, bytes]:
