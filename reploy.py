@@ -1513,6 +1513,9 @@ class HostCore:
         if state.cause is None:
             self.set(phase=next_phase(state.phase, Transition.TERMINATE),
                      cause=Cause.STARTUP_FAILURE)
+        if state.session_result is not None:  # `terminated` was sent: its delivery and
+            # acknowledgement are no longer waited for, so neither is claimed
+            self.set(result_delivered=state.result_delivered is True, result_acknowledged=False)
         self.begin_tail()
 
     def on_started(self, event: Started) -> None:

@@ -574,6 +574,21 @@ class ModelExecutor:
         return True
 
 
+def test_an_internal_error_while_terminated_is_delivered_still_gives_a_valid_result() -> None:
+    """Found by the property test below: a bug reported after `terminated` went out, before its
+    delivery was decided, left result_delivered null beside a session_result."""
+    model = ModelExecutor(cooperative=False)
+    for event in (Planned(), OutputPrepared(None, staged=True), Created(Role.CONTROLLER), Begin(), ChannelConnected(),
+                  reploy.AttachmentRejected(reason="not a socket"), reploy.InternalError(text="bug")):
+        model.feed(event)
+    while model.tick():
+        pass
+    result = [a for a in model.actions if isinstance(a, Finish)][0].result
+    result.error = result.summary()
+    contract_rules.check_reploy_result_line(result.encode())
+    assert (result.result_delivered, result.result_acknowledged) == (False, False)
+
+
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(OUTSIDE_EVENTS, max_size=40), st.booleans(), st.booleans(), st.booleans())
 def test_any_order_of_events_keeps_the_contract(events: list[Any], holder: bool,
