@@ -256,6 +256,10 @@ OUTPUT_FINALIZATION_TIMEOUT_MS = 30_000
 #: Default resource limits when a blueprint does not declare them.
 DEFAULT_MEMORY_MIB = 512
 DEFAULT_PIDS = 256
+#: The least pids limit any container gets. The engine's `runc init` runs inside the
+#: container's cgroup before the exec, and its Go threads count as pids: with a limit of 4, one
+#: start in about a hundred under CPU load failed with "cannot start a stopped process".
+MIN_PIDS = 16
 #: Bytes of a controller container's log copied to the host's stderr at teardown.
 CONTROLLER_LOG_TAIL_BYTES = 64 * 1024
 #: The python probe: a short-lived session container, made like the controller's, that runs the
@@ -300,7 +304,7 @@ NETWORK_NONE = "none"
 HOLDER_COMMAND = ("python3", "-S", "-c", "import signal; signal.pause()")
 HOLDER_UID_GID = 65534
 HOLDER_MEMORY_MIB = 32
-HOLDER_PIDS = 4
+HOLDER_PIDS = MIN_PIDS
 HOLDER_HOSTNAME = "session"
 WORKLOAD_HOST = "workload"
 
@@ -591,8 +595,8 @@ def _parse_runtime(doc: Any) -> Runtime:
     pids = _field(doc, "environment.runtime.pids", int, False, DEFAULT_PIDS)
     if not 16 <= memory <= 65536:
         raise BlueprintError("environment.runtime.memory_mib: must be 16..65536")
-    if not 16 <= pids <= 65536:
-        raise BlueprintError("environment.runtime.pids: must be 16..65536")
+    if not MIN_PIDS <= pids <= 65536:
+        raise BlueprintError(f"environment.runtime.pids: must be {MIN_PIDS}..65536")
     return Runtime(int(match.group(1)), int(match.group(2)), tuple(paths), memory, pids)
 
 
