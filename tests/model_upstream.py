@@ -186,6 +186,7 @@ class FakeMessagesApi:
             protocol_version = "HTTP/1.1"  # keep-alive, as the API's own servers
 
             def setup(self) -> None:
+                self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 with lock:
                     api.connections += 1
                     api._open.add(self.request)
