@@ -4791,13 +4791,17 @@ class WholeEvents:
     def __init__(self) -> None:
         self._held = b""
 
-    def feed(self, data: bytes) -> memoryview:
-        """The whole events held and in data, as a view: no copy beyond joining the tail."""
-        if self._held:
-            data = self._held + data
+    def feed(self, data: bytes) -> tuple[bytes, memoryview]:
+        """The whole events held and in data, as two pieces to send in turn (send_pieces): the
+        tail held from before and a view of data, not copied. A blank line across the two ends
+        within data's first 3 bytes, so an end found in data past them is the last one; only
+        a read with none (a small one, or one inside a long event) is joined to the tail."""
         end = last_event_end(data)
-        self._held = data[end:]
-        return memoryview(data)[:end]
+        if end < len(b"\r\n\r\n"):
+            data, self._held = self._held + data, b""
+            end = last_event_end(data)
+        held, self._held = self._held, data[end:]
+        return held, memoryview(data)[:end]
 
     def finish(self) -> bytes:
         held, self._held = self._held, b""
@@ -4999,6 +5003,29 @@ def idle_intact(connection: http.client.HTTPConnection) -> bool:
     if sock is None or (isinstance(sock, (ssl.SSLSocket, BatchedTLSSocket)) and sock.pending()):
         return False
     return is_quiet(sock)
+
+
+def send_pieces(conn: socket.socket, pieces: Iterable[bytes | memoryview]) -> None:
+    """All the pieces, in order, with one gather write (sendmsg) while they fit: no join of
+    them into one copy first. Within the socket's timeout as a whole, as sendall: a client
+    that takes the answer a trickle at a time gets no new timeout per trickle."""
+    views = [memoryview(piece) for piece in pieces if len(piece)]
+    timeout = conn.gettimeout()
+    deadline = time.monotonic() + (math.inf if timeout is None else timeout)
+    try:
+        while views:
+            sent = conn.sendmsg(views)
+            while views and sent >= len(views[0]):
+                sent -= len(views.pop(0))
+            if views:  # the client's buffer is full: the rest within what is left of the timeout
+                views[0] = views[0][sent:]
+                if (left := deadline - time.monotonic()) <= 0:
+                    raise TimeoutError("the client did not take the answer in time")
+                if timeout is not None:
+                    conn.settimeout(left)
+    finally:
+        if conn.gettimeout() != timeout:
+            conn.settimeout(timeout)
 
 
 def read_model_request(conn: socket.socket) -> tuple[ModelRequest, bytes]:
@@ -5268,14 +5295,14 @@ class ModelProxy:
                 failure = f"the answer took over {MODEL_RESPONSE_TIMEOUT_S:.0f} s; it is cut here"
                 break
             safe = redactor.feed(chunk)
-            conn.sendall(events.feed(safe) if events else safe)
+            send_pieces(conn, events.feed(safe) if events else (safe,))
         tail = redactor.finish()
         if events is None:
             conn.sendall(tail)
         elif failure is None:
-            conn.sendall(b"".join((events.feed(tail), events.finish())))
+            send_pieces(conn, (*events.feed(tail), events.finish()))
         else:  # the cut event's start is dropped, so the error is an event of its own
-            conn.sendall(b"".join((events.feed(tail), model_sse_error(failure))))
+            send_pieces(conn, (*events.feed(tail), model_sse_error(failure)))
         return failure is None
 
 

@@ -175,7 +175,7 @@ SSE_TOKENS = st.sampled_from([b"\n", b"\r", b"\r\n", b"\n\n", b"data: x", b"even
 @given(st.lists(st.one_of(st.binary(max_size=30), st.lists(SSE_TOKENS, max_size=8).map(b"".join)), max_size=10))
 def test_whole_events_pass_on_every_byte_in_order_cut_at_the_last_blank_line(pieces: list[bytes]) -> None:
     events = rs.WholeEvents()
-    passed = [bytes(events.feed(piece)) for piece in pieces]
+    passed = [b"".join(events.feed(piece)) for piece in pieces]
     held = events.finish()
     assert all(p == b"" or p.endswith((b"\n\n", b"\r\n\r\n")) for p in passed)
     assert b"".join(passed) + held == b"".join(pieces)
@@ -183,12 +183,54 @@ def test_whole_events_pass_on_every_byte_in_order_cut_at_the_last_blank_line(pie
 
 
 @pytest.mark.parametrize("pieces", [[b"data: a\n", b"\ndata: b"], [b"data: a\r\n\r", b"\ndata: b"],
-                                    [b"data: a\r", b"\n\r\n"], [b"data: a", b"\n", b"\n"]])
+                                    [b"data: a\r", b"\n\r\n"], [b"data: a", b"\n", b"\n"],
+                                    [b"data: a\n", b"\ndata: b\n\ndata: c"],
+                                    [b"data: a\r\n", b"\r\ndata: b\r\n\r\ndata: c"]])
 def test_a_blank_line_split_across_two_reads_ends_the_event_at_once(pieces: list[bytes]) -> None:
     events = rs.WholeEvents()
-    passed = b"".join(bytes(events.feed(piece)) for piece in pieces)
+    passed = b"".join(b"".join(events.feed(piece)) for piece in pieces)
     assert passed.startswith(b"data: a") and passed.endswith((b"\n\n", b"\r\n\r\n"))
     assert b"data: a" not in events.finish()
+
+
+def test_a_read_ending_an_event_past_its_start_is_passed_on_as_a_view_not_a_copy() -> None:
+    events = rs.WholeEvents()
+    assert events.feed(b"data: a\n\ndata: b")[0] == b""
+    read = b"-more\n\ndata: c"
+    held, view = events.feed(read)
+    assert (held, bytes(view)) == (b"data: b", b"-more\n\n") and view.obj is read
+    assert events.finish() == b"data: c"
+
+
+# -- the send to the client: a gather write, bounded in time as a whole ------------------------
+
+
+def test_pieces_larger_than_the_socket_buffer_arrive_whole_and_in_order() -> None:
+    pieces = [bytes([n]) * size for n, size in enumerate((1, 300_000, 7, 700_000, 0, 3))]
+    left, right = socket.socketpair()
+    with left, right:
+        left.settimeout(30)
+        received = bytearray()
+
+        def read_all() -> None:
+            while data := right.recv(65536):
+                received.extend(data)
+        reader = threading.Thread(target=read_all)
+        reader.start()
+        rs.send_pieces(left, [pieces[0], memoryview(pieces[1]), *pieces[2:]])
+        left.shutdown(socket.SHUT_WR)
+        reader.join(30)
+        assert received == b"".join(pieces)
+        assert left.gettimeout() == 30
+
+
+def test_a_client_that_takes_nothing_ends_the_send_within_the_socket_timeout() -> None:
+    left, right = socket.socketpair()
+    with left, right:
+        left.settimeout(0.2)
+        with pytest.raises(TimeoutError):
+            rs.send_pieces(left, [b"x" * 4 * 1024 * 1024])
+        assert left.gettimeout() == 0.2
 
 
 # -- upstream keep-alive: the reuse and retry decisions, the pool (no sockets) ---------------------
