@@ -4587,6 +4587,9 @@ MODEL_READ_BYTES = 64 * 1024  #: one read of a request from the relay
 #: One read of the upstream: what has arrived of the answer, decrypted, up to this; a read never
 #: waits for more than some, so a slow answer still goes out delta by delta (BatchedTLSSocket).
 MODEL_BATCH_BYTES = 256 * 1024
+#: The send buffer of a connection from the relay: a few batches, so a send rarely waits for
+#: the reader mid-batch (the default, about 200 KiB, is under one); the kernel caps it.
+MODEL_SEND_BUFFER_BYTES = 4 * MODEL_BATCH_BYTES
 MODEL_POOL_SIZE = 4  #: idle upstream connections kept open, per serve (it has one upstream)
 MODEL_POOL_IDLE_S = 20.0  #: an idle upstream connection is closed after this
 _REDACTED_BYTES = agent_role.REDACTED.encode()
@@ -5234,6 +5237,7 @@ class ModelProxy:
                      for name, value in kept_response_headers(response.getheaders())]
             conn.sendall(("\r\n".join(head + ["connection: close", "", ""])).encode("latin-1"))
             stream = "text/event-stream" in response.getheader("content-type", "")
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, MODEL_SEND_BUFFER_BYTES)
             read_to_end = self._stream(response, conn, redactor, deadline, stream)
         finally:
             response.close()  # read to its end, it may still be open (a Content-Length body)
