@@ -7,9 +7,20 @@ of its own as in serve.
   model_proxy_first_delta   a streaming POST /v1/messages until its first text delta is read, ms
   model_proxy_throughput    a 32 MiB SSE answer (text deltas of about 1 KiB of prose) read whole, MiB/s
   model_proxy_cpu           CPU time the proxy's process spent on one such answer, ms
+  model_proxy_cpu_upstream  CPU time the fake spent on one answer to the proxy, ms; baseline: on
+                            one answer to the reader, direct
+  model_proxy_cpu_reader    CPU time the reader spent on one answer through the proxy (plain HTTP
+                            on a unix socket), ms; baseline: on one answer, direct (TLS)
+  model_proxy_cpu_all       CPU time of every process on one answer, ms: the fake, the proxy and
+                            the reader; baseline: the fake and the reader, direct
+  model_proxy_cpu_bound     the throughput that CPU time allows on this machine's cores, MiB/s:
+                            the answer over max(the busiest process's CPU, all of it / cores);
+                            its ratio is what model_proxy_throughput's would be if only CPU bound it
   model_proxy_core_cpu      CPU time of the proxy's pure core (BytesRedactor, WholeEvents) on that
-                            answer in 16 KiB reads, ms; baseline: one bytes.find of the credential
-                            in each read, the scan no redaction can skip (no I/O: a steady figure)
+                            answer in reads of MODEL_BATCH_BYTES (what one read of the upstream takes
+                            while the answer arrives faster than it goes out), ms; baseline: one
+                            bytes.find of the credential in each read, the scan no redaction can
+                            skip (no I/O: a steady figure)
   model_relay_first_delta   (--relay) the first two, from inside a claude-code session of a real
   model_relay_throughput    serve: 127.0.0.1:8137 -> the agent's relay -> model.sock -> ModelProxy
 
@@ -21,7 +32,8 @@ the proxy keeps its upstream connections open between requests (its pool), as in
 Baseline of model_proxy_cpu: the CPU time this process spent reading the answer directly (TLS
 and HTTP, what any client pays), so its ratio is what the proxy costs in CPU against a bare
 reader of the answer: on a loaded machine the two time figures swing from run to run, the CPU
-one much less.
+one much less. CPU times are each process's own clock (time.process_time: all its threads,
+ended ones too), which the fake and the proxy report when asked on their stdin.
 
   python3 bench/bench_model_proxy.py [--rounds N] [--relay]   (--relay: the engine and the
                                                               base images, make setup)
@@ -40,10 +52,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
-
-import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -63,7 +74,6 @@ ANSWER_BYTES = 32 * agent.MIB
 #: letter is a worst case no answer has).
 DELTA_TEXT = "Sure: here is the function that parses its settings, with tests. " * 16
 WRITE_BYTES = 64 * 1024  #: the fake writes its answer in pieces of this size
-RECORD_BYTES = 16 * 1024  #: what one upstream read returns: a TLS record holds at most this
 READY_DEADLINE_S = 30.0
 CREDENTIAL = "sk-ant-bench-credential-0123456789abcdef"
 
@@ -72,6 +82,13 @@ def sse_body(total: int) -> bytes:
     """A whole Messages API answer of at least `total` bytes."""
     delta = text_delta(DELTA_TEXT)
     return message_opening() + delta * (total // len(delta) + 1) + message_closing()
+
+
+def answer_cpu_queries() -> None:
+    """A role's stdin until the bench closes it: each line is answered with the CPU seconds
+    this process has spent so far."""
+    for _ in sys.stdin:
+        print(time.process_time(), flush=True)
 
 
 def serve_upstream(directory: Path) -> None:
@@ -87,7 +104,7 @@ def serve_upstream(directory: Path) -> None:
     with FakeMessagesApi(directory) as api:
         api.plan = plan
         print(api.port, flush=True)
-        sys.stdin.read()  # until the bench closes it
+        answer_cpu_queries()
 
 
 def serve_proxy(directory: Path, port: int) -> None:
@@ -98,7 +115,7 @@ def serve_proxy(directory: Path, port: int) -> None:
         f"https://127.0.0.1:{port}", directory / "ca.pem", "x-api-key"), CREDENTIAL)
     proxy.listen("bench", agent_dir)
     print("ready", flush=True)
-    sys.stdin.read()
+    answer_cpu_queries()
     proxy.close()
 
 
@@ -115,13 +132,54 @@ class UnixHTTPConnection(http.client.HTTPConnection):
         self.sock.connect(str(self.unix_path))
 
 
-def one_answer(connection: http.client.HTTPConnection, cpu: Callable[[], float]
-               ) -> tuple[float, float, float]:
-    """(ms to the first delta, MiB/s of the whole answer, ms of cpu()) of one streaming request."""
-    cpu_before = cpu()
+class Role:
+    """A role of this script in its own process (upstream, proxy), asked for its CPU time."""
+
+    def __init__(self, argv: list[str]) -> None:
+        self.process = subprocess.Popen([sys.executable, __file__, *argv], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, text=True)
+        self.first_line = self.read_line()
+
+    def read_line(self) -> str:
+        assert self.process.stdout is not None
+        return self.process.stdout.readline().strip()
+
+    def cpu_s(self) -> float:
+        assert self.process.stdin is not None
+        self.process.stdin.write("\n")
+        self.process.stdin.flush()
+        return float(self.read_line())
+
+    def stop(self) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.close()
+        self.process.wait(timeout=READY_DEADLINE_S)
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One streaming request read whole, and the CPU time each process spent on it, ms."""
+
+    first_ms: float
+    mib_s: float
+    cpu_ms: dict[str, float]  # by process: upstream, proxy, reader
+
+    def cpu_bound_mib_s(self, cores: int) -> float:
+        """The throughput the CPU time alone allows: none runs faster than its busiest process,
+        nor than all of them spread over every core."""
+        busiest_s = max(max(self.cpu_ms.values()), sum(self.cpu_ms.values()) / cores) / 1000
+        return ANSWER_BYTES / agent.MIB / busiest_s
+
+
+def one_answer(connection: http.client.HTTPConnection, roles: dict[str, Role]) -> Answer:
+    """One streaming request, and the CPU time of the roles and of this process (the reader)."""
+    clocks: dict[str, Callable[[], float]] = {name: role.cpu_s for name, role in roles.items()}
+    clocks["reader"] = time.process_time
+    before = {name: clock() for name, clock in clocks.items()}
     first_ms, mib_s, total = read_answer(connection, reploy_serve.MODEL_PLACEHOLDER)
     assert total >= ANSWER_BYTES, total
-    return first_ms, mib_s, (cpu() - cpu_before) * 1000
+    return Answer(first_ms, mib_s, {name: (clock() - before[name]) * 1000
+                                    for name, clock in clocks.items()})
 
 
 def core_cpu_ms(reads: list[bytes]) -> tuple[float, float]:
@@ -177,14 +235,6 @@ def relay_samples(directory: Path, port: str, rounds: int) -> tuple[list[tuple[f
     return relayed, direct
 
 
-def started(argv: list[str]) -> tuple[subprocess.Popen[str], str]:
-    """A role of this script in its own process, and the first line it printed."""
-    process = subprocess.Popen([sys.executable, __file__, *argv], stdin=subprocess.PIPE,
-                               stdout=subprocess.PIPE, text=True)
-    assert process.stdout is not None
-    return process, process.stdout.readline().strip()
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=8)
@@ -199,43 +249,48 @@ def main() -> int:
         serve_proxy(Path(args.role[1]), int(args.role[2]))
         return 0
     directory = Path(tempfile.mkdtemp(prefix="rbmp-"))
-    processes: list[subprocess.Popen[str]] = []
+    roles: list[Role] = []
     try:
-        upstream, port = started(["upstream", str(directory)])
-        processes.append(upstream)
-        proxy, ready = started(["proxy", str(directory), port])
-        processes.append(proxy)
-        assert ready == "ready", ready
+        upstream = Role(["upstream", str(directory)])
+        roles.append(upstream)
+        port = upstream.first_line
+        proxy = Role(["proxy", str(directory), port])
+        roles.append(proxy)
+        assert proxy.first_line == "ready", proxy.first_line
         tls = ssl.create_default_context(cafile=str(directory / "ca.pem"))
-        proxy_cpu = psutil.Process(proxy.pid)
-        ways: dict[str, tuple[Callable[[], http.client.HTTPConnection], Callable[[], float]]] = {
-            "direct": (lambda: http.client.HTTPSConnection("127.0.0.1", int(port), context=tls,
-                                                           timeout=READY_DEADLINE_S), time.process_time),
-            "proxy": (lambda: UnixHTTPConnection(directory / "agent" / agent.MODEL_SOCKET_NAME),
-                      lambda: sum(proxy_cpu.cpu_times()[:2]))}
-        samples: dict[str, list[tuple[float, float, float]]] = {way: [] for way in ways}
+        ways: dict[str, Callable[[], http.client.HTTPConnection]] = {
+            "direct": lambda: http.client.HTTPSConnection("127.0.0.1", int(port), context=tls,
+                                                          timeout=READY_DEADLINE_S),
+            "proxy": lambda: UnixHTTPConnection(directory / "agent" / agent.MODEL_SOCKET_NAME)}
+        answers: dict[str, list[Answer]] = {way: [] for way in ways}
         for _ in range(args.rounds):
-            for way, (connect, cpu) in ways.items():
-                samples[way].append(one_answer(connect(), cpu))
-        figure("model_proxy_first_delta", "ms", [s[0] for s in samples["proxy"]],
-               [s[0] for s in samples["direct"]])
-        figure("model_proxy_throughput", "MiB/s", [s[1] for s in samples["proxy"]],
-               [s[1] for s in samples["direct"]])
-        figure("model_proxy_cpu", "ms", [s[2] for s in samples["proxy"]],
-               [s[2] for s in samples["direct"]])
+            for way, connect in ways.items():
+                answers[way].append(one_answer(connect(), {"upstream": upstream, "proxy": proxy}))
+        proxied, direct = answers["proxy"], answers["direct"]
+        cores = len(os.sched_getaffinity(0))
+        figure("model_proxy_first_delta", "ms", [a.first_ms for a in proxied], [a.first_ms for a in direct])
+        figure("model_proxy_throughput", "MiB/s", [a.mib_s for a in proxied], [a.mib_s for a in direct])
+        figure("model_proxy_cpu", "ms", [a.cpu_ms["proxy"] for a in proxied],
+               [a.cpu_ms["reader"] for a in direct])
+        for process in ("upstream", "reader"):
+            figure(f"model_proxy_cpu_{process}", "ms", [a.cpu_ms[process] for a in proxied],
+                   [a.cpu_ms[process] for a in direct])
+        figure("model_proxy_cpu_all", "ms", [sum(a.cpu_ms.values()) for a in proxied],
+               [sum(a.cpu_ms.values()) for a in direct])
+        figure("model_proxy_cpu_bound", "MiB/s", [a.cpu_bound_mib_s(cores) for a in proxied],
+               [a.cpu_bound_mib_s(cores) for a in direct])
         body = sse_body(ANSWER_BYTES)
-        reads = [body[start:start + RECORD_BYTES] for start in range(0, len(body), RECORD_BYTES)]
+        reads = [body[start:start + reploy_serve.MODEL_BATCH_BYTES]
+                 for start in range(0, len(body), reploy_serve.MODEL_BATCH_BYTES)]
         core = [core_cpu_ms(reads) for _ in range(args.rounds)]
         figure("model_proxy_core_cpu", "ms", [c[0] for c in core], [c[1] for c in core])
         if args.relay:
-            relayed, direct = relay_samples(directory, port, args.rounds)
-            figure("model_relay_first_delta", "ms", [s[0] for s in relayed], [s[0] for s in direct])
-            figure("model_relay_throughput", "MiB/s", [s[1] for s in relayed], [s[1] for s in direct])
+            relayed, relay_direct = relay_samples(directory, port, args.rounds)
+            figure("model_relay_first_delta", "ms", [s[0] for s in relayed], [s[0] for s in relay_direct])
+            figure("model_relay_throughput", "MiB/s", [s[1] for s in relayed], [s[1] for s in relay_direct])
     finally:
-        for process in processes:
-            assert process.stdin is not None
-            process.stdin.close()
-            process.wait(timeout=READY_DEADLINE_S)
+        for role in roles:
+            role.stop()
         shutil.rmtree(directory, ignore_errors=True)
     return 0
 
