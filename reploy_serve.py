@@ -4587,9 +4587,11 @@ MODEL_READ_BYTES = 64 * 1024  #: one read of a request from the relay
 #: One read of the upstream: what has arrived of the answer, decrypted, up to this; a read never
 #: waits for more than some, so a slow answer still goes out delta by delta (BatchedTLSSocket).
 MODEL_BATCH_BYTES = 256 * 1024
-#: The send buffer of a connection from the relay: a few batches, so a send rarely waits for
-#: the reader mid-batch (the default, about 200 KiB, is under one); the kernel caps it.
-MODEL_SEND_BUFFER_BYTES = 4 * MODEL_BATCH_BYTES
+#: The send buffer of a connection from the relay: a batch goes out in one send, not two with a
+#: wait for the reader between (the default, about 200 KiB, holds less than one). Kernel memory
+#: a reader that stops can pin: this, doubled by the kernel and capped by wmem_max, times
+#: MAX_MODEL_REQUESTS a session, for at most MODEL_CLIENT_TIMEOUT_S.
+MODEL_SEND_BUFFER_BYTES = 2 * MODEL_BATCH_BYTES
 MODEL_POOL_SIZE = 4  #: idle upstream connections kept open, per serve (it has one upstream)
 MODEL_POOL_IDLE_S = 20.0  #: an idle upstream connection is closed after this
 _REDACTED_BYTES = agent_role.REDACTED.encode()
