@@ -615,6 +615,19 @@ def test_an_output_path_under_a_parent_the_host_cannot_search_is_refused_by_name
 # ---------------------------------------------------------------------------------------------
 
 
+def admission_reader(proc: subprocess.Popen[bytes], state: Path) -> int:
+    """A writer of the FIFO `state`, opened once the host's admission has it open for reading
+    (or is opening it): the host is then blocked there."""
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            return os.open(state, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError as e:  # ENXIO: no reader yet
+            assert e.errno == errno.ENXIO and proc.poll() is None, proc.stderr
+            assert time.monotonic() < deadline, "admission never opened state.json"
+            time.sleep(0.02)  # polling for a condition, with a deadline
+
+
 @pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 @pytest.mark.parametrize("then", ["nothing", "a rejection"])
 def test_a_signal_ends_an_admission_that_blocks(tmp_path: Path, signum: int, code: int,
@@ -633,14 +646,7 @@ def test_a_signal_ends_an_admission_that_blocks(tmp_path: Path, signum: int, cod
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     writer = None
     try:
-        deadline = time.monotonic() + 30
-        while writer is None:  # opens once admission has the FIFO open (or is opening it)
-            try:
-                writer = os.open(state, os.O_WRONLY | os.O_NONBLOCK)
-            except OSError as e:  # ENXIO: no reader yet
-                assert e.errno == errno.ENXIO and proc.poll() is None, proc.stderr
-                assert time.monotonic() < deadline, "admission never opened state.json"
-                time.sleep(0.02)  # polling for a condition, with a deadline
+        writer = admission_reader(proc, state)
         proc.send_signal(signum)
         if then == "a rejection":
             os.write(writer, b"{}")
@@ -662,3 +668,52 @@ def test_a_signal_ends_an_admission_that_blocks(tmp_path: Path, signum: int, cod
         assert result["error"] == f"cancelled by {name}" or (
             result["error"].startswith("admission rejected: ")
             and result["error"].endswith(f"; received {name}")), result["error"]
+
+
+# The host's re-execution (reploy.relaunch_as_module)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_the_re_executed_host_runs_as_a_module_and_keeps_no_child_of_its_start(
+        tmp_path: Path) -> None:
+    """Blocked in admission (state.json a FIFO), the host is the re-executed interpreter
+    (same pid) and the child that compiled its modules is reaped: it has no child at all."""
+    controller = staged(tmp_path, CONTROLLER, "c")
+    workload = staged(tmp_path, WORKLOAD, "w")
+    state = controller / ".reploy/state.json"
+    state.unlink()
+    os.mkfifo(state)
+    proc = subprocess.Popen([sys.executable, str(ROOT / "reploy.py"),
+                             *run_args(controller, workload, "--", "run-controller")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    writer = None
+    try:
+        writer = admission_reader(proc, state)
+        argv = Path(f"/proc/{proc.pid}/cmdline").read_bytes().split(b"\0")
+        children = [Path(task, "children").read_text().split()
+                    for task in Path(f"/proc/{proc.pid}/task").iterdir()]
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+        if writer is not None:
+            os.close(writer)
+        state.unlink()
+    import reploy
+
+    assert argv[1:2] == [b"-c"] and argv[2].decode() == reploy.MODULE_LAUNCHER
+    assert children and all(not pids for pids in children)
+
+
+def test_a_broken_sibling_is_named_as_a_failed_import_would(tmp_path: Path) -> None:
+    """The compiling child cannot compile reploy_session_client.py: the re-executed host
+    imports reploy.py as usual instead, and that import names the file and its error."""
+    for name in ("reploy.py", "reploy_watchdog.py"):
+        shutil.copy2(ROOT / name, tmp_path / name)
+    (tmp_path / "reploy_session_client.py").write_text("def (\n")
+    proc = subprocess.run([sys.executable, str(tmp_path / "reploy.py"),
+                           *run_args(tmp_path / "c", tmp_path / "w", "--", "x")],
+                          capture_output=True, timeout=60)
+    assert (proc.returncode, proc.stdout) == (1, b"")
+    assert f'File "{tmp_path / "reploy_session_client.py"}", line 1'.encode() in proc.stderr
+    assert proc.stderr.rstrip().endswith(b"SyntaxError: invalid syntax")
