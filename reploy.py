@@ -4068,13 +4068,13 @@ class ControlledSession:
                     self.workload_spec)))
                 return
             backend.start(containers[role.value])
+            if role is Role.WORKLOAD:  # first: ready waits for it, not for the watch's thread
+                self.resize_workload(self.options.columns, self.options.rows)
             backend.wait_in_thread(containers[role.value], self.notifier.report, role.value)
         except (BackendError, OSError) as e:  # (the controller's start: the workload's creation)
             self.feed(EngineFailed(error_text(e), Role.WORKLOAD if role is Role.CONTROLLER
                                    else role))
             return
-        if role is Role.WORKLOAD:
-            self.resize_workload(self.options.columns, self.options.rows)
         self.feed(Started(role))
 
     def kill(self, role: Role, signame: str) -> None:
