@@ -74,28 +74,20 @@ LONG_LIVED_COMMAND = ("controlled-session", "run")
 #: The role files this one imports as it starts (they sit beside it). agent.py is not one:
 #: only a session with --output-file needs it, at its end (container_path_rules).
 SIBLING_MODULES = ("reploy_session_client", "reploy_watchdog")
-#: What the re-executed interpreter runs, given this file's path, the signal mask the first
-#: process came with ("2,15"), then a pipe's read end and the pid of the first process's child
-#: writing into it [(module name, file, code)] of each sibling and of this file (marshal), then
-#: the command: the modules run in that order, this file's last, as if imported, and this
-#: file's module is handed that mask. Nothing arrives when the child could not compile them:
-#: then this file is imported as usual (which names what is missing or broken).
+#: What the re-executed interpreter runs, given this file's path, then a descriptor holding
+#: the signal mask the first process came with and (module name, file, code) of each sibling
+#: and of this file (marshal), then the command: the modules run in that order, this file's
+#: last, as if imported, and this file's module is handed that mask.
 MODULE_LAUNCHER = "\n".join((
     "import marshal, os, sys, types",
     "sys.argv[0] = sys.argv.pop(1)",  # this file, as when the script runs
     "sys.path[0] = os.path.dirname(sys.argv[0])",  # in place of -c's working directory
-    "mask = {int(signum) for signum in sys.argv.pop(1).split(',') if signum}",
-    "code_fd, compiler = int(sys.argv.pop(1)), int(sys.argv.pop(1))",
-    "with open(code_fd, 'rb') as code_file:",
-    "    compiled = code_file.read()",
-    "os.waitpid(compiler, 0)",
-    "for name, path, code in marshal.loads(compiled) if compiled else ():",
+    "mask, modules = marshal.loads(open(int(sys.argv.pop(1)), 'rb').read())",
+    "for name, path, code in modules:",
     "    module = sys.modules[name] = types.ModuleType(name)",
     "    module.__file__ = path",
     "    exec(code, module.__dict__)",
-    "if not compiled:",
-    "    import reploy as module",
-    "module.SIGNAL_MASK_BEFORE_HOLD = mask",
+    "module.SIGNAL_MASK_BEFORE_HOLD = set(mask)",
     "module.run_command()",
 ))
 
@@ -132,52 +124,33 @@ def hand_over_to_control_plane() -> None:
 
 def relaunch_as_module() -> None:
     """Re-execute `controlled-session run` (same pid, interpreter and options) with this file and
-    its siblings run as modules from code compiled outside it, before anything heavy is imported.
+    its siblings run as modules from code compiled here, before anything heavy is imported.
 
-    A module keeps no syntax tree. The compiling (or reading of cached bytecode) of the
-    siblings is done by a child of this process, while exec replaces this one with the new
-    interpreter, which starts meanwhile (on another core: the two overlap) and then reads the
-    code the child sends; this file's code is the child's copy of what this process compiled.
-    So the process that lives on holds none of the compiler's leftovers, even when nothing can
-    be cached (PYTHONDONTWRITEBYTECODE). Costs one interpreter start. Run with -I, -P or
-    PYTHONSAFEPATH (no working directory to replace on the module path), through -m or runpy,
-    or with a sibling missing, it runs as it is."""
+    A module keeps no syntax tree. The compiling (or reading of cached bytecode) is done by
+    this process, which exec replaces, so the process that lives on holds none of the
+    compiler's leftovers either, even when nothing can be cached (PYTHONDONTWRITEBYTECODE).
+    Costs one interpreter start. Run with -I, -P or PYTHONSAFEPATH (no working directory to
+    replace on the module path), through -m or runpy, or without memfd_create, it runs as it is."""
     options = interpreter_options()
     if tuple(sys.argv[1:3]) != LONG_LIVED_COMMAND or options is None or getattr(
-            sys.flags, "safe_path", False):
+            sys.flags, "safe_path", False) or not hasattr(os, "memfd_create"):
         return
     script = os.path.abspath(sys.argv[0])
-    paths = [(name, os.path.join(os.path.dirname(script), f"{name}.py"))
-             for name in SIBLING_MODULES]
-    if not all(os.path.isfile(path) for _, path in paths):
-        return  # the imports below say so as usual
-    own_code = sys._getframe(1).f_code  # the calling module's code
-    read_fd, write_fd = os.pipe()
-    compiler = os.fork()
-    if compiler == 0:
-        send_compiled(write_fd, [*paths, ("reploy", script)], own_code)
-    os.close(write_fd)
-    os.set_inheritable(read_fd, True)
-    mask = ",".join(str(int(signum)) for signum in SIGNAL_MASK_BEFORE_HOLD or ())
-    os.execv(sys.executable, [sys.executable, *options, "-c", MODULE_LAUNCHER, script, mask,
-                              str(read_fd), str(compiler), *sys.argv[1:]])
-
-
-def send_compiled(write_fd: int, modules: list[tuple[str, str]], own_code: object) -> NoReturn:
-    """The compiling child: every module's code (this file's is `own_code`) through the pipe
-    the launcher reads, or nothing when one cannot be compiled; then it ends at once, whatever
-    happened (it must never go on to run the rest of this file)."""
     try:
-        try:
-            payload = marshal.dumps([(name, path, own_code if name == "reploy" else
-                                      SourceFileLoader(name, path).get_code(name))
-                                     for name, path in modules])
-        except (OSError, ImportError, SyntaxError, ValueError):
-            payload = b""  # the launcher imports this file instead, which says what is wrong
-        with open(write_fd, "wb") as pipe:
-            pipe.write(payload)
-    finally:
-        os._exit(0)  # a failed write (the launcher gone) leaves the launcher nothing to run
+        modules = [(name, path, SourceFileLoader(name, path).get_code(name))
+                   for name in SIBLING_MODULES
+                   for path in [os.path.join(os.path.dirname(script), f"{name}.py")]]
+    except (OSError, ImportError):
+        return  # a sibling is missing or unreadable: the imports below say so as usual
+    modules.append(("reploy", script, sys._getframe(1).f_code))  # the calling module's code
+    compiled = os.memfd_create("reploy-code", 0)  # no close-on-exec: the launcher reads it
+    with open(compiled, "wb", closefd=False) as code_file:
+        code_file.write(marshal.dumps(([int(signum) for signum in SIGNAL_MASK_BEFORE_HOLD or ()],
+                                       modules)))
+    os.lseek(compiled, 0, os.SEEK_SET)
+    os.set_inheritable(compiled, True)
+    os.execv(sys.executable, [sys.executable, *options, "-c", MODULE_LAUNCHER, script,
+                              str(compiled), *sys.argv[1:]])
 
 
 if __name__ == "__main__" and sys.executable:
@@ -209,7 +182,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable, Iterator, NoReturn, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 import docker
 import docker.errors

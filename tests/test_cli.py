@@ -694,7 +694,8 @@ def test_a_signal_ends_an_admission_that_blocks(tmp_path: Path, signum: int, cod
 def test_the_re_executed_host_runs_as_a_module_and_keeps_no_child_of_its_start(
         tmp_path: Path) -> None:
     """Blocked in admission (state.json a FIFO), the host is the re-executed interpreter
-    (same pid) and the child that compiled its modules is reaped: it has no child at all."""
+    (same pid, the launcher's program) and nothing of its start outlives it: it has no
+    child at all."""
     with host_blocked_in_admission(tmp_path) as host:
         argv = Path(f"/proc/{host.proc.pid}/cmdline").read_bytes().split(b"\0")
         children = [Path(task, "children").read_text().split()
@@ -708,8 +709,8 @@ def test_the_re_executed_host_runs_as_a_module_and_keeps_no_child_of_its_start(
 
 
 def test_a_broken_sibling_is_named_as_a_failed_import_would(tmp_path: Path) -> None:
-    """The compiling child cannot compile reploy_session_client.py: the re-executed host
-    imports reploy.py as usual instead, and that import names the file and its error."""
+    """reploy_session_client.py does not compile: the host stops where its compiling does,
+    naming the file and its error as an import would, with nothing on stdout."""
     for name in ("reploy.py", "reploy_watchdog.py"):
         shutil.copy2(ROOT / name, tmp_path / name)
     (tmp_path / "reploy_session_client.py").write_text("def (\n")
