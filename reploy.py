@@ -179,6 +179,7 @@ import tarfile
 import tempfile
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import ModuleType
@@ -2502,7 +2503,7 @@ def stage(blueprint_path: Path, directory: Path) -> dict[str, Any]:
     if not (context / blueprint.dockerfile).is_file():
         raise BlueprintError(f"build.dockerfile: {context / blueprint.dockerfile} does not exist")
     directory = directory.resolve()
-    state: dict[str, Any] = {"schema": STATE_SCHEMA, "deployment_id": secrets.token_hex(16),
+    state: dict[str, Any] = {"schema": STATE_SCHEMA, "deployment_id": uuid.uuid4().hex,
                              "current_generation": None}
     if directory.exists():
         if state_path(directory).exists():
@@ -4041,13 +4042,13 @@ class ControlledSession:
                     self.workload_spec)))
                 return
             backend.start(containers[role.value])
-            if role is Role.WORKLOAD:  # first: ready waits for it, not for the watch's thread
-                self.resize_workload(self.options.columns, self.options.rows)
             backend.wait_in_thread(containers[role.value], self.notifier.report, role.value)
         except (BackendError, OSError) as e:  # (the controller's start: the workload's creation)
             self.feed(EngineFailed(error_text(e), Role.WORKLOAD if role is Role.CONTROLLER
                                    else role))
             return
+        if role is Role.WORKLOAD:
+            self.resize_workload(self.options.columns, self.options.rows)
         self.feed(Started(role))
 
     def kill(self, role: Role, signame: str) -> None:

@@ -36,6 +36,7 @@ the private framing, then the I/O adapters (broker loop, attach loop) and the CL
 
 from __future__ import annotations
 
+import argparse
 import array
 import collections
 import enum
@@ -1694,86 +1695,27 @@ def run_probe(stdout_fd: int) -> int:
 # ============================================================================================
 
 
-#: What --help prints, and (its first line) what a usage error shows.
-USAGE = """usage: reploy-session-client [-h] [--version] {client,attach,probe} ...
-
-The controller side of a Reploy controlled session.
-
-commands:
-  client                  run the broker: JSON Lines on stdin/stdout
-  attach --socket PATH    attach terminal bytes to the broker's socket (terminal_socket
-                          from broker-ready)
-  probe                   print this client's version and the sandbox it runs under (what
-                          the host checks before a session)
-
-options:
-  -h, --help              show this help message and exit
-  --version               show the version and exit
-"""
-#: The exit code of a usage error.
-EXIT_USAGE = 2
-
-
-class UsageError(ReployClientError):
-    """The command line is none of the forms USAGE shows."""
-
-
-class Mode(enum.Enum):
-    """What a command line asks for."""
-
-    CLIENT = "client"
-    ATTACH = "attach"
-    PROBE = "probe"
-    HELP = "help"
-    VERSION = "version"
-
-
-@dataclass(frozen=True)
-class Invocation:
-    mode: Mode
-    socket_path: Optional[str] = None  # attach's --socket
-
-
-def parse_command_line(argv: list[str]) -> Invocation:
-    """The command line's one parser. By hand, not argparse: the broker and `attach` both
-    start before the workload may, and importing argparse and building its parser cost each
-    of them about 13 ms of the ~40 a start takes. Raises UsageError."""
-    if argv[:1] in (["-h"], ["--help"]) or argv[1:] in (["-h"], ["--help"]):
-        return Invocation(Mode.HELP)
-    if argv == ["--version"]:
-        return Invocation(Mode.VERSION)
-    if argv in (["client"], ["probe"]):
-        return Invocation(Mode(argv[0]))
-    if argv[:1] == ["attach"]:
-        options = argv[1:]
-        if len(options) == 1 and options[0].startswith("--socket="):
-            options = ["--socket", options[0].removeprefix("--socket=")]
-        if len(options) != 2 or options[0] != "--socket" or not options[1]:
-            raise UsageError("attach takes exactly --socket PATH")
-        return Invocation(Mode.ATTACH, options[1])
-    if not argv:
-        raise UsageError("a command is required: client, attach or probe")
-    raise UsageError(f"unknown command line: {' '.join(argv)}")
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="reploy-session-client",
+        description="The controller side of a Reploy controlled session.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    modes = parser.add_subparsers(dest="mode", required=True)
+    modes.add_parser("client", help="run the broker: JSON Lines on stdin/stdout")
+    attach = modes.add_parser("attach", help="attach terminal bytes to the broker's socket")
+    attach.add_argument("--socket", required=True, help="terminal_socket from broker-ready")
+    modes.add_parser("probe", help="print this client's version and the sandbox it runs under "
+                                   "(what the host checks before a session)")
+    return parser
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    try:
-        invocation = parse_command_line(list(sys.argv[1:] if argv is None else argv))
-    except UsageError as e:
-        print(f"{USAGE.splitlines()[0]}\nreploy-session-client: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    if invocation.mode is Mode.HELP:
-        print(USAGE, end="")
-        return 0
-    if invocation.mode is Mode.VERSION:
-        print(f"reploy-session-client {__version__}")
-        return 0
-    if invocation.mode is Mode.CLIENT:
+    args = build_parser().parse_args(argv)
+    if args.mode == "client":
         return run_client()
-    if invocation.mode is Mode.PROBE:
+    if args.mode == "probe":
         return run_probe(sys.stdout.fileno())
-    assert invocation.socket_path is not None
-    return run_attach(invocation.socket_path, sys.stdin.fileno(), sys.stdout.fileno())
+    return run_attach(args.socket, sys.stdin.fileno(), sys.stdout.fileno())
 
 
 def run_as_program() -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import hashlib
 import json
@@ -12,9 +11,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional
 
 import pytest
 
@@ -618,50 +615,6 @@ def test_an_output_path_under_a_parent_the_host_cannot_search_is_refused_by_name
 # ---------------------------------------------------------------------------------------------
 
 
-@dataclass
-class BlockedHost:
-    """A real host whose admission blocks reading the controller's state.json, a FIFO that
-    stays empty until `refuse` writes it."""
-
-    proc: subprocess.Popen[bytes]
-    writer: Optional[int] = None
-
-    def refuse(self) -> None:
-        """Give admission content that refuses the run."""
-        assert self.writer is not None
-        os.write(self.writer, b"{}")
-        os.close(self.writer)
-        self.writer = None
-
-
-@contextlib.contextmanager
-def host_blocked_in_admission(tmp_path: Path) -> Iterator[BlockedHost]:
-    controller = staged(tmp_path, CONTROLLER, "c")
-    workload = staged(tmp_path, WORKLOAD, "w")
-    state = controller / ".reploy/state.json"
-    state.unlink()
-    os.mkfifo(state)
-    host = BlockedHost(subprocess.Popen(
-        [sys.executable, str(ROOT / "reploy.py"),
-         *run_args(controller, workload, "--", "run-controller")],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-    try:
-        deadline = time.monotonic() + 30
-        while host.writer is None:  # opens once admission has the FIFO open (or is opening it)
-            try:
-                host.writer = os.open(state, os.O_WRONLY | os.O_NONBLOCK)
-            except OSError as e:  # ENXIO: no reader yet
-                assert e.errno == errno.ENXIO and host.proc.poll() is None, host.proc.stderr
-                assert time.monotonic() < deadline, "admission never opened state.json"
-                time.sleep(0.02)  # polling for a condition, with a deadline
-        yield host
-    finally:
-        host.proc.kill()
-        if host.writer is not None:
-            os.close(host.writer)
-        state.unlink()  # a FIFO left behind would block whoever reads the deployment next
-
-
 @pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 @pytest.mark.parametrize("then", ["nothing", "a rejection"])
 def test_a_signal_ends_an_admission_that_blocks(tmp_path: Path, signum: int, code: int,
@@ -670,12 +623,36 @@ def test_a_signal_ends_an_admission_that_blocks(tmp_path: Path, signum: int, cod
     run at once: 130/143 and one result, nothing else decided. A rejection admission finds
     after the signal (the FIFO then gets content that refuses the run) exits 130/143 all the
     same, its error naming the signal."""
-    with host_blocked_in_admission(tmp_path) as host:
-        host.proc.send_signal(signum)
+    controller = staged(tmp_path, CONTROLLER, "c")
+    workload = staged(tmp_path, WORKLOAD, "w")
+    state = controller / ".reploy/state.json"
+    state.unlink()
+    os.mkfifo(state)
+    proc = subprocess.Popen([sys.executable, str(ROOT / "reploy.py"),
+                             *run_args(controller, workload, "--", "run-controller")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    writer = None
+    try:
+        deadline = time.monotonic() + 30
+        while writer is None:  # opens once admission has the FIFO open (or is opening it)
+            try:
+                writer = os.open(state, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError as e:  # ENXIO: no reader yet
+                assert e.errno == errno.ENXIO and proc.poll() is None, proc.stderr
+                assert time.monotonic() < deadline, "admission never opened state.json"
+                time.sleep(0.02)  # polling for a condition, with a deadline
+        proc.send_signal(signum)
         if then == "a rejection":
-            host.refuse()
-        stdout, stderr = host.proc.communicate(timeout=30)
-    assert host.proc.returncode == code, stderr
+            os.write(writer, b"{}")
+            os.close(writer)
+            writer = None
+        stdout, stderr = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+        if writer is not None:
+            os.close(writer)
+        state.unlink()  # a FIFO left behind would block whoever reads the deployment next
+    assert proc.returncode == code, stderr
     result = contract_rules.check_reploy_result_line(stdout)
     name = signal.Signals(signum).name
     if then == "nothing":
@@ -685,38 +662,3 @@ def test_a_signal_ends_an_admission_that_blocks(tmp_path: Path, signum: int, cod
         assert result["error"] == f"cancelled by {name}" or (
             result["error"].startswith("admission rejected: ")
             and result["error"].endswith(f"; received {name}")), result["error"]
-
-
-# The host's re-execution (reploy.relaunch_as_module)
-# ---------------------------------------------------------------------------------------------
-
-
-def test_the_re_executed_host_runs_as_a_module_and_keeps_no_child_of_its_start(
-        tmp_path: Path) -> None:
-    """Blocked in admission (state.json a FIFO), the host is the re-executed interpreter
-    (same pid, the launcher's program) and nothing of its start outlives it: it has no
-    child at all."""
-    with host_blocked_in_admission(tmp_path) as host:
-        argv = Path(f"/proc/{host.proc.pid}/cmdline").read_bytes().split(b"\0")
-        children = [Path(task, "children").read_text().split()
-                    for task in Path(f"/proc/{host.proc.pid}/task").iterdir()]
-        host.proc.send_signal(signal.SIGTERM)
-        host.proc.communicate(timeout=30)
-    import reploy
-
-    assert argv[1:2] == [b"-c"] and argv[2].decode() == reploy.MODULE_LAUNCHER
-    assert children and all(not pids for pids in children)
-
-
-def test_a_broken_sibling_is_named_as_a_failed_import_would(tmp_path: Path) -> None:
-    """reploy_session_client.py does not compile: the host stops where its compiling does,
-    naming the file and its error as an import would, with nothing on stdout."""
-    for name in ("reploy.py", "reploy_watchdog.py"):
-        shutil.copy2(ROOT / name, tmp_path / name)
-    (tmp_path / "reploy_session_client.py").write_text("def (\n")
-    proc = subprocess.run([sys.executable, str(tmp_path / "reploy.py"),
-                           *run_args(tmp_path / "c", tmp_path / "w", "--", "x")],
-                          capture_output=True, timeout=60)
-    assert (proc.returncode, proc.stdout) == (1, b"")
-    assert f'File "{tmp_path / "reploy_session_client.py"}", line 1'.encode() in proc.stderr
-    assert proc.stderr.rstrip().endswith(b"SyntaxError: invalid syntax")
