@@ -159,6 +159,7 @@ if __name__ == "__main__" and sys.executable:
         relaunch_as_module()
 
 import argparse
+import base64
 import contextlib
 import enum
 import errno
@@ -2143,6 +2144,31 @@ def remove_container_quietly(api: docker.APIClient, container_id: str) -> None:
             api.wait(container_id, condition="removed")
 
 
+#: Go's fs.FileMode bits in the Engine's path stat: a symlink, and every kind but a file.
+GO_MODE_SYMLINK = 1 << 27
+GO_MODE_TYPE = (1 << 31) | GO_MODE_SYMLINK | (1 << 26) | (1 << 25) | (1 << 24) | (1 << 21) | (1 << 19)
+
+
+@dataclass(frozen=True)
+class PathStat:
+    """The Engine's X-Docker-Container-Path-Stat: base64 of a JSON object."""
+    mode: int
+    link_target: str
+
+    @classmethod
+    def parse(cls, header: str) -> "PathStat":
+        try:
+            document = json.loads(base64.b64decode(header, validate=True))
+        except ValueError as e:  # binascii.Error and JSONDecodeError among them
+            raise BackendError(f"the Engine's path stat is not base64 JSON: {e}") from e
+        if not isinstance(document, dict):
+            raise BackendError("the Engine's path stat is not an object")
+        mode, target = document.get("mode"), document.get("linkTarget", "")
+        if type(mode) is not int or not isinstance(target, str):
+            raise BackendError("the Engine's path stat has no integer mode or string linkTarget")
+        return cls(mode, target)
+
+
 def _docker_call(what: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Wrap SDK and transport failures in BackendError naming the operation."""
 
@@ -2243,6 +2269,32 @@ class DockerBackend:
         sock.setblocking(False)
         # Keep the HTTP response alive with the socket; it owns the connection.
         return sock
+
+    @_docker_call("check the workload's shell")
+    def unexecutable(self, container_id: str, path: str) -> Optional[str]:
+        """Why `path` cannot be the command of the created container, or None. Under the
+        Engine's init a container starts whatever its command, and the init's failed exec is
+        an exit like any other: this keeps seed 000's startup failure for an image without
+        it. (A file that is there but still cannot run stays the init's exit 126 or 127.)"""
+        stat = self.path_stat(container_id, path)
+        if stat is not None and stat.mode & GO_MODE_SYMLINK:
+            stat = self.path_stat(container_id, stat.link_target)
+        if stat is None:
+            return f"the image has no {path}"
+        if stat.mode & GO_MODE_TYPE or not stat.mode & 0o111:
+            return f"the image's {path} is not an executable file"
+        return None
+
+    def path_stat(self, container_id: str, path: str) -> Optional[PathStat]:
+        """The Engine's stat of `path` in the container's filesystem (a symlink's target
+        resolved inside it), or None when there is nothing there. The SDK has no HEAD call."""
+        api = self.api
+        reply = api.head(f"{api.base_url}/v{api.api_version}/containers/{container_id}/archive",
+                         params={"path": path})
+        if reply.status_code == 404:
+            return None
+        reply.raise_for_status()
+        return PathStat.parse(reply.headers.get("X-Docker-Container-Path-Stat", ""))
 
     @_docker_call("start container")
     def start(self, container_id: str) -> None:
@@ -3416,14 +3468,17 @@ def controller_spec(plan: SessionPlan, image: str, network_mode: str, channel_di
 
 def workload_spec(plan: SessionPlan, options: RunOptions, network_mode: str,
                   labels: dict[str, str]) -> ContainerSpec:
-    """The workload: /bin/sh on a TTY of the requested size in its exact image."""
+    """The workload: /bin/sh on a TTY of the requested size in its exact image, under the
+    Engine's init. As PID 1 the shell would adopt every orphan, and busybox ash, whose SIGCHLD
+    handler has no SA_RESTART, drops a prompt whose write an orphan's SIGCHLD interrupts
+    (issue 29: the recording example's prompt after `killall httpd`)."""
     return ContainerSpec(
         role="workload", image_id=plan.workload.current.image_id,  # type: ignore[union-attr]
         command=(WORKLOAD_SHELL,), runtime=plan.workload_blueprint.runtime,
         environment={"HOME": CONTAINER_HOME, "TERM": WORKLOAD_TERM}, labels=labels,
         network_mode=network_mode, tty=True,
         hostname=WORKLOAD_HOST if network_mode == NETWORK_NONE else None,
-        console_size=(options.columns, options.rows))
+        console_size=(options.columns, options.rows), init=True)
 
 
 def prepare_outputs(options: RunOptions, runtime: Runtime, owned: Owned, run_id: str,
@@ -3781,6 +3836,8 @@ class ControlledSession:
         self.relay_fed = RelayFacts()
         self.calls = EngineCalls(backend, self.notifier)
         self.workload_spec: Optional[ContainerSpec] = None
+        #: Why the created workload's shell cannot start (see DockerBackend.unexecutable).
+        self.shell_unexecutable: Optional[str] = None
         self.interest = Interest(self.selector)
         self.relay = TerminalRelay(self.interest, lambda: self.core.state.phase is Phase.ACTIVE,
                                    self.resize_workload)
@@ -4038,9 +4095,12 @@ class ControlledSession:
                 self.calls.begin("start the controller", lambda api: api.start(controller_id),
                                 started)
                 assert self.workload_spec is not None
-                self.relay.open_pty(backend.attach_pty(self.acquire_container(
-                    self.workload_spec)))
+                workload_id = self.acquire_container(self.workload_spec)
+                self.relay.open_pty(backend.attach_pty(workload_id))
+                self.shell_unexecutable = backend.unexecutable(workload_id, WORKLOAD_SHELL)
                 return
+            if role is Role.WORKLOAD and self.shell_unexecutable is not None:
+                raise BackendError(f"start container: {self.shell_unexecutable}")
             backend.start(containers[role.value])
             backend.wait_in_thread(containers[role.value], self.notifier.report, role.value)
         except (BackendError, OSError) as e:  # (the controller's start: the workload's creation)

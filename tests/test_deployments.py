@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import shutil
@@ -120,3 +121,47 @@ def test_killing_a_container_that_is_not_running_is_not_an_error(docker_engine: 
         reploy.kill_if_running(docker_engine.api, container_id, "SIGKILL")  # gone: quiet too
     finally:
         reploy.remove_container_quietly(docker_engine.api, container_id)
+
+
+def test_the_workload_shell_check_reads_the_engines_stat_of_the_created_container(
+        docker_engine: Any, tmp_path: Path) -> None:
+    """The workload runs under the Engine's init, so an image whose /bin/sh cannot run is
+    found before the start (seed 000's startup failure), from the created container's files."""
+    (tmp_path / "Dockerfile").write_text(
+        "FROM reploy-base/busybox:1\n"
+        "RUN mkdir /probe && touch /probe/plain && chmod 0644 /probe/plain"
+        " && ln -s /nowhere /probe/dangling && ln -s /probe/plain /probe/to-plain"
+        " && ln -s /bin/busybox /probe/to-busybox && mkdir -m 0755 /probe/dir\n")
+    image, _ = docker_engine.images.build(path=str(tmp_path), rm=True, forcerm=True,
+                                          labels={LABEL_RUN: "h9-shell-check"})
+    container = docker_engine.containers.create(image.id, ["/bin/sh"],
+                                                labels={LABEL_RUN: "h9-shell-check"})
+    backend = reploy.DockerBackend()
+    try:
+        verdicts = {path: backend.unexecutable(container.id, path) for path in (
+            "/bin/sh", "/probe/to-busybox", "/probe/plain", "/probe/to-plain",
+            "/probe/dangling", "/probe/dir", "/probe/missing")}
+    finally:
+        container.remove(force=True)
+        docker_engine.images.remove(image.id, force=True)
+    assert verdicts == {
+        "/bin/sh": None, "/probe/to-busybox": None,
+        "/probe/plain": "the image's /probe/plain is not an executable file",
+        "/probe/to-plain": "the image's /probe/to-plain is not an executable file",
+        "/probe/dangling": "the image has no /probe/dangling",
+        "/probe/dir": "the image's /probe/dir is not an executable file",
+        "/probe/missing": "the image has no /probe/missing"}
+
+
+@pytest.mark.parametrize("header", [
+    "", "not base64!", base64.b64encode(b"[1]").decode(), base64.b64encode(b"{").decode(),
+    base64.b64encode(b'{"mode": "493"}').decode(),
+    base64.b64encode(b'{"mode": true, "linkTarget": ""}').decode(),
+    base64.b64encode(b'{"mode": 493, "linkTarget": 7}').decode()])
+def test_an_engine_path_stat_that_is_not_the_documented_shape_is_a_backend_error(
+        header: str) -> None:
+    with pytest.raises(reploy.BackendError, match="path stat"):
+        reploy.PathStat.parse(header)
+    assert reploy.PathStat.parse(base64.b64encode(
+        b'{"name": "sh", "mode": 134218239, "linkTarget": "/bin/busybox"}').decode()) == \
+        reploy.PathStat(134218239, "/bin/busybox")

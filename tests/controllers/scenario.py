@@ -87,16 +87,40 @@ LOOP_SET_PROMPT = 'PS1="@@\\$?-p@@ "\n'
 LOOP_PROMPT_RE = rb"@@(\d+)-p@@ "
 
 
+#: orphan-loop: each of these loops makes short-lived orphans, which the workload's PID 1 reaps.
+ORPHAN_MAKERS = 3
+ORPHAN_MAKER = "(while :; do (sleep 0 &); done) >/dev/null 2>&1 &\n"
+#: What the shell may print before a prompt about a job that ended (a maker that could not fork).
+JOB_NOTICES_RE = rb"(?:\[\d+\][+-]? [^\r\n]*\r\n)*"
+
+
 def prompt_loop(session, report):
     """Command after command, each answered by its output and then the shell's prompt, as a
     person (or the recording example) drives a shell: --variant is how many rounds."""
     session.start()
     session.type(LOOP_SET_PROMPT)
     session.expect(LOOP_PROMPT_RE)
+    return answer_rounds(session, report)
+
+
+def orphan_loop(session, report):
+    """The prompt loop beside loops that make orphans. Were the shell PID 1, it would reap
+    them, and an orphan's SIGCHLD that interrupts the write of a prompt loses it (issue 29)."""
+    session.start()
+    session.type(LOOP_SET_PROMPT)
+    session.expect(LOOP_PROMPT_RE)
+    for _ in range(ORPHAN_MAKERS):
+        session.type(ORPHAN_MAKER)
+        session.expect(LOOP_PROMPT_RE)
+    return answer_rounds(session, report)
+
+
+def answer_rounds(session, report):
+    """--variant rounds of a command and its answer, each followed by the prompt."""
     report["rounds"] = 0
     for round_number in range(int(report["variant"])):
         session.type(f"echo {round_number}-$((6 * 7))\n")
-        session.expect(rb"\r\n%d-42\r\n" % round_number + LOOP_PROMPT_RE)
+        session.expect(rb"\r\n%d-42\r\n" % round_number + JOB_NOTICES_RE + LOOP_PROMPT_RE)
         report["rounds"] = round_number + 1
     session.type("exit 0\n")
     return session.finish()
@@ -615,7 +639,7 @@ SCENARIOS = {
     "no-network": no_network,
     "audit": audit, "hostile": hostile, "stall-output": stall_output, "exit-code": exit_code,
     "rogue-handover": rogue_handover, "hold-before-broker": hold_before_broker,
-    "prompt-loop": prompt_loop,
+    "prompt-loop": prompt_loop, "orphan-loop": orphan_loop,
 }
 
 
@@ -625,7 +649,7 @@ def main():
     parser.add_argument("--attach", choices=("pipe", "pty"), default="pipe")
     parser.add_argument("--variant", default="regular",
                         help="output-file: what to leave there; rogue-handover: what to hand; "
-                             "prompt-loop: how many rounds")
+                             "prompt-loop, orphan-loop: how many rounds")
     args = parser.parse_args()
     report = {"scenario": args.scenario, "attach": args.attach, "variant": args.variant,
               "checks": {}, "error": None}
