@@ -20,10 +20,11 @@ from test_examples import check_recording, prepare, run
 
 pytestmark = pytest.mark.docker
 
-#: How much each test does under the hog (each run is a whole session).
+#: How much each test does under the hog (each run is a whole session). The recording's runs
+#: can be raised for a long stress: REPLOY_STRESS_RECORDING_RUNS=500 (bench/README.md).
 PROMPT_LOOP_SESSIONS = 3
 PROMPT_LOOP_ROUNDS = 150
-RECORDING_RUNS = 2
+RECORDING_RUNS = int(os.environ.get("REPLOY_STRESS_RECORDING_RUNS", "2"))
 ORPHAN_LOOP_ROUNDS = 1500
 
 
