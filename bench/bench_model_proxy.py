@@ -45,9 +45,11 @@ import argparse
 import http.client
 import json
 import os
+import random
 import shutil
 import socket
 import ssl
+import string
 import subprocess
 import sys
 import tempfile
@@ -75,7 +77,12 @@ ANSWER_BYTES = 32 * agent.MIB
 DELTA_TEXT = "Sure: here is the function that parses its settings, with tests. " * 16
 WRITE_BYTES = 64 * 1024  #: the fake writes its answer in pieces of this size
 READY_DEADLINE_S = 30.0
-CREDENTIAL = "sk-ant-bench-credential-0123456789abcdef"
+#: Shaped like an Anthropic API key (sk-ant-api03-, 93 URL-safe base64 characters, AA: 108 bytes),
+#: fixed from run to run. Its length matters: bytes.find skips ahead by up to the needle's length,
+#: so the proxy's credential scan of a 32 MiB answer takes about 1.5 ms with this one and 5.5 ms
+#: with a 40-byte one (bench/README.md).
+CREDENTIAL = "sk-ant-api03-" + "".join(random.Random(27).choices(
+    string.ascii_letters + string.digits + "-_", k=93)) + "AA"
 
 
 def sse_body(total: int) -> bytes:
