@@ -123,6 +123,7 @@ CLIENT_IDLE_TIMEOUT_S = 5.0  #: a client must send its request line (and take it
 HANDLER_TIMEOUT_S = 5.0  #: every request is answered within this, if need be with `timeout`
 MAX_ID_CHARS = 256
 RECV_BYTES = 64 * KIB
+SPLICE_BYTES = 512 * KIB  #: one read of a relayed connection, into one buffer it reuses (ModelRelay)
 MAX_ACCEPTS_PER_WAKEUP = 64  #: keeps one burst of clients from starving the PTY and pipes
 LISTEN_BACKLOG = 128
 CALL_TIMEOUT_S = HANDLER_TIMEOUT_S + 5.0  #: the `call` client outwaits the server's own bound
@@ -6000,6 +6001,7 @@ def splice(one: socket.socket, other: socket.socket, idle_timeout_s: Optional[fl
     peers = {one: other, other: one}
     copied = {one: 0, other: 0}
     idle = False
+    buffer = memoryview(bytearray(SPLICE_BYTES))
     with selectors.DefaultSelector() as selector:
         for sock in peers:
             selector.register(sock, selectors.EVENT_READ)
@@ -6012,10 +6014,10 @@ def splice(one: socket.socket, other: socket.socket, idle_timeout_s: Optional[fl
                 for key, _ in ready:
                     source = key.fileobj
                     assert isinstance(source, socket.socket)
-                    data = source.recv(RECV_BYTES)
-                    if data:
-                        peers[source].sendall(data)
-                        copied[source] += len(data)
+                    got = source.recv_into(buffer)
+                    if got:
+                        peers[source].sendall(buffer[:got])
+                        copied[source] += got
                         continue
                     selector.unregister(source)
                     with contextlib.suppress(OSError):

@@ -4586,7 +4586,9 @@ MODEL_RESPONSE_TIMEOUT_S = 1800.0  #: one whole response
 MODEL_READ_BYTES = 64 * 1024  #: one read of a request from the relay
 #: One read of the upstream: what has arrived of the answer, decrypted, up to this; a read never
 #: waits for more than some, so a slow answer still goes out delta by delta (BatchedTLSSocket).
-MODEL_BATCH_BYTES = 256 * 1024
+#: 512 KiB, not 256: the proxy's CPU per 32 MiB answer went from 22-25 ms to 17-20 ms
+#: (bench/README.md, "Reads of 512 KiB").
+MODEL_BATCH_BYTES = 512 * 1024
 #: The send buffer of a connection from the relay: a batch goes out in one send, not two with a
 #: wait for the reader between (the default, about 200 KiB, holds less than one). Kernel memory
 #: a reader that stops can pin: this, doubled by the kernel and capped by wmem_max, times
@@ -4877,7 +4879,7 @@ class BatchedTLSSocket:
     TLS record (at most 16 KiB: OpenSSL reads its header, then its body), and http.client then
     hands on one record per read; here one read of the socket takes up to MODEL_BATCH_BYTES and
     a read returns every record that has arrived, so the proxy redacts and forwards a 32 MiB
-    answer in about 130 passes, not 2,000. The certificate and name are checked as by
+    answer in about 65 passes, not 2,000. The certificate and name are checked as by
     wrap_socket (the same context, server_hostname). Timeouts are the TCP socket's."""
 
     def __init__(self, raw: socket.socket, context: ssl.SSLContext, hostname: str) -> None:
