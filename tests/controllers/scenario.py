@@ -87,9 +87,12 @@ LOOP_SET_PROMPT = 'PS1="@@\\$?-p@@ "\n'
 LOOP_PROMPT_RE = rb"@@(\d+)-p@@ "
 
 
-#: orphan-loop: each of these loops makes short-lived orphans, which the workload's PID 1 reaps.
-ORPHAN_MAKERS = 3
-ORPHAN_MAKER = "(while :; do (sleep 0 &); done) >/dev/null 2>&1 &\n"
+#: orphan-loop: each of these loops makes short-lived orphans, which the workload's PID 1 reaps,
+#: paced by 2 ms: unpaced, the fork storm once filled the example workload's 128 MiB memory
+#: cgroup and the kernel's OOM killer took the shell (exit 137). Paced so, with the shell as
+#: PID 1 (no init) the loop still lost a prompt by round 437.
+ORPHAN_MAKERS = 4
+ORPHAN_MAKER = "(while :; do (sleep 0 &); sleep 0.002; done) >/dev/null 2>&1 &\n"
 #: What the shell may print before a prompt about a job that ended (a maker that could not fork).
 JOB_NOTICES_RE = rb"(?:\[\d+\][+-]? [^\r\n]*\r\n)*"
 
