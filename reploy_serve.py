@@ -4586,7 +4586,7 @@ MODEL_RESPONSE_TIMEOUT_S = 1800.0  #: one whole response
 MODEL_READ_BYTES = 64 * 1024  #: one read of a request from the relay
 #: One read of the upstream: what has arrived of the answer, decrypted, up to this; a read never
 #: waits for more than some, so a slow answer still goes out delta by delta (BatchedTLSSocket).
-#: 512 KiB, not 256: the proxy's CPU per 32 MiB answer went from 22-25 ms to 17-20 ms
+#: 512 KiB, not 256: the proxy's CPU per 32 MiB answer went from 22-25 ms to 16-21 ms
 #: (bench/README.md, "Reads of 512 KiB").
 MODEL_BATCH_BYTES = 512 * 1024
 #: The send buffer of a connection from the relay: a batch goes out in one send, not two with a

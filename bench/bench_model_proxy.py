@@ -79,7 +79,7 @@ WRITE_BYTES = 64 * 1024  #: the fake writes its answer in pieces of this size
 READY_DEADLINE_S = 30.0
 #: Shaped like an Anthropic API key (sk-ant-api03-, 93 URL-safe base64 characters, AA: 108 bytes),
 #: fixed from run to run. Its length matters: bytes.find skips ahead by up to the needle's length,
-#: so the proxy's credential scan of a 32 MiB answer takes about 1.5 ms with this one and 5.5 ms
+#: so the proxy's credential scan of a 32 MiB answer takes about 1.5 ms with this one and 5 ms
 #: with a 40-byte one (bench/README.md).
 CREDENTIAL = "sk-ant-api03-" + "".join(random.Random(27).choices(
     string.ascii_letters + string.digits + "-_", k=93)) + "AA"
