@@ -260,7 +260,7 @@ CHILD_REPORT_BYTES = 2 * MAX_WORKER_MESSAGE_CHARS  #: the most read of what a ch
 #: A worker that says nothing for this long is given up (its socket closed): a tree walk sends as it goes, an
 #: upload's commit only at its end, after extracting up to MAX_TRANSFER_BYTES.
 WORKER_SILENCE_S = 600.0
-WORKER_START_S = 5.0  #: handing a worker's socket to the zygote; a zygote that takes longer is replaced
+WORKER_START_S = 5.0  #: handing a worker's socket to the zygote and hearing it took it; else it is replaced
 #: The zygote ends once no operation has been open for this long (--file-worker-linger): an idle session then holds
 #: no second interpreter (about 10 MiB), and the next operation starts a new one. Well under serve's --idle-after.
 DEFAULT_FILE_WORKER_LINGER_S = 30.0
@@ -3399,8 +3399,9 @@ def _merge_into(staged: int, target: int) -> None:
 # downloads and checkpoints, opening a file, staging, installing and extracting an upload, restoring a tree) runs in
 # a worker process of the runtime user, so the kernel confines it as it confines the workload, and the agent never
 # opens a path there. The agent makes a SOCK_SEQPACKET pair per operation, writes the request into its end and hands
-# the other end to the zygote, which forks a worker to serve it; answers come back one message each, file
-# descriptors (a file to read, an upload's staging) attached with SCM_RIGHTS. The zygote (`agent.py zygote`) is
+# the other end to the zygote, which forks a worker to serve it and says so on the channel (a zygote killed after
+# the hand-off was queued drops the socket unread: only its word shows a worker has it); answers come back one
+# message each, file descriptors (a file to read, an upload's staging) attached with SCM_RIGHTS. The zygote (`agent.py zygote`) is
 # started as the runtime user from a sealed in-memory copy of this file, so that user needs the interpreter, not
 # access to wherever agent.py lies; it is started again when it is gone (the workload can kill it). The workload can
 # also trace a worker and make it answer anything: what workers say is parsed as hostile ("what a file worker may
@@ -3612,8 +3613,9 @@ class FileWorkers:
             self._last_closed = time.monotonic()
 
     def start(self, op: str, fds: Iterable[int] = (), **params: Any) -> WorkerStream:
-        """Begins one operation: its request written, its socket handed to the zygote (a new zygote when the last
-        is gone, did not take it within WORKER_START_S, or left an operation without a word)."""
+        """Begins one operation: its request written, its socket handed to the zygote, which says a worker has
+        it (a new zygote when the last is gone, did not say so within WORKER_START_S, or left an operation without
+        a word)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             _send_packet(ours, {"op": op, **params}, fds)
@@ -3627,9 +3629,10 @@ class FileWorkers:
                             self._start_zygote()
                         assert self._channel is not None
                         _send_packet(self._channel, {}, [theirs.fileno()])
+                        self._hear_handed_off()
                         self._open += 1
                         break
-                    except OSError as e:
+                    except OSError as e:  # gone, killed with the hand-off queued, or silent (stopped, traced)
                         self._stop_zygote()
                         if attempt:
                             raise CommandError(f"the file worker does not start: {e}") from e
@@ -3639,6 +3642,23 @@ class FileWorkers:
         finally:
             theirs.close()
         return WorkerStream(ours, op, self._heard_nothing, self._closed_one)
+
+    def _hear_handed_off(self) -> None:
+        """The zygote's word that it forked a worker for the socket just sent: exactly an empty object, nothing
+        attached. End of file raises as ConnectionResetError, a hostile answer as WorkerProtocolError, both
+        after the zygote is stopped."""
+        assert self._channel is not None
+        try:
+            data, fds = _receive_packet(self._channel)
+            for fd in fds:
+                os.close(fd)
+            if not data and not fds:
+                raise ConnectionResetError(errno.ECONNRESET, "the zygote ended before it took the socket")
+            if data != b"{}" or fds:
+                raise WorkerProtocolError("the file workers' zygote answered a hand-off with something else")
+        except WorkerProtocolError:
+            self._stop_zygote()
+            raise
 
     def _heard_nothing(self) -> None:
         self._suspect = True
@@ -3797,6 +3817,10 @@ def zygote_main() -> int:
                 finally:
                     os._exit(0)
             os.close(fd)
+        try:
+            _send_packet(channel, {})  # FileWorkers._hear_handed_off
+        except OSError:
+            return 0
 
 
 def serve_worker(fd: int) -> None:

@@ -14,8 +14,11 @@ import fcntl
 import io
 import json
 import os
+import signal
 import socket
+import struct
 import tarfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -154,6 +157,47 @@ def test_a_killed_or_stopped_zygote_is_replaced(start_agent):
     assert shell.error("list")["code"] in ("timeout", "command_error")
     assert wait_until(lambda: "result" in shell.call("list"), "a new zygote")
     assert zygote not in zygote_pids(shell)  # the stopped one is gone
+
+
+def queued_bytes(inode: int) -> int:
+    """Bytes waiting in the receive queue of the unix socket `inode`, as the kernel reports them over
+    NETLINK_SOCK_DIAG (SOCK_DIAG_BY_FAMILY, UDIAG_SHOW_RQLEN); -1 when no such socket is open."""
+    request = struct.pack("=BBHIII2I", socket.AF_UNIX, 0, 0, 0xFFFFFFFF, inode, 0x10, 0xFFFFFFFF, 0xFFFFFFFF)
+    with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 4) as diag:  # NETLINK_SOCK_DIAG
+        diag.send(struct.pack("=IHHII", 16 + len(request), 20, 1, 1, 0) + request)  # NLM_F_REQUEST
+        answer = diag.recv(65536)
+    length, kind = struct.unpack_from("=IH", answer)
+    if kind != 20:  # NLMSG_ERROR: the socket is gone
+        return -1
+    offset = 16 + 16  # nlmsghdr, unix_diag_msg
+    while offset + 4 <= length:
+        size, attribute = struct.unpack_from("=HH", answer, offset)
+        if attribute == 4:  # UNIX_DIAG_RQLEN: rqueue, wqueue
+            return struct.unpack_from("=I", answer, offset + 4)[0]
+        offset += (size + 3) & ~3
+    raise AssertionError("the kernel left out UNIX_DIAG_RQLEN")
+
+
+@as_root
+def test_a_zygote_killed_with_a_hand_off_queued_costs_no_request(start_agent):
+    """The race behind a killed zygote: the agent's hand-off was queued, the zygote dies before it reads
+    it, the socket goes with it unread. Held open here (the zygote stopped first, then killed once the
+    kernel shows the hand-off waiting): the missing word sends the same request to a new zygote."""
+    shell = start_agent("--workload", "shell")
+    (shell.workspace / "kept").write_bytes(b"x")
+    shell.result("list")
+    [zygote] = zygote_pids(shell)
+    channel = int(os.readlink(f"/proc/{zygote}/fd/0").removeprefix("socket:[").removesuffix("]"))
+    assert run_exec(shell, ["kill", "-STOP", str(zygote)])["exit_code"] == 0
+    answers: list[dict] = []
+    caller = threading.Thread(target=lambda: answers.append(shell.call("list")))
+    caller.start()
+    wait_until(lambda: queued_bytes(channel) > 0, "the hand-off queued in the stopped zygote")
+    os.kill(zygote, signal.SIGKILL)
+    caller.join()
+    [answer] = answers
+    assert "result" in answer and answer["result"]["total"] == 1, answer
+    assert zygote not in zygote_pids(shell)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
