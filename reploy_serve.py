@@ -5824,7 +5824,7 @@ class EgressProxy:
         idle = (f"closed after {self._timeouts.idle_s:.3g} s in which neither side sent a byte"
                 if spliced.idle else "")
         return EgressNote(agent_role.EgressDecision.ALLOWED, request.host, request.port, reason=idle,
-                          bytes_up=spliced.one_to_other + len(rest), bytes_down=spliced.other_to_one)
+                          bytes_up=len(first) + spliced.one_to_other, bytes_down=spliced.other_to_one)
 
     def _record(self, session_id: str, note: EgressNote) -> None:
         counts = (f" ({note.bytes_up} bytes up, {note.bytes_down} down)"
