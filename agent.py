@@ -3401,11 +3401,12 @@ def _merge_into(staged: int, target: int) -> None:
 # opens a path there. The agent makes a SOCK_SEQPACKET pair per operation, writes the request into its end and hands
 # the other end to the zygote, which forks a worker to serve it and says so on the channel (a zygote killed after
 # the hand-off was queued drops the socket unread: only its word shows a worker has it); answers come back one
-# message each, file descriptors (a file to read, an upload's staging) attached with SCM_RIGHTS. The zygote (`agent.py zygote`) is
-# started as the runtime user from a sealed in-memory copy of this file, so that user needs the interpreter, not
-# access to wherever agent.py lies; it is started again when it is gone (the workload can kill it). The workload can
-# also trace a worker and make it answer anything: what workers say is parsed as hostile ("what a file worker may
-# answer"), and what they can do is what the workload can do anyway.
+# message each, file descriptors (a file to read, an upload's staging) attached with SCM_RIGHTS. The zygote
+# (`agent.py zygote`) is started as the runtime user from a sealed in-memory copy of this file, so that user needs
+# the interpreter, not access to wherever agent.py lies; it is started again when it is gone (the workload can kill
+# it), and a hand-off it never answered goes to the new one. The workload can also trace a worker and make it answer
+# anything: what workers say is parsed as hostile ("what a file worker may answer"), and what they can do is what
+# the workload can do anyway.
 # ======================================================================================================================
 
 
