@@ -1551,6 +1551,12 @@ def sse_reset(length_bytes: int) -> bytes:
     return f"id: {length_bytes}\nevent: reset\ndata: {{\"nextOffset\":{length_bytes}}}\n\n".encode()
 
 
+def http_chunk(data: bytes, chunked: bool) -> bytes:
+    """A piece of a body as it goes on the wire: one HTTP/1.1 chunk, or the bytes alone (a body
+    that the closing connection ends). No bytes are no chunk (an empty one would end the body)."""
+    return b"%x\r\n%s\r\n" % (len(data), data) if chunked and data else data
+
+
 def reader_refusal(session_readers: int, all_readers: int, max_session_readers: int,
                    max_readers: int) -> Optional[str]:
     """Why one more reader of a session's stream is refused (None: it is taken), given the
@@ -1683,21 +1689,35 @@ class LogFanout:
             del self.window[:keep_from - self.start]
             self.start = keep_from
 
+    def next_step(self, reader: int) -> FanoutStep:
+        """What take(reader) would do now, nothing changed: the follower pushes a reader's next
+        OUTPUT itself and wakes a reader only for what it must do itself (never for WAIT). An
+        OUTPUT of claude-code text that holds no whole code point yet is taken as WAIT."""
+        if reader in self._dropped:
+            return FanoutStep.DROPPED
+        if self.ended:
+            return FanoutStep.ENDED
+        cursor = self._readers[reader].cursor
+        if self.length is None or cursor == self.end or self.end < cursor <= self.length:
+            return FanoutStep.WAIT
+        if cursor > self.length:
+            return FanoutStep.RESET
+        return FanoutStep.BEHIND if cursor < self.start else FanoutStep.OUTPUT
+
     def take(self, reader: int, now: float) -> FanoutTake:
         """What `reader` does next: at most chunk_bytes from its cursor, which moves past them."""
-        if reader in self._dropped:
-            return FanoutTake(FanoutStep.DROPPED)
-        if self.ended:
-            return FanoutTake(FanoutStep.ENDED)
+        step = self.next_step(reader)
+        if step in (FanoutStep.DROPPED, FanoutStep.ENDED):
+            return FanoutTake(step)
         state = self._readers[reader]
         state.offered_at = now  # it came to take: not stalled
-        if self.length is None or state.cursor == self.end or self.end < state.cursor <= self.length:
-            return FanoutTake(FanoutStep.WAIT)
-        if state.cursor > self.length:
-            state.cursor = self.length
-            return FanoutTake(FanoutStep.RESET, self.length)
-        if state.cursor < self.start:
-            return FanoutTake(FanoutStep.BEHIND, state.cursor)
+        if step is FanoutStep.WAIT:
+            return FanoutTake(step)
+        if step is FanoutStep.RESET:
+            state.cursor = self.length or 0
+            return FanoutTake(step, state.cursor)
+        if step is FanoutStep.BEHIND:
+            return FanoutTake(step, state.cursor)
         at = state.cursor - self.start
         return self._advance(state, bytes(self.window[at:at + self.chunk_bytes]), now)
 
@@ -3214,15 +3234,56 @@ class Lease:
         self.manager.store.renew(self.record.id, self.owner, self.manager.clock())
 
 
+class OutputStream:
+    """One SSE stream's connection, written by two threads in turn (`lock`): the session's
+    follower pushes each new output event to it without blocking, so one thread sends to every
+    stream of a session rather than waking a thread per stream; the stream's own thread sends
+    the rest (its first event, keep-alives, resets, bytes from behind the window) and whatever a
+    push could not send at once, before anything of its own. Each piece is framed by `frame`
+    (the HTTP chunk), whoever sends it."""
+
+    def __init__(self, sock: socket.socket, frame: Callable[[bytes], bytes]) -> None:
+        if sock.gettimeout() is None or os.get_blocking(sock.fileno()):
+            raise ValueError("an output stream's socket has a timeout (so a non-blocking descriptor)")
+        self._sock, self._frame = sock, frame
+        self.lock = threading.Lock()
+        self.woken = threading.Event()  # set by the follower: the stream's thread must take
+        self.last_sent = time.monotonic()
+        self._unsent = b""  # a push's rest, sent first by the stream's thread
+
+    def push(self, event: bytes) -> bool:
+        """The follower's send, `lock` held: what the socket takes of the event now; False
+        when some is left for the stream's thread (a full socket, a client gone: its own send
+        then waits out the stall bound or fails)."""
+        data = self._frame(event)
+        with contextlib.suppress(OSError):  # BlockingIOError, or a reset the next send raises
+            data = data[os.write(self._sock.fileno(), data):]  # never blocks: see __init__
+        self._unsent = data
+        self.last_sent = time.monotonic()
+        return not data
+
+    def send(self, event: bytes) -> None:
+        """The stream thread's send: a push's rest, then `event` (b"": the rest alone), within
+        the socket's timeout (socket.timeout when the client takes nothing that long)."""
+        with self.lock:
+            data = self._unsent + self._frame(event)
+            if data:
+                self._sock.sendall(data)
+                self._unsent = b""
+                self.last_sent = time.monotonic()
+
+
 class OutputFollower:
     """One session's output follower (a thread of SessionManager's) and the fan-out of what it
-    reads to the session's readers: `changed` guards `fanout`, and wakes the readers when the
-    follower saw something new (a look that found nothing wakes nobody)."""
+    reads to the session's readers: `changed` guards `fanout` and `streams`; `deliver` pushes
+    what the follower saw to the streams and wakes whoever must act on it (a look that found
+    nothing wakes nobody)."""
 
     def __init__(self, session_id: str, text: bool) -> None:
         self.session_id = session_id
         self.fanout = LogFanout(FANOUT_WINDOW_BYTES, SSE_CHUNK_BYTES, SSE_STALL_S, text)
         self.changed = threading.Condition()
+        self.streams: dict[int, OutputStream] = {}  # the SSE streams among the readers
         self._last_event: tuple[int, bytes, bytes] = (-1, b"", b"")  # offset, payload, event
 
     def output_event(self, offset: int, data: bytes) -> bytes:
@@ -3234,11 +3295,43 @@ class OutputFollower:
                 self._last_event = (offset, data, event)
             return event
 
-    def wait_change(self, seen: int, timeout_s: float) -> None:
-        """Sleep until the follower saw something new after version `seen` (bytes, a log of
-        another length, a reader dropped, the end), at most `timeout_s`."""
+    def deliver(self, now: float) -> None:
+        """After the follower saw something new: each stream with an OUTPUT next and its socket
+        free gets that event pushed; a stream with more to take after it, or anything else to
+        do, is woken; so are the reads waiting on `changed`."""
+        pushes: list[tuple[OutputStream, bytes, bool]] = []
+        woken: list[OutputStream] = []
         with self.changed:
-            self.changed.wait_for(lambda: self.fanout.version != seen, max(timeout_s, 0.0))
+            for reader, stream in self.streams.items():
+                step = self.fanout.next_step(reader)
+                if step is FanoutStep.WAIT:
+                    continue
+                if step is not FanoutStep.OUTPUT or not stream.lock.acquire(blocking=False):
+                    woken.append(stream)  # its thread holds its socket: it takes for itself after
+                    continue
+                take = self.fanout.take(reader, now)
+                if take.step is FanoutStep.OUTPUT:
+                    more = self.fanout.next_step(reader) is not FanoutStep.WAIT
+                    pushes.append((stream, self.output_event(take.offset, take.data), more))
+                else:  # text with no whole code point yet
+                    stream.lock.release()
+            self.changed.notify_all()
+        for stream, event, more in pushes:
+            try:
+                if not stream.push(event) or more:
+                    woken.append(stream)
+            finally:
+                stream.lock.release()
+        for stream in woken:
+            stream.woken.set()
+
+    def end(self) -> None:
+        """The session's container is gone, or nobody reads: every reader ends."""
+        with self.changed:
+            self.fanout.end_all()
+            self.changed.notify_all()
+            for stream in self.streams.values():
+                stream.woken.set()
 
 
 def compile_agent_bytecode(directory: Path) -> None:
@@ -4265,7 +4358,7 @@ class SessionManager:
                 if not self._readers[session_id]:
                     del self._readers[session_id]
 
-    def follow_output(self, record: SessionRecord, cursor: int, send: Callable[[bytes], None],
+    def follow_output(self, record: SessionRecord, cursor: int, stream: OutputStream,
                       connected: Callable[[], bool] = lambda: True) -> None:
         """The SSE stream: the session's output from `cursor` until the client goes or the
         session's container does (deleted, snapshotted). A cursor ahead of the log gets a
@@ -4275,23 +4368,26 @@ class SessionManager:
         away (decide_reap). ReaderDropped: it took nothing for SSE_STALL_S."""
         viewer = secrets.token_hex(8)
         self.store.hold_viewer(viewer, record.id, self.clock())
-        follower, reader = self._join_follower(record, cursor)
+        follower, reader = self._join_follower(record, cursor, stream)
         try:
-            self._tail_output(record, follower, reader, send, connected, viewer)
+            self._tail_output(record, follower, reader, stream, connected, viewer)
         finally:
             self._leave_follower(follower, reader)
             self.store.drop_viewer(viewer)
+        stream.send(b"")  # what the follower's last push left (it pushes no more: it left)
 
     def _tail_output(self, record: SessionRecord, follower: OutputFollower, reader: int,
-                     send: Callable[[bytes], None], connected: Callable[[], bool], viewer: str) -> None:
+                     stream: OutputStream, connected: Callable[[], bool], viewer: str) -> None:
+        """The stream's own thread: it takes what the follower did not push (OutputFollower.deliver)."""
         agent_dir = self.config.agent_dir(record.id)
-        last_sent = renewed = time.monotonic()
+        renewed = time.monotonic()
         while not self.stopping.is_set() and connected():
             if time.monotonic() - renewed >= VIEWER_RENEW_S:
                 self.store.hold_viewer(viewer, record.id, self.clock())
                 renewed = time.monotonic()
+            stream.woken.clear()  # before the take: a wake-up after it is not lost
+            stream.send(b"")  # a push's rest first
             with follower.changed:
-                seen = follower.fanout.version
                 take = follower.fanout.take(reader, time.monotonic())
             if take.step is FanoutStep.BEHIND:  # older than the follower's window: read it here
                 try:
@@ -4305,17 +4401,14 @@ class SessionManager:
             if take.step is FanoutStep.ENDED:
                 return
             if take.step is FanoutStep.OUTPUT:
-                send(follower.output_event(take.offset, take.data))
-                last_sent = time.monotonic()
+                stream.send(follower.output_event(take.offset, take.data))
             elif take.step is FanoutStep.RESET:
-                send(sse_reset(take.offset))
-                last_sent = time.monotonic()
-            elif time.monotonic() - last_sent >= self.config.sse_keepalive_s:
-                send(SSE_KEEPALIVE)
-                last_sent = time.monotonic()
-            else:  # WAIT, or behind with nothing whole yet: until the follower looks again
-                keepalive_in = last_sent + self.config.sse_keepalive_s - time.monotonic()
-                follower.wait_change(seen, min(keepalive_in, SSE_STATE_CHECK_S))
+                stream.send(sse_reset(take.offset))
+            elif time.monotonic() - stream.last_sent >= self.config.sse_keepalive_s:
+                stream.send(SSE_KEEPALIVE)
+            else:  # WAIT, or behind with nothing whole yet: until the follower wakes it
+                keepalive_in = stream.last_sent + self.config.sse_keepalive_s - time.monotonic()
+                stream.woken.wait(max(min(keepalive_in, SSE_STATE_CHECK_S), 0.0))
 
     def _await_output(self, record: SessionRecord, cursor: int, timeout_s: float) -> None:
         """A waiting read's wait at `cursor`, the log's end: until the session's follower sees
@@ -4328,8 +4421,10 @@ class SessionManager:
         finally:
             self._leave_follower(follower, reader)
 
-    def _join_follower(self, record: SessionRecord, cursor: int) -> tuple[OutputFollower, int]:
-        """A reader of the session's output at `cursor`, and its follower, started for the first."""
+    def _join_follower(self, record: SessionRecord, cursor: int,
+                       stream: Optional[OutputStream] = None) -> tuple[OutputFollower, int]:
+        """A reader of the session's output at `cursor` (a stream's, or a waiting read's), and
+        its follower, started for the first."""
         with self._readers_lock:
             follower = self._followers.get(record.id)
             if follower is None:
@@ -4338,11 +4433,15 @@ class SessionManager:
                 threading.Thread(target=self._follow, args=(follower,), daemon=True,
                                  name=f"follower-{record.id}").start()
             with follower.changed:
-                return follower, follower.fanout.join(cursor, time.monotonic())
+                reader = follower.fanout.join(cursor, time.monotonic())
+                if stream is not None:
+                    follower.streams[reader] = stream
+                return follower, reader
 
     def _leave_follower(self, follower: OutputFollower, reader: int) -> None:
         with follower.changed:
             follower.fanout.leave(reader)
+            follower.streams.pop(reader, None)
 
     def _stop_follower(self, follower: OutputFollower, end: bool) -> bool:
         """Whether the follower stops now: when `end` (its session's container is gone) or no
@@ -4352,8 +4451,7 @@ class SessionManager:
                 return False
             if self._followers.get(follower.session_id) is follower:
                 del self._followers[follower.session_id]
-            follower.fanout.end_all()
-            follower.changed.notify_all()
+            follower.end()
             return True
 
     def _follow(self, follower: OutputFollower) -> None:
@@ -4392,8 +4490,8 @@ class SessionManager:
                 seen = follower.fanout.length
                 dropped = follower.fanout.feed(length, data, time.monotonic())
                 end = follower.fanout.end
-                if data or dropped or length != seen:  # a look that found nothing wakes nobody
-                    follower.changed.notify_all()
+            if data or dropped or length != seen:  # a look that found nothing wakes nobody
+                follower.deliver(time.monotonic())
             if data:
                 woke = False
                 in_a_row += 1
@@ -6198,7 +6296,7 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
 
     def write_piece(self, data: bytes, chunked: bool) -> None:
         if data:
-            self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data) if chunked else data)
+            self.wfile.write(http_chunk(data, chunked))
 
     def end_pieces(self, chunked: bool) -> None:
         if chunked:
@@ -6457,17 +6555,15 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
             self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SSE_SEND_BUFFER_BYTES)
             self.connection.settimeout(SSE_STALL_S)
 
-            def send(data: bytes) -> None:
-                self.write_piece(data, chunked)
-                self.wfile.flush()
+            stream = OutputStream(self.connection, functools.partial(http_chunk, chunked=chunked))
 
             def connected() -> bool:  # a client that went away shows as readable at end of file
                 readable, _, _ = select.select([self.connection], [], [], 0)
                 return not readable or self.connection.recv(1, socket.MSG_PEEK) != b""
 
             try:
-                send(SSE_CONNECTED)
-                self.manager.follow_output(record, cursor, send, connected)
+                stream.send(SSE_CONNECTED)
+                self.manager.follow_output(record, cursor, stream, connected)
                 self.end_pieces(chunked)
             except (socket.timeout, ReaderDropped):
                 log(f"serve: dropped a reader of session {sid}'s output stream: it took nothing "
