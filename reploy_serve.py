@@ -3262,6 +3262,12 @@ class OutputStream:
         self.last_sent = time.monotonic()
         return not data
 
+    def settle(self) -> None:
+        """Waits out a push begun before the stream left its follower: only then may its socket
+        close (a write to a closed descriptor's number could land in whatever reused it)."""
+        with self.lock:
+            pass
+
     def send(self, event: bytes) -> None:
         """The stream thread's send: a push's rest, then `event` (b"": the rest alone), within
         the socket's timeout (socket.timeout when the client takes nothing that long)."""
@@ -4374,7 +4380,7 @@ class SessionManager:
         finally:
             self._leave_follower(follower, reader)
             self.store.drop_viewer(viewer)
-        stream.send(b"")  # what the follower's last push left (it pushes no more: it left)
+        stream.send(b"")  # what the follower's last push left
 
     def _tail_output(self, record: SessionRecord, follower: OutputFollower, reader: int,
                      stream: OutputStream, connected: Callable[[], bool], viewer: str) -> None:
@@ -4441,7 +4447,9 @@ class SessionManager:
     def _leave_follower(self, follower: OutputFollower, reader: int) -> None:
         with follower.changed:
             follower.fanout.leave(reader)
-            follower.streams.pop(reader, None)
+            stream = follower.streams.pop(reader, None)
+        if stream is not None:
+            stream.settle()  # the follower pushes no more to it, and no push is under way
 
     def _stop_follower(self, follower: OutputFollower, end: bool) -> bool:
         """Whether the follower stops now: when `end` (its session's container is gone) or no

@@ -151,3 +151,27 @@ def test_an_ended_follower_wakes_every_stream(pair: tuple[socket.socket, socket.
     follower.end()
     assert all(stream.woken.is_set() for stream in streams)
     assert {follower.fanout.next_step(reader) for reader in readers} == {FanoutStep.ENDED}
+
+
+def test_settling_waits_out_a_push_under_way_so_the_socket_can_close_after(
+        pair: tuple[socket.socket, socket.socket]) -> None:
+    ours, theirs = pair
+    stream = stream_of(ours)
+    pushing, settled = threading.Event(), threading.Event()
+    order: list[str] = []
+
+    def follower_pushing() -> None:
+        with stream.lock:
+            pushing.set()
+            # A settle that did not wait would be done well within this: it must not be.
+            order.append("settled during the push" if settled.wait(0.5) else "pushed")
+            stream.push(b"last")
+
+    follower = threading.Thread(target=follower_pushing)
+    follower.start()
+    pushing.wait()
+    stream.settle()
+    settled.set()
+    follower.join()
+    assert order == ["pushed"]
+    assert receive(theirs, len(chunked(b"last"))) == chunked(b"last")
