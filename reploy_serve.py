@@ -1629,7 +1629,6 @@ class LogFanout:
         self.window = bytearray()
         self.length: Optional[int] = None  # the log's length when the follower last looked
         self.ended = False
-        self.version = 0  # how many times the follower looked, or ended it: a reader's wake-up
         self._readers: dict[int, _Reader] = {}
         self._dropped: set[int] = set()
         self._next_id = 0
@@ -1658,7 +1657,6 @@ class LogFanout:
 
     def end_all(self) -> None:
         self.ended = True
-        self.version += 1
 
     def feed(self, length: int, data: bytes, now: float) -> tuple[int, ...]:
         """The follower looked: the log is `length` long, and `data` are its bytes from
@@ -1672,7 +1670,6 @@ class LogFanout:
                     state.offered_at = now
             self.window += data
         self.length = length
-        self.version += 1
         dropped = tuple(reader for reader, state in self._readers.items()
                         if state.cursor < self.length and now - state.offered_at >= self.stall_s)
         for reader in dropped:
@@ -3235,18 +3232,19 @@ class Lease:
 
 
 class OutputStream:
-    """One SSE stream's connection, written by two threads in turn (`lock`): the session's
-    follower pushes each new output event to it without blocking, so one thread sends to every
-    stream of a session rather than waking a thread per stream; the stream's own thread sends
-    the rest (its first event, keep-alives, resets, bytes from behind the window) and whatever a
-    push could not send at once, before anything of its own. Each piece is framed by `frame`
-    (the HTTP chunk), whoever sends it."""
+    """One SSE stream's connection, written by two threads in turn: the session's follower
+    pushes each new output event to it without blocking, so one thread sends to every stream of
+    a session rather than waking a thread per stream; the stream's own thread sends the rest
+    (its first event, keep-alives, resets, bytes from behind the window) and whatever a push
+    could not send at once, before anything of its own. Whoever holds `lock` takes the reader's
+    next bytes and sends them in one step, so the two never send out of the log's order. Each
+    piece is framed by `frame` (the HTTP chunk), whoever sends it."""
 
     def __init__(self, sock: socket.socket, frame: Callable[[bytes], bytes]) -> None:
         if sock.gettimeout() is None or os.get_blocking(sock.fileno()):
-            raise ValueError("an output stream's socket has a timeout (so a non-blocking descriptor)")
+            raise ValueError("an output stream's socket needs a timeout (its descriptor non-blocking)")
         self._sock, self._frame = sock, frame
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # the stream's thread holds it across a take and its send
         self.woken = threading.Event()  # set by the follower: the stream's thread must take
         self.last_sent = time.monotonic()
         self._unsent = b""  # a push's rest, sent first by the stream's thread
@@ -3258,8 +3256,8 @@ class OutputStream:
         data = self._frame(event)
         with contextlib.suppress(OSError):  # BlockingIOError, or a reset the next send raises
             data = data[os.write(self._sock.fileno(), data):]  # never blocks: see __init__
+            self.last_sent = time.monotonic()
         self._unsent = data
-        self.last_sent = time.monotonic()
         return not data
 
     def settle(self) -> None:
@@ -3313,7 +3311,7 @@ class OutputFollower:
                 if step is FanoutStep.WAIT:
                     continue
                 if step is not FanoutStep.OUTPUT or not stream.lock.acquire(blocking=False):
-                    woken.append(stream)  # its thread holds its socket: it takes for itself after
+                    woken.append(stream)  # its own to do, or its thread is taking: it takes after
                     continue
                 take = self.fanout.take(reader, now)
                 if take.step is FanoutStep.OUTPUT:
@@ -4392,29 +4390,35 @@ class SessionManager:
                 self.store.hold_viewer(viewer, record.id, self.clock())
                 renewed = time.monotonic()
             stream.woken.clear()  # before the take: a wake-up after it is not lost
-            stream.send(b"")  # a push's rest first
-            with follower.changed:
-                take = follower.fanout.take(reader, time.monotonic())
-            if take.step is FanoutStep.BEHIND:  # older than the follower's window: read it here
-                try:
-                    data = self._read_output_log(agent_dir, take.offset)[1]
-                except OSError:
-                    data = b""  # the follower says what the log is now
-                with follower.changed:
-                    take = follower.fanout.read_behind(reader, data, time.monotonic())
-            if take.step is FanoutStep.DROPPED:
-                raise ReaderDropped(f"it took nothing for {SSE_STALL_S:.0f} s")
-            if take.step is FanoutStep.ENDED:
-                return
-            if take.step is FanoutStep.OUTPUT:
-                stream.send(follower.output_event(take.offset, take.data))
-            elif take.step is FanoutStep.RESET:
-                stream.send(sse_reset(take.offset))
-            elif time.monotonic() - stream.last_sent >= self.config.sse_keepalive_s:
-                stream.send(SSE_KEEPALIVE)
-            else:  # WAIT, or behind with nothing whole yet: until the follower wakes it
+            with stream.lock:  # no push between the take and its send (OutputStream)
+                take = self._take_for_stream(follower, reader, agent_dir)
+                if take.step is FanoutStep.DROPPED:
+                    raise ReaderDropped(f"it took nothing for {SSE_STALL_S:.0f} s")
+                if take.step is FanoutStep.ENDED:
+                    return
+                if take.step is FanoutStep.OUTPUT:
+                    stream.send(follower.output_event(take.offset, take.data))
+                    continue
+                if take.step is FanoutStep.RESET:
+                    stream.send(sse_reset(take.offset))
+                    continue
                 keepalive_in = stream.last_sent + self.config.sse_keepalive_s - time.monotonic()
-                stream.woken.wait(max(min(keepalive_in, SSE_STATE_CHECK_S), 0.0))
+                stream.send(SSE_KEEPALIVE if keepalive_in <= 0 else b"")  # b"": a push's rest
+            # WAIT, or behind with nothing whole yet: until the follower wakes it
+            stream.woken.wait(max(min(keepalive_in, SSE_STATE_CHECK_S), 0.0))
+
+    def _take_for_stream(self, follower: OutputFollower, reader: int, agent_dir: Path) -> FanoutTake:
+        """A stream's next step; bytes older than the follower's window are read here."""
+        with follower.changed:
+            take = follower.fanout.take(reader, time.monotonic())
+        if take.step is not FanoutStep.BEHIND:
+            return take
+        try:
+            data = self._read_output_log(agent_dir, take.offset)[1]
+        except OSError:
+            data = b""  # the follower says what the log is now
+        with follower.changed:
+            return follower.fanout.read_behind(reader, data, time.monotonic())
 
     def _await_output(self, record: SessionRecord, cursor: int, timeout_s: float) -> None:
         """A waiting read's wait at `cursor`, the log's end: until the session's follower sees

@@ -195,18 +195,6 @@ def test_an_ended_follower_ends_every_reader_and_a_dropped_one_stays_dropped() -
     assert core.read_behind(second, b"abc", 0.0).step is FanoutStep.DROPPED
 
 
-def test_every_wake_up_is_a_new_version() -> None:
-    core = fanout()
-    versions = [core.version]
-    core.feed(0, b"", 0.0)
-    versions.append(core.version)
-    core.feed(0, b"", 0.0)
-    versions.append(core.version)
-    core.end_all()
-    versions.append(core.version)
-    assert len(set(versions)) == 4
-
-
 #: The exhaustive schedules: the follower looks at a growing log (by 0, 1 or 3 bytes), or one of
 #: two readers (one from the start, one from the log's end when it joined) takes.
 LOG = "ab€cd😀efghijklmnopqrstuvwxyz".encode()

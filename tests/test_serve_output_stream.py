@@ -5,6 +5,7 @@ way. Real unix socket pairs, no Docker."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 from collections.abc import Iterator
@@ -105,18 +106,42 @@ def follower_with(streams: list[OutputStream], cursor: int) -> tuple[OutputFollo
     return follower, readers
 
 
-def test_deliver_pushes_to_a_free_stream_and_wakes_the_one_whose_thread_holds_its_socket() -> None:
+@contextlib.contextmanager
+def held_by_its_thread(stream: OutputStream) -> Iterator[None]:
+    """The stream's lock held by another thread (its own, taking and sending), for the block."""
+    holding, done = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with stream.lock:
+            holding.set()
+            done.wait()
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    holding.wait()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
+def test_deliver_pushes_to_a_free_stream_and_wakes_the_one_whose_thread_is_taking() -> None:
     pairs = [socket.socketpair() for _ in range(2)]
     try:
         for ours, theirs in pairs:
             ours.settimeout(5.0)
+            theirs.setblocking(False)
         free, busy = (stream_of(ours) for ours, _ in pairs)
         follower, (free_reader, busy_reader) = follower_with([free, busy], 10)
         follower.fanout.feed(15, b"hello", 0.0)
-        with busy.lock:  # its own thread is sending
+        with held_by_its_thread(busy):  # between its own take and send: no push may come between
             follower.deliver(0.0)
         event = chunked(sse_output(10, b"hello"))
+        pairs[0][1].setblocking(True)
         assert receive(pairs[0][1], len(event)) == event
+        with pytest.raises(BlockingIOError):
+            pairs[1][1].recv(1)  # nothing pushed to the busy one
         assert not free.woken.is_set()  # pushed: its thread sleeps on
         assert busy.woken.is_set()  # it takes for itself
         assert follower.fanout.next_step(free_reader) is FanoutStep.WAIT
