@@ -3260,6 +3260,12 @@ class OutputStream:
         self._unsent = data
         return not data
 
+    @property
+    def has_unsent(self) -> bool:
+        """A push left some of its event: the stream's thread sends that rest before anything
+        else goes out, so no further push may (nor may anything pile up behind it)."""
+        return bool(self._unsent)
+
     def settle(self) -> None:
         """Waits out a push begun before the stream left its follower: only then may its socket
         close (a write to a closed descriptor's number could land in whatever reused it)."""
@@ -3310,15 +3316,18 @@ class OutputFollower:
                 step = self.fanout.next_step(reader)
                 if step is FanoutStep.WAIT:
                     continue
-                if step is not FanoutStep.OUTPUT or not stream.lock.acquire(blocking=False):
-                    woken.append(stream)  # its own to do, or its thread is taking: it takes after
-                    continue
-                take = self.fanout.take(reader, now)
-                if take.step is FanoutStep.OUTPUT:
-                    more = self.fanout.next_step(reader) is not FanoutStep.WAIT
-                    pushes.append((stream, self.output_event(take.offset, take.data), more))
-                else:  # text with no whole code point yet
+                if step is FanoutStep.OUTPUT and stream.lock.acquire(blocking=False):
+                    take = None if stream.has_unsent else self.fanout.take(reader, now)
+                    if take is not None and take.step is FanoutStep.OUTPUT:
+                        more = self.fanout.next_step(reader) is not FanoutStep.WAIT
+                        pushes.append((stream, self.output_event(take.offset, take.data), more))
+                        continue  # its lock is released once the push is done
                     stream.lock.release()
+                    if take is not None:  # text with no whole code point yet: nothing to do
+                        continue
+                # Its thread takes for itself: a step of its own, a take under way (its lock is
+                # held), or the rest of its last push to send first.
+                woken.append(stream)
             self.changed.notify_all()
         for stream, event, more in pushes:
             try:

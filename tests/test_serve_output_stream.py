@@ -169,6 +169,32 @@ def test_deliver_wakes_a_stream_with_more_than_one_event_to_take_and_leaves_caug
     assert follower.fanout.next_step(behind_reader) is FanoutStep.OUTPUT
 
 
+def test_deliver_never_pushes_past_the_rest_of_a_push_that_a_full_socket_left(
+        pair: tuple[socket.socket, socket.socket]) -> None:
+    ours, theirs = pair
+    ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    stream = stream_of(ours)
+    follower, (reader,) = follower_with([stream], 0)
+    first, second = b"a" * SSE_CHUNK_BYTES, b"b" * 100
+    follower.fanout.feed(len(first), first, 0.0)
+    follower.deliver(0.0)
+    assert stream.has_unsent and stream.woken.is_set()  # the socket took part of it
+    stream.woken.clear()
+    follower.fanout.feed(len(first) + len(second), second, 0.0)
+    follower.deliver(0.0)  # must not write the next event behind the rest, nor queue it
+    assert stream.woken.is_set()
+    assert follower.fanout.next_step(reader) is FanoutStep.OUTPUT  # left for the stream's thread
+    expected = chunked(sse_output(0, first)) + chunked(sse_output(len(first), second))
+    got: list[bytes] = []
+    client = threading.Thread(target=lambda: got.append(receive(theirs, len(expected))))
+    client.start()
+    with stream.lock:  # the stream's thread: its take and its send
+        take = follower.fanout.take(reader, 0.0)
+        stream.send(follower.output_event(take.offset, take.data))
+    client.join()
+    assert got == [expected]
+
+
 def test_an_ended_follower_wakes_every_stream(pair: tuple[socket.socket, socket.socket]) -> None:
     ours, _ = pair
     streams = [stream_of(ours), stream_of(ours)]
