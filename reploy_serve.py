@@ -3316,15 +3316,16 @@ class OutputFollower:
                 step = self.fanout.next_step(reader)
                 if step is FanoutStep.WAIT:
                     continue
-                if step is FanoutStep.OUTPUT and stream.lock.acquire(blocking=False):
-                    take = None if stream.has_unsent else self.fanout.take(reader, now)
-                    if take is not None and take.step is FanoutStep.OUTPUT:
+                # Only this thread pushes, so a rest seen gone here stays gone.
+                if (step is FanoutStep.OUTPUT and not stream.has_unsent
+                        and stream.lock.acquire(blocking=False)):
+                    take = self.fanout.take(reader, now)
+                    if take.step is FanoutStep.OUTPUT:
                         more = self.fanout.next_step(reader) is not FanoutStep.WAIT
                         pushes.append((stream, self.output_event(take.offset, take.data), more))
-                        continue  # its lock is released once the push is done
-                    stream.lock.release()
-                    if take is not None:  # text with no whole code point yet: nothing to do
-                        continue
+                    else:  # text with no whole code point yet: nothing to do
+                        stream.lock.release()
+                    continue  # a push's lock is released once the push is done
                 # Its thread takes for itself: a step of its own, a take under way (its lock is
                 # held), or the rest of its last push to send first.
                 woken.append(stream)
