@@ -180,7 +180,6 @@ import tarfile
 import tempfile
 import threading
 import time
-import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import ModuleType
@@ -2555,7 +2554,7 @@ def stage(blueprint_path: Path, directory: Path) -> dict[str, Any]:
     if not (context / blueprint.dockerfile).is_file():
         raise BlueprintError(f"build.dockerfile: {context / blueprint.dockerfile} does not exist")
     directory = directory.resolve()
-    state: dict[str, Any] = {"schema": STATE_SCHEMA, "deployment_id": uuid.uuid4().hex,
+    state: dict[str, Any] = {"schema": STATE_SCHEMA, "deployment_id": secrets.token_hex(16),
                              "current_generation": None}
     if directory.exists():
         if state_path(directory).exists():

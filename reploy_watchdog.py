@@ -56,7 +56,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Union
 
-import psutil
 
 # The Docker SDK is imported only by the cleanup code, which runs in `clean` processes (and in
 # reploy.py's reconciliation): the watchdog itself would double its memory for nothing.
@@ -654,8 +653,8 @@ def atomic_write_json(path: Path, obj: dict[str, Any], mode: int = 0o600) -> Non
 
 def process_start(pid: int) -> Optional[tuple[int, str]]:
     """(start time in clock ticks since boot, state letter) of a process, from /proc/PID/stat;
-    None when there is none. Ticks since boot, not a wall-clock time: psutil's create_time
-    adds the boot time, which a process reads once and the kernel recomputes from the wall
+    None when there is none. Ticks since boot, not a wall-clock time: a create time (psutil's,
+    say) adds the boot time, which a process reads once and the kernel recomputes from the wall
     clock, so two processes could name one process by times a second apart."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as stat_file:
@@ -665,12 +664,17 @@ def process_start(pid: int) -> Optional[tuple[int, str]]:
         return None
 
 
-def process_identity(process: Optional[psutil.Process] = None) -> str:
-    """'pid:start ticks': what a label or manifest stores to name one process exactly."""
-    pid = process.pid if process is not None else os.getpid()
+class ProcessGone(Exception):
+    """The process to name has no /proc entry (it exited, or never was)."""
+
+
+def process_identity(pid: Optional[int] = None) -> str:
+    """'pid:start ticks' of a process (this one by default): what a label or manifest stores
+    to name one process exactly. Raises ProcessGone."""
+    pid = os.getpid() if pid is None else pid
     start = process_start(pid)
     if start is None:
-        raise psutil.NoSuchProcess(pid)
+        raise ProcessGone(pid)
     return f"{pid}:{start[0]}"
 
 
@@ -977,8 +981,8 @@ def peer_identity(sock: socket.socket) -> Optional[str]:
     if uid != os.getuid():
         return None
     try:
-        return process_identity(psutil.Process(pid))
-    except psutil.NoSuchProcess:
+        return process_identity(pid)
+    except ProcessGone:
         return None
 
 

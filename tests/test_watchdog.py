@@ -334,13 +334,17 @@ def test_a_process_identity_does_not_move_with_the_boot_time_a_process_cached(
 
     monkeypatch.setattr(linux, "BOOT_TIME", psutil.boot_time() - 1.0)  # this process drifted
     mine = wd.process_identity()
-    assert mine == wd.process_identity(psutil.Process(os.getpid())) and wd.identity_alive(mine)
+    assert mine == wd.process_identity(os.getpid()) and wd.identity_alive(mine)
     fresh = subprocess.run([sys.executable, "-c", "import sys, reploy_watchdog as w; "
-                            "print(w.identity_alive(sys.argv[1]), w.process_identity(w.psutil.Process(int(sys.argv[2]))))",
+                            "print(w.identity_alive(sys.argv[1]), w.process_identity(int(sys.argv[2])))",
                             mine, str(os.getpid())], cwd=ROOT, capture_output=True, text=True, check=True)
     assert fresh.stdout.split() == ["True", mine]
     pid, _, ticks = mine.partition(":")
     assert not wd.identity_alive(f"{pid}:{int(ticks) + 1}") and not wd.identity_alive("1:x")
+    exited = subprocess.Popen([sys.executable, "-c", "pass"])
+    exited.wait()  # reaped: its /proc entry is gone
+    with pytest.raises(wd.ProcessGone):
+        wd.process_identity(exited.pid)
 
 
 def write_manifest(workload: Path, run_id: str, host: str | None = None) -> Path:
@@ -369,7 +373,7 @@ def wait_for(condition: Callable[[], bool], what: str) -> None:
 
 def watchdog_process(link: wd.WatchdogLink) -> psutil.Process:
     process = psutil.Process(int(link.watchdog.split(":")[0]))
-    assert wd.process_identity(process) == link.watchdog
+    assert wd.process_identity(process.pid) == link.watchdog
     return process
 
 
