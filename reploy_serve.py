@@ -149,6 +149,14 @@ ADMISSION_LOCK_NAME = ".admission.lock"
 #: How long a removal waits for the kernel to let a disk's loop device go, looking this often.
 LOOP_DETACH_TIMEOUT_S = 30.0
 LOOP_DETACH_POLL_S = 0.01
+#: How long an unmount refused as busy is tried again, this often. serve's own threads hold a
+#: file of a session's disk for moments (the output follower's read of the log, a read's
+#: descriptor, an agent call's directory), and one may be at it as a delete unmounts; the
+#: follower, for one, learns of the delete only at its next state check (SSE_STATE_CHECK_S).
+UNMOUNT_BUSY_TIMEOUT_S = 5.0
+UNMOUNT_BUSY_POLL_S = 0.01
+#: What umount says (LC_ALL=C) when the kernel refused it as busy (EBUSY).
+UMOUNT_BUSY = "target is busy"
 #: Test only: a serve started with this variable naming a DiskStep stops itself (SIGSTOP) when a
 #: session's disk reaches that step, so a test can SIGKILL it exactly there (tests/test_disk_crashes.py).
 DISK_STEP_STOP_ENV = "REPLOY_TEST_STOP_AT_DISK_STEP"
@@ -2971,15 +2979,24 @@ def mount_session_disk(image: Path, mount_point: Path) -> None:
 
 
 def unmount_session_disk(image: Path, mount_point: Path) -> None:
-    """Unmounts mount_point if the image is mounted there (the loop device goes with it);
-    SessionDiskError when it is busy."""
+    """Unmounts mount_point if the image is mounted there (the loop device goes with it). A
+    refusal as busy is tried again for UNMOUNT_BUSY_TIMEOUT_S (a holder of a moment lets go);
+    SessionDiskError when it stays busy."""
     with _locked_image(image):
         device = mounted_device(mount_point)
         if device is None:
             return
         if loop_backing_file(device) != str(image):
             raise SessionDiskError(f"{mount_point} has {device} mounted on it, not {image}")
-        _run_disk_tool(["umount", str(mount_point)], f"unmount the session disk {mount_point}")
+        deadline = time.monotonic() + UNMOUNT_BUSY_TIMEOUT_S
+        while True:
+            try:
+                _run_disk_tool(["umount", str(mount_point)], f"unmount the session disk {mount_point}")
+                return
+            except SessionDiskError as e:
+                if UMOUNT_BUSY not in str(e) or time.monotonic() >= deadline:
+                    raise
+            time.sleep(UNMOUNT_BUSY_POLL_S)
 
 
 def make_session_image(image: Path, size_bytes: int) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
@@ -135,6 +136,55 @@ def test_an_image_still_attached_is_never_unlinked(tmp_path: Path) -> None:
     reploy_serve.remove_session_disk(image, mount_point)
     assert not image.exists() and session_disk_loops(str(tmp_path)) == []
     assert session_disk_mounts(str(tmp_path)) == []
+
+
+@as_root
+def test_an_unmount_refused_as_busy_waits_for_a_holder_of_a_moment_and_no_longer(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """serve's own threads hold a file of a session's disk for moments (the output follower's
+    read of the log): a delete's unmount that meets one is tried again until it lets go, and
+    one that holds on past UNMOUNT_BUSY_TIMEOUT_S leaves the disk mounted, saying so."""
+    image, mount_point = tmp_path / "s.img", tmp_path / "s"
+    reploy_serve.make_session_disk(image, mount_point, reploy_serve.MIN_SESSION_DISK_MIB, RUNTIME)
+    refused = threading.Event()
+    run_disk_tool = reploy_serve._run_disk_tool
+
+    def noting_refusals(argv: list[str], what: str) -> None:
+        try:
+            run_disk_tool(argv, what)
+        except reploy_serve.SessionDiskError as e:
+            if reploy_serve.UMOUNT_BUSY in str(e):
+                refused.set()
+            raise
+
+    monkeypatch.setattr(reploy_serve, "_run_disk_tool", noting_refusals)
+    holder = os.open(mount_point / "workspace", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        monkeypatch.setattr(reploy_serve, "UNMOUNT_BUSY_TIMEOUT_S", 0.2)
+        with pytest.raises(reploy_serve.SessionDiskError, match=reploy_serve.UMOUNT_BUSY):
+            reploy_serve.unmount_session_disk(image, mount_point)
+        assert refused.is_set() and reploy_serve.mounted_device(mount_point) is not None
+
+        monkeypatch.setattr(reploy_serve, "UNMOUNT_BUSY_TIMEOUT_S", 60.0)
+        refused.clear()
+        outcome: list[BaseException | None] = []
+
+        def unmount() -> None:
+            try:
+                reploy_serve.unmount_session_disk(image, mount_point)
+                outcome.append(None)
+            except BaseException as e:  # noqa: BLE001 - handed to the test's thread
+                outcome.append(e)
+
+        unmounting = threading.Thread(target=unmount)
+        unmounting.start()
+        assert refused.wait(60), "the unmount never met the holder"
+    finally:
+        os.close(holder)  # the holder lets go while the unmount waits
+    unmounting.join(60)
+    assert outcome == [None] and reploy_serve.mounted_device(mount_point) is None
+    reploy_serve.remove_session_disk(image, mount_point)
+    assert not image.exists() and session_disk_loops(str(tmp_path)) == []
 
 
 @as_root
