@@ -3,9 +3,14 @@
 
 Each line: name, unit, n, p50, p90, p99, baseline, ratio. Figures, not pass/fail:
   serve_create_to_prompt      POST /sessions until the shell's first prompt is readable, against
-                              the raw Docker SDK creating+starting the same sandboxed container and
-                              polling the agent's socket until `status` answers (the agent started
-                              as serve starts it, from serve's bytecode); one baseline after each create
+                              the raw Docker SDK with the same disk: a session disk of serve's
+                              default size made and mounted the way serve makes it (image, mkfs.ext4,
+                              loop mount, layout), then the same sandboxed container created and
+                              started on it, polling the agent's socket until `status` answers (the
+                              agent started as serve starts it, from serve's bytecode); one baseline
+                              of each kind after each create
+  serve_create_to_prompt_vs_diskless  the same creates, against that SDK baseline without the disk
+                              (its session directory a plain one): what a session's own disk costs too
   serve_idle_to_active        a read of a paused (idle) session: unpause + the read
   serve_snapshot_to_active    a read of a snapshotted session: new container + restore + the read
   serve_sse_delivery          write `echo MARK` through the API until MARK arrives on the SSE stream, ms,
@@ -106,19 +111,22 @@ def read_once(api: Api, sid: str) -> None:
     api.call("POST", f"/sessions/{sid}/read", {"offset": 2**62})
 
 
-def sdk_create(workload: Path) -> float:
+def sdk_create(workload: Path, disk: bool) -> float:
     """The same sandboxed container straight through the SDK, until its agent answers: one
-    sample, in seconds (main alternates them with serve's creates, so load hits both alike)."""
+    sample, in seconds (main alternates them with serve's creates, so load hits both alike).
+    `disk`: its session directory is a disk of serve's default size, made and mounted first as
+    serve makes one (timed), rather than a plain directory laid out alike."""
     deployment = reploy.load_deployment(workload)
     backend = reploy.DockerBackend()
     bytecode_dir = workload / "bytecode"  # the agent's, as serve compiles and mounts it
     reploy_serve.compile_agent_bytecode(bytecode_dir)
-    directory = Path(tempfile.mkdtemp(prefix="bsb-"))
-    session_dir = directory / "s"
-    (session_dir / "workspace").mkdir(mode=0o700, parents=True)  # serve's layout, on no disk of its own
-    session_dir.chmod(0o755)
+    directory = Path(tempfile.mkdtemp(prefix="bsb-", dir=workload.parent))  # serve's file system
+    image, session_dir = directory / "s.img", directory / "s"
     runtime = deployment.blueprint.runtime
-    shutil.chown(session_dir / "workspace", runtime.uid, runtime.gid)
+    if not disk:
+        (session_dir / "workspace").mkdir(mode=0o700, parents=True)  # serve's layout, on no disk
+        session_dir.chmod(0o755)
+        shutil.chown(session_dir / "workspace", runtime.uid, runtime.gid)
     spec = reploy.ContainerSpec(
         role="managed", image_id=deployment.current.image_id,
         command=(*reploy_serve.AGENT_COMMAND, "serve", "--session-dir", reploy_serve.SESSION_MOUNT,
@@ -129,13 +137,19 @@ def sdk_create(workload: Path) -> float:
                 reploy.Mount(str(session_dir), reploy_serve.SESSION_MOUNT, False)), init=True,
         root_supervisor=True)
     start = time.perf_counter()
-    container_id = backend.create(spec)
     try:
-        backend.start(container_id)
-        wait_until(lambda: _answers(session_dir / "agent"), "the baseline agent")
-        return time.perf_counter() - start
+        if disk:
+            reploy_serve.make_session_disk(image, session_dir, reploy_serve.DEFAULT_SESSION_DISK_MIB, runtime)
+        container_id = backend.create(spec)
+        try:
+            backend.start(container_id)
+            wait_until(lambda: _answers(session_dir / "agent"), "the baseline agent")
+            return time.perf_counter() - start
+        finally:
+            backend.remove_container(container_id)
     finally:
-        backend.remove_container(container_id)
+        if disk:
+            reploy_serve.remove_session_disk(image, session_dir)
         shutil.rmtree(directory, ignore_errors=True)
 
 
@@ -463,7 +477,7 @@ def main() -> int:
                           "--max-session-readers", readers, "--max-readers", readers)
     api = server.api
     try:
-        creates, sdk_creates, sessions = [], [], []
+        creates, sdk_creates, diskless_creates, sessions = [], [], [], []
         for i in range(1 if args.only == "sse" else rounds):
             start = time.perf_counter()
             sid = api.create(f"bench-{i}")["id"]
@@ -471,7 +485,8 @@ def main() -> int:
             creates.append(time.perf_counter() - start)
             sessions.append(sid)
             if args.only not in ("sse", "files"):
-                sdk_creates.append(sdk_create(workload))
+                sdk_creates.append(sdk_create(workload, disk=True))
+                diskless_creates.append(sdk_create(workload, disk=False))
         manager_view = reploy_serve.SessionStore(base / "state" / "sessions.db")
         container = client.containers.get(manager_view.get(sessions[0]).container_id)
         if args.only == "files":
@@ -479,6 +494,7 @@ def main() -> int:
             return 0
         if args.only != "sse":
             figure("serve_create_to_prompt", "s", creates, sdk_creates)
+            figure("serve_create_to_prompt_vs_diskless", "s", creates, diskless_creates)
         if args.only == "serve_idle_memory":
             floor = idle_python_memory(client, workload, rounds)
             figure("serve_idle_memory", "MiB", idle_rounds(client, api, base / "state", sessions)[1], floor)
