@@ -158,32 +158,36 @@ def test_an_unmount_refused_as_busy_waits_for_a_holder_of_a_moment_and_no_longer
             raise
 
     monkeypatch.setattr(reploy_serve, "_run_disk_tool", noting_refusals)
-    holder = os.open(mount_point / "workspace", os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        monkeypatch.setattr(reploy_serve, "UNMOUNT_BUSY_TIMEOUT_S", 0.2)
-        with pytest.raises(reploy_serve.SessionDiskError, match=reploy_serve.UMOUNT_BUSY):
+    outcome: list[BaseException | None] = []
+
+    def unmount() -> None:
+        try:
             reploy_serve.unmount_session_disk(image, mount_point)
-        assert refused.is_set() and reploy_serve.mounted_device(mount_point) is not None
+            outcome.append(None)
+        except BaseException as e:  # noqa: BLE001 - handed to the test's thread
+            outcome.append(e)
 
-        monkeypatch.setattr(reploy_serve, "UNMOUNT_BUSY_TIMEOUT_S", 60.0)
-        refused.clear()
-        outcome: list[BaseException | None] = []
-
-        def unmount() -> None:
-            try:
+    unmounting = threading.Thread(target=unmount)
+    try:
+        holder = os.open(mount_point / "workspace", os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            monkeypatch.setattr(reploy_serve, "UNMOUNT_BUSY_TIMEOUT_S", 0.2)
+            with pytest.raises(reploy_serve.SessionDiskError, match=reploy_serve.UMOUNT_BUSY):
                 reploy_serve.unmount_session_disk(image, mount_point)
-                outcome.append(None)
-            except BaseException as e:  # noqa: BLE001 - handed to the test's thread
-                outcome.append(e)
+            assert refused.is_set() and reploy_serve.mounted_device(mount_point) is not None
 
-        unmounting = threading.Thread(target=unmount)
-        unmounting.start()
-        assert refused.wait(60), "the unmount never met the holder"
+            monkeypatch.setattr(reploy_serve, "UNMOUNT_BUSY_TIMEOUT_S", 60.0)
+            refused.clear()
+            unmounting.start()
+            assert refused.wait(60), "the unmount never met the holder"
+        finally:
+            os.close(holder)  # the holder lets go while the unmount waits
+        unmounting.join(60)
+        assert outcome == [None] and reploy_serve.mounted_device(mount_point) is None
     finally:
-        os.close(holder)  # the holder lets go while the unmount waits
-    unmounting.join(60)
-    assert outcome == [None] and reploy_serve.mounted_device(mount_point) is None
-    reploy_serve.remove_session_disk(image, mount_point)
+        if unmounting.ident is not None:
+            unmounting.join(60)
+        reploy_serve.remove_session_disk(image, mount_point)
     assert not image.exists() and session_disk_loops(str(tmp_path)) == []
 
 
