@@ -42,13 +42,15 @@ from __future__ import annotations
 import signal
 
 #: SIGINT and SIGTERM are held (blocked) from this file's first statement when it runs as a
-#: program, across the re-execution below (exec keeps the mask and what is pending), until the
-#: run can answer them: a controlled session's host releases them once its handlers are in
-#: place (HostSignals), so a signal at any instant after valid parsing gets its one JSON result
-#: and 130/143; every other command releases them once its command line is parsed.
+#: program (the installed command, which imports it, from run_command on), across the
+#: re-execution below (exec keeps the mask and what is pending), until the run can answer them:
+#: a controlled session's host releases them once its handlers are in place (HostSignals), so a
+#: signal at any instant after valid parsing gets its one JSON result and 130/143; every other
+#: command releases them once its command line is parsed.
 HELD_SIGNALS = frozenset((signal.SIGINT, signal.SIGTERM))
 #: The mask the process came with while they are held (the re-executed host is handed its
-#: first process's one); None when nothing is held (this file imported as a module).
+#: first process's one); None when nothing is held (this file imported as a module, until
+#: run_command).
 SIGNAL_MASK_BEFORE_HOLD = (signal.pthread_sigmask(signal.SIG_BLOCK, HELD_SIGNALS)
                            if __name__ == "__main__" else None)
 
@@ -4476,6 +4478,14 @@ def run_as_process(main_function: Callable[[], int]) -> None:
 
 
 def run_command() -> None:
+    """The command line. `python3 reploy.py` comes here with the signals held and `serve` and
+    `session` handed over already (its first statements); the installed `reploy` command
+    (pyproject.toml's entry point) imports this module and starts here, so it gets both here:
+    the hold, from before its command line is parsed, and the hand-over."""
+    global SIGNAL_MASK_BEFORE_HOLD
+    if SIGNAL_MASK_BEFORE_HOLD is None:
+        SIGNAL_MASK_BEFORE_HOLD = signal.pthread_sigmask(signal.SIG_BLOCK, HELD_SIGNALS)
+    hand_over_to_control_plane()
     run_as_process(main)
 
 

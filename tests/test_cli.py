@@ -54,6 +54,50 @@ def run_args(controller: Path, workload: Path, *extra: str) -> list[str]:
             "--workload-dir", str(workload), *extra]
 
 
+#: What pip writes for pyproject.toml's `reploy` entry point: a script that imports the module
+#: and calls run_command (the line that renames argv[0] on Windows left out).
+INSTALLED_COMMAND = ("import sys\n"
+                     "from reploy import run_command\n"
+                     "if __name__ == '__main__':\n"
+                     "    sys.exit(run_command())\n")
+
+
+def installed_command(directory: Path) -> tuple[list[str], dict[str, str]]:
+    """The installed `reploy` command, written into `directory`, run on this checkout's
+    modules: (the command, its environment)."""
+    script = directory / "reploy"
+    script.write_text(INSTALLED_COMMAND)
+    return [sys.executable, str(script)], {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+def test_the_installed_command_parses_with_the_signals_held() -> None:
+    """The installed command imports reploy, so the hold of the script's first statement never
+    ran: run_command holds SIGINT and SIGTERM before anything is parsed, as the script does
+    (a controlled session's host lets them through once its handlers are in place)."""
+    probe = ("import signal, sys, reploy\n"
+             "reploy.main = lambda: print(sorted(signal.pthread_sigmask(signal.SIG_BLOCK, [])),"
+             " flush=True) or 0\n"  # main as run_command calls it: the mask it starts with
+             "reploy.run_command()\n")
+    done = subprocess.run([sys.executable, "-c", probe, "stage", "--help"], capture_output=True,
+                          cwd=ROOT, timeout=60, check=True)
+    assert done.stdout.decode().strip() == str(sorted([signal.SIGINT, signal.SIGTERM]))
+
+
+@pytest.mark.parametrize("argv", [["serve", "--help"], ["session", "--help"],
+                                  ["session", "list", "--nonsense"]])
+def test_the_installed_command_hands_serve_and_session_over_as_reploy_py_does(
+        tmp_path: Path, argv: list[str]) -> None:
+    """`pip install .`'s `reploy serve` and `reploy session` run reploy_serve.py, exactly as
+    `python3 reploy.py serve|session` does (they were usage errors of the host's parser)."""
+    command, env = installed_command(tmp_path)
+    installed = subprocess.run([*command, *argv], capture_output=True, env=env, timeout=60)
+    script = subprocess.run([sys.executable, str(ROOT / "reploy.py"), *argv], capture_output=True,
+                            timeout=60)
+    assert (installed.returncode, installed.stdout, installed.stderr) == (
+        script.returncode, script.stdout, script.stderr)
+    assert b"invalid choice" not in installed.stderr  # the host's parser refused them before
+
+
 @pytest.mark.parametrize("extra,message", [
     (["--", "run-controller", "--columns", "5"], None),  # after --: the controller's argument
     ([], "missing the controller command"),
