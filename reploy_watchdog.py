@@ -56,7 +56,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Union
 
-
 # The Docker SDK is imported only by the cleanup code, which runs in `clean` processes (and in
 # reploy.py's reconciliation): the watchdog itself would double its memory for nothing.
 
