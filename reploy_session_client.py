@@ -36,7 +36,6 @@ the private framing, then the I/O adapters (broker loop, attach loop) and the CL
 
 from __future__ import annotations
 
-import argparse
 import array
 import collections
 import enum
@@ -55,7 +54,10 @@ import time
 import tty
 import unicodedata
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Callable, ClassVar, Iterable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Iterator, Optional
+
+if TYPE_CHECKING:
+    import argparse  # imported where it parses: see parse_command
 
 # ============================================================================================
 # Constants
@@ -1696,6 +1698,8 @@ def run_probe(stdout_fd: int) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    import argparse  # see parse_command
+
     parser = argparse.ArgumentParser(
         prog="reploy-session-client",
         description="The controller side of a Reploy controlled session.")
@@ -1709,13 +1713,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def parse_command(argv: list[str]) -> tuple[str, Optional[str]]:
+    """(mode, the attach socket or None). The command lines every session runs (`client`,
+    `attach --socket PATH`) are taken as they are, without argparse: its import is a fifth of
+    the client's start, which the broker and then attach each pay before the workload may
+    start. Every other command line goes to build_parser, so help, --version, the probe and
+    every usage error are argparse's, as before."""
+    if argv == ["client"]:
+        return "client", None
+    if len(argv) == 3 and argv[:2] == ["attach", "--socket"] and argv[2][:1] not in ("", "-"):
+        return "attach", argv[2]
     args = build_parser().parse_args(argv)
-    if args.mode == "client":
+    return args.mode, getattr(args, "socket", None)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    mode, socket_path = parse_command(sys.argv[1:] if argv is None else argv)
+    if mode == "client":
         return run_client()
-    if args.mode == "probe":
+    if mode == "probe":
         return run_probe(sys.stdout.fileno())
-    return run_attach(args.socket, sys.stdin.fileno(), sys.stdout.fileno())
+    assert socket_path is not None
+    return run_attach(socket_path, sys.stdin.fileno(), sys.stdout.fileno())
 
 
 def run_as_program() -> None:
