@@ -29,6 +29,7 @@ import importlib
 import itertools
 import json
 import os
+import py_compile
 import random
 import shutil
 import statistics
@@ -289,11 +290,17 @@ def stage_and_build(roles_dir: Path, blueprint: Path, directory: Path) -> Path:
 
 
 def copy_role_files(checkout: Path, work: Path) -> Path:
-    """The role files of a checkout, copied into work/roles (Bench.roles_dir)."""
+    """The role files of a checkout, copied into work/roles (Bench.roles_dir), with their
+    bytecode cached beside them as `pip install` leaves it, and as the first session on a
+    machine that lets Python cache bytecode does: this machine sets PYTHONDONTWRITEBYTECODE,
+    under which the host's siblings would be compiled afresh by every session
+    (bench/README.md, "Bytecode")."""
     roles_dir = work / "roles"
     roles_dir.mkdir(parents=True)
     for name in ROLE_FILES:
         shutil.copy2(checkout / name, roles_dir / name)
+        if name.endswith(".py"):
+            py_compile.compile(str(roles_dir / name), doraise=True)
     return roles_dir
 
 
