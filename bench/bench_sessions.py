@@ -294,7 +294,7 @@ def copy_role_files(checkout: Path, work: Path) -> Path:
     bytecode cached beside them as `pip install` leaves it, and as the first session on a
     machine that lets Python cache bytecode does: this machine sets PYTHONDONTWRITEBYTECODE,
     under which the host's siblings would be compiled afresh by every session
-    (bench/README.md, "Bytecode")."""
+    (bench/README.md, "Controlled ready: the client's command line, the siblings' bytecode")."""
     roles_dir = work / "roles"
     roles_dir.mkdir(parents=True)
     for name in ROLE_FILES:
