@@ -28,6 +28,8 @@ def argparse_reading(argv: list[str]) -> tuple[str, object]:
     ["attach", "--socket=/s/terminal.sock"],
     ["attach", "--socket", "a", "--socket", "b"],
     ["attach", "--sock", "/s"],  # argparse's abbreviation
+    ["attach", "--socket", ""],
+    ["attach", "--socket", "-"],
 ])
 def test_every_valid_line_means_what_argparse_makes_of_it(argv: list[str]) -> None:
     assert client.parse_command(argv) == argparse_reading(argv)
