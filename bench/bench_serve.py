@@ -15,6 +15,10 @@ Each line: name, unit, n, p50, p90, p99, baseline, ratio. Figures, not pass/fail
   serve_snapshot_to_active    a read of a snapshotted session: new container + restore + the read
   serve_sse_delivery          write `echo MARK` through the API until MARK arrives on the SSE stream, ms,
                               against a write + a long-poll read, both on the agent's socket directly
+  serve_sse_delivery_bare_hop the same writes and stream through a bare HTTP hop the bench runs in
+                              place of serve (one selector thread; no access check, store or parse
+                              of the agent's answers), against the same baseline: what one bare
+                              HTTP hop in Python costs on this path, before any work of serve's
   serve_write_kept_alive      POST /write of a shell line through reploy_client's kept-alive
                               connections, ms, against the same write on a new connection each
   serve_sse_delivery_streams_N  the same API write until MARK arrived on each of N concurrent SSE streams
@@ -372,7 +376,104 @@ class Fanout:
                                   f"in order from offset {reader.start} ({len(reader.received)} bytes)")
 
 
+class HopFollower(AgentPoller):
+    """BareHop's follower: the baseline reader, whose every answer with bytes is also sent to
+    each of `streams` as one `output` event of serve's encoder."""
+
+    def __init__(self, session_dir: Path, offset: int, streams: list[socket.socket]) -> None:
+        self._streams = streams
+        super().__init__(session_dir, offset)
+
+    def _append(self, offset: int, payload: bytes, next_offset: int) -> None:
+        super()._append(offset, payload, next_offset)
+        if payload:
+            event = reploy_serve.sse_output(offset, payload)
+            for stream in self._streams:
+                stream.sendall(event)
+
+
+class BareHop:
+    """What serve's path costs any Python server at least: a bare HTTP hop written for the bench,
+    on one selector thread, with nothing of serve's own: no access check, no store, no strict
+    parse of the agent's answers, no thread hand-over. A `POST` is handed to `write` (the
+    baseline's own write on the agent's socket) and answered 200; a `GET` is answered with an
+    SSE head and kept; a HopFollower from `offset` pushes the output to every kept stream. A
+    failure of its thread is raised by `close`."""
+
+    def __init__(self, session_dir: Path, offset: int, write: Callable[[bytes], None]) -> None:
+        self._write = write
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.api = Api(f"http://127.0.0.1:{self._listener.getsockname()[1]}", "bare-hop")
+        self._streams: list[socket.socket] = []
+        self._follower = HopFollower(session_dir, offset, self._streams)
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._listener, selectors.EVENT_READ, None)
+        self._selector.register(self._follower.sock, selectors.EVENT_READ, self._follower)
+        self._requests: dict[socket.socket, bytearray] = {}
+        self._failure: BaseException | None = None
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="bare-hop")
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                for key, _ in self._selector.select(0.1):
+                    if key.data is self._follower:
+                        self._follower.on_readable(self._selector)
+                    elif key.fileobj is self._listener:
+                        connection, _ = self._listener.accept()
+                        connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                        self._requests[connection] = bytearray()
+                        self._selector.register(connection, selectors.EVENT_READ, connection)
+                    else:
+                        self._receive(key.data)
+        except BaseException as e:  # noqa: BLE001 - raised by close
+            self._failure = e
+
+    def _receive(self, connection: socket.socket) -> None:
+        """A request's bytes; once it is whole, its answer."""
+        data = connection.recv(READ_CHUNK_BYTES)
+        pending = self._requests[connection]
+        pending += data
+        head, found, body = bytes(pending).partition(b"\r\n\r\n")
+        if not data:
+            raise BenchFailed("a client of the bare hop left mid-request")
+        if not found:
+            return
+        fields = dict(line.lower().split(b": ", 1) for line in head.split(b"\r\n")[1:])
+        if len(body) < int(fields.get(b"content-length", b"0")):
+            return
+        self._selector.unregister(connection)
+        del self._requests[connection]
+        connection.setblocking(True)
+        if head.startswith(b"GET "):
+            connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\n: connected\n\n")
+            self._streams.append(connection)
+            return
+        self._write(json.loads(body)["payload"].encode())
+        connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: 2\r\nConnection: close\r\n\r\n{}")
+        connection.close()
+
+    def close(self) -> None:
+        self._stopping = True
+        self._thread.join()
+        self._selector.close()
+        for connection in [*self._requests, *self._streams, self._listener]:
+            connection.close()
+        self._follower.close()
+        if self._failure is not None:
+            raise BenchFailed("the bare hop failed") from self._failure
+
+
 _marker_numbers = itertools.count()
+
+
+def timed_writes(fanout: Fanout, write: Callable[[bytes], None], rounds: int) -> list[float]:
+    """`rounds` writes of a fresh marker each through `write`, ms until it arrived on each of
+    the fan-out's readers (one sample per reader and write)."""
+    return [seconds * 1000 for _ in range(rounds) for seconds in fanout.deliver(write, next(_marker_numbers))]
 
 
 @contextlib.contextmanager
@@ -414,22 +515,43 @@ def sse_delivery(api: Api, server: ServeProcess, sid: str, streams: int, blocks:
     def viewers() -> int:
         return store.viewer_count(sid, time.time())
 
-    def timed(fanout: Fanout, write: Callable[[bytes], None]) -> list[float]:
-        return [seconds * 1000 for _ in range(block_rounds)
-                for seconds in fanout.deliver(write, next(_marker_numbers))]
-
     via_sse: list[float] = []
     via_agent: list[float] = []
     for _ in range(blocks):
         offset = reploy_serve.agent_call(session_dir, "status", {})["log_bytes"]
         with opened(streams, functools.partial(SseReader, api, sid, offset), log) as fanout:
             wait_until(lambda: viewers() == streams, f"{streams} viewers of session {sid}")
-            via_sse += timed(fanout, api_write)
+            via_sse += timed_writes(fanout, api_write, block_rounds)
         wait_until(lambda: viewers() == 0, f"serve to end session {sid}'s streams")
         offset = reploy_serve.agent_call(session_dir, "status", {})["log_bytes"]
         with opened(streams, functools.partial(AgentPoller, session_dir, offset), log) as fanout:
-            via_agent += timed(fanout, baseline_write)
+            via_agent += timed_writes(fanout, baseline_write, block_rounds)
     return via_sse, via_agent
+
+
+def bare_hop_delivery(api: Api, server: ServeProcess, sid: str, blocks: int,
+                      block_rounds: int) -> tuple[list[float], list[float]]:
+    """serve_sse_delivery's writes and single stream through a BareHop instead of serve, ms,
+    against the same baseline (the write and a long-poll `read` on the agent's socket), the two
+    alternating in `blocks` blocks of `block_rounds` writes: what one HTTP hop in Python costs
+    on this path before serve does anything of its own."""
+    session_dir = server.state_dir / "sessions" / sid / "agent"
+    write = agent_writer(server, sid)
+    log = functools.partial(api.read_all, sid)
+    via_hop: list[float] = []
+    via_agent: list[float] = []
+    for _ in range(blocks):
+        offset = reploy_serve.agent_call(session_dir, "status", {})["log_bytes"]
+        hop = BareHop(session_dir, offset, write)
+        try:
+            with opened(1, functools.partial(SseReader, hop.api, sid, offset), log) as fanout:
+                via_hop += timed_writes(fanout, functools.partial(hop.api.write, sid), block_rounds)
+        finally:
+            hop.close()
+        offset = reploy_serve.agent_call(session_dir, "status", {})["log_bytes"]
+        with opened(1, functools.partial(AgentPoller, session_dir, offset), log) as fanout:
+            via_agent += timed_writes(fanout, write, block_rounds)
+    return via_hop, via_agent
 
 
 def kept_alive_writes(api: Api, sid: str, rounds: int) -> tuple[list[float], list[float]]:
@@ -504,6 +626,7 @@ def main() -> int:
             return 0
         figure("serve_sse_delivery", "ms", *sse_delivery(api, server, sessions[0], 1, SSE_BLOCKS, rounds,
                                                           agent_writer(server, sessions[0])))
+        figure("serve_sse_delivery_bare_hop", "ms", *bare_hop_delivery(api, server, sessions[0], SSE_BLOCKS, rounds))
         figure("serve_write_kept_alive", "ms", *kept_alive_writes(api, sessions[0], rounds * SSE_BLOCKS))
         for streams in FANOUT_STREAMS:
             figure(f"serve_sse_delivery_streams_{streams}", "ms",
