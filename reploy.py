@@ -3041,10 +3041,16 @@ class Notifier:
 
 class HostSignals(wire.SignalWakeup):
     """SIGINT and SIGTERM routed into the host's loop through a wakeup pipe, and remembered:
-    the first one that came before the result decides a failed run's exit code (130, 143)."""
+    the first one that came before the result decides a failed run's exit code (130, 143).
+
+    A signal the process was started with ignored (a background job of a non-interactive
+    shell starts with SIGINT ignored; `nohup` ignores SIGHUP) stays ignored for the whole run:
+    the kernel discards it before the first statement, so answering it only after the
+    handlers are in place would honour it at some instants and lose it at others."""
 
     def __init__(self) -> None:
-        super().__init__(tuple(EXIT_FOR_SIGNAL))
+        super().__init__(tuple(signum for signum in EXIT_FOR_SIGNAL
+                               if signal.getsignal(signum) is not signal.SIG_IGN))
         self.first: Optional[int] = None
 
     def __enter__(self) -> "HostSignals":

@@ -53,6 +53,18 @@ def blocked_signals(pid: int) -> int:
     return 0
 
 
+def caught_signals(pid: int) -> int:
+    """The process's SigCgt mask (signals with a handler); 0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("SigCgt:"):
+                    return int(line.split()[1], 16)
+    except FileNotFoundError:
+        pass
+    return 0
+
+
 def start_held(argv: list[str]) -> tuple[subprocess.Popen, float]:
     """A host started on `argv`, once its first statement has held the signals, and when."""
     proc = subprocess.Popen([sys.executable, str(ROOT / "reploy.py"), *argv],
@@ -154,3 +166,51 @@ def test_a_signal_held_through_a_usage_error_leaves_it_a_usage_error(tmp_path: P
                               "--", "x"), signum, 0.0)
     assert (proc.returncode, proc.stdout) == (2, b"")
     assert b"--columns must be from 1 to 65535" in proc.stderr
+
+
+def test_a_sigint_the_host_was_started_ignoring_stays_ignored_at_every_instant(
+        blocking_deployments: tuple[Path, Path]) -> None:
+    """A background job of a non-interactive shell starts with SIGINT ignored, and the kernel
+    discards an ignored signal before the file's first statement can hold it. So the host keeps
+    the inherited disposition for the whole run, instead of honouring SIGINT only from its
+    handlers on: whenever SIGINT comes, the run goes on, and the SIGTERM sent once the host's
+    handlers are in place is the signal that ends it (143, `cancelled by SIGTERM`)."""
+    controller, workload = blocking_deployments
+    argv = run_args(controller, workload, "--", "run-controller")
+    span_s = start_span_s(argv, controller / ".reploy/state.json") * 1.25
+    rng = random.Random()
+    delays = [rng.uniform(0.0, span_s) for _ in range(TRIALS // 8)]
+
+    def trial(delay_s: float) -> subprocess.CompletedProcess:
+        proc = subprocess.Popen([sys.executable, str(ROOT / "reploy.py"), *argv],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+        try:
+            started = time.monotonic()
+            time.sleep(delay_s)  # the trial's random instant
+            proc.send_signal(signal.SIGINT)
+            deadline = started + RESULT_DEADLINE_S
+            while not caught_signals(proc.pid) & (1 << (signal.SIGTERM - 1)):
+                assert proc.poll() is None, proc.communicate()
+                assert time.monotonic() < deadline, "the host never caught SIGTERM"
+                time.sleep(0.001)  # polling for its handlers, with a deadline
+            proc.send_signal(signal.SIGTERM)
+            stdout, stderr = proc.communicate(timeout=RESULT_DEADLINE_S)
+        finally:
+            proc.kill()
+            proc.wait()
+        return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+    with ThreadPoolExecutor(CONCURRENT_TRIALS) as pool:
+        ended = list(pool.map(trial, delays))
+    failures = []
+    for delay_s, proc in zip(delays, ended):
+        try:
+            result = contract_rules.check_reploy_result_line(proc.stdout)
+            assert proc.returncode == EXIT_FOR_SIGNAL[signal.SIGTERM]
+            assert result["error"] == "cancelled by SIGTERM"
+        except (AssertionError, contract_rules.ContractViolation) as e:
+            failures.append(f"SIGINT {delay_s:.3f}s after the start: exit {proc.returncode}, "
+                            f"{e!r}, stdout {proc.stdout[:200]!r}, stderr {proc.stderr[-300:]!r}")
+    assert not failures, f"{len(failures)} of {len(delays)} (span {span_s:.2f}s):\n" + "\n".join(
+        failures[:10])
