@@ -48,6 +48,7 @@ import stat
 import sys
 import tempfile
 import threading
+import time
 import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,6 +77,15 @@ CALL_TIMEOUT_S = 120.0  #: the socket timeout of a call that is not an exec or a
 TRANSFER_TIMEOUT_S = 600.0  #: a stall of this long ends an upload or a download
 EXEC_GRACE_S = 60.0  #: beyond an exec's own timeout, for serve to answer
 POOL_IDLE_MAX = 8  #: idle keep-alive connections kept per client (more may be open at once)
+#: A call is tried again when nothing ran: its connection was refused, or reset before its
+#: request was sent, or serve refused it with a Retry-After (429 at a bound, 503). At most this
+#: many tries in all, and at most this long waited in all: a wait that would pass it is not
+#: made, and the refusal is the answer.
+RETRY_TRIES = 4
+RETRY_BUDGET_S = 60.0
+#: The first wait after a refused or reset connection; each next one is twice the last.
+RETRY_FIRST_PAUSE_S = 0.25
+RETRIED_STATUSES = frozenset((429, 503))
 HOME_PREFIX = "~/"
 #: An exec's stdin travels in its request up to this (agent.py's MAX_EXEC_STDIN_BYTES); more
 #: is uploaded to a file first and named as the exec's stdinPath.
@@ -431,6 +441,33 @@ class Answer:
     status: int
     content_type: str
     body: bytes
+    retry_after: Optional[str] = None  #: the Retry-After header, as sent
+
+
+class RequestNotSent(Exception):
+    """The connection was refused or reset before the request was sent: nothing ran."""
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """When a call is tried again (see RETRY_TRIES). `RetryPolicy(tries=1)` never retries."""
+
+    tries: int = RETRY_TRIES
+    budget_s: float = RETRY_BUDGET_S
+
+    def pause_s(self, tries_made: int, waited_s: float, retry_after: Optional[str]) -> Optional[float]:
+        """How long to wait before the next try, or None: no next try. `retry_after` is a
+        refusal's Retry-After (delay-seconds; a date or anything else is not retried), None
+        for a request that was not sent."""
+        if tries_made >= self.tries:
+            return None
+        if retry_after is None:
+            pause = RETRY_FIRST_PAUSE_S * 2 ** (tries_made - 1)
+        elif retry_after.isascii() and retry_after.isdigit() and len(retry_after) <= 6:
+            pause = float(retry_after)
+        else:
+            return None
+        return pause if waited_s + pause <= self.budget_s else None
 
 # ============================================================================================
 # The client
@@ -444,11 +481,12 @@ class Client:
 
     def __init__(self, server: Optional[str] = None, token: Optional[str] = None,
                  token_file: "os.PathLike[str] | str | None" = None,
-                 allow_plain_http: bool = False) -> None:
+                 allow_plain_http: bool = False, retry: RetryPolicy = RetryPolicy()) -> None:
         self.server = check_server(server or os.environ.get(SERVER_ENV) or DEFAULT_SERVER,
                                    allow_plain_http)
         self.token = resolve_token(token, token_file)
         self.connections = Connections(self.server)
+        self.retry = retry
 
     def __enter__(self) -> "Client":
         return self
@@ -474,6 +512,27 @@ class Client:
     def request(self, method: str, path: str, body: Optional[bytes] = None,
                 headers: Optional[dict[str, str]] = None,
                 timeout_s: Optional[float] = CALL_TIMEOUT_S) -> Answer:
+        """One call, its answer read whole, tried again while `self.retry` says so: only when
+        nothing ran (RETRY_TRIES), so a create is never made twice."""
+        waited_s = 0.0
+        for tries_made in range(1, self.retry.tries + 1):
+            try:
+                answer = self._request_once(method, path, body, headers, timeout_s)
+            except RequestNotSent as e:
+                pause_s = self.retry.pause_s(tries_made, waited_s, None)
+                if pause_s is None:
+                    raise ReployError(None, None, f"no answer from {self.server}: {e}") from None
+            else:
+                pause_s = (self.retry.pause_s(tries_made, waited_s, answer.retry_after)
+                           if answer.status in RETRIED_STATUSES and answer.retry_after else None)
+                if pause_s is None:
+                    return answer
+            time.sleep(pause_s)  # the server's own pace, or a backoff from a refused connection
+            waited_s += pause_s
+        raise AssertionError("unreachable: the last try returns or raises")
+
+    def _request_once(self, method: str, path: str, body: Optional[bytes],
+                      headers: Optional[dict[str, str]], timeout_s: Optional[float]) -> Answer:
         """One call on a pooled connection, its answer read whole. A reused connection that
         the server had closed meanwhile (a stale keep-alive) is retried once on a new one:
         nothing was answered on it, so nothing ran."""
@@ -481,7 +540,13 @@ class Client:
         for attempt in (1, 2):
             connection, reused = self.connections.borrow(timeout_s)
             try:
-                connection.request(method, target, body, self._headers(headers))
+                try:
+                    connection.request(method, target, body, self._headers(headers))
+                except (ConnectionRefusedError, ConnectionResetError, BrokenPipeError) as e:
+                    connection.close()
+                    if reused and attempt == 1:
+                        continue
+                    raise RequestNotSent(str(e)) from None
                 response = connection.getresponse()
                 data = response.read(MAX_ANSWER_BYTES + 1)
             except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError) as e:
@@ -499,7 +564,8 @@ class Client:
                 connection.close()
             else:
                 self.connections.give_back(connection)
-            return Answer(response.status, response.getheader("Content-Type", ""), data)
+            return Answer(response.status, response.getheader("Content-Type", ""), data,
+                          response.getheader("Retry-After"))
         raise AssertionError("unreachable")
 
     def document(self, answer: Answer) -> dict[str, Any]:

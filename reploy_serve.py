@@ -180,6 +180,11 @@ DEFAULT_SSE_KEEPALIVE_MS = 15_000
 DEFAULT_MAX_SESSIONS = 64
 #: HTTP request threads kept waiting for a new connection once theirs ended (RequestThreads).
 SPARE_REQUEST_THREADS = 8
+#: Connections the kernel queues before serve accepts them (listen's backlog; the kernel caps
+#: it at net.core.somaxconn). socketserver's 5 reset a burst of creates, each on its own
+#: connection (an eval starting its samples): the accept loop takes them far faster than a
+#: create is served, so a queue that holds a burst costs nothing.
+LISTEN_BACKLOG = 1024
 #: What a create refused at --max-sessions tells its client to wait (Retry-After): a session
 #: ends when its user deletes it, so this is a polling pace, not a promise.
 LIMIT_RETRY_AFTER_S = 30
@@ -6154,6 +6159,7 @@ class _HandOver:
 class ServeHTTPServer(http.server.ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+    request_queue_size = LISTEN_BACKLOG
 
     def __init__(self, address: tuple[str, int], manager: SessionManager,
                  static: dict[str, tuple[str, bytes]], token: str,

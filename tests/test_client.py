@@ -145,8 +145,10 @@ def local_server(method: str, answer: Callable[[Any], tuple[int, bytes, bool]]) 
         protocol_version = "HTTP/1.1"
 
         def respond(self) -> None:
-            status, body, close = answer(self)
+            status, body, close, *headers = answer(self)
             self.send_response(status)
+            for name, value in (headers[0] if headers else {}).items():
+                self.send_header(name, value)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
@@ -180,6 +182,94 @@ def test_a_stale_keep_alive_connection_is_retried_once_on_a_new_one() -> None:
         assert client.sessions() == [] and len(client.connections._idle) == 1
         assert client.sessions() == [] and client.sessions() == []
     assert len(connections) == 3
+
+
+@pytest.mark.parametrize(("tries_made", "waited_s", "retry_after", "pause_s"), [
+    (1, 0.0, None, reploy_client.RETRY_FIRST_PAUSE_S),  # refused or reset before sending
+    (2, 0.25, None, 2 * reploy_client.RETRY_FIRST_PAUSE_S),
+    (3, 0.75, None, 4 * reploy_client.RETRY_FIRST_PAUSE_S),
+    (reploy_client.RETRY_TRIES, 0.0, None, None),  # the last try was made
+    (1, 0.0, "7", 7.0), (1, 0.0, "0", 0.0),
+    (1, reploy_client.RETRY_BUDGET_S - 5, "7", None),  # past the budget: the refusal stands
+    (1, 0.0, "Wed, 21 Oct 2026 07:28:00 GMT", None), (1, 0.0, "-1", None), (1, 0.0, "1.5", None),
+    (1, 0.0, "\u0661", None), (1, 0.0, "9999999", None),
+])
+def test_the_retry_policy(tries_made: int, waited_s: float, retry_after: Any, pause_s: Any) -> None:
+    assert reploy_client.RetryPolicy().pause_s(tries_made, waited_s, retry_after) == pause_s
+
+
+def test_a_refusal_with_retry_after_is_tried_again_within_the_budget() -> None:
+    """429 with Retry-After twice, then 201: one call, three requests. A Retry-After past the
+    budget is not waited for: the 429 is the answer."""
+    answers = [(429, b'{"error": "busy", "code": "too_many_requests"}', False, {"Retry-After": "0"})] * 2
+    answers.append((201, b'{"sessions": []}', False, {}))
+    seen: list[str] = []
+
+    def answer(handler: Any) -> Any:
+        seen.append(handler.path)
+        return answers[len(seen) - 1]
+
+    with local_server("GET", answer) as url, reploy_client.Client(url, token=TOKEN) as client:
+        assert client.request("GET", "/sessions").status == 201
+    assert len(seen) == 3
+
+    seen.clear()
+    answers[0] = (429, b'{"error": "full", "code": "too_many_requests"}', False,
+                  {"Retry-After": str(int(reploy_client.RETRY_BUDGET_S) + 1)})
+    with local_server("GET", answer) as url, reploy_client.Client(url, token=TOKEN) as client:
+        with pytest.raises(reploy_client.ReployError) as refused:
+            client.sessions()
+    assert refused.value.status == 429 and len(seen) == 1
+
+
+def test_a_refused_connection_is_tried_again_until_serve_listens() -> None:
+    """The port refuses connections until the policy is asked to wait the first time; the
+    call then goes through on the next try. Without a listener at all, the call fails after
+    its tries with the refusal named."""
+    import http.server
+    import socket
+
+    placeholder = socket.socket()
+    placeholder.bind(("127.0.0.1", 0))  # bound, not listening: connections are refused
+    port = placeholder.getsockname()[1]
+    started: list[http.server.HTTPServer] = []
+
+    class ListenOnFirstPause(reploy_client.RetryPolicy):
+        def pause_s(self, tries_made: int, waited_s: float, retry_after: Any) -> Any:
+            if not started:
+                placeholder.close()
+                server = http.server.HTTPServer(("127.0.0.1", port), Ok)
+                threading.Thread(target=server.serve_forever, daemon=True).start()
+                started.append(server)
+            return super().pause_s(tries_made, waited_s, retry_after)
+
+    class Ok(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", "16")
+            self.end_headers()
+            self.wfile.write(b'{"sessions": []}')
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base's
+            pass
+
+    try:
+        with reploy_client.Client(f"http://127.0.0.1:{port}", token=TOKEN,
+                                  retry=ListenOnFirstPause()) as client:
+            assert client.sessions() == []
+    finally:
+        for server in started:
+            server.shutdown()
+            server.server_close()
+        placeholder.close()
+
+    unused = socket.socket()
+    unused.bind(("127.0.0.1", 0))
+    with unused, reploy_client.Client(f"http://127.0.0.1:{unused.getsockname()[1]}", token=TOKEN,
+                                      retry=reploy_client.RetryPolicy(tries=2)) as client:
+        with pytest.raises(reploy_client.ReployError, match="Connection refused"):
+            client.sessions()
 
 
 def test_a_write_sends_the_digest_of_its_bytes() -> None:
