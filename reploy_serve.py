@@ -1858,6 +1858,8 @@ def _is_json_media_type(content_type: Optional[str]) -> bool:
         "", "charset=utf-8", 'charset="utf-8"')
 
 
+#: The one API path that needs no credential (seed 002: "No auth").
+HEALTH_PATH = API_PREFIX + "/healthz"
 UNAUTHORIZED_MESSAGE = ("authentication required: send Authorization: Bearer TOKEN "
                         "(STATE_DIR/token), or open the login_url printed by `reploy serve`")
 
@@ -1885,13 +1887,16 @@ def decide_access(method: str, target: str, headers: Sequence[tuple[str, str]],
     if (_single_header(headers, "sec-fetch-site") or "").lower() in ("cross-site", "same-site"):
         raise Forbidden("requests from another site are refused")
     authorization = _single_header(headers, "authorization")
-    if authorization is None:
+    if path == HEALTH_PATH:
+        pass  # no credential: it holds no secret, and probes and load balancers call it
+    elif authorization is None:
         in_url = "token" in urllib.parse.parse_qs(query, keep_blank_values=True)
         raise Unauthorized(UNAUTHORIZED_MESSAGE + (" (a token in an API URL is not accepted)"
                                                    if in_url else ""))
-    scheme, _, credential = authorization.strip().partition(" ")
-    if scheme.lower() != "bearer" or not same_secret(credential.strip(), policy.token):
-        raise Unauthorized("wrong credentials: " + UNAUTHORIZED_MESSAGE)
+    else:
+        scheme, _, credential = authorization.strip().partition(" ")
+        if scheme.lower() != "bearer" or not same_secret(credential.strip(), policy.token):
+            raise Unauthorized("wrong credentials: " + UNAUTHORIZED_MESSAGE)
     has_body = (_single_header(headers, "content-length") or "0").strip() != "0" or (
         _single_header(headers, "transfer-encoding") is not None)
     content_type = _single_header(headers, "content-type")
@@ -3707,6 +3712,18 @@ class SessionManager:
             raise ServiceUnavailable(f"the deployment {chosen.blueprint.name} configures a "
                                      "private environment; managed sessions do not support it")
         return chosen
+
+    def require_built_deployments(self) -> None:
+        """Refuses to serve a workload directory that is not a built deployment: every create
+        would fail, so serve does not start, and says how to build it."""
+        for directory in self.config.workload_dirs:
+            try:
+                deployment = load_deployment(directory)
+            except (DeploymentError, BlueprintError) as e:
+                raise ReployError(f"--workload-dir {directory}: {e}") from None
+            if deployment.current is None:
+                raise ReployError(f"the workload deployment {deployment.blueprint.name} in "
+                                  f"{directory} is not built: run `reploy build --dir {directory}`")
 
     def deployment_names(self) -> list[str]:
         names = []
@@ -6166,8 +6183,9 @@ class ServeHTTPServer(http.server.ThreadingHTTPServer):
                  hosts: frozenset[str]) -> None:
         if ":" in address[0]:
             self.address_family = socket.AF_INET6
-        super().__init__(address, ApiHandler)
+        # Before the bind: a bind that fails closes the server, and closing ends these.
         self.request_threads = RequestThreads(self.process_request_thread, SPARE_REQUEST_THREADS)
+        super().__init__(address, ApiHandler)
         self.manager = manager
         self.static = static
         self.policy = AccessPolicy(token, hosts)
@@ -6792,6 +6810,7 @@ def run_serve(config: ServeConfig, access: ServeAccess) -> int:
         backend = DockerBackend()
         backend.require_sandbox_support()
         manager = SessionManager(config, backend)
+        manager.require_built_deployments()
         config = manager.config  # its state dir canonical
         if config.model_upstream is not None:
             assert access.model_credential_file is not None  # serve_config_from checked
@@ -6800,8 +6819,12 @@ def run_serve(config: ServeConfig, access: ServeAccess) -> int:
         probe_session_disks(config.disks_dir)
         manager.mount_disks()
         manager.reconcile()
-        server = ServeHTTPServer((access.host, access.port), manager, load_static(WEB_DIR),
-                                 token, hosts)
+        try:
+            server = ServeHTTPServer((access.host, access.port), manager, load_static(WEB_DIR),
+                                     token, hosts)
+        except OSError as e:
+            raise ReployError(f"cannot listen on {access.host}:{access.port}: "
+                              f"{e.strerror or e}") from None
     except (ReployError, client_role.ReployError, OSError) as e:
         print(f"reploy: serve: {e}", file=sys.stderr)
         emit({"schema": SERVE_SCHEMA, "ok": False, "error": str(e)})

@@ -49,13 +49,15 @@ def decide(method: str, target: str, headers: list[tuple[str, str]],
 # is no login path: the login URL's token is in its fragment, which never reaches a server);
 # under /api/v1 a foreign Origin or a cross-site/same-site Sec-Fetch-Site is 403; then a
 # missing or wrong `Authorization: Bearer` 401 (the only credential: no cookie, and a token in
-# the query string never counts); then a body that is not JSON 415.
+# the query string never counts), except on /api/v1/healthz, which needs none (seed 002: "No
+# auth"); then a body that is not JSON 415.
 
 METHODS = ("GET", "POST", "DELETE", "OPTIONS")
-#: target -> its kind: "static", "api"
+#: target -> its kind: "static", "api", "health" (the API path that needs no credential)
 TARGETS = {
     "/": "static", "/app.js": "static", "/api/v1x": "static", "/api/v1/openapi.json": "api",
-    "/api/v1": "api", "/api/v1/sessions": "api", f"/api/v1/sessions/{SID}/stream?offset=0": "api",
+    "/api/v1": "api", "/api/v1/sessions": "api", "/api/v1/healthz": "health",
+    "/api/v1/healthz/": "api", "/api/v1/healthz?x=1": "health", f"/api/v1/sessions/{SID}/stream?offset=0": "api",
     f"/api/v1/sessions?token={TOKEN}": "api", f"/login?token={TOKEN}": "static", "/login": "static",
 }
 #: Host header -> whether it names this server (None: no Host header)
@@ -106,7 +108,7 @@ def oracle(method: str, kind: str, host: Optional[str], origin: Optional[str],
         return ROUTE
     if origin not in (None, SAME) or site in ("same-site", "cross-site"):
         return 403
-    if not CREDENTIALS[credential][1]:
+    if not CREDENTIALS[credential][1] and kind != "health":
         return 401
     if not BODIES[body][1]:
         return 415

@@ -1,19 +1,24 @@
-"""A burst of creates, as a harness starting an eval makes it (issue 46): every create on its
-own connection, all sent at once, each answered (201, or 429/503 with Retry-After), never a
-connection reset; and the Python client retries what is safe to retry."""
+"""A first heavy day (issue 46). A burst of creates, as a harness starting an eval makes it:
+every create on its own connection, all sent at once, each answered (201, or 429/503 with
+Retry-After), never a connection reset; the Python client retries what is safe to retry. And
+serve's own edges: a port in use, an unbuilt workload, a health probe without the token."""
 
 from __future__ import annotations
 
 import http.client
 import json
+import socket
+import subprocess
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, Callable
 
 import pytest
 
 from serve_harness import (  # noqa: F401  (fixtures)
-    ServeProcess, managed_workload, serve_factory,
+    ROOT, ServeProcess, managed_workload, serve_factory,
 )
 
 pytestmark = pytest.mark.docker
@@ -81,3 +86,54 @@ def test_a_burst_of_creates_through_the_python_client_all_succeed(
     failures = [c for c in created if isinstance(c, Exception)]
     assert not failures, f"{len(failures)} of {BURST // 2} creates failed: {failures[:5]}"
     assert len(set(created)) == BURST // 2
+
+
+# -- how serve starts, or refuses to ---------------------------------------------------------
+
+
+def serve_once(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "reploy.py"), "serve", *args],
+                          capture_output=True, timeout=120, stdin=subprocess.DEVNULL)
+
+
+def test_a_port_in_use_is_one_line_and_exit_1(tmp_path: Path, managed_workload: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = serve_once("--listen", f"127.0.0.1:{port}", "--state-dir", str(tmp_path / "s"),
+                          "--workload-dir", str(managed_workload))
+    assert proc.returncode == 1
+    assert json.loads(proc.stdout)["error"] == f"cannot listen on 127.0.0.1:{port}: Address already in use"
+    assert proc.stderr.decode().splitlines() == [
+        f"reploy: serve: cannot listen on 127.0.0.1:{port}: Address already in use"]
+
+
+def test_an_unbuilt_workload_is_refused_at_start_saying_how_to_build_it(tmp_path: Path) -> None:
+    unbuilt = tmp_path / "unbuilt"
+    staged = subprocess.run([sys.executable, str(ROOT / "reploy.py"), "stage",
+                             str(ROOT / "examples/managed/managed.blueprint.yaml"), "--dir", str(unbuilt)],
+                            capture_output=True, timeout=60)
+    assert staged.returncode == 0, staged.stderr
+    proc = serve_once("--listen", "127.0.0.1:0", "--state-dir", str(tmp_path / "s"),
+                      "--workload-dir", str(unbuilt))
+    assert proc.returncode == 1
+    assert (f"the workload deployment managed-workload in {unbuilt} is not built: run "
+            f"`reploy build --dir {unbuilt}`") in proc.stderr.decode()
+
+
+def test_healthz_answers_without_the_token(serve_factory: Callable[..., ServeProcess]) -> None:
+    server = serve_factory()
+    status, _, body = server.api.request("GET", "/api/v1/healthz", auth=False)
+    assert (status, json.loads(body)) == (200, {"status": "ok"})
+    status, _, _ = server.api.request("GET", "/api/v1/config", auth=False)
+    assert status == 401
+
+
+def test_the_example_sessions_user_has_a_name(serve_factory: Callable[..., ServeProcess]) -> None:
+    """examples/managed gives its runtime user a passwd entry: whoami answers."""
+    server = serve_factory()
+    sid = server.api.create("whoami")["id"]
+    answer = server.api.call("POST", f"/sessions/{sid}/exec", {"argv": ["sh", "-c", "whoami; echo ~"]})
+    assert answer["exitCode"] == 0, answer
+    assert answer["stdout"] == "reploy\n/mnt/reploy-home\n"
