@@ -44,12 +44,16 @@ Each line: name, unit, n, p50, p90, p99, baseline, ratio. Figures, not pass/fail
   serve_exec_while_60_readers_follow  the same while 60 SSE readers try to follow a session that prints
                               without pause (the reader bounds refuse most: stderr says how many were
                               admitted), against the idle machine
+  serve_creates_at_once_N     N POST /sessions sent at once (N = 1, 8, 32, 64), each on its own
+                              connection, until each is answered 201, s per create (p99 is the tail),
+                              against N SDK creates at once of the same sandboxed container on the same
+                              kind of disk (64 MiB here) until its agent answers; `_wall`: the whole burst
   serve_upload_throughput     PUT /files of a 64 MiB file, MiB/s, against the SDK's put_archive of the
                               same file (docker cp's API; its tar built beforehand, outside the timing)
   serve_download_throughput   GET /files of that file, MiB/s, against the SDK's get_archive of it, read whole
 
   python3 bench/bench_serve.py [--rounds N]
-                              [--only serve_create_to_prompt|serve_idle_memory|sse|files]
+                              [--only serve_create_to_prompt|serve_idle_memory|sse|files|creates]
                               (needs the engine and the base images: make setup)
 """
 
@@ -115,7 +119,8 @@ def read_once(api: Api, sid: str) -> None:
     api.call("POST", f"/sessions/{sid}/read", {"offset": 2**62})
 
 
-def sdk_create(workload: Path, disk: bool) -> float:
+def sdk_create(workload: Path, disk: bool,
+               disk_mib: int = reploy_serve.DEFAULT_SESSION_DISK_MIB) -> float:
     """The same sandboxed container straight through the SDK, until its agent answers: one
     sample, in seconds (main alternates them with serve's creates, so load hits both alike).
     `disk`: its session directory is a disk of serve's default size, made and mounted first as
@@ -143,7 +148,7 @@ def sdk_create(workload: Path, disk: bool) -> float:
     start = time.perf_counter()
     try:
         if disk:
-            reploy_serve.make_session_disk(image, session_dir, reploy_serve.DEFAULT_SESSION_DISK_MIB, runtime)
+            reploy_serve.make_session_disk(image, session_dir, disk_mib, runtime)
         container_id = backend.create(spec)
         try:
             backend.start(container_id)
@@ -163,6 +168,59 @@ def _answers(agent_dir: Path) -> bool:
         return True
     except reploy_serve.AgentCallError:
         return False
+
+
+# --------------------------------------------------------------------------------------------
+# Creates at once: a harness starting its samples
+# --------------------------------------------------------------------------------------------
+
+#: How many creates are sent at once, each on its own connection (serve_creates_at_once_N).
+CREATE_BURSTS = (1, 8, 32, 64)
+#: Each burst session's disk, and its baseline's: small, so the host's free space admits 64.
+BURST_DISK_MIB = 64
+
+
+def burst(count: int, create: Callable[[int], float]) -> tuple[float, list[float]]:
+    """`count` calls of `create(index)` released at once: (wall time, each call's time), s."""
+    start_line = threading.Barrier(count + 1)
+
+    def timed(index: int) -> float:
+        start_line.wait()
+        return create(index)
+
+    with concurrent.futures.ThreadPoolExecutor(count) as pool:
+        futures = [pool.submit(timed, index) for index in range(count)]
+        start_line.wait()
+        start = time.perf_counter()
+        samples = [future.result() for future in futures]
+        return time.perf_counter() - start, samples
+
+
+def create_bursts(workload: Path, base: Path) -> None:
+    """serve_creates_at_once_N: N POST /sessions at once until each is answered 201, against N
+    SDK creates at once of the same sandboxed container on the same kind of disk until its
+    agent answers (sdk_create); per create and, as `_wall`, the whole burst. A serve of its
+    own, so that the burst meets no session of the other figures."""
+    server = ServeProcess(base / "bursts", workload, "--idle-after", "1h", "--snapshot-after", "2h",
+                          "--max-sessions", str(max(CREATE_BURSTS)))
+    try:
+        for count in CREATE_BURSTS:
+            def create(index: int) -> float:
+                start = time.perf_counter()
+                status, raw = server.api.raw("POST", "/api/v1/sessions", json.dumps(
+                    {"name": f"burst-{index}", "diskMib": BURST_DISK_MIB}).encode(), timeout=600)
+                if status != 201:
+                    raise BenchFailed(f"a create of a burst of {count} answered {status}: {raw[:300]!r}")
+                return time.perf_counter() - start
+
+            wall, samples = burst(count, create)
+            server.api.delete_all()
+            sdk_wall, sdk_samples = burst(count, lambda _: sdk_create(workload, True, BURST_DISK_MIB))
+            figure(f"serve_creates_at_once_{count}", "s", samples, sdk_samples)
+            figure(f"serve_creates_at_once_{count}_wall", "s", [wall], [sdk_wall])
+    finally:
+        server.api.delete_all()
+        server.stop()
 
 
 # --------------------------------------------------------------------------------------------
@@ -582,10 +640,11 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # clean up on the way out
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--only", choices=["serve_create_to_prompt", "serve_idle_memory", "sse", "files"],
+    parser.add_argument("--only", choices=["serve_create_to_prompt", "serve_idle_memory", "sse", "files",
+                                           "creates"],
                         help="measure this figure alone, the serve_sse_delivery figures with one "
-                             "session created, or the two file throughputs (after the creates the "
-                             "others need)")
+                             "session created, the two file throughputs (after the creates the "
+                             "others need), or the create bursts")
     args = parser.parse_args()
     rounds = args.rounds
     client = docker.from_env()
@@ -599,6 +658,9 @@ def main() -> int:
                           "--max-session-readers", readers, "--max-readers", readers)
     api = server.api
     try:
+        if args.only == "creates":
+            create_bursts(workload, base)
+            return 0
         creates, sdk_creates, diskless_creates, sessions = [], [], [], []
         for i in range(1 if args.only == "sse" else rounds):
             start = time.perf_counter()
@@ -652,6 +714,8 @@ def main() -> int:
         active, idle = session_memory(client, api, server, MEMORY_SESSIONS)
         figure(f"serve_memory_per_active_session_{MEMORY_SESSIONS}", "MiB", active, bare_running)
         figure(f"serve_memory_per_idle_session_{MEMORY_SESSIONS}", "MiB", idle, bare_paused)
+        api.delete_all()
+        create_bursts(workload, base)
     except BenchFailed as e:
         print(f"bench_serve: FAILED: {e}" + (f" ({e.__cause__!r})" if e.__cause__ else ""),
               file=sys.stderr, flush=True)
