@@ -4742,11 +4742,12 @@ MODEL_CLI_ENVIRONMENT = {"ANTHROPIC_BASE_URL": f"http://127.0.0.1:{MODEL_RELAY_P
                          "ANTHROPIC_AUTH_TOKEN": MODEL_PLACEHOLDER,
                          "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
                          "CLAUDE_CODE_MAX_RETRIES": "2"}
-#: Never forwarded upstream: every credential the sandbox sends, and hop-by-hop framing.
-_MODEL_DROPPED_REQUEST = frozenset({
-    "authorization", "x-api-key", "proxy-authorization", "cookie", "host", "connection",
-    "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade",
-    "content-length", "accept-encoding", "expect"})
+#: The sandbox's request headers forwarded upstream, by name and by prefix: what the Messages
+#: API reads. Every other one is dropped (an allow-list: credentials, hop-by-hop framing,
+#: X-Forwarded-*, Forwarded, X-Original-URL, names no list of ours foresaw); the proxy sets
+#: Host, Content-Length, the credential and Accept-Encoding: identity (http.client's own).
+_MODEL_FORWARDED_REQUEST = frozenset({"content-type", "accept", "user-agent"})
+_MODEL_FORWARDED_REQUEST_PREFIXES = ("anthropic-",)
 #: The upstream's headers the CLI gets (redacted); the proxy frames the body itself.
 _MODEL_KEPT_RESPONSE = frozenset({"content-type", "request-id", "x-request-id", "retry-after",
                                   "x-should-retry"})
@@ -4804,7 +4805,7 @@ def parse_model_upstream(url: str, ca_file: Optional[Path], auth: str) -> ModelU
 def parse_model_request(head: bytes, body_limit: int = MAX_MODEL_BODY_BYTES) -> ModelRequest:
     """The request line and headers (CRLF CRLF excluded) -> what is forwarded, or ModelRefusal.
     Only POST to the Messages API's own paths, in origin form (no absolute URI, no CONNECT),
-    with a Content-Length body; credentials and framing the sandbox sent are dropped."""
+    with a Content-Length body; of its headers only those _MODEL_FORWARDED_REQUEST allows."""
     try:
         text = head.decode("ascii")
     except UnicodeDecodeError:
@@ -4836,7 +4837,7 @@ def parse_model_request(head: bytes, body_limit: int = MAX_MODEL_BODY_BYTES) -> 
             if length is not None or not value.isdigit():
                 raise ModelRefusal(400, "invalid_request_error", "one decimal Content-Length")
             length = int(value)
-        elif lowered not in _MODEL_DROPPED_REQUEST:
+        elif lowered in _MODEL_FORWARDED_REQUEST or lowered.startswith(_MODEL_FORWARDED_REQUEST_PREFIXES):
             headers.append((name, value))
     if length is None:
         raise ModelRefusal(411, "invalid_request_error", "a body needs Content-Length")
@@ -4866,6 +4867,21 @@ def kept_response_headers(headers: Iterable[tuple[str, str]]) -> list[tuple[str,
     return [(name, value) for name, value in headers
             if name.lower() in _MODEL_KEPT_RESPONSE
             or name.lower().startswith(_MODEL_KEPT_RESPONSE_PREFIXES)]
+
+
+def coding_refusal(headers: Iterable[tuple[str, str]]) -> Optional[str]:
+    """Why an upstream answer cannot be forwarded redacted, None if it can. The redaction finds
+    the credential in the body's bytes as they arrive, so those bytes must be the body itself:
+    a Transfer-Encoding of none or exactly `chunked` (which http.client takes off, comparing
+    the same way), a Content-Encoding of none or identity. A coded body (gzip, a list such as
+    `gzip, chunked` that http.client leaves on) would carry an echoed credential through unseen."""
+    transfer = [value.lower() for name, value in headers if name.lower() == "transfer-encoding"]
+    if transfer not in ([], ["chunked"]):
+        return "the model upstream framed its answer other than as chunked, which cannot be redacted"
+    if any(coding.strip().lower() != "identity" for name, value in headers
+           if name.lower() == "content-encoding" for coding in value.split(",")):
+        return "the model upstream sent an encoded body, which cannot be redacted"
+    return None
 
 
 class BytesRedactor:
@@ -5342,8 +5358,9 @@ class ModelProxy:
     def _forward(self, session_id: str, conn: socket.socket, request: ModelRequest,
                  body: bytes) -> None:
         """Sends the request upstream with the credential, and the answer back as it arrives
-        (redacted, capped, bounded in time). Upstream failures are 502 and 504 in the API's
-        error shape; once the answer has begun, an SSE error event ends it."""
+        (redacted, capped, bounded in time), unless redaction cannot see its bytes
+        (coding_refusal) or it is a redirect: 502. Upstream failures are 502 and 504 in the
+        API's error shape; once the answer has begun, an SSE error event ends it."""
         upstream = self.upstream
         target = upstream.base_path + request.path + (f"?{request.query}" if request.query else "")
         header_name = MODEL_AUTH_HEADERS[upstream.auth]
@@ -5368,9 +5385,8 @@ class ModelProxy:
                 conn.sendall(model_error_response(502, "api_error", "the model upstream answered "
                                                   "a redirect; the proxy follows none"))
                 return
-            if response.getheader("content-encoding", "identity").lower() != "identity":
-                conn.sendall(model_error_response(502, "api_error", "the model upstream sent an "
-                                                  "encoded body, which cannot be redacted"))
+            if (refusal := coding_refusal(response.getheaders())) is not None:
+                conn.sendall(model_error_response(502, "api_error", refusal))
                 return
             redactor = BytesRedactor(self._credential)
             head = [f"HTTP/1.1 {response.status} {response.reason}"]

@@ -6,7 +6,9 @@ socket like a session's DIR/agent/model.sock, forwarded over TLS to a fake Messa
 from __future__ import annotations
 
 import fcntl
+import gzip
 import http.client
+import http.server
 import itertools
 import json
 import select
@@ -80,6 +82,21 @@ def test_bodies_need_one_bounded_content_length(headers: tuple[str, ...], status
     assert refused.value.status == status
 
 
+def test_only_the_headers_the_messages_api_reads_are_forwarded() -> None:
+    """An allow-list: headers that would tell a gateway where a request came from or what it
+    was for (X-Forwarded-*, Forwarded, X-Original-URL) are dropped, as is any name it does not
+    foresee; the API's own (content type, accept, user agent, anthropic-*) go through."""
+    request = rs.parse_model_request(head(
+        "POST /v1/messages HTTP/1.1", "Content-Type: application/json", "Accept: application/json",
+        "User-Agent: claude-cli/2", "anthropic-version: 2023-06-01", "Anthropic-Beta: a,b",
+        "X-Forwarded-For: 10.0.0.1", "X-Forwarded-Host: admin.internal", "Forwarded: for=10.0.0.1",
+        "X-Original-URL: /admin", "X-Rewrite-URL: /admin", "X-Stainless-OS: Linux", "Via: 1.1 x",
+        "Content-Length: 2"))
+    assert request.headers == (("Content-Type", "application/json"), ("Accept", "application/json"),
+                               ("User-Agent", "claude-cli/2"), ("anthropic-version", "2023-06-01"),
+                               ("Anthropic-Beta", "a,b"))
+
+
 def test_a_head_that_is_not_ascii_is_refused() -> None:
     with pytest.raises(rs.ModelRefusal):
         rs.parse_model_request("POST /v1/messages HTTP/1.1\r\nx: é\r\nContent-Length: 1".encode())
@@ -119,6 +136,26 @@ def test_a_credential_file_open_to_others_is_refused_like_the_token_file(tmp_pat
     assert CREDENTIAL not in str(refused.value)
     credential.chmod(0o600)
     assert rs.read_model_credential(credential) == CREDENTIAL
+
+
+# -- what the upstream's answer may be framed in: only what redaction sees through -----------
+
+
+@pytest.mark.parametrize(("headers", "refused"), [
+    ((), False),
+    ((("Transfer-Encoding", "chunked"),), False),
+    ((("transfer-encoding", "Chunked"), ("Content-Encoding", "identity")), False),
+    ((("Transfer-Encoding", "gzip, chunked"),), True),
+    ((("Transfer-Encoding", "chunked"), ("Transfer-Encoding", "gzip")), True),
+    ((("Transfer-Encoding", "chunked "),), True),  # http.client would not take it off
+    ((("Transfer-Encoding", "identity"),), True),
+    ((("Content-Encoding", "gzip"),), True),
+    ((("Content-Encoding", "identity, br"),), True),
+    ((("Content-Encoding", ""),), True),
+])
+def test_an_answer_is_forwarded_only_in_framing_and_coding_redaction_sees_through(
+        headers: tuple[tuple[str, str], ...], refused: bool) -> None:
+    assert (rs.coding_refusal(headers) is not None) is refused
 
 
 # -- the redactor (agent.Redactor's rule, over bytes) -----------------------------------------
@@ -600,3 +637,57 @@ def test_a_request_the_upstream_drops_on_a_pooled_connection_is_sent_once_more_o
     finally:
         proxy.close()
     assert upstream.connections == 2 and len(upstream.requests) == 3  # the dropped one, then its retry
+
+
+
+# -- what a hostile workload or upstream can make the proxy do (issue 42) ------------------
+
+
+@pytest.mark.parametrize("framing", [
+    (("transfer-encoding", "gzip, chunked"),),
+    (("transfer-encoding", "chunked"), ("transfer-encoding", "gzip")),
+    (("transfer-encoding", "chunked"), ("content-encoding", "gzip")),
+])
+def test_an_answer_coded_past_what_redaction_sees_is_502(
+        tmp_path: Path, upstream: FakeMessagesApi, framing: tuple[tuple[str, str], ...]) -> None:
+    """The upstream echoes the credential in a gzip-coded chunked body: the client gets a 502,
+    never the coded bytes (from which the credential would unzip)."""
+    echoed = gzip.compress(text_delta(f"token={CREDENTIAL}"))
+
+    def coded(handler: http.server.BaseHTTPRequestHandler) -> None:
+        handler.send_response(200)
+        handler.send_header("content-type", "text/event-stream")
+        for name, value in framing:
+            handler.send_header(name, value)
+        handler.send_header("connection", "close")
+        handler.end_headers()
+        handler.wfile.write(chunk(echoed) + chunk(b""))
+    upstream.plan = coded
+    proxy, sock = make_proxy(tmp_path, upstream.url, upstream.ca)
+    try:
+        response = ask(sock)
+        body = response.read()
+    finally:
+        proxy.close()
+    assert response.status == 502 and b"cannot be redacted" in body
+    assert echoed not in body and b"\x1f\x8b" not in body
+
+
+def test_headers_naming_a_requests_origin_never_reach_the_upstream(tmp_path: Path, upstream: FakeMessagesApi) -> None:
+    """What the workload says about where a request came from (X-Forwarded-*, Forwarded,
+    X-Original-URL) is not sent with the credential; the upstream is asked for an unencoded
+    answer whatever the workload asked for."""
+    upstream.plan = sized_answer("plain")
+    proxy, sock = make_proxy(tmp_path, upstream.url, upstream.ca)
+    try:
+        connection = UnixHTTPConnection(sock)
+        connection.request("POST", "/v1/messages", body=b"{}", headers={
+            "content-type": "application/json", "anthropic-version": "2023-06-01",
+            "x-forwarded-for": "10.0.0.1", "x-forwarded-host": "admin.internal", "forwarded": "for=10.0.0.1",
+            "x-original-url": "/admin", "accept-encoding": "gzip, br"})
+        assert text_delta("plain") in connection.getresponse().read()
+    finally:
+        proxy.close()
+    (_, headers), = upstream.requests
+    assert not {"x-forwarded-for", "x-forwarded-host", "forwarded", "x-original-url"} & set(headers)
+    assert headers["accept-encoding"] == "identity" and headers["x-api-key"] == CREDENTIAL
