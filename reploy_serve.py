@@ -4715,8 +4715,16 @@ MODEL_AUTH_HEADERS = {"x-api-key": "x-api-key", "bearer": "authorization"}  #: -
 MAX_MODEL_HEAD_BYTES = 64 * 1024  #: the request line and headers from the sandbox
 MAX_MODEL_BODY_BYTES = 32 * 1024 * 1024  #: one request body (a long conversation)
 MAX_MODEL_RESPONSE_BYTES = 64 * 1024 * 1024  #: raw upstream body bytes of one response
-MAX_MODEL_REQUESTS = 4  #: in flight per session; one more is answered 429
-MODEL_CLIENT_TIMEOUT_S = 30.0  #: the sandbox sends its whole request within this
+MAX_MODEL_REQUESTS = 4  #: in flight per session, from a whole head on; one more is answered 429
+#: The request bodies the proxy holds at once, by their Content-Length, taken before a byte of
+#: a body is read and given back once it has gone upstream (ModelBodyRoom): a session's (429
+#: past it), and all sessions' (503 past it). Two of the largest bodies a session, eight serve.
+MAX_MODEL_SESSION_BODIES_BYTES = 2 * MAX_MODEL_BODY_BYTES
+MAX_MODEL_BODIES_BYTES = 8 * MAX_MODEL_BODY_BYTES
+#: The whole request, head and body, arrives within this of its connection, else 408: a
+#: request trickled a byte at a time gets no new bound per read.
+MODEL_REQUEST_DEADLINE_S = 30.0
+MODEL_CLIENT_TIMEOUT_S = 30.0  #: the client takes what the proxy sends it within this
 MODEL_CONNECT_TIMEOUT_S = 15.0  #: to the upstream, TLS included
 MODEL_IDLE_TIMEOUT_S = 300.0  #: the upstream's silence between two reads
 MODEL_RESPONSE_TIMEOUT_S = 1800.0  #: one whole response
@@ -4882,6 +4890,42 @@ def coding_refusal(headers: Iterable[tuple[str, str]]) -> Optional[str]:
            if name.lower() == "content-encoding" for coding in value.split(",")):
         return "the model upstream sent an encoded body, which cannot be redacted"
     return None
+
+
+class ModelBodyRoom:
+    """Room for request bodies in bytes of their Content-Length: each session's within
+    session_bytes, all sessions' within total_bytes. Taken once a request's head is whole,
+    before a byte of its body is read, so a body that does not fit is refused unread
+    (ModelRefusal: 429 past the session's bound, 503 past serve's); given back once the body
+    has gone upstream. It bounds what the proxy buffers, not what it lets through."""
+
+    def __init__(self, session_bytes: int = MAX_MODEL_SESSION_BODIES_BYTES,
+                 total_bytes: int = MAX_MODEL_BODIES_BYTES) -> None:
+        self._session_bytes, self._total_bytes = session_bytes, total_bytes
+        self._held: dict[str, int] = {}  # by session, only while some is
+        self._total = 0
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def holding(self, session_id: str, size: int) -> Iterator[None]:
+        with self._lock:
+            held = self._held.get(session_id, 0)
+            if held + size > self._session_bytes:
+                raise ModelRefusal(429, "rate_limit_error", f"this session's model requests "
+                                   f"under way hold {held} bytes of body; {size} more is over "
+                                   f"its {self._session_bytes}")
+            if self._total + size > self._total_bytes:
+                raise ModelRefusal(503, "overloaded_error", f"the proxy holds {self._total} "
+                                   f"bytes of model request bodies; {size} more is over its "
+                                   f"{self._total_bytes}")
+            self._held[session_id], self._total = held + size, self._total + size
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._total -= size
+                if left := self._held.pop(session_id) - size:
+                    self._held[session_id] = left
 
 
 class BytesRedactor:
@@ -5066,9 +5110,13 @@ class BatchedTLSSocket:
         self._incoming.write(memoryview(self._arrived)[:got])
         return True
 
-    def sendall(self, data: bytes) -> None:
-        self._tls.write(data)  # into the memory BIO: whole, at once
-        self._send_pending()
+    def sendall(self, data: bytes | bytearray | memoryview) -> None:
+        """A batch at a time into the memory BIO, each sent before the next: a 32 MiB request
+        body is never held a second time, encrypted whole."""
+        with memoryview(data) as view:
+            for start in range(0, len(view), MODEL_BATCH_BYTES):
+                self._tls.write(view[start:start + MODEL_BATCH_BYTES])
+                self._send_pending()
 
     def recv_into(self, buffer: Any, nbytes: int = 0) -> int:
         """What has arrived, decrypted, up to the buffer's size; waits only while none has.
@@ -5188,39 +5236,68 @@ def send_pieces(conn: socket.socket, pieces: Iterable[bytes | memoryview]) -> No
             conn.settimeout(timeout)
 
 
-def read_model_request(conn: socket.socket) -> tuple[ModelRequest, bytes]:
-    """The head and body from the relay, bounded in size (ModelRefusal) and time (OSError)."""
-    data = b""
-    while b"\r\n\r\n" not in data:
-        if len(data) > MAX_MODEL_HEAD_BYTES:
-            raise ModelRefusal(431, "invalid_request_error",
-                               f"the request head is over {MAX_MODEL_HEAD_BYTES} bytes")
-        chunk = conn.recv(MODEL_READ_BYTES)
-        if not chunk:
+class ModelRequestReader:
+    """One request from the relay as it arrives, its head and then its body, all of it within
+    one deadline from the connection (ModelRefusal 408 past it): a request trickled a byte at a
+    time gets no new bound per read. The body is read into one buffer of its Content-Length,
+    taken in full only once a head asked for it (ModelProxy._serve): linear, no growing copy."""
+
+    def __init__(self, conn: socket.socket, deadline_s: float) -> None:
+        self._conn, self._deadline_s = conn, deadline_s
+        self._deadline = time.monotonic() + deadline_s
+        self._early = b""  # what came with the head past its end: the body's start
+
+    def head(self) -> ModelRequest:
+        """The request line and headers, bounded in size (431) and parsed (parse_model_request)."""
+        data, scratch, end = bytearray(), bytearray(MODEL_READ_BYTES), -1
+        while end < 0:
+            searched = max(len(data) - 3, 0)  # a CRLF CRLF across two reads is found too
+            data += memoryview(scratch)[:self._receive_into(scratch)]
+            end = data.find(b"\r\n\r\n", searched)
+            if (end if end >= 0 else len(data)) > MAX_MODEL_HEAD_BYTES:
+                raise ModelRefusal(431, "invalid_request_error",
+                                   f"the request head is over {MAX_MODEL_HEAD_BYTES} bytes")
+        self._early = bytes(data[end + 4:])
+        return parse_model_request(bytes(data[:end]))
+
+    def body(self, length: int) -> bytearray:
+        """The body of a head that said `length` (anything past it is never read)."""
+        body = bytearray(length)
+        with memoryview(body) as view:
+            filled = min(len(self._early), length)
+            view[:filled] = self._early[:filled]
+            while filled < length:
+                filled += self._receive_into(view[filled:])
+        return body
+
+    def drop_rest(self) -> None:
+        """After a refusal: what the client still sends (a body the refusal came before) is
+        read and dropped until it closes, within MAX_MODEL_BODY_BYTES and what is left of the
+        deadline; a close with its body unread would break the client's pipe before it read
+        the refusal."""
+        self._conn.shutdown(socket.SHUT_WR)
+        scratch, drained = bytearray(MODEL_READ_BYTES), 0
+        with contextlib.suppress(ModelRefusal, ConnectionError):  # the deadline, the close
+            while drained <= MAX_MODEL_BODY_BYTES:
+                drained += self._receive_into(scratch)
+
+    def _receive_into(self, buffer: bytearray | memoryview) -> int:
+        """One read, waiting at most what is left of the deadline; ConnectionError at the
+        client's end. The socket's own timeout is left as it was (the answer's)."""
+        timeout = self._conn.gettimeout()
+        try:
+            if (left := self._deadline - time.monotonic()) <= 0:
+                raise TimeoutError
+            self._conn.settimeout(left)
+            got = self._conn.recv_into(buffer)
+        except TimeoutError:
+            raise ModelRefusal(408, "timeout_error", "the request did not arrive whole within "
+                               f"{self._deadline_s:g} s of its connection") from None
+        finally:
+            self._conn.settimeout(timeout)
+        if not got:
             raise ConnectionError("the client left before its request was whole")
-        data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    request = parse_model_request(head)
-    while len(body) < request.body_bytes:
-        chunk = conn.recv(min(MODEL_READ_BYTES, request.body_bytes - len(body)))
-        if not chunk:
-            raise ConnectionError("the client left before its body was whole")
-        body += chunk
-    return request, body[:request.body_bytes]
-
-
-def drain_refused(conn: socket.socket) -> None:
-    """After a refusal: what the client still sends (a body the refusal came before) is read
-    and dropped until it closes, within MAX_MODEL_BODY_BYTES and MODEL_CLIENT_TIMEOUT_S; a
-    close with its body unread would break the client's pipe before it read the refusal."""
-    conn.shutdown(socket.SHUT_WR)
-    deadline, drained = time.monotonic() + MODEL_CLIENT_TIMEOUT_S, 0
-    while drained <= MAX_MODEL_BODY_BYTES and (left := deadline - time.monotonic()) > 0:
-        conn.settimeout(left)
-        chunk = conn.recv(MODEL_READ_BYTES)
-        if not chunk:
-            return
-        drained += len(chunk)
+        return got
 
 
 def read_model_credential(path: Path) -> str:
@@ -5299,9 +5376,12 @@ class ModelProxy:
     """The host side: DIR/agent/model.sock of each claude-code session, forwarded to the one
     upstream with the credential (see the section's head)."""
 
-    def __init__(self, upstream: ModelUpstream, credential: str) -> None:
+    def __init__(self, upstream: ModelUpstream, credential: str,
+                 request_deadline_s: float = MODEL_REQUEST_DEADLINE_S) -> None:
         self.upstream = upstream
         self._credential = credential
+        self._request_deadline_s = request_deadline_s
+        self._bodies = ModelBodyRoom()
         self._tls = ssl.create_default_context(cafile=str(upstream.ca_file) if upstream.ca_file
                                                else None)
         if upstream.ca_file:  # the system's roots too: a CA file adds trust, never replaces it
@@ -5329,56 +5409,67 @@ class ModelProxy:
 
     def _serve(self, session_id: str, conn: socket.socket,
                slots: threading.BoundedSemaphore) -> None:
-        """One request: read (bounded in size and time), refused or forwarded. Connections
-        themselves are bounded by the session's relay (agent.MAX_RELAYED_CONNECTIONS)."""
-        admitted = slots.acquire(blocking=False)
+        """One request: its head, then a slot of the session's and room for its body (either
+        refused before a byte of the body is read), then its body, all within one deadline
+        (ModelRequestReader); refused or forwarded. A head still arriving holds neither: a
+        slot is held from a whole head to the answer's end. Connections themselves are
+        bounded by the session's relay (agent.MAX_RELAYED_CONNECTIONS)."""
+        admitted = False
         with conn:
             try:
                 conn.settimeout(MODEL_CLIENT_TIMEOUT_S)
+                reader = ModelRequestReader(conn, self._request_deadline_s)
                 try:
-                    request, body = read_model_request(conn)
-                    if not admitted:
+                    request = reader.head()
+                    if not (admitted := slots.acquire(blocking=False)):
                         raise ModelRefusal(429, "rate_limit_error", f"this session has "
                                            f"{MAX_MODEL_REQUESTS} model requests under way")
+                    with self._bodies.holding(session_id, request.body_bytes):  # until sent
+                        sent = self._send(session_id, conn, request, reader.body(request.body_bytes))
                 except ModelRefusal as e:
                     log(f"serve: session {session_id}: model request refused: {e.reason}")
                     conn.sendall(model_error_response(e.status, e.kind, e.reason))
                     if admitted:  # a refused request holds no slot while its client finishes
                         slots.release()
                         admitted = False
-                    drain_refused(conn)
+                    reader.drop_rest()
                     return
-                self._forward(session_id, conn, request, body)
+                if sent is not None:
+                    self._answer(conn, *sent)
             except OSError as e:
                 log(f"serve: session {session_id}: model request ended: {e}")
             finally:
                 if admitted:
                     slots.release()
 
-    def _forward(self, session_id: str, conn: socket.socket, request: ModelRequest,
-                 body: bytes) -> None:
-        """Sends the request upstream with the credential, and the answer back as it arrives
-        (redacted, capped, bounded in time), unless redaction cannot see its bytes
-        (coding_refusal) or it is a redirect: 502. Upstream failures are 502 and 504 in the
-        API's error shape; once the answer has begun, an SSE error event ends it."""
+    def _send(self, session_id: str, conn: socket.socket, request: ModelRequest,
+              body: bytearray) -> Optional[tuple[http.client.HTTPConnection, http.client.HTTPResponse]]:
+        """Sends the request upstream with the credential; the connection and the answer's
+        head, or None once an upstream failure was answered (502 and 504 in the API's error
+        shape). The body is the caller's to let go of as this returns."""
         upstream = self.upstream
         target = upstream.base_path + request.path + (f"?{request.query}" if request.query else "")
         header_name = MODEL_AUTH_HEADERS[upstream.auth]
         value = self._credential if upstream.auth == "x-api-key" else f"Bearer {self._credential}"
         headers = dict(request.headers)
         headers[header_name] = value
-        deadline = time.monotonic() + MODEL_RESPONSE_TIMEOUT_S
         try:
-            client, response = self._exchange(target, body, headers)
+            return self._exchange(target, body, headers)
         except TimeoutError:
             conn.sendall(model_error_response(504, "timeout_error", "the model upstream did "
                                               "not answer in time"))
-            return
         except (OSError, http.client.HTTPException) as e:
             log(f"serve: session {session_id}: model upstream: {e}")
             conn.sendall(model_error_response(502, "api_error", "the model upstream cannot "
                                               f"be reached: {type(e).__name__}"))
-            return
+        return None
+
+    def _answer(self, conn: socket.socket, client: http.client.HTTPConnection,
+                response: http.client.HTTPResponse) -> None:
+        """The answer back as it arrives (redacted, capped, bounded in time), unless redaction
+        cannot see its bytes (coding_refusal) or it is a redirect: 502. Once the answer has
+        begun, an SSE error event ends it."""
+        deadline = time.monotonic() + MODEL_RESPONSE_TIMEOUT_S
         read_to_end = False
         try:
             if 300 <= response.status < 400:
@@ -5403,7 +5494,7 @@ class ModelProxy:
             else:
                 client.close()
 
-    def _exchange(self, target: str, body: bytes, headers: dict[str, str]
+    def _exchange(self, target: str, body: bytearray, headers: dict[str, str]
                   ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
         """The request sent and its answer's head read, on an idle pooled connection if one
         is open, else on a new one (retries_on_fresh: once more on a new one)."""

@@ -5,6 +5,7 @@ socket like a session's DIR/agent/model.sock, forwarded over TLS to a fake Messa
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import gzip
 import http.client
@@ -136,6 +137,27 @@ def test_a_credential_file_open_to_others_is_refused_like_the_token_file(tmp_pat
     assert CREDENTIAL not in str(refused.value)
     credential.chmod(0o600)
     assert rs.read_model_credential(credential) == CREDENTIAL
+
+
+# -- what the proxy holds: request bodies, by their Content-Length ------------------------------
+
+
+def test_room_for_bodies_is_bounded_per_session_and_in_all_and_given_back() -> None:
+    room = rs.ModelBodyRoom(session_bytes=100, total_bytes=150)
+    with room.holding("s1", 60), room.holding("s1", 40):
+        with pytest.raises(rs.ModelRefusal) as refused:
+            with room.holding("s1", 1):
+                pass
+        assert refused.value.status == 429
+        with room.holding("s2", 50):
+            with pytest.raises(rs.ModelRefusal) as refused:
+                with room.holding("s3", 1):
+                    pass
+            assert refused.value.status == 503
+        with room.holding("s3", 50):  # s2's was given back
+            pass
+    with room.holding("s1", 100), room.holding("s2", 50):  # all of it, once more
+        pass
 
 
 # -- what the upstream's answer may be framed in: only what redaction sees through -----------
@@ -394,10 +416,11 @@ def upstream(tmp_path: Path) -> Iterator[FakeMessagesApi]:
         yield api
 
 
-def make_proxy(tmp_path: Path, url: str, ca: Path | None, auth: str = "x-api-key") -> tuple[rs.ModelProxy, Path]:
+def make_proxy(tmp_path: Path, url: str, ca: Path | None, auth: str = "x-api-key",
+               request_deadline_s: float = rs.MODEL_REQUEST_DEADLINE_S) -> tuple[rs.ModelProxy, Path]:
     agent_dir = tmp_path / "agent"
     agent_dir.mkdir(mode=0o700, exist_ok=True)
-    proxy = rs.ModelProxy(rs.parse_model_upstream(url, ca, auth), CREDENTIAL)
+    proxy = rs.ModelProxy(rs.parse_model_upstream(url, ca, auth), CREDENTIAL, request_deadline_s)
     proxy.listen("s1", agent_dir)
     return proxy, agent_dir / agent.MODEL_SOCKET_NAME
 
@@ -639,8 +662,154 @@ def test_a_request_the_upstream_drops_on_a_pooled_connection_is_sent_once_more_o
     assert upstream.connections == 2 and len(upstream.requests) == 3  # the dropped one, then its retry
 
 
-
 # -- what a hostile workload or upstream can make the proxy do (issue 42) ------------------
+
+
+def unix_client(path: Path, timeout_s: float = 60) -> socket.socket:
+    client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    client.settimeout(timeout_s)
+    client.connect(str(path))
+    return client
+
+
+def messages_head(body_bytes: int) -> bytes:
+    return b"POST /v1/messages HTTP/1.1\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % body_bytes
+
+
+def status_of(client: socket.socket) -> int:
+    """The status of the answer on client's connection (its first line)."""
+    return int(client.makefile("rb").readline().split()[1])
+
+
+@pytest.mark.parametrize("whole_head", [False, True])
+def test_a_request_trickled_past_the_deadline_is_408_and_gives_its_slot_back(
+        tmp_path: Path, upstream: FakeMessagesApi, whole_head: bool) -> None:
+    """Each byte comes long before the deadline, the whole request never does: the deadline is
+    the whole request's (head, or body after a whole head), not each read's. The client waits
+    for an answer a quarter second after each byte it sends; then the next request gets a slot."""
+    upstream.plan = sized_answer("after")
+    proxy, sock = make_proxy(tmp_path, upstream.url, upstream.ca, request_deadline_s=1.0)
+    trickle = iter((messages_head(1000) if whole_head else b"POST /v1/messages HTTP/1.1\r\nx-pad: ")
+                   + b"x" * 1000)
+    try:
+        with unix_client(sock, timeout_s=0.25) as client:
+            answer = b""
+            for byte in trickle:  # 250 s of trickle: far past the per-read bound of old
+                with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # answered since
+                    client.sendall(bytes([byte]))
+                with contextlib.suppress(TimeoutError):
+                    answer = client.recv(4096)
+                if answer:
+                    break
+        assert answer.startswith(b"HTTP/1.1 408 ") and b"did not arrive whole within 1 s" in answer
+        for _ in range(rs.MAX_MODEL_REQUESTS + 1):  # every slot is free
+            assert text_delta("after") in ask(sock).read()
+    finally:
+        proxy.close()
+    assert len(upstream.requests) == rs.MAX_MODEL_REQUESTS + 1
+
+
+def test_heads_still_arriving_hold_no_slot(tmp_path: Path, upstream: FakeMessagesApi) -> None:
+    """Twice as many connections as a session has slots, each with half a head sent: a whole
+    request still goes through at once, not 429."""
+    upstream.plan = sized_answer("through")
+    proxy, sock = make_proxy(tmp_path, upstream.url, upstream.ca)
+    partial = [unix_client(sock) for _ in range(2 * rs.MAX_MODEL_REQUESTS)]
+    try:
+        for client in partial:
+            client.sendall(b"POST /v1/messages HTTP/1.1\r\n")
+        response = ask(sock)
+        assert response.status == 200 and text_delta("through") in response.read()
+    finally:
+        for client in partial:
+            client.close()
+        proxy.close()
+
+
+def test_a_request_past_the_sessions_bound_is_refused_before_its_body_is_sent(
+        tmp_path: Path, upstream: FakeMessagesApi) -> None:
+    """Every slot taken by an answer under way: one more request gets its 429 for its head alone,
+    its 32 MiB body never sent (the proxy waited for it whole before)."""
+    release = threading.Event()
+    upstream.plan = held_answer("a", "b", release, threading.Event())
+    proxy, sock = make_proxy(tmp_path, upstream.url, upstream.ca)
+    try:
+        held = [ask(sock) for _ in range(rs.MAX_MODEL_REQUESTS)]
+        with unix_client(sock, timeout_s=20) as client:
+            client.sendall(messages_head(rs.MAX_MODEL_BODY_BYTES))
+            assert status_of(client) == 429
+        release.set()
+        assert all(text_delta("b") in response.read() for response in held)
+    finally:
+        release.set()
+        proxy.close()
+
+
+def test_bodies_past_the_sessions_room_are_refused_unread(tmp_path: Path, upstream: FakeMessagesApi) -> None:
+    """Heads of the largest body, one more than the session's room holds, none of their bodies
+    sent: the one past the room is 429 at once, the others wait for their bodies until the
+    deadline (408)."""
+    proxy, sock = make_proxy(tmp_path, upstream.url, upstream.ca, request_deadline_s=3.0)
+    fitting = rs.MAX_MODEL_SESSION_BODIES_BYTES // rs.MAX_MODEL_BODY_BYTES
+    assert fitting + 1 <= rs.MAX_MODEL_REQUESTS  # the room, not the slots, refuses
+    clients = [unix_client(sock) for _ in range(fitting + 1)]
+    try:
+        for client in clients:
+            client.sendall(messages_head(rs.MAX_MODEL_BODY_BYTES))
+        statuses = sorted(status_of(client) for client in clients)
+    finally:
+        for client in clients:
+            client.close()
+        proxy.close()
+    assert statuses == [408] * fitting + [429]
+    assert upstream.requests == []
+
+
+def test_sixteen_largest_bodies_at_once_grow_the_proxy_by_its_room_only(
+        tmp_path: Path, upstream: FakeMessagesApi) -> None:
+    """As many connections as a session's relay lets through, each sending the largest body while
+    the answers are held: the proxy (in a process of its own, as serve) holds at most the
+    session's room of bodies at once, every request is answered (200, or 429 before its body),
+    and its peak resident size grows by about that room (it grew by every body, and copies of
+    them, before)."""
+    release = threading.Event()
+    upstream.plan = held_answer("a", "b", release, threading.Event())
+    proxy = subprocess.Popen([sys.executable, str(ROOT / "tests/model_proxy_process.py"), str(tmp_path),
+                              upstream.url, str(upstream.ca)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    assert proxy.stdin is not None and proxy.stdout is not None
+
+    def peak_rss() -> int:
+        proxy.stdin.write("?\n")
+        proxy.stdin.flush()
+        return int(proxy.stdout.readline())
+
+    body = b"{" + b" " * (rs.MAX_MODEL_BODY_BYTES - 2) + b"}"
+    statuses: list[int] = []
+
+    def post() -> None:
+        with unix_client(tmp_path / "agent" / agent.MODEL_SOCKET_NAME, timeout_s=120) as client:
+            client.sendall(messages_head(len(body)))
+            client.sendall(body)
+            statuses.append(status_of(client))
+    try:
+        proxy.stdin.write(CREDENTIAL + "\n")
+        proxy.stdin.flush()
+        assert proxy.stdout.readline() == "ready\n"
+        before = peak_rss()
+        posts = [threading.Thread(target=post) for _ in range(agent.MAX_RELAYED_CONNECTIONS)]
+        for thread in posts:
+            thread.start()
+        for thread in posts:
+            thread.join(300)
+        grown = peak_rss() - before
+    finally:
+        release.set()
+        proxy.stdin.close()
+        proxy.wait(30)
+    assert len(statuses) == agent.MAX_RELAYED_CONNECTIONS and set(statuses) <= {200, 429}
+    assert 1 <= statuses.count(200) <= rs.MAX_MODEL_REQUESTS
+    assert grown <= rs.MAX_MODEL_SESSION_BODIES_BYTES + 32 * 1024 * 1024, grown
 
 
 @pytest.mark.parametrize("framing", [
