@@ -486,20 +486,20 @@ def test_a_bearer_gateway_gets_the_credential_as_authorization(tmp_path: Path, u
 def test_a_credential_split_across_two_upstream_reads_is_redacted(tmp_path: Path, upstream: FakeMessagesApi) -> None:
     second = threading.Event()
     half = len(CREDENTIAL) // 2
-    upstream.plan = pieces_answer([(b"data: token=" + CREDENTIAL[:half].encode(), None),
+    upstream.plan = pieces_answer([(b"data: start\n\ndata: token=" + CREDENTIAL[:half].encode(), None),
                                    (CREDENTIAL[half:].encode() + b" end\n\n", second)])
     proxy, sock = make_proxy(tmp_path, upstream.url, upstream.ca)
     try:
         response = ask(sock)
         seen = b""
-        while b"token=" not in seen:  # forwarded while the half credential is held back
+        while b"start" not in seen:  # the whole event before, while the half credential is held back
             seen += response.read1(65536)
         second.set()
         seen += response.read()
     finally:
         second.set()
         proxy.close()
-    assert seen == b"data: token=[REDACTED] end\n\n"
+    assert seen == b"data: start\n\ndata: token=[REDACTED] end\n\n"
 
 
 def test_a_chunked_answer_streams_chunk_by_chunk_and_keeps_its_connection(
