@@ -4737,8 +4737,16 @@ MODEL_AUTH_HEADERS = {"x-api-key": "x-api-key", "bearer": "authorization"}  #: -
 MAX_MODEL_HEAD_BYTES = 64 * 1024  #: the request line and headers from the sandbox
 MAX_MODEL_BODY_BYTES = 32 * 1024 * 1024  #: one request body (a long conversation)
 MAX_MODEL_RESPONSE_BYTES = 64 * 1024 * 1024  #: raw upstream body bytes of one response
-MAX_MODEL_REQUESTS = 4  #: in flight per session; one more is answered 429
-MODEL_CLIENT_TIMEOUT_S = 30.0  #: the sandbox sends its whole request within this
+MAX_MODEL_REQUESTS = 4  #: in flight per session, from a whole head on; one more is answered 429
+#: The request bodies the proxy holds at once, by their Content-Length, taken before a byte of
+#: a body is read and given back once it has gone upstream (ModelBodyRoom): a session's (429
+#: past it), and all sessions' (503 past it). Two of the largest bodies a session, eight serve.
+MAX_MODEL_SESSION_BODIES_BYTES = 2 * MAX_MODEL_BODY_BYTES
+MAX_MODEL_BODIES_BYTES = 8 * MAX_MODEL_BODY_BYTES
+#: The whole request, head and body, arrives within this of its connection, else 408: a
+#: request trickled a byte at a time gets no new bound per read.
+MODEL_REQUEST_DEADLINE_S = 30.0
+MODEL_CLIENT_TIMEOUT_S = 30.0  #: the client takes what the proxy sends it within this
 MODEL_CONNECT_TIMEOUT_S = 15.0  #: to the upstream, TLS included
 MODEL_IDLE_TIMEOUT_S = 300.0  #: the upstream's silence between two reads
 MODEL_RESPONSE_TIMEOUT_S = 1800.0  #: one whole response
@@ -4764,11 +4772,12 @@ MODEL_CLI_ENVIRONMENT = {"ANTHROPIC_BASE_URL": f"http://127.0.0.1:{MODEL_RELAY_P
                          "ANTHROPIC_AUTH_TOKEN": MODEL_PLACEHOLDER,
                          "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
                          "CLAUDE_CODE_MAX_RETRIES": "2"}
-#: Never forwarded upstream: every credential the sandbox sends, and hop-by-hop framing.
-_MODEL_DROPPED_REQUEST = frozenset({
-    "authorization", "x-api-key", "proxy-authorization", "cookie", "host", "connection",
-    "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade",
-    "content-length", "accept-encoding", "expect"})
+#: The sandbox's request headers forwarded upstream, by name and by prefix: what the Messages
+#: API reads. Every other one is dropped (an allow-list: credentials, hop-by-hop framing,
+#: X-Forwarded-*, Forwarded, X-Original-URL, names no list of ours foresaw); the proxy sets
+#: Host, Content-Length, the credential and Accept-Encoding: identity (http.client's own).
+_MODEL_FORWARDED_REQUEST = frozenset({"content-type", "accept", "user-agent"})
+_MODEL_FORWARDED_REQUEST_PREFIXES = ("anthropic-",)
 #: The upstream's headers the CLI gets (redacted); the proxy frames the body itself.
 _MODEL_KEPT_RESPONSE = frozenset({"content-type", "request-id", "x-request-id", "retry-after",
                                   "x-should-retry"})
@@ -4826,7 +4835,7 @@ def parse_model_upstream(url: str, ca_file: Optional[Path], auth: str) -> ModelU
 def parse_model_request(head: bytes, body_limit: int = MAX_MODEL_BODY_BYTES) -> ModelRequest:
     """The request line and headers (CRLF CRLF excluded) -> what is forwarded, or ModelRefusal.
     Only POST to the Messages API's own paths, in origin form (no absolute URI, no CONNECT),
-    with a Content-Length body; credentials and framing the sandbox sent are dropped."""
+    with a Content-Length body; of its headers only those _MODEL_FORWARDED_REQUEST allows."""
     try:
         text = head.decode("ascii")
     except UnicodeDecodeError:
@@ -4858,7 +4867,7 @@ def parse_model_request(head: bytes, body_limit: int = MAX_MODEL_BODY_BYTES) -> 
             if length is not None or not value.isdigit():
                 raise ModelRefusal(400, "invalid_request_error", "one decimal Content-Length")
             length = int(value)
-        elif lowered not in _MODEL_DROPPED_REQUEST:
+        elif lowered in _MODEL_FORWARDED_REQUEST or lowered.startswith(_MODEL_FORWARDED_REQUEST_PREFIXES):
             headers.append((name, value))
     if length is None:
         raise ModelRefusal(411, "invalid_request_error", "a body needs Content-Length")
@@ -4888,6 +4897,57 @@ def kept_response_headers(headers: Iterable[tuple[str, str]]) -> list[tuple[str,
     return [(name, value) for name, value in headers
             if name.lower() in _MODEL_KEPT_RESPONSE
             or name.lower().startswith(_MODEL_KEPT_RESPONSE_PREFIXES)]
+
+
+def coding_refusal(headers: Iterable[tuple[str, str]]) -> Optional[str]:
+    """Why an upstream answer cannot be forwarded redacted, None if it can. The redaction finds
+    the credential in the body's bytes as they arrive, so those bytes must be the body itself:
+    a Transfer-Encoding of none or exactly `chunked` (which http.client takes off, comparing
+    the same way), a Content-Encoding of none or identity. A coded body (gzip, a list such as
+    `gzip, chunked` that http.client leaves on) would carry an echoed credential through unseen."""
+    transfer = [value.lower() for name, value in headers if name.lower() == "transfer-encoding"]
+    if transfer not in ([], ["chunked"]):
+        return "the model upstream framed its answer other than as chunked, which cannot be redacted"
+    if any(coding.strip().lower() != "identity" for name, value in headers
+           if name.lower() == "content-encoding" for coding in value.split(",")):
+        return "the model upstream sent an encoded body, which cannot be redacted"
+    return None
+
+
+class ModelBodyRoom:
+    """Room for request bodies in bytes of their Content-Length: each session's within
+    session_bytes, all sessions' within total_bytes. Taken once a request's head is whole,
+    before a byte of its body is read, so a body that does not fit is refused unread
+    (ModelRefusal: 429 past the session's bound, 503 past serve's); given back once the body
+    has gone upstream. It bounds what the proxy buffers, not what it lets through."""
+
+    def __init__(self, session_bytes: int = MAX_MODEL_SESSION_BODIES_BYTES,
+                 total_bytes: int = MAX_MODEL_BODIES_BYTES) -> None:
+        self._session_bytes, self._total_bytes = session_bytes, total_bytes
+        self._held: dict[str, int] = {}  # by session, only while some is
+        self._total = 0
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def holding(self, session_id: str, size: int) -> Iterator[None]:
+        with self._lock:
+            held = self._held.get(session_id, 0)
+            if held + size > self._session_bytes:
+                raise ModelRefusal(429, "rate_limit_error", f"this session's model requests "
+                                   f"under way hold {held} bytes of body; {size} more is over "
+                                   f"its {self._session_bytes}")
+            if self._total + size > self._total_bytes:
+                raise ModelRefusal(503, "overloaded_error", f"the proxy holds {self._total} "
+                                   f"bytes of model request bodies; {size} more is over its "
+                                   f"{self._total_bytes}")
+            self._held[session_id], self._total = held + size, self._total + size
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._total -= size
+                if left := self._held.pop(session_id) - size:
+                    self._held[session_id] = left
 
 
 class BytesRedactor:
@@ -5072,9 +5132,13 @@ class BatchedTLSSocket:
         self._incoming.write(memoryview(self._arrived)[:got])
         return True
 
-    def sendall(self, data: bytes) -> None:
-        self._tls.write(data)  # into the memory BIO: whole, at once
-        self._send_pending()
+    def sendall(self, data: bytes | bytearray | memoryview) -> None:
+        """A batch at a time into the memory BIO, each sent before the next: a 32 MiB request
+        body is never held a second time, encrypted whole."""
+        with memoryview(data) as view:
+            for start in range(0, len(view), MODEL_BATCH_BYTES):
+                self._tls.write(view[start:start + MODEL_BATCH_BYTES])
+                self._send_pending()
 
     def recv_into(self, buffer: Any, nbytes: int = 0) -> int:
         """What has arrived, decrypted, up to the buffer's size; waits only while none has.
@@ -5194,39 +5258,68 @@ def send_pieces(conn: socket.socket, pieces: Iterable[bytes | memoryview]) -> No
             conn.settimeout(timeout)
 
 
-def read_model_request(conn: socket.socket) -> tuple[ModelRequest, bytes]:
-    """The head and body from the relay, bounded in size (ModelRefusal) and time (OSError)."""
-    data = b""
-    while b"\r\n\r\n" not in data:
-        if len(data) > MAX_MODEL_HEAD_BYTES:
-            raise ModelRefusal(431, "invalid_request_error",
-                               f"the request head is over {MAX_MODEL_HEAD_BYTES} bytes")
-        chunk = conn.recv(MODEL_READ_BYTES)
-        if not chunk:
+class ModelRequestReader:
+    """One request from the relay as it arrives, its head and then its body, all of it within
+    one deadline from the connection (ModelRefusal 408 past it): a request trickled a byte at a
+    time gets no new bound per read. The body is read into one buffer of its Content-Length,
+    taken in full only once a head asked for it (ModelProxy._serve): linear, no growing copy."""
+
+    def __init__(self, conn: socket.socket, deadline_s: float) -> None:
+        self._conn, self._deadline_s = conn, deadline_s
+        self._deadline = time.monotonic() + deadline_s
+        self._early = b""  # what came with the head past its end: the body's start
+
+    def head(self) -> ModelRequest:
+        """The request line and headers, bounded in size (431) and parsed (parse_model_request)."""
+        data, scratch, end = bytearray(), bytearray(MODEL_READ_BYTES), -1
+        while end < 0:
+            searched = max(len(data) - 3, 0)  # a CRLF CRLF across two reads is found too
+            data += memoryview(scratch)[:self._receive_into(scratch)]
+            end = data.find(b"\r\n\r\n", searched)
+            if (end if end >= 0 else len(data)) > MAX_MODEL_HEAD_BYTES:
+                raise ModelRefusal(431, "invalid_request_error",
+                                   f"the request head is over {MAX_MODEL_HEAD_BYTES} bytes")
+        self._early = bytes(data[end + 4:])
+        return parse_model_request(bytes(data[:end]))
+
+    def body(self, length: int) -> bytearray:
+        """The body of a head that said `length` (anything past it is never read)."""
+        body = bytearray(length)
+        with memoryview(body) as view:
+            filled = min(len(self._early), length)
+            view[:filled] = self._early[:filled]
+            while filled < length:
+                filled += self._receive_into(view[filled:])
+        return body
+
+    def drop_rest(self) -> None:
+        """After a refusal: what the client still sends (a body the refusal came before) is
+        read and dropped until it closes, within MAX_MODEL_BODY_BYTES and what is left of the
+        deadline; a close with its body unread would break the client's pipe before it read
+        the refusal."""
+        self._conn.shutdown(socket.SHUT_WR)
+        scratch, drained = bytearray(MODEL_READ_BYTES), 0
+        with contextlib.suppress(ModelRefusal, ConnectionError):  # the deadline, the close
+            while drained <= MAX_MODEL_BODY_BYTES:
+                drained += self._receive_into(scratch)
+
+    def _receive_into(self, buffer: bytearray | memoryview) -> int:
+        """One read, waiting at most what is left of the deadline; ConnectionError at the
+        client's end. The socket's own timeout is left as it was (the answer's)."""
+        timeout = self._conn.gettimeout()
+        try:
+            if (left := self._deadline - time.monotonic()) <= 0:
+                raise TimeoutError
+            self._conn.settimeout(left)
+            got = self._conn.recv_into(buffer)
+        except TimeoutError:
+            raise ModelRefusal(408, "timeout_error", "the request did not arrive whole within "
+                               f"{self._deadline_s:g} s of its connection") from None
+        finally:
+            self._conn.settimeout(timeout)
+        if not got:
             raise ConnectionError("the client left before its request was whole")
-        data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    request = parse_model_request(head)
-    while len(body) < request.body_bytes:
-        chunk = conn.recv(min(MODEL_READ_BYTES, request.body_bytes - len(body)))
-        if not chunk:
-            raise ConnectionError("the client left before its body was whole")
-        body += chunk
-    return request, body[:request.body_bytes]
-
-
-def drain_refused(conn: socket.socket) -> None:
-    """After a refusal: what the client still sends (a body the refusal came before) is read
-    and dropped until it closes, within MAX_MODEL_BODY_BYTES and MODEL_CLIENT_TIMEOUT_S; a
-    close with its body unread would break the client's pipe before it read the refusal."""
-    conn.shutdown(socket.SHUT_WR)
-    deadline, drained = time.monotonic() + MODEL_CLIENT_TIMEOUT_S, 0
-    while drained <= MAX_MODEL_BODY_BYTES and (left := deadline - time.monotonic()) > 0:
-        conn.settimeout(left)
-        chunk = conn.recv(MODEL_READ_BYTES)
-        if not chunk:
-            return
-        drained += len(chunk)
+        return got
 
 
 def read_model_credential(path: Path) -> str:
@@ -5305,9 +5398,12 @@ class ModelProxy:
     """The host side: DIR/agent/model.sock of each claude-code session, forwarded to the one
     upstream with the credential (see the section's head)."""
 
-    def __init__(self, upstream: ModelUpstream, credential: str) -> None:
+    def __init__(self, upstream: ModelUpstream, credential: str,
+                 request_deadline_s: float = MODEL_REQUEST_DEADLINE_S) -> None:
         self.upstream = upstream
         self._credential = credential
+        self._request_deadline_s = request_deadline_s
+        self._bodies = ModelBodyRoom()
         self._tls = ssl.create_default_context(cafile=str(upstream.ca_file) if upstream.ca_file
                                                else None)
         if upstream.ca_file:  # the system's roots too: a CA file adds trust, never replaces it
@@ -5335,64 +5431,75 @@ class ModelProxy:
 
     def _serve(self, session_id: str, conn: socket.socket,
                slots: threading.BoundedSemaphore) -> None:
-        """One request: read (bounded in size and time), refused or forwarded. Connections
-        themselves are bounded by the session's relay (agent.MAX_RELAYED_CONNECTIONS)."""
-        admitted = slots.acquire(blocking=False)
+        """One request: its head, then a slot of the session's and room for its body (either
+        refused before a byte of the body is read), then its body, all within one deadline
+        (ModelRequestReader); refused or forwarded. A head still arriving holds neither: a
+        slot is held from a whole head to the answer's end. Connections themselves are
+        bounded by the session's relay (agent.MAX_RELAYED_CONNECTIONS)."""
+        admitted = False
         with conn:
             try:
                 conn.settimeout(MODEL_CLIENT_TIMEOUT_S)
+                reader = ModelRequestReader(conn, self._request_deadline_s)
                 try:
-                    request, body = read_model_request(conn)
-                    if not admitted:
+                    request = reader.head()
+                    if not (admitted := slots.acquire(blocking=False)):
                         raise ModelRefusal(429, "rate_limit_error", f"this session has "
                                            f"{MAX_MODEL_REQUESTS} model requests under way")
+                    with self._bodies.holding(session_id, request.body_bytes):  # until sent
+                        sent = self._send(session_id, conn, request, reader.body(request.body_bytes))
                 except ModelRefusal as e:
                     log(f"serve: session {session_id}: model request refused: {e.reason}")
                     conn.sendall(model_error_response(e.status, e.kind, e.reason))
                     if admitted:  # a refused request holds no slot while its client finishes
                         slots.release()
                         admitted = False
-                    drain_refused(conn)
+                    reader.drop_rest()
                     return
-                self._forward(session_id, conn, request, body)
+                if sent is not None:
+                    self._answer(conn, *sent)
             except OSError as e:
                 log(f"serve: session {session_id}: model request ended: {e}")
             finally:
                 if admitted:
                     slots.release()
 
-    def _forward(self, session_id: str, conn: socket.socket, request: ModelRequest,
-                 body: bytes) -> None:
-        """Sends the request upstream with the credential, and the answer back as it arrives
-        (redacted, capped, bounded in time). Upstream failures are 502 and 504 in the API's
-        error shape; once the answer has begun, an SSE error event ends it."""
+    def _send(self, session_id: str, conn: socket.socket, request: ModelRequest,
+              body: bytearray) -> Optional[tuple[http.client.HTTPConnection, http.client.HTTPResponse]]:
+        """Sends the request upstream with the credential; the connection and the answer's
+        head, or None once an upstream failure was answered (502 and 504 in the API's error
+        shape). The body is the caller's to let go of as this returns."""
         upstream = self.upstream
         target = upstream.base_path + request.path + (f"?{request.query}" if request.query else "")
         header_name = MODEL_AUTH_HEADERS[upstream.auth]
         value = self._credential if upstream.auth == "x-api-key" else f"Bearer {self._credential}"
         headers = dict(request.headers)
         headers[header_name] = value
-        deadline = time.monotonic() + MODEL_RESPONSE_TIMEOUT_S
         try:
-            client, response = self._exchange(target, body, headers)
+            return self._exchange(target, body, headers)
         except TimeoutError:
             conn.sendall(model_error_response(504, "timeout_error", "the model upstream did "
                                               "not answer in time"))
-            return
         except (OSError, http.client.HTTPException) as e:
             log(f"serve: session {session_id}: model upstream: {e}")
             conn.sendall(model_error_response(502, "api_error", "the model upstream cannot "
                                               f"be reached: {type(e).__name__}"))
-            return
+        return None
+
+    def _answer(self, conn: socket.socket, client: http.client.HTTPConnection,
+                response: http.client.HTTPResponse) -> None:
+        """The answer back as it arrives (redacted, capped, bounded in time), unless redaction
+        cannot see its bytes (coding_refusal) or it is a redirect: 502. Once the answer has
+        begun, an SSE error event ends it."""
+        deadline = time.monotonic() + MODEL_RESPONSE_TIMEOUT_S
         read_to_end = False
         try:
             if 300 <= response.status < 400:
                 conn.sendall(model_error_response(502, "api_error", "the model upstream answered "
                                                   "a redirect; the proxy follows none"))
                 return
-            if response.getheader("content-encoding", "identity").lower() != "identity":
-                conn.sendall(model_error_response(502, "api_error", "the model upstream sent an "
-                                                  "encoded body, which cannot be redacted"))
+            if (refusal := coding_refusal(response.getheaders())) is not None:
+                conn.sendall(model_error_response(502, "api_error", refusal))
                 return
             redactor = BytesRedactor(self._credential)
             head = [f"HTTP/1.1 {response.status} {response.reason}"]
@@ -5409,7 +5516,7 @@ class ModelProxy:
             else:
                 client.close()
 
-    def _exchange(self, target: str, body: bytes, headers: dict[str, str]
+    def _exchange(self, target: str, body: bytearray, headers: dict[str, str]
                   ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
         """The request sent and its answer's head read, on an idle pooled connection if one
         is open, else on a new one (retries_on_fresh: once more on a new one)."""

@@ -5,8 +5,11 @@ socket like a session's DIR/agent/model.sock, forwarded over TLS to a fake Messa
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
+import gzip
 import http.client
+import http.server
 import itertools
 import json
 import select
@@ -80,6 +83,21 @@ def test_bodies_need_one_bounded_content_length(headers: tuple[str, ...], status
     assert refused.value.status == status
 
 
+def test_only_the_headers_the_messages_api_reads_are_forwarded() -> None:
+    """An allow-list: headers that would tell a gateway where a request came from or what it
+    was for (X-Forwarded-*, Forwarded, X-Original-URL) are dropped, as is any name it does not
+    foresee; the API's own (content type, accept, user agent, anthropic-*) go through."""
+    request = rs.parse_model_request(head(
+        "POST /v1/messages HTTP/1.1", "Content-Type: application/json", "Accept: application/json",
+        "User-Agent: claude-cli/2", "anthropic-version: 2023-06-01", "Anthropic-Beta: a,b",
+        "X-Forwarded-For: 10.0.0.1", "X-Forwarded-Host: admin.internal", "Forwarded: for=10.0.0.1",
+        "X-Original-URL: /admin", "X-Rewrite-URL: /admin", "X-Stainless-OS: Linux", "Via: 1.1 x",
+        "Content-Length: 2"))
+    assert request.headers == (("Content-Type", "application/json"), ("Accept", "application/json"),
+                               ("User-Agent", "claude-cli/2"), ("anthropic-version", "2023-06-01"),
+                               ("Anthropic-Beta", "a,b"))
+
+
 def test_a_head_that_is_not_ascii_is_refused() -> None:
     with pytest.raises(rs.ModelRefusal):
         rs.parse_model_request("POST /v1/messages HTTP/1.1\r\nx: é\r\nContent-Length: 1".encode())
@@ -119,6 +137,47 @@ def test_a_credential_file_open_to_others_is_refused_like_the_token_file(tmp_pat
     assert CREDENTIAL not in str(refused.value)
     credential.chmod(0o600)
     assert rs.read_model_credential(credential) == CREDENTIAL
+
+
+# -- what the proxy holds: request bodies, by their Content-Length ------------------------------
+
+
+def test_room_for_bodies_is_bounded_per_session_and_in_all_and_given_back() -> None:
+    room = rs.ModelBodyRoom(session_bytes=100, total_bytes=150)
+    with room.holding("s1", 60), room.holding("s1", 40):
+        with pytest.raises(rs.ModelRefusal) as refused:
+            with room.holding("s1", 1):
+                pass
+        assert refused.value.status == 429
+        with room.holding("s2", 50):
+            with pytest.raises(rs.ModelRefusal) as refused:
+                with room.holding("s3", 1):
+                    pass
+            assert refused.value.status == 503
+        with room.holding("s3", 50):  # s2's was given back
+            pass
+    with room.holding("s1", 100), room.holding("s2", 50):  # all of it, once more
+        pass
+
+
+# -- what the upstream's answer may be framed in: only what redaction sees through -----------
+
+
+@pytest.mark.parametrize(("headers", "refused"), [
+    ((), False),
+    ((("Transfer-Encoding", "chunked"),), False),
+    ((("transfer-encoding", "Chunked"), ("Content-Encoding", "identity")), False),
+    ((("Transfer-Encoding", "gzip, chunked"),), True),
+    ((("Transfer-Encoding", "chunked"), ("Transfer-Encoding", "gzip")), True),
+    ((("Transfer-Encoding", "chunked "),), True),  # http.client would not take it off
+    ((("Transfer-Encoding", "identity"),), True),
+    ((("Content-Encoding", "gzip"),), True),
+    ((("Content-Encoding", "identity, br"),), True),
+    ((("Content-Encoding", ""),), True),
+])
+def test_an_answer_is_forwarded_only_in_framing_and_coding_redaction_sees_through(
+        headers: tuple[tuple[str, str], ...], refused: bool) -> None:
+    assert (rs.coding_refusal(headers) is not None) is refused
 
 
 # -- the redactor (agent.Redactor's rule, over bytes) -----------------------------------------
@@ -357,10 +416,11 @@ def upstream(tmp_path: Path) -> Iterator[FakeMessagesApi]:
         yield api
 
 
-def make_proxy(tmp_path: Path, url: str, ca: Path | None, auth: str = "x-api-key") -> tuple[rs.ModelProxy, Path]:
+def make_proxy(tmp_path: Path, url: str, ca: Path | None, auth: str = "x-api-key",
+               request_deadline_s: float = rs.MODEL_REQUEST_DEADLINE_S) -> tuple[rs.ModelProxy, Path]:
     agent_dir = tmp_path / "agent"
     agent_dir.mkdir(mode=0o700, exist_ok=True)
-    proxy = rs.ModelProxy(rs.parse_model_upstream(url, ca, auth), CREDENTIAL)
+    proxy = rs.ModelProxy(rs.parse_model_upstream(url, ca, auth), CREDENTIAL, request_deadline_s)
     proxy.listen("s1", agent_dir)
     return proxy, agent_dir / agent.MODEL_SOCKET_NAME
 
@@ -426,20 +486,20 @@ def test_a_bearer_gateway_gets_the_credential_as_authorization(tmp_path: Path, u
 def test_a_credential_split_across_two_upstream_reads_is_redacted(tmp_path: Path, upstream: FakeMessagesApi) -> None:
     second = threading.Event()
     half = len(CREDENTIAL) // 2
-    upstream.plan = pieces_answer([(b"data: token=" + CREDENTIAL[:half].encode(), None),
+    upstream.plan = pieces_answer([(b"data: start\n\ndata: token=" + CREDENTIAL[:half].encode(), None),
                                    (CREDENTIAL[half:].encode() + b" end\n\n", second)])
     proxy, sock = make_proxy(tmp_path, upstream.url, upstream.ca)
     try:
         response = ask(sock)
         seen = b""
-        while b"token=" not in seen:  # forwarded while the half credential is held back
+        while b"start" not in seen:  # the whole event before, while the half credential is held back
             seen += response.read1(65536)
         second.set()
         seen += response.read()
     finally:
         second.set()
         proxy.close()
-    assert seen == b"data: token=[REDACTED] end\n\n"
+    assert seen == b"data: start\n\ndata: token=[REDACTED] end\n\n"
 
 
 def test_a_chunked_answer_streams_chunk_by_chunk_and_keeps_its_connection(
@@ -600,3 +660,203 @@ def test_a_request_the_upstream_drops_on_a_pooled_connection_is_sent_once_more_o
     finally:
         proxy.close()
     assert upstream.connections == 2 and len(upstream.requests) == 3  # the dropped one, then its retry
+
+
+# -- what a hostile workload or upstream can make the proxy do (issue 42) ------------------
+
+
+def unix_client(path: Path, timeout_s: float = 60) -> socket.socket:
+    client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    client.settimeout(timeout_s)
+    client.connect(str(path))
+    return client
+
+
+def messages_head(body_bytes: int) -> bytes:
+    return b"POST /v1/messages HTTP/1.1\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % body_bytes
+
+
+def status_of(client: socket.socket) -> int:
+    """The status of the answer on client's connection (its first line)."""
+    return int(client.makefile("rb").readline().split()[1])
+
+
+@pytest.mark.parametrize("whole_head", [False, True])
+def test_a_request_trickled_past_the_deadline_is_408_and_gives_its_slot_back(
+        tmp_path: Path, upstream: FakeMessagesApi, whole_head: bool) -> None:
+    """Each byte comes long before the deadline, the whole request never does: the deadline is
+    the whole request's (head, or body after a whole head), not each read's. The client waits
+    for an answer a quarter second after each byte it sends; then the next request gets a slot."""
+    upstream.plan = sized_answer("after")
+    proxy, sock = make_proxy(tmp_path, upstream.url, upstream.ca, request_deadline_s=1.0)
+    trickle = iter((messages_head(1000) if whole_head else b"POST /v1/messages HTTP/1.1\r\nx-pad: ")
+                   + b"x" * 1000)
+    try:
+        with unix_client(sock, timeout_s=0.25) as client:
+            answer = b""
+            for byte in trickle:  # 250 s of trickle: far past the per-read bound of old
+                with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # answered since
+                    client.sendall(bytes([byte]))
+                with contextlib.suppress(TimeoutError):
+                    answer = client.recv(4096)
+                if answer:
+                    break
+        assert answer.startswith(b"HTTP/1.1 408 ") and b"did not arrive whole within 1 s" in answer
+        for _ in range(rs.MAX_MODEL_REQUESTS + 1):  # every slot is free
+            assert text_delta("after") in ask(sock).read()
+    finally:
+        proxy.close()
+    assert len(upstream.requests) == rs.MAX_MODEL_REQUESTS + 1
+
+
+def test_heads_still_arriving_hold_no_slot(tmp_path: Path, upstream: FakeMessagesApi) -> None:
+    """Twice as many connections as a session has slots, each with half a head sent: a whole
+    request still goes through at once, not 429."""
+    upstream.plan = sized_answer("through")
+    proxy, sock = make_proxy(tmp_path, upstream.url, upstream.ca)
+    partial = [unix_client(sock) for _ in range(2 * rs.MAX_MODEL_REQUESTS)]
+    try:
+        for client in partial:
+            client.sendall(b"POST /v1/messages HTTP/1.1\r\n")
+        response = ask(sock)
+        assert response.status == 200 and text_delta("through") in response.read()
+    finally:
+        for client in partial:
+            client.close()
+        proxy.close()
+
+
+def test_a_request_past_the_sessions_bound_is_refused_before_its_body_is_sent(
+        tmp_path: Path, upstream: FakeMessagesApi) -> None:
+    """Every slot taken by an answer under way: one more request gets its 429 for its head alone,
+    its 32 MiB body never sent (the proxy waited for it whole before)."""
+    release = threading.Event()
+    upstream.plan = held_answer("a", "b", release, threading.Event())
+    proxy, sock = make_proxy(tmp_path, upstream.url, upstream.ca)
+    try:
+        held = [ask(sock) for _ in range(rs.MAX_MODEL_REQUESTS)]
+        with unix_client(sock, timeout_s=20) as client:
+            client.sendall(messages_head(rs.MAX_MODEL_BODY_BYTES))
+            assert status_of(client) == 429
+        release.set()
+        assert all(text_delta("b") in response.read() for response in held)
+    finally:
+        release.set()
+        proxy.close()
+
+
+def test_bodies_past_the_sessions_room_are_refused_unread(tmp_path: Path, upstream: FakeMessagesApi) -> None:
+    """Heads of the largest body, one more than the session's room holds, none of their bodies
+    sent: the one past the room is 429 at once, the others wait for their bodies until the
+    deadline (408)."""
+    proxy, sock = make_proxy(tmp_path, upstream.url, upstream.ca, request_deadline_s=3.0)
+    fitting = rs.MAX_MODEL_SESSION_BODIES_BYTES // rs.MAX_MODEL_BODY_BYTES
+    assert fitting + 1 <= rs.MAX_MODEL_REQUESTS  # the room, not the slots, refuses
+    clients = [unix_client(sock) for _ in range(fitting + 1)]
+    try:
+        for client in clients:
+            client.sendall(messages_head(rs.MAX_MODEL_BODY_BYTES))
+        statuses = sorted(status_of(client) for client in clients)
+    finally:
+        for client in clients:
+            client.close()
+        proxy.close()
+    assert statuses == [408] * fitting + [429]
+    assert upstream.requests == []
+
+
+def test_sixteen_largest_bodies_at_once_grow_the_proxy_by_its_room_only(
+        tmp_path: Path, upstream: FakeMessagesApi) -> None:
+    """As many connections as a session's relay lets through, each sending the largest body while
+    the answers are held: the proxy (in a process of its own, as serve) holds at most the
+    session's room of bodies at once, every request is answered (200, or 429 before its body),
+    and its peak resident size grows by about that room (it grew by every body, and copies of
+    them, before)."""
+    release = threading.Event()
+    upstream.plan = held_answer("a", "b", release, threading.Event())
+    proxy = subprocess.Popen([sys.executable, str(ROOT / "tests/model_proxy_process.py"), str(tmp_path),
+                              upstream.url, str(upstream.ca)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    assert proxy.stdin is not None and proxy.stdout is not None
+
+    def peak_rss() -> int:
+        proxy.stdin.write("?\n")
+        proxy.stdin.flush()
+        return int(proxy.stdout.readline())
+
+    body = b"{" + b" " * (rs.MAX_MODEL_BODY_BYTES - 2) + b"}"
+    statuses: list[int] = []
+
+    def post() -> None:
+        with unix_client(tmp_path / "agent" / agent.MODEL_SOCKET_NAME, timeout_s=120) as client:
+            client.sendall(messages_head(len(body)))
+            client.sendall(body)
+            statuses.append(status_of(client))
+    try:
+        proxy.stdin.write(CREDENTIAL + "\n")
+        proxy.stdin.flush()
+        assert proxy.stdout.readline() == "ready\n"
+        before = peak_rss()
+        posts = [threading.Thread(target=post) for _ in range(agent.MAX_RELAYED_CONNECTIONS)]
+        for thread in posts:
+            thread.start()
+        for thread in posts:
+            thread.join(300)
+        grown = peak_rss() - before
+    finally:
+        release.set()
+        proxy.stdin.close()
+        proxy.wait(30)
+    assert len(statuses) == agent.MAX_RELAYED_CONNECTIONS and set(statuses) <= {200, 429}
+    assert 1 <= statuses.count(200) <= rs.MAX_MODEL_REQUESTS
+    assert grown <= rs.MAX_MODEL_SESSION_BODIES_BYTES + 32 * 1024 * 1024, grown
+
+
+@pytest.mark.parametrize("framing", [
+    (("transfer-encoding", "gzip, chunked"),),
+    (("transfer-encoding", "chunked"), ("transfer-encoding", "gzip")),
+    (("transfer-encoding", "chunked"), ("content-encoding", "gzip")),
+])
+def test_an_answer_coded_past_what_redaction_sees_is_502(
+        tmp_path: Path, upstream: FakeMessagesApi, framing: tuple[tuple[str, str], ...]) -> None:
+    """The upstream echoes the credential in a gzip-coded chunked body: the client gets a 502,
+    never the coded bytes (from which the credential would unzip)."""
+    echoed = gzip.compress(text_delta(f"token={CREDENTIAL}"))
+
+    def coded(handler: http.server.BaseHTTPRequestHandler) -> None:
+        handler.send_response(200)
+        handler.send_header("content-type", "text/event-stream")
+        for name, value in framing:
+            handler.send_header(name, value)
+        handler.send_header("connection", "close")
+        handler.end_headers()
+        handler.wfile.write(chunk(echoed) + chunk(b""))
+    upstream.plan = coded
+    proxy, sock = make_proxy(tmp_path, upstream.url, upstream.ca)
+    try:
+        response = ask(sock)
+        body = response.read()
+    finally:
+        proxy.close()
+    assert response.status == 502 and b"cannot be redacted" in body
+    assert echoed not in body and b"\x1f\x8b" not in body
+
+
+def test_headers_naming_a_requests_origin_never_reach_the_upstream(tmp_path: Path, upstream: FakeMessagesApi) -> None:
+    """What the workload says about where a request came from (X-Forwarded-*, Forwarded,
+    X-Original-URL) is not sent with the credential; the upstream is asked for an unencoded
+    answer whatever the workload asked for."""
+    upstream.plan = sized_answer("plain")
+    proxy, sock = make_proxy(tmp_path, upstream.url, upstream.ca)
+    try:
+        connection = UnixHTTPConnection(sock)
+        connection.request("POST", "/v1/messages", body=b"{}", headers={
+            "content-type": "application/json", "anthropic-version": "2023-06-01",
+            "x-forwarded-for": "10.0.0.1", "x-forwarded-host": "admin.internal", "forwarded": "for=10.0.0.1",
+            "x-original-url": "/admin", "accept-encoding": "gzip, br"})
+        assert text_delta("plain") in connection.getresponse().read()
+    finally:
+        proxy.close()
+    (_, headers), = upstream.requests
+    assert not {"x-forwarded-for", "x-forwarded-host", "forwarded", "x-original-url"} & set(headers)
+    assert headers["accept-encoding"] == "identity" and headers["x-api-key"] == CREDENTIAL
