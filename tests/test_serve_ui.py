@@ -12,15 +12,17 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any, Callable
 
 import pytest
 
+import reploy_serve
 from cdp import Browser
 from serve_harness import (  # noqa: F401  (fixtures)
     ROOT, LoopbackSite, ServeProcess, browser, log_in, managed_workload, serve_factory,
-    session_containers, wait_until,
+    seconds, session_containers, wait_until,
 )
 from standin_agent import StandInAgent, control_socket
 
@@ -522,3 +524,138 @@ def test_the_last_failure_shows_in_the_list_and_on_the_restore_screen(
     assert text.startswith("restore failed: ") and "cannot restore" in text, text
     assert browser.evaluate("!!document.querySelector('[data-test=restore]')")
     browser.screenshot(ARTIFACTS / "10-last-failure.png")
+
+
+# -- issue 46: a session's id, labels, TTL, CPU and disk; the create form; delete on its page ---
+
+#: The page's form validation knows the API's label and TTL rules: they must be the server's.
+FORM_RULES = "[LABEL_KEY_PATTERN, LABEL_VALUE_PATTERN, MAX_LABELS, MAX_TTL_SECONDS]"
+
+#: Answers every session record or list (a GET, a switch) as the server does, with one more
+#: label whose value is markup (the API refuses such a value: this stands for any record that held one).
+HOSTILE_LABEL = """(() => { const native = window.fetch;
+  window.fetch = async (input, init) => {
+    const response = await native(input, init);
+    if (!/\\/sessions(\\/[0-9a-f]{16}(\\/switch)?)?$/.test(String(input)) || response.status !== 200) return response;
+    const doc = await response.json();
+    for (const s of doc.sessions || [doc]) s.labels.note = MARKUP;
+    return new Response(JSON.stringify(doc), { status: response.status, headers: response.headers }); }; })()"""
+MARKUP = "<img src=x onerror=\"window.reployPwned=1\"><b>bold</b>"
+
+
+def visible(browser: Browser, selector: str) -> bool:
+    return bool(browser.evaluate(f"!!document.querySelector({json.dumps(selector)}).offsetParent"))
+
+
+def text_of(browser: Browser, selector: str) -> str:
+    return str(browser.evaluate(f"document.querySelector({json.dumps(selector)}).textContent"))
+
+
+def test_session_facts_the_create_form_and_delete_in_chromium(
+        serve_factory: Callable[..., ServeProcess], docker_engine: Any, browser: Browser) -> None:
+    """Issue 46: the form takes labels, TTL, CPU and disk (model only for claude-code), checks
+    them as the API does and shows the API's refusal; the list and the session page show the
+    id, labels (as text, whatever they hold), TTL, CPU and disk; Delete there asks, deletes and
+    goes back to the list."""
+    server = serve_factory()
+    url, api = server.ready["url"], server.api
+    log_in(browser, server)
+    assert browser.evaluate(FORM_RULES) == [reploy_serve._LABEL_KEY.pattern, reploy_serve._LABEL_VALUE.pattern,
+                                            reploy_serve.MAX_LABELS, reploy_serve.MAX_TTL_S]
+    assert browser.evaluate("['90', '90s', '30m', '1h', '2h30m'].map(parseDuration)") == [90, 90, 1800, 3600, 9000]
+    assert browser.evaluate("parseLabels(' team=red,task=a=b , ')") == {"team": "red", "task": "a=b"}
+
+    # The model field only for claude-code.
+    browser.navigate(url + "/#/new")
+    browser.wait_for("document.querySelector('[data-test=deployment]')?.options.length > 0", "deployments")
+    assert not visible(browser, "[data-test=model]")
+    fill(browser, "[data-test=workload]", "claude-code")
+    assert visible(browser, "[data-test=model]")
+    browser.screenshot(ARTIFACTS / "12-new-session-claude-code.png")
+    fill(browser, "[data-test=workload]", "shell")
+    assert not visible(browser, "[data-test=model]")
+
+    # What the API would refuse is refused in the form, as text; what only the server knows
+    # (its CPU bound) comes back as the API's own error. Nothing is created.
+    fill(browser, "[data-test=name]", "ui-facts")
+    fill(browser, "[data-test=labels]", f"team={MARKUP}")
+    click(browser, "[data-test=create]")
+    browser.wait_for("document.querySelector('[data-test=error]').textContent.startsWith('labels.team: ')",
+                     "the form's refusal")
+    assert json.dumps(MARKUP) in text_of(browser, "[data-test=error]")  # as text
+    fill(browser, "[data-test=labels]", "team=red,task=a")
+    fill(browser, "[data-test=cpus]", "999")
+    click(browser, "[data-test=create]")
+    browser.wait_for("document.querySelector('[data-test=error]').textContent.startsWith('cpus: must be at most')",
+                     "the API's refusal")
+    assert api.call("GET", "/sessions")["sessions"] == []
+
+    fill(browser, "[data-test=ttl]", "1h")
+    fill(browser, "[data-test=cpus]", "0.5")
+    fill(browser, "[data-test=disk]", "128")
+    browser.screenshot(ARTIFACTS / "13-new-session-filled.png")
+    click(browser, "[data-test=create]")
+    sid = browser.wait_for("(location.hash.match(/^#\\/s\\/([0-9a-f]{16})$/) || [])[1]", "the workspace")
+    session = api.get(sid)
+    assert (session["labels"], session["cpus"], session["diskMib"]) == ({"team": "red", "task": "a"}, 0.5, 128)
+    assert seconds(session["expiresAt"]) - seconds(session["createdAt"]) == pytest.approx(3600, abs=1e-3)
+    assert "model" not in session
+
+    # The session page: the full id, the labels, the time left, CPU and disk.
+    browser.wait_for("!!window.reployTerminal", "the terminal")
+    assert text_of(browser, "[data-test=session-id]") == sid
+    chips = browser.evaluate("[...document.querySelectorAll('[data-test=facts] .chip')].map((c) => c.textContent)")
+    assert chips == ["task=a", "team=red"]
+    ttl = text_of(browser, "[data-test=facts] [data-test=ttl]")
+    assert ttl == "expires in 1 h" or re.fullmatch(r"expires in 5\d min", ttl), ttl
+    assert text_of(browser, "[data-test=facts] [data-test=cpus]") == "0.5 CPU"
+    assert text_of(browser, "[data-test=facts] [data-test=disk]") == "128 MiB"
+    browser.screenshot(ARTIFACTS / "14-session-facts.png")
+
+    # The list: the short id with the full one in its title, and the same facts.
+    other = api.create("ui-plain")["id"]
+    browser.navigate(url + "/#/")
+    row = f"tr[data-session='{sid}']"
+    browser.wait_for(f"!!document.querySelector(\"{row} .chip\")", "the row's labels")
+    assert browser.evaluate(f"document.querySelector(\"{row} [data-test=short-id]\").title") == sid
+    assert sid.startswith(text_of(browser, f"{row} [data-test=short-id]"))
+    assert text_of(browser, f"{row} [data-test=labels]") == "task=ateam=red"
+    assert text_of(browser, f"{row} [data-test=ttl]").startswith("expires in ")
+    assert (text_of(browser, f"{row} [data-test=cpus]"), text_of(browser, f"{row} [data-test=disk]")) == (
+        "0.5 CPU", "128 MiB")
+    plain = f"tr[data-session='{other}']"
+    assert (text_of(browser, f"{plain} [data-test=labels]"), text_of(browser, f"{plain} [data-test=ttl]")) == (
+        "none", "none")
+    browser.screenshot(ARTIFACTS / "15-sessions-facts.png")
+
+    # A label holding markup is shown as text, in the list and on the session page.
+    browser.evaluate(HOSTILE_LABEL.replace("MARKUP", json.dumps(MARKUP)))
+    browser.wait_for(f"document.querySelector(\"{row} [data-test=labels]\").textContent.includes('note=')",
+                     "the hostile label in the list")
+    assert text_of(browser, f"{row} [data-label=note]") == f"note={MARKUP}"
+    browser.evaluate(f"location.hash = '#/s/{sid}'")
+    browser.wait_for("!!document.querySelector('[data-test=facts] [data-label=note]')", "the hostile label")
+    assert text_of(browser, "[data-test=facts] [data-label=note]") == f"note={MARKUP}"
+    assert browser.evaluate("[document.querySelectorAll('img, b').length, window.reployPwned]") == [0, None]
+
+    # Delete on the session page asks first, then deletes and goes back to the list.
+    click(browser, "[data-test=delete]")
+    assert visible(browser, "[data-test=delete-confirmation]")
+    browser.screenshot(ARTIFACTS / "16-delete-confirmation.png")
+    assert api.raw("GET", f"/api/v1/sessions/{sid}")[0] == 200  # not before confirming
+    click(browser, "[data-test=confirm-delete]")
+    browser.wait_for("location.hash === '#/' && document.querySelectorAll('tr[data-session]').length === 1",
+                     "the list without it")
+    assert api.raw("GET", f"/api/v1/sessions/{sid}")[0] == 404
+    assert [s["id"] for s in api.call("GET", "/sessions")["sessions"]] == [other]
+
+    # The restore screen of a snapshotted session has the facts and Delete too.
+    api.call("POST", f"/sessions/{other}/snapshot", {})
+    browser.evaluate(f"location.hash = '#/s/{other}'")
+    browser.wait_for("!!document.querySelector('[data-test=restore-screen]')", "the restore screen")
+    assert text_of(browser, "[data-test=session-id]") == other
+    browser.screenshot(ARTIFACTS / "17-restore-facts.png")
+    click(browser, "[data-test=delete]")
+    click(browser, "[data-test=confirm-delete]")
+    browser.wait_for("location.hash === '#/' && !!document.querySelector('.empty')", "the empty list")
+    assert api.raw("GET", f"/api/v1/sessions/{other}")[0] == 404

@@ -17,6 +17,13 @@ const POLL_MS = 2000;
 const STATUS_POLL_MS = 1000;
 const TOKEN_KEY = "reploy-token";
 const TOKEN_FRAGMENT = "#token=";
+// A create's labels and time to live, as the API checks them (reploy_serve's _LABEL_KEY,
+// _LABEL_VALUE, MAX_LABELS, MAX_TTL_S; a test holds them equal): the form says what is wrong
+// before asking, and the API's own answer is shown for what only the server knows (its bounds).
+const LABEL_KEY_PATTERN = "[A-Za-z0-9]([A-Za-z0-9._/-]{0,61}[A-Za-z0-9])?";
+const LABEL_VALUE_PATTERN = "[A-Za-z0-9._:@/+=-]{0,128}";
+const MAX_LABELS = 32;
+const MAX_TTL_SECONDS = 30 * 24 * 3600;
 
 // ---- credentials ----------------------------------------------------------------------------
 
@@ -44,10 +51,18 @@ class ApiError extends Error {
   constructor(message, status) { super(message); this.status = status; }
 }
 
+// The server's clock less this one's, in seconds (to the second), from the last answer's Date
+// header: the countdowns run on the server's clock.
+let clockSkew = 0;
+
+function serverNow() { return Date.now() / 1000 + clockSkew; }
+
 // One request with the credential: a 401 shows the login screen, an error status throws
 // ApiError with the server's message.
 async function request(url, init) {
   const response = await fetch(url, authorized(init));
+  const served = Date.parse(response.headers.get("Date"));
+  if (!Number.isNaN(served)) clockSkew = served / 1000 - Date.now() / 1000;
   if (response.status === 401) loginScreen();
   if (!response.ok) {
     let doc = {};
@@ -162,6 +177,59 @@ function failureNote(s) {
   return text && h("div", { class: "error", "data-test": "last-failure" }, text);
 }
 
+// ---- a session's facts: id, labels, time to live, CPU and disk -------------------------------
+// Labels are whatever the creator chose: they reach the page as text nodes only (h), never as
+// markup.
+
+function labelChips(labels) {
+  const entries = Object.entries(labels || {});
+  if (!entries.length) return h("span", { class: "muted", "data-test": "labels" }, "none");
+  return h("span", { class: "chips", "data-test": "labels" },
+           ...entries.map(([key, value]) => h("span", { class: "chip", "data-label": key }, `${key}=${value}`)));
+}
+
+// What is left of a session's time to live (expiresAt), e.g. "expires in 59 min"; "none" without one.
+function timeToLive(s) {
+  if (!s.expiresAt) return "none";
+  const left = Math.floor(when(s.expiresAt) - serverNow());
+  if (left <= 0) return "expired: deleting";
+  if (left < 60) return `expires in ${left} s`;
+  const minutes = Math.floor(left / 60);
+  if (minutes < 60) return `expires in ${minutes} min`;
+  if (minutes < 48 * 60) return `expires in ${Math.floor(minutes / 60)} h${minutes % 60 ? ` ${minutes % 60} min` : ""}`;
+  return `expires in ${Math.floor(minutes / 1440)} d ${Math.floor(minutes % 1440 / 60)} h`;
+}
+
+function cpuText(s) { return s.cpus === undefined ? "—" : `${s.cpus} CPU`; }
+function diskText(s) { return s.diskMib === undefined ? "—" : `${s.diskMib} MiB`; }
+
+// The facts line of a session's page; update(s) refreshes its time to live.
+function sessionFacts(session) {
+  const ttl = h("span", { "data-test": "ttl" }, timeToLive(session));
+  const fact = (name, ...value) => h("div", { class: "fact" }, h("span", { class: "fact-name" }, name), ...value);
+  const node = h("div", { class: "facts", "data-test": "facts" },
+    fact("ID", h("code", { class: "session-id", "data-test": "session-id" }, session.id)),
+    fact("Labels", labelChips(session.labels)),
+    fact("TTL", ttl),
+    fact("CPU", h("span", { "data-test": "cpus" }, cpuText(session))),
+    fact("Disk", h("span", { "data-test": "disk" }, diskText(session))));
+  return { node, update: (s) => { ttl.textContent = timeToLive(s); } };
+}
+
+// A Delete button that asks first; once the session is deleted, back to the list.
+function deleteControl(id, status) {
+  const confirmation = h("div", { class: "notice", "data-test": "delete-confirmation", hidden: true },
+    "Delete this session? Its container, disk and output are removed for good. ",
+    h("button", { class: "danger confirm", "data-test": "confirm-delete", onclick: async () => {
+      confirmation.hidden = true;
+      try { await api("DELETE", `/sessions/${id}`); location.hash = "#/"; }
+      catch (e) { status.textContent = e.message; }
+    } }, "Delete for good"),
+    h("button", { "data-test": "cancel-delete", onclick: () => { confirmation.hidden = true; } }, "Cancel"));
+  const button = h("button", { class: "danger", "data-test": "delete", onclick: () => { confirmation.hidden = false; } }, "Delete");
+  return { button, confirmation };
+}
+
 // ---- router ---------------------------------------------------------------------------------
 
 const view = document.getElementById("view");
@@ -205,11 +273,12 @@ document.querySelector("[data-test=logout]").addEventListener("click", logOut);
 function sessionsScreen() {
   const body = h("tbody");
   const error = h("div", { class: "error" });
-  let skew = 0, sessions = [], stopped = false;
+  const columns = ["Name", "Labels", "Workload", "State", "CPU", "Disk", "TTL", "Last access", "Idle countdown", ""];
+  let sessions = [], stopped = false;
   const confirming = new Set();
 
   function countdown(s) {
-    const now = Date.now() / 1000 + skew;
+    const now = serverNow();
     if (s.phase) return `${s.phase}…`;
     if (s.idleBlockedBy && s.idleBlockedBy.length) return `held: ${s.idleBlockedBy.join(", ")}`;
     if (s.state === "active" && s.idleAt) return `idle in ${clock(when(s.idleAt) - now)}`;
@@ -218,9 +287,9 @@ function sessionsScreen() {
   }
 
   function draw() {
-    const now = Date.now() / 1000 + skew;
+    const now = serverNow();
     if (!sessions.length) {
-      body.replaceChildren(h("tr", {}, h("td", { colspan: 7, class: "empty" }, "No sessions yet. ", h("a", { href: "#/new" }, "Create one."))));
+      body.replaceChildren(h("tr", {}, h("td", { colspan: columns.length, class: "empty" }, "No sessions yet. ", h("a", { href: "#/new" }, "Create one."))));
       return;
     }
     body.replaceChildren(...sessions.map((s) => {
@@ -229,10 +298,14 @@ function sessionsScreen() {
            h("button", { onclick: () => { confirming.delete(s.id); draw(); } }, "Cancel")]
         : [h("button", { class: "danger", "data-test": "delete", onclick: () => { confirming.add(s.id); draw(); } }, "Delete")];
       return h("tr", { "data-session": s.id },
-        h("td", {}, h("a", { href: `#/s/${s.id}`, "data-test": "open" }, s.name)),
-        h("td", {}, s.workloadType + (s.model ? ` · ${s.model}` : "")),
+        h("td", {}, h("a", { href: `#/s/${s.id}`, "data-test": "open" }, s.name),
+          h("div", {}, h("code", { class: "short-id", title: s.id, "data-test": "short-id" }, s.id.slice(0, 8)))),
+        h("td", { class: "labels" }, labelChips(s.labels)),
+        h("td", {}, s.workloadType + (s.model ? ` · ${s.model}` : ""), h("div", { class: "muted" }, s.deployment)),
         h("td", {}, badge(s.state)),
-        h("td", { class: "muted" }, s.deployment),
+        h("td", { "data-test": "cpus" }, cpuText(s)),
+        h("td", { "data-test": "disk" }, diskText(s)),
+        h("td", { class: "muted", "data-test": "ttl" }, timeToLive(s)),
         h("td", { class: "muted" }, ago(now - when(s.lastAccess))),
         h("td", { class: "muted", "data-test": "countdown", title: failureText(s) },
           countdown(s), s.lastFailure ? h("div", { class: "error", "data-test": "last-failure" }, `${s.lastFailure.step} failed`) : null),
@@ -240,13 +313,9 @@ function sessionsScreen() {
     }));
   }
 
-  // The server's clock, for the countdowns, from its answer's Date header (to the second).
   async function refresh() {
     try {
-      const response = await apiResponse("GET", "/sessions");
-      const served = Date.parse(response.headers.get("Date"));
-      if (!Number.isNaN(served)) skew = served / 1000 - Date.now() / 1000;
-      sessions = (await response.json()).sessions || [];
+      sessions = (await api("GET", "/sessions")).sessions || [];
       error.textContent = "";
     } catch (e) { error.textContent = e.message; }
     if (!stopped) draw();
@@ -262,7 +331,7 @@ function sessionsScreen() {
          h("a", { class: "button", href: "#/new" }, "New session")),
        error,
        h("table", { "data-test": "sessions" },
-         h("thead", {}, h("tr", {}, ...["Name", "Workload", "State", "Deployment", "Last access", "Idle countdown", ""].map((t) => h("th", {}, t)))),
+         h("thead", {}, h("tr", {}, ...columns.map((t) => h("th", {}, t)))),
          body));
   refresh();
   const poll = setInterval(refresh, POLL_MS);
@@ -272,6 +341,55 @@ function sessionsScreen() {
 
 // ---- new session ----------------------------------------------------------------------------
 
+// "team=red, task=a" -> { team: "red", task: "a" }: entries split at commas, each at its first
+// "=" (a value may hold "="), checked as the API checks them. Throws with what is wrong.
+function parseLabels(text) {
+  const key = new RegExp(`^(?:${LABEL_KEY_PATTERN})$`), value = new RegExp(`^(?:${LABEL_VALUE_PATTERN})$`);
+  const labels = new Map();
+  for (const entry of text.split(",").map((e) => e.trim()).filter(Boolean)) {
+    const equals = entry.indexOf("=");
+    if (equals < 0) throw new Error(`labels: ${JSON.stringify(entry)} is not key=value`);
+    const k = entry.slice(0, equals), v = entry.slice(equals + 1);
+    if (!key.test(k)) throw new Error(`labels: the key ${JSON.stringify(k)} is not a label key (${LABEL_KEY_PATTERN})`);
+    if (!value.test(v)) throw new Error(`labels.${k}: the value ${JSON.stringify(v)} does not match ${LABEL_VALUE_PATTERN}`);
+    if (labels.has(k)) throw new Error(`labels: ${k} is given twice`);
+    labels.set(k, v);
+  }
+  if (labels.size > MAX_LABELS) throw new Error(`labels: at most ${MAX_LABELS}`);
+  return Object.fromEntries(labels);
+}
+
+// "90" (seconds), "90s", "30m", "1h", "2h30m" -> seconds. Throws for anything else.
+function parseDuration(text) {
+  if (/^\d+$/.test(text)) return Number(text);
+  const units = /^(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?$/.exec(text);
+  if (!text || !units) throw new Error(`${JSON.stringify(text)} is not a duration such as 30m, 1h, 2h30m or 90 (seconds)`);
+  return 3600 * Number(units[1] || 0) + 60 * Number(units[2] || 0) + Number(units[3] || 0);
+}
+
+// The create body from the form's texts: an empty field is left out (the server's default).
+function createBody(form) {
+  const body = { name: form.name.trim(), workloadType: form.workloadType };
+  const model = form.model.trim(), labels = parseLabels(form.labels);
+  const ttl = form.ttl.trim(), cpus = form.cpus.trim(), disk = form.disk.trim();
+  if (form.workloadType === "claude-code" && model) body.model = model;
+  if (form.deployment) body.deployment = form.deployment;
+  if (Object.keys(labels).length) body.labels = labels;
+  if (ttl) {
+    body.ttlSeconds = parseDuration(ttl);
+    if (body.ttlSeconds < 1 || body.ttlSeconds > MAX_TTL_SECONDS) throw new Error(`TTL: from 1 second to ${MAX_TTL_SECONDS / 86400} days`);
+  }
+  if (cpus) {
+    if (!/^(\d+(\.\d*)?|\.\d+)$/.test(cpus)) throw new Error(`CPUs: ${JSON.stringify(cpus)} is not a number of cores such as 0.5`);
+    body.cpus = Number(cpus);
+  }
+  if (disk) {
+    if (!/^\d+$/.test(disk)) throw new Error(`Disk: ${JSON.stringify(disk)} is not a whole number of MiB`);
+    body.diskMib = Number(disk);
+  }
+  return body;
+}
+
 async function newSessionScreen() {
   const error = h("div", { class: "error", "data-test": "error" });
   const name = h("input", { name: "name", required: true, placeholder: "my-session", "data-test": "name" });
@@ -280,17 +398,23 @@ async function newSessionScreen() {
   const models = h("datalist", { id: "models" });
   const model = h("input", { name: "model", list: "models", placeholder: "platform default", "data-test": "model" });
   const modelField = h("label", { hidden: true }, "Model", model, models);
+  const labels = h("input", { name: "labels", placeholder: "team=red, task=a", "data-test": "labels", autocomplete: "off" });
+  const ttl = h("input", { name: "ttl", placeholder: "none", "data-test": "ttl", autocomplete: "off" });
+  const cpus = h("input", { name: "cpus", inputmode: "decimal", placeholder: "server default", "data-test": "cpus", autocomplete: "off" });
+  const disk = h("input", { name: "disk", inputmode: "numeric", placeholder: "server default", "data-test": "disk", autocomplete: "off" });
   const deployment = h("select", { name: "deployment", "data-test": "deployment" });
   const submit = h("button", { class: "primary", type: "submit", "data-test": "create" }, "Create session");
   workload.addEventListener("change", () => { modelField.hidden = workload.value !== "claude-code"; });
 
   const form = h("form", { class: "form", onsubmit: async (event) => {
     event.preventDefault();
-    submit.disabled = true;
     error.textContent = "";
-    const body = { name: name.value.trim(), workloadType: workload.value };
-    if (workload.value === "claude-code" && model.value.trim()) body.model = model.value.trim();
-    if (deployment.value) body.deployment = deployment.value;
+    let body;
+    try {
+      body = createBody({ name: name.value, workloadType: workload.value, model: model.value, labels: labels.value,
+                          ttl: ttl.value, cpus: cpus.value, disk: disk.value, deployment: deployment.value });
+    } catch (e) { error.textContent = e.message; return; }
+    submit.disabled = true;
     try {
       submit.textContent = "Starting…";
       const session = await api("POST", "/sessions", body);
@@ -302,6 +426,11 @@ async function newSessionScreen() {
     }
   } },
     h("label", {}, "Name", name), h("label", {}, "Workload type", workload), modelField,
+    h("label", {}, "Labels", labels, h("span", { class: "hint" }, "key=value, comma-separated; find sessions by them")),
+    h("div", { class: "form-row" },
+      h("label", {}, "TTL", ttl, h("span", { class: "hint" }, "30m, 1h, 2h30m")),
+      h("label", {}, "CPUs", cpus, h("span", { class: "hint" }, "cores, e.g. 0.5")),
+      h("label", {}, "Disk (MiB)", disk, h("span", { class: "hint" }, "e.g. 1024"))),
     h("label", {}, "Deployment", deployment), submit, error);
   show(h("h1", {}, "New session"), form);
   try {
@@ -348,11 +477,14 @@ async function workspaceScreen(id) {
     try { await api("POST", `/sessions/${id}/snapshot`, {}); route(); }
     catch (e) { status.textContent = e.message; snapshot.disabled = false; }
   } }, "Snapshot");
+  const remove = deleteControl(id, status);
+  const facts = sessionFacts(session);
   const toolbar = h("div", { class: "toolbar" }, h("h1", {}, session.name), state,
                     h("span", { class: "muted" }, `${session.workloadType}${session.model ? " · " + session.model : ""} · ${session.deployment}`),
-                    h("span", { class: "spacer" }), snapshot);
+                    h("span", { class: "spacer" }), snapshot, remove.button);
   const failure = h("div", { class: "error", "data-test": "last-failure" }, failureText(session) || "");
-  toolbar.append(failure); // the views show the toolbar: the last failure goes with it
+  // The views show the toolbar: the last failure, the facts and the delete confirmation go with it.
+  toolbar.append(failure, facts.node, remove.confirmation);
 
   // The session's state, polled passively: a snapshot taken meanwhile routes to restore.
   const poll = setInterval(async () => {
@@ -361,6 +493,7 @@ async function workspaceScreen(id) {
       state.className = `badge ${current.state}`;
       state.textContent = current.state;
       failure.textContent = failureText(current) || "";
+      facts.update(current);
       if (current.state === "snapshot" && !current.phase) route();
     } catch (e) { if (e.status === 404) location.hash = "#/"; }
   }, POLL_MS);
@@ -592,7 +725,9 @@ function restoreScreen(session) {
   const checkpoint = session.checkpoint || {};
   const size = checkpoint.sizeBytes ? `${Math.ceil(checkpoint.sizeBytes / 1024)} KiB archive` : "archive";
   const taken = when(checkpoint.createdAt || session.stateSince);
-  show(h("div", { class: "toolbar" }, h("h1", {}, session.name), badge(session.state)),
+  const remove = deleteControl(session.id, error);
+  show(h("div", { class: "toolbar" }, h("h1", {}, session.name), badge(session.state), h("span", { class: "spacer" }),
+         remove.button, sessionFacts(session).node, remove.confirmation),
        h("div", { class: "restore", "data-test": "restore-screen" },
          h("p", {}, `This ${session.workloadType} session was snapshotted ${ago(Date.now() / 1000 - taken)} (${size}). ` +
                     "Its container was removed; its output and workspace are kept."),
