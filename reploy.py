@@ -111,17 +111,18 @@ def release_held_signals() -> None:
         signal.pthread_sigmask(signal.SIG_SETMASK, SIGNAL_MASK_BEFORE_HOLD)
 
 
-def hand_over_to_control_plane() -> None:
-    """`reploy serve|session ...` becomes `reploy_serve.py serve|session ...` in this process."""
-    if sys.argv[1:2] and sys.argv[1] in CONTROL_PLANE_COMMANDS:
+def hand_over_to_control_plane(arguments: list[str]) -> None:
+    """`reploy serve|session ...` (the command line's `arguments`) becomes `reploy_serve.py
+    serve|session ...` in this process."""
+    if arguments[:1] and arguments[0] in CONTROL_PLANE_COMMANDS:
         control_plane = os.path.join(os.path.dirname(os.path.abspath(__file__)), CONTROL_PLANE_FILE)
         if not os.path.isfile(control_plane):
-            print(f"reploy: {sys.argv[1]}: {control_plane} is missing; it must sit beside "
+            print(f"reploy: {arguments[0]}: {control_plane} is missing; it must sit beside "
                   "reploy.py", file=sys.stderr)
             sys.exit(1)
         release_held_signals()  # the control plane keeps its own signals
         os.execv(sys.executable, [sys.executable, *(interpreter_options() or []), control_plane,
-                                  *sys.argv[1:]])
+                                  *arguments])
 
 
 def relaunch_as_module() -> None:
@@ -156,7 +157,7 @@ def relaunch_as_module() -> None:
 
 
 if __name__ == "__main__" and sys.executable:
-    hand_over_to_control_plane()
+    hand_over_to_control_plane(sys.argv[1:])
     if __spec__ is None:
         relaunch_as_module()
 
@@ -4460,40 +4461,66 @@ def ascii_number(text: str) -> int:
 
 
 def build_parser() -> ArgumentParser:
+    """The command line. `serve` and `session` are here to be listed (help, invalid choices):
+    main() hands them over to the control plane before anything is parsed."""
     parser = ArgumentParser(
         prog="reploy", description="Sandboxed, controllable sessions on Docker.",
         epilog="Managed sessions: `reploy serve --help` and `reploy session --help` (run by "
                f"{CONTROL_PLANE_FILE}).")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser,
+                                     metavar="COMMAND")
     p_stage = commands.add_parser("stage", help="validate a blueprint and stage a deployment")
-    p_stage.add_argument("blueprint", type=Path)
-    p_stage.add_argument("--dir", type=Path, required=True)
-    p_build = commands.add_parser("build", help="build a staged deployment's image")
-    p_build.add_argument("--dir", type=Path, required=True)
+    p_stage.add_argument("blueprint", type=Path, help="the blueprint file (YAML)")
+    p_stage.add_argument("--dir", type=Path, required=True,
+                         help="the staging directory, made or restaged in place (required)")
+    p_build = commands.add_parser(
+        "build", help="build a staged deployment's image: progress on stderr, the JSON "
+                      "result on stdout")
+    p_build.add_argument("--dir", type=Path, required=True,
+                         help="the staged deployment's directory (required)")
     p_build.add_argument("-q", "--quiet", action="store_true",
                          help="do not show the build's progress on stderr (default: shown)")
-    p_session = commands.add_parser("controlled-session", help="controlled sessions")
+    p_session = commands.add_parser("controlled-session",
+                                    help="controlled sessions: `run` one, `cleanup` after crashes")
     session_commands = p_session.add_subparsers(dest="action", required=True,
-                                                parser_class=ArgumentParser)
+                                                parser_class=ArgumentParser, metavar="ACTION")
     cleanup = session_commands.add_parser(
         "cleanup", help="remove what crashed sessions left behind (host and watchdog both dead)")
     cleanup.add_argument("--workload-dir", type=Path, action="append", default=[],
-                         help="also check this deployment's manifests (repeatable)")
+                         help="also read this deployment's session manifests, which catch runs "
+                              "that died before creating anything (repeatable; default: none, "
+                              "the engine's labelled leftovers only)")
     run = session_commands.add_parser(
-        "run", usage="reploy controlled-session run --controller-dir DIR --workload-dir DIR "
+        "run", help="run one controlled session and print its JSON result",
+        usage="reploy controlled-session run --controller-dir DIR --workload-dir DIR "
         "[options] -- CONTROLLER_COMMAND [ARG ...]")
-    run.add_argument("--controller-dir", type=Path, required=True)
-    run.add_argument("--workload-dir", type=Path, required=True)
-    run.add_argument("--endpoint", action="append", default=[], metavar="ID")
-    run.add_argument("--columns", type=ascii_number)
-    run.add_argument("--rows", type=ascii_number)
+    run.add_argument("--controller-dir", type=Path, required=True, metavar="DIR",
+                     help="the built controller deployment (required)")
+    run.add_argument("--workload-dir", type=Path, required=True, metavar="DIR",
+                     help="the built workload deployment (required)")
+    run.add_argument("--endpoint", action="append", default=[], metavar="ID",
+                     help="grant the controller this endpoint of the workload's blueprint "
+                          "(repeatable; default: none, no network)")
+    run.add_argument("--columns", type=ascii_number, metavar="N",
+                     help=f"the terminal's width, with --rows ({wire.MIN_DIMENSION}.."
+                          f"{wire.MAX_DIMENSION}; default {DEFAULT_COLUMNS})")
+    run.add_argument("--rows", type=ascii_number, metavar="N",
+                     help=f"the terminal's height, with --columns ({wire.MIN_DIMENSION}.."
+                          f"{wire.MAX_DIMENSION}; default {DEFAULT_ROWS})")
     outputs = run.add_mutually_exclusive_group()
-    outputs.add_argument("--output-file", type=Path)
-    outputs.add_argument("--output-dir", type=Path)
+    outputs.add_argument("--output-file", type=Path, metavar="FILE",
+                         help="publish the controller's output file here (default: none)")
+    outputs.add_argument("--output-dir", type=Path, metavar="DIR",
+                         help="publish the controller's output directory here (default: none)")
     for option in TIMEOUT_OPTIONS:
         run.add_argument(option.flag, metavar="DURATION",
-                         help=f"default {format_duration(option.default_ms)}")
+                         help=f"default {format_duration(option.default_ms)} "
+                              f"({format_duration(option.min_ms)}.."
+                              f"{format_duration(option.max_ms)})")
+    for name, what in (("serve", "run the managed-session control plane (REST API, web UI)"),
+                       ("session", "drive managed sessions through a running serve")):
+        commands.add_parser(name, add_help=False, help=f"{what}; `reploy {name} --help`")
     return parser
 
 
@@ -4537,7 +4564,9 @@ def emit(obj: dict[str, Any], to_stderr: bool = False) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    argv, command = split_command(list(sys.argv[1:] if argv is None else argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    hand_over_to_control_plane(argv)  # before parsing: the parser only lists those commands
+    argv, command = split_command(argv)
     try:
         args = build_parser().parse_args(argv)
         if getattr(args, "action", None) == "run":
@@ -4605,12 +4634,11 @@ def run_as_process(main_function: Callable[[], int]) -> None:
 def run_command() -> None:
     """The command line. `python3 reploy.py` comes here with the signals held and `serve` and
     `session` handed over already (its first statements); the installed `reploy` command
-    (pyproject.toml's entry point) imports this module and starts here, so it gets both here:
-    the hold, from before its command line is parsed, and the hand-over."""
+    (pyproject.toml's entry point) imports this module and starts here, so it gets both from
+    here on: the hold, from before its command line is parsed, and the hand-over (main's)."""
     global SIGNAL_MASK_BEFORE_HOLD
     if SIGNAL_MASK_BEFORE_HOLD is None:
         SIGNAL_MASK_BEFORE_HOLD = signal.pthread_sigmask(signal.SIG_BLOCK, HELD_SIGNALS)
-    hand_over_to_control_plane()
     run_as_process(main)
 
 
