@@ -111,17 +111,18 @@ def release_held_signals() -> None:
         signal.pthread_sigmask(signal.SIG_SETMASK, SIGNAL_MASK_BEFORE_HOLD)
 
 
-def hand_over_to_control_plane() -> None:
-    """`reploy serve|session ...` becomes `reploy_serve.py serve|session ...` in this process."""
-    if sys.argv[1:2] and sys.argv[1] in CONTROL_PLANE_COMMANDS:
+def hand_over_to_control_plane(arguments: list[str]) -> None:
+    """`reploy serve|session ...` (the command line's `arguments`) becomes `reploy_serve.py
+    serve|session ...` in this process."""
+    if arguments[:1] and arguments[0] in CONTROL_PLANE_COMMANDS:
         control_plane = os.path.join(os.path.dirname(os.path.abspath(__file__)), CONTROL_PLANE_FILE)
         if not os.path.isfile(control_plane):
-            print(f"reploy: {sys.argv[1]}: {control_plane} is missing; it must sit beside "
+            print(f"reploy: {arguments[0]}: {control_plane} is missing; it must sit beside "
                   "reploy.py", file=sys.stderr)
             sys.exit(1)
         release_held_signals()  # the control plane keeps its own signals
         os.execv(sys.executable, [sys.executable, *(interpreter_options() or []), control_plane,
-                                  *sys.argv[1:]])
+                                  *arguments])
 
 
 def relaunch_as_module() -> None:
@@ -156,12 +157,13 @@ def relaunch_as_module() -> None:
 
 
 if __name__ == "__main__" and sys.executable:
-    hand_over_to_control_plane()
+    hand_over_to_control_plane(sys.argv[1:])
     if __spec__ is None:
         relaunch_as_module()
 
 import argparse
 import base64
+import collections
 import contextlib
 import enum
 import errno
@@ -264,6 +266,10 @@ DEFAULT_PIDS = 256
 MIN_PIDS = 16
 #: Bytes of a controller container's log copied to the host's stderr at teardown.
 CONTROLLER_LOG_TAIL_BYTES = 64 * 1024
+#: What a failed build's error keeps of the failing step's own output: its last lines, at most
+#: this many of them and this many bytes.
+BUILD_TAIL_LINES = 20
+BUILD_TAIL_BYTES = 4096
 #: The python probe: a short-lived session container, made like the controller's, that runs the
 #: installed client by name (`reploy-session-client probe`, its shebang and python3 found on the
 #: image's PATH as the controller's would be) before a session is planned to use the image. It
@@ -1989,6 +1995,106 @@ HOST_EVENT_HANDLERS: dict[type, Callable[[HostCore, Any], None]] = {
 
 
 # ============================================================================================
+# Pure core: a build's progress
+# ============================================================================================
+#
+# The engine answers a build with a stream of JSON chunks: `stream`, the builder's text (a
+# `Step N/M : INSTRUCTION` line as each step begins, its own notes, and what the step's
+# commands print); `status`, the pull of a base image; `aux`, the built image's id; and, when
+# the build fails, `error`. Nearly every word of it is the Dockerfile author's or the base
+# image's: it reaches a person only as safe text, a line at a time.
+
+#: The line the builder writes as a step begins.
+_BUILD_STEP = re.compile(r"Step [0-9]+/[0-9]+ : ")
+#: The builder's own notes among a step's lines (` ---> Running in ID`, ` ---> IMAGE`,
+#: `Removing intermediate container ID`): not the step's output.
+_BUILDER_NOTE = re.compile(r" ---> |Removing intermediate container ")
+#: The colour codes the builder wraps what a step writes to stderr in: its markup, dropped.
+BUILDER_STDERR_MARKS = ("\x1b[91m", "\x1b[0m")
+#: A longer line is shown in pieces of this many characters (safe text holds at least that many
+#: ASCII ones): all of it is seen, and a line that never ends is never held whole.
+SHOWN_LINE_CHARS = wire.MAX_SAFE_TEXT_BYTES
+
+
+@dataclass
+class BuildProgress:
+    """A build's stream, fed chunk by chunk in order: the lines to show as they complete, and
+    what a failure is told with (the step that ran and the last lines it printed)."""
+
+    partial: str = ""
+    step: Optional[str] = None
+    step_output: collections.deque[str] = field(
+        default_factory=lambda: collections.deque(maxlen=BUILD_TAIL_LINES))
+    image_id: Optional[str] = None
+    error: Optional[str] = None
+
+    def feed(self, chunk: Any) -> list[str]:
+        """The lines `chunk` completes, as safe text."""
+        if not isinstance(chunk, dict):
+            return []
+        shown: list[str] = []
+        if isinstance(chunk.get("stream"), str):
+            *lines, partial = (self.partial + chunk["stream"]).split("\n")
+            held = len(partial) % SHOWN_LINE_CHARS  # of a line not ended yet, all but this
+            lines.append(partial[:len(partial) - held])  # shows now, in whole pieces
+            self.partial = partial[len(partial) - held:]
+            shown += self._lines(lines)
+        if isinstance(chunk.get("status"), str) and "progress" not in chunk:  # no bar updates
+            shown += self._lines([" ".join(str(chunk[key]) for key in ("id", "status")
+                                           if chunk.get(key))])
+        aux = chunk.get("aux")
+        if isinstance(aux, dict) and isinstance(aux.get("ID"), str):
+            self.image_id = aux["ID"]
+        if "error" in chunk:
+            self.error = wire.safe_text(str(chunk["error"]))
+        return shown
+
+    def end(self) -> list[str]:
+        """The last line, when the stream ended without its newline."""
+        lines, self.partial = [self.partial], ""
+        return self._lines(lines)
+
+    def failure(self, error: str) -> str:
+        """A failed build in words: where it failed, `error`, and the last lines the failing
+        step printed (at most BUILD_TAIL_LINES lines and BUILD_TAIL_BYTES bytes)."""
+        words = error if self.step is None else f"failed at {self.step}: {error}"
+        tail: list[str] = []
+        size = 0
+        for line in reversed(self.step_output):
+            size += len(line.encode()) + 3  # indented, on a line of its own
+            if size > BUILD_TAIL_BYTES:
+                break
+            tail.insert(0, f"  {line}")
+        return "\n".join([f"{words}; its last output:" if tail else words, *tail])
+
+    def _lines(self, lines: list[str]) -> list[str]:
+        """`lines` as shown: each in pieces of at most SHOWN_LINE_CHARS, blank ones left out."""
+        shown = []
+        for line in lines:
+            for mark in BUILDER_STDERR_MARKS:
+                line = line.replace(mark, "")
+            for piece in (line[start:start + SHOWN_LINE_CHARS]
+                          for start in range(0, len(line), SHOWN_LINE_CHARS)):
+                if piece.strip():
+                    shown.append(self._note(piece))
+        return shown
+
+    def _note(self, piece: str) -> str:
+        """Keep track of the step a shown piece begins, or of the step's output it is."""
+        text = wire.safe_text(piece)
+        if _BUILD_STEP.match(piece):
+            self.step = text
+            self.step_output.clear()
+        elif not _BUILDER_NOTE.match(piece):
+            self.step_output.append(text)
+        return text
+
+
+def unshown(line: str) -> None:
+    """Where a build's lines go when nobody is to see them (`build -q`, the derived image)."""
+
+
+# ============================================================================================
 # Docker adapter: sandboxed container specs (pure) and the engine calls
 # ============================================================================================
 
@@ -2223,11 +2329,20 @@ class DockerBackend:
             return False
 
     @_docker_call("build image")
-    def build(self, **kwargs: Any) -> str:
-        image, _logs = self.client.images.build(rm=True, forcerm=True, pull=False, **kwargs)
-        if image.id is None:
+    def build(self, show: Callable[[str], None] = unshown, **kwargs: Any) -> str:
+        """Build an image and return its id; each line of the build's output goes to `show`, as
+        safe text, as it comes. A failure names the step and carries its last lines."""
+        progress = BuildProgress()
+        for chunk in self.api.build(rm=True, forcerm=True, pull=False, decode=True, **kwargs):
+            for line in progress.feed(chunk):
+                show(line)
+        for line in progress.end():
+            show(line)
+        if progress.error is not None:
+            raise BackendError(f"build image: {progress.failure(progress.error)}")
+        if progress.image_id is None:
             raise BackendError("the engine built an image without an id")
-        return image.id
+        return progress.image_id
 
     @_docker_call("inspect image labels")
     def image_labels(self, reference: str) -> Optional[dict[str, str]]:
@@ -2584,9 +2699,10 @@ def stage(blueprint_path: Path, directory: Path) -> dict[str, Any]:
             "private_env": blueprint.private_env or private_env.exists()}
 
 
-def build(directory: Path, backend: DockerBackend) -> dict[str, Any]:
+def build(directory: Path, backend: DockerBackend,
+          show: Callable[[str], None] = unshown) -> dict[str, Any]:
     """Build the staged context and record it as the new current generation, atomically,
-    together with the exact blueprint it was built from."""
+    together with the exact blueprint it was built from. The build's lines go to `show`."""
     deployment = load_deployment(directory)
     # One read: the text recorded with the generation is exactly the one that was built.
     blueprint, raw = load_blueprint_file(deployment.dir / BLUEPRINT_NAME)
@@ -2597,6 +2713,7 @@ def build(directory: Path, backend: DockerBackend) -> dict[str, Any]:
     number = 1 + (deployment.current.number if deployment.current else 0)
     reference = f"reploy/{blueprint.name}:{deployment.deployment_id[:12]}-g{number}"
     image_id = backend.build(
+        show,
         path=str(deployment.dir / CONTEXT_DIRNAME),
         dockerfile=blueprint.dockerfile,
         tag=reference,
@@ -4344,38 +4461,66 @@ def ascii_number(text: str) -> int:
 
 
 def build_parser() -> ArgumentParser:
+    """The command line. `serve` and `session` are here to be listed (help, invalid choices):
+    main() hands them over to the control plane before anything is parsed."""
     parser = ArgumentParser(
         prog="reploy", description="Sandboxed, controllable sessions on Docker.",
         epilog="Managed sessions: `reploy serve --help` and `reploy session --help` (run by "
                f"{CONTROL_PLANE_FILE}).")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser,
+                                     metavar="COMMAND")
     p_stage = commands.add_parser("stage", help="validate a blueprint and stage a deployment")
-    p_stage.add_argument("blueprint", type=Path)
-    p_stage.add_argument("--dir", type=Path, required=True)
-    p_build = commands.add_parser("build", help="build a staged deployment's image")
-    p_build.add_argument("--dir", type=Path, required=True)
-    p_session = commands.add_parser("controlled-session", help="controlled sessions")
+    p_stage.add_argument("blueprint", type=Path, help="the blueprint file (YAML)")
+    p_stage.add_argument("--dir", type=Path, required=True,
+                         help="the staging directory, made or restaged in place (required)")
+    p_build = commands.add_parser(
+        "build", help="build a staged deployment's image: progress on stderr, the JSON "
+                      "result on stdout")
+    p_build.add_argument("--dir", type=Path, required=True,
+                         help="the staged deployment's directory (required)")
+    p_build.add_argument("-q", "--quiet", action="store_true",
+                         help="do not show the build's progress on stderr (default: shown)")
+    p_session = commands.add_parser("controlled-session",
+                                    help="controlled sessions: `run` one, `cleanup` after crashes")
     session_commands = p_session.add_subparsers(dest="action", required=True,
-                                                parser_class=ArgumentParser)
+                                                parser_class=ArgumentParser, metavar="ACTION")
     cleanup = session_commands.add_parser(
         "cleanup", help="remove what crashed sessions left behind (host and watchdog both dead)")
     cleanup.add_argument("--workload-dir", type=Path, action="append", default=[],
-                         help="also check this deployment's manifests (repeatable)")
+                         help="also read this deployment's session manifests, which catch runs "
+                              "that died before creating anything (repeatable; default: none, "
+                              "the engine's labelled leftovers only)")
     run = session_commands.add_parser(
-        "run", usage="reploy controlled-session run --controller-dir DIR --workload-dir DIR "
+        "run", help="run one controlled session and print its JSON result",
+        usage="reploy controlled-session run --controller-dir DIR --workload-dir DIR "
         "[options] -- CONTROLLER_COMMAND [ARG ...]")
-    run.add_argument("--controller-dir", type=Path, required=True)
-    run.add_argument("--workload-dir", type=Path, required=True)
-    run.add_argument("--endpoint", action="append", default=[], metavar="ID")
-    run.add_argument("--columns", type=ascii_number)
-    run.add_argument("--rows", type=ascii_number)
+    run.add_argument("--controller-dir", type=Path, required=True, metavar="DIR",
+                     help="the built controller deployment (required)")
+    run.add_argument("--workload-dir", type=Path, required=True, metavar="DIR",
+                     help="the built workload deployment (required)")
+    run.add_argument("--endpoint", action="append", default=[], metavar="ID",
+                     help="grant the controller this endpoint of the workload's blueprint "
+                          "(repeatable; default: none, no network)")
+    run.add_argument("--columns", type=ascii_number, metavar="N",
+                     help=f"the terminal's width, with --rows ({wire.MIN_DIMENSION}.."
+                          f"{wire.MAX_DIMENSION}; default {DEFAULT_COLUMNS})")
+    run.add_argument("--rows", type=ascii_number, metavar="N",
+                     help=f"the terminal's height, with --columns ({wire.MIN_DIMENSION}.."
+                          f"{wire.MAX_DIMENSION}; default {DEFAULT_ROWS})")
     outputs = run.add_mutually_exclusive_group()
-    outputs.add_argument("--output-file", type=Path)
-    outputs.add_argument("--output-dir", type=Path)
+    outputs.add_argument("--output-file", type=Path, metavar="FILE",
+                         help="publish the controller's output file here (default: none)")
+    outputs.add_argument("--output-dir", type=Path, metavar="DIR",
+                         help="publish the controller's output directory here (default: none)")
     for option in TIMEOUT_OPTIONS:
         run.add_argument(option.flag, metavar="DURATION",
-                         help=f"default {format_duration(option.default_ms)}")
+                         help=f"default {format_duration(option.default_ms)} "
+                              f"({format_duration(option.min_ms)}.."
+                              f"{format_duration(option.max_ms)})")
+    for name, what in (("serve", "run the managed-session control plane (REST API, web UI)"),
+                       ("session", "drive managed sessions through a running serve")):
+        commands.add_parser(name, add_help=False, help=f"{what}; `reploy {name} --help`")
     return parser
 
 
@@ -4419,7 +4564,9 @@ def emit(obj: dict[str, Any], to_stderr: bool = False) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    argv, command = split_command(list(sys.argv[1:] if argv is None else argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    hand_over_to_control_plane(argv)  # before parsing: the parser only lists those commands
+    argv, command = split_command(argv)
     try:
         args = build_parser().parse_args(argv)
         if getattr(args, "action", None) == "run":
@@ -4451,7 +4598,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         elif args.command == "build":
             backend = DockerBackend()
             reconcile(backend, [args.dir])
-            emit(build(args.dir, backend))
+            emit(build(args.dir, backend, show=unshown if args.quiet else
+                       functools.partial(print, file=sys.stderr, flush=True)))
         else:
             receipts = reconcile(DockerBackend(), args.workload_dir)
             cleaned = all(r["cleanup_succeeded"] for r in receipts)
@@ -4486,12 +4634,11 @@ def run_as_process(main_function: Callable[[], int]) -> None:
 def run_command() -> None:
     """The command line. `python3 reploy.py` comes here with the signals held and `serve` and
     `session` handed over already (its first statements); the installed `reploy` command
-    (pyproject.toml's entry point) imports this module and starts here, so it gets both here:
-    the hold, from before its command line is parsed, and the hand-over."""
+    (pyproject.toml's entry point) imports this module and starts here, so it gets both from
+    here on: the hold, from before its command line is parsed, and the hand-over (main's)."""
     global SIGNAL_MASK_BEFORE_HOLD
     if SIGNAL_MASK_BEFORE_HOLD is None:
         SIGNAL_MASK_BEFORE_HOLD = signal.pthread_sigmask(signal.SIG_BLOCK, HELD_SIGNALS)
-    hand_over_to_control_plane()
     run_as_process(main)
 
 

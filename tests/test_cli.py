@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import argparse
 import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -153,6 +156,51 @@ def test_every_command_refuses_abbreviations_and_repeated_options(argv: list[str
     proc = run_reploy(*argv)
     assert proc.returncode == 2 and proc.stdout == b""
     assert message in proc.stderr.decode()
+
+
+#: Every command of `reploy`, in the order its help lists them: serve and session too, though
+#: reploy_serve.py runs them.
+COMMANDS = ("stage", "build", "controlled-session", "serve", "session")
+
+
+def test_the_help_lists_every_command() -> None:
+    proc = run_reploy("--help")
+    assert proc.returncode == 0
+    assert re.findall(r"^ {4}([a-z-]+)", proc.stdout.decode(), re.M) == list(COMMANDS)
+
+
+def test_an_unknown_command_is_a_usage_error_that_names_every_command() -> None:
+    proc = run_reploy("nosuch")
+    assert proc.returncode == 2 and proc.stdout == b""
+    stderr = proc.stderr.decode()
+    assert "invalid choice: 'nosuch'" in stderr
+    assert re.findall(r"'([a-z-]+)'", stderr.split("choose from", 1)[1]) == list(COMMANDS)
+
+
+def parser_actions(parser: argparse.ArgumentParser) -> Iterator[tuple[str, argparse.Action]]:
+    """Each argument of `parser` and of its commands, with the command it belongs to; a
+    command's own entry in its parent's list counts as one."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            yield from ((parser.prog, choice) for choice in action._choices_actions)
+            for command in action.choices.values():
+                yield from parser_actions(command)
+        else:
+            yield parser.prog, action
+
+
+def test_every_command_and_option_has_help_that_gives_its_default() -> None:
+    """An option not required says its default; one required says so."""
+    import reploy
+
+    unexplained = []
+    for prog, action in parser_actions(reploy.build_parser()):
+        optional = action.option_strings and not isinstance(
+            action, (argparse._HelpAction, argparse._VersionAction))
+        if not action.help or optional and not re.search(
+                r"\bdefault\b" if not action.required else r"\(required\)", action.help):
+            unexplained.append(f"{prog} {'/'.join(action.option_strings) or action.dest}")
+    assert unexplained == []
 
 
 def test_a_repeatable_option_may_be_repeated(tmp_path: Path) -> None:
