@@ -687,15 +687,15 @@ class Files:
                                               f"{path}: is a directory")
             announced = response.getheader("Content-Length")
             if announced is not None and announced.isdigit() and int(announced) > limit_bytes:
-                raise ReployError(None, "too_large", f"{path}: {announced} bytes, more than the "
-                                  f"{limit_bytes} read at most (Files.read's limit_bytes)")
+                raise ReployError(None, "too_large", f"{path}: {announced} bytes, more than "
+                                  f"{limit_bytes} (Files.read's limit_bytes); nothing was read")
             try:
                 data = response.read(limit_bytes + 1)
             except (OSError, http.client.HTTPException) as e:
                 raise ReployError(response.status, None, f"{path}: the download ended early ({e!r})") from e
         if len(data) > limit_bytes:
-            raise ReployError(None, "too_large", f"{path}: more than the {limit_bytes} bytes read at "
-                              "most (Files.read's limit_bytes)")
+            raise ReployError(None, "too_large", f"{path}: more than {limit_bytes} bytes (Files.read's "
+                              "limit_bytes); the rest was not read")
         return data
 
     def write(self, path: str, data: "bytes | str", mode: Optional[int] = None) -> dict[str, Any]:
