@@ -277,6 +277,28 @@ def test_an_exec_stream_that_changes_after_its_form_was_chosen_ends_the_answer()
                        sent={"stdout": b"\x01" * 550, "stderr": b""})
 
 
+def test_exec_answers_are_bounded_per_session_and_in_all() -> None:
+    """A slot past either bound is waited for; a wait that cannot last (its deadline passed)
+    says so at once, and a slot given back is there for the next."""
+    import threading
+
+    slots = reploy_serve.AnswerSlots(per_session=1, total=2)
+
+    def expired() -> reploy_serve.AgentWait:
+        return reploy_serve.AgentWait("an answer slot", 0.0, lambda: False, threading.Event(), lambda: 1.0)
+
+    with slots.hold("a", expired()):
+        with pytest.raises(reploy_serve.GatewayTimeout):
+            with slots.hold("a", expired()):
+                pass
+        with slots.hold("b", expired()):
+            with pytest.raises(reploy_serve.GatewayTimeout):
+                with slots.hold("c", expired()):
+                    pass
+    with slots.hold("a", expired()), slots.hold("c", expired()):
+        pass
+
+
 @pytest.mark.parametrize(("result", "code"), [
     ({"timed_out": False, "exit_code": 0, "signal": None}, 0),
     ({"timed_out": False, "exit_code": 3, "signal": None}, 3),
