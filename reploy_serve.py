@@ -283,7 +283,7 @@ EXEC_POLL_MS = 4000
 #: Deadlines of the loops that wait on an agent (see "the harness verbs"): an exec's result is
 #: awaited for its own timeout plus this (the agent kills it at its timeout); a listing's pages
 #: for this long; an upload's commit for a base plus its size at a slow disk's rate; a
-#: download's next byte for this long.
+#: download's next byte, and an exec answer's turn and next page, for this long.
 EXEC_END_GRACE_S = 30.0
 LIST_TIMEOUT_S = 60.0
 UPLOAD_COMMIT_BASE_S = 120.0
@@ -4389,10 +4389,9 @@ class SessionManager:
                     client_gone: Callable[[], bool]) -> Generator[bytes, None, None]:
         """An ended exec's answer in JSON pieces (exec_result_json), each stream read again
         from the agent a page at a time as it is sent, under one of the session's exec answer
-        slots (AnswerSlots). The agent's result is released at the end, or dropped on any
-        failure."""
-        wait = self._wait(f"the output of the command {ended.exec_id}", EXEC_POLL_MS / 1000 + EXEC_END_GRACE_S,
-                          client_gone)
+        slots (AnswerSlots). The agent's result is released at the end, whether the answer
+        went out whole or not."""
+        wait = self._wait(f"the output of the command {ended.exec_id}", DOWNLOAD_STALL_S, client_gone)
 
         def pages(name: str) -> Iterator[bytes]:
             if ended.held is not None:
@@ -4406,7 +4405,7 @@ class SessionManager:
                     "exec_id": ended.exec_id, **{f"{n}_offset": o for n, o in offsets.items()}})
                 if page["running"] or page[f"{name}_bytes"] != ended.sizes[name] or not page[name]:
                     raise BadGateway(f"the session agent's {name} changed after its command ended")
-                wait.renew(EXEC_POLL_MS / 1000 + EXEC_END_GRACE_S)
+                wait.renew(DOWNLOAD_STALL_S)
                 offsets[name] += len(page[name])
                 yield page[name]
 
@@ -6494,7 +6493,11 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
 
     def send_json(self, status: int, document: dict[str, Any],
                   headers: Optional[dict[str, str]] = None) -> None:
-        data = wire.encode_compact(document)
+        self.send_json_bytes(status, wire.encode_compact(document), headers)
+
+    def send_json_bytes(self, status: int, data: bytes,
+                        headers: Optional[dict[str, str]] = None) -> None:
+        """A JSON answer already encoded, with its length, in one send."""
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
@@ -6685,8 +6688,11 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
         ended = self.manager.exec(sid, params, self.client_gone)
         if isinstance(ended, dict):
             return 200, ended
-        self.send_json_pieces(200, self.manager.exec_answer(sid, ended, self.client_gone),
-                              f"the exec answer of session {sid}")
+        pieces = self.manager.exec_answer(sid, ended, self.client_gone)
+        if ended.held is not None:  # a small output, serve's already: one body of known length
+            self.send_json_bytes(200, b"".join(pieces))
+        else:
+            self.send_json_pieces(200, pieces, f"the exec answer of session {sid}")
         return None
 
     def api_list_files(self, sid: str, body: bytes, query: str) -> tuple[int, dict[str, Any]]:
