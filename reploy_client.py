@@ -70,6 +70,14 @@ TOKEN_ENV = "REPLOY_TOKEN"
 TOKEN_RE = re.compile(r"[A-Za-z0-9._~+/=-]{32,512}")  #: what serve makes and accepts
 MAX_TOKEN_FILE_BYTES = 4096
 MAX_ANSWER_BYTES = 128 * 1024 * 1024  #: the most of one JSON answer read into memory
+#: serve's bounds on an exec's output, per stream (agent.py's DEFAULT_ and MAX_EXEC_OUTPUT_CAP_BYTES):
+#: the cap when none is asked for, and the most one may ask for.
+DEFAULT_EXEC_OUTPUT_BYTES = 1024 * 1024
+MAX_EXEC_OUTPUT_BYTES = 16 * 1024 * 1024
+#: An exec answer beyond its two streams: how the command ended, the field names, JSON's quotes.
+EXEC_ANSWER_OVERHEAD_BYTES = 64 * 1024
+#: Files.read's default bound: a larger file is refused (too_large) unless the caller raises it.
+DEFAULT_READ_LIMIT_BYTES = 64 * 1024 * 1024
 MAX_MESSAGE_CHARS = 2000  #: a server's error message as shown, at most
 CONTROL_CHARACTERS = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 TRANSFER_CHUNK_BYTES = 752 * 1024  #: reads and writes of a streamed HTTP body
@@ -274,6 +282,28 @@ class ExecResult:
         return self.exit_code == 0
 
 
+def exec_answer_limit(max_output_bytes: Optional[int]) -> int:
+    """The most an exec answer may be, given the output cap asked for (None: serve's default):
+    each stream once, in the longer of its two forms (base64), and the rest. Pure."""
+    cap = DEFAULT_EXEC_OUTPUT_BYTES if max_output_bytes is None else max_output_bytes
+    return 2 * ((cap + 2) // 3 * 4) + EXEC_ANSWER_OVERHEAD_BYTES
+
+
+def exec_stream(document: dict[str, Any], name: str) -> bytes:
+    """One stream of an exec answer, in the form its `{name}Encoding` names: `text` (the bytes,
+    UTF-8) or `base64`. An answer from an older serve, which sent both, has no such field and
+    its exact bytes in base64."""
+    encoding = field(document, f"{name}Encoding", str) if f"{name}Encoding" in document else "base64"
+    if encoding == "text":
+        try:
+            return field(document, name, str).encode("utf-8")
+        except UnicodeEncodeError:
+            raise AnswerInvalid(f"{name} is not text") from None
+    if encoding == "base64":
+        return base64_field(document, f"{name}Base64")
+    raise AnswerInvalid(f"{name}Encoding is neither text nor base64")
+
+
 def parse_exec_result(document: dict[str, Any]) -> ExecResult:
     """POST exec's answer (ExecResult in web/openapi.json), checked. Pure."""
     exit_code = field(document, "exitCode", int, nullable=True)
@@ -282,8 +312,8 @@ def parse_exec_result(document: dict[str, Any]) -> ExecResult:
     signal_name = field(document, "signal", str, nullable=True)
     if signal_name is not None and not re.fullmatch(r"SIG[A-Z0-9]{1,12}", signal_name):
         raise AnswerInvalid("signal is not a signal name")
-    return ExecResult(exit_code=exit_code, stdout=base64_field(document, "stdoutBase64"),
-                      stderr=base64_field(document, "stderrBase64"),
+    return ExecResult(exit_code=exit_code, stdout=exec_stream(document, "stdout"),
+                      stderr=exec_stream(document, "stderr"),
                       timed_out=field(document, "timedOut", bool),
                       truncated=bool(document.get("stdoutTruncated") or document.get("stderrTruncated")),
                       signal=signal_name,
@@ -511,13 +541,15 @@ class Client:
 
     def request(self, method: str, path: str, body: Optional[bytes] = None,
                 headers: Optional[dict[str, str]] = None,
-                timeout_s: Optional[float] = CALL_TIMEOUT_S) -> Answer:
-        """One call, its answer read whole, tried again while `self.retry` says so: only when
-        nothing ran (RETRY_TRIES), so a create is never made twice."""
+                timeout_s: Optional[float] = CALL_TIMEOUT_S,
+                max_answer_bytes: int = MAX_ANSWER_BYTES) -> Answer:
+        """One call, its answer read whole (at most max_answer_bytes, and one byte more to
+        tell a longer one), tried again while `self.retry` says so: only when nothing ran
+        (RETRY_TRIES), so a create is never made twice."""
         waited_s = 0.0
         for tries_made in range(1, self.retry.tries + 1):
             try:
-                answer = self._request_once(method, path, body, headers, timeout_s)
+                answer = self._request_once(method, path, body, headers, timeout_s, max_answer_bytes)
             except RequestNotSent as e:
                 pause_s = self.retry.pause_s(tries_made, waited_s, None)
                 if pause_s is None:
@@ -532,7 +564,8 @@ class Client:
         raise AssertionError("unreachable: the last try returns or raises")
 
     def _request_once(self, method: str, path: str, body: Optional[bytes],
-                      headers: Optional[dict[str, str]], timeout_s: Optional[float]) -> Answer:
+                      headers: Optional[dict[str, str]], timeout_s: Optional[float],
+                      max_answer_bytes: int) -> Answer:
         """One call on a pooled connection, its answer read whole. A reused connection that
         the server had closed meanwhile (a stale keep-alive) is retried once on a new one:
         nothing was answered on it, so nothing ran."""
@@ -548,7 +581,7 @@ class Client:
                         continue
                     raise RequestNotSent(str(e)) from None
                 response = connection.getresponse()
-                data = response.read(MAX_ANSWER_BYTES + 1)
+                data = response.read(max_answer_bytes + 1)
             except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError) as e:
                 connection.close()
                 if reused and attempt == 1:
@@ -560,7 +593,7 @@ class Client:
                     raise ReployTimeoutError(None, "timeout", f"no answer from {self.server} "
                                              f"within {timeout_s} s") from None
                 raise ReployError(None, None, f"no answer from {self.server}: {e}") from None
-            if response.will_close or len(data) > MAX_ANSWER_BYTES:
+            if response.will_close or len(data) > max_answer_bytes:
                 connection.close()
             else:
                 self.connections.give_back(connection)
@@ -568,15 +601,15 @@ class Client:
                           response.getheader("Retry-After"))
         raise AssertionError("unreachable")
 
-    def document(self, answer: Answer) -> dict[str, Any]:
+    def document(self, answer: Answer, max_answer_bytes: int = MAX_ANSWER_BYTES) -> dict[str, Any]:
         """A JSON object answer, or ReployError."""
         if answer.content_type.partition(";")[0].strip().lower() != "application/json":
             content_type = shown(answer.content_type[:60]) or "none"
             raise self.unexpected(answer.status, f"HTTP {answer.status} with Content-Type {content_type}")
-        if len(answer.body) > MAX_ANSWER_BYTES:
-            raise self.unexpected(answer.status, f"an answer longer than {MAX_ANSWER_BYTES} bytes")
+        if len(answer.body) > max_answer_bytes:
+            raise self.unexpected(answer.status, f"an answer longer than {max_answer_bytes} bytes")
         try:
-            return wire.parse_strict_object(answer.body, max_bytes=MAX_ANSWER_BYTES)
+            return wire.parse_strict_object(answer.body, max_bytes=max_answer_bytes)
         except wire.ProtocolError as e:
             raise self.unexpected(answer.status, f"HTTP {answer.status}, {e}") from None
 
@@ -592,15 +625,17 @@ class Client:
         return error_for(answer.status, code, reason)
 
     def call(self, method: str, path: str, body: Optional[dict[str, Any]] = None,
-             timeout_s: Optional[float] = CALL_TIMEOUT_S) -> Optional[dict[str, Any]]:
+             timeout_s: Optional[float] = CALL_TIMEOUT_S,
+             max_answer_bytes: int = MAX_ANSWER_BYTES) -> Optional[dict[str, Any]]:
         """One JSON call: its answer's document (None for 204, a delete's), or the error."""
         data = wire.encode_compact(body) if body is not None else None
-        answer = self.request(method, path, data, {"Content-Type": "application/json"}, timeout_s)
+        answer = self.request(method, path, data, {"Content-Type": "application/json"}, timeout_s,
+                              max_answer_bytes)
         if answer.status >= 400:
             raise self.error(answer)
         if answer.status == 204:
             return None
-        return self.document(answer)
+        return self.document(answer, max_answer_bytes)
 
     def checked(self, check: Callable[[], Any]) -> Any:
         """`check()`, with an AnswerInvalid as the one clear error about the server."""
@@ -705,8 +740,11 @@ class Files:
     def __init__(self, session: "Session") -> None:
         self.session = session
 
-    def read(self, path: str, limit_bytes: Optional[int] = None) -> bytes:
-        """A regular file's bytes. ReployError (code too_large) past limit_bytes."""
+    def read(self, path: str, limit_bytes: int = DEFAULT_READ_LIMIT_BYTES) -> bytes:
+        """A regular file's bytes, read into memory: at most limit_bytes (by default
+        DEFAULT_READ_LIMIT_BYTES; raise it for a larger file, or stream one with `reploy
+        session cp`). A larger file is ReployError (code too_large), and the rest of it is
+        never read: the download's connection is closed."""
         root, below = file_target(path)
         client = self.session.client
         with naming(path), client.open_stream("GET", file_route("files", self.session.id, root,
@@ -715,15 +753,16 @@ class Files:
                 raise ReployIsADirectoryError(response.status, "is_a_directory",
                                               f"{path}: is a directory")
             announced = response.getheader("Content-Length")
-            if limit_bytes is not None and announced is not None and announced.isdigit() \
-                    and int(announced) > limit_bytes:
-                raise ReployError(None, "too_large", f"{path}: {announced} bytes, more than {limit_bytes}")
+            if announced is not None and announced.isdigit() and int(announced) > limit_bytes:
+                raise ReployError(None, "too_large", f"{path}: {announced} bytes, more than "
+                                  f"{limit_bytes} (Files.read's limit_bytes); nothing was read")
             try:
-                data = response.read() if limit_bytes is None else response.read(limit_bytes + 1)
+                data = response.read(limit_bytes + 1)
             except (OSError, http.client.HTTPException) as e:
                 raise ReployError(response.status, None, f"{path}: the download ended early ({e!r})") from e
-        if limit_bytes is not None and len(data) > limit_bytes:
-            raise ReployError(None, "too_large", f"{path}: more than {limit_bytes} bytes")
+        if len(data) > limit_bytes:
+            raise ReployError(None, "too_large", f"{path}: more than {limit_bytes} bytes (Files.read's "
+                              "limit_bytes); the rest was not read")
         return data
 
     def write(self, path: str, data: "bytes | str", mode: Optional[int] = None) -> dict[str, Any]:
@@ -785,8 +824,10 @@ class Session:
         self.delete()
 
     def _call(self, method: str, verb: str = "", body: Optional[dict[str, Any]] = None,
-              timeout_s: Optional[float] = CALL_TIMEOUT_S) -> Optional[dict[str, Any]]:
-        return self.client.call(method, f"/sessions/{self.id}{verb}", body, timeout_s)
+              timeout_s: Optional[float] = CALL_TIMEOUT_S,
+              max_answer_bytes: int = MAX_ANSWER_BYTES) -> Optional[dict[str, Any]]:
+        return self.client.call(method, f"/sessions/{self.id}{verb}", body, timeout_s,
+                                max_answer_bytes)
 
     def get(self) -> dict[str, Any]:
         document = self._call("GET")
@@ -810,14 +851,17 @@ class Session:
         """Runs argv (no shell unless you run one) as the runtime user, in the workspace or
         `cwd`, and answers once it ends. `timeout` in seconds (None: serve's default). The
         callbacks get each stream's bytes once the command has ended (serve answers an exec
-        whole). Closing the connection kills the command."""
+        whole). `max_output_bytes` caps each stream (None: serve's default, 1 MiB; at most
+        16 MiB), and the answer accepted is sized from it (exec_answer_limit). Closing the
+        connection kills the command."""
         data = stdin.encode("utf-8") if isinstance(stdin, str) else stdin
         timeout_s = None if timeout is None else timeout + EXEC_GRACE_S
         if data is not None and len(data) > MAX_INLINE_STDIN_BYTES:
             document = self._exec_from_file(argv, cwd, env, data, timeout, max_output_bytes)
         else:
             document = self._call("POST", "/exec", exec_body(argv, cwd, env, data, timeout,
-                                                             max_output_bytes), timeout_s)
+                                                             max_output_bytes), timeout_s,
+                                  exec_answer_limit(max_output_bytes))
         result = self.client.checked(lambda: parse_exec_result(document or {}))
         for callback, chunk in ((on_stdout, result.stdout), (on_stderr, result.stderr)):
             if callback is not None and chunk:
@@ -834,7 +878,8 @@ class Session:
         try:
             return self._call("POST", "/exec", exec_body(argv, cwd, env, None, timeout,
                                                          max_output_bytes, stdin_path=path),
-                              None if timeout is None else timeout + EXEC_GRACE_S)
+                              None if timeout is None else timeout + EXEC_GRACE_S,
+                              exec_answer_limit(max_output_bytes))
         finally:
             self._call("POST", "/exec", exec_body(["rm", "-f", "--", path], None, None, None,
                                                   EXEC_GRACE_S, None))

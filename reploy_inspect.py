@@ -6,9 +6,12 @@
 
 Registered through the `inspect_ai` entry point in pyproject.toml (`pip install .[inspect]`),
 or by importing this module. Each sample gets one managed session of a `reploy serve`,
-labelled with the eval, task and sample ids and created with a time to live, so that what a
-killed harness leaves is deleted by the reaper within the TTL, and `inspect sandbox cleanup
-reploy` (or sample_cleanup) deletes by label. Inspect writes Sample.files through write_file.
+labelled with the eval run's id (one per Inspect sandbox lifecycle: an `inspect eval` and the
+tasks it runs), and the eval, task and sample ids, and created with a time to live, so that
+what a killed harness leaves is deleted by the reaper within the TTL; task_cleanup deletes
+what its own run left (a cancelled sample's session), and `inspect sandbox cleanup reploy`
+every session of the provider. Inspect writes Sample.files through write_file. Output past
+the exec cap, or a file past the read cap, is Inspect's OutputLimitExceededError.
 
 Every call runs reploy_client's blocking call in a worker thread (anyio.to_thread); the
 client's connection pool lets a sample's parallel tool calls run side by side. Exec runs as
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import re
+import secrets
 import signal
 from typing import Any, Callable, Literal, Optional, TypeVar, Union, overload
 
@@ -44,6 +48,7 @@ T = TypeVar("T")
 PROVIDER = "reploy"
 LABEL_PROVIDER = "inspect-provider"  #: every session this provider makes carries it
 LABEL_EVAL, LABEL_TASK, LABEL_SAMPLE = "inspect-eval", "inspect-task", "inspect-sample"
+LABEL_RUN = "inspect-run"  #: the eval run that made the session (EvalRun), which task_cleanup deletes
 DEFAULT_TTL_SECONDS = 6 * 3600
 _LABEL_VALUE_BAD = re.compile(r"[^A-Za-z0-9._-]")
 MAX_LABEL_VALUE_CHARS = 63
@@ -116,6 +121,36 @@ def current_sample_labels() -> dict[str, str]:
             LABEL_SAMPLE: label_value(f"{active.sample.id}-{active.epoch}")}
 
 
+class EvalRun:
+    """One eval run's id, made once per Inspect sandbox lifecycle (its scope spans the
+    run's task_init, samples and task_cleanup, whose task name is only "startup" and
+    "shutdown"). Outside such a scope (an Inspect without one, a direct call), one per
+    process."""
+
+    def __init__(self) -> None:
+        self.id = secrets.token_hex(8)
+
+
+_PROCESS_RUN = EvalRun()
+
+
+def current_run() -> EvalRun:
+    try:
+        from inspect_ai.util._sandbox.lifecycle import sandbox_lifecycle_state
+    except ImportError:  # an Inspect older than its lifecycle scopes
+        return _PROCESS_RUN
+    scope = sandbox_lifecycle_state()
+    return _PROCESS_RUN if scope is None else scope.get(EvalRun)
+
+
+def output_limit_error(stdout: str, stderr: str) -> OutputLimitExceededError:
+    """What Inspect's own sandboxes raise for output past the exec limit: the limit's words and
+    what was kept of the output, both streams, within the limit."""
+    limit_bytes = SandboxEnvironmentLimits.MAX_EXEC_OUTPUT_SIZE
+    kept = f"{stdout}{stderr}".encode("utf-8")[:limit_bytes].decode("utf-8", "ignore")
+    return OutputLimitExceededError(SandboxEnvironmentLimits.MAX_EXEC_OUTPUT_SIZE_STR, kept)
+
+
 @sandboxenv(name=PROVIDER)
 class ReploySandboxEnvironment(SandboxEnvironment):
     """One managed session of a `reploy serve`."""
@@ -146,8 +181,8 @@ class ReploySandboxEnvironment(SandboxEnvironment):
         settings = config_of(config)
         extra: dict[str, Any] = {}
         if settings.sweep:
-            extra["labels"] = {LABEL_PROVIDER: PROVIDER, LABEL_TASK: label_value(task_name),
-                               **current_sample_labels()}
+            extra["labels"] = {LABEL_PROVIDER: PROVIDER, LABEL_RUN: current_run().id,
+                               LABEL_TASK: label_value(task_name), **current_sample_labels()}
             extra["ttl_seconds"] = settings.ttl_seconds
         if settings.disk_mib is not None:
             extra["diskMib"] = settings.disk_mib
@@ -168,20 +203,26 @@ class ReploySandboxEnvironment(SandboxEnvironment):
     @classmethod
     async def task_cleanup(cls, task_name: str, config: SandboxEnvironmentConfigType | None,
                            cleanup: bool) -> None:
-        """What this task's samples left (a cancelled sample_init, say), by label."""
+        """What this eval run's samples left (a cancelled sample_init, say), by its run label:
+        Inspect names every task "shutdown" here, so the task name tells nothing."""
         settings = config_of(config)
         if cleanup and settings.sweep:
             await in_thread(delete_labelled, client_for(settings),
-                            {LABEL_PROVIDER: PROVIDER, LABEL_TASK: label_value(task_name)})
+                            {LABEL_PROVIDER: PROVIDER, LABEL_RUN: current_run().id})
 
     @classmethod
     async def cli_cleanup(cls, id: str | None) -> None:  # noqa: A002 - Inspect's name
-        """`inspect sandbox cleanup reploy [ID]`: every session of this provider (or one)."""
+        """`inspect sandbox cleanup reploy [ID]`: every session of this provider (or one),
+        each one removed named on stdout."""
         client = client_for(ReployConfig())
         if id is not None:
             await in_thread(client.session(id).delete)
+            print(f"reploy: deleted session {reploy_client.shown(id, 64)}")
             return
-        await in_thread(delete_labelled, client, {LABEL_PROVIDER: PROVIDER})
+        deleted = await in_thread(delete_labelled, client, {LABEL_PROVIDER: PROVIDER})
+        for session_id in deleted:
+            print(f"reploy: deleted session {reploy_client.shown(session_id, 64)}")
+        print(f"reploy: {len(deleted)} session(s) deleted")
 
     # -- the sandbox ---------------------------------------------------------------------
 
@@ -194,11 +235,12 @@ class ReploySandboxEnvironment(SandboxEnvironment):
                 f"reploy runs every command as the session's runtime user, never as {user!r}")
         timeout_s = timeout if timeout is not None else self.config.exec_timeout
         limit_bytes = SandboxEnvironmentLimits.MAX_EXEC_OUTPUT_SIZE
+        cap_bytes = min(self.config.max_output_bytes or limit_bytes, reploy_client.MAX_EXEC_OUTPUT_BYTES)
         try:
             result = await in_thread(functools.partial(
                 self.session.exec, cmd, cwd=cwd, env=env, stdin=input,
                 timeout=None if timeout_s is None else float(timeout_s),
-                max_output_bytes=self.config.max_output_bytes or limit_bytes))
+                max_output_bytes=cap_bytes))
         except FileNotFoundError as e:  # Inspect: a missing program is a failed result
             return ExecResult(success=False, returncode=NOT_FOUND_EXIT, stdout="", stderr=str(e))
         if result.timed_out:
@@ -206,7 +248,7 @@ class ReploySandboxEnvironment(SandboxEnvironment):
         stdout = result.stdout.decode("utf-8", "replace")
         stderr = result.stderr.decode("utf-8", "replace")
         if result.truncated or len(result.stdout) > limit_bytes or len(result.stderr) > limit_bytes:
-            raise OutputLimitExceededError(SandboxEnvironmentLimits.MAX_EXEC_OUTPUT_SIZE_STR, stdout)
+            raise output_limit_error(stdout, stderr)
         exit_code = result.exit_code if result.exit_code is not None else signal_exit(result.signal)
         return ExecResult(success=exit_code == 0, returncode=exit_code, stdout=stdout, stderr=stderr)
 
@@ -231,15 +273,15 @@ class ReploySandboxEnvironment(SandboxEnvironment):
         return data.decode("utf-8") if text else data
 
 
-def delete_labelled(client: reploy_client.Client, labels: dict[str, str]) -> int:
-    """Deletes every session carrying `labels`; the number deleted. The answer is checked
+def delete_labelled(client: reploy_client.Client, labels: dict[str, str]) -> list[str]:
+    """Deletes every session carrying `labels`; the ids deleted. The answer is checked
     too: a serve that does not filter by label (an older one) gets nothing deleted."""
-    sessions = [session for session in client.sessions(labels)
-                if isinstance(session.get("labels"), dict)
-                and all(session["labels"].get(k) == v for k, v in labels.items())]
-    for session in sessions:
-        client.session(str(session["id"])).delete()
-    return len(sessions)
+    ids = [str(session["id"]) for session in client.sessions(labels)
+           if isinstance(session.get("labels"), dict)
+           and all(session["labels"].get(k) == v for k, v in labels.items())]
+    for session_id in ids:
+        client.session(session_id).delete()
+    return ids
 
 
 __all__ = ["ReployConfig", "ReploySandboxEnvironment", "delete_labelled"]

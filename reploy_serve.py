@@ -288,7 +288,7 @@ EXEC_POLL_MS = 4000
 #: Deadlines of the loops that wait on an agent (see "the harness verbs"): an exec's result is
 #: awaited for its own timeout plus this (the agent kills it at its timeout); a listing's pages
 #: for this long; an upload's commit for a base plus its size at a slow disk's rate; a
-#: download's next byte for this long.
+#: download's next byte, and an exec answer's turn and next page, for this long.
 EXEC_END_GRACE_S = 30.0
 LIST_TIMEOUT_S = 60.0
 UPLOAD_COMMIT_BASE_S = 120.0
@@ -305,6 +305,11 @@ MAX_EXEC_STDIN_BYTES = agent_role.MAX_EXEC_STDIN_BYTES
 DEFAULT_EXEC_OUTPUT_BYTES = agent_role.DEFAULT_EXEC_OUTPUT_CAP_BYTES
 MAX_EXEC_OUTPUT_BYTES = agent_role.MAX_EXEC_OUTPUT_CAP_BYTES
 COPY_CHUNK_BYTES = 4 * 1024 * 1024
+#: Exec answers being sent, each holding one page of output at a time (its stream is read again
+#: from the agent, page by page, as it is sent): at most this many for one session and in all;
+#: more wait their turn. The agent runs 8 execs of a session at once.
+MAX_EXEC_ANSWERS_PER_SESSION = 8
+MAX_EXEC_ANSWERS = 32
 #: The pipe an upload's body is spliced through, socket to staging (at most what
 #: /proc/sys/fs/pipe-max-size allows; past it the default, only slower).
 STAGING_PIPE_BYTES = 1024 * 1024
@@ -1270,17 +1275,118 @@ def exec_params(fields: dict[str, Any]) -> dict[str, Any]:
     return params
 
 
-def exec_result_json(final: dict[str, Any], stdout: bytes, stderr: bytes) -> dict[str, Any]:
-    """The API's exec result from the agent's last exec_wait answer and the collected output:
-    how it ended (exitCode, or signal, or timedOut), each stream as text and exact base64."""
-    document = {"execId": final["exec_id"], "exitCode": final["exit_code"],
-                "signal": final["signal"], "timedOut": final["timed_out"],
-                "killed": final["killed"], "durationMs": final["duration_ms"]}
-    for name, data in (("stdout", stdout), ("stderr", stderr)):
-        document[name] = data.decode("utf-8", "replace")
-        document[f"{name}Base64"] = base64.b64encode(data).decode("ascii")
-        document[f"{name}Truncated"] = final[f"{name}_truncated"]
-    return document
+class OutputEncoding(enum.Enum):
+    """How an exec answer carries one stream's bytes, exactly, in one form (`{stream}Encoding`):
+    as JSON text (`stdout`) when they are UTF-8 and that text is no longer than their base64,
+    else as base64 (`stdoutBase64`). Never both: an answer is at most its streams' base64."""
+
+    TEXT = "text"
+    BASE64 = "base64"
+
+
+#: What encode_compact writes for a byte of UTF-8 text that JSON escapes: two characters for
+#: these, six (\u00XX) for the other C0 controls.
+_SHORT_ESCAPED = b'"\\\b\f\n\r\t'
+_LONG_ESCAPED = bytes(byte for byte in range(0x20) if byte not in _SHORT_ESCAPED)
+
+
+def base64_length(size_bytes: int) -> int:
+    return (size_bytes + 2) // 3 * 4
+
+
+class TextCost:
+    """One stream's bytes, fed in order: how long their JSON text is (`text_bytes`), or None
+    once they are not UTF-8. Pure."""
+
+    def __init__(self) -> None:
+        self.size_bytes = 0
+        self.text_bytes: Optional[int] = 0
+        self._decoder = codecs.getincrementaldecoder("utf-8")()
+
+    def feed(self, data: bytes, final: bool = False) -> None:
+        self.size_bytes += len(data)
+        if self.text_bytes is None:
+            return
+        try:
+            self._decoder.decode(data, final)
+        except UnicodeDecodeError:
+            self.text_bytes = None
+            return
+        short = len(data) - len(data.translate(None, _SHORT_ESCAPED))
+        long = len(data) - len(data.translate(None, _LONG_ESCAPED))
+        self.text_bytes += len(data) + short + 5 * long
+
+    def encoding(self) -> OutputEncoding:
+        """The form the answer gives these bytes (OutputEncoding); ends the feed."""
+        self.feed(b"", final=True)
+        if self.text_bytes is not None and self.text_bytes <= base64_length(self.size_bytes):
+            return OutputEncoding.TEXT
+        return OutputEncoding.BASE64
+
+
+@dataclass(frozen=True)
+class ExecEnded:
+    """An exec whose command ended: the agent's last exec_wait answer, each stream's size and
+    the form its answer gives it, and its bytes when serve holds them (`held`: at most two of
+    the agent's pages per stream, the agent's result released), else they are still the
+    agent's."""
+
+    exec_id: str
+    final: dict[str, Any]
+    sizes: dict[str, int]
+    encodings: dict[str, OutputEncoding]
+    held: Optional[dict[str, bytes]] = None
+
+
+EXEC_STREAMS = ("stdout", "stderr")
+
+
+def exec_result_head(final: dict[str, Any]) -> dict[str, Any]:
+    """How the command ended (exitCode, or signal, or timedOut), from the agent's last exec_wait."""
+    return {"execId": final["exec_id"], "exitCode": final["exit_code"], "signal": final["signal"],
+            "timedOut": final["timed_out"], "killed": final["killed"],
+            "durationMs": final["duration_ms"]}
+
+
+def exec_stream_json(name: str, encoding: OutputEncoding, pages: Iterable[bytes],
+                     truncated: bool, limit_bytes: int) -> Iterator[bytes]:
+    """One stream of an exec answer in JSON pieces (`,"stdoutEncoding":...,"stdout":"...",
+    "stdoutTruncated":...`), its bytes encoded page by page as they come: at most one page is
+    in memory. BadGateway once the encoded bytes would pass limit_bytes (pages other than those
+    the form was chosen for). Pure."""
+    key = name if encoding is OutputEncoding.TEXT else f"{name}Base64"
+    yield f',"{name}Encoding":"{encoding.value}","{key}":"'.encode()
+    written = 0
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    held = b""  # base64: the bytes past the last multiple of 3, so that pieces join whole
+    for page in pages:
+        if encoding is OutputEncoding.TEXT:
+            piece = json.dumps(decoder.decode(page), ensure_ascii=False)[1:-1].encode()
+        else:
+            data = held + page
+            cut = len(data) - len(data) % 3
+            piece, held = base64.b64encode(data[:cut]), data[cut:]
+        written += len(piece)
+        if written > limit_bytes:
+            raise BadGateway(f"the session agent's {name} changed after its command ended")
+        yield piece
+    tail = (json.dumps(decoder.decode(b"", True), ensure_ascii=False)[1:-1].encode()
+            if encoding is OutputEncoding.TEXT else base64.b64encode(held))
+    if written + len(tail) > limit_bytes:
+        raise BadGateway(f"the session agent's {name} changed after its command ended")
+    yield tail + f'","{name}Truncated":{json.dumps(truncated)}'.encode()
+
+
+def exec_result_json(ended: ExecEnded, pages: Callable[[str], Iterable[bytes]]) -> Iterator[bytes]:
+    """The API's exec result (ExecResult in web/openapi.json) in pieces: how the command ended,
+    then each stream once, in the form `ended` chose for it, from `pages(stream)`. Pure."""
+    yield wire.encode_compact(exec_result_head(ended.final))[:-1]
+    for name in EXEC_STREAMS:
+        # Text was chosen for being no longer than base64: either form stays within it.
+        yield from exec_stream_json(name, ended.encodings[name], pages(name),
+                                    ended.final[f"{name}_truncated"],
+                                    base64_length(ended.sizes[name]))
+    yield b"}"
 
 
 def file_route_path(api_path: str) -> str:
@@ -2747,6 +2853,34 @@ class AgentWait:
             self.stopping.wait(rest_s)
 
 
+class AnswerSlots:
+    """Answers being sent that each hold a bounded piece of memory (exec answers, a page at a
+    time): at most `per_session` of one session and `total` in all. hold() waits its turn
+    under an AgentWait (the client, serve's stop and the deadline end the wait)."""
+
+    def __init__(self, per_session: int, total: int) -> None:
+        self.per_session, self.total = per_session, total
+        self._held: dict[str, int] = {}
+        self._changed = threading.Condition()
+
+    @contextlib.contextmanager
+    def hold(self, session_id: str, wait: AgentWait) -> Iterator[None]:
+        with self._changed:
+            while (self._held.get(session_id, 0) >= self.per_session
+                   or sum(self._held.values()) >= self.total):
+                wait.check()
+                self._changed.wait(AGENT_POLL_MIN_S)
+            self._held[session_id] = self._held.get(session_id, 0) + 1
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._held[session_id] -= 1
+                if not self._held[session_id]:
+                    del self._held[session_id]
+                self._changed.notify_all()
+
+
 def stage_body(source: Any, fd: int, size_bytes: int) -> None:
     """Moves size_bytes of an upload's body from `source` (the connection's buffered reader)
     into its staging (fd) without copying them through Python: what the reader has buffered
@@ -3430,6 +3564,7 @@ class SessionManager:
         self._agent_waits_open: dict[str, int] = {}
         #: kept connections to the agents, for the hot paths: a session's calls and its follower
         self.agent_connections = AgentConnections()
+        self.exec_answers = AnswerSlots(MAX_EXEC_ANSWERS_PER_SESSION, MAX_EXEC_ANSWERS)
         #: set by run_serve when --model-upstream is given (see "the model proxy")
         self.model_proxy: Optional[ModelProxy] = None
         #: the sessions created with `egress` (see "the egress proxy")
@@ -4221,13 +4356,15 @@ class SessionManager:
         return AgentWait(what, time.monotonic() + timeout_s, client_gone, self.stopping)
 
     def exec(self, session_id: str, params: dict[str, Any],
-             client_gone: Callable[[], bool]) -> dict[str, Any]:
-        """Runs one command in the session's container and waits for its result. The agent
+             client_gone: Callable[[], bool]) -> "dict[str, Any] | ExecEnded":
+        """Runs one command in the session's container and waits for its end. The agent
         answers within 5 s, so the wait is a chain of long-polls; a client that went away,
         serve stopping, or the command outliving its own timeout by EXEC_END_GRACE_S (the
         agent kills it at its timeout; no timeout: none) kills the command's whole process
         group. A command queued behind the agent's running ones has its wait start again at
-        every poll. A detached command is answered once started: its pid and output files."""
+        every poll. The output stays the agent's: each page is only measured (TextCost) for
+        the form its answer gives it, and exec_answer() reads it again as it sends it. A
+        detached command is answered once started: its pid and output files."""
         started = self.call(session_id, "exec", params)
         exec_id = started["exec_id"]
         if params["detach"]:
@@ -4237,28 +4374,72 @@ class SessionManager:
                     "stdoutPath": started["stdout_path"], "stderrPath": started["stderr_path"]}
         timeout_s = params["timeout_ms"] / 1000 + EXEC_END_GRACE_S if "timeout_ms" in params else math.inf
         wait = self._wait(f"the command {exec_id}", timeout_s, client_gone)
-        output: dict[str, bytearray] = {"stdout": bytearray(), "stderr": bytearray()}
+        costs = {name: TextCost() for name in EXEC_STREAMS}
+        # Output of at most a page per stream so far is held, and the agent asked to release
+        # its result should this answer be the end: a small output is answered from here.
+        held: Optional[dict[str, bytearray]] = {name: bytearray() for name in EXEC_STREAMS}
         try:
             while True:
                 wait.check()
                 page = self._poll(session_id, "exec_wait", {
-                    "exec_id": exec_id, "wait_ms": EXEC_POLL_MS, "release": True,
-                    "stdout_offset": len(output["stdout"]), "stderr_offset": len(output["stderr"])})
+                    "exec_id": exec_id, "wait_ms": EXEC_POLL_MS, "release": held is not None,
+                    **{f"{name}_offset": cost.size_bytes for name, cost in costs.items()}})
                 if page.get("queued"):
                     wait.renew(timeout_s)
-                for name, data in output.items():
-                    data += page[name]
+                for name, cost in costs.items():
+                    cost.feed(page[name])
+                    if held is not None:
+                        held[name] += page[name]
                     if page[f"{name}_bytes"] > params["output_cap_bytes"]:  # a hostile agent's
                         raise BadGateway("the session agent sent more output than the cap")
-                if not page["running"] and all(len(data) == page[f"{name}_bytes"]
-                                               for name, data in output.items()):
-                    return exec_result_json(page, bytes(output["stdout"]), bytes(output["stderr"]))
+                if not page["running"] and all(cost.size_bytes == page[f"{name}_bytes"]
+                                               for name, cost in costs.items()):
+                    return ExecEnded(exec_id, page, {n: c.size_bytes for n, c in costs.items()},
+                                     {n: c.encoding() for n, c in costs.items()},
+                                     None if held is None else {n: bytes(d) for n, d in held.items()})
+                if held is not None and any(len(data) > agent_role.EXEC_PAGE_BYTES
+                                            for data in held.values()):
+                    held = None
                 if page["running"] or not (page["stdout"] or page["stderr"]):
                     wait.not_yet()
         except BaseException:
             with contextlib.suppress(AgentCallError):
                 agent_call(self.config.agent_dir(session_id), "exec_kill", {"exec_id": exec_id})
             raise
+
+    def exec_answer(self, session_id: str, ended: ExecEnded,
+                    client_gone: Callable[[], bool]) -> Generator[bytes, None, None]:
+        """An ended exec's answer in JSON pieces (exec_result_json), each stream read again
+        from the agent a page at a time as it is sent, under one of the session's exec answer
+        slots (AnswerSlots). The agent's result is released at the end, whether the answer
+        went out whole or not."""
+        wait = self._wait(f"the output of the command {ended.exec_id}", DOWNLOAD_STALL_S, client_gone)
+
+        def pages(name: str) -> Iterator[bytes]:
+            if ended.held is not None:
+                yield ended.held[name]
+                return
+            offsets = dict(ended.sizes)  # the other stream is read already
+            offsets[name] = 0
+            while offsets[name] < ended.sizes[name]:
+                wait.check()
+                page = self._poll(session_id, "exec_wait", {
+                    "exec_id": ended.exec_id, **{f"{n}_offset": o for n, o in offsets.items()}})
+                if page["running"] or page[f"{name}_bytes"] != ended.sizes[name] or not page[name]:
+                    raise BadGateway(f"the session agent's {name} changed after its command ended")
+                wait.renew(DOWNLOAD_STALL_S)
+                offsets[name] += len(page[name])
+                yield page[name]
+
+        try:
+            with self.exec_answers.hold(session_id, wait):
+                yield from exec_result_json(ended, pages)
+        finally:
+            if ended.held is None:  # the agent's result, read to its end or not: released
+                with contextlib.suppress(AgentCallError):
+                    agent_call(self.config.agent_dir(session_id), "exec_wait", {
+                        "exec_id": ended.exec_id, "max_bytes": 0, "release": True,
+                        **{f"{n}_offset": size for n, size in ended.sizes.items()}})
 
     def stat_file(self, session_id: str, root: str, path: str) -> dict[str, Any]:
         return self.call(session_id, "stat", {"root": root, "path": path})["entry"]
@@ -6443,7 +6624,11 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
 
     def send_json(self, status: int, document: dict[str, Any],
                   headers: Optional[dict[str, str]] = None) -> None:
-        data = wire.encode_compact(document)
+        self.send_json_bytes(status, wire.encode_compact(document), headers)
+
+    def send_json_bytes(self, status: int, data: bytes,
+                        headers: Optional[dict[str, str]] = None) -> None:
+        """A JSON answer already encoded, with its length, in one send."""
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
@@ -6472,15 +6657,28 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
         if chunked:
             self.wfile.write(b"0\r\n\r\n")
 
-    def send_json_pieces(self, status: int, pieces: Iterable[bytes]) -> None:
-        """A JSON answer sent piece by piece as it is encoded."""
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Cache-Control", "no-store")
-        chunked = self.send_unsized_headers()
-        for piece in pieces:
-            self.write_piece(piece, chunked)
-        self.end_pieces(chunked)
+    def send_json_pieces(self, status: int, pieces: Iterator[bytes], what: str = "an answer") -> None:
+        """A JSON answer sent piece by piece as it is encoded. A failure before the first
+        piece is an error answer; past it, the headers are out and the body ends short
+        (chunked: without its last chunk, which any HTTP client reports as incomplete)."""
+        try:
+            first = next(pieces, b"")
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Cache-Control", "no-store")
+            chunked = self.send_unsized_headers()
+            try:
+                self.write_piece(first, chunked)
+                for piece in pieces:
+                    self.write_piece(piece, chunked)
+                self.end_pieces(chunked)
+            except (ReployError, OSError) as e:
+                log(f"serve: {what} ended early: {e}")
+                self.close_connection = True
+        finally:
+            close = getattr(pieces, "close", None)
+            if close is not None:
+                close()  # a generator's own cleanup runs now, not when it is collected
 
     def serve_static(self, method: str, path: str) -> None:
         if path == "/api/v1/openapi.json":
@@ -6615,9 +6813,18 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
         except OSError:
             return True
 
-    def api_exec(self, sid: str, body: bytes, _query: str) -> tuple[int, dict[str, Any]]:
+    def api_exec(self, sid: str, body: bytes, _query: str) -> Optional[tuple[int, dict[str, Any]]]:
+        """A detached exec's answer, or an ended one's, sent as it is read from the agent."""
         params = exec_params(parse_body(body, BODY_RULES["exec"]))
-        return 200, self.manager.exec(sid, params, self.client_gone)
+        ended = self.manager.exec(sid, params, self.client_gone)
+        if isinstance(ended, dict):
+            return 200, ended
+        pieces = self.manager.exec_answer(sid, ended, self.client_gone)
+        if ended.held is not None:  # a small output, serve's already: one body of known length
+            self.send_json_bytes(200, b"".join(pieces))
+        else:
+            self.send_json_pieces(200, pieces, f"the exec answer of session {sid}")
+        return None
 
     def api_list_files(self, sid: str, body: bytes, query: str) -> tuple[int, dict[str, Any]]:
         parse_body(body, BODY_RULES["empty"])
@@ -6971,7 +7178,7 @@ SESSION_ANSWER_KEYS: dict[str, tuple[tuple[str, ...], ...]] = {
     "list": (("sessions",),), "delete": (("id", "deleted"),), "status": (("session", "agent"),),
     "read": (("session", "nextOffset", "payload"),), "write": (("session", "path"),),
     "message": (("delivery", "queueDepth"),), "interrupt": (("cancelled",),), "relaunch": (("pid",),),
-    "exec": (("exitCode", "signal", "timedOut", "stdoutBase64", "stderrBase64"),),
+    "exec": (("exitCode", "signal", "timedOut", "stdoutEncoding", "stderrEncoding"),),
 }
 
 
@@ -7133,8 +7340,11 @@ def run_session_client(args: argparse.Namespace, token: Optional[str]) -> int:
                     base64.b64decode(body["stdinBase64"]) if "stdinBase64" in body else None,
                     body["timeoutMs"] / 1000)
             else:
-                timeout_s = body["timeoutMs"] / 1000 + 60 if body and args.session_action == "exec" else 120
-                document = client.call(method, path, body, timeout_s)
+                timeout_s, max_answer_bytes = 120.0, client_role.MAX_ANSWER_BYTES
+                if body is not None and args.session_action == "exec":
+                    timeout_s = body["timeoutMs"] / 1000 + 60
+                    max_answer_bytes = client_role.exec_answer_limit(body.get("maxOutputBytes"))
+                document = client.call(method, path, body, timeout_s, max_answer_bytes)
                 if document is None and args.session_action == "delete":  # its 204
                     document = {"id": args.id, "deleted": True}
                 shapes = SESSION_ANSWER_KEYS[args.session_action]

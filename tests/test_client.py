@@ -90,10 +90,28 @@ def test_exec_answers_are_checked() -> None:
             reploy_client.parse_exec_result(exec_answer(**bad))
 
 
-def test_the_client_knows_the_agents_inline_stdin_bound() -> None:
+def test_exec_answers_carry_each_stream_in_the_form_they_name() -> None:
+    result = reploy_client.parse_exec_result(exec_answer(
+        stdoutEncoding="text", stdout="caf\u00e9", stdoutBase64=None,
+        stderrEncoding="base64", stderr=None, stderrBase64=base64.b64encode(b"\x01\xff").decode()))
+    assert (result.stdout, result.stderr) == ("caf\u00e9".encode(), b"\x01\xff")
+    for bad in ({"stdoutEncoding": "hex"}, {"stdoutEncoding": "text", "stdout": 1},
+                {"stdoutEncoding": "base64", "stdoutBase64": "!!"},
+                {"stdoutEncoding": "text", "stdout": "\ud800"}):
+        with pytest.raises(reploy_client.AnswerInvalid):
+            reploy_client.parse_exec_result(exec_answer(**bad))
+
+
+def test_the_client_knows_the_agents_exec_bounds() -> None:
     import agent
 
     assert reploy_client.MAX_INLINE_STDIN_BYTES == agent.MAX_EXEC_STDIN_BYTES
+    assert reploy_client.DEFAULT_EXEC_OUTPUT_BYTES == agent.DEFAULT_EXEC_OUTPUT_CAP_BYTES
+    assert reploy_client.MAX_EXEC_OUTPUT_BYTES == agent.MAX_EXEC_OUTPUT_CAP_BYTES
+    # The answer it accepts holds both streams' base64 at the cap asked for, and not much more.
+    for cap in (None, 0, 10, 10 << 20, 16 << 20):
+        base64_bytes = ((cap if cap is not None else agent.DEFAULT_EXEC_OUTPUT_CAP_BYTES) + 2) // 3 * 4
+        assert 2 * base64_bytes < reploy_client.exec_answer_limit(cap) <= 2 * base64_bytes + 64 * 1024
 
 
 def test_exec_bodies() -> None:

@@ -227,15 +227,76 @@ def test_exec_bodies_become_agent_params() -> None:
         reploy_serve.exec_params({"argv": ["a"], "stdinBase64": big})
 
 
-def test_exec_results_keep_streams_apart_as_text_and_exact_bytes() -> None:
-    final = {"exec_id": "e", "exit_code": None, "signal": "SIGKILL", "timed_out": True, "killed": False,
-             "duration_ms": 12.5, "stdout_truncated": True, "stderr_truncated": False}
-    result = reploy_serve.exec_result_json(final, b"out\xff", b"err")
-    assert result == {"execId": "e", "exitCode": None, "signal": "SIGKILL", "timedOut": True,
+EXEC_FINAL = {"exec_id": "e", "exit_code": None, "signal": "SIGKILL", "timed_out": True, "killed": False,
+              "duration_ms": 12.5, "stdout_truncated": True, "stderr_truncated": False}
+
+
+def exec_answer_of(streams: dict[str, bytes], page_bytes: int = 5,
+                   sent: dict[str, bytes] | None = None) -> bytes:
+    """The exec answer serve makes of `streams`, measured and then sent in pages of page_bytes
+    (the bytes of `sent` in their place: what an agent changed in between)."""
+    costs = {name: reploy_serve.TextCost() for name in reploy_serve.EXEC_STREAMS}
+    for name, data in streams.items():
+        for start in range(0, len(data), page_bytes):
+            costs[name].feed(data[start:start + page_bytes])
+    ended = reploy_serve.ExecEnded("e", EXEC_FINAL, {n: c.size_bytes for n, c in costs.items()},
+                                   {n: c.encoding() for n, c in costs.items()})
+    pages = sent or streams
+    return b"".join(reploy_serve.exec_result_json(ended, lambda name: (
+        pages[name][start:start + page_bytes] for start in range(0, len(pages[name]), page_bytes))))
+
+
+def test_exec_results_carry_each_stream_once_in_its_cheaper_form() -> None:
+    answer = json.loads(exec_answer_of({"stdout": b"out\xff", "stderr": "caf\u00e9 \"q\"\n".encode()}))
+    assert answer == {"execId": "e", "exitCode": None, "signal": "SIGKILL", "timedOut": True,
                       "killed": False, "durationMs": 12.5,
-                      "stdout": "out\ufffd", "stdoutBase64": base64.b64encode(b"out\xff").decode(),
-                      "stdoutTruncated": True, "stderr": "err", "stderrBase64": "ZXJy",
-                      "stderrTruncated": False}
+                      "stdoutEncoding": "base64", "stdoutBase64": base64.b64encode(b"out\xff").decode(),
+                      "stdoutTruncated": True,
+                      "stderrEncoding": "text", "stderr": "caf\u00e9 \"q\"\n", "stderrTruncated": False}
+    # A code point split between pages is still text; a few escapes still cheaper than base64.
+    colour = b"\x1b[31m\xe2\x82\xac red\x1b[0m and plain words after it, enough of them\n"
+    assert json.loads(exec_answer_of({"stdout": colour, "stderr": b""}, page_bytes=9))["stdout"] == (
+        colour.decode())
+    # Control bytes (six bytes each as JSON text) go as base64: an answer is never more than
+    # its streams' base64 and the rest, whatever the bytes.
+    for data in (b"\x01" * 3000, b"\xff" * 3000, b"\x00" * 3000, b'"' * 3000, bytes(range(256)) * 12):
+        answer_bytes = exec_answer_of({"stdout": data, "stderr": data})
+        assert len(answer_bytes) <= 2 * reploy_serve.base64_length(len(data)) + 400
+        document = json.loads(answer_bytes)
+        for name in reploy_serve.EXEC_STREAMS:
+            kept = (document[name].encode() if document[f"{name}Encoding"] == "text"
+                    else base64.b64decode(document[f"{name}Base64"]))
+            assert kept == data and (name in document) != (f"{name}Base64" in document)
+
+
+def test_an_exec_stream_that_changes_after_its_form_was_chosen_ends_the_answer() -> None:
+    """An agent that sends other bytes the second time cannot make the answer longer than
+    its streams' base64: the answer stops there (serve then ends its body short)."""
+    with pytest.raises(reploy_serve.BadGateway, match="stdout changed"):
+        exec_answer_of({"stdout": b"plain text " * 50, "stderr": b""},
+                       sent={"stdout": b"\x01" * 550, "stderr": b""})
+
+
+def test_exec_answers_are_bounded_per_session_and_in_all() -> None:
+    """A slot past either bound is waited for; a wait that cannot last (its deadline passed)
+    says so at once, and a slot given back is there for the next."""
+    import threading
+
+    slots = reploy_serve.AnswerSlots(per_session=1, total=2)
+
+    def expired() -> reploy_serve.AgentWait:
+        return reploy_serve.AgentWait("an answer slot", 0.0, lambda: False, threading.Event(), lambda: 1.0)
+
+    with slots.hold("a", expired()):
+        with pytest.raises(reploy_serve.GatewayTimeout):
+            with slots.hold("a", expired()):
+                pass
+        with slots.hold("b", expired()):
+            with pytest.raises(reploy_serve.GatewayTimeout):
+                with slots.hold("c", expired()):
+                    pass
+    with slots.hold("a", expired()), slots.hold("c", expired()):
+        pass
 
 
 @pytest.mark.parametrize(("result", "code"), [

@@ -7,6 +7,9 @@ output carries its usage (no tokenizer), and Inspect's hub and telemetry switche
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -21,7 +24,7 @@ from inspect_ai.util._sandbox.self_check import *  # noqa: E402,F401,F403 - Insp
 import reploy_client  # noqa: E402
 import reploy_inspect  # noqa: E402
 from serve_harness import (  # noqa: E402,F401 - a fixture
-    ServeProcess, managed_workload, serve_processes, session_containers,
+    ServeProcess, managed_workload, serve_processes, session_containers, wait_until,
 )
 
 pytestmark = [pytest.mark.docker, pytest.mark.anyio]
@@ -30,6 +33,25 @@ OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "INSPECT_DISP
                "INSPECT_LOG_LEVEL": "warning"}
 #: Inspect's hooks that would load a module (and may call out): none.
 UNSET_ENV = ("INSPECT_TELEMETRY", "INSPECT_API_KEY_OVERRIDE", "INSPECT_REQUIRED_HOOKS")
+ROOT = Path(__file__).resolve().parent.parent
+INSPECT_EVAL_TIMEOUT_S = 600
+#: The head of a task file an `inspect eval` process runs: the provider registered (the
+#: repository is on its path) and configured for the test's serve.
+TASK_FILE_HEAD = """
+from pathlib import Path
+
+import anyio
+import reploy_inspect
+from inspect_ai import Task, task
+from inspect_ai.dataset import Sample
+from inspect_ai.model import ChatMessageAssistant, execute_tools
+from inspect_ai.scorer import CORRECT, INCORRECT, Score, accuracy, scorer
+from inspect_ai.solver import solver
+from inspect_ai.tool import ToolCall, bash
+from inspect_ai.util import sandbox
+
+CONFIG = reploy_inspect.ReployConfig(server={server!r}, token_file={token_file!r}, ttl_seconds=600)
+"""
 
 
 
@@ -146,25 +168,33 @@ def test_an_eval_of_four_concurrent_samples_is_scored_from_their_files(
 
 
 def test_cleanup_deletes_by_label_and_only_the_providers(inspect_serve: ServeProcess,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    """What a killed harness left is found by its labels: task_cleanup takes its task's,
-    `inspect sandbox cleanup reploy` (cli_cleanup) every session of the provider; a session
-    of someone else stays."""
+                                                         monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """What a killed harness left is found by its labels: task_cleanup takes its own eval
+    run's (outside an eval's lifecycle, this process's), whatever the task name Inspect gives
+    it; `inspect sandbox cleanup reploy` (cli_cleanup) every session of the provider, each
+    named; a session of someone else stays."""
     environment = reploy_inspect.ReploySandboxEnvironment
     config = config_for(inspect_serve)
-    left = [anyio.run(environment.sample_init, task, config, {})["default"] for task in ("a", "a", "b")]
+    left = [anyio.run(environment.sample_init, task, config, {})["default"].session.id
+            for task in ("a", "shutdown")]
+    another_run = inspect_serve.api.create("another-eval", labels={
+        reploy_inspect.LABEL_PROVIDER: "reploy", reploy_inspect.LABEL_RUN: "another-run",
+        reploy_inspect.LABEL_TASK: "shutdown"})["id"]
     other = inspect_serve.api.create("not-inspects")["id"]
 
     def ids() -> set[str]:
         return {session["id"] for session in inspect_serve.api.call("GET", "/sessions")["sessions"]}
 
-    anyio.run(environment.task_cleanup, "a", config, True)
-    assert {e.session.id for e in left} & ids() == {left[2].session.id}
+    anyio.run(environment.task_cleanup, "shutdown", config, True)
+    assert not set(left) & ids() and {another_run, other} <= ids()
     monkeypatch.setenv("REPLOY_SERVER", inspect_serve.ready["url"])
     monkeypatch.setenv("REPLOY_TOKEN", inspect_serve.ready["token"])
     reploy_inspect.client_for.cache_clear()
+    capsys.readouterr()
     anyio.run(environment.cli_cleanup, None)
-    assert {e.session.id for e in left} & ids() == set() and other in ids()
+    assert another_run not in ids() and other in ids()
+    assert f"reploy: deleted session {another_run}" in capsys.readouterr().out
     inspect_serve.api.call("DELETE", f"/sessions/{other}", expect=204)
 
 
@@ -186,3 +216,135 @@ def test_disk_mib_and_cpus_size_each_sample_s_session(inspect_serve: ServeProces
         anyio.run(environment.sample_cleanup, "sized", config, environments, False)
     with pytest.raises(reploy_client.ReployError, match=r"cpus: must be at most 1, this server's bound"):
         anyio.run(environment.sample_init, "too-big", config_for(inspect_serve, cpus=64.0), {})
+
+
+def inspect_eval_process(server: ServeProcess, task_file: Path, body: str, log_dir: Path,
+                         **popen: Any) -> "subprocess.Popen[str]":
+    """`inspect eval` of a task file (TASK_FILE_HEAD, then `body`), as a process of its own, with
+    Inspect's mockllm model (which these tasks never call) and nothing that reaches a network."""
+    task_file.write_text(TASK_FILE_HEAD.format(server=server.ready["url"],
+                                               token_file=server.ready["token_file"]) + body)
+    env = {name: value for name, value in os.environ.items() if name not in UNSET_ENV}
+    env.update(OFFLINE_ENV, PYTHONPATH=str(ROOT))
+    return subprocess.Popen([sys.executable, "-m", "inspect_ai", "eval", task_file.name,
+                             "--model", "mockllm/model", "--log-dir", str(log_dir)],
+                            env=env, cwd=task_file.parent,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
+
+
+def finished(process: "subprocess.Popen[str]") -> tuple[int, str]:
+    output, _ = process.communicate(timeout=INSPECT_EVAL_TIMEOUT_S)
+    return process.returncode, output
+
+
+def eval_log(log_dir: Path) -> Any:
+    """The one log an `inspect eval` process wrote."""
+    from inspect_ai.log import list_eval_logs, read_eval_log
+
+    [log] = list_eval_logs(str(log_dir))
+    return read_eval_log(log)
+
+
+def test_too_much_output_is_inspects_output_limit_error_in_a_real_eval(
+        inspect_serve: ServeProcess, tmp_path: Path) -> None:
+    """bash() running a command that prints 16 MiB of control bytes on stdout and on stderr, past
+    Inspect's 10 MiB (an answer of 153 MB, each stream twice, before issue 42): the
+    provider raises OutputLimitExceededError, which Inspect hands the model as a `limit` tool
+    error, and the sample is scored; the eval succeeds."""
+    body = """
+@solver
+def too_much_output():
+    async def solve(state, generate):
+        flood = "head -c 16777216 /dev/zero | tr '\\\\0' '\\\\1'"
+        command = f"{flood}; {flood} >&2"
+        state.messages.append(ChatMessageAssistant(content="", tool_calls=[
+            ToolCall(id="c1", function="bash", arguments={"command": command})]))
+        state.messages.extend((await execute_tools(state.messages, [bash(timeout=300)])).messages)
+        return state
+    return solve
+
+
+@scorer(metrics=[accuracy()])
+def limit_reported():
+    async def score(state, target):
+        error = state.messages[-1].error
+        kept = state.messages[-1].text
+        fits = error is not None and error.type == "limit" and "\\x01" * 1024 in kept
+        return Score(value=CORRECT if fits else INCORRECT, answer=repr(error)[:300])
+    return score
+
+
+@task
+def flood():
+    return Task(dataset=[Sample(input="flood", target="limit")], solver=too_much_output(),
+                scorer=limit_reported(), sandbox=("reploy", CONFIG))
+"""
+    code, output = finished(inspect_eval_process(inspect_serve, tmp_path / "flood.py", body,
+                                                 tmp_path / "logs"))
+    assert code == 0, output[-3000:]
+    log = eval_log(tmp_path / "logs")
+    assert log.status == "success", log.error
+    [sample] = log.samples
+    assert sample.scores["limit_reported"].value == "C", sample.scores
+    assert "output limit of 10 MiB" in sample.scores["limit_reported"].answer
+
+
+def test_an_eval_s_task_cleanup_deletes_its_own_leftovers_and_no_other_eval_s(
+        inspect_serve: ServeProcess, tmp_path: Path) -> None:
+    """Two `inspect eval` processes. The first holds its sample's session open (its task is
+    named `shutdown`, the name Inspect gives every task_cleanup); the second leaves a session
+    its sample made and never cleaned up. When the second ends, its task cleanup deletes its
+    leftover and nothing of the first; the first's goes when it ends."""
+    api = inspect_serve.api
+    release = tmp_path / "release"
+    os.mkfifo(release)
+    holder = inspect_eval_process(inspect_serve, tmp_path / "holder.py", f"""
+@solver
+def hold():
+    async def solve(state, generate):
+        assert (await sandbox().exec(["true"])).success
+        await anyio.to_thread.run_sync(lambda: Path({str(release)!r}).read_text())
+        return state
+    return solve
+
+
+@task
+def shutdown():
+    return Task(dataset=[Sample(input="hold")], solver=hold(), sandbox=("reploy", CONFIG))
+""", tmp_path / "holder-logs")
+
+    def labelled(key: str, value: str) -> list[str]:
+        return [s["id"] for s in api.call("GET", f"/sessions?label={key}={value}")["sessions"]]
+
+    try:
+        held = wait_until(lambda: labelled(reploy_inspect.LABEL_TASK, "shutdown"),
+                          "the first eval's session")
+        left_file = tmp_path / "left.txt"
+        leaver = inspect_eval_process(inspect_serve, tmp_path / "leaver.py", f"""
+@solver
+def leave_one():
+    async def solve(state, generate):
+        made = await reploy_inspect.ReploySandboxEnvironment.sample_init("leaver", CONFIG, {{}})
+        Path({str(left_file)!r}).write_text(made["default"].session.id)
+        return state
+    return solve
+
+
+@task
+def leaver():
+    return Task(dataset=[Sample(input="leave")], solver=leave_one(), sandbox=("reploy", CONFIG))
+""", tmp_path / "leaver-logs")
+        code, output = finished(leaver)
+        assert (code, eval_log(tmp_path / "leaver-logs").status) == (0, "success"), output[-3000:]
+        left = left_file.read_text()
+        sessions = {s["id"] for s in api.call("GET", "/sessions")["sessions"]}
+        assert left not in sessions and not labelled(reploy_inspect.LABEL_TASK, "leaver")
+        assert set(held) <= sessions, "the second eval's cleanup deleted the first eval's session"
+        release.write_text("go\n")
+        code, output = finished(holder)
+        assert (code, eval_log(tmp_path / "holder-logs").status) == (0, "success"), output[-3000:]
+        assert not set(held) & {s["id"] for s in api.call("GET", "/sessions")["sessions"]}
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.communicate()

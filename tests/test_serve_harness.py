@@ -102,7 +102,10 @@ def test_exec_ends_and_leaves_nothing_behind(serve_factory: Callable[..., ServeP
     ok = exec_in(api, sid, ["sh", "-c", 'echo out; echo err >&2; id -u; echo "$HOME"; pwd'])
     assert (ok["exitCode"], ok["signal"], ok["timedOut"]) == (0, None, False)
     assert ok["stdout"] == "out\n1000\n/mnt/reploy-home\n/mnt/reploy-session/workspace\n"
-    assert ok["stderr"] == "err\n" and base64.b64decode(ok["stderrBase64"]) == b"err\n"
+    assert (ok["stderrEncoding"], ok["stderr"]) == ("text", "err\n") and "stderrBase64" not in ok
+    binary = exec_in(api, sid, ["printf", "\\001\\377"])
+    assert (binary["stdoutEncoding"], base64.b64decode(binary["stdoutBase64"])) == ("base64", b"\x01\xff")
+    assert "stdout" not in binary
     three = exec_in(api, sid, ["sh", "-c", "exit 3"])
     assert (three["exitCode"], three["signal"]) == (3, None)
     signalled = exec_in(api, sid, ["sh", "-c", "kill -TERM $$"])

@@ -156,7 +156,7 @@ def test_exec_input_of_realistic_size(serve_factory: Callable[..., ServeProcess]
                     413) == "too_large"
     # Output past 4 MiB, up to the 16 MiB cap asked for.
     out = exec_in(api, sid, ["head", "-c", str(10 * MIB), "/mnt/reploy-session/workspace/stdin.bin"], maxOutputBytes=16 * MIB)
-    assert base64.b64decode(out["stdoutBase64"]) == payload[:10 * MIB] and not out["stdoutTruncated"]
+    assert out["stdout"].encode() == payload[:10 * MIB] and not out["stdoutTruncated"]
     assert hashlib.sha256(payload).hexdigest() in sh(api, sid, "sha256sum stdin.bin")
 
 
