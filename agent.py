@@ -6008,11 +6008,15 @@ MODEL_SOCKET_NAME = "model.sock"  #: DIR/agent/model.sock: serve's credential pr
 EGRESS_SOCKET_NAME = "egress.sock"  #: DIR/agent/egress.sock: serve's egress proxy (the session's allow-list)
 MAX_RELAYED_CONNECTIONS = 16  #: one more is closed at once; serve bounds its own concurrency per session too
 RELAY_CONNECT_TIMEOUT_S = 5.0
+#: A relayed connection in which no byte moved either way for this long is closed: past the longest silence serve's
+#: proxies keep a connection through (300 s, the egress pipe's and the model upstream's idle bounds; a test checks),
+#: so the relay closes only what serve has given up on, a workload that stopped reading among them.
+RELAY_IDLE_TIMEOUT_S = 330.0
 
 
 @dataclasses.dataclass(frozen=True)
 class Spliced:
-    """What splice copied each way, and whether it stopped because neither side sent a byte for its idle bound (the
+    """What splice copied each way, and whether it stopped because no byte moved either way for its idle bound (the
     egress proxy records that in the connection's event)."""
 
     one_to_other: int
@@ -6020,36 +6024,91 @@ class Spliced:
     idle: bool = False
 
 
-def splice(one: socket.socket, other: socket.socket, idle_timeout_s: Optional[float] = None) -> Spliced:
+class _Flow:
+    """One way of a splice: what was read from `source` and is not yet sent to `sink`, at most SPLICE_BYTES, so a
+    sink that stops reading stops the reads from its source, never the splice."""
+
+    def __init__(self, source: socket.socket, sink: socket.socket,
+                 taken: Optional[Callable[[memoryview], int]] = None) -> None:
+        self.source, self.sink, self._taken = source, sink, taken
+        self.pending = bytearray()
+        self.reading = True  # until the source's end, or the first bytes `taken` refused
+        self.done = False  # nothing more to read or send; the source's end passed on
+        self._passes_end = False  # the source ended (not cut short by `taken`): the sink is told so
+        self.copied = 0
+
+    def events(self, sock: socket.socket) -> int:
+        """What this way waits for on sock."""
+        wanted = 0
+        if sock is self.source and self.reading and len(self.pending) < SPLICE_BYTES:
+            wanted |= selectors.EVENT_READ
+        if sock is self.sink and self.pending:
+            wanted |= selectors.EVENT_WRITE
+        return wanted
+
+    def pump(self, scratch: memoryview) -> bool:
+        """One read that fits and one send of what is pending, neither waiting; whether anything moved (a byte, an
+        end)."""
+        moved = False
+        if self.reading and len(self.pending) < SPLICE_BYTES:
+            with contextlib.suppress(BlockingIOError):
+                got = self.source.recv_into(scratch, SPLICE_BYTES - len(self.pending))
+                moved = True
+                kept = got if self._taken is None or not got else self._taken(scratch[:got])
+                self.pending += scratch[:kept]
+                if kept < got or not got:
+                    self.reading = False
+                    self._passes_end = not got
+        if self.pending:
+            with contextlib.suppress(BlockingIOError):
+                sent = self.sink.send(self.pending)
+                del self.pending[:sent]
+                self.copied += sent
+                moved = moved or sent > 0
+        if not self.reading and not self.pending and not self.done:
+            self.done = True
+            if self._passes_end:
+                with contextlib.suppress(OSError):
+                    self.sink.shutdown(socket.SHUT_WR)
+        return moved
+
+
+def splice(one: socket.socket, other: socket.socket, idle_timeout_s: Optional[float] = None,
+           taken_from_one: Optional[Callable[[memoryview], int]] = None) -> Spliced:
     """Copies bytes both ways until both sides have ended theirs, either fails (a reset: the caller closes both), or
-    neither sent a byte for idle_timeout_s; a half-close is passed on."""
-    peers = {one: other, other: one}
-    copied = {one: 0, other: 0}
+    no byte moved either way for idle_timeout_s; a half-close is passed on. No call waits on one side: the sockets
+    are made non-blocking and each way holds at most SPLICE_BYTES, so the idle bound holds whatever either peer does
+    (one that stops reading included). `taken_from_one`: of each piece `one` sends, how many bytes go on (a
+    request's framing); from the first piece it cuts short, the rest is dropped and `one` is read no more."""
+    flows = (_Flow(one, other, taken_from_one), _Flow(other, one))
+    scratch = memoryview(bytearray(SPLICE_BYTES))
+    watched = {one: 0, other: 0}
     idle = False
-    buffer = memoryview(bytearray(SPLICE_BYTES))
-    with selectors.DefaultSelector() as selector:
-        for sock in peers:
-            selector.register(sock, selectors.EVENT_READ)
-        try:
-            while selector.get_map():
-                ready = selector.select(idle_timeout_s)
-                if not ready:
+    try:
+        for sock in watched:
+            sock.setblocking(False)
+        with selectors.DefaultSelector() as selector:
+            moved_at = time.monotonic()
+            while not all(flow.done for flow in flows):
+                for sock, was in watched.items():
+                    wanted = flows[0].events(sock) | flows[1].events(sock)
+                    if wanted != was:
+                        if not was:
+                            selector.register(sock, wanted)
+                        elif wanted:
+                            selector.modify(sock, wanted)
+                        else:
+                            selector.unregister(sock)
+                        watched[sock] = wanted
+                wait_s = None if idle_timeout_s is None else moved_at + idle_timeout_s - time.monotonic()
+                if (wait_s is not None and wait_s <= 0) or not selector.select(wait_s):
                     idle = True
                     break
-                for key, _ in ready:
-                    source = key.fileobj
-                    assert isinstance(source, socket.socket)
-                    got = source.recv_into(buffer)
-                    if got:
-                        peers[source].sendall(buffer[:got])
-                        copied[source] += got
-                        continue
-                    selector.unregister(source)
-                    with contextlib.suppress(OSError):
-                        peers[source].shutdown(socket.SHUT_WR)
-        except OSError:
-            pass  # what was copied stands; nothing more can be
-    return Spliced(copied[one], copied[other], idle)
+                if any([flow.pump(scratch) for flow in flows]):
+                    moved_at = time.monotonic()
+    except OSError:
+        pass  # what was copied stands; nothing more can be
+    return Spliced(flows[0].copied, flows[1].copied, idle)
 
 
 class ModelRelay:
@@ -6097,7 +6156,7 @@ class ModelRelay:
                     os.close(dir_fd)
                 with upstream:
                     upstream.settimeout(None)
-                    splice(client, upstream)
+                    splice(client, upstream, RELAY_IDLE_TIMEOUT_S)
         except OSError:
             pass  # the CLI sees its connection end and reports it; the proxy logs its own side
         finally:

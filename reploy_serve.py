@@ -5474,7 +5474,7 @@ EGRESS_CLIENT_TIMEOUT_S = 30.0  #: the sandbox sends its whole request head with
 EGRESS_RESOLVE_TIMEOUT_S = 10.0  #: the listed name's lookup (getaddrinfo has no bound of its own)
 EGRESS_CONNECT_TIMEOUT_S = 10.0  #: the name's lookup aside, to one of the upstream's addresses
 EGRESS_CONNECT_TOTAL_S = 30.0  #: to all of them, one after the other: three that never answer
-EGRESS_IDLE_TIMEOUT_S = 300.0  #: neither side sent a byte: the pipe is closed
+EGRESS_IDLE_TIMEOUT_S = 300.0  #: no byte moved either way (agent.splice): the pipe is closed
 EGRESS_PROXY_URL = f"http://127.0.0.1:{EGRESS_RELAY_PORT}"
 #: What a session with egress gets in its environment (shell, agent, exec): clients that
 #: honour the variables go through the proxy, loopback stays the session's own.
@@ -5958,7 +5958,7 @@ class EgressProxy:
             conn.settimeout(None)
             upstream.settimeout(None)
             spliced = agent_role.splice(conn, upstream, self._timeouts.idle_s)
-        idle = (f"closed after {self._timeouts.idle_s:.3g} s in which neither side sent a byte"
+        idle = (f"closed after {self._timeouts.idle_s:.3g} s in which no byte moved either way"
                 if spliced.idle else "")
         return EgressNote(agent_role.EgressDecision.ALLOWED, request.host, request.port, reason=idle,
                           bytes_up=len(first) + spliced.one_to_other, bytes_down=spliced.other_to_one)

@@ -600,7 +600,47 @@ def test_a_tunnel_idle_past_its_bound_is_closed_on_both_sides_and_noted(tmp_path
     assert upstream.received == b"ping"
     assert notes.wait(1) == [rs.EgressNote(
         agent.EgressDecision.ALLOWED, "127.0.0.2", port,
-        "closed after 0.3 s in which neither side sent a byte", bytes_up=4, bytes_down=0)]
+        "closed after 0.3 s in which no byte moved either way", bytes_up=4, bytes_down=0)]
+
+
+class Flooding:
+    """Accepts one connection and sends to it until the send fails; sets `ended` then."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.ended = threading.Event()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        conn, _ = self.sock.accept()
+        with conn, contextlib.suppress(OSError):
+            conn.settimeout(60)
+            while True:
+                conn.sendall(b"x" * 65536)
+        self.ended.set()
+
+
+def test_a_client_that_stops_reading_is_closed_at_the_idle_bound_and_noted(tmp_path: Path) -> None:
+    """Issue 42: the upstream floods the tunnel and the client reads only the proxy's answer.
+    Once the buffers between are full nothing moves: the pipe is closed at its idle bound (it
+    used to wait in a send for as long as the client lived) and its event says so."""
+    with upstreams(Behaviour.ACCEPTS) as (port, (listener,)):
+        upstream = Flooding(listener)
+        proxy, notes, path = proxy_for(tmp_path, [f"127.0.0.2:{port}"], {},
+                                       timeouts=rs.EgressTimeouts(idle_s=0.5))
+        try:
+            with socket.socket(socket.AF_UNIX) as client:
+                client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                client.settimeout(60)
+                client.connect(str(path))
+                client.sendall(f"CONNECT 127.0.0.2:{port} HTTP/1.1\r\n\r\n".encode())
+                [note] = notes.wait(1)  # while the client still holds its end, unread
+            assert upstream.ended.wait(60)
+        finally:
+            proxy.close()
+    assert (note.decision, note.reason) == (
+        agent.EgressDecision.ALLOWED, "closed after 0.5 s in which no byte moved either way")
+    assert note.bytes_down > 0
 
 
 def test_a_head_that_trickles_in_past_its_bound_is_a_408_and_noted(tmp_path: Path) -> None:
