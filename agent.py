@@ -237,6 +237,9 @@ MIN_FREE_BYTES = 16 * MIB  #: an upload never leaves less than this free on the 
 #: The agent's own spools (a checkpoint's archive) may use what the file system keeps for root, all but this:
 #: room for the log and the outbox meanwhile.
 MIN_FREE_RESERVED_BYTES = 1 * MIB
+#: An event the workload can provoke (egress) is written only while the disk has its line and this much more free
+#: beyond what is kept for root (the blocks a line may take besides its bytes): it never takes the reserve.
+EVENT_ROOM_BYTES = 64 * KIB
 MAX_OPEN_TRANSFERS = 16  #: uploads and downloads open at once
 TRANSFER_IDLE_S = 60.0  #: an upload untouched (and its staging not grown) this long is closed; a tar pipe unread too
 TRANSFER_WAIT_S = 4.0  #: how long upload_commit waits for a background job before answering
@@ -490,6 +493,7 @@ class EgressNoteParams:
     reason: Optional[str]  # why it was refused, or why the proxy ended an allowed one (idle)
     bytes_up: int
     bytes_down: int
+    count: Optional[int]  # a summary of this many refused connections, not noted one by one
 
 
 @dataclasses.dataclass(frozen=True)
@@ -884,6 +888,7 @@ _PARAM_SCHEMAS: dict[Method, tuple[type, tuple[_Field, ...]]] = {
         _Field("reason", "reason", _FieldKind.TEXT, optional=True),
         _Field("bytes_up", "bytes_up", _FieldKind.INT, 0, 0, 2**63 - 1),
         _Field("bytes_down", "bytes_down", _FieldKind.INT, 0, 0, 2**63 - 1),
+        _Field("count", "count", _FieldKind.INT, None, 1, 2**63 - 1, optional=True),
     )),
     Method.EXEC: (ExecParams, (
         _Field("argv", "argv", _FieldKind.ARGV),
@@ -2017,6 +2022,18 @@ class Outbox:
         self._write_held()
         if kind in (EventKind.SESSION_START, EventKind.SESSION_END):
             self._session_open = kind is EventKind.SESSION_START
+        return self._seq
+
+    def emit_unreserved(self, kind: EventKind, **fields: Any) -> Optional[int]:
+        """An event the workload can provoke: written only when it fits outside the blocks kept for root
+        (EVENT_ROOM_BYTES), and nothing is held before it; else dropped (None). The reserve keeps this outbox and the
+        log growing for the agent's own events, whatever the workload provokes."""
+        line = _encode_line({"seq": self._seq + 1, "time": round(self._clock(), 3), "type": kind.value, **fields})
+        if self._held or free_bytes(self._fd) < len(line) + EVENT_ROOM_BYTES:
+            return None
+        self._seq += 1
+        self._held.append(line)
+        self._write_held()
         return self._seq
 
     def _write_held(self) -> None:
@@ -5863,10 +5880,13 @@ class AgentServer:
         return {"seq": seq}
 
     def _egress_note(self, params: EgressNoteParams, now: float) -> dict[str, Any]:
-        """serve's egress proxy closed one of the workload's connections: the outbox records what it decided."""
+        """serve's egress proxy closed one of the workload's connections (or counted several refused ones): the
+        outbox records what it decided, outside the disk's reserve (`seq` null when there was no room)."""
         fields = {"decision": params.decision.value, "host": params.host, "port": params.port,
-                  "reason": params.reason, "bytes_up": params.bytes_up, "bytes_down": params.bytes_down}
-        return {"seq": self.outbox.emit(EventKind.EGRESS, **{k: v for k, v in fields.items() if v is not None})}
+                  "reason": params.reason, "bytes_up": params.bytes_up, "bytes_down": params.bytes_down,
+                  "count": params.count}
+        return {"seq": self.outbox.emit_unreserved(EventKind.EGRESS,
+                                                   **{k: v for k, v in fields.items() if v is not None})}
 
     def _restore(self, params: RestoreParams, now: float) -> PendingRequest:
         if self._workload is not None:

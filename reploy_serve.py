@@ -2165,7 +2165,7 @@ ANSWER_FIELDS: dict[str, tuple[AnswerField, ...]] = {
         AnswerField("log_bytes", _COUNT),
         AnswerField("skipped_entries", _COUNT)),
     "suspend": (AnswerField("seq", _COUNT),),
-    "egress_note": (AnswerField("seq", _COUNT),),
+    "egress_note": (AnswerField("seq", _nullable(_COUNT)),),  # null: no room beyond the reserve
     "exec": (AnswerField("exec_id", _matching(_HANDLE_ID)), AnswerField("pid", _nullable(_PID)),
              AnswerField("queued", _boolean, required=False),
              AnswerField("stdout_path", _plain_text(agent_role.MAX_PATH_BYTES), required=False),
@@ -2374,8 +2374,8 @@ def parse_agent_result(method: str, params: dict[str, Any], result: Any) -> dict
     return answer
 
 
-#: An agent's error message as serve passes it on (to a client, to its own log): control
-#: characters shown as escapes, at most MAX_AGENT_MESSAGE_CHARS.
+#: An agent's error message as serve passes it on (to a client, to its own log), and any text
+#: from a sandbox in serve's log (SessionLog): control characters shown as escapes, cut.
 safe_message = client_role.shown
 
 
@@ -3579,6 +3579,8 @@ class SessionManager:
             params["host"] = note.host
         if note.reason:
             params["reason"] = note.reason[:MAX_FAILURE_CHARS]
+        if note.count != 1:
+            params["count"] = note.count
         try:
             agent_call(self.config.agent_dir(session_id), "egress_note", params,
                        timeout_s=AGENT_CALL_TIMEOUT_S)
@@ -4696,6 +4698,140 @@ class SessionManager:
 
 
 # ============================================================================================
+# what a session can make serve log: its proxies' lines, counted
+# ============================================================================================
+# A workload decides how often serve's proxies refuse it, and what their refusals quote (its
+# request line, its target). Each proxy's lines about a session go through a SessionLog: in
+# each window of LOG_WINDOW_S, the first LINES_PER_WINDOW are logged (the egress proxy also
+# records those refusals as events), the rest only counted, and a window that counted any ends
+# in one summary line (and one event). Every line's text from the sandbox is escaped (no control
+# character reaches the log raw: safe_message) and cut to MAX_LOGGED_CHARS. So a session makes
+# serve log at most LINES_PER_WINDOW + 1 lines of bounded length per window and kind, however
+# fast it sends.
+
+LINES_PER_WINDOW = 5
+LOG_WINDOW_S = 60.0
+MAX_LOGGED_CHARS = 400  #: of one line's text from the sandbox, once escaped
+
+
+class Tallied(enum.Enum):
+    ONE_BY_ONE = "one by one"  # logged (and recorded) on its own
+    COUNTED = "counted"  # only counted: its window's summary says how many
+
+
+@dataclass(frozen=True)
+class LogSummary:
+    """A window of a session's that ended with lines only counted: how many, and the last."""
+
+    session_id: str
+    count: int
+    window_s: float
+    last: str
+
+
+@dataclass
+class _Window:
+    start: float
+    seen: int = 0
+    last: str = ""
+
+
+class LogTally:
+    """Pure: which of a session's lines are logged one by one (the first `per_window` of each
+    window of window_s, a window starting at the first line after the last one ended), and
+    the summaries of windows that ended with lines only counted."""
+
+    def __init__(self, per_window: int = LINES_PER_WINDOW, window_s: float = LOG_WINDOW_S) -> None:
+        self.per_window, self.window_s = per_window, window_s
+        self._windows: dict[str, _Window] = {}
+        self._finished: list[LogSummary] = []
+
+    def line(self, session_id: str, text: str, now: float) -> Tallied:
+        window = self._windows.get(session_id)
+        if window is not None and now >= window.start + self.window_s:
+            self._finish(session_id)
+            window = None
+        if window is None:
+            window = self._windows[session_id] = _Window(now)
+        window.seen += 1
+        if window.seen <= self.per_window:
+            return Tallied.ONE_BY_ONE
+        window.last = text
+        return Tallied.COUNTED
+
+    def ended(self, now: float) -> list[LogSummary]:
+        """The summaries of the windows over by now (each once), oldest first."""
+        for session_id, window in list(self._windows.items()):
+            if now >= window.start + self.window_s:
+                self._finish(session_id)
+        finished, self._finished = self._finished, []
+        return finished
+
+    def end_session(self, session_id: str) -> list[LogSummary]:
+        """The session's window ends now (its socket closed): what is due, its own included."""
+        if session_id in self._windows:
+            self._finish(session_id)
+        finished, self._finished = self._finished, []
+        return finished
+
+    def _finish(self, session_id: str) -> None:
+        window = self._windows.pop(session_id)
+        if window.seen > self.per_window:
+            self._finished.append(LogSummary(session_id, window.seen - self.per_window,
+                                             self.window_s, window.last))
+
+
+class SessionLog:
+    """One kind of line about sessions in serve's log (LogTally's rule), each text escaped and
+    cut; the summaries are logged (and handed to `summarized`) when their window ends, by a
+    thread of its own, so a burst's count is never held back until the next line."""
+
+    def __init__(self, kind: str, summarized: Callable[[LogSummary], None] = lambda summary: None,
+                 window_s: float = LOG_WINDOW_S) -> None:
+        self._kind = kind
+        self._summarized = summarized
+        self._tally = LogTally(window_s=window_s)
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        threading.Thread(target=self._summarize_ended, name=f"log-{kind}", daemon=True).start()
+
+    def line(self, session_id: str, text: str) -> bool:
+        """Logs `text` (from the sandbox or built from what it sent) as a line of the session's,
+        or counts it; whether it was logged one by one."""
+        text = safe_message(text, MAX_LOGGED_CHARS)
+        with self._lock:
+            tallied = self._tally.line(session_id, text, time.monotonic())
+            due = self._tally.ended(time.monotonic())
+        if tallied is Tallied.ONE_BY_ONE:
+            log(f"serve: session {session_id}: {text}")
+        self._summarize(due)
+        return tallied is Tallied.ONE_BY_ONE
+
+    def end_session(self, session_id: str) -> None:
+        with self._lock:
+            due = self._tally.end_session(session_id)
+        self._summarize(due)
+
+    def close(self) -> None:
+        self._closed.set()
+        with self._lock:
+            due = self._tally.ended(math.inf)
+        self._summarize(due)
+
+    def _summarize_ended(self) -> None:
+        while not self._closed.wait(self._tally.window_s / 4):
+            with self._lock:
+                due = self._tally.ended(time.monotonic())
+            self._summarize(due)
+
+    def _summarize(self, summaries: Iterable[LogSummary]) -> None:
+        for summary in summaries:
+            log(f"serve: session {summary.session_id}: {summary.count} more {self._kind} lines in "
+                f"{summary.window_s:.3g} s, not logged one by one; the last: {summary.last}")
+            self._summarized(summary)
+
+
+# ============================================================================================
 # the model proxy: the credential for claude-code sessions, held here and nowhere else
 # ============================================================================================
 # A claude-code session's CLI gets ANTHROPIC_BASE_URL=http://127.0.0.1:MODEL_RELAY_PORT and a
@@ -5291,6 +5427,7 @@ class ModelProxy:
         if upstream.ca_file:  # the system's roots too: a CA file adds trust, never replaces it
             self._tls.load_default_certs()
         self._sockets = SessionSockets(agent_role.MODEL_SOCKET_NAME, MAX_MODEL_REQUESTS, "model")
+        self._log = SessionLog("model proxy")
         self._pool = IdleUpstreams()
         self._closed = threading.Event()
         threading.Thread(target=self._reap_idle, name="model-pool", daemon=True).start()
@@ -5301,9 +5438,11 @@ class ModelProxy:
 
     def close_session(self, session_id: str) -> None:
         self._sockets.close_session(session_id)
+        self._log.end_session(session_id)
 
     def close(self) -> None:
         self._sockets.close()
+        self._log.close()
         self._closed.set()
         self._pool.close()
 
@@ -5325,7 +5464,7 @@ class ModelProxy:
                         raise ModelRefusal(429, "rate_limit_error", f"this session has "
                                            f"{MAX_MODEL_REQUESTS} model requests under way")
                 except ModelRefusal as e:
-                    log(f"serve: session {session_id}: model request refused: {e.reason}")
+                    self._log.line(session_id, f"model request refused: {e.reason}")
                     conn.sendall(model_error_response(e.status, e.kind, e.reason))
                     if admitted:  # a refused request holds no slot while its client finishes
                         slots.release()
@@ -5334,7 +5473,7 @@ class ModelProxy:
                     return
                 self._forward(session_id, conn, request, body)
             except OSError as e:
-                log(f"serve: session {session_id}: model request ended: {e}")
+                self._log.line(session_id, f"model request ended: {e}")
             finally:
                 if admitted:
                     slots.release()
@@ -5358,7 +5497,7 @@ class ModelProxy:
                                               "not answer in time"))
             return
         except (OSError, http.client.HTTPException) as e:
-            log(f"serve: session {session_id}: model upstream: {e}")
+            self._log.line(session_id, f"model upstream: {e}")
             conn.sendall(model_error_response(502, "api_error", "the model upstream cannot "
                                               f"be reached: {type(e).__name__}"))
             return
@@ -5812,6 +5951,7 @@ class EgressNote:
     reason: str = ""  # why it was refused, or why the proxy closed an allowed one (idle)
     bytes_up: int = 0  # from the sandbox to the upstream
     bytes_down: int = 0
+    count: int = 1  # more than 1: a window's refusals not noted one by one (SessionLog)
 
 
 # -- the proxy's I/O: per-session sockets on the host, one thread per connection ------------
@@ -5889,15 +6029,19 @@ def connect_upstream(entry: EgressEntry, addresses: Sequence[str],
 
 class EgressProxy:
     """The host side: DIR/agent/egress.sock of each session with egress (see the section's
-    head). `note` records each connection's EgressNote in the session's events."""
+    head). `note` records each connection's EgressNote in the session's events: each allowed
+    one, and refused ones as the session's log of refusals has them (SessionLog: one by one,
+    then a window's count in one note)."""
 
     def __init__(self, note: Callable[[str, EgressNote], None],
                  resolver: Callable[[str, int], tuple[str, ...]] = resolve,
-                 timeouts: EgressTimeouts = EgressTimeouts()) -> None:
+                 timeouts: EgressTimeouts = EgressTimeouts(), log_window_s: float = LOG_WINDOW_S) -> None:
         self._note = note
         self._resolve = resolver
         self._timeouts = timeouts
         self._sockets = SessionSockets(agent_role.EGRESS_SOCKET_NAME, MAX_EGRESS_CONNECTIONS, "egress")
+        self._refusals = SessionLog("egress refusal", self._note_refusals, log_window_s)
+        self._log = SessionLog("egress", window_s=log_window_s)
 
     def listen(self, session_id: str, agent_dir: Path, allowed: tuple[EgressEntry, ...]) -> None:
         """(Re)binds agent_dir/egress.sock for the session, with its allow-list."""
@@ -5907,9 +6051,13 @@ class EgressProxy:
     def close_session(self, session_id: str) -> None:
         """Stops listening (before the disk is unmounted); open pipes end on their own."""
         self._sockets.close_session(session_id)
+        self._refusals.end_session(session_id)
+        self._log.end_session(session_id)
 
     def close(self) -> None:
         self._sockets.close()
+        self._refusals.close()
+        self._log.close()
 
     def _serve(self, session_id: str, conn: socket.socket, slots: threading.BoundedSemaphore,
                allowed: tuple[EgressEntry, ...]) -> None:
@@ -5938,7 +6086,7 @@ class EgressProxy:
                         conn.sendall(egress_refusal_response(e.status, e.reason))
                 self._record(session_id, note)
         except OSError as e:
-            log(f"serve: session {session_id}: egress connection ended: {e}")
+            self._log.line(session_id, f"egress connection ended: {e}")
         finally:
             if admitted:
                 slots.release()
@@ -5964,11 +6112,20 @@ class EgressProxy:
                           bytes_up=len(first) + spliced.one_to_other, bytes_down=spliced.other_to_one)
 
     def _record(self, session_id: str, note: EgressNote) -> None:
-        counts = (f" ({note.bytes_up} bytes up, {note.bytes_down} down)"
-                  if note.decision is agent_role.EgressDecision.ALLOWED else "")
-        log(f"serve: session {session_id}: egress {note.decision.value} {note.host}:{note.port}"
-            + counts + (f": {note.reason}" if note.reason else ""))
-        self._note(session_id, note)
+        """Logs the connection's note and records it: an allowed one always (its bytes are the
+        session's to account), a refused one when the log of refusals takes it one by one."""
+        allowed = note.decision is agent_role.EgressDecision.ALLOWED
+        counts = f" ({note.bytes_up} bytes up, {note.bytes_down} down)" if allowed else ""
+        line = (f"egress {note.decision.value} {note.host}:{note.port}" + counts
+                + (f": {note.reason}" if note.reason else ""))
+        if (self._log if allowed else self._refusals).line(session_id, line) or allowed:
+            self._note(session_id, note)
+
+    def _note_refusals(self, summary: LogSummary) -> None:
+        self._note(summary.session_id, EgressNote(
+            agent_role.EgressDecision.REFUSED, "", 0, count=summary.count,
+            reason=f"{summary.count} more connections refused in {summary.window_s:.3g} s, not "
+                   f"noted one by one; the last: {summary.last}"))
 
 
 # ============================================================================================

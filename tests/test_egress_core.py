@@ -121,12 +121,13 @@ def test_the_agent_takes_an_egress_note_strictly() -> None:
         return agent.parse_request(json.dumps({"id": "1", "method": "egress_note", "params": params}).encode())
     request = parse({"decision": "refused", "host": "api.example", "port": 443, "reason": "why"})
     assert request.params == agent.EgressNoteParams(agent.EgressDecision.REFUSED, "api.example", 443,
-                                                    "why", 0, 0)
+                                                    "why", 0, 0, None)
     assert parse({"decision": "allowed"}).params == agent.EgressNoteParams(
-        agent.EgressDecision.ALLOWED, None, 0, None, 0, 0)
+        agent.EgressDecision.ALLOWED, None, 0, None, 0, 0, None)
+    assert parse({"decision": "refused", "count": 7}).params.count == 7
     for bad in ({}, {"decision": "maybe"}, {"decision": "allowed", "port": 65536},
                 {"decision": "allowed", "host": ""}, {"decision": "allowed", "bytes_up": -1},
-                {"decision": "allowed", "extra": 1}):
+                {"decision": "allowed", "extra": 1}, {"decision": "refused", "count": 0}):
         with pytest.raises(agent.RequestError):
             parse(bad)
 
@@ -395,7 +396,8 @@ class Notes:
 def proxy_for(tmp_path: Path, allow: list[str], resolved: dict[str, tuple[str, ...]],
               looked_up: Optional[list[str]] = None,
               timeouts: rs.EgressTimeouts = rs.EgressTimeouts(),
-              resolver: Optional[Callable[[str, int], tuple[str, ...]]] = None) -> tuple[rs.EgressProxy, Notes, Path]:
+              resolver: Optional[Callable[[str, int], tuple[str, ...]]] = None,
+              log_window_s: float = rs.LOG_WINDOW_S) -> tuple[rs.EgressProxy, Notes, Path]:
     """A proxy on tmp_path/agent/egress.sock whose resolver answers from `resolved` (and
     records each name it was asked in looked_up), or is `resolver`, with the given time bounds."""
     notes = Notes()
@@ -406,7 +408,7 @@ def proxy_for(tmp_path: Path, allow: list[str], resolved: dict[str, tuple[str, .
         if looked_up is not None:
             looked_up.append(host)
         return resolved.get(host, ())
-    proxy = rs.EgressProxy(notes, resolver or from_resolved, timeouts)
+    proxy = rs.EgressProxy(notes, resolver or from_resolved, timeouts, log_window_s)
     proxy.listen("s1", agent_dir, rs.parse_egress_allow(allow))
     return proxy, notes, agent_dir / agent.EGRESS_SOCKET_NAME
 
@@ -464,6 +466,32 @@ def test_unlisted_and_loopback_by_name_are_refused_403_and_never_connected(
     assert listener.received == [] and looked_up == ["localhost"]  # the unlisted one was never looked up
     assert [(n.decision.value, n.host) for n in notes.wait(3)] == [
         ("refused", "127.0.0.1"), ("refused", "localhost"), ("refused", "")]
+
+
+def test_a_flood_of_refusals_is_noted_one_by_one_then_counted_in_one_note(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """Issue 42: each refused connection was an event and a log line, however many. Now the
+    first of a window are, and the rest are one note (and one line) when the window ends: here
+    when the session's socket closes (a window of an hour holds the whole flood)."""
+    proxy, notes, path = proxy_for(tmp_path, ["api.example"], {}, log_window_s=3600.0)
+    target = "x\x1b[2J" * 2000  # 14 KiB, with an escape sequence in each piece
+    try:
+        for _ in range(60):
+            answer = exchange(path, f"CONNECT {target}:443 HTTP/1.1\r\n\r\n".encode())
+            assert answer.startswith(b"HTTP/1.1 400 ")
+        proxy.close_session("s1")
+        noted = notes.wait(rs.LINES_PER_WINDOW + 1)
+    finally:
+        proxy.close()
+    one_by_one, summary = noted[:rs.LINES_PER_WINDOW], noted[rs.LINES_PER_WINDOW]
+    assert all(note.decision is agent.EgressDecision.REFUSED and note.count == 1 for note in one_by_one)
+    assert summary.decision is agent.EgressDecision.REFUSED and summary.count == 60 - rs.LINES_PER_WINDOW
+    assert summary.reason.startswith(f"{summary.count} more connections refused in 3.6e+03 s, not noted one "
+                                     "by one; the last: egress refused :0: CONNECT needs HOST:PORT")
+    assert len(notes.notes) == rs.LINES_PER_WINDOW + 1
+    err = capfd.readouterr().err
+    assert len(err.splitlines()) == rs.LINES_PER_WINDOW + 1 and "\x1b" not in err
+    assert len(err) < (rs.LINES_PER_WINDOW + 1) * 2 * rs.MAX_LOGGED_CHARS
 
 
 def test_an_upstream_that_refuses_is_a_502_with_the_reason(tmp_path: Path) -> None:
