@@ -5628,7 +5628,8 @@ _EGRESS_DROPPED_REQUEST = frozenset({"connection", "keep-alive", "te", "trailer"
 _DNS_LABEL = re.compile(r"(?!-)[a-z0-9-]{1,63}(?<!-)")
 _EGRESS_PATH = re.compile(r'/[!"$-~]*')  #: an origin-form target: visible ASCII but `#`
 #: Address ranges no name may resolve to (each refused unless the entry is that IP literal),
-#: the first that holds an address naming why.
+#: the first that holds an address naming why. The host's own addresses are refused too
+#: (host_addresses), whatever their range.
 EGRESS_REFUSED_RANGES: tuple[tuple[str, ipaddress.IPv4Network | ipaddress.IPv6Network], ...] = tuple(
     (what, ipaddress.ip_network(network)) for what, network in (
         ("metadata", "169.254.169.254/32"), ("metadata", "fd00:ec2::254/128"),
@@ -5639,8 +5640,15 @@ EGRESS_REFUSED_RANGES: tuple[tuple[str, ipaddress.IPv4Network | ipaddress.IPv6Ne
         ("private (ULA)", "fc00::/7"), ("CGNAT", "100.64.0.0/10"),
         ("multicast", "224.0.0.0/4"), ("multicast", "ff00::/8"),
         ("reserved", "240.0.0.0/4"), ("IETF protocol assignments", "192.0.0.0/24"),
-        ("benchmarking", "198.18.0.0/15"), ("site-local", "fec0::/10")))
-_NAT64_PREFIX = ipaddress.ip_network("64:ff9b::/96")  #: its last 32 bits are an IPv4 address
+        ("benchmarking", "198.18.0.0/15"), ("benchmarking", "2001:2::/48"),
+        ("site-local", "fec0::/10"), ("documentation", "192.0.2.0/24"),
+        ("documentation", "198.51.100.0/24"), ("documentation", "203.0.113.0/24"),
+        ("documentation", "2001:db8::/32"), ("documentation", "3fff::/20"),
+        ("discard-only", "100::/64"), ("NAT64 (local use)", "64:ff9b:1::/48")))
+#: IPv6 prefixes whose last 32 bits are an IPv4 address: NAT64's well-known one, IPv4-mapped,
+#: IPv4-translated (SIIT) and IPv4-compatible.
+_IPV4_IN_LAST_32 = tuple(ipaddress.ip_network(prefix) for prefix in (
+    "64:ff9b::/96", "::ffff:0:0/96", "::ffff:0:0:0/96", "::/96"))
 
 
 @dataclass(frozen=True)
@@ -5802,23 +5810,40 @@ def session_egress(given: Sequence[str], allowed: Sequence[EgressEntry]) -> tupl
     return tuple(map(str, entries))
 
 
-def refused_range(address: str) -> Optional[str]:
-    """Why a name may not lead to this address (EGRESS_REFUSED_RANGES), or None. An IPv6 form
-    of an IPv4 address (mapped, compatible, NAT64's well-known prefix, 6to4's) is checked as
-    that address."""
+def address_forms(address: str) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, ...]:
+    """The address, and each IPv4 address an IPv6 one carries (_IPV4_IN_LAST_32, 6to4's,
+    Teredo's server and client): a packet to the one may reach the other."""
     ip = ipaddress.ip_address(address.split("%", 1)[0])
-    candidates: list[ipaddress.IPv4Address | ipaddress.IPv6Address] = [ip]
+    forms: list[ipaddress.IPv4Address | ipaddress.IPv6Address] = [ip]
     if isinstance(ip, ipaddress.IPv6Address):
-        low = ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
-        embedded = ip.ipv4_mapped or ip.sixtofour or (
-            low if int(ip) >> 32 == 0 or ip in _NAT64_PREFIX else None)
-        if embedded is not None:
-            candidates.append(embedded)
-    for candidate in candidates:
+        if any(ip in prefix for prefix in _IPV4_IN_LAST_32):
+            forms.append(ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF))
+        if ip.sixtofour is not None:
+            forms.append(ip.sixtofour)
+        if ip.teredo is not None:
+            forms.extend(ip.teredo)
+    return tuple(forms)
+
+
+def refused_range(address: str, own: frozenset[str] = frozenset()) -> Optional[str]:
+    """Why a name may not lead to this address (EGRESS_REFUSED_RANGES, or one of `own`, the
+    host's addresses), or None; an IPv6 form of an IPv4 address is checked as that address
+    too (address_forms)."""
+    for form in address_forms(address):
         for what, network in EGRESS_REFUSED_RANGES:
-            if candidate.version == network.version and candidate in network:
+            if form.version == network.version and form in network:
                 return what
+        if str(form) in own:
+            return "serve host's"
     return None
+
+
+def host_addresses() -> frozenset[str]:
+    """Every address of this host's interfaces now (they come and go: a bridge, a VPN), as
+    ipaddress writes them."""
+    return frozenset(str(ipaddress.ip_address(entry.address.split("%", 1)[0]))
+                     for entries in psutil.net_if_addrs().values() for entry in entries
+                     if entry.family in (socket.AF_INET, socket.AF_INET6))
 
 
 def connect_order(addresses: Sequence[str]) -> tuple[str, ...]:
@@ -5836,12 +5861,12 @@ def connect_order(addresses: Sequence[str]) -> tuple[str, ...]:
 
 
 def decide_egress(allowed: Sequence[EgressEntry], host: str, port: int,
-                  addresses: Sequence[str]) -> Allowed | Refused:
+                  addresses: Sequence[str], own: frozenset[str] = frozenset()) -> Allowed | Refused:
     """Whether a proxy request to host:port (canonical_host) may go out, and to which addresses,
-    given what the name resolved to: only a listed entry; an IP literal entry to that very
-    address, whatever its range; a name to every address it resolved to, in connect_order, and
-    only when none of them is in a refused range (a name that mixes the two is trusted with
-    neither, so a refused address is never tried)."""
+    given what the name resolved to and the host's own addresses: only a listed entry; an IP
+    literal entry to that very address, whatever its range; a name to every address it resolved
+    to, in connect_order, and only when none of them is refused (refused_range: a name that
+    mixes the two is trusted with neither, so a refused address is never tried)."""
     entry = EgressEntry(host, port)
     if entry not in allowed:
         return Refused(f"{entry} is not on this session's egress list")
@@ -5850,7 +5875,7 @@ def decide_egress(allowed: Sequence[EgressEntry], host: str, port: int,
     if not addresses:
         return Refused(f"{host} does not resolve")
     for address in addresses:
-        what = refused_range(address)
+        what = refused_range(address, own)
         if what is not None:
             return Refused(f"{host} resolves to {address}, a {what} address; list that address "
                            "itself to allow it")
@@ -6073,9 +6098,11 @@ class EgressProxy:
                                             "egress connections open")
                     entry = EgressEntry(request.host, request.port)
                     # Only a listed name is looked up: an unlisted one never reaches a resolver.
+                    looked_up = entry in allowed and not entry.is_ip_literal
                     addresses = (resolve_within(self._resolve, entry, self._timeouts.resolve_s)
-                                 if entry in allowed and not entry.is_ip_literal else ())
-                    decision = decide_egress(allowed, entry.host, entry.port, addresses)
+                                 if looked_up else ())
+                    decision = decide_egress(allowed, entry.host, entry.port, addresses,
+                                             host_addresses() if looked_up else frozenset())
                     if isinstance(decision, Refused):
                         raise EgressRefusal(403, decision.reason)
                     note = self._pipe(conn, request, decision.addresses, rest)

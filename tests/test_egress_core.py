@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import ipaddress
 import json
 import select
 import socket
@@ -148,6 +149,16 @@ REFUSED_ADDRESSES = {
     "::ffff:127.0.0.1": "loopback", "::ffff:10.0.0.1": "private", "::127.0.0.1": "loopback",
     "2002:a00:1::": "private",  # 6to4 of 10.0.0.1
     "64:ff9b::a9fe:a9fe": "metadata",  # NAT64 of 169.254.169.254
+    # Issue 42: the documentation ranges, and more IPv6 forms of a refused IPv4 address.
+    "192.0.2.1": "documentation", "198.51.100.7": "documentation", "203.0.113.255": "documentation",
+    "2001:db8::1": "documentation", "3fff::1": "documentation",
+    "::ffff:0:10.0.0.1": "private",  # IPv4-translated (SIIT) of 10.0.0.1
+    "::ffff:0:7f00:1": "loopback",  # the same form of 127.0.0.1
+    "2001:0:4136:e378:8000:63bf:f5ff:fffe": "private",  # Teredo, its client 10.0.0.1 (obfuscated)
+    "2001:0:a9fe:a9fe::1": "metadata",  # Teredo, its server 169.254.169.254
+    "2002:c000:201::1": "documentation",  # 6to4 of 192.0.2.1
+    "64:ff9b::c633:6401": "documentation",  # NAT64 of 198.51.100.1
+    "64:ff9b:1::5db8:d822": "NAT64 (local use)", "2001:2::1": "benchmarking", "100::1": "discard-only",
 }
 PUBLIC_ADDRESSES = ("93.184.216.34", "172.32.0.1", "100.128.0.1", "192.169.0.1", "1.1.1.1",
                     "2606:4700::1111", "::ffff:93.184.216.34", "169.253.255.255")
@@ -160,6 +171,29 @@ def test_every_refused_range_is_refused_for_a_name_and_named(address: str, what:
     decision = rs.decide_egress(allowed, "api.example", 443, ["93.184.216.34", address])
     assert decision == rs.Refused(f"api.example resolves to {address}, a {what} address; list "
                                   "that address itself to allow it")
+
+
+#: Addresses the test pretends are this host's own (one public, one of each family).
+OWN = frozenset({"93.184.216.34", "2606:4700::1111"})
+
+
+@pytest.mark.parametrize("address", ["93.184.216.34", "2606:4700::1111", "::ffff:93.184.216.34",
+                                     "::ffff:0:93.184.216.34", "64:ff9b::5db8:d822", "2002:5db8:d822::1"])
+def test_an_address_of_the_host_itself_is_refused_for_a_name_in_every_form(address: str) -> None:
+    """Issue 42: a listed name that resolves to one of the host's own interface addresses
+    reaches the host's services, whatever their bind: refused, as loopback is."""
+    allowed = rs.parse_egress_allow(["api.example"])
+    assert rs.refused_range(address, OWN) == "serve host's"
+    assert rs.decide_egress(allowed, "api.example", 443, ["1.1.1.1", address], OWN) == rs.Refused(
+        f"api.example resolves to {address}, a serve host's address; list that address itself to allow it")
+    literal = rs.parse_egress_entry(f"[{address}]:443" if ":" in address else address)
+    assert rs.decide_egress((literal,), literal.host, 443, (), OWN) == rs.Allowed((literal.host,))
+
+
+def test_the_hosts_own_addresses_are_its_interfaces_now() -> None:
+    own = rs.host_addresses()
+    assert "127.0.0.1" in own
+    assert all(str(ipaddress.ip_address(address)) == address for address in own)
 
 
 @pytest.mark.parametrize("address", PUBLIC_ADDRESSES)
@@ -189,9 +223,9 @@ def test_only_listed_names_and_ports_go_out_and_a_name_that_resolves_to_nothing_
 
 def test_every_address_of_a_name_is_tried_once_the_families_taking_turns() -> None:
     allowed = rs.parse_egress_allow(["api.example"])
-    resolved = ["2001:db8::1", "2001:db8::2", "192.0.2.1", "2001:db8::3", "192.0.2.2", "192.0.2.1"]
+    resolved = ["2606:4700::1", "2606:4700::2", "1.1.1.1", "2606:4700::3", "1.0.0.1", "1.1.1.1"]
     assert rs.decide_egress(allowed, "api.example", 443, resolved) == rs.Allowed(
-        ("2001:db8::1", "192.0.2.1", "2001:db8::2", "192.0.2.2", "2001:db8::3"))
+        ("2606:4700::1", "1.1.1.1", "2606:4700::2", "1.0.0.1", "2606:4700::3"))
     assert rs.connect_order(["192.0.2.1", "192.0.2.2", "2001:db8::1"]) == (
         "192.0.2.1", "2001:db8::1", "192.0.2.2")  # the resolver's first family goes first
     assert rs.connect_order(["192.0.2.2", "192.0.2.1"]) == ("192.0.2.2", "192.0.2.1")
