@@ -5608,6 +5608,7 @@ EGRESS_RELAY_PORT = 8138  #: in each session's own network namespace, beside MOD
 DEFAULT_EGRESS_PORT = 443
 MAX_EGRESS_ENTRIES = 64  #: --egress-allow entries, and so a session's `egress`
 MAX_EGRESS_HEAD_BYTES = 16 * 1024  #: a proxy request's line and headers
+MAX_CHUNK_LINE_BYTES = 4096  #: a forwarded chunked body's size line (with extensions), or trailer line
 MAX_EGRESS_CONNECTIONS = 8  #: open per session; one more is answered 429
 EGRESS_CLIENT_TIMEOUT_S = 30.0  #: the sandbox sends its whole request head within this
 EGRESS_RESOLVE_TIMEOUT_S = 10.0  #: the listed name's lookup (getaddrinfo has no bound of its own)
@@ -5704,6 +5705,7 @@ class ProxyRequest:
     host: str  # as canonical_host has it
     port: int
     head: bytes = b""  # FORWARD: the head to send upstream (origin form, `connection: close`)
+    body_bytes: Optional[int] = 0  # FORWARD: its content-length (none: 0), or None: chunked
 
 
 @dataclass(frozen=True)
@@ -5943,10 +5945,13 @@ def parse_proxy_head(head: bytes) -> ProxyRequest:
     except ValueError as e:
         raise EgressRefusal(400, f"the URI's host: {e}") from None
     lengths = [value for name, value in fields if name.lower() == "content-length"]
-    chunked = any(name.lower() == "transfer-encoding" for name, _ in fields)
+    codings = [value for name, value in fields if name.lower() == "transfer-encoding"]
+    chunked = bool(codings)
     if (chunked and lengths) or len(lengths) > 1 or not all(v.isdigit() for v in lengths):
         raise EgressRefusal(400, "the body's framing is ambiguous (one decimal content-length, "
                             "or transfer-encoding, not both)")
+    if chunked and [coding.lower() for coding in codings] != ["chunked"]:
+        raise EgressRefusal(400, "a request body's transfer-encoding may be `chunked` only")
     named_hop = {token.strip().lower() for name, value in fields if name.lower() == "connection"
                  for token in value.split(",")} - {"content-length", "transfer-encoding"}
     kept = [(name, value) for name, value in fields
@@ -5956,7 +5961,63 @@ def parse_proxy_head(head: bytes) -> ProxyRequest:
         f"[{host}]" if ":" in host else host)
     lines = [f"{method} {path} {version}", f"host: {authority_out}",
              *(f"{name}: {value}" for name, value in kept), "connection: close", "", ""]
-    return ProxyRequest(ProxyKind.FORWARD, host, port, "\r\n".join(lines).encode("ascii"))
+    return ProxyRequest(ProxyKind.FORWARD, host, port, "\r\n".join(lines).encode("ascii"),
+                        None if chunked else int(lengths[0]) if lengths else 0)
+
+
+class _BodyPart(enum.Enum):
+    DATA = "data"  # `left` more bytes of the body, or of the chunk
+    SIZE = "size"  # a chunk's size line
+    CHUNK_END = "chunk end"  # the CRLF after a chunk's data
+    TRAILER = "trailer"  # trailer lines, up to an empty one
+    ENDED = "ended"  # the body is whole (or its framing broke): nothing more is taken
+
+
+class ForwardedBody:
+    """Pure: how much of what the sandbox sends after a forwarded request's head is that
+    request's body, by its framing (content-length bytes; chunked up to the last chunk and its
+    trailer): one request per connection, so what follows (a pipelined second request, which
+    would reach the upstream unchecked) is not forwarded. A chunked framing that breaks (a bad
+    size line, one over MAX_CHUNK_LINE_BYTES) ends the body where it broke."""
+
+    def __init__(self, body_bytes: Optional[int]) -> None:
+        self._chunked = body_bytes is None
+        self._left = body_bytes or 0
+        self._part = _BodyPart.SIZE if self._chunked else _BodyPart.DATA if self._left else _BodyPart.ENDED
+        self._line = bytearray()
+
+    def take(self, data: bytes | memoryview) -> int:
+        """How many of data's first bytes belong to the body (the rest, if any, do not)."""
+        taken = 0
+        while taken < len(data) and self._part is not _BodyPart.ENDED:
+            if self._part is _BodyPart.DATA:
+                step = min(self._left, len(data) - taken)
+                taken, self._left = taken + step, self._left - step
+                if not self._left:
+                    self._part = _BodyPart.CHUNK_END if self._chunked else _BodyPart.ENDED
+                continue
+            self._line.append(data[taken])
+            taken += 1
+            if len(self._line) > MAX_CHUNK_LINE_BYTES:
+                self._part = _BodyPart.ENDED
+            elif self._line.endswith(b"\r\n"):
+                self._end_line(bytes(self._line[:-2]))
+                self._line.clear()
+        return taken
+
+    def _end_line(self, line: bytes) -> None:
+        if self._part is _BodyPart.SIZE:
+            size = line.split(b";", 1)[0].strip(b" \t")
+            if not size or len(size) > 16 or any(c not in b"0123456789abcdefABCDEF" for c in size):
+                self._part = _BodyPart.ENDED
+            elif int(size, 16):
+                self._part, self._left = _BodyPart.DATA, int(size, 16)
+            else:
+                self._part = _BodyPart.TRAILER
+        elif self._part is _BodyPart.CHUNK_END:
+            self._part = _BodyPart.SIZE if not line else _BodyPart.ENDED
+        elif not line:  # TRAILER: the empty line ends it
+            self._part = _BodyPart.ENDED
 
 
 def egress_refusal_response(status: int, reason: str) -> bytes:
@@ -6123,16 +6184,18 @@ class EgressProxy:
         """Connects to one of the checked addresses (502/504 when none answers) and pipes both
         ways; a pipe idle past its bound is closed, and its note says so."""
         upstream = connect_upstream(EgressEntry(request.host, request.port), addresses, self._timeouts)
+        body = ForwardedBody(request.body_bytes) if request.kind is ProxyKind.FORWARD else None
         with upstream:
-            if request.kind is ProxyKind.CONNECT:
+            if body is None:
                 conn.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
                 first = rest
-            else:
-                first = request.head + rest
+            else:  # only this request's body goes on: one request per connection
+                first = request.head + rest[:body.take(rest)]
             upstream.sendall(first)
             conn.settimeout(None)
             upstream.settimeout(None)
-            spliced = agent_role.splice(conn, upstream, self._timeouts.idle_s)
+            spliced = agent_role.splice(conn, upstream, self._timeouts.idle_s,
+                                        body.take if body is not None else None)
         idle = (f"closed after {self._timeouts.idle_s:.3g} s in which no byte moved either way"
                 if spliced.idle else "")
         return EgressNote(agent_role.EgressDecision.ALLOWED, request.host, request.port, reason=idle,

@@ -310,11 +310,54 @@ def test_an_absolute_request_is_forwarded_in_origin_form_without_hop_by_hop_head
     (("POST http://api.example/ HTTP/1.1", "Content-Length: 1", "Content-Length: 2"), 400),
     (("POST http://api.example/ HTTP/1.1", "Content-Length: -1"), 400),
     (("GET http://api.example/ HTTP/1.1", "X: é"), 400),
+    (("POST http://api.example/ HTTP/1.1", "Transfer-Encoding: gzip, chunked"), 400),
+    (("POST http://api.example/ HTTP/1.1", "Transfer-Encoding: chunked", "Transfer-Encoding: chunked"), 400),
 ])
 def test_malformed_or_other_requests_are_refused_with_a_reason(lines: tuple[str, ...], status: int) -> None:
     with pytest.raises(rs.EgressRefusal) as refused:
         rs.parse_proxy_head(head(*lines))
     assert refused.value.status == status and refused.value.reason
+
+
+# -- one request per connection: a forwarded request's body, and nothing after it -------------
+
+PIPELINED = b"GET /second HTTP/1.1\r\nhost: other.example\r\n\r\n"
+CHUNKED = b"5;ext=1\r\nhello\r\nA\r\n0123456789\r\n0\r\nx-trailer: 1\r\n\r\n"
+
+
+def taken_in_pieces(body: rs.ForwardedBody, data: bytes, cuts: tuple[int, ...]) -> int:
+    edges = (0, *cuts, len(data))
+    return sum(body.take(data[start:end]) for start, end in zip(edges, edges[1:]))
+
+
+@pytest.mark.parametrize(("body_bytes", "body"), [(None, CHUNKED), (7, b"1234567"), (0, b""),
+                                                  (None, b"0\r\n\r\n")])
+def test_a_forwarded_body_is_taken_whole_and_what_follows_is_not_however_it_is_cut(
+        body_bytes: Optional[int], body: bytes) -> None:
+    """Issue 42: forward mode passed a pipelined second request on unchecked. The body's own
+    framing says where the request ends; every way of cutting the stream in two or three pieces
+    gives the same answer."""
+    data = body + PIPELINED
+    for first in range(len(data) + 1):
+        for second in range(first, len(data) + 1, 7):
+            assert taken_in_pieces(rs.ForwardedBody(body_bytes), data, (first, second)) == len(body)
+    assert rs.ForwardedBody(body_bytes).take(data) == len(body)
+
+
+@pytest.mark.parametrize("broken", [b"zz\r\nhello", b"5\r\nhelloXY0\r\n\r\n", b"-5\r\n", b"\r\n",
+                                    b"1" * 17 + b"\r\n", b"5;" + b"e" * 5000],
+                         ids=["not hex", "no CRLF after data", "negative", "no size", "17 digits", "a long line"])
+def test_a_chunked_body_that_breaks_its_framing_ends_where_it_broke(broken: bytes) -> None:
+    body = rs.ForwardedBody(None)
+    taken = body.take(broken + PIPELINED)
+    assert taken <= len(broken) and body.take(PIPELINED) == 0
+
+
+def test_the_head_says_how_the_body_is_framed() -> None:
+    assert rs.parse_proxy_head(head("POST http://a.example/ HTTP/1.1", "Content-Length: 12")).body_bytes == 12
+    assert rs.parse_proxy_head(head("POST http://a.example/ HTTP/1.1", "Transfer-Encoding: Chunked")
+                               ).body_bytes is None
+    assert rs.parse_proxy_head(head("GET http://a.example/ HTTP/1.1")).body_bytes == 0
 
 
 @settings(max_examples=400, deadline=None)
@@ -481,6 +524,54 @@ def test_a_listed_literal_is_reached_by_connect_and_by_absolute_form_and_noted(
     assert first == rs.EgressNote(agent.EgressDecision.ALLOWED, "127.0.0.1", listener.port, "", 4, len(listener.reply))
     assert second.decision is agent.EgressDecision.ALLOWED and second.bytes_down == len(listener.reply)
     assert path.stat().st_mode & 0o777 == 0o600
+
+
+class Recording:
+    """An upstream of the test's own: answers once the first request's head is in, ends its
+    side, and keeps everything it received until the proxy closes the connection."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.received = b""
+        self.ended = threading.Event()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        conn, _ = self.sock.accept()
+        with conn:
+            conn.settimeout(60)
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok")
+            conn.shutdown(socket.SHUT_WR)
+            self.received = data + read_to_end(conn)
+            self.ended.set()
+
+
+@pytest.mark.parametrize("framing", ["none", "content-length", "chunked"])
+def test_a_pipelined_second_request_never_reaches_the_upstream(tmp_path: Path, framing: str) -> None:
+    upstream = Recording()
+    body, fields = {"none": (b"", ()), "content-length": (b"12345", ("Content-Length: 5",)),
+                    "chunked": (CHUNKED, ("Transfer-Encoding: chunked",))}[framing]
+    proxy, notes, path = proxy_for(tmp_path, [f"127.0.0.1:{upstream.port}"], {})
+    try:
+        with socket.socket(socket.AF_UNIX) as client:
+            client.settimeout(60)
+            client.connect(str(path))
+            client.sendall(head(f"POST http://127.0.0.1:{upstream.port}/first HTTP/1.1", *fields, "", "")
+                           + body + PIPELINED)
+            answer = read_to_end(client)
+        assert upstream.ended.wait(60)
+    finally:
+        proxy.close()
+        upstream.sock.close()
+    assert answer.endswith(b"\r\n\r\nok")
+    sent_head = head("POST /first HTTP/1.1", f"host: 127.0.0.1:{upstream.port}", *fields, "connection: close",
+                     "", "")
+    assert upstream.received == sent_head + body
+    assert notes.wait(1)[0].bytes_up == len(sent_head + body)
 
 
 def test_unlisted_and_loopback_by_name_are_refused_403_and_never_connected(
