@@ -3045,7 +3045,9 @@ class FileData:
 class ArchiveMembers:
     """A walked tree as the tar members it becomes, each entry checked as the hostile input it may be (a worker's
     walk): a name not seen before, directly below a directory given before it (so nothing lies below a file or a
-    symlink), at most `max_entries` entries and MAX_TRANSFER_BYTES of data. A regular file's size, mode and mtime
+    symlink), at most `max_entries` entries and a tar of MAX_TRANSFER_BYTES (data and headers: serve takes no more of
+    one download, and a tree refused here is refused with the reason before its bytes go). A regular file's size,
+    mode and mtime
     come from fstat of its fd (which must show a regular file), its bytes from the fd; with `sparse` (checkpoints)
     a file with holes becomes a GNU sparse 1.0 member (PAX), holding its data segments only, which Python's tarfile
     reads back. Modes lose setuid, setgid and sticky. Symlinks go last, and only those that stay inside the tree
@@ -3061,7 +3063,15 @@ class ArchiveMembers:
     def __iter__(self) -> Iterator[tuple[tarfile.TarInfo, Optional[FileData]]]:
         kinds: dict[str, str] = {}
         symlinks: list[WalkEntry] = []
-        content_bytes = 0
+        tar_bytes = 2 * tarfile.BLOCKSIZE + tarfile.RECORDSIZE  # the end, and at most a record's padding
+
+        def counted(info: tarfile.TarInfo) -> tarfile.TarInfo:
+            nonlocal tar_bytes
+            tar_bytes += tar_member_bytes(info)
+            if tar_bytes > MAX_TRANSFER_BYTES:
+                raise CommandError(f"too large: the tree's tar would be over {MAX_TRANSFER_BYTES} bytes (its files "
+                                   "and their tar headers), more than one transfer carries")
+            return info
         for entry, fd in self._walk:
             try:
                 parent = entry.name.rpartition("/")[0]
@@ -3079,18 +3089,15 @@ class ArchiveMembers:
                 if entry.kind == "directory":
                     info.type = tarfile.DIRTYPE
                     self.entries += 1
-                    yield info, None
+                    yield counted(info), None
                     continue
                 assert fd is not None  # check_walk_entry: a file comes with its fd
                 st = os.fstat(fd)
                 if not stat.S_ISREG(st.st_mode):
                     raise WorkerProtocolError(f"the walk's file {entry.name[:80]!r} is not a regular file")
                 data = file_member(info, fd, st, self._sparse)
-                content_bytes += data.stored_bytes
-                if content_bytes > MAX_TRANSFER_BYTES:
-                    raise CommandError(f"too large: the tree's content exceeds {MAX_TRANSFER_BYTES} bytes")
                 self.entries += 1
-                yield info, data
+                yield counted(info), data
             finally:
                 if fd is not None:
                     os.close(fd)
@@ -3103,7 +3110,7 @@ class ArchiveMembers:
             info = tarfile.TarInfo(self._prefix + entry.name)
             info.type, info.linkname, info.mode, info.mtime = tarfile.SYMTYPE, entry.target, 0o777, entry.mtime
             self.entries += 1
-            yield info, None
+            yield counted(info), None
         self.left_out += self._walk.skipped
 
 

@@ -4343,8 +4343,9 @@ class SessionManager:
                 if not piece:
                     break
                 received += len(piece)
-                if received > MAX_UPLOAD_BYTES:
-                    raise BadGateway(f"the session agent sent more than {MAX_UPLOAD_BYTES} bytes")
+                if received > MAX_UPLOAD_BYTES:  # the agent refuses such a tree itself, with its reason
+                    raise BadGateway(f"the directory's tar grew past {MAX_UPLOAD_BYTES} bytes, the most one "
+                                     "download carries; it is cut here")
                 wait.renew(DOWNLOAD_STALL_S)
                 yield piece
             ended = True
