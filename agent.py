@@ -3046,11 +3046,10 @@ class ArchiveMembers:
     """A walked tree as the tar members it becomes, each entry checked as the hostile input it may be (a worker's
     walk): a name not seen before, directly below a directory given before it (so nothing lies below a file or a
     symlink), at most `max_entries` entries and a tar of MAX_TRANSFER_BYTES (data and headers: serve takes no more of
-    one download, and a tree refused here is refused with the reason before its bytes go). A regular file's size,
-    mode and mtime
-    come from fstat of its fd (which must show a regular file), its bytes from the fd; with `sparse` (checkpoints)
-    a file with holes becomes a GNU sparse 1.0 member (PAX), holding its data segments only, which Python's tarfile
-    reads back. Modes lose setuid, setgid and sticky. Symlinks go last, and only those that stay inside the tree
+    one download; a file that would pass it is refused, with the reason, before its bytes go). A regular file's size,
+    mode and mtime come from fstat of its fd (which must show a regular file), its bytes from the fd; with `sparse`
+    (checkpoints) a file with holes becomes a GNU sparse 1.0 member (PAX), holding its data segments only, which
+    Python's tarfile reads back. Modes lose setuid, setgid and sticky. Symlinks go last, and only those that stay inside the tree
     without passing through another symlink. Each pair is (member, data or None); `left_out` counts, once the
     iteration is done, the entries left out, the walk's own included."""
 
