@@ -6072,11 +6072,11 @@ class _Flow:
             wanted |= selectors.EVENT_WRITE
         return wanted
 
-    def pump(self, scratch: memoryview) -> bool:
-        """One read that fits and one send of what is pending, neither waiting; whether anything moved (a byte, an
-        end)."""
+    def pump(self, scratch: memoryview, readable: bool) -> bool:
+        """One read that fits (when the source was seen readable) and one send of what is pending, neither waiting;
+        whether anything moved (a byte, an end)."""
         moved = False
-        if self.reading and len(self.pending) < SPLICE_BYTES:
+        if readable and self.reading and len(self.pending) < SPLICE_BYTES:
             with contextlib.suppress(BlockingIOError):
                 got = self.source.recv_into(scratch, SPLICE_BYTES - len(self.pending))
                 moved = True
@@ -6127,10 +6127,12 @@ def splice(one: socket.socket, other: socket.socket, idle_timeout_s: Optional[fl
                             selector.unregister(sock)
                         watched[sock] = wanted
                 wait_s = None if idle_timeout_s is None else moved_at + idle_timeout_s - time.monotonic()
-                if (wait_s is not None and wait_s <= 0) or not selector.select(wait_s):
+                ready = selector.select(wait_s) if wait_s is None or wait_s > 0 else []
+                if not ready:
                     idle = True
                     break
-                if any([flow.pump(scratch) for flow in flows]):
+                readable = {key.fileobj for key, events in ready if events & selectors.EVENT_READ}
+                if any([flow.pump(scratch, flow.source in readable) for flow in flows]):
                     moved_at = time.monotonic()
     except OSError:
         pass  # what was copied stands; nothing more can be
