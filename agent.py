@@ -237,6 +237,9 @@ MIN_FREE_BYTES = 16 * MIB  #: an upload never leaves less than this free on the 
 #: The agent's own spools (a checkpoint's archive) may use what the file system keeps for root, all but this:
 #: room for the log and the outbox meanwhile.
 MIN_FREE_RESERVED_BYTES = 1 * MIB
+#: An event the workload can provoke (egress) is written only while the disk has its line and this much more free
+#: beyond what is kept for root (the blocks a line may take besides its bytes): it never takes the reserve.
+EVENT_ROOM_BYTES = 64 * KIB
 MAX_OPEN_TRANSFERS = 16  #: uploads and downloads open at once
 TRANSFER_IDLE_S = 60.0  #: an upload untouched (and its staging not grown) this long is closed; a tar pipe unread too
 TRANSFER_WAIT_S = 4.0  #: how long upload_commit waits for a background job before answering
@@ -490,6 +493,7 @@ class EgressNoteParams:
     reason: Optional[str]  # why it was refused, or why the proxy ended an allowed one (idle)
     bytes_up: int
     bytes_down: int
+    count: Optional[int]  # a summary of this many refused connections, not noted one by one
 
 
 @dataclasses.dataclass(frozen=True)
@@ -884,6 +888,7 @@ _PARAM_SCHEMAS: dict[Method, tuple[type, tuple[_Field, ...]]] = {
         _Field("reason", "reason", _FieldKind.TEXT, optional=True),
         _Field("bytes_up", "bytes_up", _FieldKind.INT, 0, 0, 2**63 - 1),
         _Field("bytes_down", "bytes_down", _FieldKind.INT, 0, 0, 2**63 - 1),
+        _Field("count", "count", _FieldKind.INT, None, 1, 2**63 - 1, optional=True),
     )),
     Method.EXEC: (ExecParams, (
         _Field("argv", "argv", _FieldKind.ARGV),
@@ -2019,6 +2024,18 @@ class Outbox:
             self._session_open = kind is EventKind.SESSION_START
         return self._seq
 
+    def emit_unreserved(self, kind: EventKind, **fields: Any) -> Optional[int]:
+        """An event the workload can provoke: written only when it fits outside the blocks kept for root
+        (EVENT_ROOM_BYTES), and nothing is held before it; else dropped (None). The reserve keeps this outbox and the
+        log growing for the agent's own events, whatever the workload provokes."""
+        line = _encode_line({"seq": self._seq + 1, "time": round(self._clock(), 3), "type": kind.value, **fields})
+        if self._held or free_bytes(self._fd) < len(line) + EVENT_ROOM_BYTES:
+            return None
+        self._seq += 1
+        self._held.append(line)
+        self._write_held()
+        return self._seq
+
     def _write_held(self) -> None:
         while self._held and append_whole(self._fd, self._held[0], self._length_bytes):
             self._length_bytes += len(self._held.popleft())
@@ -3028,10 +3045,11 @@ class FileData:
 class ArchiveMembers:
     """A walked tree as the tar members it becomes, each entry checked as the hostile input it may be (a worker's
     walk): a name not seen before, directly below a directory given before it (so nothing lies below a file or a
-    symlink), at most `max_entries` entries and MAX_TRANSFER_BYTES of data. A regular file's size, mode and mtime
-    come from fstat of its fd (which must show a regular file), its bytes from the fd; with `sparse` (checkpoints)
-    a file with holes becomes a GNU sparse 1.0 member (PAX), holding its data segments only, which Python's tarfile
-    reads back. Modes lose setuid, setgid and sticky. Symlinks go last, and only those that stay inside the tree
+    symlink), at most `max_entries` entries and a tar of MAX_TRANSFER_BYTES (data and headers: serve takes no more of
+    one download; a file that would pass it is refused, with the reason, before its bytes go). A regular file's size,
+    mode and mtime come from fstat of its fd (which must show a regular file), its bytes from the fd; with `sparse`
+    (checkpoints) a file with holes becomes a GNU sparse 1.0 member (PAX), holding its data segments only, which
+    Python's tarfile reads back. Modes lose setuid, setgid and sticky. Symlinks go last, and only those that stay inside the tree
     without passing through another symlink. Each pair is (member, data or None); `left_out` counts, once the
     iteration is done, the entries left out, the walk's own included."""
 
@@ -3044,7 +3062,15 @@ class ArchiveMembers:
     def __iter__(self) -> Iterator[tuple[tarfile.TarInfo, Optional[FileData]]]:
         kinds: dict[str, str] = {}
         symlinks: list[WalkEntry] = []
-        content_bytes = 0
+        tar_bytes = 2 * tarfile.BLOCKSIZE + tarfile.RECORDSIZE  # the end, and at most a record's padding
+
+        def counted(info: tarfile.TarInfo) -> tarfile.TarInfo:
+            nonlocal tar_bytes
+            tar_bytes += tar_member_bytes(info)
+            if tar_bytes > MAX_TRANSFER_BYTES:
+                raise CommandError(f"too large: the tree's tar would be over {MAX_TRANSFER_BYTES} bytes (its files "
+                                   "and their tar headers), more than one transfer carries")
+            return info
         for entry, fd in self._walk:
             try:
                 parent = entry.name.rpartition("/")[0]
@@ -3062,18 +3088,15 @@ class ArchiveMembers:
                 if entry.kind == "directory":
                     info.type = tarfile.DIRTYPE
                     self.entries += 1
-                    yield info, None
+                    yield counted(info), None
                     continue
                 assert fd is not None  # check_walk_entry: a file comes with its fd
                 st = os.fstat(fd)
                 if not stat.S_ISREG(st.st_mode):
                     raise WorkerProtocolError(f"the walk's file {entry.name[:80]!r} is not a regular file")
                 data = file_member(info, fd, st, self._sparse)
-                content_bytes += data.stored_bytes
-                if content_bytes > MAX_TRANSFER_BYTES:
-                    raise CommandError(f"too large: the tree's content exceeds {MAX_TRANSFER_BYTES} bytes")
                 self.entries += 1
-                yield info, data
+                yield counted(info), data
             finally:
                 if fd is not None:
                     os.close(fd)
@@ -3086,7 +3109,7 @@ class ArchiveMembers:
             info = tarfile.TarInfo(self._prefix + entry.name)
             info.type, info.linkname, info.mode, info.mtime = tarfile.SYMTYPE, entry.target, 0o777, entry.mtime
             self.entries += 1
-            yield info, None
+            yield counted(info), None
         self.left_out += self._walk.skipped
 
 
@@ -5863,10 +5886,13 @@ class AgentServer:
         return {"seq": seq}
 
     def _egress_note(self, params: EgressNoteParams, now: float) -> dict[str, Any]:
-        """serve's egress proxy closed one of the workload's connections: the outbox records what it decided."""
+        """serve's egress proxy closed one of the workload's connections (or counted several refused ones): the
+        outbox records what it decided, outside the disk's reserve (`seq` null when there was no room)."""
         fields = {"decision": params.decision.value, "host": params.host, "port": params.port,
-                  "reason": params.reason, "bytes_up": params.bytes_up, "bytes_down": params.bytes_down}
-        return {"seq": self.outbox.emit(EventKind.EGRESS, **{k: v for k, v in fields.items() if v is not None})}
+                  "reason": params.reason, "bytes_up": params.bytes_up, "bytes_down": params.bytes_down,
+                  "count": params.count}
+        return {"seq": self.outbox.emit_unreserved(EventKind.EGRESS,
+                                                   **{k: v for k, v in fields.items() if v is not None})}
 
     def _restore(self, params: RestoreParams, now: float) -> PendingRequest:
         if self._workload is not None:
@@ -6008,11 +6034,15 @@ MODEL_SOCKET_NAME = "model.sock"  #: DIR/agent/model.sock: serve's credential pr
 EGRESS_SOCKET_NAME = "egress.sock"  #: DIR/agent/egress.sock: serve's egress proxy (the session's allow-list)
 MAX_RELAYED_CONNECTIONS = 16  #: one more is closed at once; serve bounds its own concurrency per session too
 RELAY_CONNECT_TIMEOUT_S = 5.0
+#: A relayed connection in which no byte moved either way for this long is closed: past the longest silence serve's
+#: proxies keep a connection through (300 s, the egress pipe's and the model upstream's idle bounds; a test checks),
+#: so the relay closes only what serve has given up on, a workload that stopped reading among them.
+RELAY_IDLE_TIMEOUT_S = 330.0
 
 
 @dataclasses.dataclass(frozen=True)
 class Spliced:
-    """What splice copied each way, and whether it stopped because neither side sent a byte for its idle bound (the
+    """What splice copied each way, and whether it stopped because no byte moved either way for its idle bound (the
     egress proxy records that in the connection's event)."""
 
     one_to_other: int
@@ -6020,36 +6050,93 @@ class Spliced:
     idle: bool = False
 
 
-def splice(one: socket.socket, other: socket.socket, idle_timeout_s: Optional[float] = None) -> Spliced:
+class _Flow:
+    """One way of a splice: what was read from `source` and is not yet sent to `sink`, at most SPLICE_BYTES, so a
+    sink that stops reading stops the reads from its source, never the splice."""
+
+    def __init__(self, source: socket.socket, sink: socket.socket,
+                 taken: Optional[Callable[[memoryview], int]] = None) -> None:
+        self.source, self.sink, self._taken = source, sink, taken
+        self.pending = bytearray()
+        self.reading = True  # until the source's end, or the first bytes `taken` refused
+        self.done = False  # nothing more to read or send; the source's end passed on
+        self._passes_end = False  # the source ended (not cut short by `taken`): the sink is told so
+        self.copied = 0
+
+    def events(self, sock: socket.socket) -> int:
+        """What this way waits for on sock."""
+        wanted = 0
+        if sock is self.source and self.reading and len(self.pending) < SPLICE_BYTES:
+            wanted |= selectors.EVENT_READ
+        if sock is self.sink and self.pending:
+            wanted |= selectors.EVENT_WRITE
+        return wanted
+
+    def pump(self, scratch: memoryview, readable: bool) -> bool:
+        """One read that fits (when the source was seen readable) and one send of what is pending, neither waiting;
+        whether anything moved (a byte, an end)."""
+        moved = False
+        if readable and self.reading and len(self.pending) < SPLICE_BYTES:
+            with contextlib.suppress(BlockingIOError):
+                got = self.source.recv_into(scratch, SPLICE_BYTES - len(self.pending))
+                moved = True
+                kept = got if self._taken is None or not got else self._taken(scratch[:got])
+                self.pending += scratch[:kept]
+                if kept < got or not got:
+                    self.reading = False
+                    self._passes_end = not got
+        if self.pending:
+            with contextlib.suppress(BlockingIOError):
+                sent = self.sink.send(self.pending)
+                del self.pending[:sent]
+                self.copied += sent
+                moved = moved or sent > 0
+        if not self.reading and not self.pending and not self.done:
+            self.done = True
+            if self._passes_end:
+                with contextlib.suppress(OSError):
+                    self.sink.shutdown(socket.SHUT_WR)
+        return moved
+
+
+def splice(one: socket.socket, other: socket.socket, idle_timeout_s: Optional[float] = None,
+           taken_from_one: Optional[Callable[[memoryview], int]] = None) -> Spliced:
     """Copies bytes both ways until both sides have ended theirs, either fails (a reset: the caller closes both), or
-    neither sent a byte for idle_timeout_s; a half-close is passed on."""
-    peers = {one: other, other: one}
-    copied = {one: 0, other: 0}
+    no byte moved either way for idle_timeout_s; a half-close is passed on. No call waits on one side: the sockets
+    are made non-blocking and each way holds at most SPLICE_BYTES, so the idle bound holds whatever either peer does
+    (one that stops reading included). `taken_from_one`: of each piece `one` sends, how many bytes go on (a
+    request's framing); from the first piece it cuts short, the rest is dropped and `one` is read no more."""
+    flows = (_Flow(one, other, taken_from_one), _Flow(other, one))
+    scratch = memoryview(bytearray(SPLICE_BYTES))
+    watched = {one: 0, other: 0}
     idle = False
-    buffer = memoryview(bytearray(SPLICE_BYTES))
-    with selectors.DefaultSelector() as selector:
-        for sock in peers:
-            selector.register(sock, selectors.EVENT_READ)
-        try:
-            while selector.get_map():
-                ready = selector.select(idle_timeout_s)
+    try:
+        for sock in watched:
+            sock.setblocking(False)
+        with selectors.DefaultSelector() as selector:
+            moved_at = time.monotonic()
+            while not all(flow.done for flow in flows):
+                for sock, was in watched.items():
+                    wanted = flows[0].events(sock) | flows[1].events(sock)
+                    if wanted != was:
+                        if not was:
+                            selector.register(sock, wanted)
+                        elif wanted:
+                            selector.modify(sock, wanted)
+                        else:
+                            selector.unregister(sock)
+                        watched[sock] = wanted
+                wait_s = None if idle_timeout_s is None else moved_at + idle_timeout_s - time.monotonic()
+                ready = selector.select(wait_s) if wait_s is None or wait_s > 0 else []
                 if not ready:
                     idle = True
                     break
-                for key, _ in ready:
-                    source = key.fileobj
-                    assert isinstance(source, socket.socket)
-                    got = source.recv_into(buffer)
-                    if got:
-                        peers[source].sendall(buffer[:got])
-                        copied[source] += got
-                        continue
-                    selector.unregister(source)
-                    with contextlib.suppress(OSError):
-                        peers[source].shutdown(socket.SHUT_WR)
-        except OSError:
-            pass  # what was copied stands; nothing more can be
-    return Spliced(copied[one], copied[other], idle)
+                readable = {key.fileobj for key, events in ready if events & selectors.EVENT_READ}
+                if any([flow.pump(scratch, flow.source in readable) for flow in flows]):
+                    moved_at = time.monotonic()
+    except OSError:
+        pass  # what was copied stands; nothing more can be
+    return Spliced(flows[0].copied, flows[1].copied, idle)
 
 
 class ModelRelay:
@@ -6097,7 +6184,7 @@ class ModelRelay:
                     os.close(dir_fd)
                 with upstream:
                     upstream.settimeout(None)
-                    splice(client, upstream)
+                    splice(client, upstream, RELAY_IDLE_TIMEOUT_S)
         except OSError:
             pass  # the CLI sees its connection end and reports it; the proxy logs its own side
         finally:

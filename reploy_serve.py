@@ -2281,7 +2281,7 @@ ANSWER_FIELDS: dict[str, tuple[AnswerField, ...]] = {
         AnswerField("log_bytes", _COUNT),
         AnswerField("skipped_entries", _COUNT)),
     "suspend": (AnswerField("seq", _COUNT),),
-    "egress_note": (AnswerField("seq", _COUNT),),
+    "egress_note": (AnswerField("seq", _nullable(_COUNT)),),  # null: no room beyond the reserve
     "exec": (AnswerField("exec_id", _matching(_HANDLE_ID)), AnswerField("pid", _nullable(_PID)),
              AnswerField("queued", _boolean, required=False),
              AnswerField("stdout_path", _plain_text(agent_role.MAX_PATH_BYTES), required=False),
@@ -2490,8 +2490,8 @@ def parse_agent_result(method: str, params: dict[str, Any], result: Any) -> dict
     return answer
 
 
-#: An agent's error message as serve passes it on (to a client, to its own log): control
-#: characters shown as escapes, at most MAX_AGENT_MESSAGE_CHARS.
+#: An agent's error message as serve passes it on (to a client, to its own log), and any text
+#: from a sandbox in serve's log (SessionLog): control characters shown as escapes, cut.
 safe_message = client_role.shown
 
 
@@ -3724,6 +3724,8 @@ class SessionManager:
             params["host"] = note.host
         if note.reason:
             params["reason"] = note.reason[:MAX_FAILURE_CHARS]
+        if note.count != 1:
+            params["count"] = note.count
         try:
             agent_call(self.config.agent_dir(session_id), "egress_note", params,
                        timeout_s=AGENT_CALL_TIMEOUT_S)
@@ -4544,8 +4546,9 @@ class SessionManager:
                 if not piece:
                     break
                 received += len(piece)
-                if received > MAX_UPLOAD_BYTES:
-                    raise BadGateway(f"the session agent sent more than {MAX_UPLOAD_BYTES} bytes")
+                if received > MAX_UPLOAD_BYTES:  # the agent refuses such a tree itself, with its reason
+                    raise BadGateway(f"the directory's tar grew past {MAX_UPLOAD_BYTES} bytes, the most one "
+                                     "download carries; it is cut here")
                 wait.renew(DOWNLOAD_STALL_S)
                 yield piece
             ended = True
@@ -4896,6 +4899,140 @@ class SessionManager:
         self.egress_proxy.close()
         self.agent_connections.close()
         self.store.close()
+
+
+# ============================================================================================
+# what a session can make serve log: its proxies' lines, counted
+# ============================================================================================
+# A workload decides how often serve's proxies refuse it, and what their refusals quote (its
+# request line, its target). Each proxy's lines about a session go through a SessionLog: in
+# each window of LOG_WINDOW_S, the first LINES_PER_WINDOW are logged (the egress proxy also
+# records those refusals as events), the rest only counted, and a window that counted any ends
+# in one summary line (and one event). Every line's text from the sandbox is escaped (no control
+# character reaches the log raw: safe_message) and cut to MAX_LOGGED_CHARS. So a session makes
+# serve log at most LINES_PER_WINDOW + 1 lines of bounded length per window and kind, however
+# fast it sends.
+
+LINES_PER_WINDOW = 5
+LOG_WINDOW_S = 60.0
+MAX_LOGGED_CHARS = 400  #: of one line's text from the sandbox, once escaped
+
+
+class Tallied(enum.Enum):
+    ONE_BY_ONE = "one by one"  # logged (and recorded) on its own
+    COUNTED = "counted"  # only counted: its window's summary says how many
+
+
+@dataclass(frozen=True)
+class LogSummary:
+    """A window of a session's that ended with lines only counted: how many, and the last."""
+
+    session_id: str
+    count: int
+    window_s: float
+    last: str
+
+
+@dataclass
+class _Window:
+    start: float
+    seen: int = 0
+    last: str = ""
+
+
+class LogTally:
+    """Pure: which of a session's lines are logged one by one (the first `per_window` of each
+    window of window_s, a window starting at the first line after the last one ended), and
+    the summaries of windows that ended with lines only counted."""
+
+    def __init__(self, per_window: int = LINES_PER_WINDOW, window_s: float = LOG_WINDOW_S) -> None:
+        self.per_window, self.window_s = per_window, window_s
+        self._windows: dict[str, _Window] = {}
+        self._finished: list[LogSummary] = []
+
+    def line(self, session_id: str, text: str, now: float) -> Tallied:
+        window = self._windows.get(session_id)
+        if window is not None and now >= window.start + self.window_s:
+            self._finish(session_id)
+            window = None
+        if window is None:
+            window = self._windows[session_id] = _Window(now)
+        window.seen += 1
+        if window.seen <= self.per_window:
+            return Tallied.ONE_BY_ONE
+        window.last = text
+        return Tallied.COUNTED
+
+    def ended(self, now: float) -> list[LogSummary]:
+        """The summaries of the windows over by now (each once), oldest first."""
+        for session_id, window in list(self._windows.items()):
+            if now >= window.start + self.window_s:
+                self._finish(session_id)
+        finished, self._finished = self._finished, []
+        return finished
+
+    def end_session(self, session_id: str) -> list[LogSummary]:
+        """The session's window ends now (its socket closed): what is due, its own included."""
+        if session_id in self._windows:
+            self._finish(session_id)
+        finished, self._finished = self._finished, []
+        return finished
+
+    def _finish(self, session_id: str) -> None:
+        window = self._windows.pop(session_id)
+        if window.seen > self.per_window:
+            self._finished.append(LogSummary(session_id, window.seen - self.per_window,
+                                             self.window_s, window.last))
+
+
+class SessionLog:
+    """One kind of line about sessions in serve's log (LogTally's rule), each text escaped and
+    cut; the summaries are logged (and handed to `summarized`) when their window ends, by a
+    thread of its own, so a burst's count is never held back until the next line."""
+
+    def __init__(self, kind: str, summarized: Callable[[LogSummary], None] = lambda summary: None,
+                 window_s: float = LOG_WINDOW_S) -> None:
+        self._kind = kind
+        self._summarized = summarized
+        self._tally = LogTally(window_s=window_s)
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        threading.Thread(target=self._summarize_ended, name=f"log-{kind}", daemon=True).start()
+
+    def line(self, session_id: str, text: str) -> bool:
+        """Logs `text` (from the sandbox or built from what it sent) as a line of the session's,
+        or counts it; whether it was logged one by one."""
+        text = safe_message(text, MAX_LOGGED_CHARS)
+        with self._lock:
+            tallied = self._tally.line(session_id, text, time.monotonic())
+            due = self._tally.ended(time.monotonic())
+        if tallied is Tallied.ONE_BY_ONE:
+            log(f"serve: session {session_id}: {text}")
+        self._summarize(due)
+        return tallied is Tallied.ONE_BY_ONE
+
+    def end_session(self, session_id: str) -> None:
+        with self._lock:
+            due = self._tally.end_session(session_id)
+        self._summarize(due)
+
+    def close(self) -> None:
+        self._closed.set()
+        with self._lock:
+            due = self._tally.ended(math.inf)
+        self._summarize(due)
+
+    def _summarize_ended(self) -> None:
+        while not self._closed.wait(self._tally.window_s / 4):
+            with self._lock:
+                due = self._tally.ended(time.monotonic())
+            self._summarize(due)
+
+    def _summarize(self, summaries: Iterable[LogSummary]) -> None:
+        for summary in summaries:
+            log(f"serve: session {summary.session_id}: {summary.count} more {self._kind} lines in "
+                f"{summary.window_s:.3g} s, not logged one by one; the last: {summary.last}")
+            self._summarized(summary)
 
 
 # ============================================================================================
@@ -5590,6 +5727,7 @@ class ModelProxy:
         if upstream.ca_file:  # the system's roots too: a CA file adds trust, never replaces it
             self._tls.load_default_certs()
         self._sockets = SessionSockets(agent_role.MODEL_SOCKET_NAME, MAX_MODEL_REQUESTS, "model")
+        self._log = SessionLog("model proxy")
         self._pool = IdleUpstreams()
         self._closed = threading.Event()
         threading.Thread(target=self._reap_idle, name="model-pool", daemon=True).start()
@@ -5600,9 +5738,11 @@ class ModelProxy:
 
     def close_session(self, session_id: str) -> None:
         self._sockets.close_session(session_id)
+        self._log.end_session(session_id)
 
     def close(self) -> None:
         self._sockets.close()
+        self._log.close()
         self._closed.set()
         self._pool.close()
 
@@ -5630,7 +5770,7 @@ class ModelProxy:
                     with self._bodies.holding(session_id, request.body_bytes):  # until sent
                         sent = self._send(session_id, conn, request, reader.body(request.body_bytes))
                 except ModelRefusal as e:
-                    log(f"serve: session {session_id}: model request refused: {e.reason}")
+                    self._log.line(session_id, f"model request refused: {e.reason}")
                     conn.sendall(model_error_response(e.status, e.kind, e.reason))
                     if admitted:  # a refused request holds no slot while its client finishes
                         slots.release()
@@ -5640,7 +5780,7 @@ class ModelProxy:
                 if sent is not None:
                     self._answer(conn, *sent)
             except OSError as e:
-                log(f"serve: session {session_id}: model request ended: {e}")
+                self._log.line(session_id, f"model request ended: {e}")
             finally:
                 if admitted:
                     slots.release()
@@ -5662,7 +5802,7 @@ class ModelProxy:
             conn.sendall(model_error_response(504, "timeout_error", "the model upstream did "
                                               "not answer in time"))
         except (OSError, http.client.HTTPException) as e:
-            log(f"serve: session {session_id}: model upstream: {e}")
+            self._log.line(session_id, f"model upstream: {e}")
             conn.sendall(model_error_response(502, "api_error", "the model upstream cannot "
                                               f"be reached: {type(e).__name__}"))
         return None
@@ -5779,12 +5919,13 @@ EGRESS_RELAY_PORT = 8138  #: in each session's own network namespace, beside MOD
 DEFAULT_EGRESS_PORT = 443
 MAX_EGRESS_ENTRIES = 64  #: --egress-allow entries, and so a session's `egress`
 MAX_EGRESS_HEAD_BYTES = 16 * 1024  #: a proxy request's line and headers
+MAX_CHUNK_LINE_BYTES = 4096  #: a forwarded chunked body's size line (with extensions), or trailer line
 MAX_EGRESS_CONNECTIONS = 8  #: open per session; one more is answered 429
 EGRESS_CLIENT_TIMEOUT_S = 30.0  #: the sandbox sends its whole request head within this
 EGRESS_RESOLVE_TIMEOUT_S = 10.0  #: the listed name's lookup (getaddrinfo has no bound of its own)
 EGRESS_CONNECT_TIMEOUT_S = 10.0  #: the name's lookup aside, to one of the upstream's addresses
 EGRESS_CONNECT_TOTAL_S = 30.0  #: to all of them, one after the other: three that never answer
-EGRESS_IDLE_TIMEOUT_S = 300.0  #: neither side sent a byte: the pipe is closed
+EGRESS_IDLE_TIMEOUT_S = 300.0  #: no byte moved either way (agent.splice): the pipe is closed
 EGRESS_PROXY_URL = f"http://127.0.0.1:{EGRESS_RELAY_PORT}"
 #: What a session with egress gets in its environment (shell, agent, exec): clients that
 #: honour the variables go through the proxy, loopback stays the session's own.
@@ -5799,7 +5940,8 @@ _EGRESS_DROPPED_REQUEST = frozenset({"connection", "keep-alive", "te", "trailer"
 _DNS_LABEL = re.compile(r"(?!-)[a-z0-9-]{1,63}(?<!-)")
 _EGRESS_PATH = re.compile(r'/[!"$-~]*')  #: an origin-form target: visible ASCII but `#`
 #: Address ranges no name may resolve to (each refused unless the entry is that IP literal),
-#: the first that holds an address naming why.
+#: the first that holds an address naming why. The host's own addresses are refused too
+#: (host_addresses), whatever their range.
 EGRESS_REFUSED_RANGES: tuple[tuple[str, ipaddress.IPv4Network | ipaddress.IPv6Network], ...] = tuple(
     (what, ipaddress.ip_network(network)) for what, network in (
         ("metadata", "169.254.169.254/32"), ("metadata", "fd00:ec2::254/128"),
@@ -5810,8 +5952,15 @@ EGRESS_REFUSED_RANGES: tuple[tuple[str, ipaddress.IPv4Network | ipaddress.IPv6Ne
         ("private (ULA)", "fc00::/7"), ("CGNAT", "100.64.0.0/10"),
         ("multicast", "224.0.0.0/4"), ("multicast", "ff00::/8"),
         ("reserved", "240.0.0.0/4"), ("IETF protocol assignments", "192.0.0.0/24"),
-        ("benchmarking", "198.18.0.0/15"), ("site-local", "fec0::/10")))
-_NAT64_PREFIX = ipaddress.ip_network("64:ff9b::/96")  #: its last 32 bits are an IPv4 address
+        ("benchmarking", "198.18.0.0/15"), ("benchmarking", "2001:2::/48"),
+        ("site-local", "fec0::/10"), ("documentation", "192.0.2.0/24"),
+        ("documentation", "198.51.100.0/24"), ("documentation", "203.0.113.0/24"),
+        ("documentation", "2001:db8::/32"), ("documentation", "3fff::/20"),
+        ("discard-only", "100::/64"), ("NAT64 (local use)", "64:ff9b:1::/48")))
+#: IPv6 prefixes whose last 32 bits are an IPv4 address: NAT64's well-known one, IPv4-mapped,
+#: IPv4-translated (SIIT) and IPv4-compatible.
+_IPV4_IN_LAST_32 = tuple(ipaddress.ip_network(prefix) for prefix in (
+    "64:ff9b::/96", "::ffff:0:0/96", "::ffff:0:0:0/96", "::/96"))
 
 
 @dataclass(frozen=True)
@@ -5867,6 +6016,7 @@ class ProxyRequest:
     host: str  # as canonical_host has it
     port: int
     head: bytes = b""  # FORWARD: the head to send upstream (origin form, `connection: close`)
+    body_bytes: Optional[int] = 0  # FORWARD: its content-length (none: 0), or None: chunked
 
 
 @dataclass(frozen=True)
@@ -5973,23 +6123,40 @@ def session_egress(given: Sequence[str], allowed: Sequence[EgressEntry]) -> tupl
     return tuple(map(str, entries))
 
 
-def refused_range(address: str) -> Optional[str]:
-    """Why a name may not lead to this address (EGRESS_REFUSED_RANGES), or None. An IPv6 form
-    of an IPv4 address (mapped, compatible, NAT64's well-known prefix, 6to4's) is checked as
-    that address."""
+def address_forms(address: str) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, ...]:
+    """The address, and each IPv4 address an IPv6 one carries (_IPV4_IN_LAST_32, 6to4's,
+    Teredo's server and client): a packet to the one may reach the other."""
     ip = ipaddress.ip_address(address.split("%", 1)[0])
-    candidates: list[ipaddress.IPv4Address | ipaddress.IPv6Address] = [ip]
+    forms: list[ipaddress.IPv4Address | ipaddress.IPv6Address] = [ip]
     if isinstance(ip, ipaddress.IPv6Address):
-        low = ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
-        embedded = ip.ipv4_mapped or ip.sixtofour or (
-            low if int(ip) >> 32 == 0 or ip in _NAT64_PREFIX else None)
-        if embedded is not None:
-            candidates.append(embedded)
-    for candidate in candidates:
+        if any(ip in prefix for prefix in _IPV4_IN_LAST_32):
+            forms.append(ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF))
+        if ip.sixtofour is not None:
+            forms.append(ip.sixtofour)
+        if ip.teredo is not None:
+            forms.extend(ip.teredo)
+    return tuple(forms)
+
+
+def refused_range(address: str, own: frozenset[str] = frozenset()) -> Optional[str]:
+    """Why a name may not lead to this address (EGRESS_REFUSED_RANGES, or one of `own`, the
+    host's addresses), or None; an IPv6 form of an IPv4 address is checked as that address
+    too (address_forms)."""
+    for form in address_forms(address):
         for what, network in EGRESS_REFUSED_RANGES:
-            if candidate.version == network.version and candidate in network:
+            if form.version == network.version and form in network:
                 return what
+        if str(form) in own:
+            return "serve host's"
     return None
+
+
+def host_addresses() -> frozenset[str]:
+    """Every address of this host's interfaces now (they come and go: a bridge, a VPN), as
+    ipaddress writes them."""
+    return frozenset(str(ipaddress.ip_address(entry.address.split("%", 1)[0]))
+                     for entries in psutil.net_if_addrs().values() for entry in entries
+                     if entry.family in (socket.AF_INET, socket.AF_INET6))
 
 
 def connect_order(addresses: Sequence[str]) -> tuple[str, ...]:
@@ -6007,12 +6174,12 @@ def connect_order(addresses: Sequence[str]) -> tuple[str, ...]:
 
 
 def decide_egress(allowed: Sequence[EgressEntry], host: str, port: int,
-                  addresses: Sequence[str]) -> Allowed | Refused:
+                  addresses: Sequence[str], own: frozenset[str] = frozenset()) -> Allowed | Refused:
     """Whether a proxy request to host:port (canonical_host) may go out, and to which addresses,
-    given what the name resolved to: only a listed entry; an IP literal entry to that very
-    address, whatever its range; a name to every address it resolved to, in connect_order, and
-    only when none of them is in a refused range (a name that mixes the two is trusted with
-    neither, so a refused address is never tried)."""
+    given what the name resolved to and the host's own addresses: only a listed entry; an IP
+    literal entry to that very address, whatever its range; a name to every address it resolved
+    to, in connect_order, and only when none of them is refused (refused_range: a name that
+    mixes the two is trusted with neither, so a refused address is never tried)."""
     entry = EgressEntry(host, port)
     if entry not in allowed:
         return Refused(f"{entry} is not on this session's egress list")
@@ -6021,7 +6188,7 @@ def decide_egress(allowed: Sequence[EgressEntry], host: str, port: int,
     if not addresses:
         return Refused(f"{host} does not resolve")
     for address in addresses:
-        what = refused_range(address)
+        what = refused_range(address, own)
         if what is not None:
             return Refused(f"{host} resolves to {address}, a {what} address; list that address "
                            "itself to allow it")
@@ -6089,10 +6256,13 @@ def parse_proxy_head(head: bytes) -> ProxyRequest:
     except ValueError as e:
         raise EgressRefusal(400, f"the URI's host: {e}") from None
     lengths = [value for name, value in fields if name.lower() == "content-length"]
-    chunked = any(name.lower() == "transfer-encoding" for name, _ in fields)
+    codings = [value for name, value in fields if name.lower() == "transfer-encoding"]
+    chunked = bool(codings)
     if (chunked and lengths) or len(lengths) > 1 or not all(v.isdigit() for v in lengths):
         raise EgressRefusal(400, "the body's framing is ambiguous (one decimal content-length, "
                             "or transfer-encoding, not both)")
+    if chunked and [coding.lower() for coding in codings] != ["chunked"]:
+        raise EgressRefusal(400, "a request body's transfer-encoding may be `chunked` only")
     named_hop = {token.strip().lower() for name, value in fields if name.lower() == "connection"
                  for token in value.split(",")} - {"content-length", "transfer-encoding"}
     kept = [(name, value) for name, value in fields
@@ -6102,7 +6272,63 @@ def parse_proxy_head(head: bytes) -> ProxyRequest:
         f"[{host}]" if ":" in host else host)
     lines = [f"{method} {path} {version}", f"host: {authority_out}",
              *(f"{name}: {value}" for name, value in kept), "connection: close", "", ""]
-    return ProxyRequest(ProxyKind.FORWARD, host, port, "\r\n".join(lines).encode("ascii"))
+    return ProxyRequest(ProxyKind.FORWARD, host, port, "\r\n".join(lines).encode("ascii"),
+                        None if chunked else int(lengths[0]) if lengths else 0)
+
+
+class _BodyPart(enum.Enum):
+    DATA = "data"  # `left` more bytes of the body, or of the chunk
+    SIZE = "size"  # a chunk's size line
+    CHUNK_END = "chunk end"  # the CRLF after a chunk's data
+    TRAILER = "trailer"  # trailer lines, up to an empty one
+    ENDED = "ended"  # the body is whole (or its framing broke): nothing more is taken
+
+
+class ForwardedBody:
+    """Pure: how much of what the sandbox sends after a forwarded request's head is that
+    request's body, by its framing (content-length bytes; chunked up to the last chunk and its
+    trailer): one request per connection, so what follows (a pipelined second request, which
+    would reach the upstream unchecked) is not forwarded. A chunked framing that breaks (a bad
+    size line, one over MAX_CHUNK_LINE_BYTES) ends the body where it broke."""
+
+    def __init__(self, body_bytes: Optional[int]) -> None:
+        self._chunked = body_bytes is None
+        self._left = body_bytes or 0
+        self._part = _BodyPart.SIZE if self._chunked else _BodyPart.DATA if self._left else _BodyPart.ENDED
+        self._line = bytearray()
+
+    def take(self, data: bytes | memoryview) -> int:
+        """How many of data's first bytes belong to the body (the rest, if any, do not)."""
+        taken = 0
+        while taken < len(data) and self._part is not _BodyPart.ENDED:
+            if self._part is _BodyPart.DATA:
+                step = min(self._left, len(data) - taken)
+                taken, self._left = taken + step, self._left - step
+                if not self._left:
+                    self._part = _BodyPart.CHUNK_END if self._chunked else _BodyPart.ENDED
+                continue
+            self._line.append(data[taken])
+            taken += 1
+            if len(self._line) > MAX_CHUNK_LINE_BYTES:
+                self._part = _BodyPart.ENDED
+            elif self._line.endswith(b"\r\n"):
+                self._end_line(bytes(self._line[:-2]))
+                self._line.clear()
+        return taken
+
+    def _end_line(self, line: bytes) -> None:
+        if self._part is _BodyPart.SIZE:
+            size = line.split(b";", 1)[0].strip(b" \t")
+            if not size or len(size) > 16 or any(c not in b"0123456789abcdefABCDEF" for c in size):
+                self._part = _BodyPart.ENDED
+            elif int(size, 16):
+                self._part, self._left = _BodyPart.DATA, int(size, 16)
+            else:
+                self._part = _BodyPart.TRAILER
+        elif self._part is _BodyPart.CHUNK_END:
+            self._part = _BodyPart.SIZE if not line else _BodyPart.ENDED
+        elif not line:  # TRAILER: the empty line ends it
+            self._part = _BodyPart.ENDED
 
 
 def egress_refusal_response(status: int, reason: str) -> bytes:
@@ -6122,6 +6348,7 @@ class EgressNote:
     reason: str = ""  # why it was refused, or why the proxy closed an allowed one (idle)
     bytes_up: int = 0  # from the sandbox to the upstream
     bytes_down: int = 0
+    count: int = 1  # more than 1: a window's refusals not noted one by one (SessionLog)
 
 
 # -- the proxy's I/O: per-session sockets on the host, one thread per connection ------------
@@ -6199,15 +6426,19 @@ def connect_upstream(entry: EgressEntry, addresses: Sequence[str],
 
 class EgressProxy:
     """The host side: DIR/agent/egress.sock of each session with egress (see the section's
-    head). `note` records each connection's EgressNote in the session's events."""
+    head). `note` records each connection's EgressNote in the session's events: each allowed
+    one, and refused ones as the session's log of refusals has them (SessionLog: one by one,
+    then a window's count in one note)."""
 
     def __init__(self, note: Callable[[str, EgressNote], None],
                  resolver: Callable[[str, int], tuple[str, ...]] = resolve,
-                 timeouts: EgressTimeouts = EgressTimeouts()) -> None:
+                 timeouts: EgressTimeouts = EgressTimeouts(), log_window_s: float = LOG_WINDOW_S) -> None:
         self._note = note
         self._resolve = resolver
         self._timeouts = timeouts
         self._sockets = SessionSockets(agent_role.EGRESS_SOCKET_NAME, MAX_EGRESS_CONNECTIONS, "egress")
+        self._refusals = SessionLog("egress refusal", self._note_refusals, log_window_s)
+        self._log = SessionLog("egress", window_s=log_window_s)
 
     def listen(self, session_id: str, agent_dir: Path, allowed: tuple[EgressEntry, ...]) -> None:
         """(Re)binds agent_dir/egress.sock for the session, with its allow-list."""
@@ -6217,9 +6448,13 @@ class EgressProxy:
     def close_session(self, session_id: str) -> None:
         """Stops listening (before the disk is unmounted); open pipes end on their own."""
         self._sockets.close_session(session_id)
+        self._refusals.end_session(session_id)
+        self._log.end_session(session_id)
 
     def close(self) -> None:
         self._sockets.close()
+        self._refusals.close()
+        self._log.close()
 
     def _serve(self, session_id: str, conn: socket.socket, slots: threading.BoundedSemaphore,
                allowed: tuple[EgressEntry, ...]) -> None:
@@ -6235,9 +6470,11 @@ class EgressProxy:
                                             "egress connections open")
                     entry = EgressEntry(request.host, request.port)
                     # Only a listed name is looked up: an unlisted one never reaches a resolver.
+                    looked_up = entry in allowed and not entry.is_ip_literal
                     addresses = (resolve_within(self._resolve, entry, self._timeouts.resolve_s)
-                                 if entry in allowed and not entry.is_ip_literal else ())
-                    decision = decide_egress(allowed, entry.host, entry.port, addresses)
+                                 if looked_up else ())
+                    decision = decide_egress(allowed, entry.host, entry.port, addresses,
+                                             host_addresses() if looked_up else frozenset())
                     if isinstance(decision, Refused):
                         raise EgressRefusal(403, decision.reason)
                     note = self._pipe(conn, request, decision.addresses, rest)
@@ -6248,7 +6485,7 @@ class EgressProxy:
                         conn.sendall(egress_refusal_response(e.status, e.reason))
                 self._record(session_id, note)
         except OSError as e:
-            log(f"serve: session {session_id}: egress connection ended: {e}")
+            self._log.line(session_id, f"egress connection ended: {e}")
         finally:
             if admitted:
                 slots.release()
@@ -6258,27 +6495,38 @@ class EgressProxy:
         """Connects to one of the checked addresses (502/504 when none answers) and pipes both
         ways; a pipe idle past its bound is closed, and its note says so."""
         upstream = connect_upstream(EgressEntry(request.host, request.port), addresses, self._timeouts)
+        body = ForwardedBody(request.body_bytes) if request.kind is ProxyKind.FORWARD else None
         with upstream:
-            if request.kind is ProxyKind.CONNECT:
+            if body is None:
                 conn.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
                 first = rest
-            else:
-                first = request.head + rest
+            else:  # only this request's body goes on: one request per connection
+                first = request.head + rest[:body.take(rest)]
             upstream.sendall(first)
             conn.settimeout(None)
             upstream.settimeout(None)
-            spliced = agent_role.splice(conn, upstream, self._timeouts.idle_s)
-        idle = (f"closed after {self._timeouts.idle_s:.3g} s in which neither side sent a byte"
+            spliced = agent_role.splice(conn, upstream, self._timeouts.idle_s,
+                                        body.take if body is not None else None)
+        idle = (f"closed after {self._timeouts.idle_s:.3g} s in which no byte moved either way"
                 if spliced.idle else "")
         return EgressNote(agent_role.EgressDecision.ALLOWED, request.host, request.port, reason=idle,
                           bytes_up=len(first) + spliced.one_to_other, bytes_down=spliced.other_to_one)
 
     def _record(self, session_id: str, note: EgressNote) -> None:
-        counts = (f" ({note.bytes_up} bytes up, {note.bytes_down} down)"
-                  if note.decision is agent_role.EgressDecision.ALLOWED else "")
-        log(f"serve: session {session_id}: egress {note.decision.value} {note.host}:{note.port}"
-            + counts + (f": {note.reason}" if note.reason else ""))
-        self._note(session_id, note)
+        """Logs the connection's note and records it: an allowed one always (its bytes are the
+        session's to account), a refused one when the log of refusals takes it one by one."""
+        allowed = note.decision is agent_role.EgressDecision.ALLOWED
+        counts = f" ({note.bytes_up} bytes up, {note.bytes_down} down)" if allowed else ""
+        line = (f"egress {note.decision.value} {note.host}:{note.port}" + counts
+                + (f": {note.reason}" if note.reason else ""))
+        if (self._log if allowed else self._refusals).line(session_id, line) or allowed:
+            self._note(session_id, note)
+
+    def _note_refusals(self, summary: LogSummary) -> None:
+        self._note(summary.session_id, EgressNote(
+            agent_role.EgressDecision.REFUSED, "", 0, count=summary.count,
+            reason=f"{summary.count} more connections refused in {summary.window_s:.3g} s, not "
+                   f"noted one by one; the last: {summary.last}"))
 
 
 # ============================================================================================

@@ -4,6 +4,7 @@ proxy beyond DIR/agent/model.sock."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import socket
 import sys
@@ -17,6 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import agent  # noqa: E402
+import reploy_serve as rs  # noqa: E402
 
 WAIT_S = 60.0  #: generous: a loaded machine; nothing here measures time
 FLOOD_BYTES = 8 * agent.MIB + 12345  #: many socket buffers' worth, not a multiple of any buffer size
@@ -41,6 +43,12 @@ def in_thread(work: Callable[[], object]) -> tuple[threading.Thread, list[object
     thread = threading.Thread(target=lambda: result.append(work()), daemon=True)
     thread.start()
     return thread, result
+
+
+def send_until_closed(sock: socket.socket, data: bytes) -> None:
+    """sendall, ended by the test closing the socket under it."""
+    with contextlib.suppress(OSError):
+        sock.sendall(data)
 
 
 @pytest.fixture
@@ -114,6 +122,33 @@ def test_a_relay_idle_past_its_bound_ends(tcp_pair: tuple[socket.socket, socket.
         relay, counts = in_thread(lambda: agent.splice(relay_tcp, relay_unix, idle_timeout_s=0.2))
         relay.join(WAIT_S)
     assert counts == [agent.Spliced(0, 0, idle=True)]  # neither side sent a byte: it ended on its own
+
+
+@pytest.mark.parametrize("stalled", ["tcp", "unix"])
+def test_a_peer_that_stops_reading_cannot_hold_the_splice_past_its_idle_bound(
+        tcp_pair: tuple[socket.socket, socket.socket], stalled: str) -> None:
+    """Issue 42: one side floods, the other never reads. The splice's sends fill that side's buffers and then stop
+    moving: the splice must not wait in a send, so its idle bound ends it (before, `sendall` held it until the
+    reader went away)."""
+    relay_tcp, client = tcp_pair
+    relay_unix, proxy = socket.socketpair()
+    with relay_unix, proxy:
+        for sock in (relay_tcp, client, relay_unix, proxy):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        flooder = proxy if stalled == "tcp" else client
+        relay, counts = in_thread(lambda: agent.splice(relay_tcp, relay_unix, idle_timeout_s=0.5))
+        in_thread(lambda: send_until_closed(flooder, flood(FLOOD_BYTES, b"never read")))
+        relay.join(WAIT_S)
+        assert not relay.is_alive(), "the splice is still waiting on a peer that does not read"
+        flooder.close()  # the flooder's own sendall ends with an error now
+    [spliced] = counts
+    assert isinstance(spliced, agent.Spliced) and spliced.idle
+    assert 0 < spliced.one_to_other + spliced.other_to_one < FLOOD_BYTES
+
+
+def test_the_relay_outlasts_every_silence_serves_proxies_keep() -> None:
+    assert max(rs.EGRESS_IDLE_TIMEOUT_S, rs.MODEL_IDLE_TIMEOUT_S) < agent.RELAY_IDLE_TIMEOUT_S
 
 
 def test_the_model_relay_carries_a_whole_answer_from_the_unix_socket_to_loopback(tmp_path: Path) -> None:

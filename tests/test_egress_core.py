@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import ipaddress
 import json
 import select
 import socket
@@ -121,12 +122,13 @@ def test_the_agent_takes_an_egress_note_strictly() -> None:
         return agent.parse_request(json.dumps({"id": "1", "method": "egress_note", "params": params}).encode())
     request = parse({"decision": "refused", "host": "api.example", "port": 443, "reason": "why"})
     assert request.params == agent.EgressNoteParams(agent.EgressDecision.REFUSED, "api.example", 443,
-                                                    "why", 0, 0)
+                                                    "why", 0, 0, None)
     assert parse({"decision": "allowed"}).params == agent.EgressNoteParams(
-        agent.EgressDecision.ALLOWED, None, 0, None, 0, 0)
+        agent.EgressDecision.ALLOWED, None, 0, None, 0, 0, None)
+    assert parse({"decision": "refused", "count": 7}).params.count == 7
     for bad in ({}, {"decision": "maybe"}, {"decision": "allowed", "port": 65536},
                 {"decision": "allowed", "host": ""}, {"decision": "allowed", "bytes_up": -1},
-                {"decision": "allowed", "extra": 1}):
+                {"decision": "allowed", "extra": 1}, {"decision": "refused", "count": 0}):
         with pytest.raises(agent.RequestError):
             parse(bad)
 
@@ -147,6 +149,16 @@ REFUSED_ADDRESSES = {
     "::ffff:127.0.0.1": "loopback", "::ffff:10.0.0.1": "private", "::127.0.0.1": "loopback",
     "2002:a00:1::": "private",  # 6to4 of 10.0.0.1
     "64:ff9b::a9fe:a9fe": "metadata",  # NAT64 of 169.254.169.254
+    # Issue 42: the documentation ranges, and more IPv6 forms of a refused IPv4 address.
+    "192.0.2.1": "documentation", "198.51.100.7": "documentation", "203.0.113.255": "documentation",
+    "2001:db8::1": "documentation", "3fff::1": "documentation",
+    "::ffff:0:10.0.0.1": "private",  # IPv4-translated (SIIT) of 10.0.0.1
+    "::ffff:0:7f00:1": "loopback",  # the same form of 127.0.0.1
+    "2001:0:4136:e378:8000:63bf:f5ff:fffe": "private",  # Teredo, its client 10.0.0.1 (obfuscated)
+    "2001:0:a9fe:a9fe::1": "metadata",  # Teredo, its server 169.254.169.254
+    "2002:c000:201::1": "documentation",  # 6to4 of 192.0.2.1
+    "64:ff9b::c633:6401": "documentation",  # NAT64 of 198.51.100.1
+    "64:ff9b:1::5db8:d822": "NAT64 (local use)", "2001:2::1": "benchmarking", "100::1": "discard-only",
 }
 PUBLIC_ADDRESSES = ("93.184.216.34", "172.32.0.1", "100.128.0.1", "192.169.0.1", "1.1.1.1",
                     "2606:4700::1111", "::ffff:93.184.216.34", "169.253.255.255")
@@ -159,6 +171,29 @@ def test_every_refused_range_is_refused_for_a_name_and_named(address: str, what:
     decision = rs.decide_egress(allowed, "api.example", 443, ["93.184.216.34", address])
     assert decision == rs.Refused(f"api.example resolves to {address}, a {what} address; list "
                                   "that address itself to allow it")
+
+
+#: Addresses the test pretends are this host's own (one public, one of each family).
+OWN = frozenset({"93.184.216.34", "2606:4700::1111"})
+
+
+@pytest.mark.parametrize("address", ["93.184.216.34", "2606:4700::1111", "::ffff:93.184.216.34",
+                                     "::ffff:0:93.184.216.34", "64:ff9b::5db8:d822", "2002:5db8:d822::1"])
+def test_an_address_of_the_host_itself_is_refused_for_a_name_in_every_form(address: str) -> None:
+    """Issue 42: a listed name that resolves to one of the host's own interface addresses
+    reaches the host's services, whatever their bind: refused, as loopback is."""
+    allowed = rs.parse_egress_allow(["api.example"])
+    assert rs.refused_range(address, OWN) == "serve host's"
+    assert rs.decide_egress(allowed, "api.example", 443, ["1.1.1.1", address], OWN) == rs.Refused(
+        f"api.example resolves to {address}, a serve host's address; list that address itself to allow it")
+    literal = rs.parse_egress_entry(f"[{address}]:443" if ":" in address else address)
+    assert rs.decide_egress((literal,), literal.host, 443, (), OWN) == rs.Allowed((literal.host,))
+
+
+def test_the_hosts_own_addresses_are_its_interfaces_now() -> None:
+    own = rs.host_addresses()
+    assert "127.0.0.1" in own
+    assert all(str(ipaddress.ip_address(address)) == address for address in own)
 
 
 @pytest.mark.parametrize("address", PUBLIC_ADDRESSES)
@@ -188,9 +223,9 @@ def test_only_listed_names_and_ports_go_out_and_a_name_that_resolves_to_nothing_
 
 def test_every_address_of_a_name_is_tried_once_the_families_taking_turns() -> None:
     allowed = rs.parse_egress_allow(["api.example"])
-    resolved = ["2001:db8::1", "2001:db8::2", "192.0.2.1", "2001:db8::3", "192.0.2.2", "192.0.2.1"]
+    resolved = ["2606:4700::1", "2606:4700::2", "1.1.1.1", "2606:4700::3", "1.0.0.1", "1.1.1.1"]
     assert rs.decide_egress(allowed, "api.example", 443, resolved) == rs.Allowed(
-        ("2001:db8::1", "192.0.2.1", "2001:db8::2", "192.0.2.2", "2001:db8::3"))
+        ("2606:4700::1", "1.1.1.1", "2606:4700::2", "1.0.0.1", "2606:4700::3"))
     assert rs.connect_order(["192.0.2.1", "192.0.2.2", "2001:db8::1"]) == (
         "192.0.2.1", "2001:db8::1", "192.0.2.2")  # the resolver's first family goes first
     assert rs.connect_order(["192.0.2.2", "192.0.2.1"]) == ("192.0.2.2", "192.0.2.1")
@@ -275,11 +310,54 @@ def test_an_absolute_request_is_forwarded_in_origin_form_without_hop_by_hop_head
     (("POST http://api.example/ HTTP/1.1", "Content-Length: 1", "Content-Length: 2"), 400),
     (("POST http://api.example/ HTTP/1.1", "Content-Length: -1"), 400),
     (("GET http://api.example/ HTTP/1.1", "X: é"), 400),
+    (("POST http://api.example/ HTTP/1.1", "Transfer-Encoding: gzip, chunked"), 400),
+    (("POST http://api.example/ HTTP/1.1", "Transfer-Encoding: chunked", "Transfer-Encoding: chunked"), 400),
 ])
 def test_malformed_or_other_requests_are_refused_with_a_reason(lines: tuple[str, ...], status: int) -> None:
     with pytest.raises(rs.EgressRefusal) as refused:
         rs.parse_proxy_head(head(*lines))
     assert refused.value.status == status and refused.value.reason
+
+
+# -- one request per connection: a forwarded request's body, and nothing after it -------------
+
+PIPELINED = b"GET /second HTTP/1.1\r\nhost: other.example\r\n\r\n"
+CHUNKED = b"5;ext=1\r\nhello\r\nA\r\n0123456789\r\n0\r\nx-trailer: 1\r\n\r\n"
+
+
+def taken_in_pieces(body: rs.ForwardedBody, data: bytes, cuts: tuple[int, ...]) -> int:
+    edges = (0, *cuts, len(data))
+    return sum(body.take(data[start:end]) for start, end in zip(edges, edges[1:]))
+
+
+@pytest.mark.parametrize(("body_bytes", "body"), [(None, CHUNKED), (7, b"1234567"), (0, b""),
+                                                  (None, b"0\r\n\r\n")])
+def test_a_forwarded_body_is_taken_whole_and_what_follows_is_not_however_it_is_cut(
+        body_bytes: Optional[int], body: bytes) -> None:
+    """Issue 42: forward mode passed a pipelined second request on unchecked. The body's own
+    framing says where the request ends; every way of cutting the stream in two or three pieces
+    gives the same answer."""
+    data = body + PIPELINED
+    for first in range(len(data) + 1):
+        for second in range(first, len(data) + 1, 7):
+            assert taken_in_pieces(rs.ForwardedBody(body_bytes), data, (first, second)) == len(body)
+    assert rs.ForwardedBody(body_bytes).take(data) == len(body)
+
+
+@pytest.mark.parametrize("broken", [b"zz\r\nhello", b"5\r\nhelloXY0\r\n\r\n", b"-5\r\n", b"\r\n",
+                                    b"1" * 17 + b"\r\n", b"5;" + b"e" * 5000],
+                         ids=["not hex", "no CRLF after data", "negative", "no size", "17 digits", "a long line"])
+def test_a_chunked_body_that_breaks_its_framing_ends_where_it_broke(broken: bytes) -> None:
+    body = rs.ForwardedBody(None)
+    taken = body.take(broken + PIPELINED)
+    assert taken <= len(broken) and body.take(PIPELINED) == 0
+
+
+def test_the_head_says_how_the_body_is_framed() -> None:
+    assert rs.parse_proxy_head(head("POST http://a.example/ HTTP/1.1", "Content-Length: 12")).body_bytes == 12
+    assert rs.parse_proxy_head(head("POST http://a.example/ HTTP/1.1", "Transfer-Encoding: Chunked")
+                               ).body_bytes is None
+    assert rs.parse_proxy_head(head("GET http://a.example/ HTTP/1.1")).body_bytes == 0
 
 
 @settings(max_examples=400, deadline=None)
@@ -395,7 +473,8 @@ class Notes:
 def proxy_for(tmp_path: Path, allow: list[str], resolved: dict[str, tuple[str, ...]],
               looked_up: Optional[list[str]] = None,
               timeouts: rs.EgressTimeouts = rs.EgressTimeouts(),
-              resolver: Optional[Callable[[str, int], tuple[str, ...]]] = None) -> tuple[rs.EgressProxy, Notes, Path]:
+              resolver: Optional[Callable[[str, int], tuple[str, ...]]] = None,
+              log_window_s: float = rs.LOG_WINDOW_S) -> tuple[rs.EgressProxy, Notes, Path]:
     """A proxy on tmp_path/agent/egress.sock whose resolver answers from `resolved` (and
     records each name it was asked in looked_up), or is `resolver`, with the given time bounds."""
     notes = Notes()
@@ -406,7 +485,7 @@ def proxy_for(tmp_path: Path, allow: list[str], resolved: dict[str, tuple[str, .
         if looked_up is not None:
             looked_up.append(host)
         return resolved.get(host, ())
-    proxy = rs.EgressProxy(notes, resolver or from_resolved, timeouts)
+    proxy = rs.EgressProxy(notes, resolver or from_resolved, timeouts, log_window_s)
     proxy.listen("s1", agent_dir, rs.parse_egress_allow(allow))
     return proxy, notes, agent_dir / agent.EGRESS_SOCKET_NAME
 
@@ -447,6 +526,54 @@ def test_a_listed_literal_is_reached_by_connect_and_by_absolute_form_and_noted(
     assert path.stat().st_mode & 0o777 == 0o600
 
 
+class Recording:
+    """An upstream of the test's own: answers once the first request's head is in, ends its
+    side, and keeps everything it received until the proxy closes the connection."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.received = b""
+        self.ended = threading.Event()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        conn, _ = self.sock.accept()
+        with conn:
+            conn.settimeout(60)
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok")
+            conn.shutdown(socket.SHUT_WR)
+            self.received = data + read_to_end(conn)
+            self.ended.set()
+
+
+@pytest.mark.parametrize("framing", ["none", "content-length", "chunked"])
+def test_a_pipelined_second_request_never_reaches_the_upstream(tmp_path: Path, framing: str) -> None:
+    upstream = Recording()
+    body, fields = {"none": (b"", ()), "content-length": (b"12345", ("Content-Length: 5",)),
+                    "chunked": (CHUNKED, ("Transfer-Encoding: chunked",))}[framing]
+    proxy, notes, path = proxy_for(tmp_path, [f"127.0.0.1:{upstream.port}"], {})
+    try:
+        with socket.socket(socket.AF_UNIX) as client:
+            client.settimeout(60)
+            client.connect(str(path))
+            client.sendall(head(f"POST http://127.0.0.1:{upstream.port}/first HTTP/1.1", *fields, "", "")
+                           + body + PIPELINED)
+            answer = read_to_end(client)
+        assert upstream.ended.wait(60)
+    finally:
+        proxy.close()
+        upstream.sock.close()
+    assert answer.endswith(b"\r\n\r\nok")
+    sent_head = head("POST /first HTTP/1.1", f"host: 127.0.0.1:{upstream.port}", *fields, "connection: close",
+                     "", "")
+    assert upstream.received == sent_head + body
+    assert notes.wait(1)[0].bytes_up == len(sent_head + body)
+
+
 def test_unlisted_and_loopback_by_name_are_refused_403_and_never_connected(
         tmp_path: Path, listener: Listener) -> None:
     looked_up: list[str] = []
@@ -464,6 +591,32 @@ def test_unlisted_and_loopback_by_name_are_refused_403_and_never_connected(
     assert listener.received == [] and looked_up == ["localhost"]  # the unlisted one was never looked up
     assert [(n.decision.value, n.host) for n in notes.wait(3)] == [
         ("refused", "127.0.0.1"), ("refused", "localhost"), ("refused", "")]
+
+
+def test_a_flood_of_refusals_is_noted_one_by_one_then_counted_in_one_note(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """Issue 42: each refused connection was an event and a log line, however many. Now the
+    first of a window are, and the rest are one note (and one line) when the window ends: here
+    when the session's socket closes (a window of an hour holds the whole flood)."""
+    proxy, notes, path = proxy_for(tmp_path, ["api.example"], {}, log_window_s=3600.0)
+    target = "x\x1b[2J" * 2000  # 14 KiB, with an escape sequence in each piece
+    try:
+        for _ in range(60):
+            answer = exchange(path, f"CONNECT {target}:443 HTTP/1.1\r\n\r\n".encode())
+            assert answer.startswith(b"HTTP/1.1 400 ")
+        proxy.close_session("s1")
+        noted = notes.wait(rs.LINES_PER_WINDOW + 1)
+    finally:
+        proxy.close()
+    one_by_one, summary = noted[:rs.LINES_PER_WINDOW], noted[rs.LINES_PER_WINDOW]
+    assert all(note.decision is agent.EgressDecision.REFUSED and note.count == 1 for note in one_by_one)
+    assert summary.decision is agent.EgressDecision.REFUSED and summary.count == 60 - rs.LINES_PER_WINDOW
+    assert summary.reason.startswith(f"{summary.count} more connections refused in 3.6e+03 s, not noted one "
+                                     "by one; the last: egress refused :0: CONNECT needs HOST:PORT")
+    assert len(notes.notes) == rs.LINES_PER_WINDOW + 1
+    err = capfd.readouterr().err
+    assert len(err.splitlines()) == rs.LINES_PER_WINDOW + 1 and "\x1b" not in err
+    assert len(err) < (rs.LINES_PER_WINDOW + 1) * 2 * rs.MAX_LOGGED_CHARS
 
 
 def test_an_upstream_that_refuses_is_a_502_with_the_reason(tmp_path: Path) -> None:
@@ -600,7 +753,47 @@ def test_a_tunnel_idle_past_its_bound_is_closed_on_both_sides_and_noted(tmp_path
     assert upstream.received == b"ping"
     assert notes.wait(1) == [rs.EgressNote(
         agent.EgressDecision.ALLOWED, "127.0.0.2", port,
-        "closed after 0.3 s in which neither side sent a byte", bytes_up=4, bytes_down=0)]
+        "closed after 0.3 s in which no byte moved either way", bytes_up=4, bytes_down=0)]
+
+
+class Flooding:
+    """Accepts one connection and sends to it until the send fails; sets `ended` then."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.ended = threading.Event()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        conn, _ = self.sock.accept()
+        with conn, contextlib.suppress(OSError):
+            conn.settimeout(60)
+            while True:
+                conn.sendall(b"x" * 65536)
+        self.ended.set()
+
+
+def test_a_client_that_stops_reading_is_closed_at_the_idle_bound_and_noted(tmp_path: Path) -> None:
+    """Issue 42: the upstream floods the tunnel and the client reads only the proxy's answer.
+    Once the buffers between are full nothing moves: the pipe is closed at its idle bound (it
+    used to wait in a send for as long as the client lived) and its event says so."""
+    with upstreams(Behaviour.ACCEPTS) as (port, (listener,)):
+        upstream = Flooding(listener)
+        proxy, notes, path = proxy_for(tmp_path, [f"127.0.0.2:{port}"], {},
+                                       timeouts=rs.EgressTimeouts(idle_s=0.5))
+        try:
+            with socket.socket(socket.AF_UNIX) as client:
+                client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                client.settimeout(60)
+                client.connect(str(path))
+                client.sendall(f"CONNECT 127.0.0.2:{port} HTTP/1.1\r\n\r\n".encode())
+                [note] = notes.wait(1)  # while the client still holds its end, unread
+            assert upstream.ended.wait(60)
+        finally:
+            proxy.close()
+    assert (note.decision, note.reason) == (
+        agent.EgressDecision.ALLOWED, "closed after 0.5 s in which no byte moved either way")
+    assert note.bytes_down > 0
 
 
 def test_a_head_that_trickles_in_past_its_bound_is_a_408_and_noted(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ reaches only because the entry is that exact IP literal (the same port listed by
 from __future__ import annotations
 
 import json
+import os
 import socket
 import threading
 from pathlib import Path
@@ -247,3 +248,68 @@ def _listening(path: Path) -> bool:
         except OSError:
             return False
     return True
+
+
+#: Run in the session: COUNT connections to the session's proxy, each a CONNECT whose target is
+#: 15 KiB (no space: the reason quotes it) with terminal escapes, carriage returns and line
+#: feeds of forged log lines in it (refused 400), each answer read to its end; prints how many
+#: were refused.
+REFUSAL_FLOOD = r"""
+import os, socket, sys, urllib.parse
+proxy = urllib.parse.urlsplit(os.environ["HTTP_PROXY"])
+target = ("a\x1b[2K\rreploy:serve:forged\n" * 600)[:15 * 1024]
+refused = 0
+for _ in range(int(sys.argv[1])):
+    with socket.create_connection((proxy.hostname, proxy.port), timeout=60) as s:
+        s.sendall(f"CONNECT {target}:443 HTTP/1.1\r\n\r\n".encode())
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+        refused += answer.startswith(b"HTTP/1.1 400 ")
+print(refused)
+"""
+FLOOD_REFUSALS = 300
+
+
+def test_a_flood_of_refusals_grows_serves_log_and_the_outbox_by_a_bound(
+        serve_factory: Callable[..., ServeProcess], listen_host: str,
+        listeners: tuple[Listener, Listener]) -> None:
+    """Issue 42: 300 refused CONNECTs with 15 KiB targets, from a real session through its relay.
+    serve logged each whole (about 4.5 MB here) and the outbox got an event each; now a
+    session's refusals make at most LINES_PER_WINDOW + 1 lines (and events) a window, each cut,
+    and nothing it sent reaches the log raw."""
+    listed, _ = listeners
+    server = serve_factory("--egress-allow", f"{listen_host}:{listed.port}")
+    sid = server.api.create("flood", egress=[f"{listen_host}:{listed.port}"])["id"]
+    log_before = server.stderr_path.stat().st_size
+    result = run(server.api, sid, "python3", "-c", REFUSAL_FLOOD, str(FLOOD_REFUSALS))
+    assert (result["exitCode"], result["stdout"].strip()) == (0, str(FLOOD_REFUSALS)), result
+    with server.stderr_path.open("rb") as log:
+        log.seek(log_before)
+        grown = log.read()
+    # Two windows at most (the flood may straddle a window's end), each its share and a summary.
+    most_lines = 2 * (rs.LINES_PER_WINDOW + 1)
+    assert len(grown) <= most_lines * (rs.MAX_LOGGED_CHARS + 200), len(grown)
+    assert b"\x1b" not in grown and b"\r" not in grown
+    assert all(line.startswith(b"reploy: ") for line in grown.splitlines())
+    events = egress_events(server, sid)
+    assert 0 < len(events) <= most_lines and all(e["decision"] == "refused" for e in events)
+
+
+def test_refusals_never_take_the_disks_reserve(
+        serve_factory: Callable[..., ServeProcess], listen_host: str,
+        listeners: tuple[Listener, Listener]) -> None:
+    """Issue 42: once the workload has filled its disk, what is left is the part ext4 keeps
+    for root, for the agent's own log and outbox. Refused connections are the workload's doing:
+    their events are written only outside that reserve (they took 3.5 of 4.7 MiB in 15 s)."""
+    listed, _ = listeners
+    server = serve_factory("--egress-allow", f"{listen_host}:{listed.port}", "--session-disk-mib", "64")
+    sid = server.api.create("full", egress=[f"{listen_host}:{listed.port}"])["id"]
+    filled = run(server.api, sid, "sh", "-c", "dd if=/dev/zero of=fill bs=1M; dd if=/dev/zero of=rest bs=1k")
+    assert filled["exitCode"] == 1 and "No space left on device" in filled["stderr"], filled
+    assert os.statvfs(server.state_dir / "sessions" / sid).f_bavail == 0
+    outbox = server.state_dir / "sessions" / sid / "agent" / "events.jsonl"
+    size_before = outbox.stat().st_size
+    result = run(server.api, sid, "python3", "-c", REFUSAL_FLOOD, "20")
+    assert (result["exitCode"], result["stdout"].strip()) == (0, "20"), result
+    assert outbox.stat().st_size == size_before and egress_events(server, sid) == []

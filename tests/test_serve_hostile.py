@@ -17,6 +17,7 @@ clear status, the others (and the reaper) keep being served.
 from __future__ import annotations
 
 import base64
+import http.client
 import json
 import os
 import tarfile
@@ -194,3 +195,26 @@ def test_junk_in_the_session_dir_does_not_stop_snapshot_restore_or_delete(
     api.call("DELETE", f"/sessions/{sid}", expect=204)
     assert not os.path.lexists(session_dir) and api.call("GET", "/sessions")["sessions"] == []
     assert canary.read_bytes() == CANARY
+
+
+def test_a_directory_too_large_for_one_download_is_refused_at_once_with_what_happened(
+        serve_factory: Callable[..., ServeProcess]) -> None:
+    """Issue 42: a directory whose files hold exactly the most one download carries (a sparse
+    file of 8 GiB) makes a tar a few headers larger. The agent let it through and serve cut the
+    body after 8 GiB, telling its log the agent had sent too much. The agent counts the tar's
+    headers too: the download is refused before a byte goes, saying why."""
+    import agent
+
+    server = serve_factory()
+    sid = server.api.create("big")["id"]
+    run(server.api, sid, 'mkdir big && truncate -s "$1" big/sparse', str(agent.MAX_TRANSFER_BYTES))
+    conn = http.client.HTTPConnection(server.api.host, server.api.port, timeout=60)
+    try:  # the head first: a 200 would be followed by 8 GiB, which this test never reads
+        conn.request("GET", f"/api/v1/sessions/{sid}/files/big", headers=server.api.auth_headers)
+        response = conn.getresponse()
+        assert response.status == 413, response.status
+        answer = json.loads(response.read())
+    finally:
+        conn.close()
+    assert answer["code"] == "too_large"
+    assert f"the tree's tar would be over {agent.MAX_TRANSFER_BYTES} bytes" in answer["error"]
