@@ -77,8 +77,10 @@ import ssl
 import stat
 import subprocess
 import sys
+import termios
 import threading
 import time
+import tty
 import urllib.parse
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -7426,8 +7428,13 @@ SESSION_ANSWER_KEYS: dict[str, tuple[tuple[str, ...], ...]] = {
     "list": (("sessions",),), "delete": (("id", "deleted"),), "status": (("session", "agent"),),
     "read": (("session", "nextOffset", "payload"),), "write": (("session", "path"),),
     "message": (("delivery", "queueDepth"),), "interrupt": (("cancelled",),), "relaunch": (("pid",),),
-    "exec": (("exitCode", "signal", "timedOut", "stdoutEncoding", "stderrEncoding"),),
+    "exec": (("exitCode", "signal", "timedOut", "stdoutEncoding", "stderrEncoding"),
+             ("execId", "detached", "pid")),
 }
+ID_HELP = "the session: its id, its unique name or a unique prefix of its id"
+#: The verbs whose ID argument may also be a unique session name or id prefix (resolve_session).
+SESSION_ID_ACTIONS = ("get", "status", "interrupt", "relaunch", "switch", "snapshot", "delete",
+                      "read", "write", "message", "exec", "shell")
 
 
 def client_request(args: argparse.Namespace) -> tuple[str, str, Optional[dict[str, Any]]]:
@@ -7436,7 +7443,7 @@ def client_request(args: argparse.Namespace) -> tuple[str, str, Optional[dict[st
     if action == "create":
         body: dict[str, Any] = {"name": args.name}
         for key, value in (("workloadType", args.workload_type), ("model", args.model),
-                           ("deployment", args.deployment), ("ttlSeconds", args.ttl_seconds),
+                           ("deployment", args.deployment), ("ttlSeconds", ttl_seconds_argument(args.ttl)),
                            ("cpus", args.cpus), ("diskMib", args.disk_mib)):
             if value is not None:
                 body[key] = value
@@ -7462,6 +7469,72 @@ def client_request(args: argparse.Namespace) -> tuple[str, str, Optional[dict[st
     if action == "exec":
         return "POST", f"/sessions/{sid}/exec", args.exec_body
     return "POST", f"/sessions/{sid}/{action}", {}
+
+
+def ttl_seconds_argument(text: Optional[str]) -> Optional[int]:
+    """`session create --ttl DURATION` as the API's ttlSeconds (whole seconds, at least 1)."""
+    if text is None:
+        return None
+    try:
+        ms = parse_duration_ms(text)
+    except ValueError as e:
+        raise UsageError(f"--ttl: {e}") from None
+    if ms < 1000 or ms % 1000:
+        raise UsageError(f"--ttl: {text!r} is not a whole number of seconds, at least 1s")
+    return ms // 1000
+
+
+def match_session(reference: str, sessions: Sequence[tuple[str, str]]) -> str:
+    """The session id a `reploy session` argument names, given (id, name) of every session:
+    an id as it is; else the one session of that name; else the one whose id starts with it.
+    Pure. A ReployError (exit 1) when none or several match."""
+    if _SESSION_ID.fullmatch(reference):
+        return reference
+    named = [sid for sid, name in sessions if name == reference]
+    prefixed = ([sid for sid, _ in sessions if sid.startswith(reference)]
+                if re.fullmatch(r"[0-9a-f]{1,15}", reference) else [])
+    for found, what in ((named, "sessions are named"), (prefixed, "session ids start with")):
+        if len(found) == 1:
+            return found[0]
+        if found:
+            raise client_role.ReployError(None, "ambiguous", f"{len(found)} {what} "
+                                          f"'{client_role.shown(reference, 80)}' ({', '.join(found[:4])}"
+                                          f"{', ...' if len(found) > 4 else ''}): give an id")
+    raise client_role.ReployFileNotFoundError(None, "not_found", "no session has the id, the name "
+                                              f"or an id starting with '{client_role.shown(reference, 80)}'")
+
+
+def resolve_session(client: client_role.Client, reference: str) -> str:
+    """match_session against the server's sessions (listed only when `reference` is no id)."""
+    if _SESSION_ID.fullmatch(reference):
+        return reference
+    listed = client.sessions()
+    return match_session(reference, [(str(s.get("id")), str(s.get("name"))) for s in listed
+                                     if isinstance(s, dict)])
+
+
+#: `session list`'s table on a terminal: (heading, the session's field, width).
+LIST_COLUMNS = (("ID", "id", 16), ("NAME", "name", 24), ("TYPE", "workloadType", 11),
+                ("STATE", "state", 8), ("CPUS", "cpus", 4), ("DISK", "diskMib", 7),
+                ("LABELS", "labels", 0))
+
+
+def session_table(sessions: Sequence[Any]) -> str:
+    """`session list` for a person: one row a session, every value made showable (a name or
+    label is the user's text, never a terminal control). Pure."""
+    def cell(session: dict[str, Any], key: str) -> str:
+        value = session.get(key)
+        if key == "labels" and isinstance(value, dict):
+            value = ",".join(f"{k}={v}" for k, v in sorted(value.items()))
+        elif key == "diskMib" and isinstance(value, int):
+            value = f"{value}M"
+        return client_role.shown("" if value is None else str(value), 200)
+
+    rows = [[heading for heading, _, _ in LIST_COLUMNS]]
+    rows += [[cell(s, key) for _, key, _ in LIST_COLUMNS] for s in sessions if isinstance(s, dict)]
+    return "\n".join("  ".join(value.ljust(width) if width else value
+                               for value, (_, _, width) in zip(row, LIST_COLUMNS)).rstrip()
+                     for row in rows) + "\n"
 
 
 def label_argument(text: str) -> tuple[str, str]:
@@ -7506,9 +7579,15 @@ def session_token(args: argparse.Namespace) -> Optional[str]:
 
 def exec_request_body(args: argparse.Namespace, command: list[str]) -> dict[str, Any]:
     """`session exec`'s options and command as the API's exec body (UsageError when they do
-    not fit); with --stdin, this process's stdin becomes the command's."""
+    not fit): the argv after `--`, or one command line run by `sh -c`; with --stdin, this
+    process's stdin becomes the command's."""
+    if args.command_line is not None and command:
+        raise UsageError("session exec: give one command line or an argv after --, not both")
+    if args.command_line is not None:
+        command = ["sh", "-c", args.command_line]
     if not command:
-        raise UsageError("session exec: the command follows --")
+        raise UsageError("session exec: no command: `exec ID 'CMD ARGS'` (run by sh -c) or "
+                         "`exec ID -- CMD ARGS`")
     try:
         timeout_ms = parse_duration_ms(args.timeout)
     except ValueError as e:
@@ -7526,6 +7605,10 @@ def exec_request_body(args: argparse.Namespace, command: list[str]) -> dict[str,
         env[name] = value
     if env:
         body["env"] = env
+    if args.detach:
+        if args.raw or args.stdin:
+            raise UsageError("session exec: --detach takes neither --raw nor --stdin")
+        body["detach"] = True
     if args.stdin:
         data = sys.stdin.buffer.read(MAX_EXEC_STDIN_BYTES + 1)
         if len(data) > MAX_EXEC_STDIN_BYTES:
@@ -7535,12 +7618,13 @@ def exec_request_body(args: argparse.Namespace, command: list[str]) -> dict[str,
     return body
 
 
-_COPY_OPERAND = re.compile(rf"({_SESSION_ID.pattern}):(.*)", re.DOTALL)
+#: `session cp`'s REF:PATH: REF a session's id, id prefix or name (without a slash or colon).
+_COPY_OPERAND = re.compile(r"([A-Za-z0-9][A-Za-z0-9._-]*):(.*)", re.DOTALL)
 
 
 def parse_copy_operand(text: str) -> tuple[Optional[str], str, str]:
-    """(session id, root, path) for `ID:PATH` (`ID:~/PATH` names home); (None, "", text) for a
-    local path or `-`. Pure. Prefix a local name that looks like ID:PATH with ./"""
+    """(session reference, root, path) for `REF:PATH` (`REF:~/PATH` names home); (None, "",
+    text) for a local path or `-`. Pure. Prefix a local name that looks like REF:PATH with ./"""
     match = _COPY_OPERAND.fullmatch(text)
     if match is None:
         return None, "", text
@@ -7563,21 +7647,31 @@ def _raise_terminated(signum: int, _frame: Any) -> None:
 
 
 def run_session_client(args: argparse.Namespace, token: Optional[str]) -> int:
-    """`reploy session ACTION`: one call through reploy_client, its JSON document on stdout;
-    exit 1 on an error status (the document then carries `error` and `status`, and `code`
-    when serve sent one). `exec --raw` instead passes the command's output through and exits
-    with its code; `cp` copies files (to `-`, stdout carries only the data and an error goes
-    to stderr). SIGINT and SIGTERM end it with 128+N once what it was writing is removed."""
+    """`reploy session ACTION`: one call through reploy_client, its JSON document on stdout
+    (`list` on a terminal: a table, unless --json). An error is one line on stderr, with serve's
+    status and code, stdout empty, exit 1 (so `id=$(reploy session create ...)` is empty when
+    it failed). `exec --raw` instead passes the command's output through and exits with its
+    code; `shell` is a terminal on the session; `cp` copies files (to `-`, stdout carries only
+    the data). An ID may be a session's id, its unique name or a unique id prefix. SIGINT and
+    SIGTERM end it with 128+N once what it was writing is removed."""
     client = client_role.Client(args.server_url, token, allow_plain_http=True)  # checked above
-    raw = args.session_action == "exec" and args.raw
-    # `cp ID:PATH -` streams the data itself to stdout: no summary line may follow it there.
-    data_to_stdout = args.session_action == "cp" and args.copy_destination == (None, "", "-")
+    action = args.session_action
+    raw = action == "exec" and args.raw
     signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         with client:
-            if args.session_action == "cp":
-                summary = copy_files(client, args.copy_source, args.copy_destination)
-                if not data_to_stdout:
+            if action in SESSION_ID_ACTIONS:
+                args.id = resolve_session(client, args.id)
+            if action == "shell":
+                return run_terminal(client.session(args.id))
+            if action == "cp":
+                source, destination = args.copy_source, args.copy_destination
+                if source[0] is not None:
+                    source = (resolve_session(client, source[0]), *source[1:])
+                else:
+                    destination = (resolve_session(client, destination[0]), *destination[1:])
+                summary = copy_files(client, source, destination)
+                if destination != (None, "", "-"):  # else stdout carries the data alone
                     emit(summary)
                 return EXIT_OK
             method, path, body = client_request(args)
@@ -7599,31 +7693,101 @@ def run_session_client(args: argparse.Namespace, token: Optional[str]) -> int:
                 if document is None or not any(all(key in document for key in shape) for shape in shapes):
                     raise client.unexpected(None, f"an answer without {' and '.join(shapes[0])}")
     except client_role.ReployError as e:
-        if not raw:
-            emit(e.document, to_stderr=data_to_stdout)
-            return EXIT_FAILED
-        print(f"reploy: session exec: {e}", file=sys.stderr)
-        return 126 if e.status == 422 else EXIT_FAILED  # 126: cannot run, as docker exec
+        said = ", ".join(str(part) for part in (e.status and f"HTTP {e.status}", e.code) if part)
+        print(f"reploy: session {action}: {e.reason}" + (f" ({said})" if said else ""),
+              file=sys.stderr)
+        return 126 if raw and e.status == 422 else EXIT_FAILED  # 126: cannot run, as docker exec
     except UsageError as e:
         print(f"reploy: {e}", file=sys.stderr)
         return EXIT_USAGE
     except (ReployError, OSError) as e:
-        emit({"error": str(e), "status": None}, to_stderr=data_to_stdout)
+        print(f"reploy: session {action}: {e}", file=sys.stderr)
         return EXIT_FAILED
     except (KeyboardInterrupt, Terminated) as e:  # the dropped connection ends the exec or transfer
         signum = signal.SIGINT if isinstance(e, KeyboardInterrupt) else signal.SIGTERM
         what = "interrupted" if signum == signal.SIGINT else "terminated"
-        print(f"reploy: session {args.session_action}: {what}", file=sys.stderr)
+        print(f"reploy: session {action}: {what}", file=sys.stderr)
         return EXIT_FOR_SIGNAL[signum]
     if not raw:
         assert document is not None  # checked against its shapes above
-        emit(document)
+        if action == "list" and not args.json and sys.stdout.isatty():
+            sys.stdout.write(session_table(document["sessions"]))
+        else:
+            emit(document)
         return EXIT_OK
     sys.stdout.buffer.write(result.stdout)
     sys.stdout.buffer.flush()
     sys.stderr.buffer.write(result.stderr)
     sys.stderr.buffer.flush()
     return raw_exec_exit_code(result)
+
+
+#: `session shell`: the key that leaves the terminal (Ctrl-], as telnet), and the most of the
+#: user's typing sent in one write.
+DETACH_KEY = b"\x1d"
+TERMINAL_READ_BYTES = 4096
+
+
+def run_terminal(session: client_role.Session) -> int:
+    """`reploy session shell ID`: the user's terminal on the session's PTY, as `docker exec
+    -it` or `docker attach` give one. Raw mode: every key (Ctrl-C included) goes to the
+    session as typed; SIGWINCH resizes the session's terminal; output is the session's log from
+    the moment of attaching, as it comes (SSE). Ctrl-] leaves (exit 0), and so does the end of
+    the session's stream. Stdin and stdout must be a terminal."""
+    stdin_fd, stdout_fd = sys.stdin.fileno(), sys.stdout.fileno()
+    if not (os.isatty(stdin_fd) and os.isatty(stdout_fd)):
+        raise UsageError("session shell: stdin and stdout must be a terminal "
+                         "(in a pipe: session write and session read)")
+    start = session.read(2**62).next_offset  # the end of the log: what comes from now on
+    # Never closed here: the output thread may still write to it as the process ends.
+    wake_read, wake_write = os.pipe()
+    os.set_blocking(wake_write, False)
+
+    def wake(why: bytes) -> None:
+        with contextlib.suppress(OSError):
+            os.write(wake_write, why)
+
+    def follow() -> None:
+        try:
+            for chunk in session.stream(start):
+                os.write(stdout_fd, chunk.data)
+        except (client_role.ReployError, OSError):
+            pass
+        wake(b"e")  # the stream ended: so does the terminal
+
+    def resize() -> None:
+        columns, rows = os.get_terminal_size(stdout_fd)
+        with contextlib.suppress(client_role.ReployError):
+            session.client.call("POST", f"/sessions/{session.id}/resize",
+                                {"columns": columns, "rows": rows})
+
+    print(f"reploy: attached to session {session.id}; Ctrl-] leaves", file=sys.stderr, flush=True)
+    saved = termios.tcgetattr(stdin_fd)
+    previous = signal.signal(signal.SIGWINCH, lambda *_: wake(b"w"))
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    try:
+        tty.setraw(stdin_fd)
+        resize()
+        threading.Thread(target=follow, name="terminal-output", daemon=True).start()
+        while True:
+            ready, _, _ = select.select([stdin_fd, wake_read], [], [])
+            if wake_read in ready:
+                woken = os.read(wake_read, 64)
+                if b"e" in woken:
+                    return EXIT_OK
+                resize()
+            if stdin_fd in ready:
+                typed = os.read(stdin_fd, TERMINAL_READ_BYTES)
+                before, detach, _ = typed.partition(DETACH_KEY)
+                text = decoder.decode(before, final=bool(detach) or not typed)
+                if text:
+                    session.write(text)
+                if detach or not typed:
+                    return EXIT_OK
+    finally:
+        termios.tcsetattr(stdin_fd, termios.TCSADRAIN, saved)
+        signal.signal(signal.SIGWINCH, previous)
+        print("\r", file=sys.stderr, flush=True)
 
 
 def raw_exec_exit_code(result: client_role.ExecResult) -> int:
@@ -7671,26 +7835,35 @@ def build_parser() -> ArgumentParser:
                        help="also answer for this Host name, e.g. a reverse proxy's (repeatable)")
     serve.add_argument("--token-file", type=Path, metavar="FILE",
                        help="the token's file (default STATE_DIR/token; made 0600 if missing)")
-    serve.add_argument("--state-dir", type=Path, default=Path(".reploy-serve"))
+    serve.add_argument("--state-dir", type=Path, default=Path(".reploy-serve"), metavar="DIR",
+                       help="the sessions' records, disks and the token (default .reploy-serve)")
     serve.add_argument("--workload-dir", type=Path, action="append", required=True,
                        help="a staged, built deployment whose image has python3 (repeatable)")
     serve.add_argument("--idle-after", default=format_duration(DEFAULT_IDLE_AFTER_MS),
-                       metavar="DURATION")
+                       metavar="DURATION", help="a session with no access this long is paused "
+                       f"(default {format_duration(DEFAULT_IDLE_AFTER_MS)})")
     serve.add_argument("--snapshot-after", default=format_duration(DEFAULT_SNAPSHOT_AFTER_MS),
-                       metavar="DURATION")
+                       metavar="DURATION", help="an idle session this long without access is "
+                       "snapshotted and its container removed "
+                       f"(default {format_duration(DEFAULT_SNAPSHOT_AFTER_MS)})")
     serve.add_argument("--max-busy", default=format_duration(DEFAULT_MAX_BUSY_MS), metavar="DURATION",
-                       help="a busy or watched session with no access this long is paused anyway")
+                       help="a busy or watched session with no access this long is paused anyway "
+                            f"(default {format_duration(DEFAULT_MAX_BUSY_MS)})")
     serve.add_argument("--agent-command", metavar="JSON",
                        help='agent workload argv template, e.g. ["claude", ..., "{prompt}"]')
     serve.add_argument("--agent-env", action="append", default=[], metavar="NAME",
                        help="pass this variable to agent sessions and redact its value (repeatable)")
     serve.add_argument("--mount", action="append", default=[], metavar="HOST:CONTAINER",
                        help="bind-mount a host path read-only into every session (repeatable)")
-    serve.add_argument("--default-model")
+    serve.add_argument("--default-model", metavar="MODEL",
+                       help="claude-code sessions created without a model get this one "
+                            "(default: the CLI's own)")
     serve.add_argument("--models", metavar="JSON", help="the UI's model catalog, a JSON array")
     serve.add_argument("--sse-keepalive", default=format_duration(DEFAULT_SSE_KEEPALIVE_MS),
-                       metavar="DURATION")
-    serve.add_argument("--max-sessions", type=int, default=DEFAULT_MAX_SESSIONS)
+                       metavar="DURATION", help="a comment on a quiet output stream this often "
+                       f"(default {format_duration(DEFAULT_SSE_KEEPALIVE_MS)})")
+    serve.add_argument("--max-sessions", type=int, default=DEFAULT_MAX_SESSIONS, metavar="N",
+                       help=f"sessions this serve holds; more creates: 429 (default {DEFAULT_MAX_SESSIONS})")
     serve.add_argument("--min-free-mib", type=int, default=DEFAULT_MIN_FREE_MIB, metavar="MIB",
                        help="kept free on the state dir's file system for serve's store and logs, beyond "
                             f"what the session disks may still take (default {DEFAULT_MIN_FREE_MIB})")
@@ -7721,8 +7894,12 @@ def build_parser() -> ArgumentParser:
                        help="output streams this serve holds open in all "
                             f"(default {DEFAULT_MAX_READERS}; more: 503)")
 
-    session = commands.add_parser("session", help="managed sessions through a serve's API")
-    actions = session.add_subparsers(dest="session_action", required=True,
+    session = commands.add_parser(
+        "session", help="managed sessions through a serve's API (one JSON document each)",
+        description="One call to a `reploy serve` per command; its JSON answer on stdout, an "
+                    "error as one line on stderr (exit 1). ID is a session's id, its unique "
+                    "name or a unique prefix of its id.")
+    actions = session.add_subparsers(dest="session_action", required=True, metavar="ACTION",
                                      parser_class=ArgumentParser)
     common = ArgumentParser(add_help=False)
     common.add_argument("--server", metavar="URL",
@@ -7731,57 +7908,79 @@ def build_parser() -> ArgumentParser:
                         help="the server's token file (default: the token in $REPLOY_TOKEN)")
     common.add_argument("--allow-plain-http", action="store_true",
                         help="send the token over plain http to a server beyond loopback")
-    create = actions.add_parser("create", parents=[common])
-    create.add_argument("--name", required=True)
+    create = actions.add_parser("create", parents=[common], help="a new session; its JSON")
+    create.add_argument("--name", required=True, help="a name to show, and to address it by")
     create.add_argument("--workload-type", choices=tuple(WORKLOAD_TYPES),
                         help=f"default {DEFAULT_WORKLOAD_TYPE}")
     create.add_argument("--model", help="claude-code only (default: the server's default model)")
-    create.add_argument("--deployment")
+    create.add_argument("--deployment", help="one of the server's workload deployments, by its "
+                                             "blueprint name (default: the first)")
     create.add_argument("--label", action="append", default=[], metavar="KEY=VALUE",
                         help="a label to find the session by (`session list --label`; repeatable)")
-    create.add_argument("--ttl-seconds", type=int, metavar="N",
-                        help="the reaper deletes the session N seconds after its creation")
-    create.add_argument("--cpus", type=float, help="the session's CPU share (within the server's bounds)")
+    create.add_argument("--ttl", metavar="DURATION", dest="ttl",
+                        help="the reaper deletes the session this long after its creation, e.g. "
+                             "90m or 2h (default: never)")
+    create.add_argument("--cpus", type=float,
+                        help="the session's CPU bound in cores (default: the server's --session-cpus)")
     create.add_argument("--disk-mib", type=int, metavar="MIB",
-                        help="the session's disk quota (within the server's bounds)")
+                        help="the session's disk quota (default: the server's --session-disk-mib)")
     create.add_argument("--egress", action="append", default=[], metavar="HOST[:PORT]",
                         help="a host the session may reach, one of serve's --egress-allow (repeatable)")
-    actions.add_parser("list", parents=[common]).add_argument(
-        "--label", action="append", default=[], metavar="KEY=VALUE",
-        help="only sessions carrying this label (repeatable: every one)")
-    for name in ("get", "status", "interrupt", "relaunch", "switch", "snapshot", "delete"):
-        actions.add_parser(name, parents=[common]).add_argument("id")
-    read = actions.add_parser("read", parents=[common])
-    read.add_argument("id")
-    read.add_argument("--offset", type=int, default=0, help="from this byte offset to the end")
+    listing = actions.add_parser("list", parents=[common],
+                                 help="the sessions: a table on a terminal, else JSON")
+    listing.add_argument("--label", action="append", default=[], metavar="KEY=VALUE",
+                         help="only sessions carrying this label (repeatable: every one)")
+    listing.add_argument("--json", action="store_true", help="JSON on a terminal too")
+    for name, said in (("get", "the session's JSON"), ("status", "the agent's view: turn, queue, output"),
+                       ("interrupt", "Ctrl-C to the foreground job (shell) or the running prompt"),
+                       ("relaunch", "start the workload anew (the output log is kept)"),
+                       ("switch", "bring an idle or snapshotted session back"),
+                       ("snapshot", "checkpoint the session and give its container back"),
+                       ("delete", "delete the session and everything of it")):
+        actions.add_parser(name, parents=[common], help=said).add_argument("id", metavar="ID", help=ID_HELP)
+    read = actions.add_parser("read", parents=[common], help="the output log from an offset")
+    read.add_argument("id", metavar="ID", help=ID_HELP)
+    read.add_argument("--offset", type=int, default=0, help="from this byte offset to the end (default 0)")
     read.add_argument("--wait-ms", type=int, default=0,
-                      help="at the end of the output, wait this long for more")
-    write = actions.add_parser("write", parents=[common])
-    write.add_argument("id")
+                      help="at the end of the output, wait this long for more (default 0)")
+    write = actions.add_parser("write", parents=[common], help="type text into the session")
+    write.add_argument("id", metavar="ID", help=ID_HELP)
     write.add_argument("data", help="the text to type (shell) or one prompt (claude-code); - reads "
                        "it from stdin (UTF-8)")
-    message = actions.add_parser("message", parents=[common])
-    message.add_argument("id")
+    message = actions.add_parser("message", parents=[common],
+                                 help="one line (shell) or prompt (claude-code), queued while busy")
+    message.add_argument("id", metavar="ID", help=ID_HELP)
     message.add_argument("text", help="a prompt (agent) or one line (shell); - reads it from stdin "
                          "(UTF-8, one trailing newline dropped), for texts an argument cannot hold")
     run = actions.add_parser(
         "exec", parents=[common], usage="reploy session exec ID [--cwd DIR] [--timeout 60s] "
-        "[--env K=V] [--stdin] [--raw] -- CMD [ARG ...]",
-        help="run a command in the session's container; one JSON result")
-    run.add_argument("id")
-    run.add_argument("--cwd", default="", help="relative to the workspace")
-    run.add_argument("--timeout", default="60s", metavar="DURATION")
-    run.add_argument("--env", action="append", default=[], metavar="K=V")
+        "[--env K=V] [--stdin] [--raw | --detach] ('CMD ARGS' | -- CMD [ARG ...])",
+        help="run a command in the session's container; one JSON result",
+        description="Runs a command as the session's user: one command line (run by sh -c) or "
+                    "an argv after --. Options go before the command.")
+    run.add_argument("id", metavar="ID", help=ID_HELP)
+    run.add_argument("command_line", nargs="?", metavar="'CMD ARGS'",
+                     help="a shell command line, run by sh -c (or give an argv after --)")
+    run.add_argument("--cwd", default="", help="relative to the workspace (default: the workspace)")
+    run.add_argument("--timeout", default="60s", metavar="DURATION",
+                     help="the command is killed after this long (default 60s)")
+    run.add_argument("--env", action="append", default=[], metavar="K=V",
+                     help="a variable of the command's environment (repeatable)")
     run.add_argument("--stdin", action="store_true",
                      help=f"send this process's stdin (at most {MAX_EXEC_STDIN_BYTES} bytes)")
     run.add_argument("--raw", action="store_true",
                      help="pass stdout and stderr through and exit with the command's code")
+    run.add_argument("--detach", action="store_true",
+                     help="answer once started: its pid and the files its output goes to")
+    shell = actions.add_parser("shell", parents=[common],
+                               help="your terminal on the session's shell (Ctrl-] leaves)")
+    shell.add_argument("id", metavar="ID", help=ID_HELP)
     copy = actions.add_parser(
         "cp", parents=[common], usage="reploy session cp SRC DST",
         help="copy files or directories in or out: one side is ID:PATH (ID:~/PATH for home), "
              "the other a local path, or - (as SRC a tar on stdin, as DST stdout)")
-    copy.add_argument("source")
-    copy.add_argument("destination")
+    copy.add_argument("source", help="ID:PATH, a local path, or - (a tar on stdin)")
+    copy.add_argument("destination", help="ID:PATH, a local path, or - (stdout)")
     return parser
 
 
@@ -7804,7 +8003,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                 if (args.copy_source[0] is None) == (args.copy_destination[0] is None):
                     raise UsageError("session cp: exactly one of SRC and DST is ID:PATH")
     except UsageError as e:
-        print(f"reploy: usage error: {e}", file=sys.stderr)
+        hint = ""
+        if argv[:2] == ["session", "exec"] and "unrecognized arguments" in str(e):
+            hint = ("; a command's own options go after --: `exec ID -- CMD -x`, or quote the "
+                    "command line: `exec ID 'CMD -x'`")
+        print(f"reploy: usage error: {e}{hint}", file=sys.stderr)
         return EXIT_USAGE
     if args.command == "serve":
         return run_serve(serve_config, serve_access)
