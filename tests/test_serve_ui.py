@@ -562,7 +562,10 @@ def test_session_facts_the_create_form_and_delete_in_chromium(
     log_in(browser, server)
     assert browser.evaluate(FORM_RULES) == [reploy_serve._LABEL_KEY.pattern, reploy_serve._LABEL_VALUE.pattern,
                                             reploy_serve.MAX_LABELS, reploy_serve.MAX_TTL_S]
-    assert browser.evaluate("['90', '90s', '30m', '1h', '2h30m'].map(parseDuration)") == [90, 90, 1800, 3600, 9000]
+    # The command line's durations (reploy.parse_duration_ms), in whole seconds.
+    assert browser.evaluate("['90s', '30m', '1h', '1.5h', '2000ms'].map(parseDuration)") == [90, 1800, 3600, 5400, 2]
+    assert browser.evaluate("['90', '2h30m', '1500ms', '1 h', ''].map(t => { try { parseDuration(t); "
+                            "return 'taken'; } catch (e) { return 'refused'; } })") == ["refused"] * 5
     assert browser.evaluate("parseLabels(' team=red,task=a=b , ')") == {"team": "red", "task": "a=b"}
 
     # The model field only for claude-code.

@@ -359,12 +359,15 @@ function parseLabels(text) {
   return Object.fromEntries(labels);
 }
 
-// "90" (seconds), "90s", "30m", "1h", "2h30m" -> seconds. Throws for anything else.
+// A duration as every Reploy command line writes one ("90s", "30m", "1.5h": a number and
+// one unit of ms, s, m or h) -> whole seconds. Throws for anything else.
+const DURATION_MS = { ms: 1, s: 1000, m: 60000, h: 3600000 };
 function parseDuration(text) {
-  if (/^\d+$/.test(text)) return Number(text);
-  const units = /^(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?$/.exec(text);
-  if (!text || !units) throw new Error(`${JSON.stringify(text)} is not a duration such as 30m, 1h, 2h30m or 90 (seconds)`);
-  return 3600 * Number(units[1] || 0) + 60 * Number(units[2] || 0) + Number(units[3] || 0);
+  const parts = /^([0-9]{1,12})(?:\.([0-9]{1,9}))?(ms|s|m|h)$/.exec(text);
+  if (!parts) throw new Error(`${JSON.stringify(text)} is not a duration such as 90s, 30m or 1.5h`);
+  const ms = (Number(parts[1]) + Number(`0.${parts[2] || 0}`)) * DURATION_MS[parts[3]];
+  if (!Number.isInteger(ms / 1000)) throw new Error(`${JSON.stringify(text)} is not a whole number of seconds`);
+  return ms / 1000;
 }
 
 // The create body from the form's texts: an empty field is left out (the server's default).
@@ -428,7 +431,7 @@ async function newSessionScreen() {
     h("label", {}, "Name", name), h("label", {}, "Workload type", workload), modelField,
     h("label", {}, "Labels", labels, h("span", { class: "hint" }, "key=value, comma-separated; find sessions by them")),
     h("div", { class: "form-row" },
-      h("label", {}, "TTL", ttl, h("span", { class: "hint" }, "30m, 1h, 2h30m")),
+      h("label", {}, "TTL", ttl, h("span", { class: "hint" }, "90s, 30m, 1.5h")),
       h("label", {}, "CPUs", cpus, h("span", { class: "hint" }, "cores, e.g. 0.5")),
       h("label", {}, "Disk (MiB)", disk, h("span", { class: "hint" }, "e.g. 1024"))),
     h("label", {}, "Deployment", deployment), submit, error);
