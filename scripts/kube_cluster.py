@@ -984,16 +984,32 @@ def start_or_stop(verb: str, target: str) -> int:
     return 0
 
 
+def etcd_healthy(index: int) -> bool:
+    """The member's own /health (as the apiserver's etcd client): it serves and has a leader."""
+    context = ssl.create_default_context(cafile=str(pki() / "etcd-ca.crt"))
+    context.load_cert_chain(str(pki() / "apiserver-etcd-client.crt"), str(pki() / "apiserver-etcd-client.key"))
+    try:
+        with urllib.request.urlopen(etcd_client_url(index) + "/health", context=context, timeout=3) as answer:
+            return json.loads(answer.read()).get("health") == "true"
+    except (OSError, ValueError):
+        return False
+
+
 def status() -> int:
     state = load_state()
-    processes = {name: alive(record) for name, record in state.get("processes", {}).items()}
-    nodes = {node: {part: alive(record.get(part)) for part in ("init", "dockerd", "relay", "kubelet")}
-             for node, record in state.get("nodes", {}).items()}
+    processes = state.get("processes", {})
     up_now = bool(state) and running(state)
-    print(json.dumps({"running": up_now, "server": server_url(),
-                      "kubeconfig": str(pki() / "admin.kubeconfig") if state else None,
-                      "processes": processes, "nodes": nodes,
-                      "ready_nodes": sorted(ready_nodes()) if up_now else []}))
+    print(json.dumps({
+        "running": up_now, "server": server_url(),
+        "kubeconfig": str(pki() / "admin.kubeconfig") if state else None,
+        "control_plane": {name: alive(processes.get(name))
+                          for name in ("kube-apiserver", "kube-scheduler", "kube-controller-manager", "host-relay")},
+        "etcd": {name: {"running": alive(processes.get(name)),
+                        "healthy": alive(processes.get(name)) and etcd_healthy(index)}
+                 for index, name in enumerate(ETCD_NAMES, 1)},
+        "nodes": {node: {part: alive(record.get(part)) for part in ("init", "dockerd", "relay", "kubelet")}
+                  for node, record in state.get("nodes", {}).items()},
+        "ready_nodes": sorted(ready_nodes()) if up_now else []}))
     return 0
 
 
