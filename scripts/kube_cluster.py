@@ -431,6 +431,7 @@ def save_state(state: dict) -> None:
 
 def port_free(port: int) -> bool:
     with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a TIME_WAIT is no owner
         try:
             probe.bind((LOOPBACK, port))
         except OSError:
@@ -883,11 +884,12 @@ def start_cluster() -> None:
         save_state(state)
     log("kube-apiserver")
     processes["kube-apiserver"] = spawn(apiserver_argv(), "kube-apiserver")
-    processes["host-relay"] = spawn(host_relay_argv(), "host-relay")
     save_state(state)
     log("the nodes' namespaces and dockerds")
     for node in NODE_NAMES:
         start_node(state, node)
+    processes["host-relay"] = spawn(host_relay_argv(), "host-relay")
+    save_state(state)
     wait_for("kube-apiserver", api_ready, APISERVER_READY_TIMEOUT_S)
     log("kube-scheduler, kube-controller-manager")
     processes["kube-scheduler"] = spawn(scheduler_argv(), "kube-scheduler")
