@@ -927,7 +927,8 @@ def remove_cgroup(path: Path) -> None:
 
 
 def teardown() -> None:
-    """Everything `up` started or made, gone; the machine's own engine, sysctls and hostname untouched."""
+    """Everything `up` started or made, gone; the machine's own engine, sysctls and hostname untouched.
+    (Killed outright: the state goes too, so nothing is gained by a graceful stop.)"""
     state = load_state()
     for node, record in state.get("nodes", {}).items():
         stop(record.get("kubelet"), signal.SIGKILL)
@@ -938,7 +939,7 @@ def teardown() -> None:
             stop(record.get(part), signal.SIGKILL)
     processes = state.get("processes", {})
     for name in ("kube-controller-manager", "kube-scheduler", "host-relay", "kube-apiserver", *ETCD_NAMES):
-        stop(processes.get(name))
+        stop(processes.get(name), signal.SIGKILL)
     for pid in our_processes():
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
