@@ -40,10 +40,11 @@ KUBE_VERSION = "1.20.2"
 KUBE_SOURCE_VERSION = "1.20.5+really1.20.2-1.1+deb12u1"
 GO_PACKAGES = ("golang-1.15-go", "golang-1.15-src")
 ETCD_PACKAGES = ("etcd-server", "etcd-client")
+ETCD_COMMANDS = ("etcdctl", "etcd")
 KUBE_COMMANDS = ("kube-apiserver", "kubelet", "kube-scheduler", "kube-controller-manager")
-#: Debian packages the build and the cluster need on the machine itself.
-HOST_PACKAGES = {"rsync": "rsync", "make": "make", "gcc": "gcc", "patch": "patch",
-                 "openssl": "openssl", "nsenter": "util-linux", "dockerd": "docker.io"}
+#: Debian packages the build and the cluster need on the machine itself: command -> package.
+HOST_PACKAGES = {"rsync": "rsync", "make": "make", "gcc": "gcc", "patch": "patch", "openssl": "openssl",
+                 "nsenter": "util-linux", "unshare": "util-linux", "ip": "iproute2", "dockerd": "docker.io"}
 SCRIPTS = Path(__file__).resolve().parent
 
 
@@ -62,6 +63,13 @@ def bin_dir() -> Path:
     return cache_root() / "bin"
 
 
+def install_binary(source: Path, name: str) -> None:
+    """Into the cache's bin dir under a temporary name first: a killed build leaves no half file."""
+    temporary = bin_dir() / f".{name}.partial"
+    shutil.copy2(source, temporary)
+    temporary.rename(bin_dir() / name)
+
+
 def run(argv: list[str], **kwargs) -> subprocess.CompletedProcess:
     """A command whose failure ends the script; its output goes to stderr, never stdout."""
     kwargs.setdefault("stdout", sys.stderr)
@@ -73,11 +81,16 @@ def run(argv: list[str], **kwargs) -> subprocess.CompletedProcess:
 # ---------------------------------------------------------------------------------------------
 
 def ensure_host_packages() -> None:
+    """Installs what is missing with the machine's apt (its lists refreshed if that fails first)."""
     missing = sorted({package for command, package in HOST_PACKAGES.items() if shutil.which(command) is None})
-    if missing:
-        log(f"installing {' '.join(missing)} with apt-get")
-        run(["apt-get", "install", "-y", "-q", "--no-install-recommends", *missing],
-            env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+    if not missing:
+        return
+    log(f"installing {' '.join(missing)} with apt-get")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *missing]
+    if subprocess.run(install, env=env, stdout=sys.stderr).returncode != 0:
+        run(["apt-get", "update", "-q"], env=env)
+        run(install, env=env)
 
 
 def private_apt() -> dict[str, str]:
@@ -130,13 +143,13 @@ def unpack_debs(env: dict[str, str], packages: tuple[str, ...], into: Path) -> N
 # ---------------------------------------------------------------------------------------------
 
 def build_etcd(env: dict[str, str]) -> None:
-    if (bin_dir() / "etcd").is_file():
+    if all((bin_dir() / name).is_file() for name in ETCD_COMMANDS):
         return
     log("fetching etcd from Debian 12 (etcd-server, etcd-client)")
     unpacked = cache_root() / "etcd"
     unpack_debs(env, ETCD_PACKAGES, unpacked)
-    for name in ("etcdctl", "etcd"):  # etcd last: its presence says both are there
-        shutil.copy2(unpacked / "usr/bin" / name, bin_dir() / name)
+    for name in ETCD_COMMANDS:
+        install_binary(unpacked / "usr/bin" / name, name)
     shutil.rmtree(unpacked)
 
 
@@ -179,7 +192,7 @@ def build_kube(env: dict[str, str]) -> None:
     tree = kube_tree(env)
     if missing:
         goroot = go_root(env)
-        log(f"building {' '.join(missing)} with Go 1.15 (about 13 minutes on 2 cores)")
+        log(f"building {' '.join(missing)} with Go 1.15 (about 10 minutes on 2 cores)")
         build_env = {**os.environ, "GOROOT": str(goroot), "PATH": f"{goroot}/bin:{os.environ['PATH']}",
                      "GOPROXY": "off", "GOFLAGS": "-mod=vendor", "GO111MODULE": "on",
                      "GOCACHE": str(cache_root() / "gocache"), "GOPATH": str(cache_root() / "gopath"),
@@ -187,12 +200,12 @@ def build_kube(env: dict[str, str]) -> None:
         run(["make", "WHAT=" + " ".join(f"cmd/{name}" for name in missing)], cwd=tree, env=build_env)
         built = tree / "_output/local/bin/linux/amd64"
         for name in missing:
-            shutil.copy2(built / name, bin_dir() / name)
+            install_binary(built / name, name)
     if not (bin_dir() / "pause").is_file():
         log("compiling the pause container's binary statically")
         run(["gcc", "-Os", "-static", "-Wall", f'-DVERSION=v{KUBE_VERSION}-reploy', "-o",
-             str(bin_dir() / "pause.tmp"), str(tree / "build/pause/linux/pause.c")])
-        (bin_dir() / "pause.tmp").rename(bin_dir() / "pause")
+             str(bin_dir() / ".pause.partial"), str(tree / "build/pause/linux/pause.c")])
+        (bin_dir() / ".pause.partial").rename(bin_dir() / "pause")
     for leftover in ("src", "go1.15", "gocache", "gopath"):
         if (cache_root() / leftover).exists():
             shutil.rmtree(cache_root() / leftover)
@@ -201,9 +214,8 @@ def build_kube(env: dict[str, str]) -> None:
 def build() -> None:
     """Everything the cluster runs, into the cache; a warm cache does nothing here."""
     bin_dir().mkdir(parents=True, exist_ok=True)
-    if all((bin_dir() / name).is_file() for name in (*KUBE_COMMANDS, "pause", "etcd", "etcdctl")):
+    if all((bin_dir() / name).is_file() for name in (*KUBE_COMMANDS, "pause", *ETCD_COMMANDS)):
         return
-    ensure_host_packages()
     env = private_apt()
     build_etcd(env)
     build_kube(env)
@@ -357,14 +369,18 @@ def make_pki() -> None:
 # Processes: spawned detached, recorded with their start time (a reused pid is not ours)
 # ---------------------------------------------------------------------------------------------
 
-def start_time(pid: int) -> Optional[int]:
-    """The process's start time in clock ticks, or None when no live process has this pid."""
+def proc_stat(pid: int | str) -> Optional[list[str]]:
+    """/proc/PID/stat's fields after the command name (state first), or None without that process."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
         return None
-    fields = stat.rsplit(")", 1)[1].split()
-    return None if fields[0] in ("Z", "X") else int(fields[19])
+
+
+def start_time(pid: int) -> Optional[int]:
+    """The process's start time in clock ticks, or None when no live process has this pid."""
+    fields = proc_stat(pid)
+    return None if fields is None or fields[0] in ("Z", "X") else int(fields[19])
 
 
 def alive(record: Optional[dict]) -> bool:
@@ -376,13 +392,9 @@ def alive(record: Optional[dict]) -> bool:
 def children(pid: int) -> list[int]:
     found = []
     for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                found.append(int(entry.name))
+        fields = proc_stat(entry.name) if entry.name.isdigit() else None
+        if fields is not None and int(fields[1]) == pid:
+            found.append(int(entry.name))
     return found
 
 
@@ -544,16 +556,16 @@ def oci_runtime(args: list[str]) -> int:
     """runc, with a negative oom_score_adj clamped to 0 (the node dockerd's default runtime).
 
     This machine lacks CAP_SYS_RESOURCE, so the kubelet's -998 (pause) and -997 (Guaranteed
-    Pods) make runc fail; 0 is the most a process without that capability may ask for."""
-    for index, arg in enumerate(args[:-1]):
-        spec = {"--bundle": "config.json", "-b": "config.json", "--process": "", "-p": ""}.get(arg)
-        if spec is None:
-            continue
-        path = Path(args[index + 1]) / spec if spec else Path(args[index + 1])
-        if not path.is_file():
+    Pods) make runc fail; without that capability a process goes no lower than it started (0)."""
+    for flag, value in zip(args, args[1:]):
+        if flag == "--bundle":  # create, run: the container's spec
+            path, process_of = Path(value) / "config.json", lambda document: document.get("process", {})
+        elif flag == "--process":  # exec: the extra process's own spec
+            path, process_of = Path(value), lambda document: document
+        else:
             continue
         document = json.loads(path.read_text())
-        process = document.get("process", document) if spec else document
+        process = process_of(document)
         if process.get("oomScoreAdj", 0) < 0:
             process["oomScoreAdj"] = 0
             path.write_text(json.dumps(document))
@@ -833,6 +845,7 @@ def announce(state: dict, started: bool) -> None:
 
 def up() -> int:
     with locked():
+        ensure_host_packages()
         build()
         state = load_state()
         if state and running(state):
@@ -1068,6 +1081,7 @@ def main(argv: list[str]) -> int:
     if verb == "load" and args:
         return load(args)
     if verb == "build" and not args:
+        ensure_host_packages()
         build()
         return 0
     if verb == "node-init" and len(args) == 2:
