@@ -61,7 +61,7 @@ bundle:
 	@$(PYTHON) scripts/bundle.py --output-dir dist $(if $(filter 1,$(IMAGES)),--images)
 
 # The cluster's JSON line (kubeconfig, a fresh namespace, nodes, server) is the only stdout;
-# the first run builds Kubernetes into a cache outside the repository (about 13 minutes).
+# the first run builds Kubernetes into a cache outside the repository (10 to 14 minutes).
 kube-up:
 	@bash scripts/kube-cluster.sh up
 

@@ -192,7 +192,7 @@ def build_kube(env: dict[str, str]) -> None:
     tree = kube_tree(env)
     if missing:
         goroot = go_root(env)
-        log(f"building {' '.join(missing)} with Go 1.15 (about 10 minutes on 2 cores)")
+        log(f"building {' '.join(missing)} with Go 1.15 (10 to 14 minutes on 2 cores)")
         build_env = {**os.environ, "GOROOT": str(goroot), "PATH": f"{goroot}/bin:{os.environ['PATH']}",
                      "GOPROXY": "off", "GOFLAGS": "-mod=vendor", "GO111MODULE": "on",
                      "GOCACHE": str(cache_root() / "gocache"), "GOPATH": str(cache_root() / "gopath"),
@@ -850,6 +850,8 @@ def up() -> int:
         state = load_state()
         if state and running(state):
             log("reusing the running cluster")
+            # An `up` interrupted after the apiserver came up leaves nodes still on their way.
+            wait_for("both nodes Ready", lambda: ready_nodes() >= set(NODE_NAMES), NODES_READY_TIMEOUT_S)
             announce(state, started=False)
             return 0
         teardown()
@@ -1069,6 +1071,14 @@ USAGE = """usage: kube-cluster.sh VERB
 
 
 def main(argv: list[str]) -> int:
+    try:
+        return dispatch(argv)
+    except RuntimeError as e:
+        log(str(e))
+        return 1
+
+
+def dispatch(argv: list[str]) -> int:
     verb, args = (argv[0], argv[1:]) if argv else ("", [])
     if verb == "up" and not args:
         return up()

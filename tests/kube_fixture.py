@@ -27,7 +27,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 KUBE_SCRIPT = ROOT / "scripts" / "kube-cluster.sh"
 REQUIRE_KUBERNETES_ENV = "REPLOY_REQUIRE_KUBERNETES"
-#: A cold `up` builds Kubernetes first (about 13 minutes on 2 cores); a warm one takes a minute.
+#: A cold `up` builds Kubernetes first (10 to 14 minutes on 2 cores); a warm one about 30 s.
 UP_TIMEOUT_S = 3600.0
 VERB_TIMEOUT_S = 300.0
 
