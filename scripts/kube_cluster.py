@@ -627,7 +627,11 @@ def relay(rules: list[str]) -> int:
 
     def serve(server: socket.socket, target: tuple[int, Any]) -> None:
         while True:
-            client, _ = server.accept()
+            try:
+                client, _ = server.accept()
+            except OSError:  # out of descriptors, say: this connection is lost, not the relay
+                time.sleep(0.1)
+                continue
             threading.Thread(target=relay_connection, args=(client, target), daemon=True).start()
 
     threads = [threading.Thread(target=serve, args=pair, daemon=True) for pair in listeners]
