@@ -878,6 +878,7 @@ def up() -> int:
                 log(f"its logs are kept in {keep}")
             teardown()
             return 1
+        shutil.rmtree(cache_root() / "failed-logs", ignore_errors=True)  # an earlier failure's, now stale
         log(f"cluster up in {time.monotonic() - started_at:.0f} s")
         announce(load_state(), started=True)
     return 0
@@ -1077,7 +1078,7 @@ USAGE = """usage: kube-cluster.sh VERB
 def main(argv: list[str]) -> int:
     try:
         return dispatch(argv)
-    except RuntimeError as e:
+    except (RuntimeError, subprocess.CalledProcessError) as e:
         log(str(e))
         return 1
 
