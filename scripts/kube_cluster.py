@@ -36,8 +36,9 @@ from typing import Any, Callable, Iterator, Optional
 # ---------------------------------------------------------------------------------------------
 
 KUBE_VERSION = "1.20.2"
-#: Debian 12's source package whose orig tarball is the full 1.20.2 tree (with vendor/).
-KUBE_SOURCE_VERSION = "1.20.5+really1.20.2-1.1+deb12u1"
+#: Debian 12's source package whose orig tarball is the full 1.20.2 tree (with vendor/); whichever
+#: revision bookworm carries (1.20.5+really1.20.2-1.1+deb12u1 when written), checked to be 1.20.2.
+KUBE_SOURCE_PACKAGE = "kubernetes"
 GO_PACKAGES = ("golang-1.15-go", "golang-1.15-src")
 ETCD_PACKAGES = ("etcd-server", "etcd-client")
 ETCD_COMMANDS = ("etcdctl", "etcd")
@@ -162,11 +163,12 @@ def kube_tree(env: dict[str, str]) -> Path:
     if source.exists():
         shutil.rmtree(source)
     source.mkdir(parents=True)
-    log(f"fetching Debian's kubernetes source package {KUBE_SOURCE_VERSION}")
-    run(["apt-get", "source", "--download-only", "-q", f"kubernetes={KUBE_SOURCE_VERSION}"],
-        env=env, cwd=source)
+    log(f"fetching Debian 12's {KUBE_SOURCE_PACKAGE} source package")
+    run(["apt-get", "source", "--download-only", "-q", KUBE_SOURCE_PACKAGE], env=env, cwd=source)
     orig = next(source.glob("kubernetes_*.orig.tar.*"))
     run(["tar", "-xf", str(orig), "-C", str(source)])
+    if not tree.is_dir():
+        raise RuntimeError(f"{orig.name} holds no kubernetes-{KUBE_VERSION} tree")
     debian = next(source.glob("kubernetes_*.debian.tar.*"))
     run(["tar", "-xf", str(debian), "-C", str(tree)])
     series = tree / "debian/patches/series"
