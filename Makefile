@@ -3,10 +3,11 @@
 #   make test   set up this machine, then run the whole test suite
 #   make bundle the offline bundle for air-gapped hosts, dist/reploy-VERSION-offline.tar.gz
 #               (IMAGES=1 adds the examples' base images, which `make setup` builds)
+#   make kube-up / kube-down  a real two-node Kubernetes cluster on loopback (docs/kubernetes.md)
 PYTHON ?= python3
 DEMO_DIR ?= $(CURDIR)/.reploy-demo
 
-.PHONY: setup setup-demo demo test test-unit lint bench bench-agent clean-demo bundle
+.PHONY: setup setup-demo demo test test-unit lint bench bench-agent clean-demo bundle kube-up kube-down
 
 # Machine output only on stdout (`make demo | python3 -m json.tool` works): recipe lines are
 # not echoed, and everything but the session's result goes to stderr.
@@ -58,3 +59,11 @@ clean-demo:
 
 bundle:
 	@$(PYTHON) scripts/bundle.py --output-dir dist $(if $(filter 1,$(IMAGES)),--images)
+
+# The cluster's JSON line (kubeconfig, a fresh namespace, nodes, server) is the only stdout;
+# the first run builds Kubernetes into a cache outside the repository (10 to 14 minutes).
+kube-up:
+	@bash scripts/kube-cluster.sh up
+
+kube-down:
+	@bash scripts/kube-cluster.sh down

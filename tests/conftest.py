@@ -11,6 +11,9 @@ without either label count too). So parallel runs on one machine (as during deve
 neither fail nor sweep each other; in CI nothing else runs anyway. Managed sessions' disks
 count too: no file system may stay mounted under this run's serve state dirs, and no loop
 device may stay backed by an image there.
+
+Kubernetes tests are marked `kubernetes` (and `docker`): their cluster is scripts/kube-cluster.sh's
+(tests/kube_fixture.py); without one they skip, unless REPLOY_REQUIRE_KUBERNETES=1 (CI).
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from kube_fixture import kube_cluster  # noqa: F401 - a fixture
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -113,6 +118,7 @@ def pytest_report_header(config: pytest.Config) -> str:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "docker: needs the real Docker engine")
+    config.addinivalue_line("markers", "kubernetes: needs the cluster of scripts/kube-cluster.sh")
     WATCHDOG_DIR.mkdir(mode=0o700, exist_ok=True)
     os.environ[WATCHDOG_DIR_ENV] = str(WATCHDOG_DIR)
 

@@ -1,6 +1,6 @@
 """`.ci/run`, the CI entry point, in a stand-in checkout whose Makefile only reports what
 `make lint` and `make test` would be given: the conformance fixtures beside the checkout are
-required, and lint runs first."""
+required, lint runs first, and the Kubernetes cluster is up for the tests and down after."""
 
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ from pathlib import Path
 from conftest import ROOT
 
 REPORTING_MAKEFILE = ("lint:\n\t@echo lint\n"
+                      "kube-up:\n\t@echo kube-up >&2\n"
                       "test:\n\t@echo \"$$REPLOY_CONFORMANCE_DIR|$$REPLOY_REQUIRE_CONFORMANCE|"
-                      "$$REPLOY_REQUIRE_DOCKER\"\n")
+                      "$$REPLOY_REQUIRE_DOCKER|$$REPLOY_REQUIRE_KUBERNETES\"\n"
+                      "kube-down:\n\t@echo kube-down\n")
 
 
 def checkout(tmp_path: Path) -> Path:
@@ -35,7 +37,9 @@ def test_ci_requires_the_shared_fixtures_by_their_absolute_path(tmp_path: Path) 
     (tmp_path / "shared/conformance/reploy-v1").mkdir(parents=True)
     proc = subprocess.run(["bash", ".ci/run"], cwd=directory, capture_output=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.decode().split() == ["lint", f"{tmp_path}/shared/conformance/reploy-v1|1|1"]
+    assert proc.stdout.decode().split() == [
+        "lint", f"{tmp_path}/shared/conformance/reploy-v1|1|1|1", "kube-down"]
+    assert proc.stderr.decode().split() == ["kube-up"]
 
 
 def test_a_clone_elsewhere_finds_the_fixtures_beside_the_repository_it_came_from(
@@ -51,4 +55,4 @@ def test_a_clone_elsewhere_finds_the_fixtures_beside_the_repository_it_came_from
     proc = subprocess.run(["bash", ".ci/run"], cwd=directory, capture_output=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.decode().split() == [
-        "lint", f"{tmp_path}/work/shared/conformance/reploy-v1|1|1"]
+        "lint", f"{tmp_path}/work/shared/conformance/reploy-v1|1|1|1", "kube-down"]
