@@ -2005,10 +2005,10 @@ HOST_EVENT_HANDLERS: dict[type, Callable[[HostCore, Any], None]] = {
 # image's: it reaches a person only as safe text, a line at a time.
 
 #: The line the builder writes as a step begins.
-_BUILD_STEP = re.compile(r"Step [0-9]+/[0-9]+ : ")
+_BUILD_STEP = re.compile(r"Step [0-9]+/[0-9]+ : .*", re.DOTALL)
 #: The builder's own notes among a step's lines (` ---> Running in ID`, ` ---> IMAGE`,
 #: `Removing intermediate container ID`): not the step's output.
-_BUILDER_NOTE = re.compile(r" ---> |Removing intermediate container ")
+_BUILDER_NOTE = re.compile(r"( ---> |Removing intermediate container ).*", re.DOTALL)
 #: The colour codes the builder wraps what a step writes to stderr in: its markup, dropped.
 BUILDER_STDERR_MARKS = ("\x1b[91m", "\x1b[0m")
 #: A longer line is shown in pieces of this many characters (safe text holds at least that many
@@ -2082,10 +2082,10 @@ class BuildProgress:
     def _note(self, piece: str) -> str:
         """Keep track of the step a shown piece begins, or of the step's output it is."""
         text = wire.safe_text(piece)
-        if _BUILD_STEP.match(piece):
+        if _BUILD_STEP.fullmatch(piece):
             self.step = text
             self.step_output.clear()
-        elif not _BUILDER_NOTE.match(piece):
+        elif not _BUILDER_NOTE.fullmatch(piece):
             self.step_output.append(text)
         return text
 

@@ -182,6 +182,21 @@ class ServeProcess:
         return self.proc.returncode
 
 
+_CLI_ERROR = re.compile(r"reploy: session [a-z]+: (.*?)(?: \((?:HTTP ([0-9]{3})(?:, ([a-z_]+))?|([a-z_]+))\))?\n")
+
+
+def cli_error(proc: subprocess.CompletedProcess) -> dict[str, Any]:
+    """A failed `reploy session` call as it reports one: exit 1, nothing on stdout, one line on
+    stderr, `reploy: session ACTION: REASON`, then `(HTTP STATUS, CODE)` as serve said them.
+    Its parts as {"error", "status", "code"} (None where not said)."""
+    assert proc.returncode == 1 and proc.stdout == b"", (proc.returncode, proc.stdout, proc.stderr)
+    text = proc.stderr.decode()
+    match = _CLI_ERROR.fullmatch(text)
+    assert match is not None, text
+    reason, status, code, only_code = match.groups()
+    return {"error": reason, "status": int(status) if status else None, "code": code or only_code}
+
+
 def session_containers(client: Any, state_dir: Path, session_id: Optional[str] = None) -> list[Any]:
     labels = [f"{LABEL_STATE_DIR}={state_dir}"]
     if session_id:

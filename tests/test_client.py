@@ -7,7 +7,6 @@ import base64
 import contextlib
 import hashlib
 import io
-import json
 import subprocess
 import sys
 import threading
@@ -17,7 +16,7 @@ from typing import Any, Callable, Iterator
 import pytest
 
 import reploy_client
-from serve_harness import ROOT, ServeProcess, managed_workload, serve_processes  # noqa: F401 - a fixture
+from serve_harness import ROOT, ServeProcess, cli_error, managed_workload, serve_processes  # noqa: F401 - a fixture
 
 TOKEN = "k" * 43
 
@@ -425,9 +424,10 @@ def test_the_output_log_reads_streams_messages_and_snapshots(client: reploy_clie
 
 
 @pytest.mark.docker
-def test_the_cli_prints_serves_error_document(server: ServeProcess) -> None:
+def test_the_cli_says_serves_error_on_stderr(server: ServeProcess) -> None:
     proc = subprocess.run([sys.executable, str(ROOT / "reploy.py"), "session", "get", "0123456789abcdef",
                            "--server", server.ready["url"]], capture_output=True, timeout=60,
                           env=server.client_env())
-    document = json.loads(proc.stdout)
-    assert proc.returncode == 1 and document["status"] == 404 and "0123456789abcdef" in document["error"]
+    document = cli_error(proc)
+    assert document["status"] == 404 and document["code"] == "not_found"
+    assert "0123456789abcdef" in document["error"]

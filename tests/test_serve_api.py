@@ -16,7 +16,7 @@ from typing import Any, Callable
 import pytest
 
 from serve_harness import (  # noqa: F401  (fixtures)
-    ROOT, ServeProcess, in_thread, managed_workload, serve_factory, session_containers,
+    ROOT, ServeProcess, cli_error, in_thread, managed_workload, serve_factory, session_containers,
     sse_events, wait_until,
 )
 
@@ -28,6 +28,8 @@ def cli(server: ServeProcess, *args: str, stdin: bytes = b"") -> tuple[int, Any]
     proc = subprocess.run([sys.executable, str(ROOT / "reploy.py"), "session", *args,
                            "--server", server.ready["url"]],
                           input=stdin, capture_output=True, timeout=120, env=server.client_env())
+    if proc.returncode == 1:
+        return 1, cli_error(proc)
     return proc.returncode, json.loads(proc.stdout)
 
 
@@ -66,7 +68,7 @@ def test_the_cli_creates_with_labels_a_time_to_live_and_resources(
     """The create body's own fields as `session create` flags, and `session list --label`."""
     server = serve_factory("--egress-allow", "api.example.org", "--egress-allow", "198.51.100.7:8080")
     code, session = cli(server, "create", "--name", "tagged", "--label", "task=t.1", "--label", "run=7",
-                        "--ttl-seconds", "3600", "--cpus", "0.5", "--disk-mib", "64",
+                        "--ttl", "1h", "--cpus", "0.5", "--disk-mib", "64",
                         "--egress", "198.51.100.7:8080")
     assert code == 0, session
     assert session["egress"] == ["198.51.100.7:8080"]

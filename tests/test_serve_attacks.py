@@ -25,6 +25,7 @@ import pytest
 
 from cdp import Browser
 from serve_harness import (  # noqa: F401  (fixtures)
+    cli_error,
     ROOT, Api, LoopbackSite, ServeProcess, log_in, managed_workload, serve_factory, start_browser,
     wait_until,
 )
@@ -460,8 +461,8 @@ def test_the_token_file(serve_factory: Callable[..., ServeProcess], tmp_path: Pa
                             timeout=60, env=env)
     assert listed.returncode == 0 and json.loads(listed.stdout) == {"sessions": []}
     refused = subprocess.run(base, capture_output=True, timeout=60, env=env)
-    document = json.loads(refused.stdout)
-    assert refused.returncode == 1 and document["status"] == 401 and "REPLOY_TOKEN" in document["error"]
+    document = cli_error(refused)
+    assert document["status"] == 401 and "REPLOY_TOKEN" in document["error"]
     # A token file others can read stops the start, without printing the token.
     elsewhere.chmod(0o644)
     proc = subprocess.run([sys.executable, str(ROOT / "reploy.py"), "serve", "--listen", "127.0.0.1:0",

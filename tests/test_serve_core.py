@@ -1007,7 +1007,7 @@ def test_openapi_states_each_pattern_and_enum_the_server_applies() -> None:
 
 
 def create_args(**fields: Any) -> SimpleNamespace:
-    defaults = {"workload_type": None, "model": None, "deployment": None, "ttl_seconds": None,
+    defaults = {"workload_type": None, "model": None, "deployment": None, "ttl": None,
                 "cpus": None, "disk_mib": None, "label": [], "egress": []}
     return SimpleNamespace(session_action="create", name="n", **{**defaults, **fields})
 
@@ -1017,7 +1017,7 @@ def test_client_requests() -> None:
     assert reploy_serve.client_request(args) == ("POST", "/sessions",
                                                  {"name": "n", "workloadType": "claude-code", "model": "m"})
     assert reploy_serve.client_request(create_args()) == ("POST", "/sessions", {"name": "n"})
-    args = create_args(label=["task=a", "run=7=x", "empty="], ttl_seconds=60, cpus=0.5, disk_mib=128)
+    args = create_args(label=["task=a", "run=7=x", "empty="], ttl="1m", cpus=0.5, disk_mib=128)
     assert reploy_serve.client_request(args) == ("POST", "/sessions", {
         "name": "n", "ttlSeconds": 60, "cpus": 0.5, "diskMib": 128,
         "labels": {"task": "a", "run": "7=x", "empty": ""}})
@@ -1069,11 +1069,11 @@ def test_serve_usage_errors_exit_2_with_nothing_on_stdout(extra: list[str], entr
 
 
 @pytest.mark.parametrize("entry", ["reploy.py", "reploy_serve.py"])
-def test_session_client_without_a_server_prints_one_error_document(entry: str) -> None:
+def test_session_client_without_a_server_says_so_on_stderr(entry: str) -> None:
     proc = subprocess.run([sys.executable, str(ROOT / entry), "session", "list",
                            "--server", "http://127.0.0.1:9"], capture_output=True, timeout=60)
-    assert proc.returncode == 1
-    assert "error" in json.loads(proc.stdout)
+    assert (proc.returncode, proc.stdout) == (1, b"")
+    assert proc.stderr == b"reploy: session list: no answer from http://127.0.0.1:9: [Errno 111] Connection refused\n"
 
 
 @pytest.mark.parametrize(("words", "stdin", "complaint"), [

@@ -25,6 +25,7 @@ import pytest
 
 import reploy_serve
 from serve_harness import (  # noqa: F401  (fixtures)
+    cli_error,
     ROOT, Api, ServeProcess, managed_workload, serve_factory, session_containers, wait_until,
 )
 from standin_agent import StandInAgent, control_socket
@@ -227,8 +228,8 @@ def test_files_in_and_out(serve_factory: Callable[..., ServeProcess], docker_eng
     assert status == 507 and "not enough space" in error["error"]
     # The CLI reads that early answer too, though the server refused before taking the body.
     proc = cli(server, "cp", str(big), f"{sid}:~/huge.bin")
-    assert proc.returncode == 1 and json.loads(proc.stdout)["status"] == 507, proc.stdout
-    assert "not enough space" in json.loads(proc.stdout)["error"]
+    refused = cli_error(proc)
+    assert refused["status"] == 507 and "not enough space" in refused["error"], refused
     assert sh(api, sid, 'ls -A "$HOME"') == ".profile\n"
 
 

@@ -30,6 +30,7 @@ import pytest
 
 import reploy_serve
 from serve_harness import (  # noqa: F401  (fixtures)
+    cli_error,
     ROOT, Api, ServeProcess, in_thread, managed_workload, serve_factory, sse_events, wait_until,
 )
 from standin_agent import StandInAgent, WithFds, control_socket, pipe_of
@@ -345,8 +346,8 @@ def test_a_tar_that_fails_after_its_first_chunk_ends_visibly_incomplete(
     proc = subprocess.run([sys.executable, str(ROOT / "reploy.py"), "session", "cp", "--server",
                            server.ready["url"], f"{sid}:d", str(out)], env=server.client_env(),
                           capture_output=True, timeout=120)
-    assert proc.returncode == 1 and b"Traceback" not in proc.stderr, proc.stderr
-    assert "the download ended early" in json.loads(proc.stdout)["error"]
+    assert b"Traceback" not in proc.stderr, proc.stderr
+    assert "the download ended early" in cli_error(proc)["error"]
     assert list(out.iterdir()) == []
     stand.answers.clear()
     still_serving(server, sid, bystander)
@@ -569,9 +570,8 @@ def test_session_cp_of_a_directory_vets_its_archive_and_writes_nothing(
         proc = subprocess.run([sys.executable, str(ROOT / "reploy.py"), "session", "cp", "--server",
                                server.ready["url"], f"{sid}:d", str(out)], env=server.client_env(),
                               capture_output=True, timeout=120)
-        assert proc.returncode == 1, (what, proc.stdout, proc.stderr)
-        document = json.loads(proc.stdout)
-        assert set(document) == {"error", "status"} and document["status"] is None, (what, document)
+        document = cli_error(proc)
+        assert document["status"] is None and document["code"] is None, (what, document)
         assert document["error"].startswith(f"{sid}:d: refused: ") and complaint in document["error"], \
             (what, document)
         assert b"Traceback" not in proc.stderr

@@ -23,7 +23,7 @@ from typing import Any, Callable
 import pytest
 
 import reploy_serve
-from serve_harness import ROOT, ServeProcess, managed_workload, serve_factory  # noqa: F401
+from serve_harness import ROOT, ServeProcess, cli_error, managed_workload, serve_factory  # noqa: F401
 from test_serve_access import SID, TOKEN, OtherServer, run_reploy
 
 QUOTA_BYTES = 1 << 20
@@ -91,9 +91,7 @@ def cp_from(listed: str, download: tuple[str, bytes], out: Path) -> dict[str, An
     finally:
         server.close()
     assert b"Traceback" not in proc.stderr, proc.stderr
-    document = json.loads(proc.stdout)
-    assert proc.returncode == (1 if "error" in document else 0), document
-    return document
+    return cli_error(proc) if proc.returncode == 1 else json.loads(proc.stdout)
 
 
 @pytest.fixture(scope="module")
@@ -204,7 +202,7 @@ def test_session_cp_under_the_swap_loop_never_writes_past_its_bound(
             proc = subprocess.run([sys.executable, str(ROOT / "reploy.py"), "session", "cp", f"{sid}:d",
                                    str(out), "--server", server.ready["url"]],
                                   capture_output=True, env=server.client_env(), timeout=120)
-            document = json.loads(proc.stdout)
+            document = cli_error(proc) if proc.returncode == 1 else json.loads(proc.stdout)
             assert tree_bytes(out) <= limit_bytes  # whatever happened
             if proc.returncode == 0:
                 outcomes[document["kind"]] += 1
