@@ -7984,10 +7984,21 @@ def build_parser() -> ArgumentParser:
     return parser
 
 
+def is_exec_command_line(args: argparse.Namespace, extras: list[str]) -> bool:
+    """Whether what argparse left over is `session exec`'s one command line, given after an
+    option (`exec ID --raw 'CMD'`: argparse fills an optional positional only before options)."""
+    return (args.command == "session" and args.session_action == "exec" and args.command_line is None
+            and len(extras) == 1 and not extras[0].startswith("-"))
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     argv, command = split_command(list(sys.argv[1:] if argv is None else argv))
     try:
-        args = build_parser().parse_args(argv)
+        args, extras = build_parser().parse_known_args(argv)
+        if extras and is_exec_command_line(args, extras):
+            args.command_line = extras[0]  # after an option: argparse takes no positional there
+        elif extras:
+            raise UsageError(f"unrecognized arguments: {' '.join(extras)}")
         if command and not (args.command == "session" and args.session_action == "exec"):
             raise UsageError("only session exec takes arguments after --")
         if args.command == "serve":

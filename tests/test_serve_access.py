@@ -891,7 +891,7 @@ def test_session_cp_stops_at_the_quota_serve_reports(tmp_path: Path) -> None:
         announced.server.RequestHandlerClass.send_header = send_header  # type: ignore[method-assign]
         proc = run_reploy("session", "cp", f"{SID}:f", str(out), "--server", announced.url,
                           env={"REPLOY_TOKEN": TOKEN})
-        assert proc.returncode == 1 and b"announces more than" in proc.stdout, proc.stdout
+        assert "announces more than" in cli_error(proc)["error"]
         assert list(out.iterdir()) == []
     finally:
         announced.close()

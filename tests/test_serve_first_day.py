@@ -227,8 +227,10 @@ def test_the_session_cli_for_pipelines_and_people(serve_factory: Callable[..., S
     assert (gone.returncode, gone.stdout) == (1, b"")
     assert gone.stderr.decode().endswith("(HTTP 404, not_found)\n")
     # One command line, run by sh -c; the argv form stays.
-    shell_line = session_cli(server, "exec", "first-day", "echo a b | tr a-z A-Z", "--raw")
-    assert (shell_line.returncode, shell_line.stdout) == (0, b"A B\n")
+    for words in (["first-day", "echo a b | tr a-z A-Z", "--raw"], ["first-day", "--raw", "echo a b | tr a-z A-Z"],
+                  ["--raw", "first-day", "echo a b | tr a-z A-Z"]):
+        shell_line = session_cli(server, "exec", *words)
+        assert (shell_line.returncode, shell_line.stdout) == (0, b"A B\n"), (words, shell_line.stderr)
     argv = session_cli(server, "exec", "first-day", "--raw", "--", "sh", "-c", "exit 3")
     assert argv.returncode == 3
     detached = json.loads(session_cli(server, "exec", "first-day", "--detach", "--", "sleep", "30").stdout)
