@@ -518,6 +518,28 @@ def new_namespace() -> str:
 # Inside a node: its namespaces' first process, the OCI runtime wrapper, the byte relay
 # ---------------------------------------------------------------------------------------------
 
+def inherited_mount_points(mountinfo: str) -> list[str]:
+    """The mount points a new mount namespace copied from the host that hold the host's own
+    storage busy: loop devices (serve's session disks) and overlays (the host engine's
+    containers), deepest first. A private copy of such a mount keeps its device alive after the
+    host unmounts it, so a session disk's loop device would never be let go. Pure."""
+    points = []
+    for line in mountinfo.splitlines():
+        fields = line.split(" ")
+        separator = fields.index("-")
+        point, fstype, source = fields[4], fields[separator + 1], fields[separator + 2]
+        if source.startswith("/dev/loop") or fstype == "overlay":
+            points.append(point.encode().decode("unicode_escape"))  # mountinfo's \040 escapes
+    return sorted(points, key=lambda point: point.count("/"), reverse=True)
+
+
+def release_inherited_mounts() -> int:
+    """In a namespace just made: detaches (lazily) what inherited_mount_points names."""
+    for point in inherited_mount_points(Path("/proc/self/mountinfo").read_text()):
+        subprocess.run(["umount", "-l", point], stderr=subprocess.DEVNULL, check=False)
+    return 0
+
+
 def node_init(node: str) -> int:
     """PID 1 of a node's PID namespace (also in its own network, mount and UTS namespaces).
 
@@ -526,6 +548,7 @@ def node_init(node: str) -> int:
     IP), says so in a file, then reaps orphans until killed (its death ends the namespace)."""
     home = node_dir(node)
     try:
+        release_inherited_mounts()
         run(["mount", "-t", "tmpfs", "-o", "mode=0755,size=256m", "tmpfs", "/run"])
         for name, value in KUBELET_SYSCTLS.items():
             if (Path("/proc/sys") / name).read_text().strip() != value:
@@ -668,6 +691,7 @@ def apiserver_argv() -> list[str]:
     hosts.write_text(f"{LOOPBACK} localhost\n" + "".join(f"{LOOPBACK} {node}\n" for node in NODE_NAMES))
     issuer = "https://kubernetes.default.svc.cluster.local"
     return ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
+            f'{sys.executable} {Path(__file__).resolve()} release-mounts && '
             'mount --bind "$0" /etc/hosts && exec "$@"', str(hosts),
             str(bin_dir() / "kube-apiserver"), f"--bind-address={LOOPBACK}", f"--secure-port={APISERVER_PORT}",
             "--insecure-port=0", "--endpoint-reconciler-type=none",
@@ -1101,6 +1125,8 @@ def dispatch(argv: list[str]) -> int:
         ensure_host_packages()
         build()
         return 0
+    if verb == "release-mounts" and not args:
+        return release_inherited_mounts()
     if verb == "node-init" and len(args) == 2:
         return node_init(args[0])
     if verb == "relay" and args:
