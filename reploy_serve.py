@@ -2855,6 +2855,27 @@ class AgentWait:
             self.stopping.wait(rest_s)
 
 
+class SessionTally:
+    """How much of something each session holds (streams, answers, bytes), and all sessions
+    together; a session holding none has no entry. Not thread-safe: its owner's lock guards it."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, int] = {}
+        self.total = 0
+
+    def of(self, session_id: str) -> int:
+        return self._held.get(session_id, 0)
+
+    def add(self, session_id: str, amount: int = 1) -> None:
+        self._held[session_id] = self.of(session_id) + amount
+        self.total += amount
+
+    def remove(self, session_id: str, amount: int = 1) -> None:
+        self.total -= amount
+        if left := self._held.pop(session_id) - amount:
+            self._held[session_id] = left
+
+
 class AnswerSlots:
     """Answers being sent that each hold a bounded piece of memory (exec answers, a page at a
     time): at most `per_session` of one session and `total` in all. hold() waits its turn
@@ -2862,24 +2883,21 @@ class AnswerSlots:
 
     def __init__(self, per_session: int, total: int) -> None:
         self.per_session, self.total = per_session, total
-        self._held: dict[str, int] = {}
+        self._held = SessionTally()
         self._changed = threading.Condition()
 
     @contextlib.contextmanager
     def hold(self, session_id: str, wait: AgentWait) -> Iterator[None]:
         with self._changed:
-            while (self._held.get(session_id, 0) >= self.per_session
-                   or sum(self._held.values()) >= self.total):
+            while self._held.of(session_id) >= self.per_session or self._held.total >= self.total:
                 wait.check()
                 self._changed.wait(AGENT_POLL_MIN_S)
-            self._held[session_id] = self._held.get(session_id, 0) + 1
+            self._held.add(session_id)
         try:
             yield
         finally:
             with self._changed:
-                self._held[session_id] -= 1
-                if not self._held[session_id]:
-                    del self._held[session_id]
+                self._held.remove(session_id)
                 self._changed.notify_all()
 
 
@@ -3558,7 +3576,7 @@ class SessionManager:
         self.host = socket.gethostname()
         self.identity = reploy_watchdog.process_identity()
         self.stopping = threading.Event()
-        self._readers: dict[str, int] = {}  # open output streams per session, in this serve
+        self._readers = SessionTally()  # open output streams per session, in this serve
         self._readers_lock = threading.Lock()  # guards _readers and _followers
         self._followers: dict[str, OutputFollower] = {}
         #: the agent long-polls on output logs: all of them, and the most of one session's at once
@@ -4584,18 +4602,16 @@ class SessionManager:
         """One output stream's place among this serve's readers, held while it is open: past a
         bound (reader_refusal) the stream is refused before it starts."""
         with self._readers_lock:
-            refusal = reader_refusal(self._readers.get(session_id, 0), sum(self._readers.values()),
+            refusal = reader_refusal(self._readers.of(session_id), self._readers.total,
                                      self.config.max_session_readers, self.config.max_readers)
             if refusal:
                 raise TooManyReaders(refusal)
-            self._readers[session_id] = self._readers.get(session_id, 0) + 1
+            self._readers.add(session_id)
         try:
             yield
         finally:
             with self._readers_lock:
-                self._readers[session_id] -= 1
-                if not self._readers[session_id]:
-                    del self._readers[session_id]
+                self._readers.remove(session_id)
 
     def follow_output(self, record: SessionRecord, cursor: int, stream: OutputStream,
                       connected: Callable[[], bool] = lambda: True) -> None:
@@ -5244,30 +5260,27 @@ class ModelBodyRoom:
     def __init__(self, session_bytes: int = MAX_MODEL_SESSION_BODIES_BYTES,
                  total_bytes: int = MAX_MODEL_BODIES_BYTES) -> None:
         self._session_bytes, self._total_bytes = session_bytes, total_bytes
-        self._held: dict[str, int] = {}  # by session, only while some is
-        self._total = 0
+        self._held = SessionTally()
         self._lock = threading.Lock()
 
     @contextlib.contextmanager
     def holding(self, session_id: str, size: int) -> Iterator[None]:
         with self._lock:
-            held = self._held.get(session_id, 0)
+            held = self._held.of(session_id)
             if held + size > self._session_bytes:
                 raise ModelRefusal(429, "rate_limit_error", f"this session's model requests "
                                    f"under way hold {held} bytes of body; {size} more is over "
                                    f"its {self._session_bytes}")
-            if self._total + size > self._total_bytes:
-                raise ModelRefusal(503, "overloaded_error", f"the proxy holds {self._total} "
+            if self._held.total + size > self._total_bytes:
+                raise ModelRefusal(503, "overloaded_error", f"the proxy holds {self._held.total} "
                                    f"bytes of model request bodies; {size} more is over its "
                                    f"{self._total_bytes}")
-            self._held[session_id], self._total = held + size, self._total + size
+            self._held.add(session_id, size)
         try:
             yield
         finally:
             with self._lock:
-                self._total -= size
-                if left := self._held.pop(session_id) - size:
-                    self._held[session_id] = left
+                self._held.remove(session_id, size)
 
 
 class BytesRedactor:

@@ -14,7 +14,6 @@ import json
 import os
 import ssl
 import subprocess
-import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -24,12 +23,16 @@ from typing import Any, Callable, Iterator, NoReturn
 import pytest
 import yaml
 
+from agent_fixtures import harness
+
 ROOT = Path(__file__).resolve().parent.parent
 KUBE_SCRIPT = ROOT / "scripts" / "kube-cluster.sh"
 REQUIRE_KUBERNETES_ENV = "REPLOY_REQUIRE_KUBERNETES"
 #: A cold `up` builds Kubernetes first (10 to 14 minutes on 2 cores); a warm one about 30 s.
 UP_TIMEOUT_S = 3600.0
 VERB_TIMEOUT_S = 300.0
+#: How often a wait asks the apiserver again.
+APISERVER_POLL_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -81,15 +84,8 @@ def kube_script(*args: str, timeout_s: float = VERB_TIMEOUT_S) -> subprocess.Com
 
 
 def wait_until(what: str, condition: Callable[[], Any], timeout_s: float) -> Any:
-    """Polls condition until it gives something true; fails the test after timeout_s."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what}: not within {timeout_s:.0f} s")
-        time.sleep(0.5)
+    """agent_fixtures.harness.wait_until at the apiserver's pace (a poll every APISERVER_POLL_S)."""
+    return harness.wait_until(condition, what, timeout_s, APISERVER_POLL_S)
 
 
 def no_cluster(reason: str) -> NoReturn:

@@ -41,24 +41,13 @@ HOLD_DEADLINE_S = 60.0
 RESULT_DEADLINE_S = 60.0
 
 
-def blocked_signals(pid: int) -> int:
-    """The process's SigBlk mask; 0 once it is gone."""
+def signal_mask(pid: int, field: str) -> int:
+    """A signal mask of the process's /proc status (SigBlk: blocked, SigCgt: with a handler);
+    0 once it is gone."""
     try:
         with open(f"/proc/{pid}/status") as status:
             for line in status:
-                if line.startswith("SigBlk:"):
-                    return int(line.split()[1], 16)
-    except FileNotFoundError:
-        pass
-    return 0
-
-
-def caught_signals(pid: int) -> int:
-    """The process's SigCgt mask (signals with a handler); 0 once it is gone."""
-    try:
-        with open(f"/proc/{pid}/status") as status:
-            for line in status:
-                if line.startswith("SigCgt:"):
+                if line.startswith(f"{field}:"):
                     return int(line.split()[1], 16)
     except FileNotFoundError:
         pass
@@ -70,7 +59,7 @@ def start_held(argv: list[str]) -> tuple[subprocess.Popen, float]:
     proc = subprocess.Popen([sys.executable, str(ROOT / "reploy.py"), *argv],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.monotonic() + HOLD_DEADLINE_S
-    while blocked_signals(proc.pid) & HELD_MASK != HELD_MASK:
+    while signal_mask(proc.pid, "SigBlk") & HELD_MASK != HELD_MASK:
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline, "the host never held its signals"
         time.sleep(0.001)  # polling for a condition, with a deadline
@@ -190,7 +179,7 @@ def test_a_sigint_the_host_was_started_ignoring_stays_ignored_at_every_instant(
             time.sleep(delay_s)  # the trial's random instant
             proc.send_signal(signal.SIGINT)
             deadline = started + RESULT_DEADLINE_S
-            while not caught_signals(proc.pid) & (1 << (signal.SIGTERM - 1)):
+            while not signal_mask(proc.pid, "SigCgt") & (1 << (signal.SIGTERM - 1)):
                 assert proc.poll() is None, proc.communicate()
                 assert time.monotonic() < deadline, "the host never caught SIGTERM"
                 time.sleep(0.001)  # polling for its handlers, with a deadline

@@ -1159,3 +1159,15 @@ def test_no_more_threads_wait_than_the_spare_bound() -> None:
                              "all but the one spare thread to end")
     assert threads.waiting == 1
     threads.close()
+
+
+def test_a_session_tally_counts_each_session_and_all_and_forgets_a_session_at_zero() -> None:
+    tally = reploy_serve.SessionTally()
+    tally.add("a")
+    tally.add("a", 4)
+    tally.add("b", 2)
+    assert (tally.of("a"), tally.of("b"), tally.of("c"), tally.total) == (5, 2, 0, 7)
+    tally.remove("a", 5)
+    assert (tally.of("a"), tally.total) == (0, 2) and "a" not in tally._held
+    tally.remove("b")
+    assert (tally.of("b"), tally.total) == (1, 1)

@@ -68,8 +68,10 @@ FAKE_AGENT_ARGV = json.dumps([PYTHON, str(FAKE_CLAUDE), "{continue}", "{model}",
 DEADLINE_S = 15.0
 
 
-def wait_until(condition: Callable[[], Any], what: str, timeout_s: float = DEADLINE_S) -> Any:
-    """Polls a real condition until it holds; fails the test with `what` when the deadline passes."""
+def wait_until(condition: Callable[[], Any], what: str, timeout_s: float = DEADLINE_S,
+               poll_s: float = 0.02) -> Any:
+    """Polls a real condition every poll_s until it holds; fails the test with `what` when the
+    deadline passes."""
     deadline = time.monotonic() + timeout_s
     while True:
         value = condition()
@@ -77,7 +79,7 @@ def wait_until(condition: Callable[[], Any], what: str, timeout_s: float = DEADL
             return value
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
+        time.sleep(poll_s)
 
 
 def zygote_pids(process: "AgentProcess") -> list[int]:
