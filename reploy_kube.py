@@ -1455,6 +1455,12 @@ class AgentChannel:
             stream.close()
 
     @property
+    def connected(self) -> bool:
+        """Whether a stream is open now (the next call opens one when not)."""
+        with self._lock:
+            return self._stream is not None and not self._stream.ended
+
+    @property
     def stderr_tail(self) -> str:
         """The relay's last words on stderr, as safe text (for a diagnostic)."""
         with self._lock:
