@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -354,7 +355,7 @@ FILES = {"agent.py": b"print('agent')\n", "__pycache__/agent.cpython-311.pyc": b
 
 
 def pod_spec(**changes) -> kube.SessionPodSpec:
-    values = dict(session_id="0123456789abcdef", serve_id="serve-a", image="reploy/managed:g1",
+    values: dict[str, Any] = dict(session_id="0123456789abcdef", serve_id="serve-a", image="reploy/managed:g1",
                   pull_policy=kube.PullPolicy.NEVER, command=("python3", "agent.py", "serve"),
                   environment=(("HOME", "/mnt/reploy-home"), ("LANG", "C.UTF-8")), runtime=RUNTIME, cpu_millis=500,
                   session_disk_mib=1024, agent_config_map=kube.agent_config_map_name(FILES),
