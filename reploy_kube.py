@@ -478,6 +478,12 @@ def label_selector(labels: Mapping[str, str]) -> str:
     return ",".join(f"{key}={require_label_value(value, key)}" for key, value in labels.items())
 
 
+def json_object(data: bytes, max_bytes: int) -> dict[str, Any]:
+    """One JSON object, parsed strictly (wire.parse_strict_object), with the whitespace JSON allows around it taken
+    off first: Go's JSON encoder, the apiserver's, ends every document with a newline."""
+    return wire.parse_strict_object(data.strip(b" \t\r\n"), max_bytes=max_bytes, writable=False)
+
+
 _ERRORS_BY_REASON: dict[str, type[KubeApiError]] = {
     "NotFound": KubeNotFound, "AlreadyExists": KubeAlreadyExists, "Conflict": KubeConflict}
 
@@ -487,7 +493,7 @@ def status_error(http_status: int, body: bytes) -> KubeApiError:
     the HTTP status alone. Reason and message are made safe text: a message may quote what a client sent."""
     reason, message, code = "", "", http_status
     try:
-        status = wire.parse_strict_object(body, max_bytes=API_MAX_RESPONSE_BYTES, writable=False)
+        status = json_object(body, API_MAX_RESPONSE_BYTES)
     except wire.ProtocolError:
         status = {}
     if status.get("kind") == "Status":
@@ -505,7 +511,7 @@ def exec_end(payload: bytes) -> ExecEnd:
     command's non-zero exit), or Failure without one (it never ran, or the stream broke). WebSocketError when the
     payload is not a Status."""
     try:
-        status = wire.parse_strict_object(payload, max_bytes=MAX_MESSAGE_BYTES, writable=False)
+        status = json_object(payload, MAX_MESSAGE_BYTES)
     except wire.ProtocolError as e:
         raise WebSocketError(f"the exec's status is not JSON: {e}") from None
     if status.get("status") == "Success":
@@ -1099,14 +1105,18 @@ class KubeApi:
                 except (OSError, http.client.HTTPException) as e:
                     why = "the deadline passed" if timer.expired else str(e)
                     raise KubeTransportError(f"{method} {path}: {why}") from e
+                if timer.expired:  # a read cut short by the deadline ends as if the answer ended there
+                    raise KubeTransportError(f"{method} {path}: the deadline passed")
         finally:
             connection.close()
+        if declared is not None and len(raw) != int(declared):
+            raise KubeTransportError(f"{method} {path}: the answer ended after {len(raw)} of {declared} bytes")
         if len(raw) > API_MAX_RESPONSE_BYTES:
             raise KubeTransportError(f"{method} {path}: the answer is longer than {API_MAX_RESPONSE_BYTES} bytes")
         if not 200 <= answer.status < 300:
             raise status_error(answer.status, raw)
         try:
-            return wire.parse_strict_object(raw, max_bytes=API_MAX_RESPONSE_BYTES, writable=False)
+            return json_object(raw, API_MAX_RESPONSE_BYTES)
         except wire.ProtocolError as e:
             raise KubeTransportError(f"{method} {path}: the answer is not one JSON object ({e})") from None
 
