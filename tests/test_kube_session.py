@@ -108,8 +108,9 @@ def namespace() -> Iterator[Namespace]:
 
 
 class Session:
-    def __init__(self, namespace: Namespace, pod: str, channel: kube.AgentChannel) -> None:
+    def __init__(self, namespace: Namespace, pod: str, channel: kube.AgentChannel, config_map: str) -> None:
         self.namespace = namespace
+        self.config_map = config_map
         self.api = namespace.api
         self.pod = pod
         self.channel = channel
@@ -172,7 +173,7 @@ def session(namespace: Namespace) -> Iterator[Session]:
         channel = kube.AgentChannel(api, ns, name, kube.relay_command(reploy_serve.AGENT_COMMAND,
                                                                       reploy_serve.SESSION_MOUNT))
         wait_for("the agent to answer", lambda: _answers(channel), 60)
-        yield Session(namespace, name, channel)
+        yield Session(namespace, name, channel, config_map["metadata"]["name"])
     finally:
         if channel is not None:
             channel.close()
@@ -248,16 +249,35 @@ def test_the_channel_survives_a_dropped_stream(session):
     assert "result" in session.channel.call("status", {})
     opened = session.channel.opened
     # The relay runs as the container's root: only another exec (never the workload) can end it.
-    killer = ("python3", "-c", "import os, signal\n"
-              "for pid in filter(str.isdigit, os.listdir('/proc')):\n"
-              "    try: argv = open(f'/proc/{pid}/cmdline', 'rb').read().split(b'\\0')\n"
-              "    except OSError: continue\n"
-              "    if b'relay' in argv and int(pid) != os.getpid(): os.kill(int(pid), signal.SIGKILL)\n")
-    end, _, err = kube.exec_once(session.api, session.namespace.name, session.pod, kube.AGENT_CONTAINER, killer)
-    assert end == kube.ExecEnd(0, ""), err
+    assert relays(session, kill=True) == 1
     wait_for("the channel to see its stream end", lambda: not session.channel.connected, 30)
     assert "result" in session.channel.call("status", {})
     assert session.channel.opened == opened + 1
+
+
+def relays(session: Session, kill: bool = False) -> int:
+    """How many `agent.py relay` processes run in the session's container; with kill, SIGKILLed. The relay runs as
+    the container's root: only another exec (never the workload) can end it."""
+    program = ("import os, signal, sys\n"
+               "found = 0\n"
+               "for pid in filter(str.isdigit, os.listdir('/proc')):\n"
+               "    try: argv = open(f'/proc/{pid}/cmdline', 'rb').read().split(b'\\0')\n"
+               "    except OSError: continue\n"
+               "    if b'relay' in argv and int(pid) != os.getpid():\n"
+               "        found += 1\n"
+               "        if sys.argv[1] == 'kill': os.kill(int(pid), signal.SIGKILL)\n"
+               "print(found)\n")
+    end, out, err = kube.exec_once(session.api, session.namespace.name, session.pod, kube.AGENT_CONTAINER,
+                                   ("python3", "-c", program, "kill" if kill else "count"))
+    assert end == kube.ExecEnd(0, ""), err
+    return int(out)
+
+
+def test_a_closed_channel_ends_its_relay(session):
+    assert "result" in session.channel.call("status", {})
+    assert relays(session) == 1
+    session.channel.close()
+    wait_for("the relay to see its stdin end and exit", lambda: relays(session) == 0, 30)
 
 
 def test_an_exec_that_fails_reports_its_exit_code(session):
@@ -271,7 +291,7 @@ def test_zz_delete_leaves_nothing(namespace, session):
     api, ns = namespace.api, namespace.name
     session.channel.close()
     api.delete(kube.Resource.PODS, ns, session.pod, grace_period_s=0)
-    api.delete(kube.Resource.CONFIG_MAPS, ns, kube.agent_config_map_name(agent_files()))
+    api.delete(kube.Resource.CONFIG_MAPS, ns, session.config_map)
     api.delete(kube.Resource.NETWORK_POLICIES, ns, kube.sessions_network_policy(SERVE_ID)["metadata"]["name"])
 
     def gone() -> bool:
