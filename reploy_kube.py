@@ -94,6 +94,8 @@ IO_CHUNK_BYTES = 64 * KIB
 EXEC_SUBPROTOCOL = "v4.channel.k8s.io"
 #: RFC 6455's GUID, joined to Sec-WebSocket-Key to make Sec-WebSocket-Accept.
 WEBSOCKET_GUID = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
+#: Shown of an error answer that is not a Status: its first bytes.
+STATUS_TEXT_BYTES = 512
 #: Kept of an exec's stderr, for a diagnostic: its last bytes.
 STDERR_TAIL_BYTES = 4 * KIB
 #: A closing stream waits this long for the peer's close frame.
@@ -490,7 +492,8 @@ _ERRORS_BY_REASON: dict[str, type[KubeApiError]] = {
 
 def status_error(http_status: int, body: bytes) -> KubeApiError:
     """The exception an apiserver's refusal stands for: its Status object (kind Status) when the body is one, else
-    the HTTP status alone. Reason and message are made safe text: a message may quote what a client sent."""
+    the HTTP status and the first bytes of the body. Reason and message are made safe text: a message may quote what
+    a client sent."""
     reason, message, code = "", "", http_status
     try:
         status = json_object(body, API_MAX_RESPONSE_BYTES)
@@ -501,9 +504,11 @@ def status_error(http_status: int, body: bytes) -> KubeApiError:
         message = status["message"] if isinstance(status.get("message"), str) else ""
         if isinstance(status.get("code"), int) and 100 <= status["code"] <= 599:
             code = status["code"]
+    else:  # a plain text answer (the kubelet's, passed on for an exec): its first bytes say why
+        message = body[:STATUS_TEXT_BYTES].decode("utf-8", "replace")
     cls = _ERRORS_BY_REASON.get(reason, KubeApiError)
     return cls(code, wire.safe_text(reason or http.client.responses.get(code, "Error")),
-               wire.safe_text(message or "no Status in the answer"))
+               wire.safe_text(message or "an empty answer"))
 
 
 def exec_end(payload: bytes) -> ExecEnd:
@@ -556,17 +561,12 @@ def handshake_request(host: str, target: str, key: str, headers: Mapping[str, st
     return ("\r\n".join(lines) + "\r\n\r\n").encode()
 
 
-def check_handshake_response(head: bytes, key: str) -> None:
-    """The server's answer head (status line and headers, without the blank line) accepts this very handshake:
-    101, Upgrade websocket, Connection upgrade, the Accept that answers our key, and the v4 subprotocol. An error
-    answer (a Status from the apiserver) is KubeApiError with what it says; anything else WebSocketError."""
-    try:
-        text = head.decode("latin-1")
-    except UnicodeDecodeError as e:  # latin-1 decodes every byte; kept for the type checker's sake
-        raise WebSocketError("handshake answer is not text") from e
-    status_line, _, header_text = text.partition("\r\n")
+def parse_response_head(head: bytes) -> tuple[int, str, dict[str, str]]:
+    """An HTTP/1.1 answer's head (status line and headers, without the blank line): its code, its reason phrase and
+    its headers by lowercase name."""
+    status_line, _, header_text = head.decode("latin-1").partition("\r\n")
     parts = status_line.split(" ", 2)
-    if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
+    if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit() or len(parts[1]) != 3:
         raise WebSocketError(f"handshake answer has no HTTP status line: {wire.safe_text(status_line)}")
     headers: dict[str, str] = {}
     for line in header_text.split("\r\n") if header_text else ():
@@ -574,9 +574,16 @@ def check_handshake_response(head: bytes, key: str) -> None:
         if not colon:
             raise WebSocketError("handshake answer has a header line without a colon")
         headers[name.strip().lower()] = value.strip()
-    if parts[1] != "101":
-        raise KubeApiError(int(parts[1]), wire.safe_text(parts[2] if len(parts) > 2 else ""),
-                           "the exec was refused (its body follows the head; see the apiserver's log)")
+    return int(parts[1]), wire.safe_text(parts[2] if len(parts) > 2 else ""), headers
+
+
+def check_handshake_response(head: bytes, key: str) -> None:
+    """The server's answer head accepts this very handshake: 101, Upgrade websocket, Connection upgrade, the Accept
+    that answers our key, and the v4 subprotocol. A refusal is KubeApiError (ExecStream reads its Status from the
+    body that follows); anything else WebSocketError."""
+    code, reason, headers = parse_response_head(head)
+    if code != 101:
+        raise KubeApiError(code, reason, "the exec was refused")
     if headers.get("upgrade", "").lower() != "websocket" or "upgrade" not in headers.get("connection", "").lower():
         raise WebSocketError("handshake answer is 101 but not an upgrade to websocket")
     if headers.get("sec-websocket-accept") != websocket_accept(key):
@@ -938,6 +945,40 @@ def sessions_network_policy(serve_id: str) -> dict[str, Any]:
                      "policyTypes": ["Ingress", "Egress"], "ingress": [], "egress": []}}
 
 
+#: Waiting reasons a container does not leave by itself: an image that is not there (or may not be pulled), a spec
+#: the runtime refuses. A launch waiting for Running stops at once on one of them.
+STUCK_REASONS = frozenset({"ErrImageNeverPull", "ErrImagePull", "ImagePullBackOff", "InvalidImageName",
+                           "CreateContainerConfigError", "CreateContainerError", "RunContainerError"})
+
+
+def pod_ready(status: Mapping[str, Any]) -> bool:
+    """A Pod's status says it runs and every container of it is ready (the agent has started)."""
+    containers = status.get("containerStatuses")
+    return (status.get("phase") == "Running" and isinstance(containers, list) and bool(containers)
+            and all(isinstance(c, dict) and c.get("ready") is True for c in containers))
+
+
+def pod_failure(status: Mapping[str, Any]) -> Optional[str]:
+    """Why a session Pod will never run, as safe text, or None while it may: it ended (phase Failed or Succeeded: its
+    agent exited), a container of it terminated, or one waits for what never comes (STUCK_REASONS)."""
+    if status.get("phase") in ("Failed", "Succeeded"):
+        return wire.safe_text(f"the Pod ended ({status['phase']}): {status.get('reason', '')} "
+                              f"{status.get('message', '')}")
+    for kind in ("initContainerStatuses", "containerStatuses"):
+        for container in status.get(kind) or []:
+            state = container.get("state") if isinstance(container, dict) else None
+            if not isinstance(state, dict):
+                continue
+            name = container.get("name", "?")
+            waiting, terminated = state.get("waiting"), state.get("terminated")
+            if isinstance(waiting, dict) and waiting.get("reason") in STUCK_REASONS:
+                return wire.safe_text(f"container {name}: {waiting['reason']}: {waiting.get('message', '')}")
+            if isinstance(terminated, dict) and (kind == "containerStatuses" or terminated.get("exitCode") != 0):
+                return wire.safe_text(f"container {name} exited {terminated.get('exitCode')}: "
+                                      f"{terminated.get('reason', '')} {terminated.get('message', '')}")
+    return None
+
+
 def relay_command(agent_command: Sequence[str], session_mount: str) -> tuple[str, ...]:
     """The exec that carries a session's agent channel: the agent's own command line with the `relay` verb."""
     return (*agent_command, "relay", "--session-dir", session_mount)
@@ -1212,6 +1253,14 @@ class ExecStream:
             if not chunk:
                 raise KubeTransportError("the apiserver closed the exec before answering its handshake")
             head += chunk
+        code, _, headers = parse_response_head(bytes(head[:end]))
+        if code != 101:  # the apiserver's Status says why: the body after the head, bounded
+            body = bytearray(head[end + 4:])
+            length = headers.get("content-length", "")
+            wanted = min(int(length), MAX_HANDSHAKE_BYTES) if length.isdigit() else MAX_HANDSHAKE_BYTES
+            while len(body) < wanted and (chunk := sock.recv(IO_CHUNK_BYTES)):
+                body += chunk
+            raise status_error(code, bytes(body[:wanted]))
         check_handshake_response(bytes(head[:end]), key)
         return bytes(head[end + 4:])
 

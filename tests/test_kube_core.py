@@ -159,6 +159,7 @@ def test_status_error_by_reason(reason, cls):
 def test_status_error_without_a_status():
     error = kube.status_error(502, b"<html>bad gateway</html>")
     assert type(error) is kube.KubeApiError and error.code == 502 and error.reason == "Bad Gateway"
+    assert error.message == "<html>bad gateway</html>"
 
 
 @pytest.mark.parametrize("status, end", [
@@ -453,3 +454,27 @@ def test_sessions_network_policy_denies_both_ways():
 def test_relay_command_is_the_agent_command_with_the_relay_verb():
     assert kube.relay_command(("python3", "-c", "x"), "/mnt/s") == ("python3", "-c", "x", "relay", "--session-dir",
                                                                      "/mnt/s")
+
+
+def test_pod_ready_and_why_a_pod_will_not_run():
+    running = {"phase": "Running", "containerStatuses": [{"name": "agent", "ready": True, "state": {"running": {}}}]}
+    assert kube.pod_ready(running) and kube.pod_failure(running) is None
+    initializing = {"phase": "Pending", "initContainerStatuses": [{"name": "layout", "state": {"running": {}}}],
+                    "containerStatuses": [{"name": "agent", "ready": False,
+                                           "state": {"waiting": {"reason": "PodInitializing"}}}]}
+    assert not kube.pod_ready(initializing) and kube.pod_failure(initializing) is None
+    assert not kube.pod_ready({"phase": "Running", "containerStatuses": []})
+    laid_out = {"phase": "Pending", "initContainerStatuses": [{"name": "layout", "state": {
+        "terminated": {"exitCode": 0, "reason": "Completed"}}}]}
+    assert kube.pod_failure(laid_out) is None
+    never = {"phase": "Pending", "initContainerStatuses": [{"name": "layout", "state": {"waiting": {
+        "reason": "ErrImageNeverPull", "message": "image \"x\" is not present\x1b[0m"}}}]}
+    assert kube.pod_failure(never) == 'container layout: ErrImageNeverPull: image "x" is not present [0m'
+    layout_failed = {"phase": "Pending", "initContainerStatuses": [{"name": "layout", "state": {
+        "terminated": {"exitCode": 1, "reason": "Error", "message": "PermissionError"}}}]}
+    assert kube.pod_failure(layout_failed) == "container layout exited 1: Error PermissionError"
+    agent_exited = {"phase": "Running", "containerStatuses": [{"name": "agent", "state": {
+        "terminated": {"exitCode": 0, "reason": "Completed"}}}]}
+    assert kube.pod_failure(agent_exited) == "container agent exited 0: Completed"
+    assert kube.pod_failure({"phase": "Failed", "reason": "Evicted", "message": "ephemeral storage"}) == \
+        "the Pod ended (Failed): Evicted ephemeral storage"

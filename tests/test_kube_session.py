@@ -137,9 +137,10 @@ class Session:
 
 def pod_phase(api: kube.KubeApi, namespace: str, pod: str) -> Any:
     status = api.get(kube.Resource.PODS, namespace, pod).get("status", {})
-    if status.get("phase") in ("Failed", "Succeeded"):
-        pytest.fail(f"the session Pod ended: {json.dumps(status)[:3000]}")
-    return status.get("phase") == "Running" and all(c.get("ready") for c in status.get("containerStatuses", []))
+    failure = kube.pod_failure(status)
+    if failure is not None:
+        pytest.fail(f"the session Pod will not run: {failure}")
+    return kube.pod_ready(status)
 
 
 @pytest.fixture(scope="module")

@@ -317,7 +317,11 @@ def test_exec_once_reports_output_and_exit_code(peer, certificate):
 
 
 def test_a_refused_exec_is_the_apiservers_error(peer, certificate):
-    server = peer(lambda conn: (read_head(conn), conn.sendall(http_answer("403 Forbidden", b"{}"))))
+    status = {"kind": "Status", "status": "Failure", "reason": "Forbidden", "code": 403,
+              "message": 'pods "p" is forbidden: User "serve" cannot get resource "pods/exec"'}
+    server = peer(lambda conn: (read_head(conn), conn.sendall(http_answer("403 Forbidden",
+                                                                          json.dumps(status).encode() + b"\n"))))
     with pytest.raises(kube.KubeApiError) as refused:
         kube.exec_once(server.api(certificate), "ns", "p", "agent", ["sh"], deadline_s=DEADLINE_S)
-    assert refused.value.code == 403
+    assert (refused.value.code, refused.value.reason) == (403, "Forbidden")
+    assert refused.value.message == status["message"]  # the Status that followed the head, read
