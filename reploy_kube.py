@@ -1514,6 +1514,12 @@ class AgentChannel:
             stream.close()
 
     @property
+    def in_flight(self) -> int:
+        """Calls waiting for their answers now."""
+        with self._lock:
+            return len(self._pending)
+
+    @property
     def connected(self) -> bool:
         """Whether a stream is open now (the next call opens one when not)."""
         with self._lock:

@@ -8,11 +8,13 @@ per second over one channel against one exec per call) are printed with -s; noth
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, NoReturn
@@ -225,6 +227,54 @@ def test_the_workload_sandbox_read_from_inside(session):
     assert touched["exit_code"] != 0 and b"Read-only file system" in touched["stderr"]
     home = session.run(["sh", "-c", "touch $HOME/h /tmp/t && stat -c '%a %u' $HOME /tmp"])
     assert home["exit_code"] == 0 and home["stdout"].split(b"\n")[:2] == [b"700 1000", b"755 1000"]
+
+
+def test_a_long_poll_shares_the_channel(session):
+    """A read waiting at the log's end does not hold the calls behind it on the same stream."""
+    for attempt in range(5):  # unless the shell prints meanwhile
+        answers: list[str] = []
+        offset = session.result("status")["log_bytes"]
+        poll = threading.Thread(target=lambda: answers.append(
+            "read" if session.result("read", offset=offset, wait_ms=4000)["length"] == 0 else "output"))
+        poll.start()
+        wait_for("the read to be in flight", lambda: session.channel.in_flight >= 1, 10)
+        session.result("status")
+        answers.append("status")
+        poll.join(20)
+        assert answers != ["read", "status"], "the status waited for the read's long-poll"
+        if answers[0] == "status":
+            return
+    pytest.fail("the shell kept printing: no read waited")
+
+
+def test_large_lines_both_ways(session):
+    """A request line of 3 MiB (many WebSocket frames out) and answers of 256 KiB pages (many frames in)."""
+    data = os.urandom(2 * 1024 * 1024)
+    done = session.run(["sh", "-c", "head -c 300000 /dev/zero | tr '\\0' x; cat > /dev/null"])
+    assert done["exit_code"] == 0 and done["stdout"] == b"x" * 300000
+    exec_id = session.result("exec", argv=["sha256sum"], stdin_b64=base64.b64encode(data).decode())["exec_id"]
+    page = session.result("exec_wait", exec_id=exec_id, wait_ms=4000, release=True)
+    while page["running"]:
+        page = session.result("exec_wait", exec_id=exec_id, wait_ms=4000, release=True)
+    assert base64.b64decode(page["stdout_b64"]).split()[0].decode() == hashlib.sha256(data).hexdigest()
+
+
+def test_replace_is_compare_and_swap_on_the_real_apiserver(namespace):
+    api, ns = namespace.api, namespace.name
+    body = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "cas"}, "data": {"n": "0"}}
+    created = api.create(kube.Resource.CONFIG_MAPS, ns, body)
+    try:
+        with pytest.raises(kube.KubeAlreadyExists):
+            api.create(kube.Resource.CONFIG_MAPS, ns, body)
+        first = api.replace(kube.Resource.CONFIG_MAPS, ns, {**created, "data": {"n": "1"}})
+        assert first["data"] == {"n": "1"}
+        with pytest.raises(kube.KubeConflict):  # the version we read is gone
+            api.replace(kube.Resource.CONFIG_MAPS, ns, {**created, "data": {"n": "2"}})
+        assert api.get(kube.Resource.CONFIG_MAPS, ns, "cas")["data"] == {"n": "1"}
+    finally:
+        api.delete(kube.Resource.CONFIG_MAPS, ns, "cas")
+    with pytest.raises(kube.KubeNotFound):
+        api.get(kube.Resource.CONFIG_MAPS, ns, "cas")
 
 
 def test_channel_against_one_exec_per_call(session, capsys):
