@@ -50,7 +50,7 @@ import time
 import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any, Callable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
 import yaml
 
@@ -98,6 +98,8 @@ WEBSOCKET_GUID = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
 STATUS_TEXT_BYTES = 512
 #: Kept of an exec's stderr, for a diagnostic: its last bytes.
 STDERR_TAIL_BYTES = 4 * KIB
+#: One stdin message of an exec given input.
+STDIN_PIECE_BYTES = 256 * KIB
 #: A closing stream waits this long for the peer's close frame.
 CLOSE_WAIT_S = 2.0
 
@@ -1395,40 +1397,130 @@ class ExecStream:
                     self._on_data(channel, payload)
 
 
-def exec_once(api: KubeApi, namespace: str, pod: str, container: str, command: Sequence[str],
-              deadline_s: float = CHANNEL_OPEN_DEADLINE_S,
-              max_output_bytes: int = AGENT_MAX_RESPONSE_BYTES) -> tuple[Optional[ExecEnd], bytes, bytes]:
-    """One command, no stdin, run to its end: how it ended, its stdout and stderr (each at most
-    max_output_bytes; more is WebSocketError). The simple path: one exec (and one apiserver round trip and kubelet
-    stream) per command."""
-    out, err = bytearray(), bytearray()
+def exec_run(api: KubeApi, namespace: str, pod: str, container: str, command: Sequence[str],
+             stdout: Callable[[bytes], None], stdin: Optional[Iterable[bytes]] = None,
+             max_stdout_bytes: int = AGENT_MAX_RESPONSE_BYTES,
+             deadline_s: float = CHANNEL_OPEN_DEADLINE_S) -> tuple[Optional[ExecEnd], bytes]:
+    """One command run to its end through one exec: its stdout handed to `stdout` piece by piece as it comes (from
+    the stream's thread; at most max_stdout_bytes, more ends the exec with WebSocketError), its stderr (at most
+    AGENT_MAX_RESPONSE_BYTES) and how it ended. `stdin`: the pieces of its input. 1.20 cannot close an exec's stdin,
+    so a command given input must know where its input ends (a byte count, as RECEIVE_PROGRAM), never wait for EOF."""
+    deadline = time.monotonic() + deadline_s
+    err = bytearray()
+    received = [0]
     done = threading.Event()
     result: list[tuple[Optional[ExecEnd], Optional[str]]] = []
-    overflow: list[bool] = []
+    overflow: list[str] = []
 
     def on_data(channel: Channel, data: bytes) -> None:
-        target = out if channel is Channel.STDOUT else err
-        if len(target) + len(data) > max_output_bytes:
-            overflow.append(True)
+        if channel is Channel.STDOUT:
+            received[0] += len(data)
+            if received[0] > max_stdout_bytes:
+                overflow.append(f"more output than {max_stdout_bytes} bytes")
+                done.set()
+            else:
+                stdout(data)
+        elif len(err) + len(data) > AGENT_MAX_RESPONSE_BYTES:
+            overflow.append(f"more stderr than {AGENT_MAX_RESPONSE_BYTES} bytes")
+            done.set()
         else:
-            target.extend(data)
+            err.extend(data)
 
     def on_end(end: Optional[ExecEnd], error: Optional[str]) -> None:
         result.append((end, error))
         done.set()
 
-    stream = ExecStream(api, namespace, pod, container, command, on_data, on_end, stdin=False,
+    stream = ExecStream(api, namespace, pod, container, command, on_data, on_end, stdin=stdin is not None,
                         open_deadline_s=deadline_s)
-    if not done.wait(deadline_s):
+    try:
+        for piece in stdin or ():
+            for start in range(0, len(piece), STDIN_PIECE_BYTES):
+                if done.is_set():
+                    break  # it ended (or overflowed) before taking all its input
+                stream.send(Channel.STDIN, piece[start:start + STDIN_PIECE_BYTES], deadline)
+        if not done.wait(max(deadline - time.monotonic(), 0)):
+            raise KubeTransportError(f"exec in {pod}: no end within {deadline_s} s")
+    except WebSocketError:
+        done.wait(max(deadline - time.monotonic(), 0))  # the stream ended as we sent: its end says why
+    finally:
         stream.close()
+    if overflow:
+        raise WebSocketError(f"exec in {pod}: {overflow[0]}")
+    if not result:
         raise KubeTransportError(f"exec in {pod}: no end within {deadline_s} s")
-    stream.close()
     end, error = result[0]
     if error is not None:
         raise WebSocketError(f"exec in {pod}: {error}")
-    if overflow:
-        raise WebSocketError(f"exec in {pod}: more output than {max_output_bytes} bytes")
-    return end, bytes(out), bytes(err)
+    return end, bytes(err)
+
+
+def exec_once(api: KubeApi, namespace: str, pod: str, container: str, command: Sequence[str],
+              deadline_s: float = CHANNEL_OPEN_DEADLINE_S,
+              max_output_bytes: int = AGENT_MAX_RESPONSE_BYTES) -> tuple[Optional[ExecEnd], bytes, bytes]:
+    """One command, no stdin, run to its end: how it ended, its stdout and stderr (each at most max_output_bytes).
+    The simple path: one exec (one apiserver round trip and one kubelet stream) per command."""
+    out = bytearray()
+    end, err = exec_run(api, namespace, pod, container, command, out.extend, max_stdout_bytes=max_output_bytes,
+                        deadline_s=deadline_s)
+    return end, bytes(out), err
+
+
+#: Writes exactly SIZE bytes of stdin to a new file (never through a link, never over one there), then exits: an
+#: exec's stdin never ends in 1.20, so the count is what ends it. python3 is in every session image.
+RECEIVE_PROGRAM = """\
+import os, sys
+size, path = int(sys.argv[1]), sys.argv[2]
+fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+while size:
+    data = sys.stdin.buffer.read1(min(size, 1 << 20))
+    if not data:
+        sys.exit("stdin ended early")
+    size -= len(data)
+    while data:
+        data = data[os.write(fd, data):]
+os.fsync(fd)
+os.close(fd)
+"""
+#: Writes a file to stdout, never through a link.
+SEND_PROGRAM = """\
+import os, sys
+fd = os.open(sys.argv[1], os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+while data := os.read(fd, 1 << 20):
+    sys.stdout.buffer.write(data)
+"""
+_AGENT_FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def agent_file_path(session_mount: str, name: str) -> str:
+    """A file in the session's agent dir (DIR/agent: root's, 0700, out of the workload's reach), where checkpoint
+    archives live. Files are copied only there: the container's root writing into a tree the workload owns could be
+    led anywhere by a link it planted."""
+    if not _AGENT_FILE_NAME.fullmatch(name):
+        raise ValueError(f"{name!r} is not a file name of the agent's dir")
+    return f"{session_mount}/agent/{name}"
+
+
+def copy_in(api: KubeApi, namespace: str, pod: str, session_mount: str, name: str, pieces: Iterable[bytes],
+            size: int, deadline_s: float) -> None:
+    """`size` bytes from pieces into a new file of the session's agent dir (a checkpoint to restore from), through
+    one exec of RECEIVE_PROGRAM as the container's root. KubeError when it did not end with the file whole."""
+    command = ("python3", "-I", "-S", "-c", RECEIVE_PROGRAM, str(size), agent_file_path(session_mount, name))
+    end, err = exec_run(api, namespace, pod, AGENT_CONTAINER, command, lambda _: None, stdin=pieces,
+                        max_stdout_bytes=0, deadline_s=deadline_s)
+    if end is None or end.exit_code != 0:
+        raise KubeError(f"copy into {pod}: {end.message if end else 'no end'}: "
+                        f"{wire.safe_text(err.decode('utf-8', 'replace'))}")
+
+
+def copy_out(api: KubeApi, namespace: str, pod: str, session_mount: str, name: str, sink: Callable[[bytes], None],
+             max_bytes: int, deadline_s: float) -> None:
+    """A file of the session's agent dir (a checkpoint archive) to sink, piece by piece, at most max_bytes."""
+    command = ("python3", "-I", "-S", "-c", SEND_PROGRAM, agent_file_path(session_mount, name))
+    end, err = exec_run(api, namespace, pod, AGENT_CONTAINER, command, sink, max_stdout_bytes=max_bytes,
+                        deadline_s=deadline_s)
+    if end is None or end.exit_code != 0:
+        raise KubeError(f"copy out of {pod}: {end.message if end else 'no end'}: "
+                        f"{wire.safe_text(err.decode('utf-8', 'replace'))}")
 
 
 # ======================================================================================================================

@@ -478,3 +478,10 @@ def test_pod_ready_and_why_a_pod_will_not_run():
     assert kube.pod_failure(agent_exited) == "container agent exited 0: Completed"
     assert kube.pod_failure({"phase": "Failed", "reason": "Evicted", "message": "ephemeral storage"}) == \
         "the Pod ended (Failed): Evicted ephemeral storage"
+
+
+def test_files_are_copied_only_into_the_agent_dir():
+    assert kube.agent_file_path("/mnt/s", "checkpoint-a1.tar") == "/mnt/s/agent/checkpoint-a1.tar"
+    for bad in ("../workspace/x", "a/b", ".hidden", "", "x" * 129):
+        with pytest.raises(ValueError):
+            kube.agent_file_path("/mnt/s", bad)

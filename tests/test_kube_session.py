@@ -277,6 +277,31 @@ def test_replace_is_compare_and_swap_on_the_real_apiserver(namespace):
         api.get(kube.Resource.CONFIG_MAPS, ns, "cas")
 
 
+def test_a_file_copied_in_and_out_of_the_agent_dir(session, capsys):
+    """What a snapshot and a restore need: an archive out of a Pod into serve's store, and into a new Pod."""
+    data = os.urandom(8 * 1024 * 1024)
+    started = time.perf_counter()
+    kube.copy_in(session.api, session.namespace.name, session.pod, reploy_serve.SESSION_MOUNT, "in.bin",
+                 (data[i:i + 1000003] for i in range(0, len(data), 1000003)), len(data), deadline_s=60)
+    copied_in = time.perf_counter() - started
+    digest = hashlib.sha256()
+    started = time.perf_counter()
+    kube.copy_out(session.api, session.namespace.name, session.pod, reploy_serve.SESSION_MOUNT, "in.bin",
+                  digest.update, max_bytes=len(data), deadline_s=60)
+    copied_out = time.perf_counter() - started
+    assert digest.hexdigest() == hashlib.sha256(data).hexdigest()
+    with pytest.raises(kube.KubeError, match="File exists"):  # never over a file there
+        kube.copy_in(session.api, session.namespace.name, session.pod, reploy_serve.SESSION_MOUNT, "in.bin",
+                     [b"x"], 1, deadline_s=60)
+    with pytest.raises(kube.WebSocketError, match="more output than"):
+        kube.copy_out(session.api, session.namespace.name, session.pod, reploy_serve.SESSION_MOUNT, "in.bin",
+                      digest.update, max_bytes=len(data) - 1, deadline_s=60)
+    listing = session.run(["ls", "-l", f"{reploy_serve.SESSION_MOUNT}/agent/in.bin"])
+    assert listing["exit_code"] != 0 and b"Permission denied" in listing["stderr"]  # the workload cannot see it
+    with capsys.disabled():
+        print(f"\n8 MiB into the agent dir in {copied_in:.2f} s, out in {copied_out:.2f} s")
+
+
 def test_channel_against_one_exec_per_call(session, capsys):
     calls = 50
     started = time.perf_counter()
