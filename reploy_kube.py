@@ -888,7 +888,7 @@ def session_pod(spec: SessionPodSpec, config_map: Mapping[str, Any]) -> dict[str
     Docker); an init container keeping only CHOWN and FOWNER lays the volumes out first (an emptyDir is 0777, and
     the agent refuses that). No service account token, no service links, no host namespaces, seccomp RuntimeDefault
     (1.20 leaves a Pod unconfined without it), limits equal to requests, HOME and the writable paths in memory,
-    the session disk an emptyDir with a size limit. `restartPolicy: Never`: a session whose agent died is recovered
+    the session disk an emptyDir with a size limit, the pause process as init. `restartPolicy: Never`: a session whose agent died is recovered
     by serve (snapshot and restore), never restarted silently over its state."""
     runtime = spec.runtime
     resources = {"cpu": f"{spec.cpu_millis}m", "memory": f"{runtime.memory_mib}Mi"}
@@ -925,7 +925,11 @@ def session_pod(spec: SessionPodSpec, config_map: Mapping[str, Any]) -> dict[str
             "restartPolicy": "Never",
             "automountServiceAccountToken": False,
             "enableServiceLinks": False,
-            "hostNetwork": False, "hostPID": False, "hostIPC": False, "shareProcessNamespace": False,
+            "hostNetwork": False, "hostPID": False, "hostIPC": False,
+            # The Pod's pause process is then PID 1 of its containers, and reaps what the workload orphans, as
+            # docker-init does for a Docker session: the agent as PID 1 would keep them as zombies, and 1.20 has
+            # no per-Pod pids limit to bound them (tests/test_kube_session.py counts them).
+            "shareProcessNamespace": True,
             "hostname": "session",
             "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
             "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},

@@ -388,7 +388,7 @@ def test_session_pod_writes_out_the_whole_sandbox():
     spec = pod["spec"]
     assert {k: v for k, v in spec.items() if k not in ("initContainers", "containers", "volumes")} == {
         "restartPolicy": "Never", "automountServiceAccountToken": False, "enableServiceLinks": False,
-        "hostNetwork": False, "hostPID": False, "hostIPC": False, "shareProcessNamespace": False,
+        "hostNetwork": False, "hostPID": False, "hostIPC": False, "shareProcessNamespace": True,
         "hostname": "session", "terminationGracePeriodSeconds": 5,
         "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}}}
     (layout,), (agent,) = spec["initContainers"], spec["containers"]

@@ -229,6 +229,36 @@ def test_the_workload_sandbox_read_from_inside(session):
     assert home["exit_code"] == 0 and home["stdout"].split(b"\n")[:2] == [b"700 1000", b"755 1000"]
 
 
+PROCESSES_PROGRAM = """\
+import os
+for pid in filter(str.isdigit, os.listdir('/proc')):
+    try:
+        state = open(f'/proc/{pid}/stat').read().rsplit(')', 1)[1].split()[0]
+        name = open(f'/proc/{pid}/comm').read().strip()
+    except OSError:
+        continue
+    print(pid, state, name)
+"""
+
+
+def processes(session: Session) -> list[tuple[str, str]]:
+    """(state, name) of every process the session's container sees."""
+    end, out, err = kube.exec_once(session.api, session.namespace.name, session.pod, kube.AGENT_CONTAINER,
+                                   ("python3", "-c", PROCESSES_PROGRAM))
+    assert end == kube.ExecEnd(0, ""), err
+    return [tuple(line.split(" ", 2)[1:]) for line in out.decode().splitlines()]  # type: ignore[misc]
+
+
+def test_what_the_workload_orphans_is_reaped(session):
+    """The pause process is the Pod's init (shareProcessNamespace): orphans of the shell do not stay zombies."""
+    session.result("write", data_b64=base64.b64encode(b"sh -c 'sleep 3 &'; sh -c 'sleep 3 &'\n").decode())
+    wait_for("the orphaned sleeps to start", lambda: any(name == "sleep" for _, name in processes(session)), 20)
+    wait_for("the orphaned sleeps to end", lambda: not any(name == "sleep" for _, name in processes(session)), 20)
+    seen = processes(session)
+    assert [state for state, _ in seen if state == "Z"] == [], seen
+    assert ("S", "pause") in seen
+
+
 def test_a_long_poll_shares_the_channel(session):
     """A read waiting at the log's end does not hold the calls behind it on the same stream."""
     for attempt in range(5):  # unless the shell prints meanwhile
