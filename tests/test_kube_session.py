@@ -167,11 +167,13 @@ def session(namespace: Namespace) -> Iterator[Session]:
     channel = None
     try:
         # The apiserver kept every sandbox field as written: nothing was dropped or defaulted away.
-        for key in ("securityContext", "automountServiceAccountToken", "enableServiceLinks", "restartPolicy"):
-            assert created["spec"][key] == pod["spec"][key], key
+        for key, value in pod["spec"].items():
+            if key not in ("initContainers", "containers", "volumes"):  # a false host* field is left out
+                assert created["spec"].get(key, False if value is False else None) == value, key
         for kind in ("initContainers", "containers"):
-            assert [c["securityContext"] for c in created["spec"][kind]] == \
-                [c["securityContext"] for c in pod["spec"][kind]]
+            for made, asked in zip(created["spec"][kind], pod["spec"][kind], strict=True):
+                for key in ("securityContext", "resources", "command", "volumeMounts", "imagePullPolicy"):
+                    assert made[key] == asked[key], (kind, key)
         wait_for("the session Pod Running", lambda: pod_phase(api, ns, name), POD_RUNNING_S)
         channel = kube.AgentChannel(api, ns, name, kube.relay_command(reploy_serve.AGENT_COMMAND,
                                                                       reploy_serve.SESSION_MOUNT))
