@@ -234,13 +234,10 @@ class Channel(enum.IntEnum):
 
 
 class CloseCode(enum.IntEnum):
-    """The close codes this adapter sends or names (RFC 6455 7.4.1)."""
+    """The close codes this adapter sends (RFC 6455 7.4.1). A peer that breaks the protocol gets no close frame:
+    its connection is dropped."""
 
     NORMAL = 1000
-    GOING_AWAY = 1001
-    PROTOCOL_ERROR = 1002
-    INVALID_DATA = 1007
-    TOO_BIG = 1009
 
 
 #: Codes that may appear in a close frame: RFC 6455's defined ones (1004, 1005, 1006 and 1015 never travel) and
@@ -249,7 +246,7 @@ _SENDABLE_CLOSE_CODES = frozenset({1000, 1001, 1002, 1003, 1007, 1008, 1009, 101
 
 
 @dataclass(frozen=True)
-class Message:
+class WebSocketMessage:
     """One whole WebSocket message (its fragments joined) or control frame."""
 
     opcode: Opcode
@@ -667,11 +664,11 @@ class FrameDecoder:
         self._fragments: Optional[tuple[Opcode, bytearray]] = None
         self._broken = False
 
-    def feed(self, data: bytes) -> list[Message]:
+    def feed(self, data: bytes) -> list[WebSocketMessage]:
         if self._broken:
             raise WebSocketError("the stream already broke the protocol")
         self._buffer += data
-        messages: list[Message] = []
+        messages: list[WebSocketMessage] = []
         try:
             while (frame := self._next_frame()) is not None:
                 message = self._assemble(*frame)
@@ -727,11 +724,11 @@ class FrameDecoder:
         del buf[:offset + length]
         return fin, opcode, mask_payload(payload, mask_key) if mask_key else payload
 
-    def _assemble(self, fin: bool, opcode: Opcode, payload: bytes) -> Optional[Message]:
+    def _assemble(self, fin: bool, opcode: Opcode, payload: bytes) -> Optional[WebSocketMessage]:
         if opcode.is_control:
             if opcode is Opcode.CLOSE:
                 decode_close(payload)  # refuses a close frame that is not one
-            return Message(opcode, payload)
+            return WebSocketMessage(opcode, payload)
         if opcode is Opcode.CONTINUATION:
             if self._fragments is None:
                 raise WebSocketError("a continuation frame with no message to continue")
@@ -749,7 +746,7 @@ class FrameDecoder:
                 bytes(data).decode("utf-8")
             except UnicodeDecodeError:
                 raise WebSocketError("a text message that is not UTF-8") from None
-        return Message(first_opcode, bytes(data))
+        return WebSocketMessage(first_opcode, bytes(data))
 
 
 def channel_message(channel: Channel, data: bytes) -> bytes:
@@ -757,7 +754,7 @@ def channel_message(channel: Channel, data: bytes) -> bytes:
     return bytes([channel]) + data
 
 
-def split_channel(message: Message) -> tuple[Channel, bytes]:
+def split_channel(message: WebSocketMessage) -> tuple[Channel, bytes]:
     """A v4 message's channel and bytes. The server sends binary messages only; channel numbers beyond RESIZE are
     refused."""
     if message.opcode is not Opcode.BINARY or not message.payload:
@@ -1593,9 +1590,8 @@ class AgentChannel:
             if not pending.done.wait(max(deadline - time.monotonic(), 0)):
                 raise AgentChannelError(f"{method}: no answer from the agent of {self._pod} within {timeout_s} s",
                                         False)
-            if pending.error is not None:
-                raise pending.error
-            assert pending.document is not None
+            if pending.document is None:
+                raise pending.error or AgentChannelError(f"{method}: no answer from the agent of {self._pod}", True)
             return pending.document
         finally:
             with self._lock:

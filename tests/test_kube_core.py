@@ -210,18 +210,18 @@ def test_lengths_round_trip_in_their_fewest_bytes(length, header):
     payload = os.urandom(length)
     unmasked = kube.encode_frame(kube.Opcode.BINARY, payload, None)
     assert len(unmasked) == header + length
-    assert kube.FrameDecoder(max_message_bytes=1 << 20).feed(unmasked) == [kube.Message(kube.Opcode.BINARY, payload)]
+    assert kube.FrameDecoder(max_message_bytes=1 << 20).feed(unmasked) == [kube.WebSocketMessage(kube.Opcode.BINARY, payload)]
     masked = kube.encode_frame(kube.Opcode.BINARY, payload, MASK)
     assert len(masked) == header + 4 + length and (masked[1] & 0x80)
     decoder = kube.FrameDecoder(max_message_bytes=1 << 20, masked=True)
-    assert decoder.feed(masked) == [kube.Message(kube.Opcode.BINARY, payload)]
+    assert decoder.feed(masked) == [kube.WebSocketMessage(kube.Opcode.BINARY, payload)]
 
 
 def test_frames_fed_one_byte_at_a_time():
     data = kube.encode_frame(kube.Opcode.BINARY, b"x" * 300, None) + kube.encode_frame(kube.Opcode.PING, b"p", None)
     decoder = kube.FrameDecoder()
     got = [m for i in range(len(data)) for m in decoder.feed(data[i:i + 1])]
-    assert got == [kube.Message(kube.Opcode.BINARY, b"x" * 300), kube.Message(kube.Opcode.PING, b"p")]
+    assert got == [kube.WebSocketMessage(kube.Opcode.BINARY, b"x" * 300), kube.WebSocketMessage(kube.Opcode.PING, b"p")]
 
 
 def test_fragments_join_and_control_frames_pass_between_them():
@@ -229,8 +229,8 @@ def test_fragments_join_and_control_frames_pass_between_them():
             + kube.encode_frame(kube.Opcode.PING, b"!", None)
             + kube.encode_frame(kube.Opcode.CONTINUATION, "h\u00e9".encode()[2:] + b"!", None, fin=False)
             + kube.encode_frame(kube.Opcode.CONTINUATION, b"", None))
-    assert kube.FrameDecoder().feed(data) == [kube.Message(kube.Opcode.PING, b"!"),
-                                              kube.Message(kube.Opcode.TEXT, "h\u00e9!".encode())]
+    assert kube.FrameDecoder().feed(data) == [kube.WebSocketMessage(kube.Opcode.PING, b"!"),
+                                              kube.WebSocketMessage(kube.Opcode.TEXT, "h\u00e9!".encode())]
 
 
 def test_close_codes():
@@ -247,7 +247,7 @@ def test_close_codes():
     with pytest.raises(kube.WebSocketError, match="not UTF-8"):
         kube.decode_close(b"\x03\xe8\xff")
     frame = kube.encode_frame(kube.Opcode.CLOSE, kube.encode_close(1001), None)
-    assert kube.FrameDecoder().feed(frame) == [kube.Message(kube.Opcode.CLOSE, b"\x03\xe9")]
+    assert kube.FrameDecoder().feed(frame) == [kube.WebSocketMessage(kube.Opcode.CLOSE, b"\x03\xe9")]
 
 
 def frame_bytes(first: int, second: int, rest: bytes = b"") -> bytes:
@@ -331,9 +331,9 @@ def test_handshake_response_checks():
 
 def test_channels():
     assert kube.channel_message(kube.Channel.STDIN, b"x") == b"\x00x"
-    assert kube.split_channel(kube.Message(kube.Opcode.BINARY, b"\x02err")) == (kube.Channel.STDERR, b"err")
-    for message in (kube.Message(kube.Opcode.TEXT, b"\x01x"), kube.Message(kube.Opcode.BINARY, b""),
-                    kube.Message(kube.Opcode.BINARY, b"\x05x")):
+    assert kube.split_channel(kube.WebSocketMessage(kube.Opcode.BINARY, b"\x02err")) == (kube.Channel.STDERR, b"err")
+    for message in (kube.WebSocketMessage(kube.Opcode.TEXT, b"\x01x"), kube.WebSocketMessage(kube.Opcode.BINARY, b""),
+                    kube.WebSocketMessage(kube.Opcode.BINARY, b"\x05x")):
         with pytest.raises(kube.WebSocketError):
             kube.split_channel(message)
 

@@ -186,7 +186,7 @@ def send(conn: ssl.SSLSocket, channel: kube.Channel, data: bytes, fragments: int
         conn.sendall(kube.encode_frame(opcode, piece, None, fin=index == len(pieces) - 1))
 
 
-def upgrade(conn: ssl.SSLSocket) -> tuple[str, kube.FrameDecoder, list[kube.Message]]:
+def upgrade(conn: ssl.SSLSocket) -> tuple[str, kube.FrameDecoder, list[kube.WebSocketMessage]]:
     """Answers the client's handshake; the request head, a decoder of its frames, what came with the head."""
     head, rest = read_head(conn)
     key = next(line.split(": ", 1)[1] for line in head.split("\r\n") if line.startswith("Sec-WebSocket-Key: "))
