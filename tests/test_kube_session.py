@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, NoReturn
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -332,6 +333,52 @@ def test_a_file_copied_in_and_out_of_the_agent_dir(session, capsys):
     assert listing["exit_code"] != 0 and b"Permission denied" in listing["stderr"]  # the workload cannot see it
     with capsys.disabled():
         print(f"\n8 MiB into the agent dir in {copied_in:.2f} s, out in {copied_out:.2f} s")
+
+
+def documented_role() -> dict[str, Any]:
+    """The Role of docs/kubernetes-backend.md, as the page shows it."""
+    page = (ROOT / "docs" / "kubernetes-backend.md").read_text()
+    section = page.split("## The Role serve needs", 1)[1]
+    return yaml.safe_load(section.split("```yaml\n", 1)[1].split("```", 1)[0])
+
+
+def test_the_documented_role_is_enough_and_no_more(namespace, session):
+    """serve as a service account holding only the documented Role: its sessions' Pods and their agents, nothing
+    else (the token path of the client, and the bearer header on a WebSocket exec, on the real apiserver)."""
+    api, ns = namespace.api, namespace.name
+    role = documented_role()
+    role["metadata"]["namespace"] = ns
+    account = f"/api/v1/namespaces/{ns}/serviceaccounts"
+    rbac = f"/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}"
+    api.request("POST", account, {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "serve"}})
+    try:
+        api.request("POST", f"{rbac}/roles", role)
+        api.request("POST", f"{rbac}/rolebindings", {
+            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": {"name": "serve"},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role["metadata"]["name"]},
+            "subjects": [{"kind": "ServiceAccount", "name": "serve", "namespace": ns}]})
+        secret = wait_for("the account's token", lambda: (api.request("GET", f"{account}/serve").get("secrets")
+                                                           or [{}])[0].get("name"), 30)
+        token = base64.b64decode(api.request("GET", f"/api/v1/namespaces/{ns}/secrets/{secret}")["data"]["token"])
+        serve = kube.KubeApi(kube.ClusterAccess(server=api.access.server, ca=api.access.ca, token=token.decode()))
+        assert session.pod in [pod["metadata"]["name"] for pod in serve.list(kube.Resource.PODS, ns)]
+        channel = kube.AgentChannel(serve, ns, session.pod, kube.relay_command(reploy_serve.AGENT_COMMAND,
+                                                                               reploy_serve.SESSION_MOUNT))
+        try:
+            assert "result" in channel.call("status", {})
+        finally:
+            channel.close()
+        with pytest.raises(kube.KubeApiError) as refused:
+            serve.request("GET", f"/api/v1/namespaces/{ns}/secrets")
+        assert (refused.value.code, refused.value.reason) == (403, "Forbidden")
+        with pytest.raises(kube.KubeApiError, match="Forbidden"):
+            serve.request("GET", "/api/v1/namespaces/default/pods")
+    finally:
+        for path in (f"{rbac}/rolebindings/serve", f"{rbac}/roles/{role['metadata']['name']}", f"{account}/serve"):
+            try:
+                api.request("DELETE", path)
+            except kube.KubeNotFound:
+                pass
 
 
 def test_channel_against_one_exec_per_call(session, capsys):
