@@ -130,3 +130,20 @@ def test_no_agent_is_server_unavailable(short_dir):
     answer = relay.answer()
     assert answer["id"] == "a" and answer["error"]["code"] == "server_unavailable"
     assert relay.close() == 0
+
+
+def test_the_in_flight_bound_holds_the_next_request_back(shell):
+    """With room for one request, a status waits for the long-poll read before it; the read still answers."""
+    stdin_r, stdin_w = os.pipe()
+    stdout_r, stdout_w = os.pipe()
+    with open(stdin_r, "rb") as stdin, open(stdout_w, "wb") as stdout:
+        relay = agent.StdioRelay(shell.session_dir, stdin, stdout, max_in_flight=1)
+        offset = shell.status()["log_bytes"]
+        requests = (json.dumps({"id": "poll", "method": "read", "params": {"offset": offset, "wait_ms": 1000}})
+                    + "\n" + json.dumps({"id": "now", "method": "status", "params": {}}) + "\n").encode()
+        os.write(stdin_w, requests)
+        os.close(stdin_w)
+        assert relay.run() == 0
+    with open(stdout_r, "rb") as answers:
+        ids = [json.loads(line)["id"] for line in answers.read().splitlines()]
+    assert ids == ["poll", "now"]
