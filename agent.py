@@ -6269,6 +6269,9 @@ def _parser() -> argparse.ArgumentParser:
     client.add_argument("session_dir", type=Path, metavar="DIR")
     client.add_argument("verb", choices=[method.value for method in Method])
     client.add_argument("params", nargs="?", default="{}", help="JSON object of params (default {})")
+    relayed = commands.add_parser("relay", help="carry request lines from stdin to DIR/agent/control.sock, many at "
+                                                "once, and their answer lines to stdout (an exec stream's agent channel)")
+    relayed.add_argument("--session-dir", required=True, type=Path)
     return parser
 
 
@@ -6400,6 +6403,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         response = call(args.session_dir, args.verb, params)
         print(json.dumps(response))
         return 0 if "result" in response else 1
+    if args.command == "relay":
+        return StdioRelay(args.session_dir.absolute(), sys.stdin.buffer, sys.stdout.buffer).run()
     try:
         return serve(_config_from(args))
     except UsageError as e:
@@ -6408,6 +6413,115 @@ def main(argv: Optional[list[str]] = None) -> int:
     except AgentError as e:
         print(f"agent.py serve: {e}", file=sys.stderr)
         return 1
+
+
+# ======================================================================================================================
+# The stdio relay: `agent.py relay --session-dir DIR`, the control socket's protocol over stdin and stdout, for a
+# control plane that reaches the session only through an exec stream (Kubernetes' pods/exec). Run as the agent's own
+# user (root in a session Pod), beside `serve`; it holds no state of the session and is restarted by opening a new
+# stream. It must never answer one request's line with another's bytes, nor let one slow request hold the others.
+# ======================================================================================================================
+
+#: Requests forwarded at once; the next line is read only when one of them is answered (stdin's flow control
+#: then holds the sender back). Above the agent's own read long-polls of one session and its exec waits.
+RELAY_MAX_IN_FLIGHT = 32
+
+
+class StdioRelay:
+    """Each request line read from stdin (its own "id" in it) goes to DIR/agent/control.sock on a connection of
+    its own, in a thread of its own, so a long-poll `read` never holds a `status`; each answer line goes to stdout
+    whole, as it completes, under one lock (lines never interleave; their order is the agent's). Verbs whose answer
+    carries a descriptor (DESCRIPTOR_METHODS) cannot cross a stream and are refused here, as over TCP. A request
+    that is not one is answered `invalid_request` with its id when one could be read; an agent that does not
+    answer, `server_unavailable`. Ends at stdin's end, once the answers in flight are out."""
+
+    def __init__(self, session_dir: Path, stdin: BinaryIO, stdout: BinaryIO,
+                 max_in_flight: int = RELAY_MAX_IN_FLIGHT) -> None:
+        self._agent_dir = session_dir / AGENT_DIR_NAME
+        self._stdin = stdin
+        self._stdout = stdout
+        self._slots = threading.BoundedSemaphore(max_in_flight)
+        self._write_lock = threading.Lock()
+        self._threads: set[threading.Thread] = set()
+        self._threads_lock = threading.Lock()
+
+    def run(self) -> int:
+        while True:
+            line = self._stdin.readline(MAX_REQUEST_BYTES + 1)
+            if not line:
+                break
+            if not line.endswith(b"\n"):
+                self._answer(encode_error("", RequestError.code, f"request line exceeds {MAX_REQUEST_BYTES} bytes"
+                                          if len(line) > MAX_REQUEST_BYTES else "request line must end with a newline"))
+                while line and not line.endswith(b"\n"):  # the rest of that line is not a request of its own
+                    line = self._stdin.readline(MAX_REQUEST_BYTES + 1)
+                continue
+            try:
+                request = parse_request(line[:-1])
+            except RequestError as e:
+                self._answer(encode_error(e.request_id, e.code, str(e)))
+                continue
+            if request.method in DESCRIPTOR_METHODS:
+                self._answer(encode_error(request.request_id, RequestError.code, f"{request.method.value} answers "
+                                          "with a file descriptor, which cannot cross the relay's stream"))
+                continue
+            if request.keep:
+                self._answer(encode_error(request.request_id, RequestError.code,
+                                          "keep: the relay opens a connection of its own for each request"))
+                continue
+            self._slots.acquire()
+            thread = threading.Thread(target=self._forward, args=(request.request_id, line), daemon=True)
+            with self._threads_lock:
+                self._threads.add(thread)
+            thread.start()
+        with self._threads_lock:
+            threads = list(self._threads)
+        for thread in threads:
+            thread.join()
+        return 0
+
+    def _forward(self, request_id: str, line: bytes) -> None:
+        try:
+            self._answer(self._exchange(request_id, line))
+        finally:
+            with self._threads_lock:
+                self._threads.discard(threading.current_thread())
+            self._slots.release()
+
+    def _exchange(self, request_id: str, line: bytes) -> bytes:
+        """The agent's answer line to one request, or a line that says why there is none."""
+        try:
+            dir_fd = os.open(self._agent_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                sock = connect_unix_at(dir_fd, SOCKET_NAME, CALL_TIMEOUT_S)
+            finally:
+                os.close(dir_fd)
+            deadline = time.monotonic() + CALL_TIMEOUT_S
+            answer = bytearray()
+            with sock:
+                sock.sendall(line)
+                while not answer.endswith(b"\n") and len(answer) <= MAX_REQUEST_BYTES:
+                    sock.settimeout(max(deadline - time.monotonic(), 0.001))
+                    chunk = sock.recv(RECV_BYTES)
+                    if not chunk:
+                        break
+                    answer += chunk
+            newline = answer.find(b"\n")
+            if newline < 0:
+                raise OSError(errno.EPIPE, "the agent closed the connection without a whole answer, or sent one "
+                                           f"longer than {MAX_REQUEST_BYTES} bytes")
+            return bytes(answer[:newline + 1])
+        except OSError as e:
+            return encode_error(request_id, UnavailableError.code, f"no response from {self._agent_dir / SOCKET_NAME}: "
+                                                                   f"{e.strerror or e}")
+
+    def _answer(self, line: bytes) -> None:
+        with self._write_lock:
+            try:
+                self._stdout.write(line)
+                self._stdout.flush()
+            except (BrokenPipeError, ValueError):
+                pass  # the stream is gone: stdin ends next, and run() returns
 
 
 if __name__ == "__main__":
