@@ -16,8 +16,9 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, NoReturn
+from typing import Any, Iterator
 
 import pytest
 import yaml
@@ -29,38 +30,16 @@ import reploy_kube as kube  # noqa: E402
 import reploy_serve  # noqa: E402  (the agent's command and mounts, as serve gives them to a Docker container)
 from reploy import CONTAINER_HOME, Runtime  # noqa: E402
 
+from kube_fixture import KubeCluster, kube_script, wait_until  # noqa: E402
+
 pytestmark = [pytest.mark.kubernetes, pytest.mark.docker]
 
-KUBE_SCRIPT = ROOT / "scripts" / "kube-cluster.sh"
-REQUIRE_KUBERNETES_ENV = "REPLOY_REQUIRE_KUBERNETES"
-#: A cold `up` builds Kubernetes first; a warm one reuses the running cluster.
-UP_TIMEOUT_S = 3600.0
 VERB_TIMEOUT_S = 600.0
 POD_RUNNING_S = 180.0
 #: The managed example's runtime (examples/managed/managed.blueprint.yaml).
 RUNTIME = Runtime(uid=1000, gid=1000, writable_paths=("/tmp",), memory_mib=256, pids=128)
 SERVE_ID = "test-kube-session"
 SESSION_ID = "5e55101d0c0ffee0"
-
-
-def no_cluster(reason: str) -> NoReturn:
-    if os.environ.get(REQUIRE_KUBERNETES_ENV) == "1":
-        pytest.fail(f"{REQUIRE_KUBERNETES_ENV}=1 but no cluster: {reason}")
-    pytest.skip(f"no Kubernetes cluster: {reason}")
-
-
-def kube_script(*args: str, timeout_s: float = VERB_TIMEOUT_S) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(KUBE_SCRIPT), *args], capture_output=True, text=True, timeout=timeout_s,
-                          cwd=ROOT)
-
-
-def wait_for(what: str, condition: Callable[[], Any], timeout_s: float) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while not (value := condition()):
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what}: not within {timeout_s:.0f} s")
-        time.sleep(0.25)
-    return value
 
 
 def managed_image() -> str:
@@ -81,33 +60,17 @@ def agent_files() -> dict[str, bytes]:
     return {"agent.py": reploy_serve.AGENT_SOURCE.read_bytes(), **files}
 
 
+@dataclass(frozen=True)
 class Namespace:
-    """A fresh namespace of the cluster (each `up` makes one), reached with reploy_kube's own client."""
+    """The test run's namespace of the cluster (kube_fixture's), reached with reploy_kube's own client."""
 
-    def __init__(self) -> None:
-        if not KUBE_SCRIPT.exists():
-            no_cluster(f"{KUBE_SCRIPT.relative_to(ROOT)} is not in this tree")
-        try:
-            started = kube_script("up", timeout_s=UP_TIMEOUT_S)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            no_cluster(f"scripts/kube-cluster.sh up: {e}")
-        if started.returncode != 0:
-            no_cluster(f"scripts/kube-cluster.sh up exited {started.returncode}: {started.stderr[-2000:]}")
-        line = json.loads(started.stdout.strip().splitlines()[-1])
-        self.name: str = line["namespace"]
-        self.api = kube.KubeApi(kube.load_kubeconfig(Path(line["kubeconfig"])))
-
-    def delete(self) -> None:
-        self.api.request("DELETE", f"/api/v1/namespaces/{self.name}")
+    name: str
+    api: kube.KubeApi
 
 
 @pytest.fixture(scope="module")
-def namespace() -> Iterator[Namespace]:
-    space = Namespace()
-    try:
-        yield space
-    finally:
-        space.delete()
+def namespace(kube_cluster: KubeCluster) -> Namespace:
+    return Namespace(kube_cluster.namespace, kube.KubeApi(kube.load_kubeconfig(kube_cluster.kubeconfig)))
 
 
 class Session:
@@ -149,7 +112,7 @@ def pod_phase(api: kube.KubeApi, namespace: str, pod: str) -> Any:
 @pytest.fixture(scope="module")
 def session(namespace: Namespace) -> Iterator[Session]:
     image = managed_image()
-    loaded = kube_script("load", image)
+    loaded = kube_script("load", image, timeout_s=VERB_TIMEOUT_S)
     assert loaded.returncode == 0, loaded.stderr
     api, ns = namespace.api, namespace.name
     config_map = kube.agent_config_map(agent_files(), SERVE_ID)
@@ -175,10 +138,10 @@ def session(namespace: Namespace) -> Iterator[Session]:
             for made, asked in zip(created["spec"][kind], pod["spec"][kind], strict=True):
                 for key in ("securityContext", "resources", "command", "volumeMounts", "imagePullPolicy"):
                     assert made[key] == asked[key], (kind, key)
-        wait_for("the session Pod Running", lambda: pod_phase(api, ns, name), POD_RUNNING_S)
+        wait_until("the session Pod Running", lambda: pod_phase(api, ns, name), POD_RUNNING_S)
         channel = kube.AgentChannel(api, ns, name, kube.relay_command(reploy_serve.AGENT_COMMAND,
                                                                       reploy_serve.SESSION_MOUNT))
-        wait_for("the agent to answer", lambda: _answers(channel), 60)
+        wait_until("the agent to answer", lambda: _answers(channel), 60)
         yield Session(namespace, name, channel, config_map["metadata"]["name"])
     finally:
         if channel is not None:
@@ -255,8 +218,8 @@ def processes(session: Session) -> list[tuple[str, str]]:
 def test_what_the_workload_orphans_is_reaped(session):
     """The pause process is the Pod's init (shareProcessNamespace): orphans of the shell do not stay zombies."""
     session.result("write", data_b64=base64.b64encode(b"sh -c 'sleep 3 &'; sh -c 'sleep 3 &'\n").decode())
-    wait_for("the orphaned sleeps to start", lambda: any(name == "sleep" for _, name in processes(session)), 20)
-    wait_for("the orphaned sleeps to end", lambda: not any(name == "sleep" for _, name in processes(session)), 20)
+    wait_until("the orphaned sleeps to start", lambda: any(name == "sleep" for _, name in processes(session)), 20)
+    wait_until("the orphaned sleeps to end", lambda: not any(name == "sleep" for _, name in processes(session)), 20)
     seen = processes(session)
     assert [state for state, _ in seen if state == "Z"] == [], seen
     assert ("S", "pause") in seen
@@ -270,7 +233,7 @@ def test_a_long_poll_shares_the_channel(session):
         poll = threading.Thread(target=lambda: answers.append(
             "read" if session.result("read", offset=offset, wait_ms=4000)["length"] == 0 else "output"))
         poll.start()
-        wait_for("the read to be in flight", lambda: session.channel.in_flight >= 1, 10)
+        wait_until("the read to be in flight", lambda: session.channel.in_flight >= 1, 10)
         session.result("status")
         answers.append("status")
         poll.join(20)
@@ -357,7 +320,7 @@ def test_the_documented_role_is_enough_and_no_more(namespace, session):
             "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": {"name": "serve"},
             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role["metadata"]["name"]},
             "subjects": [{"kind": "ServiceAccount", "name": "serve", "namespace": ns}]})
-        secret = wait_for("the account's token", lambda: (api.request("GET", f"{account}/serve").get("secrets")
+        secret = wait_until("the account's token", lambda: (api.request("GET", f"{account}/serve").get("secrets")
                                                            or [{}])[0].get("name"), 30)
         token = base64.b64decode(api.request("GET", f"/api/v1/namespaces/{ns}/secrets/{secret}")["data"]["token"])
         serve = kube.KubeApi(kube.ClusterAccess(server=api.access.server, ca=api.access.ca, token=token.decode()))
@@ -405,7 +368,7 @@ def test_the_channel_survives_a_dropped_stream(session):
     opened = session.channel.opened
     # The relay runs as the container's root: only another exec (never the workload) can end it.
     assert relays(session, kill=True) == 1
-    wait_for("the channel to see its stream end", lambda: not session.channel.connected, 30)
+    wait_until("the channel to see its stream end", lambda: not session.channel.connected, 30)
     assert "result" in session.channel.call("status", {})
     assert session.channel.opened == opened + 1
 
@@ -432,7 +395,7 @@ def test_a_closed_channel_ends_its_relay(session):
     assert "result" in session.channel.call("status", {})
     assert relays(session) == 1
     session.channel.close()
-    wait_for("the relay to see its stdin end and exit", lambda: relays(session) == 0, 30)
+    wait_until("the relay to see its stdin end and exit", lambda: relays(session) == 0, 30)
 
 
 def test_an_exec_that_fails_reports_its_exit_code(session):
@@ -456,7 +419,7 @@ def test_zz_delete_leaves_nothing(namespace, session):
             return True
         return False
 
-    wait_for("the session Pod gone", gone, 60)
+    wait_until("the session Pod gone", gone, 60)
     for resource in (kube.Resource.PODS, kube.Resource.CONFIG_MAPS, kube.Resource.NETWORK_POLICIES):
         left = [item["metadata"]["name"] for item in api.list(resource, ns)
                 if item["metadata"]["name"] != "kube-root-ca.crt"]  # the ConfigMap every namespace gets
