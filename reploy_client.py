@@ -50,7 +50,7 @@ import tempfile
 import threading
 import time
 import urllib.parse
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterator, Optional
 
@@ -100,6 +100,12 @@ HOME_PREFIX = "~/"
 MAX_INLINE_STDIN_BYTES = 4 * 1024 * 1024
 STDIN_FILE_PREFIX = ".reploy-stdin-"
 MAX_SSE_LINE_BYTES = 1024 * 1024  #: serve's events carry 64 KiB of output, base64 in JSON
+#: A line of a streamed exec answer, at most: one page of a stream (agent.py's EXEC_PAGE_BYTES,
+#: 256 KiB) as base64 in JSON, how the command ended, or serve's error.
+MAX_EXEC_LINE_BYTES = 512 * 1024
+#: The fields of a streamed exec answer's last line: the whole answer's, but the streams.
+EXEC_END_FIELDS = frozenset(("execId", "exitCode", "signal", "timedOut", "killed", "durationMs",
+                             "stdoutTruncated", "stderrTruncated"))
 #: The most `session cp` takes out of a session is its disk quota plus this much per tar entry
 #: (headers and padding), and never more than one transfer.
 TAR_BYTES_PER_ENTRY = 1024
@@ -228,7 +234,7 @@ def file_route(kind: str, session_id: str, root: str, path: str,
             + (f"?{urllib.parse.urlencode(query)}" if query else ""))
 
 
-def error_for(status: int, code: Optional[str], reason: str) -> ReployError:
+def error_for(status: Optional[int], code: Optional[str], reason: str) -> ReployError:
     """The exception for an error answer: by its code, else by its stable words."""
     kind = ERROR_CODES.get(code or "")
     if kind is None:
@@ -304,20 +310,63 @@ def exec_stream(document: dict[str, Any], name: str) -> bytes:
     raise AnswerInvalid(f"{name}Encoding is neither text nor base64")
 
 
-def parse_exec_result(document: dict[str, Any]) -> ExecResult:
-    """POST exec's answer (ExecResult in web/openapi.json), checked. Pure."""
+def exec_end(document: dict[str, Any], stdout: bytes, stderr: bytes, truncated: bool) -> ExecResult:
+    """How a command ended, from an exec answer (whole, or a streamed one's last line),
+    checked, with its output. Pure."""
     exit_code = field(document, "exitCode", int, nullable=True)
     if exit_code is not None and not 0 <= exit_code <= 255:
         raise AnswerInvalid("exitCode is not 0..255")
     signal_name = field(document, "signal", str, nullable=True)
     if signal_name is not None and not re.fullmatch(r"SIG[A-Z0-9]{1,12}", signal_name):
         raise AnswerInvalid("signal is not a signal name")
-    return ExecResult(exit_code=exit_code, stdout=exec_stream(document, "stdout"),
-                      stderr=exec_stream(document, "stderr"),
-                      timed_out=field(document, "timedOut", bool),
-                      truncated=bool(document.get("stdoutTruncated") or document.get("stderrTruncated")),
+    return ExecResult(exit_code=exit_code, stdout=stdout, stderr=stderr,
+                      timed_out=field(document, "timedOut", bool), truncated=truncated,
                       signal=signal_name,
-                      duration_ms=float(document.get("durationMs") or 0))
+                      duration_ms=float(field(document, "durationMs", (int, float))))
+
+
+def parse_exec_result(document: dict[str, Any]) -> ExecResult:
+    """POST exec's answer (ExecResult in web/openapi.json), checked. Pure."""
+    return exec_end(document, exec_stream(document, "stdout"), exec_stream(document, "stderr"),
+                    bool(document.get("stdoutTruncated") or document.get("stderrTruncated")))
+
+
+@dataclass(frozen=True)
+class ExecLine:
+    """One line of a streamed exec answer (parse_exec_line): a piece of one stream's output
+    (`stream`, `data`), how the command ended (`end`, without its output), or serve's error
+    once the answer had begun (`error`)."""
+
+    stream: Optional[str] = None
+    data: bytes = b""
+    end: Optional[ExecResult] = None
+    error: Optional[ReployError] = None
+
+
+def parse_exec_line(line: bytes) -> ExecLine:
+    """One line of a streamed exec answer (application/x-ndjson), its newline included,
+    checked as what a hostile session may have shaped: at most MAX_EXEC_LINE_BYTES, one strict
+    JSON object (no duplicate key), exactly the fields of one kind of line, base64 that is
+    base64. Pure."""
+    if len(line) > MAX_EXEC_LINE_BYTES or not line.endswith(b"\n"):
+        raise AnswerInvalid(f"a line of the exec stream is unended or longer than {MAX_EXEC_LINE_BYTES} bytes")
+    try:
+        document = wire.parse_strict_object(line[:-1], max_bytes=MAX_EXEC_LINE_BYTES)
+    except wire.ProtocolError as e:
+        raise AnswerInvalid(f"a line of the exec stream is not one JSON object: {e}") from None
+    names = set(document)
+    for stream in ("stdout", "stderr"):
+        if names == {f"{stream}Base64"}:
+            return ExecLine(stream=stream, data=base64_field(document, f"{stream}Base64"))
+    if names == EXEC_END_FIELDS:
+        truncated = field(document, "stdoutTruncated", bool) | field(document, "stderrTruncated", bool)
+        return ExecLine(end=exec_end(document, b"", b"", truncated))
+    if names in ({"error"}, {"error", "code"}):
+        code = field(document, "code", str) if "code" in names else None
+        return ExecLine(error=error_for(None, None if code is None else shown(code, 64),
+                                        shown(field(document, "error", str))))
+    raise AnswerInvalid("a line of the exec stream has other fields than one kind of line: "
+                        + shown(", ".join(sorted(names)), 200))
 
 
 def exec_body(argv: list[str], cwd: Optional[str], env: Optional[dict[str, str]],
@@ -645,12 +694,13 @@ class Client:
             raise self.unexpected(None, str(e)) from None
 
     def open_stream(self, method: str, path: str, headers: Optional[dict[str, str]] = None,
-                    timeout_s: Optional[float] = TRANSFER_TIMEOUT_S) -> http.client.HTTPResponse:
-        """A streamed answer (a download, SSE) on a connection of its own, which closing the
-        answer closes. An error status raises at once."""
+                    timeout_s: Optional[float] = TRANSFER_TIMEOUT_S,
+                    body: Optional[bytes] = None) -> http.client.HTTPResponse:
+        """A streamed answer (a download, SSE, a streamed exec) on a connection of its own,
+        which closing the answer closes. An error status raises at once."""
         connection = self.connections.open(timeout_s)
         try:
-            connection.request(method, self.connections.base + path, None, self._headers(headers))
+            connection.request(method, self.connections.base + path, body, self._headers(headers))
             response = connection.getresponse()
         except (OSError, http.client.HTTPException) as e:
             connection.close()
@@ -849,37 +899,75 @@ class Session:
              on_stderr: Optional[Callable[[bytes], None]] = None,
              max_output_bytes: Optional[int] = None) -> ExecResult:
         """Runs argv (no shell unless you run one) as the runtime user, in the workspace or
-        `cwd`, and answers once it ends. `timeout` in seconds (None: serve's default). The
-        callbacks get each stream's bytes once the command has ended (serve answers an exec
-        whole). `max_output_bytes` caps each stream (None: serve's default, 1 MiB; at most
-        16 MiB), and the answer accepted is sized from it (exec_answer_limit). Closing the
-        connection kills the command."""
+        `cwd`, and answers once it ends. `timeout` in seconds (None: serve's default). Given
+        either callback, serve streams the answer (`stream`) and each callback gets its
+        stream's bytes, in this thread, as they come (in pieces of any size); the result
+        holds them too. `max_output_bytes` caps each stream (None: serve's default, 1 MiB; at
+        most 16 MiB), and the answer accepted is sized from it (exec_answer_limit). Closing
+        the connection (a callback raising, too) kills the command."""
         data = stdin.encode("utf-8") if isinstance(stdin, str) else stdin
         timeout_s = None if timeout is None else timeout + EXEC_GRACE_S
-        if data is not None and len(data) > MAX_INLINE_STDIN_BYTES:
-            document = self._exec_from_file(argv, cwd, env, data, timeout, max_output_bytes)
-        else:
-            document = self._call("POST", "/exec", exec_body(argv, cwd, env, data, timeout,
-                                                             max_output_bytes), timeout_s,
-                                  exec_answer_limit(max_output_bytes))
-        result = self.client.checked(lambda: parse_exec_result(document or {}))
-        for callback, chunk in ((on_stdout, result.stdout), (on_stderr, result.stderr)):
-            if callback is not None and chunk:
-                callback(chunk)
-        return result
 
-    def _exec_from_file(self, argv: list[str], cwd: Optional[str], env: Optional[dict[str, str]],
-                        data: bytes, timeout: Optional[float],
-                        max_output_bytes: Optional[int]) -> Optional[dict[str, Any]]:
+        def run(inline: Optional[bytes], stdin_path: Optional[str] = None) -> ExecResult:
+            body = exec_body(argv, cwd, env, inline, timeout, max_output_bytes, stdin_path)
+            if on_stdout is not None or on_stderr is not None:
+                return self._exec_streamed(body, timeout_s, max_output_bytes, on_stdout, on_stderr)
+            document = self._call("POST", "/exec", body, timeout_s, exec_answer_limit(max_output_bytes))
+            return self.client.checked(lambda: parse_exec_result(document or {}))
+
+        if data is not None and len(data) > MAX_INLINE_STDIN_BYTES:
+            return self._exec_from_file(data, lambda path: run(None, path))
+        return run(data)
+
+    def _exec_streamed(self, body: dict[str, Any], timeout_s: Optional[float],
+                       max_output_bytes: Optional[int], on_stdout: Optional[Callable[[bytes], None]],
+                       on_stderr: Optional[Callable[[bytes], None]]) -> ExecResult:
+        """An exec answered as its command runs (serve's NDJSON lines, parse_exec_line): each
+        piece of output to its callback as it comes, and kept up to the cap (more is serve's
+        error), so that the result is the whole answer's."""
+        callbacks = {"stdout": on_stdout, "stderr": on_stderr}
+        kept = {name: bytearray() for name in callbacks}
+        cap = DEFAULT_EXEC_OUTPUT_BYTES if max_output_bytes is None else max_output_bytes
+        response = self.client.open_stream(
+            "POST", f"/sessions/{self.id}/exec", {"Content-Type": "application/json"}, timeout_s,
+            wire.encode_compact({**body, "stream": True}))
+        with response:
+            content_type = response.getheader("Content-Type", "")
+            if content_type.partition(";")[0].strip().lower() != "application/x-ndjson":
+                raise self.client.unexpected(response.status, f"HTTP {response.status} with "
+                                             f"Content-Type {shown(content_type[:60]) or 'none'}")
+            while True:
+                try:
+                    raw = response.readline(MAX_EXEC_LINE_BYTES + 1)
+                except TimeoutError:
+                    raise ReployTimeoutError(None, "timeout", f"no answer from {self.client.server} "
+                                             f"within {timeout_s} s") from None
+                except (OSError, http.client.HTTPException) as e:
+                    raise ReployError(None, None, f"the exec stream from {self.client.server} "
+                                      f"broke: {e}") from None
+                if not raw:
+                    raise self.client.unexpected(response.status, "an exec stream that ended "
+                                                 "before its command did")
+                line = self.client.checked(lambda: parse_exec_line(raw))
+                if line.error is not None:
+                    raise line.error
+                if line.end is not None:
+                    return replace(line.end, stdout=bytes(kept["stdout"]), stderr=bytes(kept["stderr"]))
+                assert line.stream is not None
+                if len(kept[line.stream]) + len(line.data) > cap:
+                    raise self.client.unexpected(None, f"more {line.stream} than the cap of {cap} bytes")
+                kept[line.stream] += line.data
+                callback = callbacks[line.stream]
+                if callback is not None and line.data:
+                    callback(line.data)
+
+    def _exec_from_file(self, data: bytes, run: Callable[[str], ExecResult]) -> ExecResult:
         """An exec whose stdin is too large for its request: uploaded to a private file of
-        the workspace first (0600), named as stdinPath, removed after."""
+        the workspace first (0600), `run` with it as stdinPath, removed after."""
         path = STDIN_FILE_PREFIX + secrets.token_hex(8)
         self.files.write(path, data, mode=0o600)
         try:
-            return self._call("POST", "/exec", exec_body(argv, cwd, env, None, timeout,
-                                                         max_output_bytes, stdin_path=path),
-                              None if timeout is None else timeout + EXEC_GRACE_S,
-                              exec_answer_limit(max_output_bytes))
+            return run(path)
         finally:
             self._call("POST", "/exec", exec_body(["rm", "-f", "--", path], None, None, None,
                                                   EXEC_GRACE_S, None))

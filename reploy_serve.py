@@ -84,7 +84,7 @@ import tty
 import urllib.parse
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Generator, Iterable, Iterator, Optional, Sequence, cast
+from typing import Any, BinaryIO, Callable, Generator, Iterable, Iterator, Optional, Sequence, cast
 
 import psutil
 
@@ -287,6 +287,9 @@ READERS_RETRY_AFTER_S = 5
 #: exec: the HTTP call answers once the command ends; meanwhile each agent long-poll waits this
 #: long (under the agent's 5 s handler bound), and the client's connection is checked between.
 EXEC_POLL_MS = 4000
+#: exec with `stream`: each agent long-poll waits at most this long (the agent answers a
+#: running command's output only when its wait ends), so output reaches the client within it.
+EXEC_STREAM_POLL_MS = 250
 #: Deadlines of the loops that wait on an agent (see "the harness verbs"): an exec's result is
 #: awaited for its own timeout plus this (the agent kills it at its timeout); a listing's pages
 #: for this long; an upload's commit for a base plus its size at a slow disk's rate; a
@@ -1091,7 +1094,7 @@ BODY_RULES: dict[str, dict[str, FieldRule]] = {
                "rows": FieldRule(int, True, minimum=1, maximum=agent_role.MAX_TERMINAL_SIDE)},
     "exec": {"argv": FieldRule(list, True), "cwd": FieldRule(str), "env": FieldRule(dict),
              "stdinBase64": FieldRule(str), "stdinPath": FieldRule(str),
-             "detach": FieldRule(bool),
+             "detach": FieldRule(bool), "stream": FieldRule(bool),
              "timeoutMs": FieldRule(int, minimum=1, maximum=MAX_EXEC_TIMEOUT_MS),
              "maxOutputBytes": FieldRule(int, minimum=0, maximum=MAX_EXEC_OUTPUT_BYTES),
              "user": FieldRule(str)},
@@ -1248,7 +1251,8 @@ def message_parts(text: str, part_bytes: int = MAX_MESSAGE_PART_BYTES) -> list[s
 
 def exec_params(fields: dict[str, Any]) -> dict[str, Any]:
     """An exec body (parsed by BODY_RULES["exec"]) as the agent's `exec` params. Item types are
-    checked here (400); what does not fit, the agent refuses (422)."""
+    checked here (400); what does not fit, the agent refuses (422). `stream` is serve's own
+    (the answer's form), never the agent's."""
     argv, env = fields["argv"], fields.get("env", {})
     if "user" in fields:
         raise Unprocessable(f"user: every exec runs as the session's runtime user; it cannot run "
@@ -1257,6 +1261,8 @@ def exec_params(fields: dict[str, Any]) -> dict[str, Any]:
         raise BadRequest("argv: must be a non-empty array of strings")
     if not all(isinstance(value, str) for value in env.values()):
         raise BadRequest("env: every value must be a string")
+    if fields.get("stream") and fields.get("detach"):
+        raise BadRequest("stream: a detached command's output goes to its files, not to the answer")
     params: dict[str, Any] = {
         "argv": argv, "cwd": fields.get("cwd", ""), "env": env,
         "output_cap_bytes": fields.get("maxOutputBytes", DEFAULT_EXEC_OUTPUT_BYTES),
@@ -1389,6 +1395,23 @@ def exec_result_json(ended: ExecEnded, pages: Callable[[str], Iterable[bytes]]) 
                                     ended.final[f"{name}_truncated"],
                                     base64_length(ended.sizes[name]))
     yield b"}"
+
+
+def exec_stream_line(document: dict[str, Any]) -> bytes:
+    """One line of a streamed exec answer (application/x-ndjson). Pure."""
+    return wire.encode_compact(document) + b"\n"
+
+
+def exec_output_line(name: str, data: bytes) -> bytes:
+    """A page of one stream's output, as a streamed exec answer carries it. Pure."""
+    return exec_stream_line({f"{name}Base64": base64.b64encode(data).decode("ascii")})
+
+
+def exec_end_line(final: dict[str, Any]) -> bytes:
+    """A streamed exec answer's last line: how the command ended (exec_result_head) and
+    whether each stream was truncated; the whole answer's fields but the streams. Pure."""
+    return exec_stream_line({**exec_result_head(final),
+                             **{f"{name}Truncated": final[f"{name}_truncated"] for name in EXEC_STREAMS}})
 
 
 def file_route_path(api_path: str) -> str:
@@ -3585,6 +3608,9 @@ class SessionManager:
         #: kept connections to the agents, for the hot paths: a session's calls and its follower
         self.agent_connections = AgentConnections()
         self.exec_answers = AnswerSlots(MAX_EXEC_ANSWERS_PER_SESSION, MAX_EXEC_ANSWERS)
+        #: streamed exec answers, held while their command runs: apart, so that long ones never
+        #: keep whole answers waiting
+        self.exec_streams = AnswerSlots(MAX_EXEC_ANSWERS_PER_SESSION, MAX_EXEC_ANSWERS)
         #: set by run_serve when --model-upstream is given (see "the model proxy")
         self.model_proxy: Optional[ModelProxy] = None
         #: the sessions created with `egress` (see "the egress proxy")
@@ -4379,14 +4405,10 @@ class SessionManager:
 
     def exec(self, session_id: str, params: dict[str, Any],
              client_gone: Callable[[], bool]) -> "dict[str, Any] | ExecEnded":
-        """Runs one command in the session's container and waits for its end. The agent
-        answers within 5 s, so the wait is a chain of long-polls; a client that went away,
-        serve stopping, or the command outliving its own timeout by EXEC_END_GRACE_S (the
-        agent kills it at its timeout; no timeout: none) kills the command's whole process
-        group. A command queued behind the agent's running ones has its wait start again at
-        every poll. The output stays the agent's: each page is only measured (TextCost) for
-        the form its answer gives it, and exec_answer() reads it again as it sends it. A
-        detached command is answered once started: its pid and output files."""
+        """Runs one command in the session's container and waits for its end (_exec_pages).
+        The output stays the agent's: each page is only measured (TextCost) for the form its
+        answer gives it, and exec_answer() reads it again as it sends it. A detached command
+        is answered once started: its pid and output files."""
         started = self.call(session_id, "exec", params)
         exec_id = started["exec_id"]
         if params["detach"]:
@@ -4394,40 +4416,103 @@ class SessionManager:
                 raise BadGateway("the session agent's detached exec has no pid or output files")
             return {"execId": exec_id, "detached": True, "pid": started["pid"],
                     "stdoutPath": started["stdout_path"], "stderrPath": started["stderr_path"]}
-        timeout_s = params["timeout_ms"] / 1000 + EXEC_END_GRACE_S if "timeout_ms" in params else math.inf
-        wait = self._wait(f"the command {exec_id}", timeout_s, client_gone)
         costs = {name: TextCost() for name in EXEC_STREAMS}
         # Output of at most a page per stream so far is held, and the agent asked to release
         # its result should this answer be the end: a small output is answered from here.
         held: Optional[dict[str, bytearray]] = {name: bytearray() for name in EXEC_STREAMS}
+        for page, last in self._exec_pages(session_id, exec_id, params, self._exec_wait(params, exec_id, client_gone),
+                                           EXEC_POLL_MS, lambda: held is not None):
+            for name, cost in costs.items():
+                cost.feed(page[name])
+                if held is not None:
+                    held[name] += page[name]
+            if last:
+                return ExecEnded(exec_id, page, {n: c.size_bytes for n, c in costs.items()},
+                                 {n: c.encoding() for n, c in costs.items()},
+                                 None if held is None else {n: bytes(d) for n, d in held.items()})
+            if held is not None and any(len(data) > agent_role.EXEC_PAGE_BYTES for data in held.values()):
+                held = None
+        raise AssertionError("unreachable: _exec_pages ends with its last page")
+
+    def _exec_wait(self, params: dict[str, Any], exec_id: str, client_gone: Callable[[], bool]) -> "AgentWait":
+        """The wait on a command: its own timeout plus EXEC_END_GRACE_S (the agent kills it at
+        its timeout; no timeout: none)."""
+        return self._wait(f"the command {exec_id}", self._exec_timeout_s(params), client_gone)
+
+    @staticmethod
+    def _exec_timeout_s(params: dict[str, Any]) -> float:
+        return params["timeout_ms"] / 1000 + EXEC_END_GRACE_S if "timeout_ms" in params else math.inf
+
+    def _exec_pages(self, session_id: str, exec_id: str, params: dict[str, Any], wait: "AgentWait",
+                    poll_ms: int, release: Callable[[], bool]
+                    ) -> Generator[tuple[dict[str, Any], bool], None, None]:
+        """The agent's exec_wait answers for a started command, each with whether it is the last
+        (the command ended, every byte delivered), each stream from where the previous page
+        ended. The agent answers within 5 s, so this is a chain of long-polls of poll_ms; a
+        client that went away, serve stopping, the wait's deadline, a page past the output
+        cap (a hostile agent's) or the caller's leaving before the last page kills the
+        command's whole process group. A command queued behind the agent's running ones has
+        its wait start again at every poll. `release()` is asked before each poll: whether
+        the agent may free its result with the last page."""
+        offsets = {name: 0 for name in EXEC_STREAMS}
+        last, behind = False, False
         try:
             while True:
                 wait.check()
                 page = self._poll(session_id, "exec_wait", {
-                    "exec_id": exec_id, "wait_ms": EXEC_POLL_MS, "release": held is not None,
-                    **{f"{name}_offset": cost.size_bytes for name, cost in costs.items()}})
+                    "exec_id": exec_id, "wait_ms": 0 if behind else poll_ms, "release": release(),
+                    **{f"{name}_offset": offset for name, offset in offsets.items()}})
                 if page.get("queued"):
-                    wait.renew(timeout_s)
-                for name, cost in costs.items():
-                    cost.feed(page[name])
-                    if held is not None:
-                        held[name] += page[name]
+                    wait.renew(self._exec_timeout_s(params))
+                for name in EXEC_STREAMS:
+                    offsets[name] += len(page[name])
                     if page[f"{name}_bytes"] > params["output_cap_bytes"]:  # a hostile agent's
                         raise BadGateway("the session agent sent more output than the cap")
-                if not page["running"] and all(cost.size_bytes == page[f"{name}_bytes"]
-                                               for name, cost in costs.items()):
-                    return ExecEnded(exec_id, page, {n: c.size_bytes for n, c in costs.items()},
-                                     {n: c.encoding() for n, c in costs.items()},
-                                     None if held is None else {n: bytes(d) for n, d in held.items()})
-                if held is not None and any(len(data) > agent_role.EXEC_PAGE_BYTES
-                                            for data in held.values()):
-                    held = None
-                if page["running"] or not (page["stdout"] or page["stderr"]):
+                last = not page["running"] and all(offset == page[f"{name}_bytes"]
+                                                   for name, offset in offsets.items())
+                # A full page with more behind it: the next is asked for at once.
+                behind = bool(page["stdout"] or page["stderr"]) and any(
+                    offset < page[f"{name}_bytes"] for name, offset in offsets.items())
+                yield page, last
+                if not behind:
                     wait.not_yet()
         except BaseException:
-            with contextlib.suppress(AgentCallError):
-                agent_call(self.config.agent_dir(session_id), "exec_kill", {"exec_id": exec_id})
+            if not last:
+                self._kill_exec(session_id, exec_id)
             raise
+
+    def _kill_exec(self, session_id: str, exec_id: str) -> None:
+        """The command's whole process group killed, if the agent still answers."""
+        with contextlib.suppress(AgentCallError):
+            agent_call(self.config.agent_dir(session_id), "exec_kill", {"exec_id": exec_id})
+
+    def exec_stream(self, session_id: str, params: dict[str, Any],
+                    client_gone: Callable[[], bool]) -> Generator[bytes, None, None]:
+        """A command's streamed answer (`stream`): NDJSON lines, each page of output as the
+        agent gives it (exec_output_line), then how it ended (exec_end_line). Its first item,
+        b"", comes once the command has started, so what fails before (a slot not had in
+        time, a command that cannot run) is an ordinary error answer. One of the session's
+        stream slots is held throughout (AnswerSlots: a page at a time, for as long as the
+        command runs); closing the generator before its end kills the command."""
+        wait = self._wait("a free exec stream", self._exec_timeout_s(params), client_gone)
+        with self.exec_streams.hold(session_id, wait):
+            exec_id = self.call(session_id, "exec", params)["exec_id"]
+            try:
+                yield b""
+            except BaseException:
+                self._kill_exec(session_id, exec_id)
+                raise
+            pages = self._exec_pages(session_id, exec_id, params,
+                                     self._exec_wait(params, exec_id, client_gone),
+                                     EXEC_STREAM_POLL_MS, lambda: True)
+            with contextlib.closing(pages):
+                for page, last in pages:
+                    for name in EXEC_STREAMS:
+                        if page[name]:
+                            yield exec_output_line(name, page[name])
+                    if last:
+                        yield exec_end_line(page)
+                        return
 
     def exec_answer(self, session_id: str, ended: ExecEnded,
                     client_gone: Callable[[], bool]) -> Generator[bytes, None, None]:
@@ -6943,6 +7028,31 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
             if close is not None:
                 close()  # a generator's own cleanup runs now, not when it is collected
 
+    def send_lines(self, lines: Generator[bytes, None, None], what: str) -> None:
+        """An NDJSON answer (application/x-ndjson), each line sent as it comes. What fails
+        before the first (which may be b"") is an ordinary error answer; past it, serve's error
+        is one last line `{"error", "code"}` and the body still ends whole. A client that went
+        away gets nothing more, and the generator is closed: its own cleanup runs now."""
+        try:
+            first = next(lines)
+            self.send_response(200)
+            self.send_header("Content-Type", "application/x-ndjson")
+            self.send_header("Cache-Control", "no-store")
+            chunked = self.send_unsized_headers()
+            try:
+                self.write_piece(first, chunked)
+                try:
+                    for line in lines:
+                        self.write_piece(line, chunked)
+                except ServeError as e:
+                    self.write_piece(exec_stream_line({"error": str(e), "code": e.code}), chunked)
+                self.end_pieces(chunked)
+            except (ReployError, OSError) as e:
+                log(f"serve: {what} ended early: {e}")
+                self.close_connection = True
+        finally:
+            lines.close()
+
     def serve_static(self, method: str, path: str) -> None:
         if path == "/api/v1/openapi.json":
             path = "/openapi.json"
@@ -7077,8 +7187,14 @@ class ApiHandler(http.server.BaseHTTPRequestHandler):
             return True
 
     def api_exec(self, sid: str, body: bytes, _query: str) -> Optional[tuple[int, dict[str, Any]]]:
-        """A detached exec's answer, or an ended one's, sent as it is read from the agent."""
-        params = exec_params(parse_body(body, BODY_RULES["exec"]))
+        """A detached exec's answer, or an ended one's, sent as it is read from the agent; with
+        `stream`, the output as it comes (send_lines)."""
+        fields = parse_body(body, BODY_RULES["exec"])
+        params = exec_params(fields)
+        if fields.get("stream"):
+            self.send_lines(self.manager.exec_stream(sid, params, self.client_gone),
+                            f"the exec stream of session {sid}")
+            return None
         ended = self.manager.exec(sid, params, self.client_gone)
         if isinstance(ended, dict):
             return 200, ended
@@ -7663,8 +7779,8 @@ def run_session_client(args: argparse.Namespace, token: Optional[str]) -> int:
     """`reploy session ACTION`: one call through reploy_client, its JSON document on stdout
     (`list` on a terminal: a table, unless --json). An error is one line on stderr, with serve's
     status and code, stdout empty, exit 1 (so `id=$(reploy session create ...)` is empty when
-    it failed). `exec --raw` instead passes the command's output through and exits with its
-    code; `shell` is a terminal on the session; `cp` copies files (to `-`, stdout carries only
+    it failed). `exec --raw` instead passes the command's output through as it comes and exits
+    with its code; `shell` is a terminal on the session; `cp` copies files (to `-`, stdout carries only
     the data). An ID may be a session's id, its unique name or a unique id prefix. SIGINT and
     SIGTERM end it with 128+N once what it was writing is removed."""
     client = client_role.Client(args.server_url, token, allow_plain_http=True)  # checked above
@@ -7693,7 +7809,9 @@ def run_session_client(args: argparse.Namespace, token: Optional[str]) -> int:
                 result = client.session(args.id).exec(
                     body["argv"], body.get("cwd"), body.get("env"),
                     base64.b64decode(body["stdinBase64"]) if "stdinBase64" in body else None,
-                    body["timeoutMs"] / 1000)
+                    body["timeoutMs"] / 1000,
+                    on_stdout=functools.partial(write_through, sys.stdout.buffer),
+                    on_stderr=functools.partial(write_through, sys.stderr.buffer))
             else:
                 timeout_s, max_answer_bytes = 120.0, client_role.MAX_ANSWER_BYTES
                 if body is not None and args.session_action == "exec":
@@ -7728,11 +7846,13 @@ def run_session_client(args: argparse.Namespace, token: Optional[str]) -> int:
         else:
             emit(document)
         return EXIT_OK
-    sys.stdout.buffer.write(result.stdout)
-    sys.stdout.buffer.flush()
-    sys.stderr.buffer.write(result.stderr)
-    sys.stderr.buffer.flush()
     return raw_exec_exit_code(result)
+
+
+def write_through(sink: BinaryIO, data: bytes) -> None:
+    """`session exec --raw`'s output, passed on as it comes."""
+    sink.write(data)
+    sink.flush()
 
 
 #: `session shell`: the key that leaves the terminal (Ctrl-], as telnet), and the most of the
