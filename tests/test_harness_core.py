@@ -374,7 +374,8 @@ def test_agent_errors_map_to_statuses(code: str, message: str, status: int) -> N
 
 
 def exec_args(**extra: object) -> SimpleNamespace:
-    return SimpleNamespace(**{"timeout": "60s", "cwd": "", "env": [], "stdin": False, **extra})
+    return SimpleNamespace(**{"timeout": "60s", "cwd": "", "env": [], "stdin": False, "raw": False,
+                              "detach": False, "command_line": None, **extra})
 
 
 def test_session_exec_bodies() -> None:
@@ -382,8 +383,12 @@ def test_session_exec_bodies() -> None:
     assert body == {"argv": ["make", "test"], "timeoutMs": 300_000, "cwd": "src", "env": {"A": "1", "B": "x=y"}}
     args = SimpleNamespace(session_action="exec", id="x", exec_body=body)
     assert reploy_serve.client_request(args) == ("POST", "/sessions/x/exec", body)
+    assert reploy_serve.exec_request_body(exec_args(command_line="ls -l | wc -l"), [])["argv"] == [
+        "sh", "-c", "ls -l | wc -l"]
+    assert reploy_serve.exec_request_body(exec_args(detach=True), ["sleep", "9"])["detach"] is True
     for bad, argv in ((exec_args(), []), (exec_args(env=["=1"]), ["a"]), (exec_args(timeout="2d"), ["a"]),
-                      (exec_args(timeout="25h"), ["a"])):
+                      (exec_args(timeout="25h"), ["a"]), (exec_args(command_line="ls"), ["ls"]),
+                      (exec_args(detach=True, raw=True), ["a"])):
         with pytest.raises(reploy.UsageError):
             reploy_serve.exec_request_body(bad, argv)
 
