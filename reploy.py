@@ -1446,7 +1446,9 @@ class HostCore:
             self.emit(Log(event.reason))
 
     def on_channel_connected(self, _event: ChannelConnected) -> None:
-        self.set(channel=Channel.OPEN)
+        """The host accepts one peer: a channel once lost is never open again."""
+        if self.state.channel is not Channel.GONE:
+            self.set(channel=Channel.OPEN)
 
     def on_channel_flushed(self, _event: ChannelFlushed) -> None:
         self.set(unflushed=False)

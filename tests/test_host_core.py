@@ -589,6 +589,23 @@ def test_an_internal_error_while_terminated_is_delivered_still_gives_a_valid_res
     assert (result.result_delivered, result.result_acknowledged) == (False, False)
 
 
+def test_a_channel_connected_again_after_its_loss_stays_lost() -> None:
+    """Found by the property test below: a second ChannelConnected after the channel was lost
+    reopened it, and `workload-outputs-finalized` and `terminated` went out on it without the
+    `terminating` the lost channel never carried. The host accepts one peer."""
+    model = ModelExecutor(cooperative=False)
+    for event in (Planned(), OutputPrepared(None, staged=True), Created(Role.CONTROLLER), Begin(),
+                  ChannelConnected(), reploy.Attached(), ChannelLost(reason="reset"), ChannelConnected()):
+        model.feed(event)
+    while model.tick():
+        pass
+    sent = [a.event.to_json() for a in model.actions if isinstance(a, Send)]
+    contract_rules.check_event_sequence([BROKER_READY] + sent)
+    assert [e["type"] for e in sent] == ["opened", "ready"]
+    result = [a for a in model.actions if isinstance(a, Finish)][0].result
+    assert json.loads(result.encode())["session_result"]["cause"] == "controller-lost"
+
+
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(OUTSIDE_EVENTS, max_size=40), st.booleans(), st.booleans(), st.booleans())
 def test_any_order_of_events_keeps_the_contract(events: list[Any], holder: bool,

@@ -83,8 +83,16 @@ def wait_until(condition: Callable[[], Any], what: str, timeout_s: float = DEADL
 
 
 def zygote_pids(process: "AgentProcess") -> list[int]:
-    """The agent's file-worker zygotes (at most one), by their command line."""
-    return [child.pid for child in psutil.Process(process.proc.pid).children() if "zygote" in child.cmdline()]
+    """The agent's live file-worker zygotes (at most one), by their command line; one that has
+    exited (a zombie until the agent reaps it, or gone) is not."""
+    pids = []
+    for child in psutil.Process(process.proc.pid).children():
+        try:
+            if "zygote" in child.cmdline():
+                pids.append(child.pid)
+        except (psutil.ZombieProcess, psutil.NoSuchProcess):
+            continue
+    return pids
 
 
 def pid_gone(pid: int) -> bool:
