@@ -863,8 +863,21 @@ def locked() -> Iterator[None]:
         yield
 
 
+#: How long `up` gives a live apiserver to answer ready before it takes the cluster for dead:
+#: /readyz fails for moments on a busy machine or while an etcd member restarts, and one failed
+#: probe must never tear down a cluster that others are using.
+REUSE_READY_WAIT_S = 60.0
+
+
 def running(state: dict) -> bool:
-    return alive(state.get("processes", {}).get("kube-apiserver")) and api_ready()
+    """Whether the cluster of `state` runs: its apiserver is alive and answers ready."""
+    if not alive(state.get("processes", {}).get("kube-apiserver")):
+        return False
+    try:
+        wait_for("the running apiserver", api_ready, REUSE_READY_WAIT_S)
+    except RuntimeError:
+        return False
+    return True
 
 
 def announce(state: dict, started: bool) -> None:
