@@ -2757,6 +2757,15 @@ def connect_unix_at(dir_fd: int, name: str, timeout_s: float) -> socket.socket:
         os.close(fd)
 
 
+def connect_control_socket(agent_dir: Path, timeout_s: float) -> socket.socket:
+    """A connection to AGENT_DIR/control.sock, reached through the directory's descriptor (connect_unix_at)."""
+    dir_fd = os.open(agent_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        return connect_unix_at(dir_fd, SOCKET_NAME, timeout_s)
+    finally:
+        os.close(dir_fd)
+
+
 _FILE_TYPES = ((stat.S_ISREG, "file"), (stat.S_ISDIR, "directory"), (stat.S_ISLNK, "symlink"),
                (stat.S_ISFIFO, "fifo"), (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "char-device"),
                (stat.S_ISBLK, "block-device"))
@@ -5999,11 +6008,7 @@ def call_with_fds(session_dir: Path, method: str, params: dict[str, Any],
     line = _encode_line({"id": request_id, "method": method, "params": params})
     socket_path = session_dir / AGENT_DIR_NAME / SOCKET_NAME
     try:
-        dir_fd = os.open(socket_path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            connection = connect_unix_at(dir_fd, SOCKET_NAME, timeout_s)
-        finally:
-            os.close(dir_fd)
+        connection = connect_control_socket(socket_path.parent, timeout_s)
         response = bytearray()
         fds: list[int] = []
         with connection as sock:
@@ -6491,11 +6496,7 @@ class StdioRelay:
     def _exchange(self, request_id: str, line: bytes) -> bytes:
         """The agent's answer line to one request, or a line that says why there is none."""
         try:
-            dir_fd = os.open(self._agent_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-            try:
-                sock = connect_unix_at(dir_fd, SOCKET_NAME, CALL_TIMEOUT_S)
-            finally:
-                os.close(dir_fd)
+            sock = connect_control_socket(self._agent_dir, CALL_TIMEOUT_S)
             deadline = time.monotonic() + CALL_TIMEOUT_S
             answer = bytearray()
             with sock:
