@@ -25,6 +25,7 @@ import functools
 import re
 import secrets
 import signal
+import sys
 from typing import Any, Callable, Literal, Optional, TypeVar, Union, overload
 
 import anyio
@@ -213,13 +214,18 @@ class ReploySandboxEnvironment(SandboxEnvironment):
     @classmethod
     async def cli_cleanup(cls, id: str | None) -> None:  # noqa: A002 - Inspect's name
         """`inspect sandbox cleanup reploy [ID]`: every session of this provider (or one),
-        each one removed named on stdout."""
-        client = client_for(ReployConfig())
-        if id is not None:
-            await in_thread(client.session(id).delete)
-            print(f"reploy: deleted session {reploy_client.shown(id, 64)}")
-            return
-        deleted = await in_thread(delete_labelled, client, {LABEL_PROVIDER: PROVIDER})
+        each one removed named on stdout; a failure (no serve, no token) one line on stderr
+        and exit 1, as a command line says one."""
+        try:
+            client = client_for(ReployConfig())
+            if id is not None:
+                await in_thread(client.session(id).delete)
+                print(f"reploy: deleted session {reploy_client.shown(id, 64)}")
+                return
+            deleted = await in_thread(delete_labelled, client, {LABEL_PROVIDER: PROVIDER})
+        except reploy_client.ReployError as e:
+            print(f"reploy: sandbox cleanup: {e}", file=sys.stderr)
+            raise SystemExit(1) from None
         for session_id in deleted:
             print(f"reploy: deleted session {reploy_client.shown(session_id, 64)}")
         print(f"reploy: {len(deleted)} session(s) deleted")

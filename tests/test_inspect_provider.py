@@ -348,3 +348,22 @@ def leaver():
         if holder.poll() is None:
             holder.kill()
             holder.communicate()
+
+
+def test_cleanup_without_a_serve_says_so_in_one_line(monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """`inspect sandbox cleanup reploy` with no serve listening: one line, exit 1, no traceback."""
+    import socket
+
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
+        monkeypatch.setenv("REPLOY_SERVER", f"http://127.0.0.1:{unused.getsockname()[1]}")
+        monkeypatch.setenv("REPLOY_TOKEN", "k" * 43)
+        reploy_inspect.client_for.cache_clear()
+        with pytest.raises(SystemExit) as ended:
+            anyio.run(reploy_inspect.ReploySandboxEnvironment.cli_cleanup, None)
+    reploy_inspect.client_for.cache_clear()
+    assert ended.value.code == 1
+    said = capsys.readouterr()
+    assert said.out == "" and said.err.startswith("reploy: sandbox cleanup: no answer from http://127.0.0.1:")
+    assert said.err.count("\n") == 1
